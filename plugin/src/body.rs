@@ -1,0 +1,522 @@
+//! Where ids go: a validating, byte-preserving walk over a JSON body that
+//! finds every effective `disaggregated_params` object needing an id.
+//!
+//! The walk reads JSON the way Python's `json` and serde_json do: keys match
+//! after unescaping, the last of duplicate keys wins (so only the effective
+//! member's value counts), and string contents are data. It never rewrites
+//! anything: it returns the byte positions where an id must be inserted or
+//! where a `null` must be replaced, and [`crate::stamp`] splices ids in there.
+
+use std::borrow::Cow;
+use std::fmt;
+
+/// The deepest nesting of arrays and objects a body may have. The same limit
+/// as serde_json's default; requests nest a handful of levels.
+pub const MAX_NESTING_DEPTH: usize = 128;
+
+/// The key that holds the parameters.
+const PARAMS_KEY: &[u8] = b"disaggregated_params";
+/// The member that says which phase the request is for.
+const REQUEST_TYPE_KEY: &[u8] = b"request_type";
+/// The member that carries the id.
+const ID_KEY: &[u8] = b"disagg_request_id";
+/// The only request type that gets a new id.
+const CONTEXT_ONLY: &[u8] = b"context_only";
+
+/// One change that an id makes to the body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Edit {
+    /// Insert `"disagg_request_id":ID` at byte `at`, preceded by a comma when
+    /// the object already has members.
+    InsertMember {
+        /// Byte offset just after the object's last member value (or just
+        /// after `{` for an empty object).
+        at: usize,
+        /// Whether a `,` must precede the new member.
+        comma: bool,
+    },
+    /// Replace the 4-byte `null` starting at byte `at` with the id.
+    ReplaceNull {
+        /// Byte offset of the `n` of `null`.
+        at: usize,
+    },
+}
+
+impl Edit {
+    /// The byte offset the edit applies at.
+    pub fn at(self) -> usize {
+        match self {
+            Edit::InsertMember { at, .. } | Edit::ReplaceNull { at } => at,
+        }
+    }
+}
+
+/// Why a body cannot be read as JSON.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BodyError {
+    /// The body is empty or only whitespace.
+    Empty,
+    /// The body is not valid UTF-8.
+    InvalidUtf8 {
+        /// Byte offset of the first invalid byte.
+        offset: usize,
+    },
+    /// The body breaks the JSON grammar.
+    Syntax {
+        /// Byte offset where the problem was found.
+        offset: usize,
+        /// Line (1-based) of `offset`.
+        line: usize,
+        /// Column (1-based, in bytes) of `offset`.
+        column: usize,
+        /// What the grammar wanted there, or what was wrong.
+        problem: &'static str,
+    },
+    /// Arrays and objects nest deeper than [`MAX_NESTING_DEPTH`].
+    TooDeep {
+        /// Byte offset of the opening bracket that went too deep.
+        offset: usize,
+    },
+}
+
+impl BodyError {
+    /// A short machine-readable code for the error.
+    pub fn code(&self) -> &'static str {
+        match self {
+            BodyError::Empty => "empty_body",
+            BodyError::InvalidUtf8 { .. } => "invalid_utf8",
+            BodyError::Syntax { .. } => "invalid_json",
+            BodyError::TooDeep { .. } => "nesting_too_deep",
+        }
+    }
+}
+
+impl fmt::Display for BodyError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            BodyError::Empty => f.write_str("the request body is empty; send a JSON object"),
+            BodyError::InvalidUtf8 { offset } => {
+                write!(f, "the request body is not valid UTF-8 (first bad byte at offset {offset}); JSON must be UTF-8")
+            }
+            BodyError::Syntax { offset, line, column, problem } => write!(
+                f,
+                "the request body is not valid JSON: {problem} at line {line} column {column} (byte {offset})"
+            ),
+            BodyError::TooDeep { offset } => write!(
+                f,
+                "the request body nests arrays and objects deeper than {MAX_NESTING_DEPTH} levels (at byte {offset})"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for BodyError {}
+
+/// Validates `body` as one JSON value and returns, in byte order, the edits
+/// that give every effective context-only `disaggregated_params` object
+/// without an id its id.
+pub fn find_edits(body: &[u8]) -> Result<Vec<Edit>, BodyError> {
+    if let Err(e) = std::str::from_utf8(body) {
+        return Err(BodyError::InvalidUtf8 {
+            offset: e.valid_up_to(),
+        });
+    }
+    let mut walk = Walk {
+        bytes: body,
+        pos: 0,
+        depth: 0,
+        edits: Vec::new(),
+        live: Vec::new(),
+    };
+    walk.skip_whitespace();
+    if walk.pos == body.len() {
+        return Err(BodyError::Empty);
+    }
+    walk.value(false)?;
+    walk.skip_whitespace();
+    if walk.pos != body.len() {
+        return Err(walk.syntax("unexpected data after the JSON value"));
+    }
+    let mut edits: Vec<Edit> = walk
+        .edits
+        .into_iter()
+        .zip(walk.live)
+        .filter_map(|(e, live)| live.then_some(e))
+        .collect();
+    // An object's own edit is recorded when it closes, after its children's.
+    edits.sort_by_key(|e| e.at());
+    Ok(edits)
+}
+
+/// What kind of value was just read, with what the params logic needs.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Value {
+    /// A string; `start..end` is its content between the quotes.
+    String {
+        start: usize,
+        end: usize,
+        escaped: bool,
+    },
+    /// The literal `null`, starting at `at`.
+    Null { at: usize },
+    /// Anything else.
+    Other,
+}
+
+/// The state of a `disaggregated_params` object while it is read.
+enum IdMember {
+    Missing,
+    Null { at: usize },
+    Set,
+}
+
+/// The walker: a recursive-descent validator that records edits as it goes.
+struct Walk<'a> {
+    bytes: &'a [u8],
+    pos: usize,
+    depth: usize,
+    /// Edits in the order found.
+    edits: Vec<Edit>,
+    /// Parallel to `edits`: false once the edit sits in a member that a
+    /// later duplicate key overrides.
+    live: Vec<bool>,
+}
+
+impl<'a> Walk<'a> {
+    fn syntax(&self, problem: &'static str) -> BodyError {
+        let offset = self.pos.min(self.bytes.len());
+        let before = &self.bytes[..offset];
+        let line = before.iter().filter(|&&b| b == b'\n').count() + 1;
+        let column = offset
+            - before
+                .iter()
+                .rposition(|&b| b == b'\n')
+                .map_or(0, |p| p + 1)
+            + 1;
+        BodyError::Syntax {
+            offset,
+            line,
+            column,
+            problem,
+        }
+    }
+
+    fn peek(&self) -> Option<u8> {
+        self.bytes.get(self.pos).copied()
+    }
+
+    fn skip_whitespace(&mut self) {
+        while let Some(b' ' | b'\t' | b'\n' | b'\r') = self.peek() {
+            self.pos += 1;
+        }
+    }
+
+    /// Reads one value at `pos` (whitespace already skipped). `params` says
+    /// the value belongs to a `disaggregated_params` key.
+    fn value(&mut self, params: bool) -> Result<Value, BodyError> {
+        match self.peek() {
+            Some(b'{') => self.object(params).map(|()| Value::Other),
+            Some(b'[') => self.array().map(|()| Value::Other),
+            Some(b'"') => self.string().map(|(start, end, escaped)| Value::String {
+                start,
+                end,
+                escaped,
+            }),
+            Some(b'n') => {
+                let at = self.pos;
+                self.literal(b"null").map(|()| Value::Null { at })
+            }
+            Some(b't') => self.literal(b"true").map(|()| Value::Other),
+            Some(b'f') => self.literal(b"false").map(|()| Value::Other),
+            Some(b'-' | b'0'..=b'9') => self.number().map(|()| Value::Other),
+            Some(_) => Err(self.syntax("expected a JSON value")),
+            None => Err(self.syntax("the body ends where a JSON value was expected")),
+        }
+    }
+
+    fn literal(&mut self, word: &'static [u8]) -> Result<(), BodyError> {
+        if self.bytes[self.pos..].starts_with(word) {
+            self.pos += word.len();
+            Ok(())
+        } else {
+            Err(self.syntax("expected a JSON value (true, false, null, a number, a string, an array or an object)"))
+        }
+    }
+
+    fn digits(&mut self) -> usize {
+        let start = self.pos;
+        while let Some(b'0'..=b'9') = self.peek() {
+            self.pos += 1;
+        }
+        self.pos - start
+    }
+
+    fn number(&mut self) -> Result<(), BodyError> {
+        if self.peek() == Some(b'-') {
+            self.pos += 1;
+        }
+        match self.peek() {
+            Some(b'0') => self.pos += 1,
+            Some(b'1'..=b'9') => {
+                self.digits();
+            }
+            _ => return Err(self.syntax("expected a digit in a number")),
+        }
+        if self.peek() == Some(b'.') {
+            self.pos += 1;
+            if self.digits() == 0 {
+                return Err(self.syntax("expected a digit after the decimal point"));
+            }
+        }
+        if let Some(b'e' | b'E') = self.peek() {
+            self.pos += 1;
+            if let Some(b'+' | b'-') = self.peek() {
+                self.pos += 1;
+            }
+            if self.digits() == 0 {
+                return Err(self.syntax("expected a digit in the exponent"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads a string; returns its content range and whether it has escapes.
+    fn string(&mut self) -> Result<(usize, usize, bool), BodyError> {
+        self.pos += 1; // the opening quote
+        let start = self.pos;
+        let mut escaped = false;
+        loop {
+            match self.peek() {
+                Some(b'"') => {
+                    let end = self.pos;
+                    self.pos += 1;
+                    return Ok((start, end, escaped));
+                }
+                Some(b'\\') => {
+                    escaped = true;
+                    self.pos += 1;
+                    match self.peek() {
+                        Some(b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't') => {
+                            self.pos += 1
+                        }
+                        Some(b'u') => {
+                            self.pos += 1;
+                            let hex = self.bytes.get(self.pos..self.pos + 4);
+                            if !hex.is_some_and(|h| h.iter().all(u8::is_ascii_hexdigit)) {
+                                return Err(self.syntax("expected four hex digits after \\u"));
+                            }
+                            self.pos += 4;
+                        }
+                        _ => return Err(self.syntax("invalid escape in a string")),
+                    }
+                }
+                Some(0x00..=0x1f) => {
+                    return Err(self.syntax("control character inside a string (escape it)"))
+                }
+                Some(_) => self.pos += 1,
+                None => return Err(self.syntax("the body ends inside a string")),
+            }
+        }
+    }
+
+    fn enter(&mut self) -> Result<(), BodyError> {
+        if self.depth == MAX_NESTING_DEPTH {
+            return Err(BodyError::TooDeep { offset: self.pos });
+        }
+        self.depth += 1;
+        self.pos += 1; // the opening bracket
+        Ok(())
+    }
+
+    fn array(&mut self) -> Result<(), BodyError> {
+        self.enter()?;
+        self.skip_whitespace();
+        if self.peek() == Some(b']') {
+            self.pos += 1;
+            self.depth -= 1;
+            return Ok(());
+        }
+        loop {
+            self.skip_whitespace();
+            self.value(false)?;
+            self.skip_whitespace();
+            match self.peek() {
+                Some(b',') => self.pos += 1,
+                Some(b']') => {
+                    self.pos += 1;
+                    self.depth -= 1;
+                    return Ok(());
+                }
+                Some(_) => return Err(self.syntax("expected ',' or ']' after an array element")),
+                None => return Err(self.syntax("the body ends inside an array")),
+            }
+        }
+    }
+
+    /// Reads an object. When `params` is set, it is a `disaggregated_params`
+    /// value: decide from its effective members whether it needs an id.
+    fn object(&mut self, params: bool) -> Result<(), BodyError> {
+        let open = self.pos;
+        self.enter()?;
+        // Members whose values produced edits, by unescaped key, so that a
+        // later duplicate key can cancel them.
+        let mut with_edits: Vec<(Cow<'a, [u8]>, std::ops::Range<usize>)> = Vec::new();
+        let mut context_only = false;
+        let mut id = IdMember::Missing;
+        let mut last_value_end = None;
+        self.skip_whitespace();
+        if self.peek() == Some(b'}') {
+            self.pos += 1;
+        } else {
+            loop {
+                self.skip_whitespace();
+                if self.peek() != Some(b'"') {
+                    return Err(self.syntax(if self.pos == self.bytes.len() {
+                        "the body ends inside an object"
+                    } else {
+                        "expected a string key in an object"
+                    }));
+                }
+                let (start, end, escaped) = self.string()?;
+                let key = text(self.bytes, start, end, escaped);
+                self.skip_whitespace();
+                if self.peek() != Some(b':') {
+                    return Err(self.syntax("expected ':' after an object key"));
+                }
+                self.pos += 1;
+                self.skip_whitespace();
+                for (earlier, range) in &with_edits {
+                    if *earlier == key {
+                        self.live[range.clone()].iter_mut().for_each(|l| *l = false);
+                    }
+                }
+                let first_edit = self.edits.len();
+                let value = self.value(key.as_ref() == PARAMS_KEY)?;
+                if params {
+                    if key.as_ref() == REQUEST_TYPE_KEY {
+                        context_only = match value {
+                            Value::String {
+                                start,
+                                end,
+                                escaped,
+                            } => text(self.bytes, start, end, escaped)
+                                .eq_ignore_ascii_case(CONTEXT_ONLY),
+                            _ => false,
+                        };
+                    } else if key.as_ref() == ID_KEY {
+                        id = match value {
+                            Value::Null { at } => IdMember::Null { at },
+                            _ => IdMember::Set,
+                        };
+                    }
+                }
+                if self.edits.len() > first_edit {
+                    with_edits.push((key, first_edit..self.edits.len()));
+                }
+                last_value_end = Some(self.pos);
+                self.skip_whitespace();
+                match self.peek() {
+                    Some(b',') => self.pos += 1,
+                    Some(b'}') => {
+                        self.pos += 1;
+                        break;
+                    }
+                    Some(_) => {
+                        return Err(self.syntax("expected ',' or '}' after an object member"))
+                    }
+                    None => return Err(self.syntax("the body ends inside an object")),
+                }
+            }
+        }
+        self.depth -= 1;
+        if params && context_only {
+            let edit = match id {
+                IdMember::Missing => Some(match last_value_end {
+                    Some(at) => Edit::InsertMember { at, comma: true },
+                    None => Edit::InsertMember {
+                        at: open + 1,
+                        comma: false,
+                    },
+                }),
+                IdMember::Null { at } => Some(Edit::ReplaceNull { at }),
+                IdMember::Set => None,
+            };
+            if let Some(edit) = edit {
+                self.edits.push(edit);
+                self.live.push(true);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The unescaped text of the string content `bytes[start..end]`, as bytes.
+/// A lone surrogate escape becomes its WTF-8 bytes, so it compares equal
+/// only to itself, as in Python.
+fn text(bytes: &[u8], start: usize, end: usize, escaped: bool) -> Cow<'_, [u8]> {
+    let raw = &bytes[start..end];
+    if !escaped {
+        return Cow::Borrowed(raw);
+    }
+    let mut out = Vec::with_capacity(raw.len());
+    let mut i = 0;
+    while i < raw.len() {
+        if raw[i] != b'\\' {
+            out.push(raw[i]);
+            i += 1;
+            continue;
+        }
+        let simple = match raw[i + 1] {
+            b'b' => Some(0x08),
+            b'f' => Some(0x0c),
+            b'n' => Some(b'\n'),
+            b'r' => Some(b'\r'),
+            b't' => Some(b'\t'),
+            b'u' => None,
+            other => Some(other), // '"', '\\', '/'
+        };
+        if let Some(byte) = simple {
+            out.push(byte);
+            i += 2;
+            continue;
+        }
+        let unit = hex4(&raw[i + 2..i + 6]);
+        i += 6;
+        let mut code = unit;
+        if (0xD800..0xDC00).contains(&unit) && raw.get(i..i + 2) == Some(b"\\u") {
+            let low = hex4(&raw[i + 2..i + 6]);
+            if (0xDC00..0xE000).contains(&low) {
+                code = 0x10000 + ((unit - 0xD800) << 10) + (low - 0xDC00);
+                i += 6;
+            }
+        }
+        push_wtf8(&mut out, code);
+    }
+    Cow::Owned(out)
+}
+
+/// Four hex digits (already validated by the walk) as a number.
+fn hex4(digits: &[u8]) -> u32 {
+    digits.iter().fold(0, |acc, &d| {
+        acc * 16 + (d as char).to_digit(16).unwrap_or(0)
+    })
+}
+
+/// Appends a code point in UTF-8, allowing surrogates (WTF-8).
+fn push_wtf8(out: &mut Vec<u8>, code: u32) {
+    match code {
+        0..=0x7f => out.push(code as u8),
+        0x80..=0x7ff => out.extend([0xc0 | (code >> 6) as u8, 0x80 | (code & 0x3f) as u8]),
+        0x800..=0xffff => out.extend([
+            0xe0 | (code >> 12) as u8,
+            0x80 | ((code >> 6) & 0x3f) as u8,
+            0x80 | (code & 0x3f) as u8,
+        ]),
+        _ => out.extend([
+            0xf0 | (code >> 18) as u8,
+            0x80 | ((code >> 12) & 0x3f) as u8,
+            0x80 | ((code >> 6) & 0x3f) as u8,
+            0x80 | (code & 0x3f) as u8,
+        ]),
+    }
+}

@@ -1,0 +1,96 @@
+//! The wit-bindgen glue: exports [`crate::handler`] as the `handler`
+//! interface of the `snowgate:middleware` world. No logic lives here.
+
+use std::sync::Mutex;
+
+use crate::handler::{self, Config, Decision, IdSource, MachineId, Tick};
+use crate::layout::SnowflakeLayout;
+
+wit_bindgen::generate!({
+    path: "../wit",
+    world: "middleware",
+});
+
+use exports::snowgate::middleware::handler::{
+    Action, Guest, PluginError, Rejection, Request, Setting,
+};
+use snowgate::middleware::{clock, identity, types::IdLayout};
+
+/// The configuration `configure` was given; an instance serves one request.
+static CONFIG: Mutex<Config> = Mutex::new(Config {
+    layout: SnowflakeLayout::TrtllmV1,
+});
+
+/// The component's export.
+struct Plugin;
+
+/// Ids from the host's imports.
+struct HostIds;
+
+impl IdSource for HostIds {
+    fn machine_id(&mut self) -> Result<MachineId, String> {
+        let id = identity::current_machine_id()?;
+        let layout = match id.layout {
+            IdLayout::TrtllmV1 => SnowflakeLayout::TrtllmV1,
+            IdLayout::TrtllmV2 => SnowflakeLayout::TrtllmV2,
+        };
+        Ok(MachineId {
+            value: id.value,
+            layout,
+        })
+    }
+
+    fn next_tick(&mut self, sequence_space: u32) -> Tick {
+        let tick = clock::next_tick(sequence_space);
+        Tick {
+            millis: tick.millis,
+            sequence: tick.sequence,
+        }
+    }
+}
+
+fn config() -> Config {
+    *CONFIG
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl Guest for Plugin {
+    fn name() -> String {
+        handler::PLUGIN_NAME.to_string()
+    }
+
+    fn version() -> String {
+        handler::PLUGIN_VERSION.to_string()
+    }
+
+    fn configure(settings: Vec<Setting>) -> Result<(), String> {
+        let config =
+            Config::from_settings(settings.iter().map(|s| (s.name.as_str(), s.value.as_str())))?;
+        *CONFIG
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = config;
+        Ok(())
+    }
+
+    fn handle(request: Request) -> Result<Action, PluginError> {
+        let msgpack = handler::is_msgpack(
+            request
+                .headers
+                .iter()
+                .map(|(n, v)| (n.as_str(), v.as_slice())),
+        );
+        match handler::decide(&config(), msgpack, &request.body, &mut HostIds) {
+            Ok(Decision::Forward) => Ok(Action::Forward),
+            Ok(Decision::ForwardWithBody { body, .. }) => Ok(Action::ForwardWithBody(body)),
+            Ok(Decision::Reject(r)) => Ok(Action::Reject(Rejection {
+                status: r.status,
+                code: r.code.to_string(),
+                message: r.message,
+            })),
+            Err(failure) => Err(PluginError { message: failure.0 }),
+        }
+    }
+}
+
+export!(Plugin);

@@ -1,0 +1,191 @@
+//! What the plugin does with one request: the whole decision, independent of
+//! wasm, so the guest glue and native callers run the very same code.
+
+use std::fmt;
+
+use crate::body::{find_edits, BodyError};
+use crate::layout::SnowflakeLayout;
+use crate::stamp::apply;
+
+/// The plugin's name, as the `name` export reports it.
+pub const PLUGIN_NAME: &str = "snowgate-disagg-id";
+
+/// The plugin's version, as the `version` export reports it.
+pub const PLUGIN_VERSION: &str = env!("CARGO_PKG_VERSION");
+
+/// One reading of the host's clock: unique in the process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Tick {
+    /// Milliseconds since the Unix epoch.
+    pub millis: u64,
+    /// Position within the millisecond.
+    pub sequence: u32,
+}
+
+/// A machine id and the layout the host checked it against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MachineId {
+    /// The id.
+    pub value: u32,
+    /// The layout `value` is meant for.
+    pub layout: SnowflakeLayout,
+}
+
+/// What the plugin needs from its host to make ids.
+pub trait IdSource {
+    /// The machine id to use now, or why there is none.
+    fn machine_id(&mut self) -> Result<MachineId, String>;
+    /// The next unique tick, for a layout with `sequence_space` sequence
+    /// numbers per millisecond.
+    fn next_tick(&mut self, sequence_space: u32) -> Tick;
+}
+
+/// The plugin's settings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Config {
+    /// The layout of the ids it makes.
+    pub layout: SnowflakeLayout,
+}
+
+impl Default for SnowflakeLayout {
+    fn default() -> Self {
+        SnowflakeLayout::TrtllmV1
+    }
+}
+
+impl Config {
+    /// Builds a configuration from `(name, value)` settings. Known settings:
+    /// `id-layout` (`trtllm-v1`, the default, or `trtllm-v2`).
+    pub fn from_settings<'s>(
+        settings: impl IntoIterator<Item = (&'s str, &'s str)>,
+    ) -> Result<Config, String> {
+        let mut config = Config::default();
+        for (name, value) in settings {
+            match name {
+                "id-layout" => {
+                    config.layout = value
+                        .parse()
+                        .map_err(|e| format!("setting id-layout: {e}"))?;
+                }
+                other => {
+                    return Err(format!(
+                        "unknown setting {other:?}: the only setting is id-layout"
+                    ))
+                }
+            }
+        }
+        Ok(config)
+    }
+}
+
+/// A deliberate refusal: the client gets `status` and `message`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rejection {
+    /// HTTP status, 400..=599.
+    pub status: u16,
+    /// Machine-readable code, e.g. `invalid_json`.
+    pub code: &'static str,
+    /// A sentence that names the problem.
+    pub message: String,
+}
+
+/// What to do with a request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// Forward the request unchanged.
+    Forward,
+    /// Forward it with this body; `ids` are the ids stamped, in body order.
+    ForwardWithBody {
+        /// The new body.
+        body: Vec<u8>,
+        /// The ids written into it.
+        ids: Vec<u64>,
+    },
+    /// Answer the client instead.
+    Reject(Rejection),
+}
+
+/// A failure of the plugin itself, not of the request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PluginFailure(pub String);
+
+impl fmt::Display for PluginFailure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for PluginFailure {}
+
+impl From<BodyError> for Rejection {
+    fn from(e: BodyError) -> Self {
+        Rejection {
+            status: 400,
+            code: e.code(),
+            message: e.to_string(),
+        }
+    }
+}
+
+/// Whether the headers say the body is MessagePack (TensorRT-LLM's
+/// `X-TRTLLM-Msgpack: 1`), which this plugin cannot stamp.
+pub fn is_msgpack<'h>(mut headers: impl Iterator<Item = (&'h str, &'h [u8])>) -> bool {
+    headers.any(|(name, value)| {
+        name.eq_ignore_ascii_case("x-trtllm-msgpack") && value.trim_ascii() == b"1"
+    })
+}
+
+/// Decides what to do with a request body: stamp every context-only
+/// `disaggregated_params` that lacks an id, or reject what cannot be read.
+pub fn decide(
+    config: &Config,
+    msgpack: bool,
+    body: &[u8],
+    ids: &mut impl IdSource,
+) -> Result<Decision, PluginFailure> {
+    if msgpack {
+        return Ok(Decision::Reject(Rejection {
+            status: 415,
+            code: "unsupported_body",
+            message: "MessagePack bodies (X-TRTLLM-Msgpack: 1) cannot be given request ids here; send the request as JSON"
+                .to_string(),
+        }));
+    }
+    let edits = match find_edits(body) {
+        Ok(edits) => edits,
+        Err(e) => return Ok(Decision::Reject(e.into())),
+    };
+    if edits.is_empty() {
+        return Ok(Decision::Forward);
+    }
+    let machine = match ids.machine_id() {
+        Ok(machine) => machine,
+        Err(reason) => {
+            return Ok(Decision::Reject(Rejection {
+                status: 503,
+                code: "no_machine_id",
+                message: format!("this gateway cannot issue request ids right now: {reason}"),
+            }))
+        }
+    };
+    let layout = config.layout;
+    if machine.layout != layout {
+        return Err(PluginFailure(format!(
+            "the host's machine id {} is meant for layout {}, but the plugin is configured for {layout}",
+            machine.value, machine.layout
+        )));
+    }
+    let space = layout.sequence_space();
+    let stamped = (0..edits.len())
+        .map(|_| {
+            let tick = ids.next_tick(space);
+            layout
+                .compose(tick.millis, machine.value, tick.sequence)
+                .map_err(|e| PluginFailure(format!("the host's clock gave an unusable tick: {e}")))
+        })
+        .collect::<Result<Vec<u64>, _>>()?;
+    Ok(Decision::ForwardWithBody {
+        body: apply(body, &edits, &stamped),
+        ids: stamped,
+    })
+}

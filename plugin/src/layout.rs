@@ -1,0 +1,309 @@
+//! Snowflake id layouts, bit for bit as TensorRT-LLM's
+//! `get_global_disagg_request_id` makes them.
+
+use std::fmt;
+use std::str::FromStr;
+
+/// `2^63 - 1`: ids are non-negative signed 64-bit integers.
+const MAX_INT64: u128 = (1 << 63) - 1;
+
+/// How a millisecond timestamp, a machine id and a sequence number are packed
+/// into one id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SnowflakeLayout {
+    /// TensorRT-LLM up to 1.3.0rc21: 41-bit ms, 10-bit machine id (0..=1022),
+    /// 12-bit sequence, rotated to at least 2^42.
+    TrtllmV1,
+    /// TensorRT-LLM 1.3.0rc22 and later: 39-bit ms (masked), 8-bit node,
+    /// 6-bit process, 10-bit sequence, rotated to at least 2^40. One machine
+    /// id 0..=16383 splits as node = id / 64, process = id % 64.
+    TrtllmV2,
+}
+
+/// The parts of an id, as [`SnowflakeLayout::decode`] reads them back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IdParts {
+    /// Milliseconds since the Unix epoch (for `trtllm-v2`, modulo 2^39).
+    pub millis: u64,
+    /// The machine id (for `trtllm-v2`, node * 64 + process).
+    pub machine_id: u32,
+    /// The sequence number within the millisecond.
+    pub sequence: u32,
+}
+
+/// A value that does not fit a layout.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LayoutError {
+    /// The machine id is outside the layout's range.
+    MachineIdOutOfRange {
+        /// The layout asked for.
+        layout: SnowflakeLayout,
+        /// The machine id given.
+        machine_id: u32,
+    },
+    /// The sequence number is outside the layout's range.
+    SequenceOutOfRange {
+        /// The layout asked for.
+        layout: SnowflakeLayout,
+        /// The sequence given.
+        sequence: u32,
+    },
+    /// The id is below the layout's smallest id, so it was not made by it.
+    IdBelowRange {
+        /// The layout asked for.
+        layout: SnowflakeLayout,
+        /// The id given.
+        id: u64,
+    },
+    /// A layout name that is not known.
+    UnknownLayout(String),
+}
+
+impl fmt::Display for LayoutError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            LayoutError::MachineIdOutOfRange { layout, machine_id } => write!(
+                f,
+                "machine id {machine_id} is out of range for layout {layout}: use 0..={}",
+                layout.max_machine_id()
+            ),
+            LayoutError::SequenceOutOfRange { layout, sequence } => write!(
+                f,
+                "sequence {sequence} is out of range for layout {layout}: it holds 0..={}",
+                layout.sequence_space() - 1
+            ),
+            LayoutError::IdBelowRange { layout, id } => write!(
+                f,
+                "id {id} is below {}, the smallest id of layout {layout}",
+                layout.min_id()
+            ),
+            LayoutError::UnknownLayout(name) => {
+                write!(f, "unknown id layout {name:?}: use trtllm-v1 or trtllm-v2")
+            }
+        }
+    }
+}
+
+impl std::error::Error for LayoutError {}
+
+impl SnowflakeLayout {
+    /// Every layout, in the order they were introduced.
+    pub const ALL: [SnowflakeLayout; 2] = [SnowflakeLayout::TrtllmV1, SnowflakeLayout::TrtllmV2];
+
+    /// The layout's name as used in flags and settings, e.g. `trtllm-v1`.
+    pub fn name(self) -> &'static str {
+        match self {
+            SnowflakeLayout::TrtllmV1 => "trtllm-v1",
+            SnowflakeLayout::TrtllmV2 => "trtllm-v2",
+        }
+    }
+
+    /// The largest machine id the layout can hold.
+    pub fn max_machine_id(self) -> u32 {
+        match self {
+            // 1023 is left out, as TensorRT-LLM does.
+            SnowflakeLayout::TrtllmV1 => 1022,
+            SnowflakeLayout::TrtllmV2 => 16383,
+        }
+    }
+
+    /// How many sequence numbers fit in one millisecond.
+    pub fn sequence_space(self) -> u32 {
+        match self {
+            SnowflakeLayout::TrtllmV1 => 1 << 12,
+            SnowflakeLayout::TrtllmV2 => 1 << 10,
+        }
+    }
+
+    /// The smallest id the layout makes; the space below is left to
+    /// engine-local ids.
+    pub fn min_id(self) -> u64 {
+        match self {
+            SnowflakeLayout::TrtllmV1 => 1 << 42,
+            SnowflakeLayout::TrtllmV2 => 1 << 40,
+        }
+    }
+
+    /// Checks that `machine_id` fits the layout.
+    pub fn check_machine_id(self, machine_id: u32) -> Result<(), LayoutError> {
+        if machine_id > self.max_machine_id() {
+            return Err(LayoutError::MachineIdOutOfRange {
+                layout: self,
+                machine_id,
+            });
+        }
+        Ok(())
+    }
+
+    /// Packs one id, exactly as TensorRT-LLM does.
+    pub fn compose(self, millis: u64, machine_id: u32, sequence: u32) -> Result<u64, LayoutError> {
+        self.check_machine_id(machine_id)?;
+        if sequence >= self.sequence_space() {
+            return Err(LayoutError::SequenceOutOfRange {
+                layout: self,
+                sequence,
+            });
+        }
+        // Python's integers do not overflow: v1 timestamps past 2^41 carry
+        // into higher bits before the rotation, so compute in 128 bits.
+        let raw: u128 = match self {
+            SnowflakeLayout::TrtllmV1 => {
+                (u128::from(millis) << 22) | (u128::from(machine_id) << 12) | u128::from(sequence)
+            }
+            SnowflakeLayout::TrtllmV2 => {
+                let masked = u128::from(millis) & ((1 << 39) - 1);
+                let (node, process) = (machine_id / 64, machine_id % 64);
+                (masked << 24)
+                    | (u128::from(node) << 16)
+                    | (u128::from(process) << 10)
+                    | u128::from(sequence)
+            }
+        };
+        let min = u128::from(self.min_id());
+        let id = raw % (MAX_INT64 - min) + min;
+        // In range by construction: `id < MAX_INT64`.
+        Ok(id as u64)
+    }
+
+    /// Reads the parts back out of an id this layout made. Exact for ids
+    /// whose plain composition was below the rotation modulus, which holds
+    /// for every timestamp before 2039 (v1) and for every masked v2 stamp
+    /// except the last 2^40 values before it wraps.
+    pub fn decode(self, id: u64) -> Result<IdParts, LayoutError> {
+        let raw = id
+            .checked_sub(self.min_id())
+            .ok_or(LayoutError::IdBelowRange { layout: self, id })?;
+        Ok(match self {
+            SnowflakeLayout::TrtllmV1 => IdParts {
+                millis: raw >> 22,
+                machine_id: ((raw >> 12) & 0x3ff) as u32,
+                sequence: (raw & 0xfff) as u32,
+            },
+            SnowflakeLayout::TrtllmV2 => IdParts {
+                millis: raw >> 24,
+                machine_id: (((raw >> 16) & 0xff) * 64 + ((raw >> 10) & 0x3f)) as u32,
+                sequence: (raw & 0x3ff) as u32,
+            },
+        })
+    }
+}
+
+impl fmt::Display for SnowflakeLayout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for SnowflakeLayout {
+    type Err = LayoutError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        SnowflakeLayout::ALL
+            .into_iter()
+            .find(|layout| layout.name() == s)
+            .ok_or_else(|| LayoutError::UnknownLayout(s.to_string()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The shared test vectors (a copy of `shared/vectors/trtllm-snowflake.json`).
+    fn vectors() -> serde_json::Value {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/vectors/trtllm-snowflake.json");
+        let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("reading {path}: {e}"));
+        serde_json::from_str(&text).expect("vectors are JSON")
+    }
+
+    fn field(v: &serde_json::Value, name: &str) -> u64 {
+        v[name]
+            .as_u64()
+            .unwrap_or_else(|| panic!("vector field {name} in {v}"))
+    }
+
+    #[test]
+    fn v1_matches_every_vector() {
+        let vectors = vectors();
+        let cases = vectors["v1"].as_array().expect("v1 vectors");
+        assert!(cases.len() >= 40);
+        for case in cases {
+            let id = SnowflakeLayout::TrtllmV1
+                .compose(
+                    field(case, "timestamp_ms"),
+                    field(case, "machine_id") as u32,
+                    field(case, "counter") as u32,
+                )
+                .expect("vector inputs are in range");
+            assert_eq!(id, field(case, "id"), "vector {case}");
+        }
+    }
+
+    #[test]
+    fn v2_matches_every_vector() {
+        let vectors = vectors();
+        let cases = vectors["v2"].as_array().expect("v2 vectors");
+        assert!(cases.len() >= 40);
+        for case in cases {
+            let machine_id = field(case, "node_id") * 64 + field(case, "process_id");
+            let id = SnowflakeLayout::TrtllmV2
+                .compose(
+                    field(case, "timestamp_ms"),
+                    machine_id as u32,
+                    field(case, "counter") as u32,
+                )
+                .expect("vector inputs are in range");
+            assert_eq!(id, field(case, "id"), "vector {case}");
+        }
+    }
+
+    #[test]
+    fn decode_reads_back_what_compose_packed() {
+        for layout in SnowflakeLayout::ALL {
+            let millis = 1_764_000_000_000 & ((1 << 39) - 1);
+            for (machine_id, sequence) in [
+                (0, 0),
+                (layout.max_machine_id(), layout.sequence_space() - 1),
+                (7, 3),
+            ] {
+                let id = layout
+                    .compose(millis, machine_id, sequence)
+                    .expect("in range");
+                assert_eq!(
+                    layout.decode(id),
+                    Ok(IdParts {
+                        millis,
+                        machine_id,
+                        sequence
+                    }),
+                    "{layout}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn refuses_out_of_range_parts_with_the_range_in_the_message() {
+        let err = SnowflakeLayout::TrtllmV1.compose(0, 1023, 0).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "machine id 1023 is out of range for layout trtllm-v1: use 0..=1022"
+        );
+        assert!(SnowflakeLayout::TrtllmV2.compose(0, 16384, 0).is_err());
+        assert!(SnowflakeLayout::TrtllmV2.compose(0, 16383, 1024).is_err());
+        assert!(SnowflakeLayout::TrtllmV1.compose(0, 0, 4096).is_err());
+        assert!(SnowflakeLayout::TrtllmV1.decode(5).is_err());
+    }
+
+    #[test]
+    fn names_round_trip() {
+        for layout in SnowflakeLayout::ALL {
+            assert_eq!(layout.name().parse::<SnowflakeLayout>(), Ok(layout));
+        }
+        assert!("v3"
+            .parse::<SnowflakeLayout>()
+            .unwrap_err()
+            .to_string()
+            .contains("trtllm-v1"));
+    }
+}
