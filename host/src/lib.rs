@@ -1,1 +1,48 @@
+//! The snowgate host: embeds wasmtime, loads a `snowgate:middleware` plugin
+//! and runs it on requests.
+//!
+//! - [`engine`]: the one wasmtime engine of the process and its linker;
+//! - [`plugin`]: loading and checking a plugin component;
+//! - [`call`]: where the plugin is called, one fresh instance per request;
+//! - [`clock`] and [`identity`]: where id time and the machine id come from;
+//! - [`limits`]: what one call may use.
+//!
+//! # Example
+//! ```
+//! use std::sync::Arc;
+//! use snowgate_host::{Action, HostServices, IdClock, MachineIdentity, Plugin, PluginEngine, PluginLimits, Request};
+//! use snowgate_plugin::SnowflakeLayout;
+//!
+//! let services = HostServices {
+//!     clock: Arc::new(IdClock::system()),
+//!     identity: Arc::new(MachineIdentity::fixed(SnowflakeLayout::TrtllmV1, 7)?),
+//! };
+//! let engine = PluginEngine::new(services, PluginLimits::default())?;
+//! let plugin = Plugin::load(&engine, snowgate_plugin_bundle::PLUGIN_WASM, &[])?;
+//! let request = Request {
+//!     method: "POST".into(),
+//!     path: "/v1/completions".into(),
+//!     headers: vec![("content-type".into(), b"application/json".to_vec())],
+//!     body: br#"{"prompt":"hi","disaggregated_params":{"request_type":"context_only"}}"#.to_vec(),
+//! };
+//! let Action::ForwardWithBody(body) = plugin.handle(&request)? else { panic!("expected a stamp") };
+//! assert!(String::from_utf8(body)?.contains(r#""disagg_request_id":"#));
+//! # Ok::<(), anyhow::Error>(())
+//! ```
 
+mod bindings;
+pub mod call;
+pub mod clock;
+pub mod engine;
+pub mod identity;
+pub mod limits;
+pub mod plugin;
+mod state;
+
+pub use bindings::exports::snowgate::middleware::handler::{Action, Rejection, Request};
+pub use call::CallError;
+pub use clock::{FixedClock, IdClock, SystemClock, Tick, WallClock};
+pub use engine::{HostServices, PluginEngine};
+pub use identity::MachineIdentity;
+pub use limits::PluginLimits;
+pub use plugin::{Plugin, PluginInfo};

@@ -22,6 +22,8 @@ const REQUEST_TYPE_KEY: &[u8] = b"request_type";
 const ID_KEY: &[u8] = b"disagg_request_id";
 /// The only request type that gets a new id.
 const CONTEXT_ONLY: &[u8] = b"context_only";
+/// A UTF-8 byte order mark: valid UTF-8, but not JSON.
+const UTF8_BOM: &[u8] = b"\xEF\xBB\xBF";
 
 /// One change that an id makes to the body.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -128,6 +130,11 @@ pub fn find_edits(body: &[u8]) -> Result<Vec<Edit>, BodyError> {
         edits: Vec::new(),
         live: Vec::new(),
     };
+    if body.starts_with(UTF8_BOM) {
+        return Err(walk.syntax(
+            "the body starts with a UTF-8 byte order mark (BOM), which JSON does not allow",
+        ));
+    }
     walk.skip_whitespace();
     if walk.pos == body.len() {
         return Err(BodyError::Empty);
@@ -256,7 +263,14 @@ impl<'a> Walk<'a> {
             self.pos += 1;
         }
         match self.peek() {
-            Some(b'0') => self.pos += 1,
+            Some(b'0') => {
+                self.pos += 1;
+                if let Some(b'0'..=b'9') = self.peek() {
+                    return Err(
+                        self.syntax("a number has a leading zero, which JSON does not allow")
+                    );
+                }
+            }
             Some(b'1'..=b'9') => {
                 self.digits();
             }

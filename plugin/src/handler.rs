@@ -175,6 +175,9 @@ pub fn decide(
             machine.value, machine.layout
         )));
     }
+    layout
+        .check_machine_id(machine.value)
+        .map_err(|e| PluginFailure(format!("the host's machine id is unusable: {e}")))?;
     let space = layout.sequence_space();
     let stamped = (0..edits.len())
         .map(|_| {

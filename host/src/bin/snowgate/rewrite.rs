@@ -1,0 +1,112 @@
+//! `snowgate rewrite`: one body through the plugin, stdin to stdout.
+
+use std::io::{Read, Write};
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use clap::Args;
+use snowgate_host::{
+    Action, FixedClock, HostServices, IdClock, MachineIdentity, Plugin, PluginEngine, PluginLimits,
+    Request,
+};
+use snowgate_plugin::SnowflakeLayout;
+
+use crate::Failure;
+
+/// Flags of `snowgate rewrite`.
+#[derive(Args)]
+pub struct RewriteArgs {
+    /// Plugin component (.wasm) to run; the bundled plugin when absent.
+    #[arg(long, value_name = "PATH")]
+    plugin: Option<PathBuf>,
+    /// Id layout: trtllm-v1 (TensorRT-LLM up to 1.3.0rc21) or trtllm-v2
+    /// (1.3.0rc22 and later).
+    #[arg(long, default_value = "trtllm-v1", value_name = "LAYOUT")]
+    layout: SnowflakeLayout,
+    /// This process's machine id, unique in the fleet: 0..=1022 for
+    /// trtllm-v1, 0..=16383 for trtllm-v2.
+    #[arg(long, value_name = "N")]
+    machine_id: u32,
+    /// Id clock: `system` (the real-time clock) or `fixed:MS`, a clock that
+    /// always reads MS, so the n-th id uses sequence n in MS (then MS+1, ...):
+    /// for reproducible runs and examples.
+    #[arg(long, default_value = "system", value_name = "CLOCK")]
+    clock: ClockChoice,
+}
+
+/// The `--clock` flag.
+#[derive(Clone, Copy, Debug)]
+enum ClockChoice {
+    System,
+    Fixed(u64),
+}
+
+impl FromStr for ClockChoice {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.split_once(':') {
+            None if s == "system" => Ok(ClockChoice::System),
+            Some(("fixed", ms)) => ms.parse().map(ClockChoice::Fixed).map_err(|_| {
+                format!(
+                    "fixed:{ms} needs milliseconds since the Unix epoch, e.g. fixed:1764000000000"
+                )
+            }),
+            _ => Err(format!("unknown clock {s:?}: use system or fixed:MS")),
+        }
+    }
+}
+
+pub fn run(args: RewriteArgs) -> Result<(), Failure> {
+    let identity = MachineIdentity::fixed(args.layout, args.machine_id)
+        .map_err(|e| Failure::BadInput(format!("--machine-id: {e}")))?;
+    let clock = match args.clock {
+        ClockChoice::System => IdClock::system(),
+        ClockChoice::Fixed(ms) => IdClock::new(FixedClock(ms)),
+    };
+    let services = HostServices {
+        clock: Arc::new(clock),
+        identity: Arc::new(identity),
+    };
+    let engine = PluginEngine::new(services, PluginLimits::default())?;
+    let plugin = match &args.plugin {
+        Some(path) => {
+            let bytes = std::fs::read(path)
+                .with_context(|| format!("reading the plugin {}", path.display()))?;
+            Plugin::load(&engine, &bytes, &[])
+                .with_context(|| format!("loading the plugin {}", path.display()))?
+        }
+        None => Plugin::load(&engine, snowgate_plugin_bundle::PLUGIN_WASM, &[])
+            .context("loading the bundled plugin")?,
+    };
+
+    let mut body = Vec::new();
+    std::io::stdin()
+        .read_to_end(&mut body)
+        .context("reading the body from stdin")?;
+    let request = Request {
+        method: "POST".into(),
+        path: "/".into(),
+        headers: vec![("content-type".into(), b"application/json".to_vec())],
+        body,
+    };
+    let action = plugin.handle(&request).context("running the plugin")?;
+    let out = match &action {
+        Action::Forward => &request.body,
+        Action::ForwardWithBody(body) => body,
+        Action::Reject(rejection) => {
+            return Err(Failure::BadInput(format!(
+                "{} ({}, HTTP {})",
+                rejection.message, rejection.code, rejection.status
+            )))
+        }
+    };
+    let mut stdout = std::io::stdout().lock();
+    stdout
+        .write_all(out)
+        .and_then(|()| stdout.flush())
+        .context("writing the body to stdout")?;
+    Ok(())
+}

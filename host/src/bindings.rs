@@ -1,0 +1,6 @@
+//! Rust types and traits generated from `wit/middleware.wit`.
+
+wasmtime::component::bindgen!({
+    path: "../wit",
+    world: "middleware",
+});

@@ -1,0 +1,300 @@
+//! Where id time comes from: one process-wide clock whose every reading is a
+//! unique, strictly increasing (millisecond, sequence) pair.
+//!
+//! Plugin instances share no memory and a plugin swap must not reset a
+//! counter, so this state lives in the host, behind the `clock` import.
+
+use std::sync::Mutex;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+pub use snowgate_plugin::Tick;
+
+/// A source of wall-clock milliseconds. It may step backwards; [`IdClock`]
+/// never does.
+pub trait WallClock: Send + Sync {
+    /// Milliseconds since the Unix epoch.
+    fn now_millis(&self) -> u64;
+}
+
+/// The operating system's real-time clock.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct SystemClock;
+
+impl WallClock for SystemClock {
+    fn now_millis(&self) -> u64 {
+        // A clock before 1970 reads as 1970; IdClock still never goes back.
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64)
+    }
+}
+
+/// A clock that always reads the same millisecond, for reproducible runs.
+#[derive(Debug, Clone, Copy)]
+pub struct FixedClock(pub u64);
+
+impl WallClock for FixedClock {
+    fn now_millis(&self) -> u64 {
+        self.0
+    }
+}
+
+/// The process-wide id clock.
+///
+/// Each reading is unique in the process: the sequence starts at 0 in each
+/// new millisecond; when a millisecond's sequence space is used up the clock
+/// moves on to the next millisecond instead of wrapping; and it never goes
+/// backwards, even when the wall clock does (it keeps counting from the last
+/// reading until the wall clock catches up).
+pub struct IdClock {
+    wall: Box<dyn WallClock>,
+    last: Mutex<Option<Tick>>,
+}
+
+impl IdClock {
+    /// A clock that reads `wall`.
+    pub fn new(wall: impl WallClock + 'static) -> IdClock {
+        IdClock {
+            wall: Box::new(wall),
+            last: Mutex::new(None),
+        }
+    }
+
+    /// A clock on the operating system's real-time clock.
+    pub fn system() -> IdClock {
+        IdClock::new(SystemClock)
+    }
+
+    /// The next unique tick for a layout with `sequence_space` sequence
+    /// numbers per millisecond (0 is taken as 1).
+    pub fn next_tick(&self, sequence_space: u32) -> Tick {
+        let space = sequence_space.max(1);
+        let now = self.wall.now_millis();
+        // The lock only guards two integers; a panic cannot leave them torn.
+        let mut last = self
+            .last
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let tick = match *last {
+            Some(prev) if now <= prev.millis => {
+                match prev.sequence.checked_add(1).filter(|&s| s < space) {
+                    Some(sequence) => Tick {
+                        millis: prev.millis,
+                        sequence,
+                    },
+                    None => Tick {
+                        millis: prev.millis + 1,
+                        sequence: 0,
+                    },
+                }
+            }
+            _ => Tick {
+                millis: now,
+                sequence: 0,
+            },
+        };
+        *last = Some(tick);
+        tick
+    }
+
+    /// Makes every later reading fall after `millis`: for a process that
+    /// takes over a machine id whose previous holder may have issued ids up
+    /// to and including that millisecond.
+    pub fn advance_past(&self, millis: u64) {
+        let mut last = self
+            .last
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let floor = Tick {
+            millis,
+            sequence: u32::MAX,
+        };
+        if last.is_none_or(|prev| prev < floor) {
+            *last = Some(floor);
+        }
+    }
+
+    /// The last tick handed out, if any.
+    pub fn last_tick(&self) -> Option<Tick> {
+        *self
+            .last
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+impl std::fmt::Debug for IdClock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdClock")
+            .field("last", &self.last_tick())
+            .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+
+    /// A wall clock a test moves by hand.
+    struct HandClock(Arc<AtomicU64>);
+
+    impl WallClock for HandClock {
+        fn now_millis(&self) -> u64 {
+            self.0.load(Ordering::SeqCst)
+        }
+    }
+
+    fn hand_clock(start: u64) -> (IdClock, Arc<AtomicU64>) {
+        let now = Arc::new(AtomicU64::new(start));
+        (IdClock::new(HandClock(now.clone())), now)
+    }
+
+    #[test]
+    fn sequence_starts_at_zero_in_each_new_millisecond() {
+        let (clock, now) = hand_clock(100);
+        assert_eq!(
+            clock.next_tick(4096),
+            Tick {
+                millis: 100,
+                sequence: 0
+            }
+        );
+        assert_eq!(
+            clock.next_tick(4096),
+            Tick {
+                millis: 100,
+                sequence: 1
+            }
+        );
+        now.store(101, Ordering::SeqCst);
+        assert_eq!(
+            clock.next_tick(4096),
+            Tick {
+                millis: 101,
+                sequence: 0
+            }
+        );
+    }
+
+    #[test]
+    fn moves_to_the_next_millisecond_when_the_sequence_space_is_used_up() {
+        let clock = IdClock::new(FixedClock(7));
+        let ticks: Vec<Tick> = (0..2050).map(|_| clock.next_tick(1024)).collect();
+        assert_eq!(
+            ticks[1023],
+            Tick {
+                millis: 7,
+                sequence: 1023
+            }
+        );
+        assert_eq!(
+            ticks[1024],
+            Tick {
+                millis: 8,
+                sequence: 0
+            }
+        );
+        assert_eq!(
+            ticks[2048],
+            Tick {
+                millis: 9,
+                sequence: 0
+            }
+        );
+        assert!(ticks.windows(2).all(|w| w[0] < w[1]));
+    }
+
+    #[test]
+    fn never_goes_backwards_when_the_wall_clock_steps_back() {
+        let (clock, now) = hand_clock(5_000);
+        let before = clock.next_tick(4096);
+        now.store(1_000, Ordering::SeqCst);
+        let after: Vec<Tick> = (0..5000).map(|_| clock.next_tick(4096)).collect();
+        assert!(after[0] > before);
+        assert!(after.windows(2).all(|w| w[0] < w[1]));
+        assert_eq!(
+            after[4095],
+            Tick {
+                millis: 5_001,
+                sequence: 0
+            }
+        );
+        now.store(9_000, Ordering::SeqCst);
+        assert_eq!(
+            clock.next_tick(4096),
+            Tick {
+                millis: 9_000,
+                sequence: 0
+            }
+        );
+    }
+
+    #[test]
+    fn threads_hammering_the_clock_never_see_the_same_tick() {
+        let clock = Arc::new(IdClock::system());
+        let threads: Vec<_> = (0..8)
+            .map(|_| {
+                let clock = clock.clone();
+                std::thread::spawn(move || {
+                    (0..50_000)
+                        .map(|_| clock.next_tick(4096))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        let mut seen = HashSet::new();
+        for thread in threads {
+            let ticks = thread.join().expect("clock thread");
+            // Each thread's own readings increase strictly.
+            assert!(ticks.windows(2).all(|w| w[0] < w[1]));
+            for tick in ticks {
+                assert!(tick.sequence < 4096);
+                assert!(seen.insert(tick), "tick {tick:?} handed out twice");
+            }
+        }
+        assert_eq!(seen.len(), 8 * 50_000);
+    }
+
+    #[test]
+    fn advance_past_skips_a_previous_holders_millisecond() {
+        let clock = IdClock::new(FixedClock(10));
+        clock.advance_past(20);
+        assert_eq!(
+            clock.next_tick(4096),
+            Tick {
+                millis: 21,
+                sequence: 0
+            }
+        );
+        clock.advance_past(5);
+        assert_eq!(
+            clock.next_tick(4096),
+            Tick {
+                millis: 21,
+                sequence: 1
+            }
+        );
+    }
+
+    #[test]
+    fn a_zero_sequence_space_counts_as_one() {
+        let clock = IdClock::new(FixedClock(3));
+        assert_eq!(
+            clock.next_tick(0),
+            Tick {
+                millis: 3,
+                sequence: 0
+            }
+        );
+        assert_eq!(
+            clock.next_tick(0),
+            Tick {
+                millis: 4,
+                sequence: 0
+            }
+        );
+    }
+}

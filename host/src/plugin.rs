@@ -1,0 +1,139 @@
+//! Loading a plugin: compile once, link once, check that it implements the
+//! world and accepts its configuration, before it may serve.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use sha2::{Digest, Sha256};
+use wasmtime::component::Component;
+use wasmtime::error::Context as _;
+
+use crate::bindings::exports::snowgate::middleware::handler::Setting;
+use crate::bindings::MiddlewarePre;
+use crate::engine::PluginEngine;
+use crate::state::HostState;
+
+/// What is known about a loaded plugin.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PluginInfo {
+    /// The name the plugin reports.
+    pub name: String,
+    /// The version the plugin reports.
+    pub version: String,
+    /// Hex SHA-256 of the component bytes as loaded.
+    pub sha256: String,
+    /// When it was loaded.
+    pub loaded_at: SystemTime,
+}
+
+/// A compiled, linked and validated plugin, ready to serve requests. Cheap
+/// to share: calls on it run in parallel, each in its own store.
+pub struct Plugin {
+    pub(crate) engine: PluginEngine,
+    pub(crate) pre: MiddlewarePre<HostState>,
+    pub(crate) settings: Arc<[Setting]>,
+    pub(crate) name: Arc<str>,
+    info: PluginInfo,
+}
+
+impl fmt::Debug for Plugin {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Plugin")
+            .field("info", &self.info)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Plugin {
+    /// Compiles `bytes` (a WebAssembly component), links it against the
+    /// host's imports, and checks it: it must implement the
+    /// `snowgate:middleware/middleware` world, report a name and version, and
+    /// accept `settings` plus the id layout of the engine's machine id.
+    ///
+    /// The error says what is wrong: not a component, a missing import or
+    /// export, or a refused setting.
+    pub fn load(
+        engine: &PluginEngine,
+        bytes: &[u8],
+        settings: &[(String, String)],
+    ) -> anyhow::Result<Plugin> {
+        let component = Component::new(&engine.engine, bytes)
+            .context("the plugin is not a valid WebAssembly component for this host")?;
+        let instance_pre = engine.linker.instantiate_pre(&component).context(
+            "the plugin imports something the host does not provide (it must target the snowgate:middleware@0.1.0 world)",
+        )?;
+        let pre = MiddlewarePre::new(instance_pre).context(
+            "the plugin does not export the snowgate:middleware/handler@0.1.0 interface",
+        )?;
+
+        let layout = engine.services.identity.layout();
+        let settings: Arc<[Setting]> = std::iter::once(Setting {
+            name: "id-layout".into(),
+            value: layout.name().into(),
+        })
+        .chain(settings.iter().map(|(name, value)| Setting {
+            name: name.clone(),
+            value: value.clone(),
+        }))
+        .collect();
+
+        let mut plugin = Plugin {
+            engine: engine.clone(),
+            pre,
+            settings,
+            name: Arc::from("unnamed plugin"),
+            info: PluginInfo {
+                name: String::new(),
+                version: String::new(),
+                sha256: hex_sha256(bytes),
+                loaded_at: SystemTime::now(),
+            },
+        };
+        let (name, version) = plugin
+            .describe()
+            .map_err(|e| e.context("the plugin failed its load-time check"))?;
+        plugin.name = Arc::from(name.as_str());
+        plugin.info.name = name;
+        plugin.info.version = version;
+        Ok(plugin)
+    }
+
+    /// What is known about the plugin.
+    pub fn info(&self) -> &PluginInfo {
+        &self.info
+    }
+
+    /// The engine the plugin was loaded into.
+    pub fn engine(&self) -> &PluginEngine {
+        &self.engine
+    }
+
+    /// Instantiates once, asks for name and version, and hands over the
+    /// configuration, under the same limits as a request.
+    fn describe(&self) -> anyhow::Result<(String, String)> {
+        let (mut store, instance) = self.instantiate().map_err(anyhow::Error::new)?;
+        let handler = instance.snowgate_middleware_handler();
+        let name = handler
+            .call_name(&mut store)
+            .context("calling the plugin's name export")?;
+        let version = handler
+            .call_version(&mut store)
+            .context("calling the plugin's version export")?;
+        handler
+            .call_configure(&mut store, &self.settings)
+            .context("calling the plugin's configure export")?
+            .map_err(|refusal| {
+                anyhow::anyhow!("the plugin refused its configuration: {refusal}")
+            })?;
+        Ok((name, version))
+    }
+}
+
+/// Lower-case hex SHA-256 of `bytes`.
+pub fn hex_sha256(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
