@@ -10,8 +10,8 @@
 use std::borrow::Cow;
 use std::fmt;
 
-/// The deepest nesting of arrays and objects a body may have. The same limit
-/// as serde_json's default; requests nest a handful of levels.
+/// The deepest nesting of arrays and objects a body may have (serde_json's
+/// default stops one level earlier); requests nest a handful of levels.
 pub const MAX_NESTING_DEPTH: usize = 128;
 
 /// The key that holds the parameters.

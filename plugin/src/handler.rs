@@ -47,12 +47,6 @@ pub struct Config {
     pub layout: SnowflakeLayout,
 }
 
-impl Default for SnowflakeLayout {
-    fn default() -> Self {
-        SnowflakeLayout::TrtllmV1
-    }
-}
-
 impl Config {
     /// Builds a configuration from `(name, value)` settings. Known settings:
     /// `id-layout` (`trtllm-v1`, the default, or `trtllm-v2`).

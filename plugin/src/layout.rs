@@ -9,10 +9,11 @@ const MAX_INT64: u128 = (1 << 63) - 1;
 
 /// How a millisecond timestamp, a machine id and a sequence number are packed
 /// into one id.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum SnowflakeLayout {
     /// TensorRT-LLM up to 1.3.0rc21: 41-bit ms, 10-bit machine id (0..=1022),
-    /// 12-bit sequence, rotated to at least 2^42.
+    /// 12-bit sequence, rotated to at least 2^42. The default.
+    #[default]
     TrtllmV1,
     /// TensorRT-LLM 1.3.0rc22 and later: 39-bit ms (masked), 8-bit node,
     /// 6-bit process, 10-bit sequence, rotated to at least 2^40. One machine
