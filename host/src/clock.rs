@@ -4,6 +4,7 @@
 //! Plugin instances share no memory and a plugin swap must not reset a
 //! counter, so this state lives in the host, behind the `clock` import.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -49,6 +50,7 @@ impl WallClock for FixedClock {
 pub struct IdClock {
     wall: Box<dyn WallClock>,
     last: Mutex<Option<Tick>>,
+    issued: AtomicU64,
 }
 
 impl IdClock {
@@ -57,6 +59,7 @@ impl IdClock {
         IdClock {
             wall: Box::new(wall),
             last: Mutex::new(None),
+            issued: AtomicU64::new(0),
         }
     }
 
@@ -94,7 +97,13 @@ impl IdClock {
             },
         };
         *last = Some(tick);
+        self.issued.fetch_add(1, Ordering::Relaxed);
         tick
+    }
+
+    /// How many ticks (so, ids) this clock has handed out.
+    pub fn issued(&self) -> u64 {
+        self.issued.load(Ordering::Relaxed)
     }
 
     /// Makes every later reading fall after `millis`: for a process that

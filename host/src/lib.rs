@@ -5,7 +5,8 @@
 //! - [`plugin`]: loading and checking a plugin component;
 //! - [`call`]: where the plugin is called, one fresh instance per request;
 //! - [`clock`] and [`identity`]: where id time and the machine id come from;
-//! - [`limits`]: what one call may use.
+//! - [`limits`]: what one call may use;
+//! - [`gateway`]: the reverse proxy that puts the plugin in a request path.
 //!
 //! # Example
 //! ```
@@ -34,10 +35,12 @@ mod bindings;
 pub mod call;
 pub mod clock;
 pub mod engine;
+pub mod gateway;
 pub mod identity;
 pub mod limits;
 pub mod plugin;
 mod state;
+pub mod utc;
 
 pub use bindings::exports::snowgate::middleware::handler::{Action, Rejection, Request};
 pub use call::CallError;

@@ -2,6 +2,7 @@
 
 mod decode;
 mod rewrite;
+mod serve;
 
 use std::process::ExitCode;
 
@@ -23,6 +24,9 @@ enum Command {
     Rewrite(rewrite::RewriteArgs),
     /// Print the fields of an id: timestamp, machine id, sequence.
     Decode(decode::DecodeArgs),
+    /// Run the gateway: a reverse proxy that stamps ids into JSON requests
+    /// on their way to the upstream, and reloads the plugin when it changes.
+    Serve(serve::ServeArgs),
 }
 
 /// How a command failed, and so which exit status it gets.
@@ -40,17 +44,24 @@ impl From<anyhow::Error> for Failure {
 }
 
 fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let default_level = if matches!(cli.command, Command::Serve(_)) {
+        "info"
+    } else {
+        "warn"
+    };
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("SNOWGATE_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level)),
         )
         .init();
-    let cli = Cli::parse();
     let result = match cli.command {
         Command::Rewrite(args) => rewrite::run(args),
         Command::Decode(args) => decode::run(args),
+        Command::Serve(args) => serve::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,152 @@
+//! `snowgate serve`: the gateway proxy.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::Context as _;
+use clap::Args;
+use snowgate_host::gateway::{ConfigFile, FailurePolicy, Gateway, GatewayConfig};
+use snowgate_plugin::SnowflakeLayout;
+
+use crate::Failure;
+
+/// Flags of `snowgate serve`. Each overrides the same key of `--config`.
+#[derive(Args)]
+pub struct ServeArgs {
+    /// TOML file with any of these settings (same names, kebab-case);
+    /// flags override it.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Address clients connect to [default: 127.0.0.1:8080].
+    #[arg(long, value_name = "ADDR")]
+    listen: Option<SocketAddr>,
+    /// Base URL of the OpenAI-compatible server behind the gateway, e.g.
+    /// http://127.0.0.1:8000. Without it a built-in echo upstream answers
+    /// with the request it received.
+    #[arg(long, value_name = "URL")]
+    upstream: Option<String>,
+    /// This replica's machine id, unique among the replicas behind one
+    /// router: 0..=1022 for trtllm-v1, 0..=16383 for trtllm-v2
+    /// [default: 0, with a warning].
+    #[arg(long, value_name = "N")]
+    machine_id: Option<u32>,
+    /// Id layout: trtllm-v1 (TensorRT-LLM up to 1.3.0rc21) or trtllm-v2
+    /// (1.3.0rc22 and later) [default: trtllm-v1].
+    #[arg(long, value_name = "LAYOUT")]
+    layout: Option<SnowflakeLayout>,
+    /// Plugin component to load and watch for new builds; the bundled
+    /// plugin when absent.
+    #[arg(long, value_name = "PATH")]
+    plugin: Option<PathBuf>,
+    /// A setting handed to the plugin's configure export; repeatable.
+    #[arg(long = "plugin-setting", value_name = "NAME=VALUE", value_parser = parse_setting)]
+    plugin_settings: Vec<(String, String)>,
+    /// Address of the admin endpoints (/status, /reload, /healthz, /metrics)
+    /// [default: 127.0.0.1:9901].
+    #[arg(long, value_name = "ADDR")]
+    admin_listen: Option<SocketAddr>,
+    /// Largest request body accepted; larger ones get 413 [default: 33554432].
+    #[arg(long, value_name = "BYTES")]
+    max_body_bytes: Option<usize>,
+    /// When the plugin fails: fail-closed answers 503, fail-open forwards
+    /// the request unchanged [default: fail-closed].
+    #[arg(long, value_name = "POLICY")]
+    failure_policy: Option<FailurePolicy>,
+    /// Memory limit of one plugin call, in MiB [default: 256].
+    #[arg(long, value_name = "MIB")]
+    plugin_memory_mib: Option<usize>,
+    /// CPU deadline of one plugin call, in milliseconds [default: 1000].
+    #[arg(long, value_name = "MS")]
+    plugin_deadline_ms: Option<u64>,
+    /// How long in-flight requests may finish after SIGTERM, in seconds
+    /// [default: 30].
+    #[arg(long, value_name = "SECS")]
+    shutdown_grace_secs: Option<u64>,
+    /// Quiet time after a plugin file change before reloading, in
+    /// milliseconds [default: 200].
+    #[arg(long, value_name = "MS")]
+    reload_debounce_ms: Option<u64>,
+}
+
+fn parse_setting(s: &str) -> Result<(String, String), String> {
+    s.split_once('=')
+        .map(|(n, v)| (n.to_string(), v.to_string()))
+        .ok_or_else(|| format!("{s:?} is not NAME=VALUE"))
+}
+
+impl ServeArgs {
+    /// Defaults, then the file, then the flags.
+    fn into_config(self) -> anyhow::Result<GatewayConfig> {
+        let mut config = GatewayConfig::default();
+        if let Some(path) = &self.config {
+            ConfigFile::read(path)?.apply(&mut config)?;
+        }
+        let flags = ConfigFile {
+            listen: self.listen,
+            upstream: self.upstream,
+            machine_id: self.machine_id,
+            layout: self.layout.map(|l| l.name().to_string()),
+            plugin: self.plugin,
+            plugin_settings: None,
+            admin_listen: self.admin_listen,
+            max_body_bytes: self.max_body_bytes,
+            failure_policy: self.failure_policy,
+            plugin_memory_mib: self.plugin_memory_mib,
+            plugin_deadline_ms: self.plugin_deadline_ms,
+            shutdown_grace_secs: self.shutdown_grace_secs,
+            reload_debounce_ms: self.reload_debounce_ms,
+        };
+        flags.apply(&mut config)?;
+        config.plugin_settings.extend(self.plugin_settings);
+        Ok(config)
+    }
+}
+
+pub fn run(args: ServeArgs) -> Result<(), Failure> {
+    let config = args
+        .into_config()
+        .map_err(|e| Failure::BadInput(format!("{e:#}")))?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("snowgate")
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(async move {
+        let gateway = Gateway::bind(config.clone()).await?;
+        let info = gateway.slot().current().info().clone();
+        println!(
+            "snowgate listening on http://{} (admin http://{}); upstream {}; plugin {} {} sha256 {}",
+            gateway.local_addr()?,
+            gateway.admin_addr()?,
+            config.upstream.as_deref().unwrap_or("built-in echo"),
+            info.name,
+            info.version,
+            info.sha256
+        );
+        gateway.serve(shutdown_signal()).await?;
+        tracing::info!("stopped");
+        Ok::<_, anyhow::Error>(())
+    })?;
+    // Drop the runtime without waiting on blocking tasks (a plugin call is
+    // bounded by its deadline anyway).
+    Ok(())
+}
+
+/// Resolves on SIGTERM or SIGINT.
+async fn shutdown_signal() {
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: shutting down"),
+        () = terminate => tracing::info!("SIGTERM: shutting down"),
+    }
+}

@@ -1,0 +1,130 @@
+//! The admin listener: `/status`, `/reload`, `/healthz`, `/metrics`.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::{header, Method, Request, Response, StatusCode};
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpListener;
+
+use crate::engine::HostServices;
+use crate::gateway::responses;
+use crate::gateway::slot::{PluginSlot, Reloaded};
+use crate::utc::{format_millis, millis_of};
+
+/// What the admin endpoints read.
+pub struct Admin {
+    /// The serving plugin and reload state.
+    pub slot: Arc<PluginSlot>,
+    /// The clock and machine id.
+    pub services: HostServices,
+    /// Where requests go, for `/status`.
+    pub upstream: String,
+    /// The failure policy, for `/status`.
+    pub failure_policy: &'static str,
+}
+
+impl Admin {
+    /// Serves admin requests on `listener` until the task is dropped.
+    pub async fn serve(self: Arc<Self>, listener: TcpListener) {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                continue;
+            };
+            let admin = self.clone();
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(move |request| {
+                    let admin = admin.clone();
+                    async move { Ok::<_, Infallible>(admin.route(request).await) }
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    }
+
+    async fn route(&self, request: Request<Incoming>) -> Response<Full<Bytes>> {
+        match (request.method(), request.uri().path()) {
+            (&Method::GET, "/healthz") => text(StatusCode::OK, "text/plain", "ok\n".to_string()),
+            (&Method::GET, "/status") => text(
+                StatusCode::OK,
+                "application/json",
+                self.status().to_string(),
+            ),
+            (&Method::GET, "/metrics") => {
+                let body = self.slot.metrics().render(self.services.clock.issued());
+                text(StatusCode::OK, "text/plain; version=0.0.4", body)
+            }
+            (&Method::POST, "/reload") => match self.slot.reload().await {
+                Ok(Reloaded::Swapped(sha)) => {
+                    let body = serde_json::json!({"result": "swapped", "sha256": sha});
+                    text(StatusCode::OK, "application/json", body.to_string())
+                }
+                Ok(Reloaded::Unchanged) => {
+                    let body = serde_json::json!({"result": "unchanged", "sha256": self.slot.current().info().sha256});
+                    text(StatusCode::OK, "application/json", body.to_string())
+                }
+                Err(message) => {
+                    responses::error(StatusCode::UNPROCESSABLE_ENTITY, "reload_failed", &message)
+                }
+            },
+            (_, "/healthz" | "/status" | "/metrics" | "/reload") => responses::error(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "method_not_allowed",
+                "wrong method for this endpoint",
+            ),
+            (_, path) => responses::error(
+                StatusCode::NOT_FOUND,
+                "not_found",
+                &format!("no admin endpoint {path}; try /status, /reload, /healthz or /metrics"),
+            ),
+        }
+    }
+
+    /// The `/status` document.
+    pub fn status(&self) -> serde_json::Value {
+        let plugin = self.slot.current();
+        let info = plugin.info();
+        let (succeeded, failed) = self.slot.metrics().reloads();
+        let loaded_ms = millis_of(info.loaded_at);
+        let identity = &self.services.identity;
+        let (machine_id, machine_id_error) = match identity.current() {
+            Ok(id) => (Some(id.value), None),
+            Err(reason) => (None, Some(reason)),
+        };
+        serde_json::json!({
+            "plugin": {
+                "name": info.name,
+                "version": info.version,
+                "sha256": info.sha256,
+                "loaded_at": format_millis(loaded_ms),
+                "loaded_at_ms": loaded_ms,
+                "source": self.slot.source().map_or("bundled".to_string(), |p| p.display().to_string()),
+            },
+            "reloads": { "succeeded": succeeded, "failed": failed },
+            "last_reload_error": self.slot.last_error().map(|e| serde_json::json!({
+                "message": e.message,
+                "at": format_millis(millis_of(e.at)),
+            })),
+            "machine_id": machine_id,
+            "machine_id_error": machine_id_error,
+            "id_layout": identity.layout().name(),
+            "upstream": self.upstream,
+            "failure_policy": self.failure_policy,
+        })
+    }
+}
+
+fn text(status: StatusCode, content_type: &'static str, body: String) -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(Bytes::from(body)));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static(content_type),
+    );
+    response
+}

@@ -1,0 +1,214 @@
+//! The gateway's settings: built-in defaults, a TOML file, then flags.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Context as _;
+use serde::Deserialize;
+use snowgate_plugin::SnowflakeLayout;
+
+use crate::limits::PluginLimits;
+
+/// What the gateway does when the plugin errs, traps or hits a limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum FailurePolicy {
+    /// Answer 503 and do not forward: an unstamped context-only request
+    /// would crash or mix up the workers behind the gateway.
+    #[default]
+    FailClosed,
+    /// Forward the request unchanged.
+    FailOpen,
+}
+
+impl std::str::FromStr for FailurePolicy {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "fail-closed" => Ok(FailurePolicy::FailClosed),
+            "fail-open" => Ok(FailurePolicy::FailOpen),
+            _ => Err(format!(
+                "unknown failure policy {s:?}: use fail-closed or fail-open"
+            )),
+        }
+    }
+}
+
+/// Everything `snowgate serve` can be told. Every field has a key of the
+/// same name (kebab-case) in the TOML file and a flag.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GatewayConfig {
+    /// Where clients connect.
+    pub listen: SocketAddr,
+    /// Base URL of the upstream (e.g. `http://127.0.0.1:8000`); `None` runs
+    /// the built-in echo upstream.
+    pub upstream: Option<String>,
+    /// This replica's machine id; `None` means 0, with a warning.
+    pub machine_id: Option<u32>,
+    /// The id layout.
+    pub layout: SnowflakeLayout,
+    /// The plugin file to load and watch; `None` runs the bundled plugin.
+    pub plugin: Option<PathBuf>,
+    /// Extra settings handed to the plugin's `configure`.
+    pub plugin_settings: BTreeMap<String, String>,
+    /// Where the admin endpoints listen.
+    pub admin_listen: SocketAddr,
+    /// The largest request body accepted.
+    pub max_body_bytes: usize,
+    /// What to do when the plugin fails.
+    pub failure_policy: FailurePolicy,
+    /// Limits of each plugin call.
+    pub plugin_limits: PluginLimits,
+    /// How long in-flight requests may take to finish on shutdown.
+    pub shutdown_grace: Duration,
+    /// Quiet time after the last change to the plugin file before reloading.
+    pub reload_debounce: Duration,
+}
+
+impl Default for GatewayConfig {
+    fn default() -> Self {
+        GatewayConfig {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            upstream: None,
+            machine_id: None,
+            layout: SnowflakeLayout::TrtllmV1,
+            plugin: None,
+            plugin_settings: BTreeMap::new(),
+            admin_listen: SocketAddr::from(([127, 0, 0, 1], 9901)),
+            max_body_bytes: 32 << 20,
+            failure_policy: FailurePolicy::FailClosed,
+            plugin_limits: PluginLimits::default(),
+            shutdown_grace: Duration::from_secs(30),
+            reload_debounce: Duration::from_millis(200),
+        }
+    }
+}
+
+/// The TOML file: every key optional.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields)]
+pub struct ConfigFile {
+    /// See [`GatewayConfig::listen`].
+    pub listen: Option<SocketAddr>,
+    /// See [`GatewayConfig::upstream`].
+    pub upstream: Option<String>,
+    /// See [`GatewayConfig::machine_id`].
+    pub machine_id: Option<u32>,
+    /// See [`GatewayConfig::layout`].
+    pub layout: Option<String>,
+    /// See [`GatewayConfig::plugin`].
+    pub plugin: Option<PathBuf>,
+    /// See [`GatewayConfig::plugin_settings`].
+    pub plugin_settings: Option<BTreeMap<String, String>>,
+    /// See [`GatewayConfig::admin_listen`].
+    pub admin_listen: Option<SocketAddr>,
+    /// See [`GatewayConfig::max_body_bytes`].
+    pub max_body_bytes: Option<usize>,
+    /// See [`GatewayConfig::failure_policy`].
+    pub failure_policy: Option<FailurePolicy>,
+    /// Plugin memory limit in MiB.
+    pub plugin_memory_mib: Option<usize>,
+    /// Plugin call deadline in milliseconds.
+    pub plugin_deadline_ms: Option<u64>,
+    /// Shutdown grace period in seconds.
+    pub shutdown_grace_secs: Option<u64>,
+    /// Reload debounce in milliseconds.
+    pub reload_debounce_ms: Option<u64>,
+}
+
+impl ConfigFile {
+    /// Reads and parses a TOML configuration file.
+    pub fn read(path: &Path) -> anyhow::Result<ConfigFile> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading the config file {}", path.display()))?;
+        toml::from_str(&text).with_context(|| format!("parsing the config file {}", path.display()))
+    }
+
+    /// Lays this file's settings over `config`.
+    pub fn apply(self, config: &mut GatewayConfig) -> anyhow::Result<()> {
+        macro_rules! set {
+            ($field:ident) => {
+                if let Some(value) = self.$field {
+                    config.$field = value;
+                }
+            };
+        }
+        set!(listen);
+        set!(admin_listen);
+        set!(max_body_bytes);
+        set!(failure_policy);
+        set!(plugin_settings);
+        if self.upstream.is_some() {
+            config.upstream = self.upstream;
+        }
+        if self.machine_id.is_some() {
+            config.machine_id = self.machine_id;
+        }
+        if self.plugin.is_some() {
+            config.plugin = self.plugin;
+        }
+        if let Some(layout) = self.layout {
+            config.layout = layout.parse().context("config key layout")?;
+        }
+        if let Some(mib) = self.plugin_memory_mib {
+            config.plugin_limits.memory_bytes = mib << 20;
+        }
+        if let Some(ms) = self.plugin_deadline_ms {
+            config.plugin_limits.deadline = Duration::from_millis(ms);
+        }
+        if let Some(secs) = self.shutdown_grace_secs {
+            config.shutdown_grace = Duration::from_secs(secs);
+        }
+        if let Some(ms) = self.reload_debounce_ms {
+            config.reload_debounce = Duration::from_millis(ms);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn file_settings_override_defaults() {
+        let file: ConfigFile = toml::from_str(
+            r#"
+            listen = "0.0.0.0:8000"
+            upstream = "http://127.0.0.1:9000"
+            machine-id = 12
+            layout = "trtllm-v2"
+            failure-policy = "fail-open"
+            plugin-memory-mib = 64
+            plugin-deadline-ms = 50
+            [plugin-settings]
+            extra = "yes"
+            "#,
+        )
+        .expect("valid config");
+        let mut config = GatewayConfig::default();
+        file.apply(&mut config).expect("applies");
+        assert_eq!(config.listen, "0.0.0.0:8000".parse().unwrap());
+        assert_eq!(config.machine_id, Some(12));
+        assert_eq!(config.layout, SnowflakeLayout::TrtllmV2);
+        assert_eq!(config.failure_policy, FailurePolicy::FailOpen);
+        assert_eq!(config.plugin_limits.memory_bytes, 64 << 20);
+        assert_eq!(config.plugin_limits.deadline, Duration::from_millis(50));
+        assert_eq!(
+            config.plugin_settings.get("extra").map(String::as_str),
+            Some("yes")
+        );
+        assert_eq!(config.max_body_bytes, 32 << 20);
+    }
+
+    #[test]
+    fn unknown_keys_are_named() {
+        let err = toml::from_str::<ConfigFile>("listen-on = \"x\"")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("listen-on"), "{err}");
+    }
+}

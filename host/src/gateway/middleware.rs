@@ -1,0 +1,370 @@
+//! The snowgate middleware as a tower [`Layer`]: where the plugin sits in a
+//! request path. JSON request bodies are read (bounded), run through the
+//! serving plugin, and forwarded, rewritten or answered; everything else
+//! passes through untouched.
+//!
+//! # Example
+//! Adding snowgate in front of any hyper/tower service:
+//! ```
+//! use std::sync::Arc;
+//! use bytes::Bytes;
+//! use http_body_util::{BodyExt, Either, Full};
+//! use snowgate_host::gateway::{FailurePolicy, Metrics, PluginSlot, SnowgateLayer};
+//! use snowgate_host::{HostServices, IdClock, MachineIdentity, PluginEngine, PluginLimits};
+//! use snowgate_plugin::SnowflakeLayout;
+//! use tower_layer::Layer;
+//! use tower_service::Service;
+//!
+//! # #[tokio::main(flavor = "multi_thread")]
+//! # async fn main() -> anyhow::Result<()> {
+//! let services = HostServices {
+//!     clock: Arc::new(IdClock::system()),
+//!     identity: Arc::new(MachineIdentity::fixed(SnowflakeLayout::TrtllmV1, 3)?),
+//! };
+//! let engine = PluginEngine::new(services, PluginLimits::default())?;
+//! let metrics = Arc::new(Metrics::default());
+//! let slot = Arc::new(PluginSlot::load(engine, None, Vec::new(), metrics.clone())?);
+//! let layer = SnowgateLayer::new(slot, metrics, FailurePolicy::FailClosed, 32 << 20);
+//!
+//! // The inner service: here, one that answers with the body it was given.
+//! let inner = tower_service_fn(|request: http::Request<Either<Full<Bytes>, Full<Bytes>>>| async move {
+//!     let body = request.into_body().collect().await.expect("in-memory body").to_bytes();
+//!     Ok::<_, std::convert::Infallible>(http::Response::new(Full::new(body)))
+//! });
+//! let mut service = layer.layer(inner);
+//!
+//! let request = http::Request::post("/v1/completions")
+//!     .header("content-type", "application/json")
+//!     .body(Full::new(Bytes::from_static(br#"{"disaggregated_params":{"request_type":"context_only"}}"#)))?;
+//! let response = service.call(request).await?;
+//! let body = response.into_body().collect().await?.to_bytes();
+//! assert!(std::str::from_utf8(&body)?.contains("\"disagg_request_id\":"));
+//! # Ok(())
+//! # }
+//! # fn tower_service_fn<F, Fut, Req, Res, E>(f: F) -> ServiceFn<F>
+//! # where F: FnMut(Req) -> Fut, Fut: std::future::Future<Output = Result<Res, E>> { ServiceFn(f) }
+//! # #[derive(Clone)] struct ServiceFn<F>(F);
+//! # impl<F, Fut, Req, Res, E> Service<Req> for ServiceFn<F>
+//! # where F: FnMut(Req) -> Fut, Fut: std::future::Future<Output = Result<Res, E>> {
+//! #     type Response = Res; type Error = E; type Future = Fut;
+//! #     fn poll_ready(&mut self, _: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), E>> { std::task::Poll::Ready(Ok(())) }
+//! #     fn call(&mut self, req: Req) -> Fut { (self.0)(req) }
+//! # }
+//! ```
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use bytes::Bytes;
+use http::{header, HeaderMap, Request, Response, StatusCode};
+use http_body::Body;
+use http_body_util::{Either, Full};
+use tower_layer::Layer;
+use tower_service::Service;
+
+use crate::bindings::exports::snowgate::middleware::handler::{Action, Request as PluginRequest};
+use crate::call::CallError;
+use crate::gateway::config::FailurePolicy;
+use crate::gateway::metrics::{Metrics, Outcome};
+use crate::gateway::read_body::{read_limited, ReadBodyError};
+use crate::gateway::responses;
+use crate::gateway::slot::PluginSlot;
+
+/// The body type the inner service receives: the (possibly rewritten) body
+/// in memory, or the original body streaming through.
+pub type ForwardBody<B> = Either<Full<Bytes>, B>;
+
+/// The response body: the gateway's own answer, or the inner service's.
+pub type AnswerBody<B> = Either<Full<Bytes>, B>;
+
+/// Puts the serving plugin in front of a service.
+#[derive(Clone)]
+pub struct SnowgateLayer {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    slot: Arc<PluginSlot>,
+    metrics: Arc<Metrics>,
+    policy: FailurePolicy,
+    max_body_bytes: usize,
+}
+
+impl SnowgateLayer {
+    /// A layer that runs `slot`'s plugin on JSON requests, refuses bodies
+    /// over `max_body_bytes` with 413, and applies `policy` when the plugin
+    /// fails.
+    pub fn new(
+        slot: Arc<PluginSlot>,
+        metrics: Arc<Metrics>,
+        policy: FailurePolicy,
+        max_body_bytes: usize,
+    ) -> Self {
+        SnowgateLayer {
+            shared: Arc::new(Shared {
+                slot,
+                metrics,
+                policy,
+                max_body_bytes,
+            }),
+        }
+    }
+}
+
+impl<S> Layer<S> for SnowgateLayer {
+    type Service = Snowgate<S>;
+
+    fn layer(&self, inner: S) -> Snowgate<S> {
+        Snowgate {
+            inner,
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+/// The service [`SnowgateLayer`] makes.
+#[derive(Clone)]
+pub struct Snowgate<S> {
+    inner: S,
+    shared: Arc<Shared>,
+}
+
+impl<S, B, ResB: 'static> Service<Request<B>> for Snowgate<S>
+where
+    S: Service<Request<ForwardBody<B>>, Response = Response<ResB>> + Clone + Send + 'static,
+    S::Future: Send,
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: std::fmt::Display,
+{
+    type Response = Response<AnswerBody<ResB>>;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, S::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<B>) -> Self::Future {
+        // The clone that was driven to readiness serves this call.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let shared = self.shared.clone();
+        Box::pin(shared.handle(inner, request))
+    }
+}
+
+impl Shared {
+    async fn handle<S, B, ResB>(
+        self: Arc<Self>,
+        mut inner: S,
+        request: Request<B>,
+    ) -> Result<Response<AnswerBody<ResB>>, S::Error>
+    where
+        S: Service<Request<ForwardBody<B>>, Response = Response<ResB>>,
+        B: Body<Data = Bytes>,
+        B::Error: std::fmt::Display,
+    {
+        let own = |response: Response<Full<Bytes>>| Ok(response.map(Either::Left));
+        let declared = declared_length(request.headers());
+        if declared.is_some_and(|len| len > self.max_body_bytes as u64) {
+            self.metrics.request(Outcome::TooLarge);
+            return own(self.too_large());
+        }
+        if !is_json(request.headers()) {
+            self.metrics.request(Outcome::PassedThrough);
+            let response = inner.call(request.map(Either::Right)).await?;
+            return Ok(response.map(Either::Right));
+        }
+
+        let (mut parts, body) = request.into_parts();
+        let bytes = match read_limited(body, self.max_body_bytes).await {
+            Ok(bytes) => bytes,
+            Err(ReadBodyError::TooLarge) => {
+                self.metrics.request(Outcome::TooLarge);
+                return own(self.too_large());
+            }
+            Err(ReadBodyError::Failed(e)) => {
+                self.metrics.request(Outcome::ClientError);
+                let message = format!("the request body could not be read: {e}");
+                return own(responses::error(
+                    StatusCode::BAD_REQUEST,
+                    "body_read_error",
+                    &message,
+                ));
+            }
+        };
+        if bytes.is_empty() {
+            // Nothing to stamp (e.g. a GET that declares a JSON type).
+            self.metrics.request(Outcome::PassedThrough);
+            let response = inner
+                .call(Request::from_parts(parts, Either::Left(Full::new(bytes))))
+                .await?;
+            return Ok(response.map(Either::Right));
+        }
+
+        let plugin_request = PluginRequest {
+            method: parts.method.as_str().to_string(),
+            path: parts
+                .uri
+                .path_and_query()
+                .map_or("/", |p| p.as_str())
+                .to_string(),
+            headers: parts
+                .headers
+                .iter()
+                .map(|(n, v)| (n.as_str().to_string(), v.as_bytes().to_vec()))
+                .collect(),
+            body: bytes.to_vec(),
+        };
+        let plugin = self.slot.current();
+        let started = Instant::now();
+        // A call may take up to its deadline: never on an async worker.
+        let answer = tokio::task::spawn_blocking(move || plugin.handle(&plugin_request))
+            .await
+            .unwrap_or_else(|e| Err(CallError::Trap(format!("the plugin call task failed: {e}"))));
+        self.metrics.plugin_call(started.elapsed());
+
+        let forward_body = match answer {
+            Ok(Action::Forward) => {
+                self.metrics.request(Outcome::Forwarded);
+                bytes
+            }
+            Ok(Action::ForwardWithBody(new_body)) => {
+                self.metrics.request(Outcome::Rewritten);
+                parts.headers.remove(header::TRANSFER_ENCODING);
+                parts.headers.insert(
+                    header::CONTENT_LENGTH,
+                    header::HeaderValue::from(new_body.len()),
+                );
+                Bytes::from(new_body)
+            }
+            Ok(Action::Reject(r)) => {
+                self.metrics.request(Outcome::Rejected);
+                let status = StatusCode::from_u16(r.status).unwrap_or(StatusCode::BAD_REQUEST);
+                return own(responses::error(status, &r.code, &r.message));
+            }
+            Err(failure) => {
+                self.metrics.plugin_failure(failure.kind());
+                match self.policy {
+                    FailurePolicy::FailClosed => {
+                        tracing::warn!(error = %failure, "plugin failed; request refused (fail-closed)");
+                        self.metrics.request(Outcome::FailedClosed);
+                        let message = format!(
+                            "the request-id middleware failed, so the request was not forwarded: {failure}"
+                        );
+                        return own(responses::error(
+                            StatusCode::SERVICE_UNAVAILABLE,
+                            "middleware_failed",
+                            &message,
+                        ));
+                    }
+                    FailurePolicy::FailOpen => {
+                        tracing::warn!(error = %failure, "plugin failed; request forwarded unchanged (fail-open)");
+                        self.metrics.request(Outcome::FailedOpen);
+                        bytes
+                    }
+                }
+            }
+        };
+        let response = inner
+            .call(Request::from_parts(
+                parts,
+                Either::Left(Full::new(forward_body)),
+            ))
+            .await?;
+        Ok(response.map(Either::Right))
+    }
+
+    fn too_large(&self) -> Response<Full<Bytes>> {
+        let message = format!(
+            "the request body is larger than this gateway's limit of {} bytes",
+            self.max_body_bytes
+        );
+        responses::error(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", &message)
+    }
+}
+
+/// The `Content-Length` the client declared, if it is a number.
+fn declared_length(headers: &HeaderMap) -> Option<u64> {
+    headers
+        .get(header::CONTENT_LENGTH)?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// Whether the plugin should see this request: its body is declared JSON
+/// (`application/json`, `…+json`), or it has a body but no content type.
+fn is_json(headers: &HeaderMap) -> bool {
+    if declared_length(headers) == Some(0) {
+        return false;
+    }
+    match headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+    {
+        None => {
+            declared_length(headers).is_some() || headers.contains_key(header::TRANSFER_ENCODING)
+        }
+        Some(value) => {
+            let mime = value
+                .split(';')
+                .next()
+                .unwrap_or("")
+                .trim()
+                .to_ascii_lowercase();
+            mime == "application/json" || mime.ends_with("+json")
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(pairs: &[(&'static str, &'static str)]) -> HeaderMap {
+        pairs
+            .iter()
+            .map(|(n, v)| {
+                (
+                    header::HeaderName::from_static(n),
+                    header::HeaderValue::from_static(v),
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn json_content_types_go_through_the_plugin() {
+        assert!(is_json(&headers(&[("content-type", "application/json")])));
+        assert!(is_json(&headers(&[(
+            "content-type",
+            "Application/JSON; charset=utf-8"
+        )])));
+        assert!(is_json(&headers(&[(
+            "content-type",
+            "application/vnd.api+json"
+        )])));
+        assert!(is_json(&headers(&[("content-length", "12")])));
+        assert!(is_json(&headers(&[("transfer-encoding", "chunked")])));
+        assert!(
+            !is_json(&headers(&[])),
+            "a GET without a body passes through"
+        );
+        assert!(!is_json(&headers(&[("content-length", "0")])));
+        assert!(!is_json(&headers(&[
+            ("content-type", "application/json"),
+            ("content-length", "0")
+        ])));
+        assert!(!is_json(&headers(&[("content-type", "text/plain")])));
+        assert!(!is_json(&headers(&[(
+            "content-type",
+            "multipart/form-data; boundary=x"
+        )])));
+    }
+}

@@ -1,0 +1,144 @@
+//! The gateway: a reverse proxy with the plugin in its request path, hot
+//! plugin reloads, and an admin listener.
+//!
+//! A request enters in [`server`], passes the plugin in [`middleware`], and
+//! goes on to the [`upstream`]. The serving plugin lives in a [`slot`] that
+//! [`watch`] reloads; [`admin`] and [`metrics`] show what happens.
+
+pub mod admin;
+pub mod config;
+pub mod metrics;
+pub mod middleware;
+pub mod read_body;
+pub mod responses;
+pub mod server;
+pub mod slot;
+pub mod upstream;
+pub mod watch;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use tokio::net::TcpListener;
+
+pub use config::{ConfigFile, FailurePolicy, GatewayConfig};
+pub use metrics::{Metrics, Outcome};
+pub use middleware::{Snowgate, SnowgateLayer};
+pub use slot::{PluginSlot, ReloadError, Reloaded};
+pub use upstream::Upstream;
+
+use crate::clock::IdClock;
+use crate::engine::{HostServices, PluginEngine};
+use crate::identity::MachineIdentity;
+
+/// A gateway with its listeners bound, ready to serve.
+pub struct Gateway {
+    config: GatewayConfig,
+    listener: TcpListener,
+    admin_listener: TcpListener,
+    slot: Arc<PluginSlot>,
+    services: HostServices,
+    metrics: Arc<Metrics>,
+    upstream: Upstream,
+}
+
+impl Gateway {
+    /// Checks the configuration, loads the plugin and binds both listeners.
+    pub async fn bind(config: GatewayConfig) -> anyhow::Result<Gateway> {
+        let machine_id = config.machine_id.unwrap_or_else(|| {
+            tracing::warn!("no --machine-id given: using 0; every replica behind one router needs a distinct machine id");
+            0
+        });
+        let identity = MachineIdentity::fixed(config.layout, machine_id).context("--machine-id")?;
+        let services = HostServices {
+            clock: Arc::new(IdClock::system()),
+            identity: Arc::new(identity),
+        };
+        let engine = PluginEngine::new(services.clone(), config.plugin_limits)?;
+        let metrics = Arc::new(Metrics::default());
+        let settings = config
+            .plugin_settings
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        let slot = Arc::new(PluginSlot::load(
+            engine,
+            config.plugin.clone(),
+            settings,
+            metrics.clone(),
+        )?);
+        let upstream = match &config.upstream {
+            Some(url) => Upstream::http(url, metrics.clone())?,
+            None => Upstream::Echo,
+        };
+        let listener = TcpListener::bind(config.listen)
+            .await
+            .with_context(|| format!("listening on {}", config.listen))?;
+        let admin_listener = TcpListener::bind(config.admin_listen)
+            .await
+            .with_context(|| format!("listening for admin requests on {}", config.admin_listen))?;
+        Ok(Gateway {
+            config,
+            listener,
+            admin_listener,
+            slot,
+            services,
+            metrics,
+            upstream,
+        })
+    }
+
+    /// Where clients connect.
+    pub fn local_addr(&self) -> anyhow::Result<SocketAddr> {
+        self.listener
+            .local_addr()
+            .context("reading the listener's address")
+    }
+
+    /// Where the admin endpoints are.
+    pub fn admin_addr(&self) -> anyhow::Result<SocketAddr> {
+        self.admin_listener
+            .local_addr()
+            .context("reading the admin listener's address")
+    }
+
+    /// The serving plugin's slot.
+    pub fn slot(&self) -> &Arc<PluginSlot> {
+        &self.slot
+    }
+
+    /// Serves until `shutdown` resolves, then drains in-flight requests.
+    /// Reloads on plugin file changes, SIGHUP and `POST /reload`.
+    pub async fn serve(self, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+        let _watcher = watch::watch_plugin_file(self.slot.clone(), self.config.reload_debounce)?;
+        watch::reload_on_sighup(self.slot.clone())?;
+        let admin = Arc::new(admin::Admin {
+            slot: self.slot.clone(),
+            services: self.services.clone(),
+            upstream: self.upstream.describe(),
+            failure_policy: match self.config.failure_policy {
+                FailurePolicy::FailClosed => "fail-closed",
+                FailurePolicy::FailOpen => "fail-open",
+            },
+        });
+        let admin_task = tokio::spawn(admin.serve(self.admin_listener));
+        let layer = SnowgateLayer::new(
+            self.slot.clone(),
+            self.metrics.clone(),
+            self.config.failure_policy,
+            self.config.max_body_bytes,
+        );
+        server::serve(
+            self.listener,
+            layer,
+            self.upstream,
+            shutdown,
+            self.config.shutdown_grace,
+        )
+        .await;
+        admin_task.abort();
+        Ok(())
+    }
+}

@@ -1,0 +1,95 @@
+//! Reading a request body into memory, never past a limit.
+
+use bytes::{Bytes, BytesMut};
+use http_body::Body;
+use http_body_util::BodyExt;
+
+/// Why a body could not be read.
+#[derive(Debug)]
+pub enum ReadBodyError {
+    /// The body is longer than the limit; reading stopped there.
+    TooLarge,
+    /// The body stream failed (client went away, bad chunking, ...).
+    Failed(String),
+}
+
+/// Reads `body` whole, stopping with [`ReadBodyError::TooLarge`] as soon as
+/// more than `limit` bytes have arrived.
+pub async fn read_limited<B>(body: B, limit: usize) -> Result<Bytes, ReadBodyError>
+where
+    B: Body<Data = Bytes>,
+    B::Error: std::fmt::Display,
+{
+    let mut body = std::pin::pin!(body);
+    let mut first: Option<Bytes> = None;
+    let mut buffer = BytesMut::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| ReadBodyError::Failed(e.to_string()))?;
+        let Ok(data) = frame.into_data() else {
+            continue;
+        }; // trailers
+        let so_far = first.as_ref().map_or(0, Bytes::len) + buffer.len();
+        if so_far + data.len() > limit {
+            return Err(ReadBodyError::TooLarge);
+        }
+        // One chunk (the usual case for small bodies) needs no copy.
+        match first.take() {
+            None if buffer.is_empty() => first = Some(data),
+            None => buffer.extend_from_slice(&data),
+            Some(chunk) => {
+                buffer.reserve(chunk.len() + data.len());
+                buffer.extend_from_slice(&chunk);
+                buffer.extend_from_slice(&data);
+            }
+        }
+    }
+    Ok(first.unwrap_or_else(|| buffer.freeze()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::Full;
+    use std::collections::VecDeque;
+    use std::pin::Pin;
+    use std::task::{Context, Poll};
+
+    /// A body that yields the given chunks one frame at a time.
+    struct Chunks(VecDeque<&'static [u8]>);
+
+    impl Body for Chunks {
+        type Data = Bytes;
+        type Error = std::convert::Infallible;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+            Poll::Ready(
+                self.0
+                    .pop_front()
+                    .map(|c| Ok(http_body::Frame::data(Bytes::from_static(c)))),
+            )
+        }
+    }
+
+    fn chunks(parts: &[&'static [u8]]) -> Chunks {
+        Chunks(parts.iter().copied().collect())
+    }
+
+    #[tokio::test]
+    async fn reads_chunks_up_to_the_limit_and_refuses_beyond() {
+        let whole = read_limited(chunks(&[b"ab", b"cd", b"e"]), 5)
+            .await
+            .expect("within the limit");
+        assert_eq!(&whole[..], b"abcde");
+        assert!(matches!(
+            read_limited(chunks(&[b"ab", b"cd", b"ef"]), 5).await,
+            Err(ReadBodyError::TooLarge)
+        ));
+        let one = read_limited(Full::new(Bytes::from_static(b"{}")), 2)
+            .await
+            .expect("one chunk");
+        assert_eq!(&one[..], b"{}");
+    }
+}

@@ -1,0 +1,195 @@
+//! The plugin that serves now, and how a new build replaces it: compiled
+//! off the request path, checked, then swapped in atomically.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::SystemTime;
+
+use anyhow::Context as _;
+use arc_swap::ArcSwap;
+
+use crate::bindings::exports::snowgate::middleware::handler::{Action, Request};
+use crate::engine::PluginEngine;
+use crate::gateway::metrics::Metrics;
+use crate::plugin::{hex_sha256, Plugin};
+
+/// The body of the canned request every new build must stamp before it
+/// may serve.
+const SELF_CHECK_BODY: &[u8] =
+    br#"{"model":"snowgate-self-check","prompt":"","max_tokens":1,"disaggregated_params":{"request_type":"context_only"}}"#;
+
+/// A failed reload, as `/status` shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReloadError {
+    /// What went wrong, naming the file.
+    pub message: String,
+    /// When.
+    pub at: SystemTime,
+}
+
+/// What a reload did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reloaded {
+    /// A new build now serves; its SHA-256.
+    Swapped(String),
+    /// The file holds the build that already serves; nothing changed.
+    Unchanged,
+}
+
+/// Holds the serving plugin. Requests take an `Arc` of it, so a request that
+/// started on the old build finishes on it while new requests use the new
+/// one.
+pub struct PluginSlot {
+    current: ArcSwap<Plugin>,
+    engine: PluginEngine,
+    source: Option<PathBuf>,
+    settings: Vec<(String, String)>,
+    metrics: Arc<Metrics>,
+    last_error: Mutex<Option<ReloadError>>,
+    /// One reload at a time.
+    reloading: tokio::sync::Mutex<()>,
+}
+
+impl PluginSlot {
+    /// Loads the first plugin: from `source`, or the bundled one. A bad
+    /// first plugin is an error: the gateway does not start without one.
+    pub fn load(
+        engine: PluginEngine,
+        source: Option<PathBuf>,
+        settings: Vec<(String, String)>,
+        metrics: Arc<Metrics>,
+    ) -> anyhow::Result<PluginSlot> {
+        let plugin = match &source {
+            Some(path) => {
+                let bytes = std::fs::read(path)
+                    .with_context(|| format!("reading the plugin {}", path.display()))?;
+                load_checked(&engine, &bytes, &settings)
+                    .with_context(|| format!("loading the plugin {}", path.display()))?
+            }
+            None => load_checked(&engine, snowgate_plugin_bundle::PLUGIN_WASM, &settings)
+                .context("loading the bundled plugin")?,
+        };
+        Ok(PluginSlot {
+            current: ArcSwap::from_pointee(plugin),
+            engine,
+            source,
+            settings,
+            metrics,
+            last_error: Mutex::new(None),
+            reloading: tokio::sync::Mutex::new(()),
+        })
+    }
+
+    /// The plugin serving now.
+    pub fn current(&self) -> Arc<Plugin> {
+        self.current.load_full()
+    }
+
+    /// The file the plugin is loaded from (`None`: bundled).
+    pub fn source(&self) -> Option<&Path> {
+        self.source.as_deref()
+    }
+
+    /// The last reload failure since the last success, if any.
+    pub fn last_error(&self) -> Option<ReloadError> {
+        self.last_error
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// The metrics reloads are counted in.
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    /// Reads the plugin file again and, if it holds a new build that loads
+    /// and passes the self-check, swaps it in. On any failure the old build
+    /// keeps serving and the error is recorded for `/status`.
+    pub async fn reload(&self) -> Result<Reloaded, String> {
+        let _one_at_a_time = self.reloading.lock().await;
+        let Some(path) = self.source.clone() else {
+            return Err(
+                "the bundled plugin has no file to reload from; start with --plugin PATH"
+                    .to_string(),
+            );
+        };
+        let engine = self.engine.clone();
+        let settings = self.settings.clone();
+        let current_sha = self.current().info().sha256.clone();
+        // Reading and compiling take milliseconds: keep them off the
+        // request threads.
+        let outcome = tokio::task::spawn_blocking(move || -> anyhow::Result<Option<Plugin>> {
+            let bytes = std::fs::read(&path)
+                .with_context(|| format!("reading the plugin {}", path.display()))?;
+            if hex_sha256(&bytes) == current_sha {
+                return Ok(None);
+            }
+            let plugin = load_checked(&engine, &bytes, &settings)
+                .with_context(|| format!("loading the plugin {}", path.display()))?;
+            Ok(Some(plugin))
+        })
+        .await
+        .map_err(|e| anyhow::anyhow!("the reload task failed: {e}"))
+        .and_then(|r| r);
+        match outcome {
+            Ok(Some(plugin)) => {
+                let sha = plugin.info().sha256.clone();
+                self.current.store(Arc::new(plugin));
+                *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = None;
+                self.metrics.reload(true);
+                tracing::info!(sha256 = %sha, "plugin reloaded");
+                Ok(Reloaded::Swapped(sha))
+            }
+            Ok(None) => Ok(Reloaded::Unchanged),
+            Err(e) => {
+                let message = format!("{e:#}");
+                tracing::error!(error = %message, "plugin reload failed; the previous build keeps serving");
+                *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(ReloadError {
+                    message: message.clone(),
+                    at: SystemTime::now(),
+                });
+                self.metrics.reload(false);
+                Err(message)
+            }
+        }
+    }
+}
+
+/// Loads a plugin and runs the self-check: a canned context-only request
+/// must come back with an integer `disagg_request_id` (or, while the host
+/// holds no machine id, a 503 rejection that says so).
+pub fn load_checked(
+    engine: &PluginEngine,
+    bytes: &[u8],
+    settings: &[(String, String)],
+) -> anyhow::Result<Plugin> {
+    let plugin = Plugin::load(engine, bytes, settings)?;
+    let request = Request {
+        method: "POST".into(),
+        path: "/v1/completions".into(),
+        headers: vec![("content-type".into(), b"application/json".to_vec())],
+        body: SELF_CHECK_BODY.to_vec(),
+    };
+    let action = plugin
+        .handle(&request)
+        .context("self-check: the plugin failed on a canned context-only request")?;
+    match action {
+        Action::ForwardWithBody(body) => {
+            let value: serde_json::Value = serde_json::from_slice(&body)
+                .context("self-check: the plugin answered a body that is not JSON")?;
+            if !value["disaggregated_params"]["disagg_request_id"].is_u64() {
+                anyhow::bail!("self-check: the plugin did not stamp an integer disagg_request_id on a context-only request");
+            }
+        }
+        Action::Reject(r) if r.status == 503 && engine.services().identity.current().is_err() => {}
+        Action::Forward => {
+            anyhow::bail!("self-check: the plugin forwarded a context-only request without an id")
+        }
+        Action::Reject(r) => anyhow::bail!(
+            "self-check: the plugin rejected a valid context-only request: {}",
+            r.message
+        ),
+    }
+    Ok(plugin)
+}

@@ -1,0 +1,285 @@
+//! Where requests go after the middleware: a real upstream over a pooled
+//! keep-alive client, or the built-in echo upstream.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use anyhow::Context as _;
+use bytes::Bytes;
+use http::header::{self, HeaderMap, HeaderName};
+use http::{Request, Response, StatusCode, Uri};
+use http_body::Body;
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use tower_service::Service;
+
+use crate::gateway::metrics::Metrics;
+use crate::gateway::read_body::read_limited;
+use crate::gateway::responses;
+
+/// Any error a body may carry.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// A response body: streamed from the upstream, or made here.
+pub type UpstreamBody = BoxBody<Bytes, BoxError>;
+
+/// The largest body the echo upstream reads back.
+const ECHO_MAX_BODY: usize = 64 << 20;
+
+/// Headers that describe one connection, not the message: a proxy must not
+/// forward them (RFC 9110 section 7.6.1).
+const HOP_BY_HOP: [HeaderName; 8] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+];
+
+/// The service behind the middleware.
+#[derive(Clone)]
+pub enum Upstream {
+    /// An HTTP server at a base URL.
+    Http(Arc<HttpUpstream>),
+    /// Answers every request with a JSON description of it, body included.
+    Echo,
+}
+
+/// A real upstream: base URL and a keep-alive connection pool.
+pub struct HttpUpstream {
+    base: Uri,
+    metrics: Arc<Metrics>,
+    client: Client<HttpConnector, BoxBody<Bytes, BoxError>>,
+}
+
+impl Upstream {
+    /// An upstream at `url` (`http://host:port[/prefix]`); failures to reach
+    /// it are counted in `metrics`.
+    pub fn http(url: &str, metrics: Arc<Metrics>) -> anyhow::Result<Upstream> {
+        let base: Uri = url
+            .parse()
+            .with_context(|| format!("--upstream {url:?} is not a URL"))?;
+        match base.scheme_str() {
+            Some("http") => {}
+            Some(other) => {
+                anyhow::bail!("--upstream {url:?}: scheme {other} is not supported; use http://")
+            }
+            None => anyhow::bail!("--upstream {url:?} needs a scheme, e.g. http://{url}"),
+        }
+        anyhow::ensure!(
+            base.authority().is_some(),
+            "--upstream {url:?} needs a host, e.g. http://127.0.0.1:8000"
+        );
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        let client = Client::builder(TokioExecutor::new()).build(connector);
+        Ok(Upstream::Http(Arc::new(HttpUpstream {
+            base,
+            metrics,
+            client,
+        })))
+    }
+
+    /// A short description for logs and `/status`.
+    pub fn describe(&self) -> String {
+        match self {
+            Upstream::Http(http) => http.base.to_string(),
+            Upstream::Echo => "built-in echo".to_string(),
+        }
+    }
+}
+
+impl<B> Service<Request<B>> for Upstream
+where
+    B: Body<Data = Bytes> + Send + Sync + 'static,
+    B::Error: Into<BoxError>,
+{
+    type Response = Response<UpstreamBody>;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: Request<B>) -> Self::Future {
+        // Boxed here, outside the futures, so they are not generic over B.
+        let request = request.map(|body| body.map_err(Into::into).boxed());
+        match self {
+            Upstream::Http(http) => {
+                let http = http.clone();
+                Box::pin(async move { Ok(http.forward(request).await) })
+            }
+            Upstream::Echo => Box::pin(async move { Ok(echo(request).await) }),
+        }
+    }
+}
+
+impl HttpUpstream {
+    async fn forward(&self, request: Request<UpstreamBody>) -> Response<UpstreamBody> {
+        let (mut parts, body) = request.into_parts();
+        parts.uri = match self.target(&parts.uri) {
+            Ok(uri) => uri,
+            Err(e) => return own(responses::error(StatusCode::BAD_REQUEST, "bad_path", &e)),
+        };
+        strip_hop_by_hop(&mut parts.headers);
+        // The client sets Host from the upstream URL, as proxies usually do.
+        parts.headers.remove(header::HOST);
+        parts.version = http::Version::HTTP_11;
+        let request = Request::from_parts(parts, body);
+        match self.client.request(request).await {
+            Ok(response) => {
+                let (mut parts, body) = response.into_parts();
+                strip_hop_by_hop(&mut parts.headers);
+                // Streamed as it arrives: server-sent events are not buffered.
+                Response::from_parts(parts, body.map_err(|e| Box::new(e) as BoxError).boxed())
+            }
+            Err(e) => {
+                tracing::warn!(upstream = %self.base, error = %e, "upstream request failed");
+                self.metrics.upstream_error();
+                let message = format!("the upstream {} could not be reached: {e}", self.base);
+                own(responses::error(
+                    StatusCode::BAD_GATEWAY,
+                    "upstream_unreachable",
+                    &message,
+                ))
+            }
+        }
+    }
+
+    /// The upstream URL for a request's path and query.
+    fn target(&self, uri: &Uri) -> Result<Uri, String> {
+        let prefix = self.base.path().trim_end_matches('/');
+        let path_and_query = uri.path_and_query().map_or("/", |p| p.as_str());
+        Uri::builder()
+            .scheme(self.base.scheme_str().unwrap_or("http"))
+            .authority(self.base.authority().map_or("", |a| a.as_str()))
+            .path_and_query(format!("{prefix}{path_and_query}"))
+            .build()
+            .map_err(|e| format!("the request path {path_and_query:?} cannot be forwarded: {e}"))
+    }
+}
+
+/// Removes hop-by-hop headers, including those the `Connection` header names.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .collect();
+    for name in named.iter().chain(HOP_BY_HOP.iter()) {
+        headers.remove(name);
+    }
+    // `Upgrade` goes only with a `Connection: upgrade`, which was just removed.
+    headers.remove(header::UPGRADE);
+}
+
+fn own(response: Response<Full<Bytes>>) -> Response<UpstreamBody> {
+    response.map(|body| body.map_err(|never| match never {}).boxed())
+}
+
+/// The built-in echo upstream: answers with the request it received, as
+/// `{"method":…,"path":…,"headers":{…},"body":…}`. A JSON body is embedded
+/// byte for byte; any other body as a string.
+async fn echo(request: Request<UpstreamBody>) -> Response<UpstreamBody> {
+    let (parts, body) = request.into_parts();
+    let body = match read_limited(body, ECHO_MAX_BODY).await {
+        Ok(bytes) => bytes,
+        Err(e) => {
+            let message = format!("the echo upstream could not read the body: {e:?}");
+            return own(responses::error(
+                StatusCode::BAD_REQUEST,
+                "body_read_error",
+                &message,
+            ));
+        }
+    };
+    let headers: serde_json::Map<String, serde_json::Value> = parts
+        .headers
+        .iter()
+        .map(|(n, v)| {
+            (
+                n.as_str().to_string(),
+                String::from_utf8_lossy(v.as_bytes()).into_owned().into(),
+            )
+        })
+        .collect();
+    let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+    let head = format!(
+        "{{\"method\":{},\"path\":{},\"headers\":{},\"body\":",
+        serde_json::Value::from(parts.method.as_str()),
+        serde_json::Value::from(path),
+        serde_json::Value::Object(headers)
+    );
+    let mut out = Vec::with_capacity(head.len() + body.len() + 16);
+    out.extend_from_slice(head.as_bytes());
+    if body.is_empty() {
+        out.extend_from_slice(b"null");
+    } else if serde_json::from_slice::<serde::de::IgnoredAny>(&body).is_ok() {
+        out.extend_from_slice(&body);
+    } else {
+        let text =
+            serde_json::Value::String(String::from_utf8_lossy(&body).into_owned()).to_string();
+        out.extend_from_slice(text.as_bytes());
+    }
+    out.extend_from_slice(b"}\n");
+    let mut response = Response::new(Full::new(Bytes::from(out)));
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("application/json"),
+    );
+    own(response)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strips_hop_by_hop_headers_and_those_connection_names() {
+        let mut headers = HeaderMap::new();
+        headers.insert(header::CONNECTION, "keep-alive, x-secret".parse().unwrap());
+        headers.insert("keep-alive", "timeout=5".parse().unwrap());
+        headers.insert("x-secret", "1".parse().unwrap());
+        headers.insert(header::TRANSFER_ENCODING, "chunked".parse().unwrap());
+        headers.insert(header::AUTHORIZATION, "Bearer t".parse().unwrap());
+        headers.insert(header::CONTENT_TYPE, "application/json".parse().unwrap());
+        strip_hop_by_hop(&mut headers);
+        let left: Vec<&str> = headers.keys().map(|k| k.as_str()).collect();
+        assert_eq!(left, ["authorization", "content-type"]);
+    }
+
+    #[test]
+    fn joins_the_base_prefix_and_the_request_path() {
+        let Ok(Upstream::Http(http)) =
+            Upstream::http("http://127.0.0.1:9000/api/", Default::default())
+        else {
+            panic!("a valid upstream URL")
+        };
+        let uri = http
+            .target(&"/v1/completions?x=1".parse().unwrap())
+            .unwrap();
+        assert_eq!(
+            uri.to_string(),
+            "http://127.0.0.1:9000/api/v1/completions?x=1"
+        );
+    }
+
+    #[test]
+    fn refuses_urls_it_cannot_use() {
+        assert!(Upstream::http("https://example.test", Default::default())
+            .is_err_and(|e| e.to_string().contains("use http://")));
+        assert!(Upstream::http("127.0.0.1:8000", Default::default()).is_err());
+    }
+}
