@@ -4,7 +4,7 @@
 //! passes through untouched.
 //!
 //! # Example
-//! Adding snowgate in front of any hyper/tower service:
+//! Adding snowgate in front of any tower service:
 //! ```
 //! use std::sync::Arc;
 //! use bytes::Bytes;
@@ -12,8 +12,7 @@
 //! use snowgate_host::gateway::{FailurePolicy, Metrics, PluginSlot, SnowgateLayer};
 //! use snowgate_host::{HostServices, IdClock, MachineIdentity, PluginEngine, PluginLimits};
 //! use snowgate_plugin::SnowflakeLayout;
-//! use tower_layer::Layer;
-//! use tower_service::Service;
+//! use tower::{service_fn, Layer, ServiceExt};
 //!
 //! # #[tokio::main(flavor = "multi_thread")]
 //! # async fn main() -> anyhow::Result<()> {
@@ -26,29 +25,20 @@
 //! let slot = Arc::new(PluginSlot::load(engine, None, Vec::new(), metrics.clone())?);
 //! let layer = SnowgateLayer::new(slot, metrics, FailurePolicy::FailClosed, 32 << 20);
 //!
-//! // The inner service: here, one that answers with the body it was given.
-//! let inner = tower_service_fn(|request: http::Request<Either<Full<Bytes>, Full<Bytes>>>| async move {
-//!     let body = request.into_body().collect().await.expect("in-memory body").to_bytes();
-//!     Ok::<_, std::convert::Infallible>(http::Response::new(Full::new(body)))
+//! // Your service; here one that answers with the body it was given.
+//! let app = service_fn(|request: http::Request<Either<Full<Bytes>, Full<Bytes>>>| async move {
+//!     let body = request.into_body().collect().await?.to_bytes();
+//!     Ok::<_, Box<dyn std::error::Error + Send + Sync>>(http::Response::new(Full::new(body)))
 //! });
-//! let mut service = layer.layer(inner);
+//! let service = layer.layer(app);
 //!
 //! let request = http::Request::post("/v1/completions")
 //!     .header("content-type", "application/json")
 //!     .body(Full::new(Bytes::from_static(br#"{"disaggregated_params":{"request_type":"context_only"}}"#)))?;
-//! let response = service.call(request).await?;
-//! let body = response.into_body().collect().await?.to_bytes();
+//! let response = service.oneshot(request).await.map_err(|e| anyhow::anyhow!(e))?;
+//! let body = response.into_body().collect().await.map_err(|e| anyhow::anyhow!(e))?.to_bytes();
 //! assert!(std::str::from_utf8(&body)?.contains("\"disagg_request_id\":"));
 //! # Ok(())
-//! # }
-//! # fn tower_service_fn<F, Fut, Req, Res, E>(f: F) -> ServiceFn<F>
-//! # where F: FnMut(Req) -> Fut, Fut: std::future::Future<Output = Result<Res, E>> { ServiceFn(f) }
-//! # #[derive(Clone)] struct ServiceFn<F>(F);
-//! # impl<F, Fut, Req, Res, E> Service<Req> for ServiceFn<F>
-//! # where F: FnMut(Req) -> Fut, Fut: std::future::Future<Output = Result<Res, E>> {
-//! #     type Response = Res; type Error = E; type Future = Fut;
-//! #     fn poll_ready(&mut self, _: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), E>> { std::task::Poll::Ready(Ok(())) }
-//! #     fn call(&mut self, req: Req) -> Fut { (self.0)(req) }
 //! # }
 //! ```
 
