@@ -25,6 +25,8 @@ pub struct Admin {
     pub upstream: String,
     /// The failure policy, for `/status`.
     pub failure_policy: &'static str,
+    /// When set, every request must carry `Authorization: Bearer <token>`.
+    pub token: Option<String>,
 }
 
 impl Admin {
@@ -48,6 +50,18 @@ impl Admin {
     }
 
     async fn route(&self, request: Request<Incoming>) -> Response<Full<Bytes>> {
+        if !self.authorized(&request) {
+            let mut response = responses::error(
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                "this admin endpoint needs the header Authorization: Bearer <admin token>",
+            );
+            response.headers_mut().insert(
+                header::WWW_AUTHENTICATE,
+                header::HeaderValue::from_static("Bearer"),
+            );
+            return response;
+        }
         match (request.method(), request.uri().path()) {
             (&Method::GET, "/healthz") => text(StatusCode::OK, "text/plain", "ok\n".to_string()),
             (&Method::GET, "/status") => text(
@@ -85,6 +99,20 @@ impl Admin {
         }
     }
 
+    /// Whether the request carries the admin token (or none is needed).
+    fn authorized(&self, request: &Request<Incoming>) -> bool {
+        let Some(token) = self.token.as_deref() else {
+            return true;
+        };
+        let presented = request
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .unwrap_or("");
+        constant_time_eq(presented.as_bytes(), token.as_bytes())
+    }
+
     /// The `/status` document.
     pub fn status(&self) -> serde_json::Value {
         let plugin = self.slot.current();
@@ -119,6 +147,12 @@ impl Admin {
     }
 }
 
+/// Compares without an early exit, so response time does not reveal how
+/// much of a guessed token was right.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
 fn text(status: StatusCode, content_type: &'static str, body: String) -> Response<Full<Bytes>> {
     let mut response = Response::new(Full::new(Bytes::from(body)));
     *response.status_mut() = status;
@@ -127,4 +161,14 @@ fn text(status: StatusCode, content_type: &'static str, body: String) -> Respons
         header::HeaderValue::from_static(content_type),
     );
     response
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn token_comparison_needs_every_byte() {
+        assert!(super::constant_time_eq(b"abc", b"abc"));
+        assert!(!super::constant_time_eq(b"abc", b"abd"));
+        assert!(!super::constant_time_eq(b"abc", b"ab"));
+    }
 }

@@ -66,6 +66,34 @@ pub struct GatewayConfig {
     pub shutdown_grace: Duration,
     /// Quiet time after the last change to the plugin file before reloading.
     pub reload_debounce: Duration,
+    /// Limits on client connections.
+    pub connections: ConnectionLimits,
+    /// Bearer token every admin request must carry; required when the
+    /// admin listener is not on a loopback address.
+    pub admin_token: Option<String>,
+}
+
+/// Limits that keep slow, huge or idle clients from starving others.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnectionLimits {
+    /// A client must send a request's complete headers within this time
+    /// (also bounds how long an idle keep-alive connection is held).
+    pub header_read_timeout: Duration,
+    /// The largest request head (request line and headers) accepted, in
+    /// bytes; larger heads get 431. At least 8192.
+    pub max_header_bytes: usize,
+    /// Client connections served at once; more wait in the listen backlog.
+    pub max_connections: usize,
+}
+
+impl Default for ConnectionLimits {
+    fn default() -> Self {
+        ConnectionLimits {
+            header_read_timeout: Duration::from_secs(10),
+            max_header_bytes: 64 << 10,
+            max_connections: 4096,
+        }
+    }
 }
 
 impl Default for GatewayConfig {
@@ -83,6 +111,8 @@ impl Default for GatewayConfig {
             plugin_limits: PluginLimits::default(),
             shutdown_grace: Duration::from_secs(30),
             reload_debounce: Duration::from_millis(200),
+            connections: ConnectionLimits::default(),
+            admin_token: None,
         }
     }
 }
@@ -117,6 +147,14 @@ pub struct ConfigFile {
     pub shutdown_grace_secs: Option<u64>,
     /// Reload debounce in milliseconds.
     pub reload_debounce_ms: Option<u64>,
+    /// See [`ConnectionLimits::header_read_timeout`], in milliseconds.
+    pub header_read_timeout_ms: Option<u64>,
+    /// See [`ConnectionLimits::max_header_bytes`].
+    pub max_header_bytes: Option<usize>,
+    /// See [`ConnectionLimits::max_connections`].
+    pub max_connections: Option<usize>,
+    /// See [`GatewayConfig::admin_token`].
+    pub admin_token: Option<String>,
 }
 
 impl ConfigFile {
@@ -125,6 +163,21 @@ impl ConfigFile {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("reading the config file {}", path.display()))?;
         toml::from_str(&text).with_context(|| format!("parsing the config file {}", path.display()))
+    }
+
+    /// Checks settings that only make sense together: an admin listener
+    /// reachable from other hosts must be protected by a token.
+    pub fn check(config: &GatewayConfig) -> anyhow::Result<()> {
+        if !config.admin_listen.ip().is_loopback()
+            && config.admin_token.as_deref().is_none_or(str::is_empty)
+        {
+            anyhow::bail!(
+                "the admin listener {} is not on a loopback address, so it needs a bearer token: \
+                 set --admin-token or SNOWGATE_ADMIN_TOKEN, or listen on 127.0.0.1",
+                config.admin_listen
+            );
+        }
+        Ok(())
     }
 
     /// Lays this file's settings over `config`.
@@ -165,6 +218,23 @@ impl ConfigFile {
         if let Some(ms) = self.reload_debounce_ms {
             config.reload_debounce = Duration::from_millis(ms);
         }
+        if let Some(ms) = self.header_read_timeout_ms {
+            config.connections.header_read_timeout = Duration::from_millis(ms);
+        }
+        if let Some(bytes) = self.max_header_bytes {
+            anyhow::ensure!(
+                bytes >= 8192,
+                "max-header-bytes must be at least 8192, not {bytes}"
+            );
+            config.connections.max_header_bytes = bytes;
+        }
+        if let Some(n) = self.max_connections {
+            anyhow::ensure!(n > 0, "max-connections must be at least 1");
+            config.connections.max_connections = n;
+        }
+        if self.admin_token.is_some() {
+            config.admin_token = self.admin_token;
+        }
         Ok(())
     }
 }
@@ -202,6 +272,19 @@ mod tests {
             Some("yes")
         );
         assert_eq!(config.max_body_bytes, 32 << 20);
+    }
+
+    #[test]
+    fn an_exposed_admin_listener_needs_a_token() {
+        let mut config = GatewayConfig {
+            admin_listen: "0.0.0.0:9901".parse().unwrap(),
+            ..Default::default()
+        };
+        let err = ConfigFile::check(&config).unwrap_err().to_string();
+        assert!(err.contains("--admin-token"), "{err}");
+        config.admin_token = Some("s3cret".into());
+        assert!(ConfigFile::check(&config).is_ok());
+        assert!(ConfigFile::check(&GatewayConfig::default()).is_ok());
     }
 
     #[test]

@@ -23,7 +23,7 @@ use std::sync::Arc;
 use anyhow::Context as _;
 use tokio::net::TcpListener;
 
-pub use config::{ConfigFile, FailurePolicy, GatewayConfig};
+pub use config::{ConfigFile, ConnectionLimits, FailurePolicy, GatewayConfig};
 pub use metrics::{Metrics, Outcome};
 pub use middleware::{Snowgate, SnowgateLayer};
 pub use slot::{PluginSlot, ReloadError, Reloaded};
@@ -47,6 +47,7 @@ pub struct Gateway {
 impl Gateway {
     /// Checks the configuration, loads the plugin and binds both listeners.
     pub async fn bind(config: GatewayConfig) -> anyhow::Result<Gateway> {
+        ConfigFile::check(&config)?;
         let machine_id = config.machine_id.unwrap_or_else(|| {
             tracing::warn!("no --machine-id given: using 0; every replica behind one router needs a distinct machine id");
             0
@@ -118,6 +119,7 @@ impl Gateway {
             slot: self.slot.clone(),
             services: self.services.clone(),
             upstream: self.upstream.describe(),
+            token: self.config.admin_token.clone(),
             failure_policy: match self.config.failure_policy {
                 FailurePolicy::FailClosed => "fail-closed",
                 FailurePolicy::FailOpen => "fail-open",
@@ -134,6 +136,7 @@ impl Gateway {
             self.listener,
             layer,
             self.upstream,
+            self.config.connections,
             shutdown,
             self.config.shutdown_grace,
         )

@@ -11,13 +11,17 @@ use http_body_util::combinators::BoxBody;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper::Request;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use std::sync::Arc;
+
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
 use tower_layer::Layer;
 use tower_service::Service;
 
+use crate::gateway::config::ConnectionLimits;
 use crate::gateway::middleware::SnowgateLayer;
 use crate::gateway::upstream::Upstream;
 
@@ -30,14 +34,34 @@ pub async fn serve(
     listener: TcpListener,
     layer: SnowgateLayer,
     upstream: Upstream,
+    limits: ConnectionLimits,
     shutdown: impl Future<Output = ()>,
     grace: Duration,
 ) {
     let service = layer.layer(upstream);
-    let builder = auto::Builder::new(TokioExecutor::new());
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout)
+        .max_buf_size(limits.max_header_bytes.max(8192));
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX));
+    let slots = Arc::new(Semaphore::new(limits.max_connections));
     let graceful = GracefulShutdown::new();
     tokio::pin!(shutdown);
     loop {
+        // At the connection limit, stop accepting: new clients wait in the
+        // kernel's backlog until a connection ends.
+        let permit = tokio::select! {
+            permit = slots.clone().acquire_owned() => match permit {
+                Ok(permit) => permit,
+                Err(_closed) => break,
+            },
+            () = &mut shutdown => break,
+        };
         let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok(accepted) => accepted,
@@ -62,14 +86,27 @@ pub async fn serve(
                 )
             }
         });
-        let connection = builder
-            .serve_connection(TokioIo::new(stream), per_request)
-            .into_owned();
-        let connection = graceful.watch(connection);
+        let builder = builder.clone();
+        let watcher = graceful.watcher();
+        let first_byte_timeout = limits.header_read_timeout;
         tokio::spawn(async move {
-            if let Err(e) = connection.await {
+            // hyper times a request head out only once it has begun: a
+            // connection that sends nothing at all is closed here.
+            let mut probe = [0u8; 1];
+            match tokio::time::timeout(first_byte_timeout, stream.peek(&mut probe)).await {
+                Ok(Ok(n)) if n > 0 => {}
+                _ => {
+                    tracing::debug!(%peer, "closed a connection that sent nothing");
+                    return;
+                }
+            }
+            let connection = builder
+                .serve_connection(TokioIo::new(stream), per_request)
+                .into_owned();
+            if let Err(e) = watcher.watch(connection).await {
                 tracing::debug!(%peer, error = %e, "client connection ended with an error");
             }
+            drop(permit);
         });
     }
     drop(listener);

@@ -66,6 +66,28 @@ pub struct ServeArgs {
     /// milliseconds [default: 200].
     #[arg(long, value_name = "MS")]
     reload_debounce_ms: Option<u64>,
+    /// A client must send complete request headers within this time, in
+    /// milliseconds; also how long an idle keep-alive connection is kept
+    /// [default: 10000].
+    #[arg(long, value_name = "MS")]
+    header_read_timeout_ms: Option<u64>,
+    /// Largest request head (request line plus headers) in bytes; larger
+    /// ones get 431 [default: 65536, at least 8192].
+    #[arg(long, value_name = "BYTES")]
+    max_header_bytes: Option<usize>,
+    /// Client connections served at once; more wait in the listen backlog
+    /// [default: 4096].
+    #[arg(long, value_name = "N")]
+    max_connections: Option<usize>,
+    /// Bearer token the admin endpoints require; required when
+    /// --admin-listen is not a loopback address.
+    #[arg(
+        long,
+        env = "SNOWGATE_ADMIN_TOKEN",
+        value_name = "TOKEN",
+        hide_env_values = true
+    )]
+    admin_token: Option<String>,
 }
 
 fn parse_setting(s: &str) -> Result<(String, String), String> {
@@ -95,6 +117,10 @@ impl ServeArgs {
             plugin_deadline_ms: self.plugin_deadline_ms,
             shutdown_grace_secs: self.shutdown_grace_secs,
             reload_debounce_ms: self.reload_debounce_ms,
+            header_read_timeout_ms: self.header_read_timeout_ms,
+            max_header_bytes: self.max_header_bytes,
+            max_connections: self.max_connections,
+            admin_token: self.admin_token,
         };
         flags.apply(&mut config)?;
         config.plugin_settings.extend(self.plugin_settings);
