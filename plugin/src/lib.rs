@@ -42,7 +42,7 @@ pub mod handler;
 pub mod layout;
 pub mod stamp;
 
-#[cfg(target_arch = "wasm32")]
+#[cfg(all(target_arch = "wasm32", feature = "component"))]
 mod guest;
 
 pub use body::{find_edits, BodyError, Edit, MAX_NESTING_DEPTH};
