@@ -43,6 +43,9 @@ pub fn build_component(
         .env_remove("CARGO_ENCODED_RUSTFLAGS")
         .env_remove("RUSTFLAGS")
         .env_remove("CARGO_BUILD_RUSTFLAGS")
+        // `cargo clippy` wraps rustc; the guest is linted on its own.
+        .env_remove("RUSTC_WORKSPACE_WRAPPER")
+        .env_remove("RUSTC_WRAPPER")
         // A small, fast guest: no debug info, one codegen unit, LTO.
         .env("CARGO_PROFILE_RELEASE_DEBUG", "false")
         .env("CARGO_PROFILE_RELEASE_STRIP", "debuginfo")

@@ -1,0 +1,340 @@
+//! The real `snowgate` binary, run as an operator runs it.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+/// 2025-11-24T16:00:00Z in milliseconds since the Unix epoch.
+const MILLIS: &str = "1764000000000";
+/// The trtllm-v1 id of machine 7 at `MILLIS`, sequence 0:
+/// `((1764000000000 << 22) | (7 << 12) | 0) % (2^63 - 1 - 2^42) + 2^42`.
+const FIRST_ID_V1: u64 = 7_398_756_654_046_539_776;
+/// The trtllm-v2 id of machine 16383 (node 255, process 63) at `MILLIS`,
+/// sequence 0: the timestamp masked to 39 bits is 114732558336, and
+/// `((114732558336 << 24) | (255 << 16) | (63 << 10) | 0) % (2^63 - 1 - 2^40) + 2^40`.
+const FIRST_ID_V2: u64 = 1_924_894_012_964_076_544;
+
+const CONTEXT_ONLY: &str =
+    r#"{"prompt":"hi","disaggregated_params":{"request_type":"context_only"}}"#;
+
+fn snowgate(args: &[&str], stdin: &[u8]) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_snowgate"))
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting snowgate");
+    let mut input = child.stdin.take().expect("stdin is piped");
+    // A command that fails before reading stdin closes it: ignore EPIPE.
+    let _ = input.write_all(stdin);
+    drop(input);
+    child.wait_with_output().expect("waiting for snowgate")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// Asserts success and returns stdout.
+fn success(output: &Output) -> String {
+    assert!(
+        output.status.success(),
+        "exit {:?}, stderr: {}",
+        output.status,
+        text(&output.stderr)
+    );
+    text(&output.stdout)
+}
+
+/// Asserts failure with exit status `code`, nothing on stdout, and a
+/// message on stderr that contains every one of `words`.
+fn failure(output: &Output, code: i32, words: &[&str]) {
+    assert_eq!(
+        output.status.code(),
+        Some(code),
+        "stdout: {}, stderr: {}",
+        text(&output.stdout),
+        text(&output.stderr)
+    );
+    assert!(output.stdout.is_empty(), "stdout: {}", text(&output.stdout));
+    let stderr = text(&output.stderr);
+    for word in words {
+        assert!(
+            stderr.contains(word),
+            "stderr does not mention {word:?}: {stderr}"
+        );
+    }
+}
+
+fn rewrite_v1(stdin: &str) -> Output {
+    snowgate(
+        &[
+            "rewrite",
+            "--machine-id",
+            "7",
+            "--clock",
+            &format!("fixed:{MILLIS}"),
+        ],
+        stdin.as_bytes(),
+    )
+}
+
+/// A file under this test target's scratch directory.
+fn scratch(name: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("snowgate-cli");
+    std::fs::create_dir_all(&dir).expect("creating the scratch directory");
+    dir.join(name)
+}
+
+#[test]
+fn rewrite_stamps_a_context_only_body_byte_exactly() {
+    let out = success(&rewrite_v1(&format!("{CONTEXT_ONLY}\n")));
+    assert_eq!(
+        out,
+        format!(
+            r#"{{"prompt":"hi","disaggregated_params":{{"request_type":"context_only","disagg_request_id":{FIRST_ID_V1}}}}}"#
+        ) + "\n"
+    );
+}
+
+#[test]
+fn rewrite_gives_the_nth_request_sequence_n() {
+    let item = r#"{"disaggregated_params":{"request_type":"context_only"}}"#;
+    let body = format!("[{}]", [item; 5].join(", "));
+    let out = success(&rewrite_v1(&body));
+    // The sequence is the low 12 bits, so the n-th id is the first plus n.
+    let stamped: Vec<String> = (0..5u64)
+        .map(|n| {
+            format!(
+                r#"{{"disaggregated_params":{{"request_type":"context_only","disagg_request_id":{}}}}}"#,
+                FIRST_ID_V1 + n
+            )
+        })
+        .collect();
+    assert_eq!(out, format!("[{}]", stamped.join(", ")));
+}
+
+#[test]
+fn rewrite_makes_v2_ids_with_the_v2_layout() {
+    let out = success(&snowgate(
+        &[
+            "rewrite",
+            "--layout",
+            "trtllm-v2",
+            "--machine-id",
+            "16383",
+            "--clock",
+            &format!("fixed:{MILLIS}"),
+        ],
+        format!("{CONTEXT_ONLY}\r\n").as_bytes(),
+    ));
+    assert_eq!(
+        out,
+        format!(
+            r#"{{"prompt":"hi","disaggregated_params":{{"request_type":"context_only","disagg_request_id":{FIRST_ID_V2}}}}}"#
+        ) + "\r\n"
+    );
+}
+
+#[test]
+fn rewrite_forwards_a_body_that_needs_no_id_unchanged() {
+    let body = "{ \"prompt\" : \"hi\", \"n\": 1E400 }\n\n";
+    assert_eq!(success(&rewrite_v1(body)), body);
+}
+
+/// The component the build leaves for operators at
+/// `<target>/wasm32-wasip2/release/snowgate_plugin.wasm`; `<target>` is the
+/// nearest ancestor of the binary that cargo marked with `CACHEDIR.TAG`.
+fn operator_plugin_path() -> PathBuf {
+    let exe = Path::new(env!("CARGO_BIN_EXE_snowgate"));
+    let target = exe
+        .ancestors()
+        .find(|dir| dir.join("CACHEDIR.TAG").is_file())
+        .unwrap_or_else(|| panic!("no target directory above {}", exe.display()));
+    target
+        .join("wasm32-wasip2")
+        .join("release")
+        .join(snowgate_plugin_bundle::PLUGIN_FILE_NAME)
+}
+
+#[test]
+fn rewrite_runs_the_plugin_file_given_with_plugin() {
+    let path = operator_plugin_path();
+    assert!(
+        path.is_file(),
+        "the build should leave the plugin at {}",
+        path.display()
+    );
+    let path = path.to_str().expect("a UTF-8 path");
+    let out = success(&snowgate(
+        &[
+            "rewrite",
+            "--plugin",
+            path,
+            "--machine-id",
+            "7",
+            "--clock",
+            &format!("fixed:{MILLIS}"),
+        ],
+        CONTEXT_ONLY.as_bytes(),
+    ));
+    assert_eq!(
+        out,
+        format!(
+            r#"{{"prompt":"hi","disaggregated_params":{{"request_type":"context_only","disagg_request_id":{FIRST_ID_V1}}}}}"#
+        )
+    );
+}
+
+#[test]
+fn rewrite_refuses_bad_json_with_status_2_and_says_why() {
+    failure(
+        &rewrite_v1(r#"{"prompt":"hi","#),
+        2,
+        &["not valid JSON", "400"],
+    );
+    failure(&rewrite_v1(""), 2, &["empty"]);
+}
+
+#[test]
+fn rewrite_refuses_an_out_of_range_machine_id_naming_the_range() {
+    failure(
+        &snowgate(
+            &["rewrite", "--machine-id", "1023"],
+            CONTEXT_ONLY.as_bytes(),
+        ),
+        2,
+        &["--machine-id", "1023", "0..=1022"],
+    );
+    failure(
+        &snowgate(
+            &["rewrite", "--layout", "trtllm-v2", "--machine-id", "16384"],
+            CONTEXT_ONLY.as_bytes(),
+        ),
+        2,
+        &["--machine-id", "16384", "0..=16383"],
+    );
+}
+
+#[test]
+fn rewrite_refuses_a_missing_or_garbage_plugin_file_clearly() {
+    let missing = scratch("no-such-plugin.wasm");
+    let _ = std::fs::remove_file(&missing);
+    let output = snowgate(
+        &[
+            "rewrite",
+            "--machine-id",
+            "7",
+            "--plugin",
+            missing.to_str().expect("a UTF-8 path"),
+        ],
+        CONTEXT_ONLY.as_bytes(),
+    );
+    assert!(!output.status.success());
+    assert!(output.stdout.is_empty());
+    let stderr = text(&output.stderr);
+    assert!(
+        stderr.contains("reading the plugin") && stderr.contains("no-such-plugin.wasm"),
+        "{stderr}"
+    );
+
+    let garbage = scratch("garbage-plugin.wasm");
+    std::fs::write(&garbage, b"not a component").expect("writing the garbage plugin");
+    let output = snowgate(
+        &[
+            "rewrite",
+            "--machine-id",
+            "7",
+            "--plugin",
+            garbage.to_str().expect("a UTF-8 path"),
+        ],
+        CONTEXT_ONLY.as_bytes(),
+    );
+    assert!(!output.status.success());
+    assert!(output.stdout.is_empty());
+    let stderr = text(&output.stderr);
+    assert!(
+        stderr.contains("garbage-plugin.wasm")
+            && stderr.contains("not a valid WebAssembly component"),
+        "{stderr}"
+    );
+}
+
+/// The `name: value` lines of `decode`'s output.
+fn fields(out: &str) -> Vec<(String, String)> {
+    out.lines()
+        .filter_map(|line| line.split_once(':'))
+        .map(|(name, value)| (name.trim().to_string(), value.trim().to_string()))
+        .collect()
+}
+
+fn field<'f>(fields: &'f [(String, String)], name: &str) -> &'f str {
+    fields
+        .iter()
+        .find(|(n, _)| n == name)
+        .map(|(_, v)| v.as_str())
+        .unwrap_or_else(|| panic!("no {name:?} line in {fields:?}"))
+}
+
+#[test]
+fn decode_prints_the_fields_of_a_v1_id() {
+    let out = success(&snowgate(&["decode", &(FIRST_ID_V1 + 3).to_string()], b""));
+    let fields = fields(&out);
+    assert!(
+        field(&fields, "timestamp").starts_with(MILLIS),
+        "{fields:?}"
+    );
+    assert!(
+        field(&fields, "timestamp").contains("2025-11-24T16:00:00.000Z"),
+        "{fields:?}"
+    );
+    assert_eq!(field(&fields, "machine id"), "7");
+    assert_eq!(field(&fields, "sequence"), "3");
+}
+
+#[test]
+fn decode_prints_node_and_process_of_a_v2_id() {
+    let out = success(&snowgate(
+        &[
+            "decode",
+            "--layout",
+            "trtllm-v2",
+            &(FIRST_ID_V2 + 9).to_string(),
+        ],
+        b"",
+    ));
+    let fields = fields(&out);
+    assert!(
+        field(&fields, "timestamp").starts_with("114732558336"),
+        "the masked timestamp: {fields:?}"
+    );
+    let machine = field(&fields, "machine id");
+    assert!(machine.starts_with("16383"), "{machine}");
+    assert!(
+        machine.contains("node 255") && machine.contains("process 63"),
+        "{machine}"
+    );
+    assert_eq!(field(&fields, "sequence"), "9");
+}
+
+#[test]
+fn decode_refuses_an_id_below_the_layouts_range() {
+    failure(&snowgate(&["decode", "5"], b""), 2, &["below"]);
+}
+
+#[test]
+fn rewrite_help_mentions_every_flag() {
+    let out = success(&snowgate(&["rewrite", "--help"], b""));
+    for flag in [
+        "--plugin",
+        "--layout",
+        "--machine-id",
+        "--clock",
+        "trtllm-v1",
+        "trtllm-v2",
+        "fixed:",
+    ] {
+        assert!(out.contains(flag), "--help does not mention {flag}:\n{out}");
+    }
+}

@@ -1,0 +1,309 @@
+//! What the plugin in the host does to bodies: every byte but the id is
+//! kept, bodies that need no id are forwarded untouched, and bodies it
+//! cannot read are refused with a status and a message that names the
+//! problem, after which the same plugin serves the next request.
+//!
+//! All tests share one engine and plugin (a load compiles the component);
+//! the ids they see depend on the order tests run in, so the tests read
+//! the ids out of the output and check them, rather than expect fixed ones.
+
+mod common;
+
+use std::sync::OnceLock;
+
+use common::{json_request, match_template, reject, START_MILLIS};
+use snowgate_host::{Action, Plugin};
+use snowgate_plugin::{SnowflakeLayout, MAX_NESTING_DEPTH};
+
+const MACHINE: u32 = 42;
+
+fn plugin() -> &'static Plugin {
+    static PLUGIN: OnceLock<Plugin> = OnceLock::new();
+    PLUGIN.get_or_init(|| common::fixed_plugin(SnowflakeLayout::TrtllmV1, MACHINE, START_MILLIS))
+}
+
+/// Runs `input` through the plugin; the output must equal `template` with
+/// each `{ID}` an id of this machine, and the ids must increase in order.
+fn assert_stamped_as(input: &str, template: &str) {
+    let out = common::stamp(plugin(), input);
+    let ids = match_template(template, &out);
+    assert!(!ids.is_empty());
+    for &id in &ids {
+        let parts = SnowflakeLayout::TrtllmV1
+            .decode(id)
+            .expect("a stamped id decodes");
+        assert_eq!(parts.machine_id, MACHINE, "id {id}");
+        assert!(parts.millis >= START_MILLIS, "id {id}");
+    }
+    assert!(ids.windows(2).all(|w| w[0] < w[1]), "{ids:?}");
+}
+
+fn assert_forwarded(input: &[u8]) {
+    let answer = plugin().handle(&json_request(input));
+    assert!(
+        matches!(answer, Ok(Action::Forward)),
+        "{:?}: expected Forward, got {}",
+        String::from_utf8_lossy(input),
+        common::describe(&answer)
+    );
+}
+
+/// After a refusal, the same plugin still stamps the next good request.
+fn assert_next_request_works() {
+    assert_stamped_as(
+        common::CONTEXT_ONLY,
+        r#"{"disaggregated_params":{"request_type":"context_only","disagg_request_id":{ID}}}"#,
+    );
+}
+
+// ---------------------------------------------------------------------------
+// Byte preservation
+// ---------------------------------------------------------------------------
+
+#[test]
+fn odd_whitespace_is_kept_byte_for_byte() {
+    assert_stamped_as(
+        " \r\n\t{ \"prompt\" :\t\"hi\" ,\n  \"disaggregated_params\" : {\r\n \"request_type\" : \"context_only\"\n\t}\n}\n\t ",
+        " \r\n\t{ \"prompt\" :\t\"hi\" ,\n  \"disaggregated_params\" : {\r\n \"request_type\" : \"context_only\",\"disagg_request_id\":{ID}\n\t}\n}\n\t ",
+    );
+    // Newlines around the colon, spaces before the closing braces: the id
+    // goes right after the last value, before the whitespace.
+    assert_stamped_as(
+        "[ {\"disaggregated_params\":{ \"request_type\"\n:\n\"context_only\" } } ]",
+        "[ {\"disaggregated_params\":{ \"request_type\"\n:\n\"context_only\",\"disagg_request_id\":{ID} } } ]",
+    );
+}
+
+#[test]
+fn escapes_and_raw_unicode_are_kept_byte_for_byte() {
+    // Escaped keys and values still name the params (they match after
+    // unescaping, as Python's json reads them), and are not rewritten.
+    assert_stamped_as(
+        r#"{"pr\u006fmpt":"a\"b\\c\/d\n\u00e9\ud83d\ude00 h\u00e9llo 😀 ñ","disaggregated_para\u006ds":{"request_typ\u0065":"context\u005Fonly","tag":"\t\\"}}"#,
+        r#"{"pr\u006fmpt":"a\"b\\c\/d\n\u00e9\ud83d\ude00 h\u00e9llo 😀 ñ","disaggregated_para\u006ds":{"request_typ\u0065":"context\u005Fonly","tag":"\t\\","disagg_request_id":{ID}}}"#,
+    );
+    // TensorRT-LLM lower-cases the request type before checking it.
+    assert_stamped_as(
+        r#"{"disaggregated_params":{"request_type":"CONTEXT_ONLY"}}"#,
+        r#"{"disaggregated_params":{"request_type":"CONTEXT_ONLY","disagg_request_id":{ID}}}"#,
+    );
+}
+
+#[test]
+fn huge_and_odd_numbers_are_kept_byte_for_byte() {
+    assert_stamped_as(
+        r#"{"a":123456789012345678901234567890,"b":1E400,"c":-0.0,"d":[1.5e-300,0,-1E+2,18446744073709551616],"disaggregated_params":{"request_type":"context_only","seed":-0.0,"big":123456789012345678901234567890}}"#,
+        r#"{"a":123456789012345678901234567890,"b":1E400,"c":-0.0,"d":[1.5e-300,0,-1E+2,18446744073709551616],"disaggregated_params":{"request_type":"context_only","seed":-0.0,"big":123456789012345678901234567890,"disagg_request_id":{ID}}}"#,
+    );
+}
+
+#[test]
+fn a_null_id_is_replaced_in_place() {
+    assert_stamped_as(
+        r#"{"disaggregated_params":{"disagg_request_id" : null ,"request_type":"context_only","x":1E400}}"#,
+        r#"{"disaggregated_params":{"disagg_request_id" : {ID} ,"request_type":"context_only","x":1E400}}"#,
+    );
+}
+
+#[test]
+fn only_the_effective_member_of_duplicate_keys_counts() {
+    // The last `disaggregated_params` wins: only it is stamped.
+    assert_stamped_as(
+        r#"{"disaggregated_params":{"request_type":"context_only"},"disaggregated_params":{"request_type":"context_only","n":1}}"#,
+        r#"{"disaggregated_params":{"request_type":"context_only"},"disaggregated_params":{"request_type":"context_only","n":1,"disagg_request_id":{ID}}}"#,
+    );
+    // The last `request_type` wins.
+    assert_stamped_as(
+        r#"{"disaggregated_params":{"request_type":"generation_only","request_type":"context_only"}}"#,
+        r#"{"disaggregated_params":{"request_type":"generation_only","request_type":"context_only","disagg_request_id":{ID}}}"#,
+    );
+    assert_forwarded(
+        br#"{"disaggregated_params":{"request_type":"context_only","request_type":"generation_only"}}"#,
+    );
+    // The last id wins: a set id followed by null is filled at the null.
+    assert_stamped_as(
+        r#"{"disaggregated_params":{"request_type":"context_only","disagg_request_id":5,"disagg_request_id":null}}"#,
+        r#"{"disaggregated_params":{"request_type":"context_only","disagg_request_id":5,"disagg_request_id":{ID}}}"#,
+    );
+    assert_forwarded(
+        br#"{"disaggregated_params":{"request_type":"context_only","disagg_request_id":null,"disagg_request_id":5}}"#,
+    );
+}
+
+#[test]
+fn json_inside_strings_is_left_alone() {
+    let looks_like_params = r#"{\"disaggregated_params\":{\"request_type\":\"context_only\"}}"#;
+    assert_stamped_as(
+        &format!(
+            r#"{{"prompt":"{looks_like_params}","disaggregated_params":{{"request_type":"context_only"}},"note":"}}]\"disagg_request_id\":null"}}"#
+        ),
+        &format!(
+            r#"{{"prompt":"{looks_like_params}","disaggregated_params":{{"request_type":"context_only","disagg_request_id":{{ID}}}},"note":"}}]\"disagg_request_id\":null"}}"#
+        ),
+    );
+    assert_forwarded(format!(r#"{{"prompt":"{looks_like_params}"}}"#).as_bytes());
+}
+
+#[test]
+fn several_requests_in_one_body_each_get_an_id_in_body_order() {
+    assert_stamped_as(
+        r#"[{"disaggregated_params":{}},{"disaggregated_params":{"request_type":"context_only"}},{"disaggregated_params":{"request_type":"generation_only","disagg_request_id":9}},{"disaggregated_params":{"request_type":"context_only","disagg_request_id":null}},{"disaggregated_params":{"request_type":"context_only"}}]"#,
+        r#"[{"disaggregated_params":{}},{"disaggregated_params":{"request_type":"context_only","disagg_request_id":{ID}}},{"disaggregated_params":{"request_type":"generation_only","disagg_request_id":9}},{"disaggregated_params":{"request_type":"context_only","disagg_request_id":{ID}}},{"disaggregated_params":{"request_type":"context_only","disagg_request_id":{ID}}}]"#,
+    );
+}
+
+#[test]
+fn bodies_that_need_no_id_are_forwarded_untouched() {
+    for body in [
+        &br#"{"model":"m","prompt":"Hello","max_tokens":16}"#[..],
+        br#"{"disaggregated_params":{"request_type":"generation_only","disagg_request_id":1099511628800}}"#,
+        br#"{"disaggregated_params":{"request_type":"generation_only"}}"#,
+        br#"{"disaggregated_params":{"request_type":"context_and_generation"}}"#,
+        br#"{"disaggregated_params":{"request_type":"context_only","disagg_request_id":1099511628800,"schedule_style":0}}"#,
+        br#"{"disaggregated_params":{"request_type":"context_only","disagg_request_id":0}}"#,
+        br#"{"disaggregated_params":null}"#,
+        br#"{"disaggregated_params":{"request_type":null}}"#,
+        br#"{"disaggregated_params":{}}"#,
+        b"[]",
+        b" 17 ",
+        br#""context_only""#,
+    ] {
+        assert_forwarded(body);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Bad input
+// ---------------------------------------------------------------------------
+
+/// Checks a refusal: status, code, and words the message must contain.
+fn assert_rejected(body: &[u8], status: u16, code: &str, words: &[&str]) {
+    let rejection = reject(plugin(), &json_request(body));
+    assert_eq!(
+        (rejection.status, rejection.code.as_str()),
+        (status, code),
+        "{rejection:?}"
+    );
+    for word in words {
+        assert!(
+            rejection.message.contains(word),
+            "message {:?} does not mention {word:?}",
+            rejection.message
+        );
+    }
+    assert_next_request_works();
+}
+
+#[test]
+fn invalid_json_is_rejected_with_400_naming_the_problem() {
+    assert_rejected(
+        br#"{"disaggregated_params":{"request_type":"context_only"}"#,
+        400,
+        "invalid_json",
+        &["not valid JSON", "ends inside an object"],
+    );
+    assert_rejected(
+        b"{\"prompt\":\"hi\",\n \"max_tokens\": 01}",
+        400,
+        "invalid_json",
+        &["not valid JSON", "leading zero", "line 2"],
+    );
+    assert_rejected(
+        br#"{"a":1} {"b":2}"#,
+        400,
+        "invalid_json",
+        &["after the JSON value"],
+    );
+    assert_rejected(
+        br#"{"a":[1,2,],"disaggregated_params":{"request_type":"context_only"}}"#,
+        400,
+        "invalid_json",
+        &["not valid JSON"],
+    );
+    assert_rejected(b"\xEF\xBB\xBF{}", 400, "invalid_json", &["byte order mark"]);
+}
+
+#[test]
+fn invalid_utf8_is_rejected_with_400_naming_the_offset() {
+    assert_rejected(
+        b"{\"prompt\":\"caf\xE9\",\"disaggregated_params\":{\"request_type\":\"context_only\"}}",
+        400,
+        "invalid_utf8",
+        &["UTF-8", "offset 14"],
+    );
+}
+
+#[test]
+fn nesting_deeper_than_the_limit_is_rejected_with_400() {
+    // Arrays around one request: the request object sits at `depth` and
+    // its params object one level deeper.
+    let nested = |depth: usize, params: &str| {
+        format!(
+            r#"{}{{"disaggregated_params":{params}}}{}"#,
+            "[".repeat(depth - 1),
+            "]".repeat(depth - 1)
+        )
+    };
+    let params = r#"{"request_type":"context_only"}"#;
+    let stamped = r#"{"request_type":"context_only","disagg_request_id":{ID}}"#;
+    // Exactly at the limit: the params object is level MAX_NESTING_DEPTH.
+    assert_stamped_as(
+        &nested(MAX_NESTING_DEPTH - 1, params),
+        &nested(MAX_NESTING_DEPTH - 1, stamped),
+    );
+    // One level more is refused.
+    assert_rejected(
+        nested(MAX_NESTING_DEPTH, params).as_bytes(),
+        400,
+        "nesting_too_deep",
+        &[&MAX_NESTING_DEPTH.to_string(), "deeper"],
+    );
+
+    let too_deep = format!(
+        "{}{}",
+        "[".repeat(MAX_NESTING_DEPTH + 1),
+        "]".repeat(MAX_NESTING_DEPTH + 1)
+    );
+    assert_rejected(
+        too_deep.as_bytes(),
+        400,
+        "nesting_too_deep",
+        &[&MAX_NESTING_DEPTH.to_string(), "deeper"],
+    );
+    // Deep enough to overflow a naive recursive parser's stack.
+    let very_deep = "[".repeat(1_000_000);
+    assert_rejected(very_deep.as_bytes(), 400, "nesting_too_deep", &["deeper"]);
+}
+
+#[test]
+fn an_empty_body_is_rejected_with_400() {
+    for body in [&b""[..], b" \r\n\t "] {
+        assert_rejected(body, 400, "empty_body", &["empty"]);
+    }
+}
+
+#[test]
+fn a_messagepack_body_is_rejected_with_415() {
+    let mut request = json_request(common::CONTEXT_ONLY);
+    request
+        .headers
+        .push(("x-trtllm-msgpack".into(), b" 1 ".to_vec()));
+    let rejection = reject(plugin(), &request);
+    assert_eq!(rejection.status, 415, "{rejection:?}");
+    assert!(
+        rejection.message.contains("MessagePack"),
+        "{:?}",
+        rejection.message
+    );
+    assert_next_request_works();
+
+    // A header that is present but not `1` is not MessagePack.
+    let mut request = json_request(common::CONTEXT_ONLY);
+    request
+        .headers
+        .push(("x-trtllm-msgpack".into(), b"0".to_vec()));
+    assert!(matches!(
+        plugin().handle(&request),
+        Ok(Action::ForwardWithBody(_))
+    ));
+}

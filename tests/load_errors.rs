@@ -1,0 +1,134 @@
+//! Loading a plugin that is not one: the error says what is wrong, in the
+//! `{:#}` form a gateway logs.
+//!
+//! Without component tooling in the suite (no `wasm-tools`, no `wat` or
+//! `wasm-encoder` dependency), the components that do not implement the
+//! world are made from bytes: the empty component (a valid component with
+//! no imports and no exports), and copies of the real plugin with one
+//! interface name renamed in place. A renamed name keeps its length, so
+//! every length prefix stays right and the copy is still a valid component,
+//! just one that exports or imports another interface version.
+
+mod common;
+
+use common::{engine_with, START_MILLIS};
+use snowgate_host::{FixedClock, Plugin, PluginEngine, PluginLimits};
+use snowgate_plugin::SnowflakeLayout;
+use snowgate_plugin_bundle::PLUGIN_WASM;
+
+fn engine() -> PluginEngine {
+    engine_with(
+        SnowflakeLayout::TrtllmV1,
+        1,
+        FixedClock(START_MILLIS),
+        PluginLimits::default(),
+    )
+}
+
+/// Loads `bytes` and returns the `{:#}` message of the error it must give.
+fn load_error(bytes: &[u8]) -> String {
+    match Plugin::load(&engine(), bytes, &[]) {
+        Ok(plugin) => panic!("loaded {:?} from bad bytes", plugin.info()),
+        Err(e) => format!("{e:#}"),
+    }
+}
+
+fn assert_mentions(message: &str, words: &[&str]) {
+    for word in words {
+        assert!(
+            message.contains(word),
+            "the message does not mention {word:?}: {message}"
+        );
+    }
+}
+
+/// `PLUGIN_WASM` with every occurrence of `from` replaced by `to` (of the
+/// same length); panics when `from` does not occur.
+fn renamed(from: &str, to: &str) -> Vec<u8> {
+    assert_eq!(from.len(), to.len());
+    let mut bytes = PLUGIN_WASM.to_vec();
+    let mut count = 0;
+    let mut at = 0;
+    while let Some(found) = bytes[at..]
+        .windows(from.len())
+        .position(|w| w == from.as_bytes())
+    {
+        let start = at + found;
+        bytes[start..start + to.len()].copy_from_slice(to.as_bytes());
+        at = start + to.len();
+        count += 1;
+    }
+    assert!(count > 0, "{from:?} does not occur in the plugin");
+    bytes
+}
+
+#[test]
+fn garbage_bytes_are_refused_as_not_a_component() {
+    let message = load_error(b"this is not WebAssembly at all");
+    assert_mentions(&message, &["not a valid WebAssembly component"]);
+    let message = load_error(b"");
+    assert_mentions(&message, &["not a valid WebAssembly component"]);
+}
+
+#[test]
+fn a_truncated_plugin_is_refused_as_not_a_component() {
+    for len in [9, PLUGIN_WASM.len() / 2, PLUGIN_WASM.len() - 1] {
+        let message = load_error(&PLUGIN_WASM[..len]);
+        assert_mentions(&message, &["not a valid WebAssembly component"]);
+    }
+}
+
+#[test]
+fn a_core_module_is_refused_as_not_a_component() {
+    // The smallest valid core WebAssembly module: magic and version 1.
+    let message = load_error(b"\0asm\x01\0\0\0");
+    assert_mentions(&message, &["not a valid WebAssembly component"]);
+}
+
+#[test]
+fn an_empty_component_is_refused_for_not_exporting_the_handler() {
+    // Magic, then the component-model layer marker: a valid component with
+    // nothing in it.
+    let message = load_error(b"\0asm\x0d\0\x01\0");
+    assert_mentions(
+        &message,
+        &["does not export", "snowgate:middleware/handler@0.1.0"],
+    );
+}
+
+#[test]
+fn a_component_exporting_another_handler_version_is_refused() {
+    let bytes = renamed(
+        "snowgate:middleware/handler@0.1.0",
+        "snowgate:middleware/handler@9.9.9",
+    );
+    let message = load_error(&bytes);
+    assert!(
+        !message.contains("not a valid WebAssembly component"),
+        "the renamed copy should still be a valid component: {message}"
+    );
+    assert_mentions(
+        &message,
+        &["does not export", "snowgate:middleware/handler@0.1.0"],
+    );
+}
+
+#[test]
+fn a_component_importing_an_interface_the_host_lacks_is_refused() {
+    let bytes = renamed(
+        "snowgate:middleware/clock@0.1.0",
+        "snowgate:middleware/clock@9.9.9",
+    );
+    let message = load_error(&bytes);
+    assert!(
+        !message.contains("not a valid WebAssembly component"),
+        "the renamed copy should still be a valid component: {message}"
+    );
+    assert_mentions(
+        &message,
+        &[
+            "imports something the host does not provide",
+            "snowgate:middleware/clock@9.9.9",
+        ],
+    );
+}

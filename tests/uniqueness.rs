@@ -1,0 +1,147 @@
+//! Ids never repeat across calls, across threads calling the same plugin at
+//! once, and across a plugin swap (a second plugin loaded from the same bytes
+//! into the same engine while calls are running): the counter lives in the
+//! host, not in a plugin instance.
+
+mod common;
+
+use std::collections::HashSet;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, RwLock};
+use std::thread;
+
+use common::{batch_body, fixed_plugin, ids_in, load_bundled, START_MILLIS};
+use snowgate_host::Plugin;
+use snowgate_plugin::SnowflakeLayout;
+
+const WORKERS: usize = 4;
+/// Context-only requests per call.
+const PER_CALL: usize = 8;
+/// Calls each worker must have made on each plugin before moving on.
+const CALLS_PER_PHASE: usize = 25;
+const MACHINE: u32 = 5;
+
+/// What a worker made in one call.
+struct Report {
+    worker: usize,
+    generation: usize,
+    ids: Vec<u64>,
+}
+
+/// One call on `plugin`: the ids it stamped, or why it failed (a worker
+/// reports a failure instead of panicking, so the main thread, which waits
+/// for the workers' progress, is never left waiting for a dead worker).
+fn call(plugin: &Plugin, body: &str) -> Result<Vec<u64>, String> {
+    let call = AssertUnwindSafe(|| ids_in(&common::stamp(plugin, body.as_bytes())));
+    std::panic::catch_unwind(call).map_err(|panic| {
+        panic
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "a call panicked".to_string())
+    })
+}
+
+#[test]
+fn ids_stay_unique_across_calls_threads_and_a_plugin_swap() {
+    // A clock stuck in one millisecond: uniqueness then rests entirely on
+    // the host's sequence, which a per-instance or per-plugin counter would
+    // break at once.
+    let first = fixed_plugin(SnowflakeLayout::TrtllmV1, MACHINE, START_MILLIS);
+    let engine = first.engine().clone();
+    // The plugin the workers use now, and its generation (0, then 1).
+    let current: Arc<RwLock<(usize, Arc<Plugin>)>> = Arc::new(RwLock::new((0, Arc::new(first))));
+    let stop = Arc::new(AtomicBool::new(false));
+    let (reports, progress) = mpsc::channel::<Result<Report, String>>();
+
+    let workers: Vec<_> = (0..WORKERS)
+        .map(|worker| {
+            let current = current.clone();
+            let stop = stop.clone();
+            let reports = reports.clone();
+            thread::spawn(move || {
+                let body = batch_body(PER_CALL);
+                while !stop.load(Ordering::SeqCst) {
+                    let (generation, plugin) = {
+                        let guard = current.read().unwrap_or_else(|p| p.into_inner());
+                        (guard.0, guard.1.clone())
+                    };
+                    let report = call(&plugin, &body).map(|ids| Report {
+                        worker,
+                        generation,
+                        ids,
+                    });
+                    let failed = report.is_err();
+                    if reports.send(report).is_err() || failed {
+                        break;
+                    }
+                }
+            })
+        })
+        .collect();
+    drop(reports);
+
+    let mut all: Vec<Report> = Vec::new();
+    // Waits (on the channel, not on time) until every worker has made
+    // `CALLS_PER_PHASE` calls on the plugin of `generation`.
+    let wait_for = |generation: usize, all: &mut Vec<Report>| {
+        let mut calls = [0usize; WORKERS];
+        for report in all.iter().filter(|r| r.generation == generation) {
+            calls[report.worker] += 1;
+        }
+        while calls.iter().any(|&c| c < CALLS_PER_PHASE) {
+            let report = match progress.recv() {
+                Ok(Ok(report)) => report,
+                Ok(Err(failure)) => {
+                    stop.store(true, Ordering::SeqCst);
+                    panic!("a call failed: {failure}");
+                }
+                Err(_) => panic!("every worker stopped early"),
+            };
+            if report.generation == generation {
+                calls[report.worker] += 1;
+            }
+            all.push(report);
+        }
+    };
+
+    wait_for(0, &mut all);
+    // The swap: load the same bytes again into the same engine while the
+    // workers keep calling the first plugin, then hand them the second.
+    let second = load_bundled(&engine);
+    *current.write().unwrap_or_else(|p| p.into_inner()) = (1, Arc::new(second));
+    wait_for(1, &mut all);
+    stop.store(true, Ordering::SeqCst);
+    for worker in workers {
+        worker.join().expect("worker thread panicked");
+    }
+    for report in progress.iter() {
+        all.push(report.unwrap_or_else(|failure| panic!("a call failed: {failure}")));
+    }
+
+    let mut seen = HashSet::new();
+    for report in &all {
+        assert_eq!(report.ids.len(), PER_CALL);
+        for &id in &report.ids {
+            assert!(seen.insert(id), "id {id} was issued twice");
+            let parts = SnowflakeLayout::TrtllmV1.decode(id).expect("decodes");
+            assert_eq!(parts.machine_id, MACHINE);
+        }
+    }
+    // Each worker's ids strictly increase over its calls, across the swap.
+    for worker in 0..WORKERS {
+        let ids: Vec<u64> = all
+            .iter()
+            .filter(|r| r.worker == worker)
+            .flat_map(|r| r.ids.iter().copied())
+            .collect();
+        assert!(
+            ids.windows(2).all(|w| w[0] < w[1]),
+            "worker {worker}'s ids do not strictly increase"
+        );
+        assert!(all.iter().any(|r| r.worker == worker && r.generation == 1));
+    }
+    assert_eq!(seen.len(), all.len() * PER_CALL);
+}
