@@ -4,17 +4,13 @@
 use std::fmt;
 use std::time::Duration;
 
-use wasmtime::{Store, Trap};
-use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
+use wasmtime::{PoolConcurrencyLimitError, Store, Trap};
 
 use crate::bindings::exports::snowgate::middleware::handler::{Action, Request};
 use crate::bindings::Middleware;
 use crate::engine::EPOCH_TICK;
 use crate::plugin::Plugin;
 use crate::state::HostState;
-
-/// How much of a failing plugin's stderr (a panic message) is kept.
-const STDERR_CAPTURE: usize = 4096;
 
 /// Why a plugin call gave no answer. The gateway applies its failure policy
 /// to every kind alike.
@@ -31,6 +27,10 @@ pub enum CallError {
     PluginError(String),
     /// The plugin answered something the host cannot use.
     InvalidAnswer(String),
+    /// Every instance slot was taken (see
+    /// [`PluginLimits::max_instances`](crate::PluginLimits::max_instances),
+    /// which this carries): the plugin did not run.
+    Busy(u32),
 }
 
 impl CallError {
@@ -42,6 +42,7 @@ impl CallError {
             CallError::Trap(_) => "trap",
             CallError::PluginError(_) => "plugin_error",
             CallError::InvalidAnswer(_) => "invalid_answer",
+            CallError::Busy(_) => "busy",
         }
     }
 }
@@ -66,6 +67,10 @@ impl fmt::Display for CallError {
             CallError::InvalidAnswer(detail) => {
                 write!(f, "the plugin gave an unusable answer: {detail}")
             }
+            CallError::Busy(slots) => write!(
+                f,
+                "the plugin could not run: all {slots} plugin instance slots are in use"
+            ),
         }
     }
 }
@@ -98,12 +103,10 @@ impl Plugin {
     /// A fresh store under the limits, and the plugin instantiated in it.
     pub(crate) fn instantiate(&self) -> Result<(Store<HostState>, Middleware), CallError> {
         let limits = self.engine.limits;
-        let stderr = MemoryOutputPipe::new(STDERR_CAPTURE);
         let state = HostState::new(
             self.engine.services.clone(),
             limits.memory_bytes,
             self.name.clone(),
-            stderr,
         );
         let mut store = Store::new(&self.engine.engine, state);
         store.limiter(|state| &mut state.memory);
@@ -123,6 +126,9 @@ impl Plugin {
         }
         if let Some(Trap::Interrupt) = error.downcast_ref::<Trap>() {
             return CallError::Deadline(self.engine.limits.deadline);
+        }
+        if error.is::<PoolConcurrencyLimitError>() {
+            return CallError::Busy(self.engine.limits.max_instances.max(1));
         }
         let mut detail = format!("{error:#}");
         let stderr = store.data().stderr_text();
@@ -150,6 +156,111 @@ impl Plugin {
                 format!("reject status {} is not in 400..=599", r.status),
             )),
             Action::Reject(_) => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use snowgate_plugin::SnowflakeLayout;
+
+    use super::*;
+    use crate::clock::{FixedClock, IdClock};
+    use crate::engine::{HostServices, PluginEngine};
+    use crate::identity::MachineIdentity;
+    use crate::limits::PluginLimits;
+
+    fn plugin(limits: PluginLimits) -> Plugin {
+        let services = HostServices {
+            clock: Arc::new(IdClock::new(FixedClock(1_764_000_000_000))),
+            identity: Arc::new(
+                MachineIdentity::fixed(SnowflakeLayout::TrtllmV1, 7).expect("in range"),
+            ),
+        };
+        let engine = PluginEngine::new(services, limits).expect("engine");
+        Plugin::load(&engine, snowgate_plugin_bundle::PLUGIN_WASM, &[]).expect("bundled plugin")
+    }
+
+    /// A body of about `size` bytes that needs an id.
+    fn request(size: usize) -> Request {
+        let mut body = br#"{"prompt":""#.to_vec();
+        body.resize(size, b'a');
+        body.extend_from_slice(br#"","disaggregated_params":{"request_type":"context_only"}}"#);
+        Request {
+            method: "POST".into(),
+            path: "/v1/completions".into(),
+            headers: vec![("content-type".into(), b"application/json".to_vec())],
+            body,
+        }
+    }
+
+    fn assert_stamps(plugin: &Plugin) {
+        match plugin.handle(&request(100)) {
+            Ok(Action::ForwardWithBody(body)) => {
+                let body = String::from_utf8(body).expect("utf-8");
+                assert!(body.contains(r#""disagg_request_id":"#), "{body}");
+            }
+            other => panic!("expected a stamped body, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_full_pool_is_a_busy_error_and_frees_up_when_calls_end() {
+        let plugin = plugin(PluginLimits {
+            max_instances: 2,
+            ..PluginLimits::default()
+        });
+        let first = plugin.instantiate().expect("first slot");
+        let second = plugin.instantiate().expect("second slot");
+
+        let error = plugin.handle(&request(100)).err();
+        assert_eq!(error, Some(CallError::Busy(2)));
+        let error = error.unwrap();
+        assert_eq!(error.kind(), "busy");
+        assert!(error
+            .to_string()
+            .contains("all 2 plugin instance slots are in use"));
+
+        drop(first);
+        assert_stamps(&plugin);
+        drop(second);
+        assert_stamps(&plugin);
+    }
+
+    #[test]
+    fn growing_past_the_memory_limit_is_a_memory_limit_error_with_the_pool() {
+        // An exact number of wasm pages, and one that is not.
+        for memory_bytes in [8 << 20, (8 << 20) + 1000] {
+            let plugin = plugin(PluginLimits {
+                memory_bytes,
+                ..PluginLimits::default()
+            });
+            assert_eq!(
+                plugin.handle(&request(16 << 20)).map(|_| ()),
+                Err(CallError::MemoryLimit(memory_bytes))
+            );
+            // Below the limit is fine: 2 MiB in and out fits in 8 MiB.
+            assert!(matches!(
+                plugin.handle(&request(2 << 20)),
+                Ok(Action::ForwardWithBody(_))
+            ));
+            assert_stamps(&plugin);
+        }
+    }
+
+    #[test]
+    fn calls_reuse_slots_and_leave_nothing_behind() {
+        let plugin = plugin(PluginLimits {
+            max_instances: 1,
+            ..PluginLimits::default()
+        });
+        for size in [100, 2 << 20, 100, 5 << 20, 100] {
+            match plugin.handle(&request(size)) {
+                Ok(Action::ForwardWithBody(body)) => assert!(body.len() > size),
+                other => panic!("a {size} byte body: {other:?}"),
+            }
         }
     }
 }

@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use wasmtime::component::{HasSelf, Linker};
 use wasmtime::error::Context as _;
-use wasmtime::{Config, Engine};
+use wasmtime::{
+    Config, Enabled, Engine, InstanceAllocationStrategy, OptLevel, PoolingAllocationConfig,
+};
 
 use crate::bindings::Middleware;
 use crate::clock::IdClock;
@@ -17,6 +19,38 @@ use crate::state::HostState;
 
 /// How often the epoch advances: the granularity of call deadlines.
 pub(crate) const EPOCH_TICK: Duration = Duration::from_millis(1);
+
+/// The size of a 32-bit linear memory's index space, and so the most any
+/// linear memory can grow to.
+const MAX_32BIT_MEMORY: usize = 4 << 30;
+
+/// The wasm page size: linear memories grow in these.
+const WASM_PAGE: usize = 64 << 10;
+
+/// How much of a pooled linear memory is kept resident between calls. The
+/// pages a call dirtied in this range are reset in place to the initial
+/// image (found with the `PAGEMAP_SCAN` ioctl) instead of being given back
+/// to the kernel and faulted in again by the next call, which is what makes
+/// a fresh instance per request cheap. Addresses, not dirty bytes: it must
+/// cover the plugin's stack (the first MiB of a Rust plugin's memory), its
+/// data and its usual heap; 4 MiB covers a 1 MiB body. Larger calls give
+/// the rest back.
+const MEMORY_KEEP_RESIDENT: usize = 4 << 20;
+
+/// The same for tables: a plugin's tables are a few hundred entries, and
+/// giving their page back on every call costs as much as a whole small call.
+const TABLE_KEEP_RESIDENT: usize = 16 << 10;
+
+/// The largest table a plugin may have or grow to (the limiter's cap too).
+pub(crate) const MAX_TABLE_ELEMENTS: usize = 100_000;
+
+/// Per plugin instance, how many core instances, tables and memories a
+/// component may use; the pool holds this many for each of
+/// `max_instances`. Rust plugins built for `wasm32-wasip2` use three core
+/// instances, two tables and one memory.
+const CORE_INSTANCES_PER_PLUGIN: u32 = 8;
+const TABLES_PER_PLUGIN: u32 = 4;
+const MEMORIES_PER_PLUGIN: u32 = 1;
 
 /// The process-wide plugin runtime: one engine, one linker, and the shared
 /// id services every plugin instance sees. Reloads reuse it.
@@ -44,6 +78,19 @@ impl PluginEngine {
         let mut config = Config::new();
         config.wasm_component_model(true);
         config.epoch_interruption(true);
+        config.cranelift_opt_level(OptLevel::Speed);
+        // Every request gets a fresh instance, so instantiation and teardown
+        // are on the request path: take instances from a pool of reusable
+        // slots instead of mapping and unmapping memory for each one.
+        config.allocation_strategy(InstanceAllocationStrategy::Pooling(pooling_config(&limits)));
+        // Initial memory contents are mapped copy-on-write from the compiled
+        // image rather than copied in (the default, stated because the pool
+        // relies on it: a slot keeps its image mapped between calls).
+        config.memory_init_cow(true);
+        // The default 4 GiB reservation and 32 MiB guard per memory let
+        // compiled code skip bounds checks (explicit checks make the
+        // plugin's JSON walk about half again as slow); the pool reserves
+        // that address space once per slot, see `PluginLimits::max_instances`.
         let engine = Engine::new(&config).context("creating the wasmtime engine")?;
 
         let mut linker = Linker::new(&engine);
@@ -83,4 +130,41 @@ impl PluginEngine {
     pub fn limits(&self) -> PluginLimits {
         self.limits
     }
+}
+
+/// The instance pool: `max_instances` plugin instances at once, each memory
+/// able to grow to the memory limit (the store's limiter refuses growth past
+/// `memory_bytes` before the pool's own maximum is reached, so that is still
+/// reported as the memory limit).
+fn pooling_config(limits: &PluginLimits) -> PoolingAllocationConfig {
+    let instances = limits.max_instances.max(1);
+    let max_memory = limits
+        .memory_bytes
+        .min(MAX_32BIT_MEMORY)
+        .next_multiple_of(WASM_PAGE);
+    let mut pool = PoolingAllocationConfig::new();
+    pool.total_component_instances(instances)
+        .total_core_instances(instances.saturating_mul(CORE_INSTANCES_PER_PLUGIN))
+        .total_memories(instances.saturating_mul(MEMORIES_PER_PLUGIN))
+        .total_tables(instances.saturating_mul(TABLES_PER_PLUGIN))
+        // Calls are synchronous, on the caller's stack: these are never
+        // used, but the pool reserves them.
+        .total_stacks(instances)
+        .max_memory_size(max_memory)
+        .table_elements(MAX_TABLE_ELEMENTS)
+        // Reuse a slot that last held an instance of the same module first
+        // (its image is still mapped), and after a reload take over the old
+        // module's slots rather than warming fresh ones, so that resident
+        // memory stays bounded by the busiest moment, not by the reloads.
+        .max_unused_warm_slots(0)
+        .table_keep_resident(TABLE_KEEP_RESIDENT);
+    // Without PAGEMAP_SCAN (Linux before 6.7, other systems) keeping memory
+    // resident would mean `memset`ting it from address 0 up on every call,
+    // the plugin's whole stack included, which costs more than the page
+    // faults it saves: memory is then given back with `madvise`.
+    if PoolingAllocationConfig::is_pagemap_scan_available() {
+        pool.pagemap_scan(Enabled::Yes)
+            .linear_memory_keep_resident(MEMORY_KEEP_RESIDENT);
+    }
+    pool
 }

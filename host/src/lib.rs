@@ -4,7 +4,8 @@
 //! - [`engine`]: the one wasmtime engine of the process and its linker;
 //! - [`plugin`]: loading and checking a plugin component;
 //! - [`call`]: where the plugin is called, one fresh instance per request;
-//! - [`clock`] and [`identity`]: where id time and the machine id come from;
+//! - [`clock`] and [`identity`]: where id time and the machine id come from,
+//!   and [`lease`]: machine ids leased in etcd, unique across a fleet;
 //! - [`limits`]: what one call may use;
 //! - [`gateway`]: the reverse proxy that puts the plugin in a request path.
 //!
@@ -37,6 +38,7 @@ pub mod clock;
 pub mod engine;
 pub mod gateway;
 pub mod identity;
+pub mod lease;
 pub mod limits;
 pub mod plugin;
 mod state;

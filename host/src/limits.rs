@@ -14,15 +14,32 @@ pub struct PluginLimits {
     pub deadline: Duration,
     /// The largest body a plugin may answer with.
     pub max_output_body_bytes: usize,
+    /// How many plugin instances may be alive at once in one engine: the
+    /// number of slots in the engine's pooling allocator. Every call holds
+    /// one instance for its duration (so do load-time checks and the
+    /// plugin a reload is replacing, while it finishes its calls); a call
+    /// that finds every slot taken fails at once with
+    /// [`CallError::Busy`](crate::CallError::Busy) instead of waiting.
+    ///
+    /// Each slot reserves about 4 GiB of virtual address space (not memory)
+    /// for its linear memory, and keeps up to a few MiB of it resident
+    /// between calls, so this also bounds the plugin memory of the process:
+    /// at most `max_instances * memory_bytes` in use at once. 0 is taken
+    /// as 1.
+    pub max_instances: u32,
 }
 
 impl PluginLimits {
     /// 256 MiB of memory, 1 second, and a 64 MiB answer: enough to stamp a
-    /// 32 MiB body (a long `prompt_token_ids` list) several times over.
+    /// 32 MiB body (a long `prompt_token_ids` list) several times over; and
+    /// 64 instances at once, far more calls than a small gateway's cores run
+    /// at a time (a 1 KiB body takes microseconds), with room for bursts of
+    /// large bodies and a reload in flight.
     pub const DEFAULT: PluginLimits = PluginLimits {
         memory_bytes: 256 << 20,
         deadline: Duration::from_secs(1),
         max_output_body_bytes: 64 << 20,
+        max_instances: 64,
     };
 }
 

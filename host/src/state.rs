@@ -9,39 +9,59 @@ use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
 use crate::bindings::snowgate::middleware::{clock, identity, log, types};
-use crate::engine::HostServices;
+use crate::engine::{HostServices, MAX_TABLE_ELEMENTS};
 use snowgate_plugin::SnowflakeLayout;
 
 /// The longest log line a plugin may write; longer ones are cut.
 const MAX_LOG_LINE: usize = 4096;
 
+/// How much of a failing plugin's stderr (a panic message) is kept.
+const STDERR_CAPTURE: usize = 4096;
+
 /// Everything one `Store` (one plugin call) holds.
 pub struct HostState {
-    wasi: WasiCtx,
+    /// The WASI context, built on the plugin's first WASI call: most calls
+    /// make none (a plugin reaches WASI only to report a panic, or for what
+    /// its standard library does on its behalf), and building one costs
+    /// about as much as running a small request.
+    wasi: Option<Wasi>,
     table: ResourceTable,
     services: HostServices,
     pub(crate) memory: MemoryLimiter,
     plugin_name: Arc<str>,
+}
+
+/// An empty WASI context whose only stream is a bounded `stderr` capture
+/// (for panic messages).
+struct Wasi {
+    ctx: WasiCtx,
     stderr: MemoryOutputPipe,
 }
 
-impl HostState {
-    /// State for one call: an empty WASI context whose only stream is a
-    /// bounded `stderr` capture (for panic messages), and the memory cap.
-    pub(crate) fn new(
-        services: HostServices,
-        memory_bytes: usize,
-        plugin_name: Arc<str>,
-        stderr: MemoryOutputPipe,
-    ) -> HostState {
-        let wasi = WasiCtx::builder()
+impl Wasi {
+    fn new() -> Wasi {
+        let stderr = MemoryOutputPipe::new(STDERR_CAPTURE);
+        let ctx = WasiCtx::builder()
             .allow_tcp(false)
             .allow_udp(false)
             .allow_ip_name_lookup(false)
             .stderr(stderr.clone())
             .build();
+        Wasi { ctx, stderr }
+    }
+}
+
+impl HostState {
+    /// State for one call: the memory cap, and (when the plugin first
+    /// needs it) an empty WASI context whose only stream is a bounded
+    /// `stderr` capture.
+    pub(crate) fn new(
+        services: HostServices,
+        memory_bytes: usize,
+        plugin_name: Arc<str>,
+    ) -> HostState {
         HostState {
-            wasi,
+            wasi: None,
             table: ResourceTable::new(),
             services,
             memory: MemoryLimiter {
@@ -49,13 +69,15 @@ impl HostState {
                 hit: false,
             },
             plugin_name,
-            stderr,
         }
     }
 
     /// What the plugin wrote to stderr, lossily decoded.
     pub(crate) fn stderr_text(&self) -> String {
-        String::from_utf8_lossy(&self.stderr.contents()).into_owned()
+        match &self.wasi {
+            Some(wasi) => String::from_utf8_lossy(&wasi.stderr.contents()).into_owned(),
+            None => String::new(),
+        }
     }
 }
 
@@ -84,14 +106,14 @@ impl ResourceLimiter for MemoryLimiter {
         desired: usize,
         _maximum: Option<usize>,
     ) -> wasmtime::Result<bool> {
-        Ok(desired <= 100_000)
+        Ok(desired <= MAX_TABLE_ELEMENTS)
     }
 }
 
 impl WasiView for HostState {
     fn ctx(&mut self) -> WasiCtxView<'_> {
         WasiCtxView {
-            ctx: &mut self.wasi,
+            ctx: &mut self.wasi.get_or_insert_with(Wasi::new).ctx,
             table: &mut self.table,
         }
     }

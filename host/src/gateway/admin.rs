@@ -13,6 +13,7 @@ use tokio::net::TcpListener;
 use crate::engine::HostServices;
 use crate::gateway::responses;
 use crate::gateway::slot::{PluginSlot, Reloaded};
+use crate::lease::LeaseStatus;
 use crate::utc::{format_millis, millis_of};
 
 /// What the admin endpoints read.
@@ -27,6 +28,8 @@ pub struct Admin {
     pub failure_policy: &'static str,
     /// When set, every request must carry `Authorization: Bearer <token>`.
     pub token: Option<String>,
+    /// The etcd lease of the machine id, when there is one.
+    pub lease: Option<Arc<LeaseStatus>>,
 }
 
 impl Admin {
@@ -70,7 +73,10 @@ impl Admin {
                 self.status().to_string(),
             ),
             (&Method::GET, "/metrics") => {
-                let body = self.slot.metrics().render(self.services.clock.issued());
+                let mut body = self.slot.metrics().render(self.services.clock.issued());
+                if let Some(lease) = &self.lease {
+                    body.push_str(&lease.render_metrics());
+                }
                 text(StatusCode::OK, "text/plain; version=0.0.4", body)
             }
             (&Method::POST, "/reload") => match self.slot.reload().await {
@@ -141,6 +147,7 @@ impl Admin {
             "machine_id": machine_id,
             "machine_id_error": machine_id_error,
             "id_layout": identity.layout().name(),
+            "lease": self.lease.as_ref().map(|l| l.to_json()),
             "upstream": self.upstream,
             "failure_policy": self.failure_policy,
         })

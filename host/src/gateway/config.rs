@@ -9,6 +9,7 @@ use anyhow::Context as _;
 use serde::Deserialize;
 use snowgate_plugin::SnowflakeLayout;
 
+use crate::lease::LeaseConfig;
 use crate::limits::PluginLimits;
 
 /// What the gateway does when the plugin errs, traps or hits a limit.
@@ -71,6 +72,8 @@ pub struct GatewayConfig {
     /// Bearer token every admin request must carry; required when the
     /// admin listener is not on a loopback address.
     pub admin_token: Option<String>,
+    /// Lease the machine id in etcd instead of using `machine_id`.
+    pub lease: Option<LeaseConfig>,
 }
 
 /// Limits that keep slow, huge or idle clients from starving others.
@@ -113,6 +116,7 @@ impl Default for GatewayConfig {
             reload_debounce: Duration::from_millis(200),
             connections: ConnectionLimits::default(),
             admin_token: None,
+            lease: None,
         }
     }
 }
@@ -155,6 +159,12 @@ pub struct ConfigFile {
     pub max_connections: Option<usize>,
     /// See [`GatewayConfig::admin_token`].
     pub admin_token: Option<String>,
+    /// etcd endpoints, comma-separated: lease the machine id there.
+    pub etcd: Option<String>,
+    /// TTL of the machine id lease, in seconds (default 10).
+    pub machine_id_ttl: Option<u64>,
+    /// Key prefix in etcd (default `/snowgate`).
+    pub etcd_prefix: Option<String>,
 }
 
 impl ConfigFile {
@@ -168,6 +178,16 @@ impl ConfigFile {
     /// Checks settings that only make sense together: an admin listener
     /// reachable from other hosts must be protected by a token.
     pub fn check(config: &GatewayConfig) -> anyhow::Result<()> {
+        if let Some(lease) = &config.lease {
+            anyhow::ensure!(
+                !lease.endpoints.is_empty(),
+                "--machine-id-ttl and --etcd-prefix need --etcd URL[,URL...] to lease machine ids from"
+            );
+            anyhow::ensure!(
+                config.machine_id.is_none(),
+                "use either --machine-id (a fixed id) or --etcd (a leased id), not both"
+            );
+        }
         if !config.admin_listen.ip().is_loopback()
             && config.admin_token.as_deref().is_none_or(str::is_empty)
         {
@@ -234,6 +254,34 @@ impl ConfigFile {
         }
         if self.admin_token.is_some() {
             config.admin_token = self.admin_token;
+        }
+        if let Some(endpoints) = self.etcd {
+            let endpoints: Vec<String> = endpoints
+                .split(',')
+                .map(str::trim)
+                .filter(|e| !e.is_empty())
+                .map(String::from)
+                .collect();
+            anyhow::ensure!(
+                !endpoints.is_empty(),
+                "etcd needs at least one endpoint URL, e.g. http://127.0.0.1:2379"
+            );
+            let lease = config
+                .lease
+                .get_or_insert_with(LeaseConfig::default_for_endpoints);
+            lease.endpoints = endpoints;
+        }
+        if let Some(secs) = self.machine_id_ttl {
+            config
+                .lease
+                .get_or_insert_with(LeaseConfig::default_for_endpoints)
+                .ttl = Duration::from_secs(secs);
+        }
+        if let Some(prefix) = self.etcd_prefix {
+            config
+                .lease
+                .get_or_insert_with(LeaseConfig::default_for_endpoints)
+                .prefix = prefix;
         }
         Ok(())
     }

@@ -32,6 +32,7 @@ pub use upstream::Upstream;
 use crate::clock::IdClock;
 use crate::engine::{HostServices, PluginEngine};
 use crate::identity::MachineIdentity;
+use crate::lease;
 
 /// A gateway with its listeners bound, ready to serve.
 pub struct Gateway {
@@ -113,6 +114,10 @@ impl Gateway {
     /// Serves until `shutdown` resolves, then drains in-flight requests.
     /// Reloads on plugin file changes, SIGHUP and `POST /reload`.
     pub async fn serve(self, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+        let lease = match &self.config.lease {
+            Some(config) => Some(lease::start(config.clone(), self.services.clone())?),
+            None => None,
+        };
         let _watcher = watch::watch_plugin_file(self.slot.clone(), self.config.reload_debounce)?;
         watch::reload_on_sighup(self.slot.clone())?;
         let admin = Arc::new(admin::Admin {
@@ -120,6 +125,7 @@ impl Gateway {
             services: self.services.clone(),
             upstream: self.upstream.describe(),
             token: self.config.admin_token.clone(),
+            lease: lease.as_ref().map(|(status, _)| status.clone()),
             failure_policy: match self.config.failure_policy {
                 FailurePolicy::FailClosed => "fail-closed",
                 FailurePolicy::FailOpen => "fail-open",
@@ -132,7 +138,7 @@ impl Gateway {
             self.config.failure_policy,
             self.config.max_body_bytes,
         );
-        server::serve(
+        let drained = server::serve(
             self.listener,
             layer,
             self.upstream,
@@ -142,6 +148,9 @@ impl Gateway {
         )
         .await;
         admin_task.abort();
+        if let Some((_, handle)) = lease {
+            handle.release(drained).await;
+        }
         Ok(())
     }
 }

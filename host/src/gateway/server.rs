@@ -29,7 +29,7 @@ const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 
 /// Serves clients on `listener` through `layer` in front of `upstream` until
 /// `shutdown` resolves; then stops accepting and lets in-flight requests
-/// finish for up to `grace`.
+/// finish for up to `grace`. Returns whether they all finished.
 pub async fn serve(
     listener: TcpListener,
     layer: SnowgateLayer,
@@ -37,7 +37,7 @@ pub async fn serve(
     limits: ConnectionLimits,
     shutdown: impl Future<Output = ()>,
     grace: Duration,
-) {
+) -> bool {
     let service = layer.layer(upstream);
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
@@ -51,6 +51,9 @@ pub async fn serve(
         .max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX));
     let slots = Arc::new(Semaphore::new(limits.max_connections));
     let graceful = GracefulShutdown::new();
+    // Tells connections still waiting for their first byte to give up on
+    // shutdown: they hold a graceful watcher, but no request.
+    let (stopping_tx, stopping_rx) = tokio::sync::watch::channel(false);
     tokio::pin!(shutdown);
     loop {
         // At the connection limit, stop accepting: new clients wait in the
@@ -89,11 +92,16 @@ pub async fn serve(
         let builder = builder.clone();
         let watcher = graceful.watcher();
         let first_byte_timeout = limits.header_read_timeout;
+        let mut stopping = stopping_rx.clone();
         tokio::spawn(async move {
             // hyper times a request head out only once it has begun: a
             // connection that sends nothing at all is closed here.
             let mut probe = [0u8; 1];
-            match tokio::time::timeout(first_byte_timeout, stream.peek(&mut probe)).await {
+            let first = tokio::select! {
+                first = tokio::time::timeout(first_byte_timeout, stream.peek(&mut probe)) => first,
+                _ = stopping.wait_for(|stopping| *stopping) => return,
+            };
+            match first {
                 Ok(Ok(n)) if n > 0 => {}
                 _ => {
                     tracing::debug!(%peer, "closed a connection that sent nothing");
@@ -110,11 +118,16 @@ pub async fn serve(
         });
     }
     drop(listener);
+    let _ = stopping_tx.send(true);
     tracing::info!("shutting down: no new connections; waiting for in-flight requests");
     tokio::select! {
-        () = graceful.shutdown() => tracing::info!("all connections closed"),
+        () = graceful.shutdown() => {
+            tracing::info!("all connections closed");
+            true
+        }
         () = tokio::time::sleep(grace) => {
             tracing::warn!(grace_secs = grace.as_secs(), "in-flight requests still running after the grace period");
+            false
         }
     }
 }

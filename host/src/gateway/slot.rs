@@ -141,7 +141,12 @@ impl PluginSlot {
                 tracing::info!(sha256 = %sha, "plugin reloaded");
                 Ok(Reloaded::Swapped(sha))
             }
-            Ok(None) => Ok(Reloaded::Unchanged),
+            Ok(None) => {
+                // The file holds the serving build again: whatever failed
+                // before is no longer true.
+                *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = None;
+                Ok(Reloaded::Unchanged)
+            }
             Err(e) => {
                 let message = format!("{e:#}");
                 tracing::error!(error = %message, "plugin reload failed; the previous build keeps serving");

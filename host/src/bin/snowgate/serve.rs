@@ -79,6 +79,18 @@ pub struct ServeArgs {
     /// [default: 4096].
     #[arg(long, value_name = "N")]
     max_connections: Option<usize>,
+    /// Lease this replica's machine id from etcd instead of --machine-id:
+    /// the lowest free id of the layout, held by an etcd lease, unique in
+    /// the fleet by construction. Comma-separated endpoint URLs.
+    #[arg(long, value_name = "URL[,URL...]")]
+    etcd: Option<String>,
+    /// Time to live of the machine id lease, in seconds; a replica that
+    /// cannot renew it within this time stops stamping [default: 10].
+    #[arg(long, value_name = "SECONDS")]
+    machine_id_ttl: Option<u64>,
+    /// Key prefix for machine id leases in etcd [default: /snowgate].
+    #[arg(long, value_name = "PREFIX")]
+    etcd_prefix: Option<String>,
     /// Bearer token the admin endpoints require; required when
     /// --admin-listen is not a loopback address.
     #[arg(
@@ -121,6 +133,9 @@ impl ServeArgs {
             max_header_bytes: self.max_header_bytes,
             max_connections: self.max_connections,
             admin_token: self.admin_token,
+            etcd: self.etcd,
+            machine_id_ttl: self.machine_id_ttl,
+            etcd_prefix: self.etcd_prefix,
         };
         flags.apply(&mut config)?;
         config.plugin_settings.extend(self.plugin_settings);

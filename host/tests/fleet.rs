@@ -1,0 +1,396 @@
+//! Fleet-unique machine ids leased in a real etcd, with real `snowgate`
+//! replicas: distinct ids, no repeated request id across replicas, a killed
+//! replica's slot freed after its TTL, refusal while etcd is down and
+//! recovery after, and no repeated id across a restart onto the same slot.
+//!
+//! etcd comes from Debian's `etcd-server` package (`.ci/run` installs it);
+//! each test starts its own on loopback with a temporary data directory.
+//! Where no `etcd` binary exists, these tests fail under CI (`CI` set) and
+//! are skipped with a message elsewhere.
+
+mod support;
+
+use std::collections::HashSet;
+use std::net::TcpListener as StdTcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use etcd_client::Client;
+use serde_json::Value;
+use snowgate_plugin::SnowflakeLayout;
+use support::{post_json, Gateway, TempDir, STEP};
+
+/// The lease TTL the tests use: short, so expiry is quick to observe.
+const TTL_SECS: u64 = 3;
+
+/// The `etcd` binary, or `None` (and a message) where it is missing.
+fn etcd_binary() -> Option<PathBuf> {
+    let found = std::env::var_os("SNOWGATE_ETCD_BIN")
+        .map(PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("PATH")?
+                .to_str()?
+                .split(':')
+                .map(|dir| PathBuf::from(dir).join("etcd"))
+                .find(|p| p.is_file())
+        });
+    if found.is_none() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "etcd is not installed; CI must install Debian's etcd-server (see .ci/run)"
+        );
+        eprintln!(
+            "SKIPPED: no etcd binary (apt-get install etcd-server, or set SNOWGATE_ETCD_BIN)"
+        );
+    }
+    found
+}
+
+/// A free loopback port (bound and released; etcd binds it right after).
+fn free_port() -> u16 {
+    StdTcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// One etcd server on loopback with its own data directory.
+struct Etcd {
+    binary: PathBuf,
+    data: TempDir,
+    client_port: u16,
+    peer_port: u16,
+    child: Option<Child>,
+}
+
+impl Etcd {
+    async fn start(binary: PathBuf) -> Etcd {
+        let mut etcd = Etcd {
+            binary,
+            data: TempDir::new("etcd"),
+            client_port: free_port(),
+            peer_port: free_port(),
+            child: None,
+        };
+        etcd.launch().await;
+        etcd
+    }
+
+    fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.client_port)
+    }
+
+    async fn launch(&mut self) {
+        let peer = format!("http://127.0.0.1:{}", self.peer_port);
+        let child = Command::new(&self.binary)
+            .args(["--name", "snowgate-test", "--data-dir"])
+            .arg(self.data.path().join("data"))
+            .args([
+                "--listen-client-urls",
+                &self.url(),
+                "--advertise-client-urls",
+                &self.url(),
+            ])
+            .args([
+                "--listen-peer-urls",
+                &peer,
+                "--initial-advertise-peer-urls",
+                &peer,
+            ])
+            .args(["--initial-cluster", &format!("snowgate-test={peer}")])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("etcd starts");
+        self.child = Some(child);
+        // Ready when a client can write through it.
+        let deadline = Instant::now() + STEP;
+        loop {
+            if let Ok(mut client) = Client::connect([self.url()], None).await {
+                if client.put("/snowgate-test/ready", "1", None).await.is_ok() {
+                    return;
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "etcd did not become ready at {}",
+                self.url()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Stops etcd (SIGKILL) and waits until it is gone.
+    fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// The machine ids currently claimed for trtllm-v1.
+    async fn claimed(&self) -> HashSet<u32> {
+        let mut client = Client::connect([self.url()], None)
+            .await
+            .expect("connect to etcd");
+        let prefix = "/snowgate/trtllm-v1/slots/";
+        let response = client
+            .get(
+                prefix,
+                Some(
+                    etcd_client::GetOptions::new()
+                        .with_prefix()
+                        .with_keys_only(),
+                ),
+            )
+            .await
+            .expect("list slots");
+        response
+            .kvs()
+            .iter()
+            .filter_map(|kv| kv.key_str().ok()?.strip_prefix(prefix)?.parse().ok())
+            .collect()
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// A replica leasing its machine id from `etcd`.
+async fn replica(etcd: &Etcd, extra: &[&str]) -> Gateway {
+    let url = etcd.url();
+    let ttl = TTL_SECS.to_string();
+    let mut args = vec!["--etcd", url.as_str(), "--machine-id-ttl", ttl.as_str()];
+    args.extend_from_slice(extra);
+    Gateway::start(&args).await
+}
+
+/// Waits until the replica holds a lease; returns its machine id.
+async fn leased_id(replica: &Gateway) -> u32 {
+    let status = replica
+        .wait_status("a machine id lease", STEP, |s| {
+            s["lease"]["state"] == "held" && s["machine_id"].is_u64()
+        })
+        .await;
+    status["machine_id"].as_u64().expect("machine_id") as u32
+}
+
+/// A batch of `n` context-only requests in one body.
+fn batch(n: usize) -> String {
+    let one = r#"{"prompt":"x","disaggregated_params":{"request_type":"context_only"}}"#;
+    format!("[{}]", vec![one; n].join(","))
+}
+
+/// The ids stamped into a batch that went through the echo upstream.
+fn batch_ids(echo: &Value) -> Vec<u64> {
+    echo["body"]
+        .as_array()
+        .expect("the echoed body is the batch")
+        .iter()
+        .map(|r| {
+            r["disaggregated_params"]["disagg_request_id"]
+                .as_u64()
+                .expect("stamped")
+        })
+        .collect()
+}
+
+/// Sends `requests` batches of `per_batch` to `replica`; returns the ids.
+async fn stamp_many(replica: &Gateway, requests: usize, per_batch: usize) -> Vec<u64> {
+    let body = batch(per_batch);
+    let mut ids = Vec::with_capacity(requests * per_batch);
+    for _ in 0..requests {
+        let reply = post_json(replica.addr, "/v1/completions", body.clone()).await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        ids.extend(batch_ids(&reply.json()));
+    }
+    ids
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn replicas_started_at_once_get_distinct_ids_and_never_share_a_request_id() {
+    let Some(binary) = etcd_binary() else { return };
+    let etcd = Etcd::start(binary).await;
+    let (a, b, c) = tokio::join!(
+        replica(&etcd, &[]),
+        replica(&etcd, &[]),
+        replica(&etcd, &[])
+    );
+    let replicas = [a, b, c];
+    let mut machine_ids = HashSet::new();
+    for r in &replicas {
+        assert!(
+            machine_ids.insert(leased_id(r).await),
+            "two replicas hold the same machine id"
+        );
+    }
+    assert_eq!(
+        machine_ids,
+        HashSet::from([0, 1, 2]),
+        "the lowest free ids are claimed"
+    );
+    assert_eq!(etcd.claimed().await, machine_ids);
+
+    // At least 100,000 ids from all replicas under concurrent load.
+    let (x, y, z) = tokio::join!(
+        stamp_many(&replicas[0], 12, 3000),
+        stamp_many(&replicas[1], 12, 3000),
+        stamp_many(&replicas[2], 12, 3000)
+    );
+    let mut seen = HashSet::new();
+    for (ids, r) in [(x, &replicas[0]), (y, &replicas[1]), (z, &replicas[2])] {
+        let machine = r.status().await["machine_id"]
+            .as_u64()
+            .expect("still leased") as u32;
+        for id in ids {
+            assert_eq!(
+                SnowflakeLayout::TrtllmV1
+                    .decode(id)
+                    .expect("v1 id")
+                    .machine_id,
+                machine
+            );
+            assert!(seen.insert(id), "id {id} issued twice");
+        }
+    }
+    assert!(seen.len() >= 100_000, "{} ids", seen.len());
+    let metrics = replicas[0].metrics().await;
+    assert!(
+        metrics.contains("snowgate_lease_acquisitions_total 1\n"),
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_killed_replicas_slot_is_free_after_the_ttl_and_a_stopped_ones_at_once() {
+    let Some(binary) = etcd_binary() else { return };
+    let etcd = Etcd::start(binary).await;
+    let first = replica(&etcd, &[]).await;
+    assert_eq!(leased_id(&first).await, 0);
+
+    first.signal("KILL");
+    first.wait_exit(STEP).await;
+    let killed_at = Instant::now();
+    // The lease outlives the process until its TTL: a new replica must not
+    // take slot 0 meanwhile.
+    let second = replica(&etcd, &[]).await;
+    let second_id = leased_id(&second).await;
+    if killed_at.elapsed() < Duration::from_secs(TTL_SECS) {
+        assert_eq!(
+            second_id, 1,
+            "slot 0 was taken while its lease could still be alive"
+        );
+    }
+    let deadline = Instant::now() + Duration::from_secs(TTL_SECS * 4);
+    while etcd.claimed().await.contains(&0) {
+        assert!(
+            Instant::now() < deadline,
+            "slot 0 was never freed after its holder was killed"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(killed_at.elapsed() >= Duration::from_secs(TTL_SECS) - Duration::from_millis(500));
+    let third = replica(&etcd, &[]).await;
+    assert_eq!(
+        leased_id(&third).await,
+        0,
+        "the freed slot is the lowest and is taken again"
+    );
+
+    // A clean stop revokes the lease: the slot is free at once.
+    third.signal("TERM");
+    assert!(third.wait_exit(STEP).await.success());
+    assert!(
+        !etcd.claimed().await.contains(&0),
+        "SIGTERM did not revoke the lease"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn replicas_refuse_to_stamp_while_etcd_is_down_and_recover_after() {
+    let Some(binary) = etcd_binary() else { return };
+    let mut etcd = Etcd::start(binary).await;
+    let r = replica(&etcd, &[]).await;
+    let id = leased_id(&r).await;
+    let context_only = r#"{"prompt":"x","disaggregated_params":{"request_type":"context_only"}}"#;
+    assert_eq!(
+        post_json(r.addr, "/v1/completions", context_only)
+            .await
+            .status,
+        200
+    );
+
+    etcd.stop();
+    let stopped = Instant::now();
+    r.wait_status(
+        "the lease to be lost",
+        Duration::from_secs(TTL_SECS * 4),
+        |s| s["lease"]["state"] == "lost",
+    )
+    .await;
+    assert!(
+        stopped.elapsed() <= Duration::from_secs(TTL_SECS),
+        "kept stamping past the TTL"
+    );
+    let refused = post_json(r.addr, "/v1/completions", context_only).await;
+    assert_eq!(refused.status, 503, "{}", refused.text());
+    assert!(
+        refused.text().contains("lease"),
+        "the 503 says why: {}",
+        refused.text()
+    );
+    let passes = post_json(r.addr, "/v1/completions", r#"{"prompt":"no params"}"#).await;
+    assert_eq!(passes.status, 200, "requests that need no id still pass");
+    assert!(r
+        .metrics()
+        .await
+        .contains("snowgate_lease_losses_total 1\n"));
+
+    etcd.launch().await;
+    let status = r
+        .wait_status("the lease to be held again", STEP, |s| {
+            s["lease"]["state"] == "held"
+        })
+        .await;
+    assert!(status["machine_id"].is_u64());
+    let stamped = post_json(r.addr, "/v1/completions", context_only).await;
+    assert_eq!(stamped.status, 200, "{}", stamped.text());
+    let _ = id;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replica_restarted_onto_the_same_slot_repeats_no_id() {
+    let Some(binary) = etcd_binary() else { return };
+    let etcd = Etcd::start(binary).await;
+    let before = replica(&etcd, &[]).await;
+    let id = leased_id(&before).await;
+    // Bursts of 4,000 ids per request run the clock ahead of the wall clock.
+    let first_ids = stamp_many(&before, 10, 4000).await;
+    before.signal("TERM");
+    assert!(before.wait_exit(STEP).await.success());
+
+    let after = replica(&etcd, &[]).await;
+    assert_eq!(
+        leased_id(&after).await,
+        id,
+        "the restarted replica takes the same slot"
+    );
+    let second_ids = stamp_many(&after, 3, 4000).await;
+    let earlier: HashSet<u64> = first_ids.iter().copied().collect();
+    let max_before = first_ids.iter().max().copied().unwrap_or(0);
+    for new in second_ids {
+        assert!(
+            !earlier.contains(&new),
+            "id {new} was issued before the restart too"
+        );
+        assert!(
+            new > max_before,
+            "id {new} is not after the last id before the restart"
+        );
+    }
+}

@@ -1,0 +1,993 @@
+//! Helpers shared by the gateway's end-to-end tests: the real `snowgate`
+//! binary as a child process, a recording hyper upstream in the test
+//! process, HTTP clients (hyper, and raw bytes over TCP for exact control),
+//! and distinct builds of the real plugin for reload tests.
+//!
+//! Every wait is bounded, so a failure fails a test instead of hanging it;
+//! nothing sleeps in place of synchronisation (the only loops that pause
+//! poll an observable state, such as `/status`, under a deadline).
+//!
+//! Each test file compiles this module on its own and uses only part of it.
+#![allow(dead_code)]
+
+use std::collections::HashSet;
+use std::convert::Infallible;
+use std::io::{BufRead as _, BufReader as StdBufReader, Read as _};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::process::{Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{HeaderMap, Method, Request, Response, StatusCode};
+use http_body::{Body, Frame};
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+use snowgate_plugin::SnowflakeLayout;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, Notify};
+
+/// The machine id every gateway gets unless a test passes its own.
+pub const MACHINE_ID: u32 = 7;
+
+/// The longest a gateway may take to print its ready line. Compiling the
+/// plugin in a debug build takes seconds, more while other tests compile
+/// theirs.
+pub const START_TIMEOUT: Duration = Duration::from_secs(90);
+
+/// The longest one request (or one step of a test) may take.
+pub const STEP: Duration = Duration::from_secs(30);
+
+/// The longest a plugin reload may take to show on `/status`: a compile in
+/// a debug build, possibly queued behind another.
+pub const RELOAD_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A context-only body: the plugin must stamp it.
+pub const CONTEXT_ONLY: &str = r#"{"model":"m","prompt":"Hello","max_tokens":16,"stream":false,"disaggregated_params":{"request_type":"context_only"}}"#;
+
+/// Awaits `future` for at most `bound`, panicking with `what` on timeout.
+pub async fn bounded<F: std::future::Future>(what: &str, bound: Duration, future: F) -> F::Output {
+    match tokio::time::timeout(bound, future).await {
+        Ok(output) => output,
+        Err(_) => panic!("timed out after {bound:?}: {what}"),
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The gateway process
+// ---------------------------------------------------------------------------
+
+/// Exit status of a child, set once by the thread that reaps it.
+#[derive(Default)]
+struct Exit {
+    status: Mutex<Option<ExitStatus>>,
+    changed: Condvar,
+}
+
+impl Exit {
+    fn wait(&self, bound: Duration) -> Option<ExitStatus> {
+        let guard = self.status.lock().unwrap_or_else(|p| p.into_inner());
+        let (guard, _) = self
+            .changed
+            .wait_timeout_while(guard, bound, |s| s.is_none())
+            .unwrap_or_else(|p| p.into_inner());
+        *guard
+    }
+
+    fn get(&self) -> Option<ExitStatus> {
+        *self.status.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A running `snowgate serve`, killed when dropped.
+pub struct Gateway {
+    pid: u32,
+    /// Where clients connect.
+    pub addr: SocketAddr,
+    /// Where the admin endpoints are.
+    pub admin: SocketAddr,
+    /// The line the gateway printed on stdout once ready.
+    pub ready_line: String,
+    exit: Arc<Exit>,
+    stderr: Arc<Mutex<String>>,
+}
+
+impl Gateway {
+    /// Starts `snowgate serve` on ephemeral loopback ports with `args`
+    /// (plus `--machine-id 7` unless `args` name one or `--etcd`) and waits for its
+    /// ready line and for `/healthz`.
+    pub async fn start(args: &[&str]) -> Gateway {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_snowgate"));
+        command
+            .args([
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--admin-listen",
+                "127.0.0.1:0",
+            ])
+            .args(args);
+        if !args.contains(&"--machine-id") && !args.contains(&"--etcd") {
+            command.args(["--machine-id", &MACHINE_ID.to_string()]);
+        }
+        let mut child = command
+            .env("SNOWGATE_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("the snowgate binary starts");
+        let pid = child.id();
+        let stdout = child.stdout.take().expect("piped stdout");
+        let mut stderr_pipe = child.stderr.take().expect("piped stderr");
+
+        let stderr = Arc::new(Mutex::new(String::new()));
+        let sink = stderr.clone();
+        let stderr_reader = std::thread::spawn(move || {
+            let mut buffer = [0u8; 4096];
+            while let Ok(n) = stderr_pipe.read(&mut buffer) {
+                if n == 0 {
+                    break;
+                }
+                sink.lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push_str(&String::from_utf8_lossy(&buffer[..n]));
+            }
+        });
+
+        // Reap the child on a thread, so that waiting for its exit is an
+        // event, not a poll. The exit is announced only once its whole
+        // stderr has been read.
+        let exit = Arc::new(Exit::default());
+        let reaper = exit.clone();
+        std::thread::spawn(move || {
+            let status = child.wait().expect("waiting for the gateway");
+            let _ = stderr_reader.join();
+            *reaper.status.lock().unwrap_or_else(|p| p.into_inner()) = Some(status);
+            reaper.changed.notify_all();
+        });
+
+        let (line_tx, line_rx) = tokio::sync::oneshot::channel();
+        std::thread::spawn(move || {
+            let mut reader = StdBufReader::new(stdout);
+            let mut line = String::new();
+            let _ = reader.read_line(&mut line);
+            let _ = line_tx.send(line);
+            // Keep draining so the pipe never fills.
+            let mut rest = Vec::new();
+            let _ = reader.read_to_end(&mut rest);
+        });
+
+        let mut gateway = Gateway {
+            pid,
+            addr: SocketAddr::from(([0, 0, 0, 0], 0)),
+            admin: SocketAddr::from(([0, 0, 0, 0], 0)),
+            ready_line: String::new(),
+            exit,
+            stderr,
+        };
+        let line = match tokio::time::timeout(START_TIMEOUT, line_rx).await {
+            Ok(Ok(line)) if !line.is_empty() => line,
+            other => panic!(
+                "the gateway printed no ready line ({}); stderr:\n{}",
+                match other {
+                    Err(_) => "timed out".to_string(),
+                    _ => "stdout closed".to_string(),
+                },
+                gateway.stderr_text()
+            ),
+        };
+        gateway.addr = address_after(&line, "snowgate listening on http://");
+        gateway.admin = address_after(&line, "(admin http://");
+        gateway.ready_line = line;
+
+        // The ready line is printed before `Gateway::serve` installs the
+        // file watcher and the SIGHUP handler (see the report): the admin
+        // listener is served only after both, so one answer from it means
+        // they are in place.
+        let health = get(gateway.admin, "/healthz").await;
+        assert_eq!(health.status, StatusCode::OK, "{}", health.text());
+        gateway
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// Sends a signal (`TERM`, `INT`, `HUP`, ...) with `kill`.
+    pub fn signal(&self, signal: &str) {
+        let status = Command::new("kill")
+            .args([format!("-{signal}"), self.pid.to_string()])
+            .status()
+            .expect("running kill");
+        assert!(status.success(), "kill -{signal} {} failed", self.pid);
+    }
+
+    /// Waits for the process to exit, at most `bound`.
+    pub async fn wait_exit(&self, bound: Duration) -> ExitStatus {
+        let exit = self.exit.clone();
+        let status = tokio::task::spawn_blocking(move || exit.wait(bound))
+            .await
+            .expect("the exit waiter");
+        status.unwrap_or_else(|| {
+            panic!(
+                "the gateway did not exit within {bound:?}; stderr:\n{}",
+                self.stderr_text()
+            )
+        })
+    }
+
+    /// Whether the process has exited.
+    pub fn exited(&self) -> Option<ExitStatus> {
+        self.exit.get()
+    }
+
+    /// Everything the gateway wrote to stderr so far (its log).
+    pub fn stderr_text(&self) -> String {
+        self.stderr
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// `GET /status` on the admin listener, parsed.
+    pub async fn status(&self) -> Value {
+        let reply = get(self.admin, "/status").await;
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+        reply.json()
+    }
+
+    /// `GET /metrics` on the admin listener.
+    pub async fn metrics(&self) -> String {
+        let reply = get(self.admin, "/metrics").await;
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+        reply.text().to_string()
+    }
+
+    /// Polls `/status` (every 20 ms, at most `bound`) until `done` holds;
+    /// returns that status.
+    pub async fn wait_status(
+        &self,
+        what: &str,
+        bound: Duration,
+        done: impl Fn(&Value) -> bool,
+    ) -> Value {
+        let deadline = Instant::now() + bound;
+        loop {
+            let status = self.status().await;
+            if done(&status) {
+                return status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "timed out after {bound:?} waiting for {what}; last /status: {status:#}\nstderr:\n{}",
+                self.stderr_text()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// The serving plugin's SHA-256, from `/status`.
+    pub async fn plugin_sha(&self) -> String {
+        self.status().await["plugin"]["sha256"]
+            .as_str()
+            .expect("plugin.sha256 is a string")
+            .to_string()
+    }
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        if self.exit.get().is_none() {
+            let _ = Command::new("kill")
+                .args(["-KILL", &self.pid.to_string()])
+                .status();
+            self.exit.wait(Duration::from_secs(10));
+        }
+        if std::thread::panicking() {
+            eprintln!("--- gateway stderr ---\n{}", self.stderr_text());
+        }
+    }
+}
+
+fn address_after(line: &str, marker: &str) -> SocketAddr {
+    let start = line
+        .find(marker)
+        .unwrap_or_else(|| panic!("no {marker:?} in the ready line {line:?}"))
+        + marker.len();
+    let rest = &line[start..];
+    let end = rest
+        .find(|c: char| {
+            !(c.is_ascii_alphanumeric() || c == '.' || c == ':' || c == '[' || c == ']')
+        })
+        .unwrap_or(rest.len());
+    rest[..end]
+        .parse()
+        .unwrap_or_else(|e| panic!("bad address {:?} in {line:?}: {e}", &rest[..end]))
+}
+
+// ---------------------------------------------------------------------------
+// The test upstream
+// ---------------------------------------------------------------------------
+
+/// One request the upstream received.
+#[derive(Debug, Clone)]
+pub struct Seen {
+    /// The method.
+    pub method: Method,
+    /// Path and query.
+    pub path: String,
+    /// Headers as received.
+    pub headers: HeaderMap,
+    /// The whole body.
+    pub body: Bytes,
+}
+
+impl Seen {
+    /// A header's value as text (`None`: absent).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .get(name)
+            .map(|v| v.to_str().expect("ASCII header"))
+    }
+}
+
+/// What the upstream shares with the test.
+#[derive(Default)]
+pub struct UpstreamState {
+    seen: Mutex<Vec<Seen>>,
+    /// Signalled when a `/hold` request has arrived.
+    pub held: Notify,
+    /// Lets a `/hold` request answer.
+    pub release: Notify,
+    /// Lets a `/sse` stream send its second event.
+    pub sse_release: Notify,
+}
+
+/// An HTTP/1.1 upstream in the test process, on 127.0.0.1:0. It records
+/// every request and answers by path:
+/// - `/sse…`: a `text/event-stream` that sends `event 1`, waits for
+///   [`UpstreamState::sse_release`], then sends `event 2` and `[DONE]`;
+/// - `/hold…`: signals [`UpstreamState::held`], waits for
+///   [`UpstreamState::release`], then answers 200 `released`;
+/// - `/hop…`: answers 200 with hop-by-hop headers the gateway must drop;
+/// - anything else: 200 with the request body echoed back, the request's
+///   content type, and `x-upstream: seen`.
+pub struct TestUpstream {
+    /// Where it listens.
+    pub addr: SocketAddr,
+    /// What it saw, and its signals.
+    pub state: Arc<UpstreamState>,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+type UpstreamBody = BoxBody<Bytes, Infallible>;
+
+impl TestUpstream {
+    /// Binds and starts serving.
+    pub async fn start() -> TestUpstream {
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind upstream");
+        let addr = listener.local_addr().expect("upstream address");
+        let state = Arc::new(UpstreamState::default());
+        let shared = state.clone();
+        let accept = tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    continue;
+                };
+                let state = shared.clone();
+                tokio::spawn(async move {
+                    let service = hyper::service::service_fn(move |request| {
+                        let state = state.clone();
+                        async move { Ok::<_, Infallible>(upstream_answer(state, request).await) }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+        TestUpstream {
+            addr,
+            state,
+            accept,
+        }
+    }
+
+    /// `http://ADDR`, for `--upstream`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Every request received so far.
+    pub fn seen(&self) -> Vec<Seen> {
+        self.state
+            .seen
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// The one request received; panics unless there was exactly one.
+    pub fn only_seen(&self) -> Seen {
+        let seen = self.seen();
+        assert_eq!(
+            seen.len(),
+            1,
+            "expected one upstream request, got {seen:#?}"
+        );
+        seen.into_iter().next().expect("one")
+    }
+}
+
+impl Drop for TestUpstream {
+    fn drop(&mut self) {
+        self.accept.abort();
+    }
+}
+
+async fn upstream_answer(
+    state: Arc<UpstreamState>,
+    request: Request<Incoming>,
+) -> Response<UpstreamBody> {
+    let (parts, body) = request.into_parts();
+    let body = body
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
+    let path = parts
+        .uri
+        .path_and_query()
+        .map_or("/", |p| p.as_str())
+        .to_string();
+    let content_type = parts.headers.get(http::header::CONTENT_TYPE).cloned();
+    state
+        .seen
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push(Seen {
+            method: parts.method,
+            path: path.clone(),
+            headers: parts.headers,
+            body: body.clone(),
+        });
+
+    if path.starts_with("/sse") {
+        let (tx, rx) = mpsc::channel(4);
+        tokio::spawn(async move {
+            let _ = tx.send(Bytes::from_static(b"data: event 1\n\n")).await;
+            state.sse_release.notified().await;
+            let _ = tx.send(Bytes::from_static(b"data: event 2\n\n")).await;
+            let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+        });
+        return Response::builder()
+            .header("content-type", "text/event-stream")
+            .header("cache-control", "no-cache")
+            .body(ChannelBody(rx).boxed())
+            .expect("an SSE response");
+    }
+    if path.starts_with("/hold") {
+        state.held.notify_one();
+        state.release.notified().await;
+        return Response::new(full("released"));
+    }
+    if path.starts_with("/hop") {
+        return Response::builder()
+            .header("connection", "x-resp-secret")
+            .header("x-resp-secret", "1")
+            .header("keep-alive", "timeout=5")
+            .header("x-upstream", "seen")
+            .body(full("hop"))
+            .expect("a response");
+    }
+    let mut response = Response::builder().header("x-upstream", "seen");
+    if let Some(content_type) = content_type {
+        response = response.header(http::header::CONTENT_TYPE, content_type);
+    }
+    response.body(full(body)).expect("a response")
+}
+
+fn full(body: impl Into<Bytes>) -> UpstreamBody {
+    Full::new(body.into()).boxed()
+}
+
+/// A response body fed chunk by chunk from a channel.
+struct ChannelBody(mpsc::Receiver<Bytes>);
+
+impl Body for ChannelBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        self.0
+            .poll_recv(cx)
+            .map(|chunk| chunk.map(|c| Ok(Frame::data(c))))
+    }
+}
+
+/// An address nothing listens on (bound, then released).
+pub async fn dead_address() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    listener.local_addr().expect("address")
+}
+
+// ---------------------------------------------------------------------------
+// Clients
+// ---------------------------------------------------------------------------
+
+/// A whole response.
+#[derive(Debug)]
+pub struct Reply {
+    /// The status.
+    pub status: StatusCode,
+    /// The headers.
+    pub headers: HeaderMap,
+    /// The whole body.
+    pub body: Bytes,
+}
+
+impl Reply {
+    /// The body as text.
+    pub fn text(&self) -> &str {
+        std::str::from_utf8(&self.body).expect("a UTF-8 body")
+    }
+
+    /// The body parsed as JSON.
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("the body is not JSON ({e}): {:?}", self.text()))
+    }
+
+    /// A header's value as text.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .get(name)
+            .map(|v| v.to_str().expect("ASCII header"))
+    }
+}
+
+/// One HTTP/1.1 keep-alive connection (hyper's client connection).
+pub struct Client {
+    addr: SocketAddr,
+    /// The hyper sender, for requests the helpers do not cover.
+    pub sender: hyper::client::conn::http1::SendRequest<Full<Bytes>>,
+}
+
+impl Client {
+    /// Connects to `addr`.
+    pub async fn connect(addr: SocketAddr) -> Client {
+        let stream = bounded("connecting", STEP, TcpStream::connect(addr))
+            .await
+            .unwrap_or_else(|e| panic!("connecting to {addr}: {e}"));
+        let (sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .expect("an HTTP/1.1 handshake");
+        tokio::spawn(connection);
+        Client { addr, sender }
+    }
+
+    /// A request builder with `Host` set.
+    pub fn builder(&self, method: Method, path: &str) -> http::request::Builder {
+        Request::builder()
+            .method(method)
+            .uri(path)
+            .header(http::header::HOST, self.addr.to_string())
+    }
+
+    /// Sends `request` and returns the response head with its body still
+    /// streaming.
+    pub async fn send_streaming(&mut self, request: Request<Full<Bytes>>) -> Response<Incoming> {
+        bounded("the connection to be ready", STEP, self.sender.ready())
+            .await
+            .expect("the connection is usable");
+        bounded("a response head", STEP, self.sender.send_request(request))
+            .await
+            .expect("a response")
+    }
+
+    /// Sends `request` and reads the whole response.
+    pub async fn send(&mut self, request: Request<Full<Bytes>>) -> Reply {
+        let response = self.send_streaming(request).await;
+        let (parts, body) = response.into_parts();
+        let body = bounded("a response body", STEP, body.collect())
+            .await
+            .expect("a whole body")
+            .to_bytes();
+        Reply {
+            status: parts.status,
+            headers: parts.headers,
+            body,
+        }
+    }
+
+    /// `GET path`.
+    pub async fn get(&mut self, path: &str) -> Reply {
+        let request = self
+            .builder(Method::GET, path)
+            .body(Full::default())
+            .expect("a request");
+        self.send(request).await
+    }
+
+    /// `POST path` with a JSON body.
+    pub async fn post_json(&mut self, path: &str, body: impl Into<Bytes>) -> Reply {
+        let request = self
+            .builder(Method::POST, path)
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .body(Full::new(body.into()))
+            .expect("a request");
+        self.send(request).await
+    }
+}
+
+/// `GET path` on a new connection.
+pub async fn get(addr: SocketAddr, path: &str) -> Reply {
+    Client::connect(addr).await.get(path).await
+}
+
+/// `POST path` with a JSON body on a new connection.
+pub async fn post_json(addr: SocketAddr, path: &str, body: impl Into<Bytes>) -> Reply {
+    Client::connect(addr).await.post_json(path, body).await
+}
+
+/// `POST path` with no body on a new connection.
+pub async fn post_empty(addr: SocketAddr, path: &str) -> Reply {
+    let mut client = Client::connect(addr).await;
+    let request = client
+        .builder(Method::POST, path)
+        .body(Full::default())
+        .expect("a request");
+    client.send(request).await
+}
+
+/// A response read off a raw socket.
+#[derive(Debug)]
+pub struct RawReply {
+    /// The status code.
+    pub status: u16,
+    /// Headers, names lower-cased, in order.
+    pub headers: Vec<(String, String)>,
+    /// The body, de-chunked.
+    pub body: Vec<u8>,
+}
+
+impl RawReply {
+    /// A header's value.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// The body parsed as JSON.
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| {
+            panic!(
+                "the body is not JSON ({e}): {:?}",
+                String::from_utf8_lossy(&self.body)
+            )
+        })
+    }
+}
+
+/// Writes `request` byte for byte on a new connection and reads one
+/// response (by `Content-Length`, chunked, or to the end of the stream).
+/// The request need not be complete: the response is read right after.
+pub async fn raw_exchange(addr: SocketAddr, request: &[u8]) -> RawReply {
+    bounded("a raw exchange", STEP, async {
+        let mut stream = TcpStream::connect(addr).await.expect("connect");
+        stream.write_all(request).await.expect("write the request");
+        read_raw_response(&mut BufReader::new(stream)).await
+    })
+    .await
+}
+
+/// Sends `head` (which asks for `Expect: 100-continue`), waits for the
+/// interim `100 Continue`, then sends `body` and reads the final response.
+pub async fn raw_expect_continue(addr: SocketAddr, head: &[u8], body: &[u8]) -> RawReply {
+    bounded("an Expect: 100-continue exchange", STEP, async {
+        let stream = TcpStream::connect(addr).await.expect("connect");
+        let mut reader = BufReader::new(stream);
+        reader
+            .get_mut()
+            .write_all(head)
+            .await
+            .expect("write the head");
+        let mut line = String::new();
+        reader
+            .read_line(&mut line)
+            .await
+            .expect("an interim status line");
+        assert!(
+            line.starts_with("HTTP/1.1 100"),
+            "expected 100 Continue, got {line:?}"
+        );
+        loop {
+            line.clear();
+            reader
+                .read_line(&mut line)
+                .await
+                .expect("an interim header");
+            if line.trim().is_empty() {
+                break;
+            }
+        }
+        reader
+            .get_mut()
+            .write_all(body)
+            .await
+            .expect("write the body");
+        read_raw_response(&mut reader).await
+    })
+    .await
+}
+
+async fn read_raw_response(reader: &mut BufReader<TcpStream>) -> RawReply {
+    let mut line = String::new();
+    reader.read_line(&mut line).await.expect("a status line");
+    let status: u16 = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("bad status line {line:?}"));
+    let mut headers = Vec::new();
+    loop {
+        line.clear();
+        reader.read_line(&mut line).await.expect("a header line");
+        let trimmed = line.trim_end();
+        if trimmed.is_empty() {
+            break;
+        }
+        let (name, value) = trimmed.split_once(':').expect("name: value");
+        headers.push((name.trim().to_ascii_lowercase(), value.trim().to_string()));
+    }
+    let find = |name: &str| {
+        headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.clone())
+    };
+    let mut body = Vec::new();
+    if find("transfer-encoding").is_some_and(|v| v.contains("chunked")) {
+        loop {
+            line.clear();
+            reader.read_line(&mut line).await.expect("a chunk size");
+            let size = usize::from_str_radix(line.trim(), 16).expect("a hex chunk size");
+            if size == 0 {
+                loop {
+                    line.clear();
+                    reader.read_line(&mut line).await.expect("a trailer line");
+                    if line.trim().is_empty() {
+                        break;
+                    }
+                }
+                break;
+            }
+            let start = body.len();
+            body.resize(start + size, 0);
+            reader
+                .read_exact(&mut body[start..])
+                .await
+                .expect("a chunk");
+            line.clear();
+            reader.read_line(&mut line).await.expect("a chunk end");
+        }
+    } else if let Some(length) = find("content-length") {
+        body.resize(length.parse().expect("a numeric Content-Length"), 0);
+        reader.read_exact(&mut body).await.expect("the body");
+    } else {
+        reader.read_to_end(&mut body).await.expect("the body");
+    }
+    RawReply {
+        status,
+        headers,
+        body,
+    }
+}
+
+/// `parts` as a chunked body, terminated.
+pub fn chunked(parts: &[&[u8]]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for part in parts {
+        out.extend_from_slice(format!("{:x}\r\n", part.len()).as_bytes());
+        out.extend_from_slice(part);
+        out.extend_from_slice(b"\r\n");
+    }
+    out.extend_from_slice(b"0\r\n\r\n");
+    out
+}
+
+/// Connects to `addr` until the connection is refused (polled every 10 ms,
+/// at most `bound`).
+pub async fn wait_refused(addr: SocketAddr, bound: Duration) {
+    let deadline = Instant::now() + bound;
+    loop {
+        match TcpStream::connect(addr).await {
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => return,
+            // Caught in the backlog as the listener closed: not served, but
+            // keep going until the port refuses outright.
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+            Err(e) => panic!("connecting to {addr} failed, but not refused: {e}"),
+            Ok(stream) => drop(stream),
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{addr} still accepts connections after {bound:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Ids, errors and metrics
+// ---------------------------------------------------------------------------
+
+/// The `disagg_request_id` of a body's top-level `disaggregated_params`.
+pub fn stamped_id(body: &[u8]) -> u64 {
+    let value: Value = serde_json::from_slice(body)
+        .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", String::from_utf8_lossy(body)));
+    value["disaggregated_params"]["disagg_request_id"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no integer disagg_request_id in {value}"))
+}
+
+/// Checks that `id` is a trtllm-v1 id of [`MACHINE_ID`] made in the last
+/// minute.
+pub fn assert_fresh_v1_id(id: u64) {
+    let parts = SnowflakeLayout::TrtllmV1
+        .decode(id)
+        .unwrap_or_else(|e| panic!("{id} is not a trtllm-v1 id: {e:?}"));
+    assert_eq!(parts.machine_id, MACHINE_ID, "machine id of {id}");
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("after 1970")
+        .as_millis() as u64;
+    assert!(
+        parts.millis <= now + 1_000 && parts.millis + 60_000 >= now,
+        "id {id} was made at {} ms, now is {now} ms",
+        parts.millis
+    );
+}
+
+/// Checks an OpenAI-style error body and returns its message.
+pub fn assert_openai_error(body: &Value, code: &str, kind: &str) -> String {
+    let error = &body["error"];
+    assert_eq!(error["code"], code, "{body}");
+    assert_eq!(error["type"], kind, "{body}");
+    let message = error["message"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no error.message in {body}"));
+    assert!(!message.is_empty(), "{body}");
+    message.to_string()
+}
+
+/// The value of one sample line (`name{labels} value`) in Prometheus text.
+pub fn metric(text: &str, sample: &str) -> f64 {
+    text.lines()
+        .find_map(|line| {
+            line.strip_prefix(sample)
+                .and_then(|rest| rest.strip_prefix(' '))
+                .map(|value| value.trim().parse().expect("a numeric sample"))
+        })
+        .unwrap_or_else(|| panic!("no sample {sample} in:\n{text}"))
+}
+
+/// Checks that every id is distinct.
+pub fn assert_unique(ids: &[u64]) {
+    let distinct: HashSet<u64> = ids.iter().copied().collect();
+    assert_eq!(
+        distinct.len(),
+        ids.len(),
+        "{} duplicate ids",
+        ids.len() - distinct.len()
+    );
+}
+
+// ---------------------------------------------------------------------------
+// Plugin builds and files
+// ---------------------------------------------------------------------------
+
+/// Lower-case hex SHA-256.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+fn leb128(mut n: usize, out: &mut Vec<u8>) {
+    loop {
+        let byte = (n & 0x7f) as u8;
+        n >>= 7;
+        if n == 0 {
+            out.push(byte);
+            return;
+        }
+        out.push(byte | 0x80);
+    }
+}
+
+/// The bundled plugin with a custom section `snowgate-test-variant` holding
+/// `n` appended: the same behaviour, a different SHA-256 for every `n`.
+pub fn plugin_variant(n: u32) -> Vec<u8> {
+    let name = b"snowgate-test-variant";
+    let payload = format!("variant {n}");
+    let mut content = Vec::new();
+    leb128(name.len(), &mut content);
+    content.extend_from_slice(name);
+    content.extend_from_slice(payload.as_bytes());
+    let mut out = snowgate_plugin_bundle::PLUGIN_WASM.to_vec();
+    out.push(0x00); // custom section
+    leb128(content.len(), &mut out);
+    out.extend_from_slice(&content);
+    out
+}
+
+/// A directory under the system temp dir, removed when dropped.
+pub struct TempDir(PathBuf);
+
+impl TempDir {
+    /// A fresh, empty directory whose name contains `tag`.
+    pub fn new(tag: &str) -> TempDir {
+        static COUNTER: AtomicU64 = AtomicU64::new(0);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        let path = std::env::temp_dir().join(format!(
+            "snowgate-{tag}-{}-{}-{nanos}",
+            std::process::id(),
+            COUNTER.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&path).expect("create a temp dir");
+        TempDir(path)
+    }
+
+    /// Its path.
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Replaces `path` atomically: writes a temporary file beside it, then
+/// renames it into place (what `cp new.wasm dir/.tmp && mv` does).
+pub fn replace_by_rename(path: &Path, bytes: &[u8]) {
+    let tmp = path.with_file_name(format!(
+        ".{}.tmp",
+        path.file_name().expect("a file name").to_string_lossy()
+    ));
+    std::fs::write(&tmp, bytes).expect("write the temporary file");
+    std::fs::rename(&tmp, path).expect("rename into place");
+}
+
+/// Rewrites `path` in place: truncate, then write.
+pub fn rewrite_in_place(path: &Path, bytes: &[u8]) {
+    std::fs::write(path, bytes).expect("rewrite in place");
+}
+
+/// `path` as a `&str` for an argument list.
+pub fn arg(path: &Path) -> &str {
+    path.to_str().expect("a UTF-8 path")
+}
