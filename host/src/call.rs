@@ -130,7 +130,13 @@ impl Plugin {
         if error.is::<PoolConcurrencyLimitError>() {
             return CallError::Busy(self.engine.limits.max_instances.max(1));
         }
-        let mut detail = format!("{error:#}");
+        // The full error (with the wasm backtrace and the plugin's symbol
+        // names) goes to the log; the caller gets the trap and the panic.
+        tracing::warn!(plugin = %self.name, error = ?error, "the plugin trapped");
+        let mut detail = match error.downcast_ref::<Trap>() {
+            Some(trap) => trap.to_string(),
+            None => error.root_cause().to_string(),
+        };
         let stderr = store.data().stderr_text();
         if !stderr.is_empty() {
             detail.push_str("; plugin stderr: ");
