@@ -43,6 +43,8 @@ pub struct Gateway {
     services: HostServices,
     metrics: Arc<Metrics>,
     upstream: Upstream,
+    /// Watches the plugin file while the gateway lives.
+    _watcher: Option<notify::RecommendedWatcher>,
 }
 
 impl Gateway {
@@ -81,6 +83,9 @@ impl Gateway {
         let admin_listener = TcpListener::bind(config.admin_listen)
             .await
             .with_context(|| format!("listening for admin requests on {}", config.admin_listen))?;
+        // Reload triggers are in place before anyone learns the gateway is up.
+        let _watcher = watch::watch_plugin_file(slot.clone(), config.reload_debounce)?;
+        watch::reload_on_sighup(slot.clone())?;
         Ok(Gateway {
             config,
             listener,
@@ -89,6 +94,7 @@ impl Gateway {
             services,
             metrics,
             upstream,
+            _watcher,
         })
     }
 
@@ -118,8 +124,6 @@ impl Gateway {
             Some(config) => Some(lease::start(config.clone(), self.services.clone())?),
             None => None,
         };
-        let _watcher = watch::watch_plugin_file(self.slot.clone(), self.config.reload_debounce)?;
-        watch::reload_on_sighup(self.slot.clone())?;
         let admin = Arc::new(admin::Admin {
             slot: self.slot.clone(),
             services: self.services.clone(),

@@ -88,6 +88,13 @@ impl Exit {
     }
 }
 
+/// The gateway's stderr as read so far.
+#[derive(Default)]
+struct Log {
+    text: Mutex<String>,
+    grew: Condvar,
+}
+
 /// A running `snowgate serve`, killed when dropped.
 pub struct Gateway {
     pid: u32,
@@ -98,7 +105,7 @@ pub struct Gateway {
     /// The line the gateway printed on stdout once ready.
     pub ready_line: String,
     exit: Arc<Exit>,
-    stderr: Arc<Mutex<String>>,
+    stderr: Arc<Log>,
 }
 
 impl Gateway {
@@ -130,7 +137,7 @@ impl Gateway {
         let stdout = child.stdout.take().expect("piped stdout");
         let mut stderr_pipe = child.stderr.take().expect("piped stderr");
 
-        let stderr = Arc::new(Mutex::new(String::new()));
+        let stderr = Arc::new(Log::default());
         let sink = stderr.clone();
         let stderr_reader = std::thread::spawn(move || {
             let mut buffer = [0u8; 4096];
@@ -138,9 +145,11 @@ impl Gateway {
                 if n == 0 {
                     break;
                 }
-                sink.lock()
+                sink.text
+                    .lock()
                     .unwrap_or_else(|p| p.into_inner())
                     .push_str(&String::from_utf8_lossy(&buffer[..n]));
+                sink.grew.notify_all();
             }
         });
 
@@ -235,9 +244,32 @@ impl Gateway {
     /// Everything the gateway wrote to stderr so far (its log).
     pub fn stderr_text(&self) -> String {
         self.stderr
+            .text
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
+    }
+
+    /// Waits (at most [`STEP`]) until the gateway's log contains `needle`:
+    /// the log arrives through a pipe, a little after the event it reports.
+    pub async fn wait_log(&self, needle: &str) {
+        let log = self.stderr.clone();
+        let wanted = needle.to_string();
+        let found = tokio::task::spawn_blocking(move || {
+            let text = log.text.lock().unwrap_or_else(|p| p.into_inner());
+            let (text, _) = log
+                .grew
+                .wait_timeout_while(text, STEP, |t| !t.contains(&wanted))
+                .unwrap_or_else(|p| p.into_inner());
+            text.contains(&wanted)
+        })
+        .await
+        .expect("the log waiter");
+        assert!(
+            found,
+            "the gateway never logged {needle:?}; stderr:\n{}",
+            self.stderr_text()
+        );
     }
 
     /// `GET /status` on the admin listener, parsed.

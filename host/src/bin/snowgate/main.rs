@@ -26,7 +26,7 @@ enum Command {
     Decode(decode::DecodeArgs),
     /// Run the gateway: a reverse proxy that stamps ids into JSON requests
     /// on their way to the upstream, and reloads the plugin when it changes.
-    Serve(serve::ServeArgs),
+    Serve(Box<serve::ServeArgs>),
 }
 
 /// How a command failed, and so which exit status it gets.
@@ -61,7 +61,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Rewrite(args) => rewrite::run(args),
         Command::Decode(args) => decode::run(args),
-        Command::Serve(args) => serve::run(args),
+        Command::Serve(args) => serve::run(*args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -154,6 +154,9 @@ pub fn run(args: ServeArgs) -> Result<(), Failure> {
         .context("starting the async runtime")?;
     runtime.block_on(async move {
         let gateway = Gateway::bind(config.clone()).await?;
+        // Listen for the stop signals before announcing readiness, so a
+        // signal sent right after the ready line is handled, not fatal.
+        let shutdown = shutdown_signal()?;
         let info = gateway.slot().current().info().clone();
         println!(
             "snowgate listening on http://{} (admin http://{}); upstream {}; plugin {} {} sha256 {}",
@@ -164,7 +167,7 @@ pub fn run(args: ServeArgs) -> Result<(), Failure> {
             info.version,
             info.sha256
         );
-        gateway.serve(shutdown_signal()).await?;
+        gateway.serve(shutdown).await?;
         tracing::info!("stopped");
         Ok::<_, anyhow::Error>(())
     })?;
@@ -173,21 +176,15 @@ pub fn run(args: ServeArgs) -> Result<(), Failure> {
     Ok(())
 }
 
-/// Resolves on SIGTERM or SIGINT.
-async fn shutdown_signal() {
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut signal) => {
-                signal.recv().await;
-            }
-            Err(e) => {
-                tracing::error!(error = %e, "cannot listen for SIGTERM");
-                std::future::pending::<()>().await;
-            }
+/// Starts listening for SIGTERM and SIGINT; the future resolves on either.
+fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()>> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut terminate = signal(SignalKind::terminate()).context("listening for SIGTERM")?;
+    let mut interrupt = signal(SignalKind::interrupt()).context("listening for SIGINT")?;
+    Ok(async move {
+        tokio::select! {
+            _ = interrupt.recv() => tracing::info!("SIGINT: shutting down"),
+            _ = terminate.recv() => tracing::info!("SIGTERM: shutting down"),
         }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: shutting down"),
-        () = terminate => tracing::info!("SIGTERM: shutting down"),
-    }
+    })
 }

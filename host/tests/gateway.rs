@@ -1,0 +1,889 @@
+//! `snowgate serve` end to end: the real binary with the real (bundled)
+//! plugin, over loopback HTTP, in front of a recording upstream in the test
+//! process.
+
+mod support;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Method, StatusCode};
+use http_body_util::{BodyExt, Full};
+use serde_json::Value;
+use support::*;
+
+// ---------------------------------------------------------------------------
+// Stamping and pass-through
+// ---------------------------------------------------------------------------
+
+/// A context-only body arrives upstream with an integer id, a correct
+/// Content-Length, and every other byte as the client sent it; the
+/// upstream's answer comes back to the client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stamps_context_only_requests_with_a_correct_content_length() {
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
+
+    // Odd spacing, an escape and a newline: the plugin must keep them all.
+    let sent = "{\"model\":\"m\", \"prompt\":\"Hello \\u00e9\\n\",\"max_tokens\":16,\n \"disaggregated_params\":{\"request_type\":\"context_only\",\"schedule_style\":0}}";
+    let reply = post_json(gateway.addr, "/v1/completions?x=1", sent).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    assert_eq!(reply.header("x-upstream"), Some("seen"));
+
+    let seen = upstream.only_seen();
+    assert_eq!(seen.method, Method::POST);
+    assert_eq!(seen.path, "/v1/completions?x=1");
+    let id = stamped_id(&seen.body);
+    assert_fresh_v1_id(id);
+    let expected = sent.replace(
+        "\"schedule_style\":0}",
+        &format!("\"schedule_style\":0,\"disagg_request_id\":{id}}}"),
+    );
+    assert_eq!(
+        std::str::from_utf8(&seen.body).unwrap(),
+        expected,
+        "only the id is added"
+    );
+    assert_eq!(
+        seen.header("content-length"),
+        Some(seen.body.len().to_string().as_str()),
+        "Content-Length matches the rewritten body"
+    );
+    assert_eq!(seen.header("transfer-encoding"), None);
+    assert_eq!(seen.header("content-type"), Some("application/json"));
+    // The upstream echoes what it got: the client sees the stamped body.
+    assert_eq!(reply.body, seen.body);
+
+    // A chunked JSON body is stamped and forwarded with a Content-Length.
+    let body = chunked(&[
+        br#"{"prompt":"chunk","disaggregated_params":"#,
+        br#"{"request_type":"context_only","disagg_request_id":null}}"#,
+    ]);
+    let mut request = b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n".to_vec();
+    request.extend_from_slice(&body);
+    let raw = raw_exchange(gateway.addr, &request).await;
+    assert_eq!(raw.status, 200, "{:?}", String::from_utf8_lossy(&raw.body));
+    let seen = upstream.seen().pop().expect("a second upstream request");
+    let second = stamped_id(&seen.body);
+    assert_fresh_v1_id(second);
+    assert_ne!(second, id);
+    assert_eq!(
+        std::str::from_utf8(&seen.body).unwrap(),
+        format!(
+            r#"{{"prompt":"chunk","disaggregated_params":{{"request_type":"context_only","disagg_request_id":{second}}}}}"#
+        ),
+        "a null id is replaced in place"
+    );
+    assert_eq!(
+        seen.header("content-length"),
+        Some(seen.body.len().to_string().as_str())
+    );
+    assert_eq!(seen.header("transfer-encoding"), None);
+}
+
+/// A client that asks `Expect: 100-continue` (curl does for large bodies)
+/// gets the interim answer, sends its body, and has it stamped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stamps_a_body_sent_after_100_continue() {
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
+
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\nContent-Length: {}\r\nExpect: 100-continue\r\nConnection: close\r\n\r\n",
+        CONTEXT_ONLY.len()
+    );
+    let raw = raw_expect_continue(gateway.addr, head.as_bytes(), CONTEXT_ONLY.as_bytes()).await;
+    assert_eq!(raw.status, 200, "{:?}", String::from_utf8_lossy(&raw.body));
+    let seen = upstream.only_seen();
+    assert_fresh_v1_id(stamped_id(&seen.body));
+    assert_eq!(
+        seen.header("content-length"),
+        Some(seen.body.len().to_string().as_str())
+    );
+}
+
+/// A GET without a body goes upstream as it is, and the upstream's answer
+/// comes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn passes_a_get_through() {
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
+
+    let mut client = Client::connect(gateway.addr).await;
+    let request = client
+        .builder(Method::GET, "/v1/models?limit=2")
+        .header("accept", "application/json")
+        .body(Full::default())
+        .unwrap();
+    let reply = client.send(request).await;
+    assert_eq!(reply.status, StatusCode::OK);
+    assert_eq!(reply.header("x-upstream"), Some("seen"));
+    assert!(reply.body.is_empty());
+
+    let seen = upstream.only_seen();
+    assert_eq!(seen.method, Method::GET);
+    assert_eq!(seen.path, "/v1/models?limit=2");
+    assert!(seen.body.is_empty());
+    assert_eq!(seen.header("accept"), Some("application/json"));
+
+    // The same keep-alive connection serves the next request.
+    let again = client.get("/v1/models").await;
+    assert_eq!(again.status, StatusCode::OK);
+    assert_eq!(upstream.seen().len(), 2);
+}
+
+/// A body that is not JSON passes through byte for byte, with a
+/// Content-Length or chunked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn passes_non_json_bodies_through_untouched() {
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
+
+    // Looks like a context-only request, but is declared text: not touched.
+    let text = r#"{"disaggregated_params":{"request_type":"context_only"}} and some text {"#;
+    let mut client = Client::connect(gateway.addr).await;
+    let request = client
+        .builder(Method::POST, "/upload")
+        .header("content-type", "text/plain")
+        .body(Full::new(Bytes::from(text)))
+        .unwrap();
+    let reply = client.send(request).await;
+    assert_eq!(reply.status, StatusCode::OK);
+    assert_eq!(reply.body, text.as_bytes());
+    let seen = upstream.only_seen();
+    assert_eq!(seen.body, text.as_bytes());
+    assert_eq!(seen.header("content-type"), Some("text/plain"));
+    assert_eq!(
+        seen.header("content-length"),
+        Some(text.len().to_string().as_str())
+    );
+
+    // Binary bytes, chunked.
+    let binary: Vec<u8> = (0..=255u8).cycle().take(3000).collect();
+    let mut request = b"POST /bin HTTP/1.1\r\nHost: gw\r\nContent-Type: application/octet-stream\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n".to_vec();
+    request.extend_from_slice(&chunked(&[&binary[..1000], &binary[1000..]]));
+    let raw = raw_exchange(gateway.addr, &request).await;
+    assert_eq!(raw.status, 200);
+    assert_eq!(raw.body, binary);
+    assert_eq!(upstream.seen()[1].body, binary);
+}
+
+/// JSON the plugin has nothing to do for (generation-only, no params, an
+/// id already set) is forwarded byte for byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forwards_json_without_a_missing_id_byte_for_byte() {
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
+
+    let bodies = [
+        r#"{"model":"m","prompt":"x","disaggregated_params":{"request_type":"generation_only","disagg_request_id":1099511628800,"ctx_request_id":5}}"#,
+        "{ \"model\" : \"m\" ,\n \"messages\": [{\"role\":\"user\",\"content\":\"hi\"}] }",
+        r#"{"disaggregated_params":{"request_type":"context_only","disagg_request_id":4398046511104}}"#,
+    ];
+    let mut client = Client::connect(gateway.addr).await;
+    for body in bodies {
+        let reply = client.post_json("/v1/completions", body).await;
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+        let seen = upstream.seen().pop().expect("forwarded");
+        assert_eq!(std::str::from_utf8(&seen.body).unwrap(), body);
+        assert_eq!(
+            seen.header("content-length"),
+            Some(body.len().to_string().as_str())
+        );
+    }
+
+    // Chunked, generation-only: still byte for byte.
+    let body = bodies[0].as_bytes();
+    let mut request = b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n".to_vec();
+    request.extend_from_slice(&chunked(&[&body[..10], &body[10..]]));
+    let raw = raw_exchange(gateway.addr, &request).await;
+    assert_eq!(raw.status, 200);
+    let seen = upstream.seen().pop().expect("forwarded");
+    assert_eq!(seen.body, body);
+    assert_eq!(upstream.seen().len(), 4);
+}
+
+/// Hop-by-hop headers (the fixed list and those `Connection` names) stop at
+/// the gateway in both directions; end-to-end headers pass; the client's
+/// address is appended to `X-Forwarded-For`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn strips_hop_by_hop_headers_and_passes_the_rest() {
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
+
+    let body = CONTEXT_ONLY;
+    let request = format!(
+        "POST /hop HTTP/1.1\r\n\
+         Host: gateway.example\r\n\
+         Content-Type: application/json\r\n\
+         Content-Length: {}\r\n\
+         Connection: close, X-Secret\r\n\
+         X-Secret: 1\r\n\
+         Keep-Alive: timeout=5\r\n\
+         Proxy-Connection: keep-alive\r\n\
+         Proxy-Authorization: Basic c2VjcmV0\r\n\
+         TE: trailers\r\n\
+         Authorization: Bearer token-1\r\n\
+         X-Request-Id: abc-123\r\n\
+         X-Forwarded-For: 10.0.0.1\r\n\
+         User-Agent: snowgate-test\r\n\
+         \r\n{body}",
+        body.len()
+    );
+    let raw = raw_exchange(gateway.addr, request.as_bytes()).await;
+    assert_eq!(raw.status, 200, "{:?}", String::from_utf8_lossy(&raw.body));
+
+    let seen = upstream.only_seen();
+    for hop in [
+        "x-secret",
+        "keep-alive",
+        "proxy-connection",
+        "proxy-authorization",
+        "te",
+        "transfer-encoding",
+    ] {
+        assert_eq!(
+            seen.header(hop),
+            None,
+            "{hop} reached the upstream: {:?}",
+            seen.headers
+        );
+    }
+    if let Some(connection) = seen.header("connection") {
+        let connection = connection.to_ascii_lowercase();
+        assert!(
+            !connection.contains("x-secret") && !connection.contains("close"),
+            "the client's Connection header reached the upstream: {connection}"
+        );
+    }
+    assert_eq!(seen.header("authorization"), Some("Bearer token-1"));
+    assert_eq!(seen.header("x-request-id"), Some("abc-123"));
+    assert_eq!(seen.header("user-agent"), Some("snowgate-test"));
+    assert_eq!(seen.header("x-forwarded-for"), Some("10.0.0.1, 127.0.0.1"));
+    assert_eq!(
+        seen.header("host"),
+        Some(upstream.addr.to_string().as_str()),
+        "Host names the upstream"
+    );
+    // The body still went through the plugin.
+    assert_fresh_v1_id(stamped_id(&seen.body));
+
+    // The upstream's hop-by-hop response headers stop at the gateway too.
+    assert_eq!(raw.header("x-resp-secret"), None, "{:?}", raw.headers);
+    assert_eq!(raw.header("keep-alive"), None, "{:?}", raw.headers);
+    assert_eq!(raw.header("x-upstream"), Some("seen"));
+    assert_eq!(raw.body, b"hop");
+}
+
+/// Server-sent events reach the client one by one: the upstream sends its
+/// second event only after the client has received the first through the
+/// gateway, so a buffering gateway would never deliver anything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_server_sent_events_as_they_arrive() {
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
+
+    let mut client = Client::connect(gateway.addr).await;
+    let body =
+        r#"{"prompt":"hi","stream":true,"disaggregated_params":{"request_type":"context_only"}}"#;
+    let request = client
+        .builder(Method::POST, "/sse/v1/completions")
+        .header("content-type", "application/json")
+        .header("accept", "text/event-stream")
+        .body(Full::new(Bytes::from(body)))
+        .unwrap();
+    let response = client.send_streaming(request).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(
+        response.headers().get("content-type").unwrap(),
+        "text/event-stream"
+    );
+    let mut body = response.into_body();
+    let mut received = Vec::new();
+    bounded(
+        "event 1 through the gateway before the upstream sends event 2",
+        STEP,
+        async {
+            while !String::from_utf8_lossy(&received).contains("event 1\n\n") {
+                let frame = body
+                    .frame()
+                    .await
+                    .expect("the stream ended before event 1")
+                    .expect("a body frame");
+                if let Ok(data) = frame.into_data() {
+                    received.extend_from_slice(&data);
+                }
+            }
+        },
+    )
+    .await;
+    assert!(!String::from_utf8_lossy(&received).contains("event 2"));
+    // The stamped request reached the upstream before it started streaming.
+    assert_fresh_v1_id(stamped_id(&upstream.only_seen().body));
+
+    upstream.state.sse_release.notify_one();
+    let rest = bounded("the rest of the stream", STEP, body.collect())
+        .await
+        .expect("the rest of the stream")
+        .to_bytes();
+    received.extend_from_slice(&rest);
+    assert_eq!(
+        String::from_utf8_lossy(&received),
+        "data: event 1\n\ndata: event 2\n\ndata: [DONE]\n\n"
+    );
+}
+
+// ---------------------------------------------------------------------------
+// Refusals
+// ---------------------------------------------------------------------------
+
+/// A declared 33 MiB body gets 413 as soon as its head arrives: the test
+/// sends only the head and a few bytes, so a gateway that read on would
+/// hang. The gateway keeps serving afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refuses_a_declared_oversized_body_with_413_without_reading_it() {
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
+
+    let declared = 33 << 20;
+    let mut request = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\nContent-Length: {declared}\r\n\r\n"
+    )
+    .into_bytes();
+    request.extend_from_slice(br#"{"prompt":"aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"#);
+    let raw = bounded(
+        "413 before the body is sent",
+        Duration::from_secs(10),
+        raw_exchange(gateway.addr, &request),
+    )
+    .await;
+    assert_eq!(raw.status, 413, "{:?}", String::from_utf8_lossy(&raw.body));
+    let message = assert_openai_error(&raw.json(), "body_too_large", "invalid_request_error");
+    assert!(message.contains("33554432"), "names the limit: {message}");
+
+    // Not JSON, same limit: a declared length is checked before anything.
+    let raw = raw_exchange(
+        gateway.addr,
+        format!("POST /upload HTTP/1.1\r\nHost: gw\r\nContent-Type: application/octet-stream\r\nContent-Length: {declared}\r\n\r\nabc").as_bytes(),
+    )
+    .await;
+    assert_eq!(raw.status, 413);
+    assert!(upstream.seen().is_empty(), "nothing went upstream");
+
+    // Still healthy, still stamping.
+    let reply = post_json(gateway.addr, "/v1/completions", CONTEXT_ONLY).await;
+    assert_eq!(reply.status, StatusCode::OK);
+    assert_fresh_v1_id(stamped_id(&upstream.only_seen().body));
+    assert_eq!(get(gateway.admin, "/healthz").await.status, StatusCode::OK);
+}
+
+/// A chunked JSON body (no length declared) that grows past
+/// `--max-body-bytes` gets 413 once the limit is passed, without the end
+/// of the body ever being sent; at the limit it is accepted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refuses_a_chunked_body_over_max_body_bytes_with_413() {
+    let upstream = TestUpstream::start().await;
+    let gateway =
+        Gateway::start(&["--upstream", &upstream.url(), "--max-body-bytes", "1024"]).await;
+
+    let filler = vec![b'a'; 600];
+    let mut request = b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n".to_vec();
+    for part in [&br#"{"prompt":""#[..], &filler, &filler] {
+        request.extend_from_slice(format!("{:x}\r\n", part.len()).as_bytes());
+        request.extend_from_slice(part);
+        request.extend_from_slice(b"\r\n");
+    }
+    // No last chunk: the body never ends, the gateway must not wait for it.
+    let raw = raw_exchange(gateway.addr, &request).await;
+    assert_eq!(raw.status, 413, "{:?}", String::from_utf8_lossy(&raw.body));
+    let message = assert_openai_error(&raw.json(), "body_too_large", "invalid_request_error");
+    assert!(message.contains("1024"), "{message}");
+    assert!(upstream.seen().is_empty());
+
+    // Exactly at the limit: accepted and stamped.
+    let prefix = r#"{"disaggregated_params":{"request_type":"context_only"},"prompt":""#;
+    let body = format!("{prefix}{}\"}}", "b".repeat(1024 - prefix.len() - 2));
+    assert_eq!(body.len(), 1024);
+    let reply = post_json(gateway.addr, "/v1/completions", body).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    assert_fresh_v1_id(stamped_id(&upstream.only_seen().body));
+}
+
+/// Malformed JSON gets 400 with an OpenAI-style error that says what is
+/// wrong and where; nothing goes upstream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_malformed_json_with_400_naming_the_problem() {
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
+
+    let mut client = Client::connect(gateway.addr).await;
+    let reply = client
+        .post_json(
+            "/v1/completions",
+            "{\"prompt\":\"hi\",\n \"max_tokens\":16,}",
+        )
+        .await;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST);
+    assert_eq!(reply.header("content-type"), Some("application/json"));
+    let message = assert_openai_error(&reply.json(), "invalid_json", "invalid_request_error");
+    assert!(message.contains("not valid JSON"), "{message}");
+    assert!(message.contains("line 2"), "names the line: {message}");
+    assert!(reply.json()["error"].get("param").is_some());
+
+    let reply = client
+        .post_json("/v1/completions", "{\"prompt\":\"unterminated")
+        .await;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST);
+    let message = assert_openai_error(&reply.json(), "invalid_json", "invalid_request_error");
+    assert!(message.contains("ends inside a string"), "{message}");
+
+    let reply = client
+        .post_json("/v1/completions", &b"{\"prompt\":\"\xff\"}"[..])
+        .await;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST);
+    let message = assert_openai_error(&reply.json(), "invalid_utf8", "invalid_request_error");
+    assert!(message.contains("UTF-8"), "{message}");
+
+    assert!(upstream.seen().is_empty(), "nothing went upstream");
+    // The connection is still usable after refusals.
+    let reply = client.post_json("/v1/completions", CONTEXT_ONLY).await;
+    assert_eq!(reply.status, StatusCode::OK);
+}
+
+/// A plugin rejection reaches the client with the plugin's status: a
+/// MessagePack body (`X-TRTLLM-Msgpack: 1`) gets 415.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relays_a_plugin_rejection_with_its_status() {
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
+
+    let mut client = Client::connect(gateway.addr).await;
+    let request = client
+        .builder(Method::POST, "/v1/completions")
+        .header("content-type", "application/json")
+        .header("x-trtllm-msgpack", "1")
+        .body(Full::new(Bytes::from_static(b"\x81\xa6prompt\xa2hi")))
+        .unwrap();
+    let reply = client.send(request).await;
+    assert_eq!(reply.status, StatusCode::UNSUPPORTED_MEDIA_TYPE);
+    let message = assert_openai_error(&reply.json(), "unsupported_body", "invalid_request_error");
+    assert!(message.contains("MessagePack"), "{message}");
+    assert!(upstream.seen().is_empty());
+}
+
+// ---------------------------------------------------------------------------
+// Failure policy
+// ---------------------------------------------------------------------------
+
+/// An 8 MiB context-only body: more than a 4 MiB plugin memory limit
+/// allows, so the call fails for real (the memory limit, not a mock).
+fn oversized_for_plugin() -> String {
+    format!(
+        r#"{{"prompt":"{}","disaggregated_params":{{"request_type":"context_only"}}}}"#,
+        "a".repeat(8 << 20)
+    )
+}
+
+/// Fail-closed (the default): a plugin that hits its memory limit gets the
+/// request refused with 503 and a message that says why; the upstream is
+/// not called; small requests keep working.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fails_closed_with_503_when_the_plugin_fails() {
+    let upstream = TestUpstream::start().await;
+    let gateway =
+        Gateway::start(&["--upstream", &upstream.url(), "--plugin-memory-mib", "4"]).await;
+
+    let reply = post_json(gateway.addr, "/v1/completions", oversized_for_plugin()).await;
+    assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
+    let message = assert_openai_error(&reply.json(), "middleware_failed", "server_error");
+    assert!(message.contains("not forwarded"), "{message}");
+    assert!(message.contains("4 MiB memory limit"), "{message}");
+    assert!(
+        upstream.seen().is_empty(),
+        "a failed request must not go upstream"
+    );
+
+    let metrics = gateway.metrics().await;
+    assert_eq!(
+        metric(
+            &metrics,
+            r#"snowgate_requests_total{outcome="failed_closed"}"#
+        ),
+        1.0
+    );
+    assert_eq!(
+        metric(
+            &metrics,
+            r#"snowgate_plugin_failures_total{kind="memory_limit"}"#
+        ),
+        1.0
+    );
+    gateway.wait_log("fail-closed").await;
+
+    let reply = post_json(gateway.addr, "/v1/completions", CONTEXT_ONLY).await;
+    assert_eq!(reply.status, StatusCode::OK);
+    assert_fresh_v1_id(stamped_id(&upstream.only_seen().body));
+}
+
+/// Fail-open: the same failing call forwards the request unchanged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fails_open_forwarding_the_body_unchanged_when_configured() {
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start(&[
+        "--upstream",
+        &upstream.url(),
+        "--plugin-memory-mib",
+        "4",
+        "--failure-policy",
+        "fail-open",
+    ])
+    .await;
+
+    let body = oversized_for_plugin();
+    let reply = post_json(gateway.addr, "/v1/completions", body.clone()).await;
+    assert_eq!(reply.status, StatusCode::OK);
+    let seen = upstream.only_seen();
+    assert!(
+        seen.body == body.as_bytes(),
+        "the body went upstream unchanged"
+    );
+    assert_eq!(
+        seen.header("content-length"),
+        Some(body.len().to_string().as_str())
+    );
+
+    let metrics = gateway.metrics().await;
+    assert_eq!(
+        metric(
+            &metrics,
+            r#"snowgate_requests_total{outcome="failed_open"}"#
+        ),
+        1.0
+    );
+    assert_eq!(
+        metric(
+            &metrics,
+            r#"snowgate_plugin_failures_total{kind="memory_limit"}"#
+        ),
+        1.0
+    );
+    assert_eq!(gateway.status().await["failure_policy"], "fail-open");
+}
+
+/// An upstream nobody listens on gets 502 with a JSON error, counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_502_when_the_upstream_is_down() {
+    let dead = dead_address().await;
+    let gateway = Gateway::start(&["--upstream", &format!("http://{dead}")]).await;
+
+    let reply = post_json(gateway.addr, "/v1/completions", CONTEXT_ONLY).await;
+    assert_eq!(reply.status, StatusCode::BAD_GATEWAY);
+    let message = assert_openai_error(&reply.json(), "upstream_unreachable", "server_error");
+    assert!(
+        message.contains(&dead.to_string()),
+        "names the upstream: {message}"
+    );
+    let reply = get(gateway.addr, "/v1/models").await;
+    assert_eq!(reply.status, StatusCode::BAD_GATEWAY);
+
+    let metrics = gateway.metrics().await;
+    assert_eq!(metric(&metrics, "snowgate_upstream_errors_total"), 2.0);
+    assert_eq!(get(gateway.admin, "/healthz").await.status, StatusCode::OK);
+}
+
+/// Without --upstream the built-in echo answers with the request it got:
+/// the stamped body, embedded as JSON.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn echoes_the_stamped_request_without_an_upstream() {
+    let gateway = Gateway::start(&[]).await;
+    assert!(
+        gateway.ready_line.contains("upstream built-in echo"),
+        "{}",
+        gateway.ready_line
+    );
+
+    let reply = post_json(gateway.addr, "/v1/completions", CONTEXT_ONLY).await;
+    assert_eq!(reply.status, StatusCode::OK);
+    let echo = reply.json();
+    assert_eq!(echo["method"], "POST");
+    assert_eq!(echo["path"], "/v1/completions");
+    let body = serde_json::to_vec(&echo["body"]).unwrap();
+    let id = stamped_id(&body);
+    assert_fresh_v1_id(id);
+    assert_eq!(echo["body"]["prompt"], "Hello");
+    let length: usize = echo["headers"]["content-length"]
+        .as_str()
+        .expect("content-length echoed")
+        .parse()
+        .unwrap();
+    assert_eq!(
+        length,
+        CONTEXT_ONLY.len() + format!(",\"disagg_request_id\":{id}").len(),
+        "the echo saw the rewritten length"
+    );
+
+    let reply = get(gateway.addr, "/v1/models").await;
+    assert_eq!(reply.status, StatusCode::OK);
+    assert_eq!(reply.json()["method"], "GET");
+    assert_eq!(reply.json()["body"], Value::Null);
+    assert_eq!(gateway.status().await["upstream"], "built-in echo");
+}
+
+// ---------------------------------------------------------------------------
+// Admin endpoints
+// ---------------------------------------------------------------------------
+
+/// /healthz, /status (the bundled plugin's real SHA-256, name, version,
+/// the machine id and layout) and the admin's own errors.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_endpoints_describe_the_serving_plugin() {
+    let gateway = Gateway::start(&["--layout", "trtllm-v2", "--machine-id", "300"]).await;
+
+    let health = get(gateway.admin, "/healthz").await;
+    assert_eq!(health.status, StatusCode::OK);
+    assert_eq!(health.text(), "ok\n");
+
+    let status = gateway.status().await;
+    let bundled = sha256_hex(snowgate_plugin_bundle::PLUGIN_WASM);
+    assert_eq!(status["plugin"]["sha256"], bundled.as_str(), "{status:#}");
+    assert!(
+        gateway.ready_line.contains(&bundled),
+        "{}",
+        gateway.ready_line
+    );
+    assert_eq!(status["plugin"]["name"], snowgate_plugin::PLUGIN_NAME);
+    assert_eq!(status["plugin"]["version"], snowgate_plugin::PLUGIN_VERSION);
+    assert_eq!(status["plugin"]["source"], "bundled");
+    assert!(
+        status["plugin"]["loaded_at_ms"].as_u64().is_some(),
+        "{status:#}"
+    );
+    assert_eq!(status["reloads"]["succeeded"], 0);
+    assert_eq!(status["reloads"]["failed"], 0);
+    assert_eq!(status["last_reload_error"], Value::Null);
+    assert_eq!(status["machine_id"], 300);
+    assert_eq!(status["machine_id_error"], Value::Null);
+    assert_eq!(status["id_layout"], "trtllm-v2");
+    assert_eq!(status["failure_policy"], "fail-closed");
+
+    // Ids follow the layout and machine id /status reports.
+    let reply = post_json(gateway.addr, "/v1/completions", CONTEXT_ONLY).await;
+    let id = stamped_id(&serde_json::to_vec(&reply.json()["body"]).unwrap());
+    let parts = snowgate_plugin::SnowflakeLayout::TrtllmV2
+        .decode(id)
+        .unwrap();
+    assert_eq!(parts.machine_id, 300);
+
+    // The bundled plugin has no file to reload from.
+    let reload = post_empty(gateway.admin, "/reload").await;
+    assert_eq!(reload.status, StatusCode::UNPROCESSABLE_ENTITY);
+    let message = assert_openai_error(&reload.json(), "reload_failed", "invalid_request_error");
+    assert!(message.contains("--plugin"), "{message}");
+
+    assert_eq!(
+        get(gateway.admin, "/reload").await.status,
+        StatusCode::METHOD_NOT_ALLOWED
+    );
+    let missing = get(gateway.admin, "/nope").await;
+    assert_eq!(missing.status, StatusCode::NOT_FOUND);
+    assert_openai_error(&missing.json(), "not_found", "invalid_request_error");
+}
+
+/// /metrics counts every request by how it ended, as the test sent them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_requests_by_outcome() {
+    let upstream = TestUpstream::start().await;
+    let gateway =
+        Gateway::start(&["--upstream", &upstream.url(), "--max-body-bytes", "4096"]).await;
+
+    let mut client = Client::connect(gateway.addr).await;
+    for _ in 0..3 {
+        assert_eq!(
+            client
+                .post_json("/v1/completions", CONTEXT_ONLY)
+                .await
+                .status,
+            StatusCode::OK
+        );
+    }
+    let generation = r#"{"disaggregated_params":{"request_type":"generation_only","disagg_request_id":1099511628800}}"#;
+    assert_eq!(
+        client.post_json("/v1/completions", generation).await.status,
+        StatusCode::OK
+    );
+    assert_eq!(client.get("/v1/models").await.status, StatusCode::OK);
+    let text = client
+        .builder(Method::POST, "/upload")
+        .header("content-type", "text/plain")
+        .body(Full::new(Bytes::from_static(b"plain")))
+        .unwrap();
+    assert_eq!(client.send(text).await.status, StatusCode::OK);
+    assert_eq!(
+        client.post_json("/v1/completions", "{oops").await.status,
+        StatusCode::BAD_REQUEST
+    );
+    let too_large = raw_exchange(
+        gateway.addr,
+        b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\nContent-Length: 5000\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert_eq!(too_large.status, 413);
+
+    let metrics = gateway.metrics().await;
+    for (outcome, count) in [
+        ("rewritten", 3.0),
+        ("forwarded", 1.0),
+        ("passed_through", 2.0),
+        ("rejected", 1.0),
+        ("too_large", 1.0),
+        ("failed_closed", 0.0),
+        ("failed_open", 0.0),
+        ("client_error", 0.0),
+    ] {
+        assert_eq!(
+            metric(
+                &metrics,
+                &format!("snowgate_requests_total{{outcome=\"{outcome}\"}}")
+            ),
+            count,
+            "{outcome}:\n{metrics}"
+        );
+    }
+    // Five plugin calls: three stamps, one forward, one rejection.
+    assert_eq!(metric(&metrics, "snowgate_plugin_call_seconds_count"), 5.0);
+    assert_eq!(
+        metric(
+            &metrics,
+            r#"snowgate_plugin_call_seconds_bucket{le="+Inf"}"#
+        ),
+        5.0
+    );
+    assert!(metric(&metrics, "snowgate_ids_stamped_total") >= 3.0);
+    assert_eq!(metric(&metrics, "snowgate_upstream_errors_total"), 0.0);
+    assert_eq!(
+        metric(&metrics, r#"snowgate_reloads_total{result="succeeded"}"#),
+        0.0
+    );
+    assert!(metrics.contains("# TYPE snowgate_requests_total counter"));
+    assert!(metrics.contains("# TYPE snowgate_plugin_call_seconds histogram"));
+    assert_eq!(upstream.seen().len(), 6);
+}
+
+// ---------------------------------------------------------------------------
+// Shutdown
+// ---------------------------------------------------------------------------
+
+/// SIGTERM: the listener closes at once (new connections are refused), the
+/// request in flight finishes with 200, then the process exits 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_stops_accepting_and_drains_in_flight_requests() {
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
+
+    let addr = gateway.addr;
+    let in_flight =
+        tokio::spawn(async move { post_json(addr, "/hold/v1/completions", CONTEXT_ONLY).await });
+    bounded(
+        "the held request to reach the upstream",
+        STEP,
+        upstream.state.held.notified(),
+    )
+    .await;
+
+    gateway.signal("TERM");
+    wait_refused(gateway.addr, Duration::from_secs(10)).await;
+    assert!(
+        gateway.exited().is_none(),
+        "the gateway exited with a request in flight"
+    );
+
+    upstream.state.release.notify_one();
+    let reply = bounded("the in-flight request", STEP, in_flight)
+        .await
+        .expect("the client task");
+    assert_eq!(reply.status, StatusCode::OK);
+    assert_eq!(reply.text(), "released");
+    assert_fresh_v1_id(stamped_id(&upstream.only_seen().body));
+
+    let status = gateway.wait_exit(STEP).await;
+    assert_eq!(status.code(), Some(0), "exit status {status:?}");
+    assert!(gateway.stderr_text().contains("SIGTERM"));
+}
+
+/// The drain is bounded: a request that never finishes does not keep the
+/// gateway up past --shutdown-grace-secs; it still exits 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_gives_up_on_stuck_requests_after_the_grace_period() {
+    let upstream = TestUpstream::start().await;
+    let gateway =
+        Gateway::start(&["--upstream", &upstream.url(), "--shutdown-grace-secs", "1"]).await;
+
+    let addr = gateway.addr;
+    let stuck = tokio::spawn(async move {
+        let mut client = Client::connect(addr).await;
+        let request = client
+            .builder(Method::GET, "/hold/forever")
+            .body(Full::default())
+            .unwrap();
+        // The gateway goes away mid-request: the connection breaks.
+        client.sender.ready().await.ok();
+        client.sender.send_request(request).await.is_err()
+    });
+    bounded(
+        "the stuck request to reach the upstream",
+        STEP,
+        upstream.state.held.notified(),
+    )
+    .await;
+    gateway.signal("TERM");
+    let status = gateway.wait_exit(Duration::from_secs(15)).await;
+    assert_eq!(status.code(), Some(0), "exit status {status:?}");
+    assert!(gateway
+        .stderr_text()
+        .contains("still running after the grace period"));
+    assert!(bounded("the client to see the close", STEP, stuck)
+        .await
+        .unwrap());
+}
+
+/// SIGINT (Ctrl-C) also stops the gateway with status 0, closing idle
+/// keep-alive connections instead of waiting for the grace period.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigint_exits_zero_and_closes_idle_connections() {
+    let gateway = Gateway::start(&["--shutdown-grace-secs", "60"]).await;
+    let mut idle = Client::connect(gateway.addr).await;
+    assert_eq!(
+        idle.post_json("/v1/completions", CONTEXT_ONLY).await.status,
+        StatusCode::OK
+    );
+
+    gateway.signal("INT");
+    let status = gateway.wait_exit(Duration::from_secs(15)).await;
+    assert_eq!(status.code(), Some(0), "exit status {status:?}");
+    assert!(gateway.stderr_text().contains("SIGINT"));
+    drop(idle);
+}
+
+/// SIGTERM does not wait for a connection that was accepted but has sent
+/// nothing yet (a pre-opened pool connection, a health checker): there is
+/// no request in flight on it, so it is closed at once, as idle keep-alive
+/// connections are.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_does_not_wait_for_connections_that_sent_nothing() {
+    let gateway = Gateway::start(&[
+        "--header-read-timeout-ms",
+        "60000",
+        "--shutdown-grace-secs",
+        "60",
+    ])
+    .await;
+    // Accepted first (the accept queue is FIFO), then silent.
+    let silent = tokio::net::TcpStream::connect(gateway.addr).await.unwrap();
+    let reply = post_json(gateway.addr, "/v1/completions", CONTEXT_ONLY).await;
+    assert_eq!(reply.status, StatusCode::OK);
+
+    gateway.signal("TERM");
+    let status = gateway.wait_exit(Duration::from_secs(10)).await;
+    assert_eq!(status.code(), Some(0), "exit status {status:?}");
+    drop(silent);
+}

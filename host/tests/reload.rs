@@ -1,0 +1,538 @@
+//! Hot plugin reloads of a running `snowgate serve`: file changes (atomic
+//! rename, in-place rewrite), SIGHUP and `POST /reload`; bad files that
+//! must never replace a good build; and reloads under concurrent traffic.
+//!
+//! Distinct builds come from the bundled plugin with a custom section
+//! appended ([`support::plugin_variant`]): same behaviour, new SHA-256.
+
+mod support;
+
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::StatusCode;
+use serde_json::Value;
+use support::*;
+use tokio::sync::Notify;
+
+/// The watcher, quick (for the file-change tests).
+const QUICK: &[&str] = &["--reload-debounce-ms", "50"];
+
+/// The watcher effectively off (a 10-minute quiet time), so that only
+/// SIGHUP or `POST /reload` can reload.
+const NO_WATCH: &[&str] = &["--reload-debounce-ms", "600000"];
+
+async fn start(path: &Path, upstream: Option<&TestUpstream>, extra: &[&str]) -> Gateway {
+    let url = upstream.map(TestUpstream::url);
+    let mut args = vec!["--plugin", arg(path)];
+    if let Some(url) = &url {
+        args.extend(["--upstream", url.as_str()]);
+    }
+    args.extend_from_slice(extra);
+    Gateway::start(&args).await
+}
+
+/// Sends a context-only request (built-in echo upstream) and checks it was
+/// stamped.
+async fn assert_stamps(gateway: &Gateway) -> u64 {
+    let reply = post_json(gateway.addr, "/v1/completions", CONTEXT_ONLY).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    let id = stamped_id(&serde_json::to_vec(&reply.json()["body"]).unwrap());
+    assert_fresh_v1_id(id);
+    id
+}
+
+fn sha_of(status: &Value) -> &str {
+    status["plugin"]["sha256"].as_str().expect("plugin.sha256")
+}
+
+fn reloads(status: &Value) -> (u64, u64) {
+    (
+        status["reloads"]["succeeded"]
+            .as_u64()
+            .expect("reloads.succeeded"),
+        status["reloads"]["failed"]
+            .as_u64()
+            .expect("reloads.failed"),
+    )
+}
+
+fn last_error(status: &Value) -> Option<&str> {
+    status["last_reload_error"]
+        .get("message")
+        .map(|m| m.as_str().expect("last_reload_error.message"))
+}
+
+/// An atomic replace (write a temporary file, rename it over the plugin)
+/// is seen by the directory watcher and swapped in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_atomic_rename_is_picked_up() {
+    let dir = TempDir::new("rename");
+    let path = dir.path().join("plugin.wasm");
+    std::fs::write(&path, plugin_variant(0)).unwrap();
+    let gateway = start(&path, None, QUICK).await;
+
+    let status = gateway.status().await;
+    assert_eq!(sha_of(&status), sha256_hex(&plugin_variant(0)));
+    assert_eq!(status["plugin"]["source"], arg(&path));
+    assert_eq!(reloads(&status), (0, 0));
+    let before = assert_stamps(&gateway).await;
+
+    let new = sha256_hex(&plugin_variant(1));
+    replace_by_rename(&path, &plugin_variant(1));
+    let status = gateway
+        .wait_status("the renamed build to serve", RELOAD_TIMEOUT, |s| {
+            sha_of(s) == new
+        })
+        .await;
+    assert_eq!(reloads(&status), (1, 0), "{status:#}");
+    assert_eq!(status["last_reload_error"], Value::Null);
+    assert_eq!(status["plugin"]["name"], snowgate_plugin::PLUGIN_NAME);
+    gateway.wait_log("plugin reloaded").await;
+    let after = assert_stamps(&gateway).await;
+    assert!(after > before, "ids keep increasing across a swap");
+}
+
+/// An in-place rewrite (truncate, then write the same path) is seen too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_in_place_rewrite_is_picked_up() {
+    let dir = TempDir::new("in-place");
+    let path = dir.path().join("plugin.wasm");
+    std::fs::write(&path, plugin_variant(0)).unwrap();
+    let gateway = start(&path, None, QUICK).await;
+    assert_stamps(&gateway).await;
+
+    let new = sha256_hex(&plugin_variant(1));
+    rewrite_in_place(&path, &plugin_variant(1));
+    let status = gateway
+        .wait_status("the rewritten build to serve", RELOAD_TIMEOUT, |s| {
+            sha_of(s) == new
+        })
+        .await;
+    assert_eq!(reloads(&status).0, 1, "{status:#}");
+    assert_eq!(status["last_reload_error"], Value::Null);
+    assert_stamps(&gateway).await;
+}
+
+/// SIGHUP reloads (the watcher is muted, so only the signal can).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_reloads_the_plugin() {
+    let dir = TempDir::new("sighup");
+    let path = dir.path().join("plugin.wasm");
+    std::fs::write(&path, plugin_variant(0)).unwrap();
+    let gateway = start(&path, None, NO_WATCH).await;
+
+    let new = sha256_hex(&plugin_variant(1));
+    rewrite_in_place(&path, &plugin_variant(1));
+    gateway.signal("HUP");
+    let status = gateway
+        .wait_status("the build SIGHUP loaded", RELOAD_TIMEOUT, |s| {
+            sha_of(s) == new
+        })
+        .await;
+    assert_eq!(reloads(&status), (1, 0), "{status:#}");
+    assert!(
+        gateway.exited().is_none(),
+        "SIGHUP must not stop the gateway"
+    );
+    gateway.wait_log("SIGHUP").await;
+    assert_stamps(&gateway).await;
+}
+
+/// `POST /reload` answers `swapped` with the new SHA-256 when the file
+/// changed, `unchanged` when it did not, and 422 with the reason when the
+/// file is bad (the old build keeps serving); once the file is good again,
+/// `last_reload_error` is cleared even though nothing was swapped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn post_reload_swaps_reports_unchanged_and_refuses_bad_files() {
+    let dir = TempDir::new("post-reload");
+    let path = dir.path().join("plugin.wasm");
+    std::fs::write(&path, plugin_variant(0)).unwrap();
+    let gateway = start(&path, None, NO_WATCH).await;
+    let first = sha256_hex(&plugin_variant(0));
+
+    let reply = post_empty(gateway.admin, "/reload").await;
+    assert_eq!(reply.status, StatusCode::OK);
+    assert_eq!(
+        reply.json(),
+        serde_json::json!({"result": "unchanged", "sha256": first})
+    );
+
+    let second = sha256_hex(&plugin_variant(1));
+    rewrite_in_place(&path, &plugin_variant(1));
+    let reply = post_empty(gateway.admin, "/reload").await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    assert_eq!(
+        reply.json(),
+        serde_json::json!({"result": "swapped", "sha256": second})
+    );
+    let status = gateway.status().await;
+    assert_eq!(sha_of(&status), second);
+    assert_eq!(reloads(&status), (1, 0));
+    assert_stamps(&gateway).await;
+
+    let reply = post_empty(gateway.admin, "/reload").await;
+    assert_eq!(
+        reply.json(),
+        serde_json::json!({"result": "unchanged", "sha256": second})
+    );
+
+    rewrite_in_place(&path, b"not a plugin");
+    let reply = post_empty(gateway.admin, "/reload").await;
+    assert_eq!(reply.status, StatusCode::UNPROCESSABLE_ENTITY);
+    let message = assert_openai_error(&reply.json(), "reload_failed", "invalid_request_error");
+    assert!(message.contains(arg(&path)), "names the file: {message}");
+    let status = gateway.status().await;
+    assert_eq!(sha_of(&status), second, "the old build keeps serving");
+    assert_eq!(reloads(&status), (1, 1));
+    assert_eq!(last_error(&status), Some(message.as_str()));
+    assert_stamps(&gateway).await;
+
+    // The serving build back in place: unchanged, and the error is gone.
+    rewrite_in_place(&path, &plugin_variant(1));
+    let reply = post_empty(gateway.admin, "/reload").await;
+    assert_eq!(
+        reply.json(),
+        serde_json::json!({"result": "unchanged", "sha256": second})
+    );
+    let status = gateway.status().await;
+    assert_eq!(status["last_reload_error"], Value::Null, "{status:#}");
+    assert_eq!(reloads(&status), (1, 1));
+
+    assert_eq!(
+        get(gateway.admin, "/reload").await.status,
+        StatusCode::METHOD_NOT_ALLOWED
+    );
+}
+
+/// Truncated, garbage, a core module, a component of the wrong world, and
+/// a deleted file: none replaces the serving build; each failure is counted,
+/// logged and shown on /status. Restoring the serving build clears the
+/// error without a swap; a new good build then swaps in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_files_never_replace_a_good_plugin() {
+    let dir = TempDir::new("bad-files");
+    let path = dir.path().join("plugin.wasm");
+    std::fs::write(&path, plugin_variant(0)).unwrap();
+    let gateway = start(&path, None, QUICK).await;
+    let good = sha256_hex(&plugin_variant(0));
+
+    let good_bytes = plugin_variant(1);
+    let truncated = good_bytes[..good_bytes.len() / 2].to_vec();
+    // (what, new contents or deleted, renamed into place, what the error says)
+    type Case = (&'static str, Option<Vec<u8>>, bool, &'static [&'static str]);
+    let cases: [Case; 5] = [
+        (
+            "truncated",
+            Some(truncated),
+            false,
+            &["not a valid WebAssembly component"],
+        ),
+        (
+            "garbage",
+            Some(b"GIF89a, not wasm at all".to_vec()),
+            true,
+            &["not a valid WebAssembly component", "magic header"],
+        ),
+        (
+            "a core module",
+            Some(b"\0asm\x01\0\0\0".to_vec()),
+            true,
+            &["not a valid WebAssembly component", "module"],
+        ),
+        // A valid, empty component: it exports nothing of the world.
+        (
+            "the wrong world",
+            Some(b"\0asm\x0d\0\x01\0".to_vec()),
+            false,
+            &["does not export the snowgate:middleware/handler"],
+        ),
+        (
+            "deleted",
+            None,
+            false,
+            &["reading the plugin", "No such file"],
+        ),
+    ];
+    let mut failed = 0;
+    for (what, bytes, by_rename, expected) in cases {
+        match &bytes {
+            Some(bytes) if by_rename => replace_by_rename(&path, bytes),
+            Some(bytes) => rewrite_in_place(&path, bytes),
+            None => std::fs::remove_file(&path).unwrap(),
+        }
+        let status = gateway
+            .wait_status(
+                &format!("the {what} file to be refused"),
+                RELOAD_TIMEOUT,
+                |s| reloads(s).1 > failed,
+            )
+            .await;
+        failed = reloads(&status).1;
+        assert_eq!(sha_of(&status), good, "{what}: the old build keeps serving");
+        assert_eq!(reloads(&status).0, 0, "{what}: {status:#}");
+        let message = last_error(&status)
+            .unwrap_or_else(|| panic!("{what}: no last_reload_error in {status:#}"));
+        for expected in expected {
+            assert!(message.contains(expected), "{what}: {message}");
+        }
+        assert!(
+            message.contains(arg(&path)),
+            "{what}: names the file: {message}"
+        );
+        assert!(status["last_reload_error"]["at"].is_string(), "{status:#}");
+        assert_stamps(&gateway).await;
+    }
+    gateway.wait_log("the previous build keeps serving").await;
+    let metrics = gateway.metrics().await;
+    assert_eq!(
+        metric(&metrics, r#"snowgate_reloads_total{result="failed"}"#),
+        failed as f64
+    );
+
+    // Putting the serving build back is a reload that finds nothing wrong:
+    // the error goes, with no swap.
+    replace_by_rename(&path, &plugin_variant(0));
+    let status = gateway
+        .wait_status(
+            "the restored file to clear the error",
+            RELOAD_TIMEOUT,
+            |s| s["last_reload_error"].is_null(),
+        )
+        .await;
+    assert_eq!(sha_of(&status), good);
+    assert_eq!(reloads(&status), (0, failed), "{status:#}");
+
+    let new = sha256_hex(&good_bytes);
+    replace_by_rename(&path, &good_bytes);
+    let status = gateway
+        .wait_status("a good file to serve again", RELOAD_TIMEOUT, |s| {
+            sha_of(s) == new
+        })
+        .await;
+    assert_eq!(status["last_reload_error"], Value::Null, "{status:#}");
+    assert_eq!(reloads(&status), (1, failed));
+    assert_stamps(&gateway).await;
+}
+
+/// One file change the replacer makes.
+struct Change {
+    bytes: Vec<u8>,
+    /// Renamed into place, or rewritten in place.
+    rename: bool,
+    /// The variant written; `None` for a bad file.
+    variant: Option<u32>,
+}
+
+/// Hundreds of context-only requests from 8 keep-alive clients while the
+/// plugin file is replaced 20 times (alternating rename and in-place
+/// rewrite) with a truncated and a garbage file in between: no request
+/// fails, every id is unique, and /status ends on the last good build.
+///
+/// The replacer is paced by the clients' progress (one change every few
+/// dozen completed requests), waits for each bad file to be refused and
+/// for every fourth variant to serve (so swaps and refusals certainly
+/// happen under traffic), and the clients keep going until the last build
+/// serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_requests_survive_repeated_plugin_replacement() {
+    const CLIENTS: usize = 8;
+    const MIN_PER_CLIENT: usize = 60;
+    const VARIANTS: u32 = 20;
+    /// Every this many variants the replacer waits until the variant
+    /// serves, so that swaps certainly happen under traffic; the changes in
+    /// between may be coalesced by the watcher's debounce.
+    const CHECKPOINT: u32 = 4;
+
+    let dir = TempDir::new("concurrent");
+    let path = dir.path().join("plugin.wasm");
+    std::fs::write(&path, plugin_variant(0)).unwrap();
+    let upstream = TestUpstream::start().await;
+    // A generous call deadline: the test checks reloads, not how a starved
+    // CPU (two cores, compiles, other tests) meets the default 1 s.
+    let gateway = Arc::new(
+        start(
+            &path,
+            Some(&upstream),
+            &[
+                "--reload-debounce-ms",
+                "50",
+                "--plugin-deadline-ms",
+                "10000",
+            ],
+        )
+        .await,
+    );
+
+    let mut changes = Vec::new();
+    for n in 1..=VARIANTS {
+        if n == 7 {
+            let bytes = plugin_variant(n);
+            changes.push(Change {
+                bytes: bytes[..bytes.len() / 3].to_vec(),
+                rename: false,
+                variant: None,
+            });
+        }
+        if n == 14 {
+            changes.push(Change {
+                bytes: b"garbage, not a component".to_vec(),
+                rename: true,
+                variant: None,
+            });
+        }
+        changes.push(Change {
+            bytes: plugin_variant(n),
+            rename: n % 2 == 1,
+            variant: Some(n),
+        });
+    }
+    let last_good = sha256_hex(&plugin_variant(VARIANTS));
+    let pace = CLIENTS * MIN_PER_CLIENT / (changes.len() + 1);
+
+    let completed = Arc::new(AtomicUsize::new(0));
+    let progress = Arc::new(Notify::new());
+    let stop = Arc::new(AtomicBool::new(false));
+
+    let mut clients = Vec::new();
+    for c in 0..CLIENTS {
+        let (addr, completed, progress, stop) = (
+            gateway.addr,
+            completed.clone(),
+            progress.clone(),
+            stop.clone(),
+        );
+        clients.push(tokio::spawn(async move {
+            let mut client = Client::connect(addr).await;
+            let mut ids = Vec::new();
+            let mut failures = Vec::new();
+            let mut i = 0;
+            while i < MIN_PER_CLIENT || !stop.load(Ordering::SeqCst) {
+                let body = format!(
+                    r#"{{"model":"m","prompt":"client {c} request {i}","disaggregated_params":{{"request_type":"context_only"}}}}"#
+                );
+                let reply = client.post_json("/v1/completions", body).await;
+                let id = serde_json::from_slice::<Value>(&reply.body)
+                    .ok()
+                    .and_then(|v| v["disaggregated_params"]["disagg_request_id"].as_u64());
+                match (reply.status, id) {
+                    (StatusCode::OK, Some(id)) => ids.push(id),
+                    (status, _) => failures.push(format!(
+                        "client {c} request {i}: {status} {}",
+                        String::from_utf8_lossy(&reply.body)
+                    )),
+                }
+                i += 1;
+                completed.fetch_add(1, Ordering::SeqCst);
+                progress.notify_one();
+            }
+            (ids, failures)
+        }));
+    }
+
+    let replacer = {
+        let (gateway, path, last_good) = (gateway.clone(), path.clone(), last_good.clone());
+        async move {
+            for (k, change) in changes.into_iter().enumerate() {
+                let target = (k + 1) * pace;
+                while completed.load(Ordering::SeqCst) < target {
+                    progress.notified().await;
+                }
+                let failed_before = reloads(&gateway.status().await).1;
+                if change.rename {
+                    replace_by_rename(&path, &change.bytes);
+                } else {
+                    rewrite_in_place(&path, &change.bytes);
+                }
+                match change.variant {
+                    None => {
+                        gateway
+                            .wait_status("a bad file to be refused", RELOAD_TIMEOUT, |s| {
+                                reloads(s).1 > failed_before
+                            })
+                            .await;
+                    }
+                    Some(n) if n % CHECKPOINT == 0 => {
+                        let sha = sha256_hex(&change.bytes);
+                        gateway
+                            .wait_status(&format!("variant {n} to serve"), RELOAD_TIMEOUT, |s| {
+                                sha_of(s) == sha
+                            })
+                            .await;
+                    }
+                    Some(_) => {}
+                }
+            }
+            gateway
+                .wait_status("the last good build to serve", RELOAD_TIMEOUT, |s| {
+                    sha_of(s) == last_good
+                })
+                .await
+        }
+    };
+    let status = bounded("the replacer", Duration::from_secs(240), replacer).await;
+    stop.store(true, Ordering::SeqCst);
+
+    let mut ids = Vec::new();
+    let mut failures = Vec::new();
+    for client in clients {
+        let (mut client_ids, mut client_failures) = bounded("a client", STEP, client)
+            .await
+            .expect("a client task");
+        ids.append(&mut client_ids);
+        failures.append(&mut client_failures);
+    }
+    assert!(
+        failures.is_empty(),
+        "{} failed requests, e.g. {:?}",
+        failures.len(),
+        &failures[..failures.len().min(5)]
+    );
+    assert!(
+        ids.len() >= CLIENTS * MIN_PER_CLIENT,
+        "{} requests",
+        ids.len()
+    );
+    assert_unique(&ids);
+    for &id in &ids {
+        assert_fresh_v1_id(id);
+    }
+
+    let final_status = gateway.status().await;
+    assert_eq!(sha_of(&final_status), last_good);
+    assert_eq!(sha_of(&status), last_good);
+    assert_eq!(
+        final_status["last_reload_error"],
+        Value::Null,
+        "{final_status:#}"
+    );
+    let (succeeded, failed) = reloads(&final_status);
+    assert!(
+        succeeded >= u64::from(VARIANTS / CHECKPOINT),
+        "at least every checkpoint variant swapped in: {final_status:#}"
+    );
+    assert!(
+        failed >= 2,
+        "the truncated and the garbage file were refused: {final_status:#}"
+    );
+    let metrics = gateway.metrics().await;
+    assert_eq!(
+        metric(&metrics, r#"snowgate_requests_total{outcome="rewritten"}"#),
+        ids.len() as f64
+    );
+    assert_eq!(
+        metric(
+            &metrics,
+            r#"snowgate_requests_total{outcome="failed_closed"}"#
+        ),
+        0.0
+    );
+    assert_eq!(upstream.seen().len(), ids.len());
+    eprintln!(
+        "{} requests, {} distinct ids, {succeeded} swaps, {failed} refused reloads",
+        ids.len(),
+        ids.len()
+    );
+}
