@@ -186,8 +186,11 @@ impl Shared {
                 ));
             }
         };
-        if bytes.is_empty() {
-            // Nothing to stamp (e.g. a GET that declares a JSON type).
+        let untyped_and_not_json =
+            parts.headers.get(header::CONTENT_TYPE).is_none() && !starts_like_json(&bytes);
+        if bytes.is_empty() || untyped_and_not_json {
+            // Nothing to stamp: an empty body (e.g. a GET that declares a
+            // JSON type), or a body without a type that is not JSON.
             self.metrics.request(Outcome::PassedThrough);
             let response = inner
                 .call(Request::from_parts(parts, Either::Left(Full::new(bytes))))
@@ -288,6 +291,16 @@ fn declared_length(headers: &HeaderMap) -> Option<u64> {
         .ok()
 }
 
+/// Whether a body without a content type looks like JSON: its first
+/// non-whitespace byte opens an object or an array (a request body the
+/// plugin could stamp is one or the other).
+fn starts_like_json(body: &[u8]) -> bool {
+    matches!(
+        body.iter().find(|b| !b.is_ascii_whitespace()),
+        Some(b'{' | b'[')
+    )
+}
+
 /// Whether the plugin should see this request: its body is declared JSON
 /// (`application/json`, `…+json`), or it has a body but no content type.
 fn is_json(headers: &HeaderMap) -> bool {
@@ -327,6 +340,15 @@ mod tests {
                 )
             })
             .collect()
+    }
+
+    #[test]
+    fn an_untyped_body_is_json_when_it_opens_an_object_or_array() {
+        assert!(starts_like_json(b" \n{\"a\":1}"));
+        assert!(starts_like_json(b"[1]"));
+        assert!(!starts_like_json(b"hello"));
+        assert!(!starts_like_json(b"\x00\x01"));
+        assert!(!starts_like_json(b""));
     }
 
     #[test]
