@@ -186,11 +186,11 @@ impl Shared {
                 ));
             }
         };
-        let untyped_and_not_json =
-            parts.headers.get(header::CONTENT_TYPE).is_none() && !starts_like_json(&bytes);
-        if bytes.is_empty() || untyped_and_not_json {
+        let loosely_typed_and_not_json =
+            !declares_json(&parts.headers) && !starts_like_json(&bytes);
+        if bytes.is_empty() || loosely_typed_and_not_json {
             // Nothing to stamp: an empty body (e.g. a GET that declares a
-            // JSON type), or a body without a type that is not JSON.
+            // JSON type), or an untyped or form-typed body that is not JSON.
             self.metrics.request(Outcome::PassedThrough);
             let response = inner
                 .call(Request::from_parts(parts, Either::Left(Full::new(bytes))))
@@ -301,28 +301,38 @@ fn starts_like_json(body: &[u8]) -> bool {
     )
 }
 
-/// Whether the plugin should see this request: its body is declared JSON
-/// (`application/json`, `…+json`), or it has a body but no content type.
+/// The body's media type, lower case, without parameters.
+fn media_type(headers: &HeaderMap) -> Option<String> {
+    let value = headers.get(header::CONTENT_TYPE)?.to_str().ok()?;
+    Some(
+        value
+            .split(';')
+            .next()
+            .unwrap_or("")
+            .trim()
+            .to_ascii_lowercase(),
+    )
+}
+
+/// Whether the content type says JSON (`application/json`, `…+json`).
+fn declares_json(headers: &HeaderMap) -> bool {
+    media_type(headers).is_some_and(|mime| mime == "application/json" || mime.ends_with("+json"))
+}
+
+/// Whether the plugin should see this request: its body is declared JSON,
+/// or it has a body and no content type, or the form type `curl -d` sends
+/// by default (then only if the body opens like JSON, checked once read):
+/// an unstamped context-only request must not slip through on a label.
 fn is_json(headers: &HeaderMap) -> bool {
     if declared_length(headers) == Some(0) {
         return false;
     }
-    match headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-    {
+    match media_type(headers).as_deref() {
         None => {
             declared_length(headers).is_some() || headers.contains_key(header::TRANSFER_ENCODING)
         }
-        Some(value) => {
-            let mime = value
-                .split(';')
-                .next()
-                .unwrap_or("")
-                .trim()
-                .to_ascii_lowercase();
-            mime == "application/json" || mime.ends_with("+json")
-        }
+        Some("application/x-www-form-urlencoded") => true,
+        Some(_) => declares_json(headers),
     }
 }
 
@@ -369,6 +379,10 @@ mod tests {
             "a GET without a body passes through"
         );
         assert!(!is_json(&headers(&[("content-length", "0")])));
+        assert!(is_json(&headers(&[(
+            "content-type",
+            "application/x-www-form-urlencoded"
+        )])));
         assert!(!is_json(&headers(&[
             ("content-type", "application/json"),
             ("content-length", "0")
