@@ -52,6 +52,7 @@ use bytes::Bytes;
 use http::{header, HeaderMap, Request, Response, StatusCode};
 use http_body::Body;
 use http_body_util::{Either, Full};
+use tokio::sync::Semaphore;
 use tower_layer::Layer;
 use tower_service::Service;
 
@@ -81,6 +82,9 @@ struct Shared {
     metrics: Arc<Metrics>,
     policy: FailurePolicy,
     max_body_bytes: usize,
+    /// One permit per instance slot of the engine's pool: a burst of
+    /// requests queues here instead of failing with `Busy`.
+    calls: Arc<Semaphore>,
 }
 
 impl SnowgateLayer {
@@ -93,12 +97,14 @@ impl SnowgateLayer {
         policy: FailurePolicy,
         max_body_bytes: usize,
     ) -> Self {
+        let instances = slot.current().engine().limits().max_instances.max(1) as usize;
         SnowgateLayer {
             shared: Arc::new(Shared {
                 slot,
                 metrics,
                 policy,
                 max_body_bytes,
+                calls: Arc::new(Semaphore::new(instances)),
             }),
         }
     }
@@ -212,12 +218,18 @@ impl Shared {
                 .collect(),
             body: bytes.to_vec(),
         };
+        // Wait for a free instance slot (never closed, so this cannot fail).
+        let permit = self.calls.clone().acquire_owned().await.ok();
         let plugin = self.slot.current();
         let started = Instant::now();
         // A call may take up to its deadline: never on an async worker.
-        let answer = tokio::task::spawn_blocking(move || plugin.handle(&plugin_request))
-            .await
-            .unwrap_or_else(|e| Err(CallError::Trap(format!("the plugin call task failed: {e}"))));
+        let answer = tokio::task::spawn_blocking(move || {
+            let answer = plugin.handle(&plugin_request);
+            drop(permit);
+            answer
+        })
+        .await
+        .unwrap_or_else(|e| Err(CallError::Trap(format!("the plugin call task failed: {e}"))));
         self.metrics.plugin_call(started.elapsed());
 
         let forward_body = match answer {

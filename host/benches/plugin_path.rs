@@ -1,0 +1,154 @@
+//! The plugin path against the same core compiled natively.
+//!
+//! For each body, one criterion group with two functions side by side:
+//! - `native`: `snowgate_plugin::decide` called directly, on the host's real
+//!   process clock and a fixed machine id;
+//! - `plugin`: `Plugin::handle` on the bundled component, which is what the
+//!   gateway does per request: a fresh store and a fresh instance (so
+//!   instantiation is included), `configure`, then `handle`.
+//!
+//! Both get a borrowed input (`&[u8]` for native, `&Request` for the plugin)
+//! and both build and return a new body, so they do comparable work; the
+//! plugin additionally pays for instantiation and for copying the request in
+//! and the answer out of linear memory, which is the overhead measured here.
+//!
+//! Run with `cargo bench -p snowgate-host --bench plugin_path`.
+
+use std::hint::black_box;
+use std::sync::Arc;
+use std::time::Duration;
+
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use snowgate_host::{
+    Action, HostServices, IdClock, MachineIdentity, Plugin, PluginEngine, PluginLimits, Request,
+};
+use snowgate_plugin::{decide, Config, Decision, IdSource, MachineId, SnowflakeLayout, Tick};
+
+/// The machine id both paths stamp.
+const MACHINE_ID: u32 = 7;
+
+/// An id source backed by the host's real process clock, as the host's
+/// `clock` import is, and a fixed machine id.
+struct HostClockIds<'c> {
+    clock: &'c IdClock,
+    machine: MachineId,
+}
+
+impl IdSource for HostClockIds<'_> {
+    fn machine_id(&mut self) -> Result<MachineId, String> {
+        Ok(self.machine)
+    }
+
+    fn next_tick(&mut self, sequence_space: u32) -> Tick {
+        self.clock.next_tick(sequence_space)
+    }
+}
+
+/// A ~1 KiB OpenAI chat-completion request with context-only params.
+fn chat_body() -> Vec<u8> {
+    let body = concat!(
+        r#"{"model":"meta-llama/Llama-3.1-8B-Instruct","messages":["#,
+        r#"{"role":"system","content":"You are a helpful assistant. Answer concisely and accurately, cite sources when you can, and say so when you do not know the answer."},"#,
+        r#"{"role":"user","content":"I am planning a three-day trip to Kyoto in late November. Which temples and gardens are at their best for autumn colours then, how early should I arrive to avoid the crowds, and is it realistic to combine Arashiyama, Fushimi Inari and Kiyomizu-dera in a single day without rushing? Please also suggest a couple of quieter alternatives that locals like, and tell me roughly how long to budget at each place including travel time between them. I will be travelling with my parents, who walk slowly, so please keep that in mind.\nThanks!"}],"#,
+        r#""max_tokens":512,"temperature":0.7,"top_p":0.95,"stream":false,"#,
+        r#""stop":["</s>","<|eot_id|>"],"user":"bench-user-0001","#,
+        r#""disaggregated_params":{"request_type":"context_only"}}"#,
+    );
+    body.as_bytes().to_vec()
+}
+
+/// A ~1 MiB completion request carrying `prompt_token_ids`, with
+/// context-only params.
+fn token_ids_body() -> Vec<u8> {
+    let mut body = br#"{"model":"meta-llama/Llama-3.1-8B-Instruct","prompt_token_ids":["#.to_vec();
+    let mut token: u32 = 12_345;
+    let mut first = true;
+    while body.len() < (1 << 20) - 128 {
+        if !first {
+            body.push(b',');
+        }
+        first = false;
+        // A cheap LCG for plausible 1..6 digit token ids below 128256.
+        token = token.wrapping_mul(1_103_515_245).wrapping_add(12_345);
+        body.extend_from_slice((token % 128_256).to_string().as_bytes());
+    }
+    body.extend_from_slice(
+        br#"],"max_tokens":1,"disaggregated_params":{"request_type":"context_only"}}"#,
+    );
+    body
+}
+
+fn request(path: &str, body: Vec<u8>) -> Request {
+    Request {
+        method: "POST".into(),
+        path: path.into(),
+        headers: vec![
+            ("content-type".into(), b"application/json".to_vec()),
+            ("accept".into(), b"application/json".to_vec()),
+        ],
+        body,
+    }
+}
+
+fn bench_plugin_path(c: &mut Criterion) {
+    let clock = Arc::new(IdClock::system());
+    let services = HostServices {
+        clock: clock.clone(),
+        identity: Arc::new(
+            MachineIdentity::fixed(SnowflakeLayout::TrtllmV1, MACHINE_ID)
+                .expect("machine id in range"),
+        ),
+    };
+    let engine = PluginEngine::new(services, PluginLimits::default()).expect("plugin engine");
+    let plugin =
+        Plugin::load(&engine, snowgate_plugin_bundle::PLUGIN_WASM, &[]).expect("bundled plugin");
+    let config = Config::default();
+    let machine = MachineId {
+        value: MACHINE_ID,
+        layout: config.layout,
+    };
+
+    let cases = [
+        ("chat_1KiB", request("/v1/chat/completions", chat_body())),
+        (
+            "token_ids_1MiB",
+            request("/v1/completions", token_ids_body()),
+        ),
+    ];
+    for (name, request) in &cases {
+        let body = request.body.as_slice();
+        let mut ids = HostClockIds {
+            clock: &clock,
+            machine,
+        };
+
+        // Each iteration must really stamp, on both paths.
+        println!("{name}: {} byte body", body.len());
+        match decide(&config, false, body, &mut ids) {
+            Ok(Decision::ForwardWithBody { ids: stamped, .. }) => assert_eq!(stamped.len(), 1),
+            other => panic!("{name}: native did not stamp: {other:?}"),
+        }
+        match plugin.handle(request) {
+            Ok(Action::ForwardWithBody(out)) => {
+                assert!(out.len() > body.len());
+                let key = br#""disagg_request_id":"#;
+                assert!(out.windows(key.len()).any(|w| w == key));
+            }
+            other => panic!("{name}: plugin did not stamp: {other:?}"),
+        }
+
+        let mut group = c.benchmark_group(*name);
+        group.throughput(Throughput::Bytes(body.len() as u64));
+        if body.len() > 64 << 10 {
+            group.measurement_time(Duration::from_secs(10));
+        }
+        group.bench_function("native", |b| {
+            b.iter(|| decide(&config, false, black_box(body), &mut ids))
+        });
+        group.bench_function("plugin", |b| b.iter(|| plugin.handle(black_box(request))));
+        group.finish();
+    }
+}
+
+criterion_group!(benches, bench_plugin_path);
+criterion_main!(benches);
