@@ -1,0 +1,262 @@
+//! HTTP abuse and admin security, against the real `snowgate` binary:
+//! every malformed, oversized, slow or idle client gets a 4xx or a closed
+//! connection within a bounded time, and the gateway keeps serving others;
+//! an exposed admin listener needs a token, and then every admin request
+//! must carry it.
+
+mod support;
+
+use std::net::SocketAddr;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use support::{bounded, get, post_json, Gateway, CONTEXT_ONLY, STEP};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// How a connection ended for an abusive client.
+#[derive(Debug, PartialEq, Eq)]
+enum Ended {
+    /// The gateway answered with this status (and may have closed).
+    Status(u16),
+    /// The gateway closed the connection without an answer.
+    Closed,
+}
+
+/// Sends `bytes`, then reads until a status line or the end of the
+/// connection; at most `bound`.
+async fn abuse(addr: SocketAddr, bytes: &[u8], bound: Duration) -> Ended {
+    bounded("the gateway to answer or close", bound, async {
+        let mut stream = TcpStream::connect(addr).await.expect("connect");
+        // The gateway may close before reading everything: that is fine.
+        let _ = stream.write_all(bytes).await;
+        read_status(&mut stream).await
+    })
+    .await
+}
+
+async fn read_status(stream: &mut TcpStream) -> Ended {
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match stream.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => seen.extend_from_slice(&buf[..n]),
+        }
+        if seen.windows(2).any(|w| w == b"\r\n") {
+            break;
+        }
+    }
+    let text = String::from_utf8_lossy(&seen);
+    match text.split_whitespace().nth(1).and_then(|s| s.parse().ok()) {
+        Some(status) if text.starts_with("HTTP/1.1 ") => Ended::Status(status),
+        _ => Ended::Closed,
+    }
+}
+
+/// Reads whatever follows until the gateway closes, at most `bound`.
+async fn closes_within(stream: &mut TcpStream, bound: Duration) {
+    bounded("the gateway to close the connection", bound, async {
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = stream.read(&mut buf).await {
+            if n == 0 {
+                break;
+            }
+        }
+    })
+    .await;
+}
+
+async fn still_serves(gateway: &Gateway) {
+    let reply = post_json(gateway.addr, "/v1/completions", CONTEXT_ONLY).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    // The built-in echo upstream answers with the body it received.
+    let echoed = &reply.json()["body"];
+    assert!(
+        echoed["disaggregated_params"]["disagg_request_id"].is_u64(),
+        "{echoed}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn malformed_framing_gets_400_and_the_gateway_keeps_serving() {
+    let gateway = Gateway::start(&[]).await;
+    let head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n";
+    for (what, request) in [
+        (
+            "a negative length",
+            format!("{head}Content-Length: -5\r\n\r\n{{}}"),
+        ),
+        (
+            "a garbage length",
+            format!("{head}Content-Length: abc\r\n\r\n{{}}"),
+        ),
+        (
+            "two different lengths",
+            format!("{head}Content-Length: 2\r\nContent-Length: 3\r\n\r\n{{}}"),
+        ),
+        (
+            "a bad chunk size",
+            format!("{head}Transfer-Encoding: chunked\r\n\r\nzz\r\n{{}}\r\n0\r\n\r\n"),
+        ),
+    ] {
+        let ended = abuse(gateway.addr, request.as_bytes(), STEP).await;
+        assert!(
+            matches!(ended, Ended::Status(400..=499) | Ended::Closed),
+            "{what}: {ended:?}"
+        );
+        still_serves(&gateway).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn conflicting_length_and_chunking_is_read_as_chunked_and_the_connection_closed() {
+    let gateway = Gateway::start(&[]).await;
+    let mut stream = TcpStream::connect(gateway.addr).await.expect("connect");
+    // Transfer-Encoding wins; a smuggled second request after the chunked
+    // body must never be served on this connection.
+    let request = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+                   Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n\
+                   2\r\n{}\r\n0\r\n\r\nGET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n";
+    stream.write_all(request.as_bytes()).await.expect("write");
+    let ended = bounded("an answer", STEP, read_status(&mut stream)).await;
+    assert!(
+        matches!(ended, Ended::Status(_) | Ended::Closed),
+        "{ended:?}"
+    );
+    closes_within(&mut stream, STEP).await;
+    still_serves(&gateway).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_one_mib_header_gets_431() {
+    let gateway = Gateway::start(&[]).await;
+    let big = "a".repeat(1 << 20);
+    let request = format!("GET / HTTP/1.1\r\nHost: x\r\nX-Big: {big}\r\n\r\n");
+    let ended = abuse(gateway.addr, request.as_bytes(), STEP).await;
+    assert!(
+        matches!(ended, Ended::Status(431) | Ended::Closed),
+        "{ended:?}"
+    );
+    still_serves(&gateway).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_sending_headers_a_byte_at_a_time_is_cut_off_at_the_header_timeout() {
+    let gateway = Gateway::start(&["--header-read-timeout-ms", "500"]).await;
+    let mut stream = TcpStream::connect(gateway.addr).await.expect("connect");
+    let started = Instant::now();
+    let head = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Slow: ";
+    let mut cut_off = false;
+    // One byte every 50 ms would take far longer than the timeout.
+    for byte in head.iter().chain(std::iter::repeat(&b'a').take(10_000)) {
+        if stream.write_all(&[*byte]).await.is_err() {
+            cut_off = true;
+            break;
+        }
+        let mut probe = [0u8; 64];
+        match tokio::time::timeout(Duration::from_millis(50), stream.read(&mut probe)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => {
+                cut_off = true;
+                break;
+            }
+            Ok(Ok(_)) => {
+                cut_off = true; // an error status: also an end
+                break;
+            }
+            Err(_still_open) => {}
+        }
+        assert!(
+            started.elapsed() < STEP,
+            "the slow client was never cut off"
+        );
+    }
+    assert!(cut_off);
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "cut off after {:?}",
+        started.elapsed()
+    );
+    still_serves(&gateway).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn hundreds_of_idle_connections_are_closed_and_others_are_served_meanwhile() {
+    let gateway = Gateway::start(&["--header-read-timeout-ms", "1000"]).await;
+    let mut idle = Vec::new();
+    for _ in 0..300 {
+        idle.push(
+            TcpStream::connect(gateway.addr)
+                .await
+                .expect("connect an idle client"),
+        );
+    }
+    // While they sit there, others are served.
+    still_serves(&gateway).await;
+    let started = Instant::now();
+    for stream in &mut idle {
+        closes_within(stream, STEP).await;
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "idle connections held for {:?}",
+        started.elapsed()
+    );
+    still_serves(&gateway).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_admin_listener_off_loopback_refuses_to_start_without_a_token() {
+    let output = Command::new(env!("CARGO_BIN_EXE_snowgate"))
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "0.0.0.0:0",
+            "--machine-id",
+            "1",
+        ])
+        .env_remove("SNOWGATE_ADMIN_TOKEN")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run snowgate");
+    assert!(!output.status.success(), "it must not start");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("--admin-token") && stderr.contains("0.0.0.0"),
+        "{stderr}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn with_a_token_every_admin_request_must_carry_it() {
+    let gateway = Gateway::start(&["--admin-token", "s3cret-token"]).await;
+    for path in ["/status", "/metrics", "/healthz"] {
+        let denied = get(gateway.admin, path).await;
+        assert_eq!(denied.status, 401, "{path} without the token");
+    }
+    let mut client = support::Client::connect(gateway.admin).await;
+    let wrong = client
+        .send(
+            client
+                .builder(http::Method::GET, "/status")
+                .header("authorization", "Bearer s3cret-tokeX")
+                .body(Default::default())
+                .expect("request"),
+        )
+        .await;
+    assert_eq!(wrong.status, 401);
+    let right = client
+        .send(
+            client
+                .builder(http::Method::GET, "/status")
+                .header("authorization", "Bearer s3cret-token")
+                .body(Default::default())
+                .expect("request"),
+        )
+        .await;
+    assert_eq!(right.status, 200, "{}", right.text());
+    // The client listener is not the admin listener: no token needed there.
+    still_serves(&gateway).await;
+}
