@@ -149,7 +149,7 @@ async fn a_client_sending_headers_a_byte_at_a_time_is_cut_off_at_the_header_time
     let head = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Slow: ";
     let mut cut_off = false;
     // One byte every 50 ms would take far longer than the timeout.
-    for byte in head.iter().chain(std::iter::repeat(&b'a').take(10_000)) {
+    for byte in head.iter().chain(std::iter::repeat_n(&b'a', 10_000)) {
         if stream.write_all(&[*byte]).await.is_err() {
             cut_off = true;
             break;
