@@ -1,0 +1,130 @@
+//! The host's call path with the real plugin: each input is a request body
+//! that goes through `Plugin::handle` (a fresh instance of the bundled
+//! component, under the default limits). The call never fails, and its
+//! answer is the native core's decision: the same refusal, the same
+//! forward, or the same edits filled with ids from the host's clock.
+
+#![no_main]
+
+use std::sync::{Arc, OnceLock};
+use std::time::Instant;
+
+use libfuzzer_sys::fuzz_target;
+use snowgate_fuzz::oracle::{assert_only_ids_spliced_in, CounterIds};
+use snowgate_host::{
+    Action, CallError, HostServices, IdClock, MachineIdentity, Plugin, PluginEngine,
+    PluginLimits, Request,
+};
+use snowgate_plugin::stamp::apply;
+use snowgate_plugin::{decide, find_edits, Config, Decision, Edit, SnowflakeLayout};
+
+/// The machine id the host hands the plugin.
+const MACHINE: u32 = 7;
+const LAYOUT: SnowflakeLayout = SnowflakeLayout::TrtllmV1;
+
+/// The bundled plugin, compiled and checked once for the whole run.
+fn plugin() -> &'static Plugin {
+    static PLUGIN: OnceLock<Plugin> = OnceLock::new();
+    PLUGIN.get_or_init(|| {
+        let services = HostServices {
+            clock: Arc::new(IdClock::system()),
+            identity: Arc::new(MachineIdentity::fixed(LAYOUT, MACHINE).expect("in range")),
+        };
+        let engine =
+            PluginEngine::new(services, PluginLimits::default()).expect("creating the engine");
+        Plugin::load(&engine, snowgate_plugin_bundle::PLUGIN_WASM, &[])
+            .expect("loading the bundled plugin")
+    })
+}
+
+/// Reads back the ids the plugin wrote into `output` at `edits`.
+fn read_back_ids(output: &[u8], edits: &[Edit]) -> Vec<u64> {
+    let mut ids = Vec::with_capacity(edits.len());
+    let (mut i, mut o) = (0usize, 0usize);
+    for edit in edits {
+        let at = edit.at();
+        o += at - i;
+        match *edit {
+            Edit::InsertMember { comma, .. } => {
+                let member = if comma {
+                    &b",\"disagg_request_id\":"[..]
+                } else {
+                    &b"\"disagg_request_id\":"[..]
+                };
+                assert_eq!(output.get(o..o + member.len()), Some(member), "member at {edit:?}");
+                o += member.len();
+                i = at;
+            }
+            Edit::ReplaceNull { at } => i = at + 4,
+        }
+        let digits = output[o..].iter().take_while(|b| b.is_ascii_digit()).count();
+        let text = std::str::from_utf8(&output[o..o + digits]).expect("digits");
+        ids.push(text.parse().unwrap_or_else(|e| panic!("id {text:?} at {edit:?}: {e}")));
+        o += digits;
+    }
+    ids
+}
+
+fn call(request: &Request) -> Result<Action, CallError> {
+    let plugin = plugin();
+    match plugin.handle(request) {
+        // The deadline is wall time: a loaded machine can starve one call.
+        // A body that really takes that long fails the retry too.
+        Err(CallError::Deadline(limit)) => {
+            let started = Instant::now();
+            let again = plugin.handle(request);
+            eprintln!(
+                "deadline of {limit:?} hit once; the retry took {:?}",
+                started.elapsed()
+            );
+            again
+        }
+        other => other,
+    }
+}
+
+fuzz_target!(|data: &[u8]| {
+    let request = Request {
+        method: "POST".into(),
+        path: "/v1/completions".into(),
+        headers: vec![("content-type".into(), b"application/json".to_vec())],
+        body: data.to_vec(),
+    };
+    let action = call(&request).unwrap_or_else(|e| panic!("the call failed: {e}"));
+    let native = decide(&Config { layout: LAYOUT }, false, data, &mut CounterIds::new(LAYOUT))
+        .expect("no native plugin failure");
+    match (native, action) {
+        (Decision::Forward, Action::Forward) => {}
+        (Decision::Reject(native), Action::Reject(r)) => {
+            assert_eq!(
+                (r.status, r.code.as_str(), r.message.as_str()),
+                (native.status, native.code, native.message.as_str()),
+                "the plugin's refusal differs from the native one"
+            );
+        }
+        (Decision::ForwardWithBody { ids: native_ids, .. }, Action::ForwardWithBody(output)) => {
+            let edits = find_edits(data).expect("stamped bodies are valid");
+            let ids = read_back_ids(&output, &edits);
+            assert_eq!(ids.len(), native_ids.len());
+            assert_eq!(output, apply(data, &edits, &ids), "not the native edits");
+            assert_only_ids_spliced_in(data, &output, &edits, &ids);
+            assert!(ids.windows(2).all(|w| w[0] < w[1]), "ids not increasing: {ids:?}");
+            for id in &ids {
+                let parts = LAYOUT.decode(*id).expect("a v1 id");
+                assert_eq!(parts.machine_id, MACHINE, "id {id}");
+                // Made from the host's clock: near now.
+                let now = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .expect("after 1970")
+                    .as_millis() as u64;
+                assert!(
+                    parts.millis <= now + 60_000 && parts.millis + 3_600_000 >= now,
+                    "id {id} has time {} ms, now is {now}",
+                    parts.millis
+                );
+            }
+            assert_eq!(find_edits(&output), Ok(vec![]), "the stamped body needs ids still");
+        }
+        (native, action) => panic!("native decision {native:?}, plugin answer {action:?}"),
+    }
+});
