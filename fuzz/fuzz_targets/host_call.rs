@@ -12,8 +12,8 @@ use std::time::Instant;
 use libfuzzer_sys::fuzz_target;
 use snowgate_fuzz::oracle::{assert_only_ids_spliced_in, CounterIds};
 use snowgate_host::{
-    Action, CallError, HostServices, IdClock, MachineIdentity, Plugin, PluginEngine,
-    PluginLimits, Request,
+    Action, CallError, HostServices, IdClock, MachineIdentity, Plugin, PluginEngine, PluginLimits,
+    Request,
 };
 use snowgate_plugin::stamp::apply;
 use snowgate_plugin::{decide, find_edits, Config, Decision, Edit, SnowflakeLayout};
@@ -51,15 +51,25 @@ fn read_back_ids(output: &[u8], edits: &[Edit]) -> Vec<u64> {
                 } else {
                     &b"\"disagg_request_id\":"[..]
                 };
-                assert_eq!(output.get(o..o + member.len()), Some(member), "member at {edit:?}");
+                assert_eq!(
+                    output.get(o..o + member.len()),
+                    Some(member),
+                    "member at {edit:?}"
+                );
                 o += member.len();
                 i = at;
             }
             Edit::ReplaceNull { at } => i = at + 4,
         }
-        let digits = output[o..].iter().take_while(|b| b.is_ascii_digit()).count();
+        let digits = output[o..]
+            .iter()
+            .take_while(|b| b.is_ascii_digit())
+            .count();
         let text = std::str::from_utf8(&output[o..o + digits]).expect("digits");
-        ids.push(text.parse().unwrap_or_else(|e| panic!("id {text:?} at {edit:?}: {e}")));
+        ids.push(
+            text.parse()
+                .unwrap_or_else(|e| panic!("id {text:?} at {edit:?}: {e}")),
+        );
         o += digits;
     }
     ids
@@ -91,8 +101,13 @@ fuzz_target!(|data: &[u8]| {
         body: data.to_vec(),
     };
     let action = call(&request).unwrap_or_else(|e| panic!("the call failed: {e}"));
-    let native = decide(&Config { layout: LAYOUT }, false, data, &mut CounterIds::new(LAYOUT))
-        .expect("no native plugin failure");
+    let native = decide(
+        &Config { layout: LAYOUT },
+        false,
+        data,
+        &mut CounterIds::new(LAYOUT),
+    )
+    .expect("no native plugin failure");
     match (native, action) {
         (Decision::Forward, Action::Forward) => {}
         (Decision::Reject(native), Action::Reject(r)) => {
@@ -102,13 +117,21 @@ fuzz_target!(|data: &[u8]| {
                 "the plugin's refusal differs from the native one"
             );
         }
-        (Decision::ForwardWithBody { ids: native_ids, .. }, Action::ForwardWithBody(output)) => {
+        (
+            Decision::ForwardWithBody {
+                ids: native_ids, ..
+            },
+            Action::ForwardWithBody(output),
+        ) => {
             let edits = find_edits(data).expect("stamped bodies are valid");
             let ids = read_back_ids(&output, &edits);
             assert_eq!(ids.len(), native_ids.len());
             assert_eq!(output, apply(data, &edits, &ids), "not the native edits");
             assert_only_ids_spliced_in(data, &output, &edits, &ids);
-            assert!(ids.windows(2).all(|w| w[0] < w[1]), "ids not increasing: {ids:?}");
+            assert!(
+                ids.windows(2).all(|w| w[0] < w[1]),
+                "ids not increasing: {ids:?}"
+            );
             for id in &ids {
                 let parts = LAYOUT.decode(*id).expect("a v1 id");
                 assert_eq!(parts.machine_id, MACHINE, "id {id}");
@@ -123,7 +146,11 @@ fuzz_target!(|data: &[u8]| {
                     parts.millis
                 );
             }
-            assert_eq!(find_edits(&output), Ok(vec![]), "the stamped body needs ids still");
+            assert_eq!(
+                find_edits(&output),
+                Ok(vec![]),
+                "the stamped body needs ids still"
+            );
         }
         (native, action) => panic!("native decision {native:?}, plugin answer {action:?}"),
     }

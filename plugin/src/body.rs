@@ -8,6 +8,7 @@
 //! where a `null` must be replaced, and [`crate::stamp`] splices ids in there.
 
 use std::borrow::Cow;
+use std::collections::BTreeMap;
 use std::fmt;
 
 /// The deepest nesting of arrays and objects a body may have (serde_json's
@@ -372,9 +373,11 @@ impl<'a> Walk<'a> {
     fn object(&mut self, params: bool) -> Result<(), BodyError> {
         let open = self.pos;
         self.enter()?;
-        // Members whose values produced edits, by unescaped key, so that a
-        // later duplicate key can cancel them.
-        let mut with_edits: Vec<(Cow<'a, [u8]>, std::ops::Range<usize>)> = Vec::new();
+        // The edits of each member whose value produced some, by unescaped
+        // key, so that a later duplicate key can cancel them. A map, not a
+        // list: scanning every earlier member for each key made bodies with
+        // many members quadratic (4 MiB took seconds).
+        let mut with_edits: BTreeMap<Cow<'a, [u8]>, std::ops::Range<usize>> = BTreeMap::new();
         let mut context_only = false;
         let mut id = IdMember::Missing;
         let mut last_value_end = None;
@@ -399,10 +402,8 @@ impl<'a> Walk<'a> {
                 }
                 self.pos += 1;
                 self.skip_whitespace();
-                for (earlier, range) in &with_edits {
-                    if *earlier == key {
-                        self.live[range.clone()].iter_mut().for_each(|l| *l = false);
-                    }
+                if let Some(range) = with_edits.remove(key.as_ref()) {
+                    self.live[range].iter_mut().for_each(|l| *l = false);
                 }
                 let first_edit = self.edits.len();
                 let value = self.value(key.as_ref() == PARAMS_KEY)?;
@@ -425,7 +426,7 @@ impl<'a> Walk<'a> {
                     }
                 }
                 if self.edits.len() > first_edit {
-                    with_edits.push((key, first_edit..self.edits.len()));
+                    with_edits.insert(key, first_edit..self.edits.len());
                 }
                 last_value_end = Some(self.pos);
                 self.skip_whitespace();
