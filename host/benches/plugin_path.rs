@@ -3,9 +3,14 @@
 //! For each body, one criterion group with two functions side by side:
 //! - `native`: `snowgate_plugin::decide` called directly, on the host's real
 //!   process clock and a fixed machine id;
-//! - `plugin`: `Plugin::handle` on the bundled component, which is what the
-//!   gateway does per request: a fresh store and a fresh instance (so
-//!   instantiation is included), `configure`, then `handle`.
+//! - `plugin_fresh`: `Plugin::handle` on the bundled component: a fresh
+//!   store and a fresh instance (so instantiation is included), `configure`,
+//!   then `handle`; what the gateway does per request with
+//!   `--plugin-calls-per-instance 1`, and what `snowgate rewrite` does;
+//! - `plugin_reused`: `Plugin::handle_async` on a current-thread runtime,
+//!   which is what the gateway does per request by default: `handle` on an
+//!   instance kept from earlier calls (a new one every 1000 calls, so
+//!   instantiation is included, amortised).
 //!
 //! Both get a borrowed input (`&[u8]` for native, `&Request` for the plugin)
 //! and both build and return a new body, so they do comparable work; the
@@ -108,6 +113,11 @@ fn bench_plugin_path(c: &mut Criterion) {
         layout: config.layout,
     };
 
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a current-thread runtime");
+
     let cases = [
         ("chat_1KiB", request("/v1/chat/completions", chat_body())),
         (
@@ -136,6 +146,10 @@ fn bench_plugin_path(c: &mut Criterion) {
             }
             other => panic!("{name}: plugin did not stamp: {other:?}"),
         }
+        match runtime.block_on(plugin.handle_async(request)) {
+            Ok(Action::ForwardWithBody(out)) => assert!(out.len() > body.len()),
+            other => panic!("{name}: the reused plugin did not stamp: {other:?}"),
+        }
 
         let mut group = c.benchmark_group(*name);
         group.throughput(Throughput::Bytes(body.len() as u64));
@@ -145,7 +159,12 @@ fn bench_plugin_path(c: &mut Criterion) {
         group.bench_function("native", |b| {
             b.iter(|| decide(&config, false, black_box(body), &mut ids))
         });
-        group.bench_function("plugin", |b| b.iter(|| plugin.handle(black_box(request))));
+        group.bench_function("plugin_fresh", |b| {
+            b.iter(|| plugin.handle(black_box(request)))
+        });
+        group.bench_function("plugin_reused", |b| {
+            b.iter(|| runtime.block_on(plugin.handle_async(black_box(request))))
+        });
         group.finish();
     }
 }

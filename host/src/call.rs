@@ -2,15 +2,39 @@
 //! memory limit and the CPU deadline.
 
 use std::fmt;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use wasmtime::{PoolConcurrencyLimitError, Store, Trap};
+use wasmtime::component::{Instance, TypedFunc};
+use wasmtime::{PoolConcurrencyLimitError, Store, Trap, UpdateDeadline};
 
-use crate::bindings::exports::snowgate::middleware::handler::{Action, Request};
+use crate::bindings::exports::snowgate::middleware::handler::{
+    Action, PluginError, Request, Setting,
+};
 use crate::bindings::Middleware;
 use crate::engine::EPOCH_TICK;
 use crate::plugin::Plugin;
 use crate::state::HostState;
+
+/// The typed `handle` export of one instance.
+type HandleFunc = TypedFunc<(&'static Request,), (Result<Action, PluginError>,)>;
+
+/// An instance that may serve more than one request, one at a time.
+pub(crate) struct Reusable {
+    store: Store<HostState>,
+    handle: HandleFunc,
+    calls: u32,
+}
+
+/// An instance whose memory grew past this is not reused: its pages go
+/// back to the system (the pool keeps this much resident per slot).
+const REUSE_MAX_MEMORY: usize = crate::engine::MEMORY_KEEP_RESIDENT;
+
+/// How many idle instances of one plugin are kept: enough for every worker
+/// thread and a few calls that overlap on one, while leaving most of the
+/// engine's slots for calls, reloads and the plugin being replaced.
+fn idle_cap(max_instances: u32) -> usize {
+    (max_instances as usize / 4).clamp(1, 16)
+}
 
 /// Why a plugin call gave no answer. The gateway applies its failure policy
 /// to every kind alike.
@@ -100,16 +124,126 @@ impl Plugin {
         Ok(action)
     }
 
-    /// A fresh store under the limits, and the plugin instantiated in it.
-    pub(crate) fn instantiate(&self) -> Result<(Store<HostState>, Middleware), CallError> {
+    /// Like [`Plugin::handle`], for async callers (the gateway), and on an
+    /// instance that may have served earlier requests (up to
+    /// [`PluginLimits::calls_per_instance`](crate::PluginLimits::calls_per_instance)).
+    ///
+    /// The call runs on a fiber on the calling thread: no hand-off to
+    /// another thread, and the thread goes back to the executor at every
+    /// epoch tick (1 ms), so a slow or runaway plugin delays only its own
+    /// request until the deadline ends it.
+    pub async fn handle_async(&self, request: &Request) -> Result<Action, CallError> {
+        let mut held = match self.take_idle() {
+            Some(held) => held,
+            None => self.new_reusable().await?,
+        };
+        held.store.data_mut().deadline = Some(Instant::now() + self.engine.limits.deadline);
+        held.store.set_epoch_deadline(1);
+        let answer = held.handle.call_async(&mut held.store, (request,)).await;
+        held.calls += 1;
+        let answer = match answer {
+            Ok((answer,)) => answer,
+            // The instance is dropped with the error: never used again.
+            Err(e) => return Err(self.classify(e, &held.store)),
+        };
+        let checked = match answer {
+            Ok(action) => self.check(&action).map(|()| action),
+            Err(e) => Err(CallError::PluginError(e.message)),
+        };
+        if !matches!(checked, Err(CallError::InvalidAnswer(_))) {
+            self.give_back(held);
+        }
+        checked
+    }
+
+    /// An idle instance of this plugin, if one is kept.
+    fn take_idle(&self) -> Option<Reusable> {
+        self.idle.lock().ok()?.pop()
+    }
+
+    /// Keeps `held` for another request, unless it has served its share,
+    /// grew its memory, left something in stderr, or enough are kept.
+    fn give_back(&self, held: Reusable) {
         let limits = self.engine.limits;
+        let state = held.store.data();
+        let reusable = held.calls < limits.calls_per_instance
+            && state.memory.peak <= REUSE_MAX_MEMORY
+            && !state.memory.hit
+            && !state.wrote_stderr();
+        if !reusable {
+            return;
+        }
+        if let Ok(mut idle) = self.idle.lock() {
+            if idle.len() < idle_cap(limits.max_instances) {
+                idle.push(held);
+            }
+        }
+    }
+
+    /// A fresh instance in a fresh store, configured, for async calls.
+    async fn new_reusable(&self) -> Result<Reusable, CallError> {
+        let mut store = self.new_store();
+        // Each call sets its own deadline in the state; until it passes,
+        // the call yields to the executor at every tick.
+        store.data_mut().deadline = Some(Instant::now() + self.engine.limits.deadline);
+        store.set_epoch_deadline(1);
+        store.epoch_deadline_callback(|store| {
+            let passed = store.data().deadline.is_none_or(|d| Instant::now() >= d);
+            Ok(if passed {
+                UpdateDeadline::Interrupt
+            } else {
+                UpdateDeadline::Yield(1)
+            })
+        });
+        let instance = match self.pre_async.instantiate_async(&mut store).await {
+            Ok(instance) => instance,
+            Err(e) => return Err(self.classify(e, &store)),
+        };
+        match self.configure_async(&mut store, instance).await {
+            Ok(Ok(handle)) => Ok(Reusable {
+                store,
+                handle,
+                calls: 0,
+            }),
+            Ok(Err(e)) => Err(e),
+            Err(e) => Err(self.classify(e, &store)),
+        }
+    }
+
+    /// `configure` on a new instance made by `pre_async`; then the typed
+    /// `handle` export for its requests.
+    async fn configure_async(
+        &self,
+        store: &mut Store<HostState>,
+        instance: Instance,
+    ) -> wasmtime::Result<Result<HandleFunc, CallError>> {
+        let configure = instance.get_typed_func::<(&[Setting],), (Result<(), String>,)>(
+            &mut *store,
+            &self.exports.configure,
+        )?;
+        if let (Err(refusal),) = configure.call_async(&mut *store, (&self.settings,)).await? {
+            return Ok(Err(CallError::PluginError(format!("configure: {refusal}"))));
+        }
+        let handle = instance.get_typed_func(&mut *store, self.exports.handle)?;
+        Ok(Ok(handle))
+    }
+
+    /// A fresh store under the memory limit, with no deadline set yet.
+    fn new_store(&self) -> Store<HostState> {
         let state = HostState::new(
             self.engine.services.clone(),
-            limits.memory_bytes,
+            self.engine.limits.memory_bytes,
             self.name.clone(),
         );
         let mut store = Store::new(&self.engine.engine, state);
         store.limiter(|state| &mut state.memory);
+        store
+    }
+
+    /// A fresh store under the limits, and the plugin instantiated in it.
+    pub(crate) fn instantiate(&self) -> Result<(Store<HostState>, Middleware), CallError> {
+        let limits = self.engine.limits;
+        let mut store = self.new_store();
         // One tick may be nearly over already: allow one extra.
         let ticks = limits.deadline.as_micros().div_ceil(EPOCH_TICK.as_micros()) as u64 + 1;
         store.set_epoch_deadline(ticks);

@@ -35,7 +35,7 @@ const WASM_PAGE: usize = 64 << 10;
 /// cover the plugin's stack (the first MiB of a Rust plugin's memory), its
 /// data and its usual heap; 4 MiB covers a 1 MiB body. Larger calls give
 /// the rest back.
-const MEMORY_KEEP_RESIDENT: usize = 4 << 20;
+pub(crate) const MEMORY_KEEP_RESIDENT: usize = 4 << 20;
 
 /// The same for tables: a plugin's tables are a few hundred entries, and
 /// giving their page back on every call costs as much as a whole small call.
@@ -58,6 +58,9 @@ const MEMORIES_PER_PLUGIN: u32 = 1;
 pub struct PluginEngine {
     pub(crate) engine: Engine,
     pub(crate) linker: Arc<Linker<HostState>>,
+    /// The same imports for calls made from async code (the gateway): WASI's
+    /// async bindings, which never block the calling thread.
+    pub(crate) async_linker: Arc<Linker<HostState>>,
     pub(crate) services: HostServices,
     pub(crate) limits: PluginLimits,
 }
@@ -93,13 +96,23 @@ impl PluginEngine {
         // that address space once per slot, see `PluginLimits::max_instances`.
         let engine = Engine::new(&config).context("creating the wasmtime engine")?;
 
-        let mut linker = Linker::new(&engine);
         // WASI is linked so that std-using plugins load, but the context each
         // call gets is empty: no files, no environment, no sockets, no stdio.
+        // Two linkers with the same imports: WASI's sync bindings block on a
+        // private runtime, which cannot happen on an async worker thread, so
+        // calls made from the gateway's workers use the async bindings.
+        let mut linker = Linker::new(&engine);
         wasmtime_wasi::p2::add_to_linker_sync(&mut linker)
             .context("linking WASI into the plugin linker")?;
         Middleware::add_to_linker::<HostState, HasSelf<HostState>>(&mut linker, |state| state)
             .context("linking the snowgate:middleware imports")?;
+        let mut async_linker = Linker::new(&engine);
+        wasmtime_wasi::p2::add_to_linker_async(&mut async_linker)
+            .context("linking WASI into the async plugin linker")?;
+        Middleware::add_to_linker::<HostState, HasSelf<HostState>>(&mut async_linker, |state| {
+            state
+        })
+        .context("linking the snowgate:middleware imports into the async linker")?;
 
         let weak = engine.weak();
         thread::Builder::new()
@@ -116,6 +129,7 @@ impl PluginEngine {
         Ok(PluginEngine {
             engine,
             linker: Arc::new(linker),
+            async_linker: Arc::new(async_linker),
             services,
             limits,
         })
@@ -147,8 +161,7 @@ fn pooling_config(limits: &PluginLimits) -> PoolingAllocationConfig {
         .total_core_instances(instances.saturating_mul(CORE_INSTANCES_PER_PLUGIN))
         .total_memories(instances.saturating_mul(MEMORIES_PER_PLUGIN))
         .total_tables(instances.saturating_mul(TABLES_PER_PLUGIN))
-        // Calls are synchronous, on the caller's stack: these are never
-        // used, but the pool reserves them.
+        // Async calls (the gateway's) run on a fiber stack from the pool.
         .total_stacks(instances)
         .max_memory_size(max_memory)
         .table_elements(MAX_TABLE_ELEMENTS)

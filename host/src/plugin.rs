@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::SystemTime;
 
 use sha2::{Digest, Sha256};
-use wasmtime::component::Component;
+use wasmtime::component::{Component, ComponentExportIndex, InstancePre};
 use wasmtime::error::Context as _;
 
 use crate::bindings::exports::snowgate::middleware::handler::Setting;
@@ -32,6 +32,12 @@ pub struct PluginInfo {
 pub struct Plugin {
     pub(crate) engine: PluginEngine,
     pub(crate) pre: MiddlewarePre<HostState>,
+    /// The same, linked for async calls (see [`Plugin::handle_async`]).
+    pub(crate) pre_async: InstancePre<HostState>,
+    /// Where the handler's `configure` and `handle` exports are.
+    pub(crate) exports: HandlerExports,
+    /// Instances kept between async calls (see [`Plugin::handle_async`]).
+    pub(crate) idle: std::sync::Mutex<Vec<crate::call::Reusable>>,
     pub(crate) settings: Arc<[Setting]>,
     pub(crate) name: Arc<str>,
     info: PluginInfo,
@@ -66,6 +72,12 @@ impl Plugin {
         let pre = MiddlewarePre::new(instance_pre).context(
             "the plugin does not export the snowgate:middleware/handler@0.1.0 interface",
         )?;
+        // Already type-checked by `MiddlewarePre::new` above.
+        let pre_async = engine
+            .async_linker
+            .instantiate_pre(&component)
+            .context("linking the plugin for async calls")?;
+        let exports = HandlerExports::find(&component)?;
 
         let layout = engine.services.identity.layout();
         let settings: Arc<[Setting]> = std::iter::once(Setting {
@@ -81,6 +93,9 @@ impl Plugin {
         let mut plugin = Plugin {
             engine: engine.clone(),
             pre,
+            pre_async,
+            exports,
+            idle: std::sync::Mutex::new(Vec::new()),
             settings,
             name: Arc::from("unnamed plugin"),
             info: PluginInfo {
@@ -127,6 +142,32 @@ impl Plugin {
                 anyhow::anyhow!("the plugin refused its configuration: {refusal}")
             })?;
         Ok((name, version))
+    }
+}
+
+/// The export indices of the handler functions a request call uses, found
+/// once at load time.
+pub(crate) struct HandlerExports {
+    pub(crate) configure: ComponentExportIndex,
+    pub(crate) handle: ComponentExportIndex,
+}
+
+impl HandlerExports {
+    const INTERFACE: &'static str = "snowgate:middleware/handler@0.1.0";
+
+    fn find(component: &Component) -> anyhow::Result<HandlerExports> {
+        let interface = component
+            .get_export_index(None, Self::INTERFACE)
+            .with_context(|| format!("the plugin does not export {}", Self::INTERFACE))?;
+        let function = |name: &str| {
+            component
+                .get_export_index(Some(&interface), name)
+                .with_context(|| format!("the plugin's {} has no {name}", Self::INTERFACE))
+        };
+        Ok(HandlerExports {
+            configure: function("configure")?,
+            handle: function("handle")?,
+        })
     }
 }
 

@@ -29,6 +29,8 @@ pub struct HostState {
     services: HostServices,
     pub(crate) memory: MemoryLimiter,
     plugin_name: Arc<str>,
+    /// When the current async call must end (see `Plugin::handle_async`).
+    pub(crate) deadline: Option<std::time::Instant>,
 }
 
 /// An empty WASI context whose only stream is a bounded `stderr` capture
@@ -67,9 +69,19 @@ impl HostState {
             memory: MemoryLimiter {
                 limit: memory_bytes,
                 hit: false,
+                peak: 0,
             },
             plugin_name,
+            deadline: None,
         }
+    }
+
+    /// Whether the plugin wrote anything to stderr (a panic message, as a
+    /// rule).
+    pub(crate) fn wrote_stderr(&self) -> bool {
+        self.wasi
+            .as_ref()
+            .is_some_and(|wasi| !wasi.stderr.contents().is_empty())
     }
 
     /// What the plugin wrote to stderr, lossily decoded.
@@ -86,6 +98,8 @@ impl HostState {
 pub(crate) struct MemoryLimiter {
     limit: usize,
     pub(crate) hit: bool,
+    /// The largest size a linear memory has grown to (0 if none grew).
+    pub(crate) peak: usize,
 }
 
 impl ResourceLimiter for MemoryLimiter {
@@ -97,6 +111,9 @@ impl ResourceLimiter for MemoryLimiter {
     ) -> wasmtime::Result<bool> {
         let allowed = desired <= self.limit;
         self.hit |= !allowed;
+        if allowed {
+            self.peak = self.peak.max(desired);
+        }
         Ok(allowed)
     }
 

@@ -74,6 +74,9 @@ pub struct GatewayConfig {
     pub admin_token: Option<String>,
     /// Lease the machine id in etcd instead of using `machine_id`.
     pub lease: Option<LeaseConfig>,
+    /// Threads that serve client connections, each with its own event loop
+    /// and upstream connection pool; `None` is one per CPU.
+    pub workers: Option<usize>,
 }
 
 /// Limits that keep slow, huge or idle clients from starving others.
@@ -117,6 +120,7 @@ impl Default for GatewayConfig {
             connections: ConnectionLimits::default(),
             admin_token: None,
             lease: None,
+            workers: None,
         }
     }
 }
@@ -147,6 +151,8 @@ pub struct ConfigFile {
     pub plugin_memory_mib: Option<usize>,
     /// Plugin call deadline in milliseconds.
     pub plugin_deadline_ms: Option<u64>,
+    /// See [`PluginLimits::calls_per_instance`].
+    pub plugin_calls_per_instance: Option<u32>,
     /// Shutdown grace period in seconds.
     pub shutdown_grace_secs: Option<u64>,
     /// Reload debounce in milliseconds.
@@ -159,6 +165,8 @@ pub struct ConfigFile {
     pub max_connections: Option<usize>,
     /// See [`GatewayConfig::admin_token`].
     pub admin_token: Option<String>,
+    /// See [`GatewayConfig::workers`].
+    pub workers: Option<usize>,
     /// etcd endpoints, comma-separated: lease the machine id there.
     pub etcd: Option<String>,
     /// TTL of the machine id lease, in seconds (default 10).
@@ -232,6 +240,10 @@ impl ConfigFile {
         if let Some(ms) = self.plugin_deadline_ms {
             config.plugin_limits.deadline = Duration::from_millis(ms);
         }
+        if let Some(n) = self.plugin_calls_per_instance {
+            anyhow::ensure!(n > 0, "plugin-calls-per-instance must be at least 1");
+            config.plugin_limits.calls_per_instance = n;
+        }
         if let Some(secs) = self.shutdown_grace_secs {
             config.shutdown_grace = Duration::from_secs(secs);
         }
@@ -254,6 +266,13 @@ impl ConfigFile {
         }
         if self.admin_token.is_some() {
             config.admin_token = self.admin_token;
+        }
+        if let Some(n) = self.workers {
+            anyhow::ensure!(
+                (1..=1024).contains(&n),
+                "workers must be between 1 and 1024, not {n}"
+            );
+            config.workers = Some(n);
         }
         if let Some(endpoints) = self.etcd {
             let endpoints: Vec<String> = endpoints

@@ -57,7 +57,6 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 use crate::bindings::exports::snowgate::middleware::handler::{Action, Request as PluginRequest};
-use crate::call::CallError;
 use crate::gateway::config::FailurePolicy;
 use crate::gateway::metrics::{Metrics, Outcome};
 use crate::gateway::read_body::{read_limited, ReadBodyError};
@@ -219,17 +218,13 @@ impl Shared {
             body: bytes.to_vec(),
         };
         // Wait for a free instance slot (never closed, so this cannot fail).
-        let permit = self.calls.clone().acquire_owned().await.ok();
+        let permit = self.calls.acquire().await.ok();
         let plugin = self.slot.current();
         let started = Instant::now();
-        // A call may take up to its deadline: never on an async worker.
-        let answer = tokio::task::spawn_blocking(move || {
-            let answer = plugin.handle(&plugin_request);
-            drop(permit);
-            answer
-        })
-        .await
-        .unwrap_or_else(|e| Err(CallError::Trap(format!("the plugin call task failed: {e}"))));
+        // Runs on this worker thread; the call yields back every epoch tick,
+        // so a slow plugin holds up only this request.
+        let answer = plugin.handle_async(&plugin_request).await;
+        drop(permit);
         self.metrics.plugin_call(started.elapsed());
 
         let forward_body = match answer {

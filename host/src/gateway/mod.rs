@@ -15,6 +15,7 @@ pub mod server;
 pub mod slot;
 pub mod upstream;
 pub mod watch;
+pub mod workers;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -142,11 +143,16 @@ impl Gateway {
             self.config.failure_policy,
             self.config.max_body_bytes,
         );
+        let workers = self.config.workers.unwrap_or_else(|| {
+            std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+        });
+        let workers = workers::Workers::start(workers)?;
         let drained = server::serve(
             self.listener,
             layer,
             self.upstream,
             self.config.connections,
+            workers,
             shutdown,
             self.config.shutdown_grace,
         )

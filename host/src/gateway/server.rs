@@ -1,5 +1,6 @@
-//! Where a request enters: the client listener, one task per connection,
-//! HTTP/1.1 and HTTP/2 (h2c), and a graceful drain on shutdown.
+//! Where a request enters: the client listener, one task per connection on
+//! one of the worker threads, HTTP/1.1 and HTTP/2 (h2c), and a graceful
+//! drain on shutdown.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -24,21 +25,30 @@ use tower_service::Service;
 use crate::gateway::config::ConnectionLimits;
 use crate::gateway::middleware::SnowgateLayer;
 use crate::gateway::upstream::Upstream;
+use crate::gateway::workers::Workers;
 
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 
 /// Serves clients on `listener` through `layer` in front of `upstream` until
 /// `shutdown` resolves; then stops accepting and lets in-flight requests
 /// finish for up to `grace`. Returns whether they all finished.
+///
+/// Connections are accepted here and dealt round-robin to `workers`
+/// threads; each worker has its own upstream connection pool, so a request
+/// runs start to end on one thread.
 pub async fn serve(
     listener: TcpListener,
     layer: SnowgateLayer,
     upstream: Upstream,
     limits: ConnectionLimits,
+    workers: Workers,
     shutdown: impl Future<Output = ()>,
     grace: Duration,
 ) -> bool {
-    let service = layer.layer(upstream);
+    let services: Vec<_> = (0..workers.len())
+        .map(|_| layer.layer(upstream.with_own_pool()))
+        .collect();
+    let mut next_worker = 0usize;
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
@@ -78,7 +88,9 @@ pub async fn serve(
             () = &mut shutdown => break,
         };
         let _ = stream.set_nodelay(true);
-        let service = service.clone();
+        let worker = next_worker;
+        next_worker = next_worker.wrapping_add(1);
+        let service = services[worker % services.len()].clone();
         let per_request = hyper::service::service_fn(move |mut request: Request<Incoming>| {
             append_forwarded_for(&mut request, peer);
             let mut service = service.clone();
@@ -93,7 +105,7 @@ pub async fn serve(
         let watcher = graceful.watcher();
         let first_byte_timeout = limits.header_read_timeout;
         let mut stopping = stopping_rx.clone();
-        tokio::spawn(async move {
+        workers.spawn(worker, async move {
             // hyper times a request head out only once it has begun: a
             // connection that sends nothing at all is closed here.
             let mut probe = [0u8; 1];
@@ -120,7 +132,7 @@ pub async fn serve(
     drop(listener);
     let _ = stopping_tx.send(true);
     tracing::info!("shutting down: no new connections; waiting for in-flight requests");
-    tokio::select! {
+    let drained = tokio::select! {
         () = graceful.shutdown() => {
             tracing::info!("all connections closed");
             true
@@ -129,7 +141,9 @@ pub async fn serve(
             tracing::warn!(grace_secs = grace.as_secs(), "in-flight requests still running after the grace period");
             false
         }
-    }
+    };
+    workers.stop();
+    drained
 }
 
 /// A response body's error as one concrete type, so that connection

@@ -79,14 +79,25 @@ impl Upstream {
             base.authority().is_some(),
             "--upstream {url:?} needs a host, e.g. http://127.0.0.1:8000"
         );
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        let client = Client::builder(TokioExecutor::new()).build(connector);
         Ok(Upstream::Http(Arc::new(HttpUpstream {
             base,
             metrics,
-            client,
+            client: pooled_client(),
         })))
+    }
+
+    /// The same upstream with a connection pool of its own, for one worker
+    /// thread: a pooled connection is driven by the thread that opened it,
+    /// so sharing a pool between threads would hand requests across them.
+    pub fn with_own_pool(&self) -> Upstream {
+        match self {
+            Upstream::Http(http) => Upstream::Http(Arc::new(HttpUpstream {
+                base: http.base.clone(),
+                metrics: http.metrics.clone(),
+                client: pooled_client(),
+            })),
+            Upstream::Echo => Upstream::Echo,
+        }
     }
 
     /// A short description for logs and `/status`.
@@ -96,6 +107,13 @@ impl Upstream {
             Upstream::Echo => "built-in echo".to_string(),
         }
     }
+}
+
+/// A keep-alive HTTP/1.1 client with Nagle off.
+fn pooled_client() -> Client<HttpConnector, BoxBody<Bytes, BoxError>> {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    Client::builder(TokioExecutor::new()).build(connector)
 }
 
 impl<B> Service<Request<B>> for Upstream

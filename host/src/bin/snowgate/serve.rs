@@ -58,6 +58,12 @@ pub struct ServeArgs {
     /// CPU deadline of one plugin call, in milliseconds [default: 1000].
     #[arg(long, value_name = "MS")]
     plugin_deadline_ms: Option<u64>,
+    /// Requests one plugin instance may serve before a fresh one replaces
+    /// it; 1 gives every request a fresh instance (slower; nothing a plugin
+    /// keeps in its memory can reach the next request). An instance whose
+    /// call failed is never reused [default: 1000].
+    #[arg(long, value_name = "N")]
+    plugin_calls_per_instance: Option<u32>,
     /// How long in-flight requests may finish after SIGTERM, in seconds
     /// [default: 30].
     #[arg(long, value_name = "SECS")]
@@ -79,6 +85,11 @@ pub struct ServeArgs {
     /// [default: 4096].
     #[arg(long, value_name = "N")]
     max_connections: Option<usize>,
+    /// Threads serving client connections, each with its own event loop
+    /// and upstream connection pool; a connection stays on one thread
+    /// [default: one per CPU].
+    #[arg(long, value_name = "N")]
+    workers: Option<usize>,
     /// Lease this replica's machine id from etcd instead of --machine-id:
     /// the lowest free id of the layout, held by an etcd lease, unique in
     /// the fleet by construction. Comma-separated endpoint URLs.
@@ -127,12 +138,14 @@ impl ServeArgs {
             failure_policy: self.failure_policy,
             plugin_memory_mib: self.plugin_memory_mib,
             plugin_deadline_ms: self.plugin_deadline_ms,
+            plugin_calls_per_instance: self.plugin_calls_per_instance,
             shutdown_grace_secs: self.shutdown_grace_secs,
             reload_debounce_ms: self.reload_debounce_ms,
             header_read_timeout_ms: self.header_read_timeout_ms,
             max_header_bytes: self.max_header_bytes,
             max_connections: self.max_connections,
             admin_token: self.admin_token,
+            workers: self.workers,
             etcd: self.etcd,
             machine_id_ttl: self.machine_id_ttl,
             etcd_prefix: self.etcd_prefix,

@@ -1,0 +1,261 @@
+//! Instance reuse in the gateway's call path (`Plugin::handle_async`): an
+//! instance serves up to `calls_per_instance` requests, one at a time; one
+//! whose call failed is never called again; a runaway call does not hold up
+//! other calls on its thread; and the bundled plugin answers exactly as a
+//! fresh instance would, so reuse changes no byte and no id.
+//!
+//! The hostile fixture's `count` behaviour reports how many requests its
+//! instance has handled, which makes reuse visible.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{describe, engine_with, json_request, load_bundled, CONTEXT_ONLY, START_MILLIS};
+use snowgate_host::{Action, CallError, FixedClock, Plugin, PluginLimits, Request};
+use snowgate_plugin::SnowflakeLayout;
+use snowgate_test_fixtures::HOSTILE_WASM;
+
+fn hostile(limits: PluginLimits) -> Plugin {
+    let engine = engine_with(
+        SnowflakeLayout::TrtllmV1,
+        5,
+        FixedClock(START_MILLIS),
+        limits,
+    );
+    Plugin::load(&engine, HOSTILE_WASM, &[])
+        .unwrap_or_else(|e| panic!("loading the hostile fixture: {e:#}"))
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a current-thread runtime")
+}
+
+fn behaving(behaviour: &str) -> Request {
+    let mut request = json_request(CONTEXT_ONLY);
+    request
+        .headers
+        .push(("x-hostile".into(), behaviour.as_bytes().to_vec()));
+    request
+}
+
+/// How many requests the instance that served this one has handled.
+async fn count(plugin: &Plugin) -> u32 {
+    match plugin.handle_async(&behaving("count")).await {
+        Ok(Action::Reject(r)) if r.status == 418 => r.message.parse().expect("a count"),
+        other => panic!("expected a count, got {}", describe(&other)),
+    }
+}
+
+#[test]
+fn an_instance_serves_its_share_of_requests_then_a_fresh_one_takes_over() {
+    let plugin = hostile(PluginLimits {
+        calls_per_instance: 3,
+        ..PluginLimits::default()
+    });
+    let counts: Vec<u32> = runtime().block_on(async {
+        let mut counts = Vec::new();
+        for _ in 0..8 {
+            counts.push(count(&plugin).await);
+        }
+        counts
+    });
+    assert_eq!(counts, [1, 2, 3, 1, 2, 3, 1, 2]);
+}
+
+#[test]
+fn one_call_per_instance_gives_every_request_a_fresh_instance() {
+    let plugin = hostile(PluginLimits {
+        calls_per_instance: 1,
+        ..PluginLimits::default()
+    });
+    let counts: Vec<u32> = runtime().block_on(async {
+        let mut counts = Vec::new();
+        for _ in 0..5 {
+            counts.push(count(&plugin).await);
+        }
+        counts
+    });
+    assert_eq!(counts, [1; 5]);
+}
+
+#[test]
+fn an_instance_whose_call_failed_is_never_called_again() {
+    let plugin = hostile(PluginLimits {
+        deadline: Duration::from_millis(300),
+        memory_bytes: 32 << 20,
+        max_output_body_bytes: 1 << 20,
+        ..PluginLimits::default()
+    });
+    runtime().block_on(async {
+        for (behaviour, kind) in [
+            ("trap", "trap"),
+            ("panic", "trap"),
+            ("loop", "deadline"),
+            ("memory-bomb", "memory_limit"),
+            ("huge-body", "memory_limit"),
+        ] {
+            let first = count(&plugin).await;
+            assert_eq!(count(&plugin).await, first + 1, "before {behaviour}");
+            match plugin.handle_async(&behaving(behaviour)).await {
+                Err(e) => assert_eq!(e.kind(), kind, "{behaviour}: {e}"),
+                other => panic!("{behaviour}: expected an error, got {}", describe(&other)),
+            }
+            // The instance that was counting served the failed call and was
+            // dropped with it: the next request gets a fresh one.
+            assert_eq!(count(&plugin).await, 1, "after {behaviour}");
+        }
+    });
+}
+
+#[test]
+fn an_answer_over_the_limit_drops_the_instance_too() {
+    let plugin = hostile(PluginLimits {
+        max_output_body_bytes: 1 << 20,
+        ..PluginLimits::default()
+    });
+    runtime().block_on(async {
+        assert_eq!(count(&plugin).await, 1);
+        match plugin.handle_async(&behaving("huge-body")).await {
+            Err(CallError::InvalidAnswer(detail)) => assert!(detail.contains("over"), "{detail}"),
+            other => panic!("expected InvalidAnswer, got {}", describe(&other)),
+        }
+        assert_eq!(count(&plugin).await, 1);
+    });
+}
+
+#[test]
+fn rejections_are_normal_answers_and_keep_the_instance() {
+    let plugin = hostile(PluginLimits::default());
+    runtime().block_on(async {
+        assert_eq!(count(&plugin).await, 1);
+        match plugin.handle_async(&json_request("{not json")).await {
+            Ok(Action::Reject(r)) => assert_eq!(r.status, 400),
+            other => panic!("expected a 400 rejection, got {}", describe(&other)),
+        }
+        assert_eq!(count(&plugin).await, 3);
+    });
+}
+
+#[test]
+fn a_runaway_call_does_not_hold_up_other_calls_on_its_thread() {
+    let plugin = hostile(PluginLimits {
+        deadline: Duration::from_secs(5),
+        ..PluginLimits::default()
+    });
+    runtime().block_on(async {
+        let loop_request = behaving("loop");
+        let looping = plugin.handle_async(&loop_request);
+        tokio::pin!(looping);
+        let others = async {
+            for _ in 0..50 {
+                match plugin.handle_async(&json_request(CONTEXT_ONLY)).await {
+                    Ok(Action::ForwardWithBody(_)) => {}
+                    other => panic!("expected a stamp, got {}", describe(&other)),
+                }
+            }
+        };
+        // The loop is polled first. Only if it gives the thread back while
+        // it runs can the 50 other calls finish before it does.
+        tokio::select! {
+            biased;
+            answer = &mut looping => panic!(
+                "the looping call held the thread until it ended: {}",
+                describe(&answer)
+            ),
+            () = others => {}
+        }
+        match looping.await {
+            Err(CallError::Deadline(limit)) => assert_eq!(limit, Duration::from_secs(5)),
+            other => panic!("expected the deadline, got {}", describe(&other)),
+        }
+    });
+}
+
+/// Bodies that take every branch of the bundled plugin: stamps, batches,
+/// nested params, kept ids, each kind of rejection, and bodies left alone.
+fn varied_bodies() -> Vec<Request> {
+    let mut requests: Vec<Request> = [
+        CONTEXT_ONLY,
+        r#"{"disaggregated_params":{"request_type":"generation_only","disagg_request_id":7}}"#,
+        r#"[{"disaggregated_params":{"request_type":"context_only"}},{"disaggregated_params":{"request_type":"CONTEXT_ONLY","disagg_request_id":null}}]"#,
+        r#"{"a":{"b":[{"disaggregated_params":{"request_type":"context_only"}}]},"prompt":"x"}"#,
+        r#"{"disaggregated_params":{"request_type":"context_only","disagg_request_id":42}}"#,
+        r#"{"prompt":"{\"disaggregated_params\":{\"request_type\":\"context_only\"}}"}"#,
+        r#"{"disaggregated\u005fparams":{"request_type":"context_only"},"n":1E400}"#,
+        r#"{"disaggregated_params":{"request_type":"context_only"},"disaggregated_params":{"request_type":"context_only"}}"#,
+        "{not json",
+        "[1,2,",
+        r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#,
+        "",
+    ]
+    .iter()
+    .map(|body| json_request(*body))
+    .collect();
+    requests.push(json_request(vec![b'['; 1000]));
+    requests.push(json_request(b"{\"a\":\"\xff\"}".to_vec()));
+    let mut msgpack = json_request(vec![0x81, 0xa1, b'a', 0x01]);
+    msgpack.headers[0].1 = b"application/msgpack".to_vec();
+    requests.push(msgpack);
+    let mut large = br#"{"prompt_token_ids":["#.to_vec();
+    for i in 0..50_000 {
+        large.extend_from_slice(format!("{i},").as_bytes());
+    }
+    large.extend_from_slice(br#"0],"disaggregated_params":{"request_type":"context_only"}}"#);
+    requests.push(json_request(large));
+    requests
+}
+
+#[test]
+fn the_bundled_plugin_answers_a_reused_instance_as_it_answers_a_fresh_one() {
+    let plugin = |calls_per_instance| {
+        load_bundled(&engine_with(
+            SnowflakeLayout::TrtllmV1,
+            9,
+            FixedClock(START_MILLIS),
+            PluginLimits {
+                calls_per_instance,
+                ..PluginLimits::default()
+            },
+        ))
+    };
+    // Engines with the same fixed clock hand out the same ids in the same
+    // order, so the answers must match byte for byte.
+    let fresh = plugin(1);
+    let reused = plugin(1000);
+    let sync = plugin(1000);
+    let requests = varied_bodies();
+    runtime().block_on(async {
+        for round in 0..3 {
+            for (i, request) in requests.iter().enumerate() {
+                let expected = exact(&fresh.handle_async(request).await);
+                assert_eq!(
+                    exact(&reused.handle_async(request).await),
+                    expected,
+                    "round {round}, body {i}: a reused instance answered otherwise"
+                );
+                // `handle`, a fresh instance per call, agrees too.
+                assert_eq!(
+                    exact(&sync.handle(request)),
+                    expected,
+                    "round {round}, body {i}: the sync path answered otherwise"
+                );
+            }
+        }
+    });
+}
+
+/// An answer in full, to compare.
+fn exact(answer: &Result<Action, CallError>) -> String {
+    match answer {
+        Ok(Action::Forward) => "forward".to_string(),
+        Ok(Action::ForwardWithBody(body)) => {
+            format!("forward-with-body {}", String::from_utf8_lossy(body))
+        }
+        Ok(Action::Reject(r)) => format!("reject {} {} {}", r.status, r.code, r.message),
+        Err(e) => format!("error {e:?}"),
+    }
+}
