@@ -115,6 +115,34 @@ impl fmt::Display for BodyError {
 
 impl std::error::Error for BodyError {}
 
+/// From `pos`, skips whole 8-byte words of string content that need no
+/// attention: no quote, no backslash, no control character. Returns where
+/// the byte-by-byte scan must go on (at most 7 bytes before the end).
+///
+/// Each test is the classic "has a zero byte" word trick: a byte is
+/// flagged when subtracting sets its top bit and it had none. A borrow can
+/// flag a neighbour falsely only after a true hit in the same word, and a
+/// hit only stops the skipping, so no special byte is ever skipped.
+fn skip_plain_words(bytes: &[u8], mut pos: usize) -> usize {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    const TOPS: u64 = 0x8080_8080_8080_8080;
+    while let Some(word) = bytes.get(pos..pos + 8) {
+        let word = u64::from_le_bytes([
+            word[0], word[1], word[2], word[3], word[4], word[5], word[6], word[7],
+        ]);
+        let quote = word ^ (ONES * u64::from(b'"'));
+        let backslash = word ^ (ONES * u64::from(b'\\'));
+        let special = (quote.wrapping_sub(ONES) & !quote)
+            | (backslash.wrapping_sub(ONES) & !backslash)
+            | (word.wrapping_sub(ONES * 0x20) & !word);
+        if special & TOPS != 0 {
+            break;
+        }
+        pos += 8;
+    }
+    pos
+}
+
 /// Validates `body` as one JSON value and returns, in byte order, the edits
 /// that give every effective context-only `disaggregated_params` object
 /// without an id its id.
@@ -301,6 +329,7 @@ impl<'a> Walk<'a> {
         let start = self.pos;
         let mut escaped = false;
         loop {
+            self.pos = skip_plain_words(self.bytes, self.pos);
             match self.peek() {
                 Some(b'"') => {
                     let end = self.pos;
@@ -533,5 +562,70 @@ fn push_wtf8(out: &mut Vec<u8>, code: u32) {
             0x80 | ((code >> 6) & 0x3f) as u8,
             0x80 | (code & 0x3f) as u8,
         ]),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::skip_plain_words;
+
+    fn special(b: u8) -> bool {
+        b == b'"' || b == b'\\' || b < 0x20
+    }
+
+    /// Every special byte, at every offset of two words, after every kind
+    /// of ordinary byte (ASCII and UTF-8 continuation bytes alike): the
+    /// skip never passes it, and it skips whole plain words.
+    #[test]
+    fn word_skipping_never_passes_a_quote_a_backslash_or_a_control_byte() {
+        for filler in [b'a', b' ', 0x7f, 0x80, 0xbf, 0xe2, 0xff, b'!', b'#', b'['] {
+            for hit in (0u8..0x20).chain([b'"', b'\\']) {
+                for at in 0..16 {
+                    let mut bytes = vec![filler; 24];
+                    bytes[at] = hit;
+                    for start in 0..=at {
+                        let stop = skip_plain_words(&bytes, start);
+                        assert!(stop <= at, "filler {filler:#x} hit {hit:#x} at {at}, start {start}: skipped to {stop}");
+                        assert!(at - stop < 8 + 8, "stopped too early");
+                        assert_eq!((stop - start) % 8, 0);
+                    }
+                }
+            }
+        }
+        let plain = vec![b'x'; 64];
+        assert_eq!(skip_plain_words(&plain, 0), 64);
+        assert_eq!(skip_plain_words(&plain, 3), 59);
+    }
+
+    /// Against the plain byte scan, on pseudo-random bytes.
+    #[test]
+    fn word_skipping_agrees_with_a_byte_scan() {
+        let mut state: u64 = 0x9e37_79b9_7f4a_7c15;
+        for _ in 0..20_000 {
+            let len = (state % 40) as usize;
+            let bytes: Vec<u8> = (0..len)
+                .map(|_| {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    // Mostly ordinary bytes, now and then a special one.
+                    match state % 50 {
+                        0 => b'"',
+                        1 => b'\\',
+                        2 => (state >> 8) as u8 % 0x20,
+                        _ => 0x20 + ((state >> 8) as u8 % 0xdf),
+                    }
+                })
+                .collect();
+            for start in 0..=len {
+                let stop = skip_plain_words(&bytes, start);
+                let first_special = (start..len).find(|&i| special(bytes[i])).unwrap_or(len);
+                assert!(stop <= first_special, "{bytes:?} from {start}");
+                assert!(
+                    first_special - stop < 8 || len - stop < 8,
+                    "{bytes:?} from {start}: stopped at {stop}"
+                );
+            }
+        }
     }
 }

@@ -215,7 +215,9 @@ impl Shared {
                 .iter()
                 .map(|(n, v)| (n.as_str().to_string(), v.as_bytes().to_vec()))
                 .collect(),
-            body: bytes.to_vec(),
+            // No copy when the body was read in several chunks (it is then
+            // one unshared buffer); the original comes back out below.
+            body: Vec::from(bytes),
         };
         // Wait for a free instance slot (never closed, so this cannot fail).
         let permit = self.calls.acquire().await.ok();
@@ -230,7 +232,7 @@ impl Shared {
         let forward_body = match answer {
             Ok(Action::Forward) => {
                 self.metrics.request(Outcome::Forwarded);
-                bytes
+                Bytes::from(plugin_request.body)
             }
             Ok(Action::ForwardWithBody(new_body)) => {
                 self.metrics.request(Outcome::Rewritten);
@@ -264,7 +266,7 @@ impl Shared {
                     FailurePolicy::FailOpen => {
                         tracing::warn!(error = %failure, "plugin failed; request forwarded unchanged (fail-open)");
                         self.metrics.request(Outcome::FailedOpen);
-                        bytes
+                        Bytes::from(plugin_request.body)
                     }
                 }
             }
