@@ -49,6 +49,9 @@ pub async fn serve(
         .map(|_| layer.layer(upstream.with_own_pool()))
         .collect();
     let mut next_worker = 0usize;
+    for worker in 0..workers.len() {
+        workers.spawn(worker, keep_a_timer_armed(limits.header_read_timeout / 2));
+    }
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
@@ -88,6 +91,16 @@ pub async fn serve(
             () = &mut shutdown => break,
         };
         let _ = stream.set_nodelay(true);
+        // Taken off this thread's reactor, to be registered with the
+        // worker's: otherwise every readiness event of the connection would
+        // be a cross-thread wake-up from here.
+        let stream = match stream.into_std() {
+            Ok(stream) => stream,
+            Err(e) => {
+                tracing::warn!(%peer, error = %e, "handing a connection to a worker failed");
+                continue;
+            }
+        };
         let worker = next_worker;
         next_worker = next_worker.wrapping_add(1);
         let service = services[worker % services.len()].clone();
@@ -106,6 +119,13 @@ pub async fn serve(
         let first_byte_timeout = limits.header_read_timeout;
         let mut stopping = stopping_rx.clone();
         workers.spawn(worker, async move {
+            let stream = match tokio::net::TcpStream::from_std(stream) {
+                Ok(stream) => stream,
+                Err(e) => {
+                    tracing::warn!(%peer, error = %e, "registering a connection with a worker failed");
+                    return;
+                }
+            };
             // hyper times a request head out only once it has begun: a
             // connection that sends nothing at all is closed here.
             let mut probe = [0u8; 1];
@@ -144,6 +164,21 @@ pub async fn serve(
     };
     workers.stop();
     drained
+}
+
+/// Keeps a timer pending on this worker that always fires before any
+/// header-read timeout would.
+///
+/// hyper arms a header-read timer for every request, and tokio wakes a
+/// worker's event loop through its eventfd (a syscall, and a spurious
+/// wake-up later) whenever a timer is armed earlier than every timer it
+/// already has, which, between requests, is none: so once per request.
+/// With this timer always due sooner, arming a header timer never does.
+async fn keep_a_timer_armed(period: Duration) {
+    let period = period.max(Duration::from_millis(1));
+    loop {
+        tokio::time::sleep(period).await;
+    }
 }
 
 /// A response body's error as one concrete type, so that connection
