@@ -115,6 +115,8 @@ fn an_instance_whose_call_failed_is_never_called_again() {
 fn an_answer_over_the_limit_drops_the_instance_too() {
     let plugin = hostile(PluginLimits {
         max_output_body_bytes: 1 << 20,
+        // Building the 100 MiB answer must finish, even on a busy machine.
+        deadline: Duration::from_secs(30),
         ..PluginLimits::default()
     });
     runtime().block_on(async {
@@ -257,5 +259,31 @@ fn exact(answer: &Result<Action, CallError>) -> String {
         }
         Ok(Action::Reject(r)) => format!("reject {} {} {}", r.status, r.code, r.message),
         Err(e) => format!("error {e:?}"),
+    }
+}
+
+#[test]
+fn a_replaced_plugin_gives_back_the_instances_it_kept() {
+    // Four slots in all: if the instances a plugin keeps for reuse outlived
+    // it, the fifth plugin would find no slot for its load-time check.
+    let engine = engine_with(
+        SnowflakeLayout::TrtllmV1,
+        9,
+        FixedClock(START_MILLIS),
+        PluginLimits {
+            max_instances: 4,
+            ..PluginLimits::default()
+        },
+    );
+    let runtime = runtime();
+    for round in 0..50 {
+        let plugin = load_bundled(&engine);
+        runtime.block_on(async {
+            match plugin.handle_async(&json_request(CONTEXT_ONLY)).await {
+                Ok(Action::ForwardWithBody(_)) => {}
+                other => panic!("round {round}: expected a stamp, got {}", describe(&other)),
+            }
+        });
+        drop(plugin);
     }
 }

@@ -2,10 +2,10 @@
 //! memory limit and the CPU deadline.
 
 use std::fmt;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use wasmtime::component::{Instance, TypedFunc};
-use wasmtime::{PoolConcurrencyLimitError, Store, Trap, UpdateDeadline};
+use wasmtime::{PoolConcurrencyLimitError, Store, Trap};
 
 use crate::bindings::exports::snowgate::middleware::handler::{
     Action, PluginError, Request, Setting,
@@ -24,6 +24,13 @@ pub(crate) struct Reusable {
     handle: HandleFunc,
     calls: u32,
 }
+
+/// How long an async call runs before it starts giving its thread back at
+/// every epoch tick. Yielding sends the call to the back of the event
+/// loop's queue, behind every ready connection: worth it for a call that
+/// would hold the thread for long, not for the ordinary sub-millisecond
+/// one that happens to span a tick.
+pub const YIELD_AFTER: Duration = Duration::from_millis(2);
 
 /// An instance whose memory grew past this is not reused: its pages go
 /// back to the system (the pool keeps this much resident per slot).
@@ -129,15 +136,18 @@ impl Plugin {
     /// [`PluginLimits::calls_per_instance`](crate::PluginLimits::calls_per_instance)).
     ///
     /// The call runs on a fiber on the calling thread: no hand-off to
-    /// another thread, and the thread goes back to the executor at every
-    /// epoch tick (1 ms), so a slow or runaway plugin delays only its own
-    /// request until the deadline ends it.
+    /// another thread. A call that has run for [`YIELD_AFTER`] gives the
+    /// thread back to the executor at every epoch tick (1 ms), so a slow or
+    /// runaway plugin delays other requests by at most that much each time,
+    /// until its deadline ends it.
     pub async fn handle_async(&self, request: &Request) -> Result<Action, CallError> {
         let mut held = match self.take_idle() {
             Some(held) => held,
             None => self.new_reusable().await?,
         };
-        held.store.data_mut().deadline = Some(Instant::now() + self.engine.limits.deadline);
+        held.store
+            .data_mut()
+            .begin_call(self.engine.limits.deadline, YIELD_AFTER);
         held.store.set_epoch_deadline(1);
         let answer = held.handle.call_async(&mut held.store, (request,)).await;
         held.calls += 1;
@@ -183,18 +193,13 @@ impl Plugin {
     /// A fresh instance in a fresh store, configured, for async calls.
     async fn new_reusable(&self) -> Result<Reusable, CallError> {
         let mut store = self.new_store();
-        // Each call sets its own deadline in the state; until it passes,
-        // the call yields to the executor at every tick.
-        store.data_mut().deadline = Some(Instant::now() + self.engine.limits.deadline);
+        // Each call sets its own deadline in the state, checked at every
+        // epoch tick.
+        store
+            .data_mut()
+            .begin_call(self.engine.limits.deadline, YIELD_AFTER);
         store.set_epoch_deadline(1);
-        store.epoch_deadline_callback(|store| {
-            let passed = store.data().deadline.is_none_or(|d| Instant::now() >= d);
-            Ok(if passed {
-                UpdateDeadline::Interrupt
-            } else {
-                UpdateDeadline::Yield(1)
-            })
-        });
+        store.epoch_deadline_callback(|store| Ok(store.data().on_epoch_tick()));
         let instance = match self.pre_async.instantiate_async(&mut store).await {
             Ok(instance) => instance,
             Err(e) => return Err(self.classify(e, &store)),

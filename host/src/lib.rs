@@ -45,7 +45,7 @@ mod state;
 pub mod utc;
 
 pub use bindings::exports::snowgate::middleware::handler::{Action, Rejection, Request};
-pub use call::CallError;
+pub use call::{CallError, YIELD_AFTER};
 pub use clock::{FixedClock, IdClock, SystemClock, Tick, WallClock};
 pub use engine::{HostServices, PluginEngine};
 pub use identity::MachineIdentity;

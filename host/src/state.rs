@@ -31,6 +31,9 @@ pub struct HostState {
     plugin_name: Arc<str>,
     /// When the current async call must end (see `Plugin::handle_async`).
     pub(crate) deadline: Option<std::time::Instant>,
+    /// From when the current async call gives its thread back at every
+    /// epoch tick.
+    pub(crate) yield_from: Option<std::time::Instant>,
 }
 
 /// An empty WASI context whose only stream is a bounded `stderr` capture
@@ -73,6 +76,32 @@ impl HostState {
             },
             plugin_name,
             deadline: None,
+            yield_from: None,
+        }
+    }
+
+    /// Starts the clock of an async call: it ends at `deadline` from now,
+    /// and yields to the event loop at every tick once it has run for
+    /// `yield_after`.
+    pub(crate) fn begin_call(
+        &mut self,
+        deadline: std::time::Duration,
+        yield_after: std::time::Duration,
+    ) {
+        let now = std::time::Instant::now();
+        self.deadline = Some(now + deadline);
+        self.yield_from = Some(now + yield_after);
+    }
+
+    /// What an async call does when the epoch ticks: go on, yield, or stop.
+    pub(crate) fn on_epoch_tick(&self) -> wasmtime::UpdateDeadline {
+        let now = std::time::Instant::now();
+        if self.deadline.is_none_or(|d| now >= d) {
+            wasmtime::UpdateDeadline::Interrupt
+        } else if self.yield_from.is_none_or(|y| now >= y) {
+            wasmtime::UpdateDeadline::Yield(1)
+        } else {
+            wasmtime::UpdateDeadline::Continue(1)
         }
     }
 
