@@ -16,6 +16,59 @@ use support::*;
 // Stamping and pass-through
 // ---------------------------------------------------------------------------
 
+/// Many clients at once, dealt to three worker threads, with instances
+/// replaced every two requests: every request is stamped once, every id
+/// is distinct, and the metrics count each call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_clients_across_workers_each_get_one_distinct_id() {
+    const CLIENTS: usize = 24;
+    const EACH: usize = 20;
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start(&[
+        "--upstream",
+        &upstream.url(),
+        "--workers",
+        "3",
+        "--plugin-calls-per-instance",
+        "2",
+    ])
+    .await;
+    let addr = gateway.addr;
+    let clients: Vec<_> = (0..CLIENTS)
+        .map(|c| {
+            tokio::spawn(async move {
+                let mut client = Client::connect(addr).await;
+                let mut ids = Vec::new();
+                for n in 0..EACH {
+                    let body = format!(
+                        r#"{{"prompt":"client {c} request {n}","disaggregated_params":{{"request_type":"context_only"}}}}"#
+                    );
+                    let reply = client.post_json("/v1/completions", body).await;
+                    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+                    ids.push(stamped_id(&reply.body));
+                }
+                ids
+            })
+        })
+        .collect();
+    let mut ids = Vec::new();
+    for client in clients {
+        ids.extend(client.await.expect("a client task"));
+    }
+    assert_eq!(ids.len(), CLIENTS * EACH);
+    let distinct: std::collections::HashSet<u64> = ids.iter().copied().collect();
+    assert_eq!(distinct.len(), ids.len(), "an id was repeated");
+    assert_eq!(upstream.seen().len(), CLIENTS * EACH);
+    let metrics = gateway.metrics().await;
+    assert!(
+        metrics.contains(&format!(
+            "snowgate_plugin_call_seconds_count {}\n",
+            CLIENTS * EACH
+        )),
+        "{metrics}"
+    );
+}
+
 /// A context-only body arrives upstream with an integer id, a correct
 /// Content-Length, and every other byte as the client sent it; the
 /// upstream's answer comes back to the client.

@@ -321,6 +321,8 @@ mod tests {
             failure-policy = "fail-open"
             plugin-memory-mib = 64
             plugin-deadline-ms = 50
+            plugin-calls-per-instance = 1
+            workers = 3
             [plugin-settings]
             extra = "yes"
             "#,
@@ -334,6 +336,8 @@ mod tests {
         assert_eq!(config.failure_policy, FailurePolicy::FailOpen);
         assert_eq!(config.plugin_limits.memory_bytes, 64 << 20);
         assert_eq!(config.plugin_limits.deadline, Duration::from_millis(50));
+        assert_eq!(config.plugin_limits.calls_per_instance, 1);
+        assert_eq!(config.workers, Some(3));
         assert_eq!(
             config.plugin_settings.get("extra").map(String::as_str),
             Some("yes")
@@ -352,6 +356,33 @@ mod tests {
         config.admin_token = Some("s3cret".into());
         assert!(ConfigFile::check(&config).is_ok());
         assert!(ConfigFile::check(&GatewayConfig::default()).is_ok());
+    }
+
+    #[test]
+    fn worker_and_reuse_counts_out_of_range_are_refused_by_name() {
+        for (text, named) in [
+            ("workers = 0", "workers must be between 1 and 1024, not 0"),
+            (
+                "workers = 5000",
+                "workers must be between 1 and 1024, not 5000",
+            ),
+            (
+                "plugin-calls-per-instance = 0",
+                "plugin-calls-per-instance must be at least 1",
+            ),
+        ] {
+            let file: ConfigFile = toml::from_str(text).expect("parses");
+            let err = file
+                .apply(&mut GatewayConfig::default())
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(named), "{text}: {err}");
+        }
+        assert_eq!(GatewayConfig::default().workers, None);
+        assert_eq!(
+            GatewayConfig::default().plugin_limits.calls_per_instance,
+            1000
+        );
     }
 
     #[test]
