@@ -31,7 +31,7 @@ const WASM_PAGE: usize = 64 << 10;
 /// pages a call dirtied in this range are reset in place to the initial
 /// image (found with the `PAGEMAP_SCAN` ioctl) instead of being given back
 /// to the kernel and faulted in again by the next call, which is what makes
-/// a fresh instance per request cheap. Addresses, not dirty bytes: it must
+/// a fresh instance cheap. Addresses, not dirty bytes: it must
 /// cover the plugin's stack (the first MiB of a Rust plugin's memory), its
 /// data and its usual heap; 4 MiB covers a 1 MiB body. Larger calls give
 /// the rest back.
@@ -82,9 +82,10 @@ impl PluginEngine {
         config.wasm_component_model(true);
         config.epoch_interruption(true);
         config.cranelift_opt_level(OptLevel::Speed);
-        // Every request gets a fresh instance, so instantiation and teardown
-        // are on the request path: take instances from a pool of reusable
-        // slots instead of mapping and unmapping memory for each one.
+        // Instantiation and teardown are on the request path (every call of
+        // `Plugin::handle`, and every `calls_per_instance` calls in the
+        // gateway): take instances from a pool of reusable slots instead of
+        // mapping and unmapping memory for each one.
         config.allocation_strategy(InstanceAllocationStrategy::Pooling(pooling_config(&limits)));
         // Initial memory contents are mapped copy-on-write from the compiled
         // image rather than copied in (the default, stated because the pool

@@ -3,7 +3,8 @@
 //!
 //! - [`engine`]: the one wasmtime engine of the process and its linker;
 //! - [`plugin`]: loading and checking a plugin component;
-//! - [`call`]: where the plugin is called, one fresh instance per request;
+//! - [`call`]: where the plugin is called: a fresh instance per call, or
+//!   (in the gateway) an instance kept for up to `calls_per_instance` calls;
 //! - [`clock`] and [`identity`]: where id time and the machine id come from,
 //!   and [`lease`]: machine ids leased in etcd, unique across a fleet;
 //! - [`limits`]: what one call may use;
