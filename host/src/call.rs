@@ -36,13 +36,6 @@ pub const YIELD_AFTER: Duration = Duration::from_millis(2);
 /// back to the system (the pool keeps this much resident per slot).
 const REUSE_MAX_MEMORY: usize = crate::engine::MEMORY_KEEP_RESIDENT;
 
-/// How many idle instances of one plugin are kept: enough for every worker
-/// thread and a few calls that overlap on one, while leaving most of the
-/// engine's slots for calls, reloads and the plugin being replaced.
-fn idle_cap(max_instances: u32) -> usize {
-    (max_instances as usize / 4).clamp(1, 16)
-}
-
 /// Why a plugin call gave no answer. The gateway applies its failure policy
 /// to every kind alike.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -184,7 +177,7 @@ impl Plugin {
             return;
         }
         if let Ok(mut idle) = self.idle.lock() {
-            if idle.len() < idle_cap(limits.max_instances) {
+            if idle.len() < limits.kept_instances() as usize {
                 idle.push(held);
             }
         }

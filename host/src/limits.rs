@@ -19,7 +19,10 @@ pub struct PluginLimits {
     /// one instance for its duration (so do load-time checks and the
     /// plugin a reload is replacing, while it finishes its calls); a call
     /// that finds every slot taken fails at once with
-    /// [`CallError::Busy`](crate::CallError::Busy) instead of waiting.
+    /// [`CallError::Busy`](crate::CallError::Busy) instead of waiting. The
+    /// gateway runs at most [`PluginLimits::concurrent_calls`] at once and
+    /// keeps at most [`PluginLimits::kept_instances`] idle per plugin, so
+    /// its calls wait for a turn instead.
     ///
     /// Each slot reserves about 4 GiB of virtual address space (not memory)
     /// for its linear memory, and keeps up to a few MiB of it resident
@@ -58,8 +61,64 @@ impl PluginLimits {
     };
 }
 
+impl PluginLimits {
+    /// How many idle instances of one plugin the gateway keeps for reuse:
+    /// a quarter of `max_instances`, at most 16 (enough for every worker
+    /// thread and calls that overlap on one); none below 4 slots, where
+    /// every slot is needed for calls and reloads.
+    pub fn kept_instances(&self) -> u32 {
+        if self.calls_per_instance <= 1 {
+            return 0;
+        }
+        (self.max_instances / 4).min(16)
+    }
+
+    /// How many plugin calls the gateway runs at once (more wait their
+    /// turn): the slots left when a replaced plugin still holds its kept
+    /// instances, the serving one holds one instance per call or kept, and
+    /// a reload checks a new build in one more. So a call never finds the
+    /// pool full.
+    pub fn concurrent_calls(&self) -> u32 {
+        self.max_instances
+            .saturating_sub(self.kept_instances())
+            .saturating_sub(1)
+            .max(1)
+    }
+}
+
 impl Default for PluginLimits {
     fn default() -> Self {
         PluginLimits::DEFAULT
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Calls in flight, the instances a replaced plugin still keeps, and a
+    /// reload's check never need more slots than the pool has.
+    #[test]
+    fn calls_kept_instances_and_a_reload_fit_in_the_pool() {
+        for max_instances in [1, 2, 3, 4, 5, 8, 16, 63, 64, 65, 100, 1000] {
+            for calls_per_instance in [1, 2, 1000] {
+                let limits = PluginLimits {
+                    max_instances,
+                    calls_per_instance,
+                    ..PluginLimits::DEFAULT
+                };
+                let calls = limits.concurrent_calls();
+                let kept = limits.kept_instances();
+                assert!(calls >= 1);
+                if max_instances >= 2 {
+                    assert!(
+                        calls + kept < max_instances,
+                        "{max_instances} slots: {calls} calls + {kept} kept + 1 for a reload"
+                    );
+                }
+            }
+        }
+        assert_eq!(PluginLimits::DEFAULT.kept_instances(), 16);
+        assert_eq!(PluginLimits::DEFAULT.concurrent_calls(), 47);
     }
 }

@@ -81,8 +81,9 @@ struct Shared {
     metrics: Arc<Metrics>,
     policy: FailurePolicy,
     max_body_bytes: usize,
-    /// One permit per instance slot of the engine's pool: a burst of
-    /// requests queues here instead of failing with `Busy`.
+    /// One permit per call the pool has room for next to kept instances
+    /// and a reload ([`PluginLimits::concurrent_calls`](crate::PluginLimits::concurrent_calls)):
+    /// a burst of requests queues here instead of failing with `Busy`.
     calls: Arc<Semaphore>,
 }
 
@@ -96,14 +97,14 @@ impl SnowgateLayer {
         policy: FailurePolicy,
         max_body_bytes: usize,
     ) -> Self {
-        let instances = slot.current().engine().limits().max_instances.max(1) as usize;
+        let calls = slot.current().engine().limits().concurrent_calls() as usize;
         SnowgateLayer {
             shared: Arc::new(Shared {
                 slot,
                 metrics,
                 policy,
                 max_body_bytes,
-                calls: Arc::new(Semaphore::new(instances)),
+                calls: Arc::new(Semaphore::new(calls)),
             }),
         }
     }
