@@ -12,6 +12,7 @@ mod common;
 use std::time::Duration;
 
 use common::{describe, engine_with, json_request, load_bundled, CONTEXT_ONLY, START_MILLIS};
+use proptest::prelude::*;
 use snowgate_host::{Action, CallError, FixedClock, Plugin, PluginLimits, Request};
 use snowgate_plugin::SnowflakeLayout;
 use snowgate_test_fixtures::HOSTILE_WASM;
@@ -285,5 +286,99 @@ fn a_replaced_plugin_gives_back_the_instances_it_kept() {
             }
         });
         drop(plugin);
+    }
+}
+
+/// One request-shaped JSON element: params of every request type, with no
+/// id, a null id or an id, and a prompt with escapes and non-ASCII text.
+fn element() -> impl Strategy<Value = String> {
+    let request_type = prop::sample::select(vec![
+        "context_only",
+        "CONTEXT_ONLY",
+        "Context_Only",
+        "generation_only",
+        "context_and_generation",
+    ]);
+    let id = prop::sample::select(vec![
+        "",
+        r#","disagg_request_id":null"#,
+        r#","disagg_request_id":123"#,
+    ]);
+    let text = prop::collection::vec(
+        prop::sample::select(vec![
+            "a", "é", "\\\"", "\\\\", "\\n", "\\u005f", " ", "{", "]", "漢",
+        ]),
+        0..40,
+    );
+    (request_type, id, text, any::<bool>()).prop_map(|(rt, id, text, params_first)| {
+        let params = format!(r#""disaggregated_params":{{"request_type":"{rt}"{id}}}"#);
+        let prompt = format!(r#""prompt":"{}""#, text.concat());
+        if params_first {
+            format!("{{{params},{prompt}}}")
+        } else {
+            format!("{{{prompt}, {params}}}")
+        }
+    })
+}
+
+/// A body: one element or a batch, sometimes cut short (invalid JSON).
+fn body() -> impl Strategy<Value = Vec<u8>> {
+    (
+        prop::collection::vec(element(), 1..5),
+        any::<bool>(),
+        any::<prop::sample::Index>(),
+        0..4u8,
+    )
+        .prop_map(|(elements, batch, cut, damage)| {
+            let mut body = if batch || elements.len() > 1 {
+                format!("[{}]", elements.join(","))
+            } else {
+                elements[0].clone()
+            }
+            .into_bytes();
+            if damage == 0 {
+                body.truncate(cut.index(body.len()));
+            }
+            body
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: 128,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    })]
+
+    /// Any sequence of bodies through one reused instance gets exactly the
+    /// answers fresh instances give, ids included. The two plugins live
+    /// across cases (compiling them is the slow part), so the reused one
+    /// keeps its instances from case to case; their clocks move in step.
+    #[test]
+    fn a_reused_instance_answers_any_sequence_as_fresh_instances_do(
+        bodies in prop::collection::vec(body(), 1..24),
+    ) {
+        static PLUGINS: std::sync::OnceLock<(Plugin, Plugin)> = std::sync::OnceLock::new();
+        let (fresh, reused) = PLUGINS.get_or_init(|| {
+            let plugin = |calls_per_instance| {
+                load_bundled(&engine_with(
+                    SnowflakeLayout::TrtllmV1,
+                    9,
+                    FixedClock(START_MILLIS),
+                    PluginLimits {
+                        calls_per_instance,
+                        ..PluginLimits::default()
+                    },
+                ))
+            };
+            (plugin(1), plugin(1000))
+        });
+        let runtime = runtime();
+        for (i, body) in bodies.iter().enumerate() {
+            let request = json_request(body.clone());
+            let expected = exact(&fresh.handle(&request));
+            let got = exact(&runtime.block_on(reused.handle_async(&request)));
+            prop_assert_eq!(got, expected, "body {}: {}", i, String::from_utf8_lossy(body));
+        }
     }
 }
