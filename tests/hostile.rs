@@ -1217,3 +1217,39 @@ async fn a_hostile_plugin_swapped_in_live_is_contained_and_a_wrong_world_one_is_
     );
     gateway.stop().await;
 }
+
+/// A plugin that writes to stderr while it is configured (which the host
+/// does at load time) loads in a gateway started from async code, serves,
+/// and is never reused after writing there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugin_writing_stderr_at_load_time_starts_a_gateway() {
+    let dir = TempDir::new("stderr-at-load");
+    let plugin_path = dir.0.join("plugin.wasm");
+    std::fs::write(&plugin_path, HOSTILE_WASM).expect("writing the plugin file");
+    let upstream = RecordingUpstream::start().await;
+    let config = GatewayConfig {
+        listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+        admin_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+        plugin: Some(plugin_path),
+        plugin_settings: [("hostile-configure".to_string(), "stderr".to_string())].into(),
+        upstream: Some(upstream.url.clone()),
+        machine_id: Some(MACHINE_ID),
+        ..GatewayConfig::default()
+    };
+    let gateway = Gateway::bind(config)
+        .await
+        .unwrap_or_else(|e| panic!("starting the gateway: {e:#}"));
+    let addr = gateway.local_addr().expect("the gateway's address");
+    let (shutdown, stop) = oneshot::channel::<()>();
+    let served = tokio::spawn(gateway.serve(async move {
+        let _ = stop.await;
+    }));
+    let reply = post(addr, &[]).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    assert_stamped(&upstream.last().body);
+    let _ = shutdown.send(());
+    served
+        .await
+        .expect("the gateway task")
+        .expect("the gateway stops cleanly");
+}

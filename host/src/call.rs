@@ -104,6 +104,11 @@ impl std::error::Error for CallError {}
 impl Plugin {
     /// Runs the plugin on one request in a fresh instance and returns its
     /// answer. Nothing of the instance outlives the call.
+    ///
+    /// For sync callers: the plugin's WASI calls (a panic message on
+    /// stderr) block on a runtime of their own, which cannot be done on an
+    /// async runtime's thread. From async code use
+    /// [`Plugin::handle_async`].
     pub fn handle(&self, request: &Request) -> Result<Action, CallError> {
         let (mut store, instance) = self.instantiate()?;
         let handler = instance.snowgate_middleware_handler();

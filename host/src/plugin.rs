@@ -57,6 +57,10 @@ impl Plugin {
     /// `snowgate:middleware/middleware` world, report a name and version, and
     /// accept `settings` plus the id layout of the engine's machine id.
     ///
+    /// This blocks (it compiles, and calls the plugin through the sync path,
+    /// like [`Plugin::handle`]): from async code, call it on a blocking
+    /// thread (`tokio::task::spawn_blocking`), as the gateway does.
+    ///
     /// The error says what is wrong: not a component, a missing import or
     /// export, or a refused setting.
     pub fn load(

@@ -68,12 +68,16 @@ impl Gateway {
             .iter()
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect();
-        let slot = Arc::new(PluginSlot::load(
-            engine,
-            config.plugin.clone(),
-            settings,
-            metrics.clone(),
-        )?);
+        // Loading runs the plugin through the sync call path, whose WASI
+        // bindings block on a runtime of their own: not on an async thread.
+        let plugin_path = config.plugin.clone();
+        let slot_metrics = metrics.clone();
+        let slot = tokio::task::spawn_blocking(move || {
+            PluginSlot::load(engine, plugin_path, settings, slot_metrics)
+        })
+        .await
+        .context("the plugin loading task failed")??;
+        let slot = Arc::new(slot);
         let upstream = match &config.upstream {
             Some(url) => Upstream::http(url, metrics.clone())?,
             None => Upstream::Echo,
