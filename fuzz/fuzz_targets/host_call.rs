@@ -1,6 +1,8 @@
-//! The host's call path with the real plugin: each input is a request body
+//! The host's call paths with the real plugin: each input is a request body
 //! that goes through `Plugin::handle` (a fresh instance of the bundled
-//! component, under the default limits). The call never fails, and its
+//! component, under the default limits) and through `Plugin::handle_async`
+//! (the gateway's path: an instance reused across inputs, so one instance
+//! sees a long run of arbitrary bodies). Neither call fails, and each
 //! answer is the native core's decision: the same refusal, the same
 //! forward, or the same edits filled with ids from the host's clock.
 
@@ -75,14 +77,33 @@ fn read_back_ids(output: &[u8], edits: &[Edit]) -> Vec<u64> {
     ids
 }
 
-fn call(request: &Request) -> Result<Action, CallError> {
-    let plugin = plugin();
-    match plugin.handle(request) {
+/// A current-thread runtime for the async path, made once.
+fn runtime() -> &'static tokio::runtime::Runtime {
+    static RUNTIME: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    RUNTIME.get_or_init(|| {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a runtime")
+    })
+}
+
+/// One call on the fresh-instance path or on the reused-instance path.
+fn call_once(request: &Request, reused: bool) -> Result<Action, CallError> {
+    if reused {
+        runtime().block_on(plugin().handle_async(request))
+    } else {
+        plugin().handle(request)
+    }
+}
+
+fn call(request: &Request, reused: bool) -> Result<Action, CallError> {
+    match call_once(request, reused) {
         // The deadline is wall time: a loaded machine can starve one call.
         // A body that really takes that long fails the retry too.
         Err(CallError::Deadline(limit)) => {
             let started = Instant::now();
-            let again = plugin.handle(request);
+            let again = call_once(request, reused);
             eprintln!(
                 "deadline of {limit:?} hit once; the retry took {:?}",
                 started.elapsed()
@@ -100,7 +121,15 @@ fuzz_target!(|data: &[u8]| {
         headers: vec![("content-type".into(), b"application/json".to_vec())],
         body: data.to_vec(),
     };
-    let action = call(&request).unwrap_or_else(|e| panic!("the call failed: {e}"));
+    for reused in [false, true] {
+        let action = call(&request, reused)
+            .unwrap_or_else(|e| panic!("the call failed (reused instance: {reused}): {e}"));
+        check(data, action);
+    }
+});
+
+/// `action` is what the native core decides for `data`.
+fn check(data: &[u8], action: Action) {
     let native = decide(
         &Config { layout: LAYOUT },
         false,
@@ -154,4 +183,4 @@ fuzz_target!(|data: &[u8]| {
         }
         (native, action) => panic!("native decision {native:?}, plugin answer {action:?}"),
     }
-});
+}
