@@ -143,10 +143,7 @@ impl Plugin {
             Some(held) => held,
             None => self.new_reusable().await?,
         };
-        held.store
-            .data_mut()
-            .begin_call(self.engine.limits.deadline, YIELD_AFTER);
-        held.store.set_epoch_deadline(1);
+        self.start_async_call(&mut held.store);
         let answer = held.handle.call_async(&mut held.store, (request,)).await;
         held.calls += 1;
         let answer = match answer {
@@ -162,6 +159,15 @@ impl Plugin {
             self.give_back(held);
         }
         checked
+    }
+
+    /// Starts the clock of the next async call in `store`: its deadline
+    /// and when it starts yielding, checked at the next epoch tick.
+    fn start_async_call(&self, store: &mut Store<HostState>) {
+        store
+            .data_mut()
+            .begin_call(self.engine.limits.deadline, YIELD_AFTER);
+        store.set_epoch_deadline(1);
     }
 
     /// An idle instance of this plugin, if one is kept.
@@ -193,11 +199,8 @@ impl Plugin {
         let mut store = self.new_store();
         // Each call sets its own deadline in the state, checked at every
         // epoch tick.
-        store
-            .data_mut()
-            .begin_call(self.engine.limits.deadline, YIELD_AFTER);
-        store.set_epoch_deadline(1);
         store.epoch_deadline_callback(|store| Ok(store.data().on_epoch_tick()));
+        self.start_async_call(&mut store);
         let instance = match self.pre_async.instantiate_async(&mut store).await {
             Ok(instance) => instance,
             Err(e) => return Err(self.classify(e, &store)),

@@ -59,9 +59,7 @@ impl PluginLimits {
         max_instances: 64,
         calls_per_instance: 1000,
     };
-}
 
-impl PluginLimits {
     /// How many idle instances of one plugin the gateway keeps for reuse:
     /// a quarter of `max_instances`, at most 16 (enough for every worker
     /// thread and calls that overlap on one); none below 4 slots, where

@@ -73,9 +73,12 @@ impl Plugin {
         let instance_pre = engine.linker.instantiate_pre(&component).context(
             "the plugin imports something the host does not provide (it must target the snowgate:middleware@0.1.0 world)",
         )?;
-        let pre = MiddlewarePre::new(instance_pre).context(
-            "the plugin does not export the snowgate:middleware/handler@0.1.0 interface",
-        )?;
+        let pre = MiddlewarePre::new(instance_pre).with_context(|| {
+            format!(
+                "the plugin does not export the {} interface",
+                HandlerExports::INTERFACE
+            )
+        })?;
         // Already type-checked by `MiddlewarePre::new` above.
         let pre_async = engine
             .async_linker

@@ -224,8 +224,9 @@ impl Shared {
         let permit = self.calls.acquire().await.ok();
         let plugin = self.slot.current();
         let started = Instant::now();
-        // Runs on this worker thread; the call yields back every epoch tick,
-        // so a slow plugin holds up only this request.
+        // Runs on this worker thread; a call that runs long yields back at
+        // every epoch tick (see `YIELD_AFTER`), so it holds up only this
+        // request.
         let answer = plugin.handle_async(&plugin_request).await;
         drop(permit);
         self.metrics.plugin_call(started.elapsed());
