@@ -728,6 +728,16 @@ async fn start_gateway(
     policy: FailurePolicy,
     limits: PluginLimits,
 ) -> RunningGateway {
+    start_gateway_with_settings(plugin, policy, limits, &[]).await
+}
+
+/// [`start_gateway`], with plugin settings.
+async fn start_gateway_with_settings(
+    plugin: &[u8],
+    policy: FailurePolicy,
+    limits: PluginLimits,
+    settings: &[(&str, &str)],
+) -> RunningGateway {
     let dir = TempDir::new("gateway");
     let plugin_path = dir.0.join("plugin.wasm");
     std::fs::write(&plugin_path, plugin).expect("writing the plugin file");
@@ -736,6 +746,10 @@ async fn start_gateway(
         listen: SocketAddr::from(([127, 0, 0, 1], 0)),
         admin_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
         plugin: Some(plugin_path.clone()),
+        plugin_settings: settings
+            .iter()
+            .map(|(name, value)| (name.to_string(), value.to_string()))
+            .collect(),
         upstream: Some(upstream.url.clone()),
         machine_id: Some(MACHINE_ID),
         failure_policy: policy,
@@ -1219,37 +1233,19 @@ async fn a_hostile_plugin_swapped_in_live_is_contained_and_a_wrong_world_one_is_
 }
 
 /// A plugin that writes to stderr while it is configured (which the host
-/// does at load time) loads in a gateway started from async code, serves,
-/// and is never reused after writing there.
+/// does at load time) loads in a gateway started from async code, and
+/// serves.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_plugin_writing_stderr_at_load_time_starts_a_gateway() {
-    let dir = TempDir::new("stderr-at-load");
-    let plugin_path = dir.0.join("plugin.wasm");
-    std::fs::write(&plugin_path, HOSTILE_WASM).expect("writing the plugin file");
-    let upstream = RecordingUpstream::start().await;
-    let config = GatewayConfig {
-        listen: SocketAddr::from(([127, 0, 0, 1], 0)),
-        admin_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
-        plugin: Some(plugin_path),
-        plugin_settings: [("hostile-configure".to_string(), "stderr".to_string())].into(),
-        upstream: Some(upstream.url.clone()),
-        machine_id: Some(MACHINE_ID),
-        ..GatewayConfig::default()
-    };
-    let gateway = Gateway::bind(config)
-        .await
-        .unwrap_or_else(|e| panic!("starting the gateway: {e:#}"));
-    let addr = gateway.local_addr().expect("the gateway's address");
-    let (shutdown, stop) = oneshot::channel::<()>();
-    let served = tokio::spawn(gateway.serve(async move {
-        let _ = stop.await;
-    }));
-    let reply = post(addr, &[]).await;
+    let gateway = start_gateway_with_settings(
+        HOSTILE_WASM,
+        FailurePolicy::FailClosed,
+        gateway_limits(),
+        &[("hostile-configure", "stderr")],
+    )
+    .await;
+    let reply = post(gateway.addr, &[]).await;
     assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
-    assert_stamped(&upstream.last().body);
-    let _ = shutdown.send(());
-    served
-        .await
-        .expect("the gateway task")
-        .expect("the gateway stops cleanly");
+    assert_stamped(&gateway.upstream.last().body);
+    gateway.stop().await;
 }

@@ -51,36 +51,29 @@ async fn count(plugin: &Plugin) -> u32 {
     }
 }
 
-#[test]
-fn an_instance_serves_its_share_of_requests_then_a_fresh_one_takes_over() {
+/// The counts `n` requests in a row report, with `calls_per_instance`.
+fn counts(calls_per_instance: u32, n: usize) -> Vec<u32> {
     let plugin = hostile(PluginLimits {
-        calls_per_instance: 3,
+        calls_per_instance,
         ..PluginLimits::default()
     });
-    let counts: Vec<u32> = runtime().block_on(async {
+    runtime().block_on(async {
         let mut counts = Vec::new();
-        for _ in 0..8 {
+        for _ in 0..n {
             counts.push(count(&plugin).await);
         }
         counts
-    });
-    assert_eq!(counts, [1, 2, 3, 1, 2, 3, 1, 2]);
+    })
+}
+
+#[test]
+fn an_instance_serves_its_share_of_requests_then_a_fresh_one_takes_over() {
+    assert_eq!(counts(3, 8), [1, 2, 3, 1, 2, 3, 1, 2]);
 }
 
 #[test]
 fn one_call_per_instance_gives_every_request_a_fresh_instance() {
-    let plugin = hostile(PluginLimits {
-        calls_per_instance: 1,
-        ..PluginLimits::default()
-    });
-    let counts: Vec<u32> = runtime().block_on(async {
-        let mut counts = Vec::new();
-        for _ in 0..5 {
-            counts.push(count(&plugin).await);
-        }
-        counts
-    });
-    assert_eq!(counts, [1; 5]);
+    assert_eq!(counts(1, 5), [1; 5]);
 }
 
 #[test]

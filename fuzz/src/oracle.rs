@@ -353,7 +353,8 @@ pub fn paths_needing_ids(value: &Value) -> Vec<Vec<Step>> {
     found
 }
 
-fn at_path<'v>(mut value: &'v mut Value, path: &[Step]) -> &'v mut Value {
+/// The value at `path` (which must exist).
+pub fn at_path<'v>(mut value: &'v mut Value, path: &[Step]) -> &'v mut Value {
     for step in path {
         value = match step {
             Step::Key(k) => value.get_mut(k.as_str()).expect("path exists"),

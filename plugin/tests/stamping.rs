@@ -12,6 +12,12 @@ use snowgate_plugin::{
     PluginFailure, Rejection, SnowflakeLayout, Tick, MAX_NESTING_DEPTH,
 };
 
+/// The fuzz oracle's reading of where ids belong and how the bytes may
+/// change, shared with `fuzz_regressions.rs` and the fuzz targets.
+#[path = "../../fuzz/src/oracle.rs"]
+#[allow(dead_code)]
+mod oracle;
+
 /// 2025-11-24, in milliseconds since the Unix epoch.
 const START_MILLIS: u64 = 1_764_000_000_000;
 /// The machine id the fake source hands out (fits both layouts).
@@ -1521,112 +1527,11 @@ fn render(doc: &J, seed: u64) -> String {
     out
 }
 
-#[derive(Debug, Clone)]
-enum Step {
-    Key(String),
-    Index(usize),
-}
-
-/// Where ids must go, computed from serde_json's reading of the body (which,
-/// like Python, keeps the last of duplicate keys): the paths of every
-/// effective `disaggregated_params` object that is context-only and has no
-/// id or a null one.
-fn paths_needing_ids(value: &Value, path: &mut Vec<Step>, found: &mut Vec<Vec<Step>>) {
-    match value {
-        Value::Object(map) => {
-            for (k, v) in map {
-                path.push(Step::Key(k.clone()));
-                if k == "disaggregated_params" {
-                    if let Value::Object(params) = v {
-                        let context_only = matches!(
-                            params.get("request_type"),
-                            Some(Value::String(t)) if t.eq_ignore_ascii_case("context_only")
-                        );
-                        let no_id =
-                            matches!(params.get("disagg_request_id"), None | Some(Value::Null));
-                        if context_only && no_id {
-                            found.push(path.clone());
-                        }
-                    }
-                }
-                paths_needing_ids(v, path, found);
-                path.pop();
-            }
-        }
-        Value::Array(items) => {
-            for (i, item) in items.iter().enumerate() {
-                path.push(Step::Index(i));
-                paths_needing_ids(item, path, found);
-                path.pop();
-            }
-        }
-        _ => {}
-    }
-}
-
-fn at_path<'v>(mut value: &'v mut Value, path: &[Step]) -> &'v mut Value {
-    for step in path {
-        value = match step {
-            Step::Key(k) => value.get_mut(k.as_str()).expect("path exists"),
-            Step::Index(i) => value.get_mut(*i).expect("path exists"),
-        };
-    }
-    value
-}
-
-/// Walks the edits over input and output: the output must be the input with
-/// exactly the id text spliced in at each edit, and nothing else changed.
-fn assert_only_ids_spliced_in(input: &[u8], output: &[u8], edits: &[Edit], ids: &[u64]) {
-    assert_eq!(edits.len(), ids.len());
-    let (mut i, mut o) = (0, 0);
-    for (edit, id) in edits.iter().zip(ids) {
-        let at = edit.at();
-        assert!(at >= i, "edits out of order: {edits:?}");
-        let same = &input[i..at];
-        assert_eq!(&output[o..o + same.len()], same, "bytes before {edit:?}");
-        o += same.len();
-        let digits = id.to_string();
-        match *edit {
-            Edit::InsertMember { comma, .. } => {
-                assert!(comma, "a context-only object has members");
-                let member = format!(",\"disagg_request_id\":{digits}");
-                assert_eq!(&output[o..o + member.len()], member.as_bytes());
-                o += member.len();
-                // Right after the last member's value (not after the
-                // whitespace that follows it): only whitespace separates it
-                // from the closing brace.
-                assert!(
-                    !b" \t\r\n".contains(&input[at - 1]),
-                    "insertion at {at} follows whitespace"
-                );
-                let next = input[at..]
-                    .iter()
-                    .find(|b| !b" \t\r\n".contains(b))
-                    .copied();
-                assert_eq!(
-                    next,
-                    Some(b'}'),
-                    "insertion at {at} is not at an object's end"
-                );
-                i = at;
-            }
-            Edit::ReplaceNull { at } => {
-                assert_eq!(&input[at..at + 4], b"null");
-                assert_eq!(&output[o..o + digits.len()], digits.as_bytes());
-                o += digits.len();
-                i = at + 4;
-            }
-        }
-    }
-    assert_eq!(&output[o..], &input[i..], "bytes after the last edit");
-}
-
 /// The whole check for one valid body: the decision, the ids, the parsed
 /// output and the bytes.
 fn check_valid_body(input: &[u8], layout: SnowflakeLayout) -> Result<(), TestCaseError> {
     let parsed: Value = serde_json::from_slice(input).expect("the body is valid JSON");
-    let mut expected_paths = Vec::new();
-    paths_needing_ids(&parsed, &mut Vec::new(), &mut expected_paths);
+    let expected_paths = oracle::paths_needing_ids(&parsed);
 
     let edits = find_edits(input).map_err(|e| TestCaseError::fail(format!("find_edits: {e}")))?;
     prop_assert_eq!(edits.len(), expected_paths.len(), "edits {:?}", edits);
@@ -1663,12 +1568,12 @@ fn check_valid_body(input: &[u8], layout: SnowflakeLayout) -> Result<(), TestCas
             let mut placed = Vec::new();
             let mut out_copy = out.clone();
             for path in &expected_paths {
-                let got = at_path(&mut out_copy, path)["disagg_request_id"].as_u64();
+                let got = oracle::at_path(&mut out_copy, path)["disagg_request_id"].as_u64();
                 let Some(got) = got else {
                     return Err(TestCaseError::fail(format!("no id at {path:?}")));
                 };
                 placed.push(got);
-                at_path(&mut expected, path)
+                oracle::at_path(&mut expected, path)
                     .as_object_mut()
                     .unwrap()
                     .insert("disagg_request_id".to_string(), Value::from(got));
@@ -1679,7 +1584,7 @@ fn check_valid_body(input: &[u8], layout: SnowflakeLayout) -> Result<(), TestCas
             sorted.sort_unstable();
             prop_assert_eq!(placed, sorted);
 
-            assert_only_ids_spliced_in(input, &output, &edits, &ids);
+            oracle::assert_only_ids_spliced_in(input, &output, &edits, &ids);
         }
         Decision::Reject(r) => {
             return Err(TestCaseError::fail(format!("rejected valid JSON: {r:?}")));
