@@ -9,6 +9,7 @@ use wasmtime::component::{HasSelf, Linker};
 use wasmtime::error::Context as _;
 use wasmtime::{
     Config, Enabled, Engine, InstanceAllocationStrategy, OptLevel, PoolingAllocationConfig,
+    ProfilingStrategy,
 };
 
 use crate::bindings::Middleware;
@@ -19,6 +20,10 @@ use crate::state::HostState;
 
 /// How often the epoch advances: the granularity of call deadlines.
 pub(crate) const EPOCH_TICK: Duration = Duration::from_millis(1);
+
+/// The environment variable that, set to `1`, makes the engine write a perf
+/// map of the plugin's compiled code (for profiling plugins with `perf`).
+pub const PERFMAP_VARIABLE: &str = "SNOWGATE_WASM_PERFMAP";
 
 /// The size of a 32-bit linear memory's index space, and so the most any
 /// linear memory can grow to.
@@ -95,6 +100,12 @@ impl PluginEngine {
         // compiled code skip bounds checks (explicit checks make the
         // plugin's JSON walk about half again as slow); the pool reserves
         // that address space once per slot, see `PluginLimits::max_instances`.
+        // `SNOWGATE_WASM_PERFMAP=1` names the plugin's compiled functions in
+        // `/tmp/perf-PID.map`, so that `perf report` shows them instead of
+        // bare `[JIT]` addresses.
+        if std::env::var_os(PERFMAP_VARIABLE).is_some_and(|v| v == "1") {
+            config.profiler(ProfilingStrategy::PerfMap);
+        }
         let engine = Engine::new(&config).context("creating the wasmtime engine")?;
 
         // WASI is linked so that std-using plugins load, but the context each

@@ -338,3 +338,42 @@ fn rewrite_help_mentions_every_flag() {
         assert!(out.contains(flag), "--help does not mention {flag}:\n{out}");
     }
 }
+
+#[test]
+fn the_perfmap_variable_names_the_plugins_compiled_functions_for_perf() {
+    let run = |perfmap: Option<&str>| {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_snowgate"));
+        command
+            .args(["rewrite", "--machine-id", "7"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .env_remove(snowgate_host::engine::PERFMAP_VARIABLE);
+        if let Some(value) = perfmap {
+            command.env(snowgate_host::engine::PERFMAP_VARIABLE, value);
+        }
+        let mut child = command.spawn().expect("starting snowgate");
+        let map = PathBuf::from(format!("/tmp/perf-{}.map", child.id()));
+        let mut input = child.stdin.take().expect("stdin is piped");
+        input
+            .write_all(CONTEXT_ONLY.as_bytes())
+            .expect("writing stdin");
+        drop(input);
+        let output = child.wait_with_output().expect("waiting for snowgate");
+        success(&output);
+        let written = std::fs::read_to_string(&map).ok();
+        let _ = std::fs::remove_file(&map);
+        written
+    };
+
+    let map = run(Some("1")).expect("SNOWGATE_WASM_PERFMAP=1 writes /tmp/perf-PID.map");
+    // One line per compiled function: start, size, name; the plugin's own
+    // functions are among them by name.
+    assert!(
+        map.lines().all(|line| line.splitn(3, ' ').count() == 3),
+        "{map}"
+    );
+    assert!(map.contains("snowgate_plugin"), "{map}");
+    assert_eq!(run(None), None, "no map without the variable");
+    assert_eq!(run(Some("0")), None, "no map with the variable set to 0");
+}
