@@ -10,7 +10,17 @@
 //! - `plugin_reused`: `Plugin::handle_async` on a current-thread runtime,
 //!   which is what the gateway does per request by default: `handle` on an
 //!   instance kept from earlier calls (a new one every 1000 calls, so
-//!   instantiation is included, amortised).
+//!   instantiation is included, amortised);
+//! - `floor_forward` and `floor_echo`: the same reused call of the same
+//!   request, on the test fixture plugin set to answer at once, `forward`
+//!   or its own body back, without reading it. What any plugin pays for the
+//!   call itself: the request copied in, the answer copied out, the fiber,
+//!   the deadline. `plugin_reused` minus `floor_echo` is the plugin's own
+//!   work (the core compiled to wasm, its allocator, the imports).
+//!
+//! The reused and floor calls run one after another inside one `block_on`,
+//! as the gateway's calls run inside its event loop, so that entering the
+//! runtime is not counted per call.
 //!
 //! Both get a borrowed input (`&[u8]` for native, `&Request` for the plugin)
 //! and both build and return a new body, so they do comparable work; the
@@ -21,7 +31,7 @@
 
 use std::hint::black_box;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use snowgate_host::{
@@ -107,6 +117,12 @@ fn bench_plugin_path(c: &mut Criterion) {
     let engine = PluginEngine::new(services, PluginLimits::default()).expect("plugin engine");
     let plugin =
         Plugin::load(&engine, snowgate_plugin_bundle::PLUGIN_WASM, &[]).expect("bundled plugin");
+    let floor = |answer: &str| {
+        let settings = [("hostile-handle".to_string(), answer.to_string())];
+        Plugin::load(&engine, snowgate_test_fixtures::HOSTILE_WASM, &settings)
+            .expect("the fixture plugin")
+    };
+    let (floor_forward, floor_echo) = (floor("forward"), floor("echo"));
     let config = Config::default();
     let machine = MachineId {
         value: MACHINE_ID,
@@ -150,6 +166,14 @@ fn bench_plugin_path(c: &mut Criterion) {
             Ok(Action::ForwardWithBody(out)) => assert!(out.len() > body.len()),
             other => panic!("{name}: the reused plugin did not stamp: {other:?}"),
         }
+        match runtime.block_on(floor_forward.handle_async(request)) {
+            Ok(Action::Forward) => {}
+            other => panic!("{name}: the forward floor did not forward: {other:?}"),
+        }
+        match runtime.block_on(floor_echo.handle_async(request)) {
+            Ok(Action::ForwardWithBody(out)) => assert_eq!(out, request.body),
+            other => panic!("{name}: the echo floor did not echo: {other:?}"),
+        }
 
         let mut group = c.benchmark_group(*name);
         group.throughput(Throughput::Bytes(body.len() as u64));
@@ -162,9 +186,21 @@ fn bench_plugin_path(c: &mut Criterion) {
         group.bench_function("plugin_fresh", |b| {
             b.iter(|| plugin.handle(black_box(request)))
         });
-        group.bench_function("plugin_reused", |b| {
-            b.iter(|| runtime.block_on(plugin.handle_async(black_box(request))))
-        });
+        let reused = |b: &mut criterion::Bencher, plugin: &Plugin| {
+            b.iter_custom(|iterations| {
+                runtime.block_on(async {
+                    let start = Instant::now();
+                    for _ in 0..iterations {
+                        black_box(plugin.handle_async(black_box(request)).await)
+                            .expect("the call answers");
+                    }
+                    start.elapsed()
+                })
+            })
+        };
+        group.bench_function("plugin_reused", |b| reused(b, &plugin));
+        group.bench_function("floor_forward", |b| reused(b, &floor_forward));
+        group.bench_function("floor_echo", |b| reused(b, &floor_echo));
         group.finish();
     }
 }
