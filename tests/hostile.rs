@@ -199,6 +199,64 @@ fn an_infinite_loop_is_stopped_at_the_deadline() {
     }
 }
 
+/// Runs `behaviour` through the async path (the gateway's), timed.
+fn misbehave_async(plugin: &Plugin, behaviour: &str) -> (Result<Action, CallError>, Duration) {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a current-thread runtime");
+    let started = Instant::now();
+    let answer = runtime.block_on(plugin.handle_async(&request(Some(behaviour), &[])));
+    (answer, started.elapsed())
+}
+
+#[test]
+fn a_plugin_sleeping_past_its_deadline_is_stopped_at_once() {
+    // Epoch ticks interrupt wasm code, not a plugin waiting in a WASI clock
+    // subscription: the host must refuse a wait that outlasts the deadline.
+    let deadline = Duration::from_secs(2);
+    let plugin = hostile_plugin(PluginLimits {
+        deadline,
+        ..PluginLimits::default()
+    });
+    for _ in 0..2 {
+        let (error, took) = misbehave(&plugin, "sleep");
+        assert_eq!(error, CallError::Deadline(deadline));
+        assert!(took < deadline, "sync: waited {took:?} before stopping");
+        let (answer, took) = misbehave_async(&plugin, "sleep");
+        match answer {
+            Err(error) => assert_eq!(error, CallError::Deadline(deadline)),
+            other => panic!("async sleep: {}", describe(&other)),
+        }
+        assert!(took < deadline, "async: waited {took:?} before stopping");
+        assert_next_request_is_stamped(&plugin);
+    }
+}
+
+#[test]
+fn a_sleep_within_the_deadline_sleeps_and_the_call_goes_on() {
+    let plugin = hostile_plugin(PluginLimits {
+        deadline: Duration::from_secs(30),
+        ..PluginLimits::default()
+    });
+    // The fixture's `nap` is 20 ms.
+    let nap = Duration::from_millis(20);
+    let started = Instant::now();
+    let answer = plugin.handle(&request(Some("nap"), &[]));
+    let took = started.elapsed();
+    match answer {
+        Ok(Action::ForwardWithBody(body)) => assert_stamped(&body),
+        other => panic!("sync nap: {}", describe(&other)),
+    };
+    assert!(took >= nap, "sync: the nap took only {took:?}");
+    let (answer, took) = misbehave_async(&plugin, "nap");
+    match answer {
+        Ok(Action::ForwardWithBody(body)) => assert_stamped(&body),
+        other => panic!("async nap: {}", describe(&other)),
+    };
+    assert!(took >= nap, "async: the nap took only {took:?}");
+}
+
 #[test]
 fn a_memory_bomb_is_stopped_at_the_memory_limit() {
     let plugin = hostile_plugin(PluginLimits {
@@ -1113,6 +1171,55 @@ async fn fail_open_gateway_forwards_unchanged_when_a_hostile_plugin_fails() {
             "snowgate_requests_total{outcome=\"failed_closed\"}"
         ),
         0
+    );
+    gateway.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sleeping_plugins_cannot_hold_the_gateways_calls() {
+    // More sleeping requests at once than the gateway runs calls at once:
+    // if a sleep held its call, the last ones would queue behind minutes
+    // of sleeping.
+    let gateway = start_gateway(HOSTILE_WASM, FailurePolicy::FailClosed, gateway_limits()).await;
+    let deadline = gateway.limits.deadline;
+    let clients = gateway.limits.concurrent_calls() as usize * 2;
+    let started = Instant::now();
+    let mut sleepers = tokio::task::JoinSet::new();
+    for _ in 0..clients {
+        let addr = gateway.addr;
+        sleepers.spawn(async move { post(addr, &[("x-hostile", "sleep")]).await });
+    }
+    let replies = sleepers.join_all().await;
+    let took = started.elapsed();
+    for reply in &replies {
+        assert_eq!(
+            reply.status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{}",
+            reply.text()
+        );
+        let message = reply.json()["error"]["message"]
+            .as_str()
+            .unwrap_or("")
+            .to_string();
+        assert!(
+            message.contains("the plugin ran past its 200 ms deadline"),
+            "{message}"
+        );
+    }
+    assert!(
+        took < deadline + GATEWAY_MARGIN,
+        "{clients} sleeping requests took {took:?}"
+    );
+    assert_eq!(gateway.upstream.count(), 0, "fail-closed forwards nothing");
+    gateway.assert_serves_normally().await;
+    let metrics = gateway.metrics().await;
+    assert_eq!(
+        counter(
+            &metrics,
+            "snowgate_plugin_failures_total{kind=\"deadline\"}"
+        ),
+        clients as u64
     );
     gateway.stop().await;
 }

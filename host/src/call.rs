@@ -140,10 +140,14 @@ impl Plugin {
     /// until its deadline ends it.
     pub async fn handle_async(&self, request: &Request) -> Result<Action, CallError> {
         let mut held = match self.take_idle() {
-            Some(held) => held,
+            Some(mut held) => {
+                self.start_async_call(&mut held.store);
+                held
+            }
+            // Its clock started before instantiation: one deadline covers
+            // instantiation, `configure` and this first call.
             None => self.new_reusable().await?,
         };
-        self.start_async_call(&mut held.store);
         let answer = held.handle.call_async(&mut held.store, (request,)).await;
         held.calls += 1;
         let answer = match answer {
@@ -254,6 +258,8 @@ impl Plugin {
         let ticks = limits.deadline.as_micros().div_ceil(EPOCH_TICK.as_micros()) as u64 + 1;
         store.set_epoch_deadline(ticks);
         store.epoch_deadline_trap();
+        // For the plugin's WASI waits (see `sleeps`).
+        store.data_mut().deadline = Some(std::time::Instant::now() + limits.deadline);
         match self.pre.instantiate(&mut store) {
             Ok(instance) => Ok((store, instance)),
             Err(e) => Err(self.classify(e, &store)),

@@ -109,18 +109,21 @@ impl PluginEngine {
         let engine = Engine::new(&config).context("creating the wasmtime engine")?;
 
         // WASI is linked so that std-using plugins load, but the context each
-        // call gets is empty: no files, no environment, no sockets, no stdio.
+        // call gets is empty: no files, no environment, no sockets, no stdio,
+        // and its clock waits cannot outlast the call (see `sleeps`).
         // Two linkers with the same imports: WASI's sync bindings block on a
         // private runtime, which cannot happen on an async worker thread, so
         // calls made from the gateway's workers use the async bindings.
         let mut linker = Linker::new(&engine);
         wasmtime_wasi::p2::add_to_linker_sync(&mut linker)
             .context("linking WASI into the plugin linker")?;
+        crate::sleeps::bound_by_the_deadline(&mut linker)?;
         Middleware::add_to_linker::<HostState, HasSelf<HostState>>(&mut linker, |state| state)
             .context("linking the snowgate:middleware imports")?;
         let mut async_linker = Linker::new(&engine);
         wasmtime_wasi::p2::add_to_linker_async(&mut async_linker)
             .context("linking WASI into the async plugin linker")?;
+        crate::sleeps::bound_by_the_deadline(&mut async_linker)?;
         Middleware::add_to_linker::<HostState, HasSelf<HostState>>(&mut async_linker, |state| {
             state
         })

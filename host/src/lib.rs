@@ -42,6 +42,7 @@ pub mod identity;
 pub mod lease;
 pub mod limits;
 pub mod plugin;
+mod sleeps;
 mod state;
 pub mod utc;
 

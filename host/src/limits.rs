@@ -9,8 +9,9 @@ pub struct PluginLimits {
     /// The most linear memory one instance may grow to. The body is copied in
     /// and a new body built inside, so allow a few times the largest body.
     pub memory_bytes: usize,
-    /// Wall time for instantiation, configuration and the handler together,
-    /// enforced by epoch interruption.
+    /// Wall time for instantiation, configuration and the handler together
+    /// (the handler alone on a reused instance), enforced by epoch
+    /// interruption; a WASI wait that would end after it ends the call.
     pub deadline: Duration,
     /// The largest body a plugin may answer with.
     pub max_output_body_bytes: usize,

@@ -29,7 +29,9 @@ pub struct HostState {
     services: HostServices,
     pub(crate) memory: MemoryLimiter,
     plugin_name: Arc<str>,
-    /// When the current async call must end (see `Plugin::handle_async`).
+    /// When the current call must end: checked at epoch ticks by async
+    /// calls (see `Plugin::handle_async`), and by every call's WASI waits
+    /// (see `sleeps`).
     pub(crate) deadline: Option<std::time::Instant>,
     /// From when the current async call gives its thread back at every
     /// epoch tick.
@@ -51,6 +53,7 @@ impl Wasi {
             .allow_udp(false)
             .allow_ip_name_lookup(false)
             .stderr(stderr.clone())
+            .monotonic_clock(crate::sleeps::PluginMonotonicClock)
             .build();
         Wasi { ctx, stderr }
     }
@@ -91,6 +94,11 @@ impl HostState {
         let now = std::time::Instant::now();
         self.deadline = Some(now + deadline);
         self.yield_from = Some(now + yield_after);
+    }
+
+    /// The resource table the plugin's WASI resources live in.
+    pub(crate) fn resources(&mut self) -> &mut ResourceTable {
+        &mut self.table
     }
 
     /// What an async call does when the epoch ticks: go on, yield, or stop.
