@@ -282,6 +282,45 @@ fn a_replaced_plugin_gives_back_the_instances_it_kept() {
     }
 }
 
+#[test]
+fn a_retired_plugin_frees_its_kept_instances_though_requests_still_hold_it() {
+    // Four slots, one kept per plugin. A replaced build stays referenced
+    // while requests that started on it finish; if it kept its instance,
+    // the fourth build would find no slot for its load-time check.
+    let engine = engine_with(
+        SnowflakeLayout::TrtllmV1,
+        9,
+        FixedClock(START_MILLIS),
+        PluginLimits {
+            max_instances: 4,
+            ..PluginLimits::default()
+        },
+    );
+    let runtime = runtime();
+    let mut still_referenced = Vec::new();
+    for round in 0..20 {
+        let plugin = load_bundled(&engine);
+        runtime.block_on(async {
+            match plugin.handle_async(&json_request(CONTEXT_ONLY)).await {
+                Ok(Action::ForwardWithBody(_)) => {}
+                other => panic!("round {round}: expected a stamp, got {}", describe(&other)),
+            }
+        });
+        plugin.retire();
+        still_referenced.push(plugin);
+    }
+
+    // A retired plugin still answers, each call on a fresh instance.
+    let plugin = hostile(PluginLimits::default());
+    runtime.block_on(async {
+        assert_eq!(count(&plugin).await, 1);
+        assert_eq!(count(&plugin).await, 2, "kept before it retires");
+        plugin.retire();
+        assert_eq!(count(&plugin).await, 1, "its kept instance was freed");
+        assert_eq!(count(&plugin).await, 1, "and it keeps none");
+    });
+}
+
 /// One request-shaped JSON element: params of every request type, with no
 /// id, a null id or an id, and a prompt with escapes and non-ASCII text.
 fn element() -> impl Strategy<Value = String> {

@@ -192,10 +192,28 @@ impl Plugin {
             return;
         }
         if let Ok(mut idle) = self.idle.lock() {
-            if idle.len() < limits.kept_instances() as usize {
+            let retired = self.retired.load(std::sync::atomic::Ordering::Relaxed);
+            if !retired && idle.len() < limits.kept_instances() as usize {
                 idle.push(held);
             }
         }
+    }
+
+    /// Frees the instances kept for reuse, and keeps none from now on:
+    /// for a plugin that a newer build replaced, so that the instance
+    /// slots it held serve the new one. Calls already running finish, and
+    /// later calls still work, each on a fresh instance.
+    pub fn retire(&self) {
+        let dropped = match self.idle.lock() {
+            Ok(mut idle) => {
+                self.retired
+                    .store(true, std::sync::atomic::Ordering::Relaxed);
+                std::mem::take(&mut *idle)
+            }
+            Err(_) => Vec::new(),
+        };
+        // Dropped outside the lock: returning slots to the pool takes time.
+        drop(dropped);
     }
 
     /// A fresh instance in a fresh store, configured, for async calls.

@@ -73,10 +73,13 @@ impl PluginLimits {
     }
 
     /// How many plugin calls the gateway runs at once (more wait their
-    /// turn): the slots left when a replaced plugin still holds its kept
-    /// instances, the serving one holds one instance per call or kept, and
-    /// a reload checks a new build in one more. So a call never finds the
-    /// pool full.
+    /// turn): the slots left when the serving plugin keeps its kept
+    /// instances and a reload checks a new build in one more. Calls still
+    /// running on a replaced build count among these calls (a replaced
+    /// build keeps no instances: see [`Plugin::retire`](crate::Plugin::retire)).
+    /// So with at least 2 slots a call never finds the pool full; with one
+    /// slot, a call and a reload's check cannot run at once, and whichever
+    /// comes second fails as busy.
     pub fn concurrent_calls(&self) -> u32 {
         self.max_instances
             .saturating_sub(self.kept_instances())

@@ -38,6 +38,9 @@ pub struct Plugin {
     pub(crate) exports: HandlerExports,
     /// Instances kept between async calls (see [`Plugin::handle_async`]).
     pub(crate) idle: std::sync::Mutex<Vec<crate::call::Reusable>>,
+    /// Set by [`Plugin::retire`] (under the `idle` lock): keep no more
+    /// instances.
+    pub(crate) retired: std::sync::atomic::AtomicBool,
     pub(crate) settings: Arc<[Setting]>,
     pub(crate) name: Arc<str>,
     info: PluginInfo,
@@ -103,6 +106,7 @@ impl Plugin {
             pre_async,
             exports,
             idle: std::sync::Mutex::new(Vec::new()),
+            retired: std::sync::atomic::AtomicBool::new(false),
             settings,
             name: Arc::from("unnamed plugin"),
             info: PluginInfo {

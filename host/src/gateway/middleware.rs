@@ -228,6 +228,9 @@ impl Shared {
         // every epoch tick (see `YIELD_AFTER`), so it holds up only this
         // request.
         let answer = plugin.handle_async(&plugin_request).await;
+        // Not held while the upstream answers: a replaced build's instances
+        // go back to the pool as soon as its calls end.
+        drop(plugin);
         drop(permit);
         self.metrics.plugin_call(started.elapsed());
 

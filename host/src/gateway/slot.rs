@@ -106,7 +106,18 @@ impl PluginSlot {
     /// Reads the plugin file again and, if it holds a new build that loads
     /// and passes the self-check, swaps it in. On any failure the old build
     /// keeps serving and the error is recorded for `/status`.
-    pub async fn reload(&self) -> Result<Reloaded, String> {
+    ///
+    /// The reload runs to the end on a task of its own even if the caller
+    /// stops waiting (an admin client that hangs up): a reload half done
+    /// would let the next one run beside its check, and drop a good build.
+    pub async fn reload(self: &Arc<Self>) -> Result<Reloaded, String> {
+        let slot = Arc::clone(self);
+        tokio::spawn(async move { slot.reload_to_the_end().await })
+            .await
+            .unwrap_or_else(|e| Err(format!("the reload task failed: {e}")))
+    }
+
+    async fn reload_to_the_end(&self) -> Result<Reloaded, String> {
         let _one_at_a_time = self.reloading.lock().await;
         let Some(path) = self.source.clone() else {
             return Err(
@@ -135,7 +146,10 @@ impl PluginSlot {
         match outcome {
             Ok(Some(plugin)) => {
                 let sha = plugin.info().sha256.clone();
-                self.current.store(Arc::new(plugin));
+                let replaced = self.current.swap(Arc::new(plugin));
+                // Requests still on the old build finish on it, each on an
+                // instance of its own; its kept instances go now.
+                replaced.retire();
                 *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = None;
                 self.metrics.reload(true);
                 tracing::info!(sha256 = %sha, "plugin reloaded");
