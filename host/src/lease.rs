@@ -17,7 +17,7 @@
 //! while serving, the holder keeps it at least one TTL plus a margin ahead
 //! of any millisecond it may use before its lease could expire; on a clean
 //! stop it writes the exact last millisecond it used. A new holder starts
-//! its clock after that mark ([`IdClock::advance_past`]) instead of waiting.
+//! its clock after that mark ([`IdClock::advance_past`](crate::IdClock::advance_past)) instead of waiting.
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};

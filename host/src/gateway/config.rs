@@ -12,6 +12,9 @@ use snowgate_plugin::SnowflakeLayout;
 use crate::lease::LeaseConfig;
 use crate::limits::PluginLimits;
 
+/// The longest plugin call deadline a configuration may set: an hour.
+const MAX_PLUGIN_DEADLINE_MS: u64 = 3_600_000;
+
 /// What the gateway does when the plugin errs, traps or hits a limit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -235,9 +238,18 @@ impl ConfigFile {
             config.layout = layout.parse().context("config key layout")?;
         }
         if let Some(mib) = self.plugin_memory_mib {
+            // A wasm32 memory cannot be larger than 4 GiB.
+            anyhow::ensure!(
+                (1..=4096).contains(&mib),
+                "plugin-memory-mib must be between 1 and 4096, not {mib}"
+            );
             config.plugin_limits.memory_bytes = mib << 20;
         }
         if let Some(ms) = self.plugin_deadline_ms {
+            anyhow::ensure!(
+                (1..=MAX_PLUGIN_DEADLINE_MS).contains(&ms),
+                "plugin-deadline-ms must be between 1 and {MAX_PLUGIN_DEADLINE_MS} (an hour), not {ms}"
+            );
             config.plugin_limits.deadline = Duration::from_millis(ms);
         }
         if let Some(n) = self.plugin_calls_per_instance {
@@ -359,7 +371,7 @@ mod tests {
     }
 
     #[test]
-    fn worker_and_reuse_counts_out_of_range_are_refused_by_name() {
+    fn counts_and_plugin_limits_out_of_range_are_refused_by_name() {
         for (text, named) in [
             ("workers = 0", "workers must be between 1 and 1024, not 0"),
             (
@@ -369,6 +381,22 @@ mod tests {
             (
                 "plugin-calls-per-instance = 0",
                 "plugin-calls-per-instance must be at least 1",
+            ),
+            (
+                "plugin-deadline-ms = 0",
+                "plugin-deadline-ms must be between 1 and 3600000 (an hour), not 0",
+            ),
+            (
+                "plugin-deadline-ms = 9223372036854775807",
+                "plugin-deadline-ms must be between 1 and 3600000 (an hour), not 9223372036854775807",
+            ),
+            (
+                "plugin-memory-mib = 0",
+                "plugin-memory-mib must be between 1 and 4096, not 0",
+            ),
+            (
+                "plugin-memory-mib = 17592186044416",
+                "plugin-memory-mib must be between 1 and 4096, not 17592186044416",
             ),
         ] {
             let file: ConfigFile = toml::from_str(text).expect("parses");
