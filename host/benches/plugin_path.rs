@@ -72,6 +72,46 @@ fn chat_body() -> Vec<u8> {
     body.as_bytes().to_vec()
 }
 
+/// A 64 KiB multi-turn chat request, context-only: 90 turns of ~600 bytes of
+/// plain English, as `bench/load.py`'s 64 KiB body. Long prompts are mostly
+/// string content, which is what this body measures.
+fn long_chat_body() -> Vec<u8> {
+    const WORDS: [&str; 24] = [
+        "the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "while", "prefill",
+        "workers", "compute", "key", "value", "caches", "for", "long", "prompts", "and", "decode",
+        "workers", "stream", "tokens",
+    ];
+    let text = |n: usize, seed: usize| {
+        let mut out = String::new();
+        let mut i = seed;
+        while out.len() < n {
+            if !out.is_empty() {
+                out.push(' ');
+            }
+            out.push_str(WORDS[i % WORDS.len()]);
+            i += 7;
+        }
+        out.truncate(n);
+        out
+    };
+    let mut body = String::from(
+        r#"{"model":"meta-llama/Llama-3.1-8B-Instruct","messages":[{"role":"system","content":"You are a helpful assistant."}"#,
+    );
+    let mut turn = 0;
+    while body.len() < (64 << 10) - 700 {
+        let role = if turn % 2 == 0 { "user" } else { "assistant" };
+        body.push_str(&format!(
+            r#",{{"role":"{role}","content":"{}"}}"#,
+            text(600, turn)
+        ));
+        turn += 1;
+    }
+    body.push_str(
+        r#"],"max_tokens":1,"temperature":0.0,"stream":false,"disaggregated_params":{"request_type":"context_only"}}"#,
+    );
+    body.into_bytes()
+}
+
 /// A ~1 MiB completion request carrying `prompt_token_ids`, with
 /// context-only params.
 fn token_ids_body() -> Vec<u8> {
@@ -136,6 +176,10 @@ fn bench_plugin_path(c: &mut Criterion) {
 
     let cases = [
         ("chat_1KiB", request("/v1/chat/completions", chat_body())),
+        (
+            "chat_64KiB",
+            request("/v1/chat/completions", long_chat_body()),
+        ),
         (
             "token_ids_1MiB",
             request("/v1/completions", token_ids_body()),
