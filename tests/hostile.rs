@@ -1213,6 +1213,11 @@ async fn sleeping_plugins_cannot_hold_the_gateways_calls() {
     );
     assert_eq!(gateway.upstream.count(), 0, "fail-closed forwards nothing");
     gateway.assert_serves_normally().await;
+    // A short sleep inside the deadline works on the gateway's workers: the
+    // call waits on the worker's own timer, and the request is stamped.
+    let nap = post(gateway.addr, &[("x-hostile", "nap")]).await;
+    assert_eq!(nap.status, StatusCode::OK, "{}", nap.text());
+    assert_stamped(&gateway.upstream.last().body);
     let metrics = gateway.metrics().await;
     assert_eq!(
         counter(
