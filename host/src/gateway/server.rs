@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::server::graceful::{GracefulConnection, GracefulShutdown};
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tower_layer::Layer;
@@ -130,6 +130,8 @@ pub async fn serve(
             // connection that sends nothing at all is closed here.
             let mut probe = [0u8; 1];
             let first = tokio::select! {
+                // What the client already sent counts before a stop.
+                biased;
                 first = tokio::time::timeout(first_byte_timeout, stream.peek(&mut probe)) => first,
                 _ = stopping.wait_for(|stopping| *stopping) => return,
             };
@@ -143,9 +145,12 @@ pub async fn serve(
             let connection = builder
                 .serve_connection(TokioIo::new(stream), per_request)
                 .into_owned();
-            if let Err(e) = watcher.watch(connection).await {
+            // The watcher, while alive, holds the drain open; the stop
+            // itself comes through `stopping` (see `serve_until_stopped`).
+            if let Err(e) = serve_until_stopped(connection, stopping).await {
                 tracing::debug!(%peer, error = %e, "client connection ended with an error");
             }
+            drop(watcher);
             drop(permit);
         });
     }
@@ -164,6 +169,28 @@ pub async fn serve(
     };
     workers.stop();
     drained
+}
+
+/// Drives `connection` to its end, and shuts it down gracefully (the
+/// request in progress is answered, then the connection closes) once
+/// `stopping` turns true or its sender is gone.
+///
+/// The connection is polled before the stop is looked at, every time, so a
+/// request the client had already sent when shutdown began is read and
+/// answered. hyper-util's `Watcher::watch` looks at the stop first, which
+/// closes a connection accepted in that instant without reading it.
+async fn serve_until_stopped<C: GracefulConnection>(
+    connection: C,
+    mut stopping: tokio::sync::watch::Receiver<bool>,
+) -> Result<(), C::Error> {
+    tokio::pin!(connection);
+    tokio::select! {
+        biased;
+        done = connection.as_mut() => return done,
+        _ = stopping.wait_for(|stopping| *stopping) => {}
+    }
+    connection.as_mut().graceful_shutdown();
+    connection.await
 }
 
 /// Keeps a timer pending on this worker that always fires before any
@@ -210,5 +237,52 @@ fn append_forwarded_for<B>(request: &mut Request<B>, peer: SocketAddr) {
     };
     if let Ok(value) = HeaderValue::from_str(&value) {
         request.headers_mut().insert(X_FORWARDED_FOR, value);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::convert::Infallible;
+
+    use http_body_util::Full;
+    use hyper::Response;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+
+    /// A connection whose request is already in the socket when shutdown
+    /// has begun is still answered, then closed.
+    #[tokio::test]
+    async fn a_request_sent_before_the_stop_is_answered() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("a listener");
+        let mut client = tokio::net::TcpStream::connect(listener.local_addr().expect("address"))
+            .await
+            .expect("connecting");
+        let (server, _) = listener.accept().await.expect("accepting");
+        client
+            .write_all(b"GET /x HTTP/1.1\r\nhost: gateway\r\n\r\n")
+            .await
+            .expect("sending a request");
+        // Shutdown began before the connection was first polled.
+        let (_stop, stopping) = tokio::sync::watch::channel(true);
+        let service = hyper::service::service_fn(|request: Request<Incoming>| async move {
+            let path = request.uri().path().to_string();
+            Ok::<_, Infallible>(Response::new(Full::new(Bytes::from(path))))
+        });
+        let builder = auto::Builder::new(TokioExecutor::new());
+        let connection = builder.serve_connection(TokioIo::new(server), service);
+        serve_until_stopped(connection, stopping)
+            .await
+            .expect("the connection ends cleanly");
+
+        // To the end: the server closed the connection after answering.
+        let mut answer = Vec::new();
+        client
+            .read_to_end(&mut answer)
+            .await
+            .expect("reading the answer");
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(answer.starts_with("HTTP/1.1 200 OK\r\n"), "{answer}");
+        assert!(answer.ends_with("\r\n\r\n/x"), "{answer}");
     }
 }
