@@ -258,6 +258,38 @@ fn a_sleep_within_the_deadline_sleeps_and_the_call_goes_on() {
 }
 
 #[test]
+fn one_deadline_covers_a_fresh_instances_configure_and_first_call() {
+    // With `hostile-configure=nap`, configure sleeps 20 ms; a `nap`
+    // request sleeps 20 ms more. 40 ms of waits do not fit a 30 ms
+    // deadline when it covers both (as it must); they would if the first
+    // call got a deadline of its own.
+    let settings = [("hostile-configure".to_string(), "nap".to_string())];
+    let plugin = |deadline| {
+        Plugin::load(
+            &engine(PluginLimits {
+                deadline,
+                ..PluginLimits::default()
+            }),
+            HOSTILE_WASM,
+            &settings,
+        )
+        .unwrap_or_else(|e| panic!("loading the hostile fixture: {e:#}"))
+    };
+    let tight = Duration::from_millis(30);
+    let (answer, _) = misbehave_async(&plugin(tight), "nap");
+    match answer {
+        Err(error) => assert_eq!(error, CallError::Deadline(tight)),
+        other => panic!("expected the deadline, got {}", describe(&other)),
+    }
+    // With room for both, the same call stamps.
+    let (answer, _) = misbehave_async(&plugin(Duration::from_secs(30)), "nap");
+    match answer {
+        Ok(Action::ForwardWithBody(body)) => assert_stamped(&body),
+        other => panic!("expected a stamp, got {}", describe(&other)),
+    };
+}
+
+#[test]
 fn a_memory_bomb_is_stopped_at_the_memory_limit() {
     let plugin = hostile_plugin(PluginLimits {
         memory_bytes: 32 << 20,

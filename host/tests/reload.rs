@@ -536,3 +536,55 @@ async fn concurrent_requests_survive_repeated_plugin_replacement() {
         ids.len()
     );
 }
+
+/// A reload whose caller stops waiting (an admin client that hangs up
+/// drops the request's future) still runs to the end and swaps the build
+/// in; had it stopped halfway, its check would run beside the next
+/// reload's and the good build would be dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_whose_caller_gives_up_still_swaps_the_build_in() {
+    use snowgate_host::gateway::{Metrics, PluginSlot};
+    use snowgate_host::{HostServices, IdClock, MachineIdentity, PluginEngine, PluginLimits};
+
+    let dir = TempDir::new("cancelled-reload");
+    let path = dir.path().join("plugin.wasm");
+    std::fs::write(&path, plugin_variant(1)).expect("writing the first build");
+    let services = HostServices {
+        clock: Arc::new(IdClock::system()),
+        identity: Arc::new(
+            MachineIdentity::fixed(snowgate_plugin::SnowflakeLayout::TrtllmV1, MACHINE_ID)
+                .expect("in range"),
+        ),
+    };
+    let engine = PluginEngine::new(services, PluginLimits::default()).expect("an engine");
+    let slot = Arc::new(
+        PluginSlot::load(
+            engine,
+            Some(path.clone()),
+            Vec::new(),
+            Arc::new(Metrics::default()),
+        )
+        .expect("the first build loads"),
+    );
+    let second = plugin_variant(2);
+    std::fs::write(&path, &second).expect("writing the second build");
+
+    // Compiling and checking a build takes tens of milliseconds at least:
+    // the caller gives up long before.
+    let gave_up = tokio::time::timeout(Duration::from_micros(100), slot.reload()).await;
+    assert!(
+        gave_up.is_err(),
+        "the reload finished before its caller gave up"
+    );
+
+    let wanted = sha256_hex(&second);
+    let started = std::time::Instant::now();
+    while slot.current().info().sha256 != wanted {
+        assert!(
+            started.elapsed() < RELOAD_TIMEOUT,
+            "the abandoned reload never swapped the second build in"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(slot.metrics().reloads(), (1, 0));
+}
