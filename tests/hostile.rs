@@ -290,6 +290,24 @@ fn one_deadline_covers_a_fresh_instances_configure_and_first_call() {
 }
 
 #[test]
+fn an_unlimited_deadline_is_taken_as_a_day_not_an_overflow() {
+    let plugin = hostile_plugin(PluginLimits {
+        deadline: Duration::MAX,
+        ..PluginLimits::default()
+    });
+    assert_eq!(
+        plugin.engine().limits().deadline,
+        snowgate_host::engine::MAX_DEADLINE
+    );
+    assert_next_request_is_stamped(&plugin);
+    let (answer, _) = misbehave_async(&plugin, "nap");
+    match answer {
+        Ok(Action::ForwardWithBody(body)) => assert_stamped(&body),
+        other => panic!("expected a stamp, got {}", describe(&other)),
+    };
+}
+
+#[test]
 fn a_memory_bomb_is_stopped_at_the_memory_limit() {
     let plugin = hostile_plugin(PluginLimits {
         memory_bytes: 32 << 20,

@@ -25,6 +25,9 @@ pub(crate) const EPOCH_TICK: Duration = Duration::from_millis(1);
 /// map of the plugin's compiled code (for profiling plugins with `perf`).
 pub const PERFMAP_VARIABLE: &str = "SNOWGATE_WASM_PERFMAP";
 
+/// The longest deadline a call gets; longer ones are taken as this.
+pub const MAX_DEADLINE: Duration = Duration::from_secs(24 * 60 * 60);
+
 /// The size of a 32-bit linear memory's index space, and so the most any
 /// linear memory can grow to.
 const MAX_32BIT_MEMORY: usize = 4 << 30;
@@ -83,6 +86,12 @@ impl PluginEngine {
     /// Creates the engine and starts its epoch ticker thread (which ends when
     /// the last clone of the engine is dropped).
     pub fn new(services: HostServices, limits: PluginLimits) -> anyhow::Result<PluginEngine> {
+        // Deadlines are added to instants and counted in ticks: keep them
+        // representable ("no limit", `Duration::MAX`, becomes a day).
+        let limits = PluginLimits {
+            deadline: limits.deadline.min(MAX_DEADLINE),
+            ..limits
+        };
         let mut config = Config::new();
         config.wasm_component_model(true);
         config.epoch_interruption(true);

@@ -12,6 +12,8 @@ pub struct PluginLimits {
     /// Wall time for instantiation, configuration and the handler together
     /// (the handler alone on a reused instance), enforced by epoch
     /// interruption; a WASI wait that would end after it ends the call.
+    /// At most [`MAX_DEADLINE`](crate::engine::MAX_DEADLINE) (a day): the
+    /// engine takes longer ones, `Duration::MAX` included, as that.
     pub deadline: Duration,
     /// The largest body a plugin may answer with.
     pub max_output_body_bytes: usize,
