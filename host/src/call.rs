@@ -176,7 +176,7 @@ impl Plugin {
 
     /// An idle instance of this plugin, if one is kept.
     fn take_idle(&self) -> Option<Reusable> {
-        self.idle.lock().ok()?.pop()
+        self.idle.lock().ok()?.as_mut()?.pop()
     }
 
     /// Keeps `held` for another request, unless it has served its share,
@@ -192,9 +192,10 @@ impl Plugin {
             return;
         }
         if let Ok(mut idle) = self.idle.lock() {
-            let retired = self.retired.load(std::sync::atomic::Ordering::Relaxed);
-            if !retired && idle.len() < limits.kept_instances() as usize {
-                idle.push(held);
+            if let Some(kept) = idle.as_mut() {
+                if kept.len() < limits.kept_instances() as usize {
+                    kept.push(held);
+                }
             }
         }
     }
@@ -204,14 +205,7 @@ impl Plugin {
     /// slots it held serve the new one. Calls already running finish, and
     /// later calls still work, each on a fresh instance.
     pub fn retire(&self) {
-        let dropped = match self.idle.lock() {
-            Ok(mut idle) => {
-                self.retired
-                    .store(true, std::sync::atomic::Ordering::Relaxed);
-                std::mem::take(&mut *idle)
-            }
-            Err(_) => Vec::new(),
-        };
+        let dropped = self.idle.lock().ok().and_then(|mut idle| idle.take());
         // Dropped outside the lock: returning slots to the pool takes time.
         drop(dropped);
     }

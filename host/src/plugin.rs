@@ -36,11 +36,9 @@ pub struct Plugin {
     pub(crate) pre_async: InstancePre<HostState>,
     /// Where the handler's `configure` and `handle` exports are.
     pub(crate) exports: HandlerExports,
-    /// Instances kept between async calls (see [`Plugin::handle_async`]).
-    pub(crate) idle: std::sync::Mutex<Vec<crate::call::Reusable>>,
-    /// Set by [`Plugin::retire`] (under the `idle` lock): keep no more
-    /// instances.
-    pub(crate) retired: std::sync::atomic::AtomicBool,
+    /// Instances kept between async calls (see [`Plugin::handle_async`]);
+    /// `None` once [`Plugin::retire`] ran: keep none any more.
+    pub(crate) idle: std::sync::Mutex<Option<Vec<crate::call::Reusable>>>,
     pub(crate) settings: Arc<[Setting]>,
     pub(crate) name: Arc<str>,
     info: PluginInfo,
@@ -105,8 +103,7 @@ impl Plugin {
             pre,
             pre_async,
             exports,
-            idle: std::sync::Mutex::new(Vec::new()),
-            retired: std::sync::atomic::AtomicBool::new(false),
+            idle: std::sync::Mutex::new(Some(Vec::new())),
             settings,
             name: Arc::from("unnamed plugin"),
             info: PluginInfo {
