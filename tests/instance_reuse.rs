@@ -256,11 +256,10 @@ fn exact(answer: &Result<Action, CallError>) -> String {
     }
 }
 
-#[test]
-fn a_replaced_plugin_gives_back_the_instances_it_kept() {
-    // Four slots in all: if the instances a plugin keeps for reuse outlived
-    // it, the fifth plugin would find no slot for its load-time check.
-    let engine = engine_with(
+/// An engine with four instance slots, so that one kept per plugin is
+/// enough to run out within a few builds.
+fn four_slot_engine() -> snowgate_host::PluginEngine {
+    engine_with(
         SnowflakeLayout::TrtllmV1,
         9,
         FixedClock(START_MILLIS),
@@ -268,16 +267,28 @@ fn a_replaced_plugin_gives_back_the_instances_it_kept() {
             max_instances: 4,
             ..PluginLimits::default()
         },
-    );
+    )
+}
+
+/// A context-only request through the gateway's call path is stamped.
+fn assert_stamps_async(runtime: &tokio::runtime::Runtime, plugin: &Plugin, round: usize) {
+    runtime.block_on(async {
+        match plugin.handle_async(&json_request(CONTEXT_ONLY)).await {
+            Ok(Action::ForwardWithBody(_)) => {}
+            other => panic!("round {round}: expected a stamp, got {}", describe(&other)),
+        }
+    });
+}
+
+#[test]
+fn a_replaced_plugin_gives_back_the_instances_it_kept() {
+    // Four slots in all: if the instances a plugin keeps for reuse outlived
+    // it, the fifth plugin would find no slot for its load-time check.
+    let engine = four_slot_engine();
     let runtime = runtime();
     for round in 0..50 {
         let plugin = load_bundled(&engine);
-        runtime.block_on(async {
-            match plugin.handle_async(&json_request(CONTEXT_ONLY)).await {
-                Ok(Action::ForwardWithBody(_)) => {}
-                other => panic!("round {round}: expected a stamp, got {}", describe(&other)),
-            }
-        });
+        assert_stamps_async(&runtime, &plugin, round);
         drop(plugin);
     }
 }
@@ -287,25 +298,12 @@ fn a_retired_plugin_frees_its_kept_instances_though_requests_still_hold_it() {
     // Four slots, one kept per plugin. A replaced build stays referenced
     // while requests that started on it finish; if it kept its instance,
     // the fourth build would find no slot for its load-time check.
-    let engine = engine_with(
-        SnowflakeLayout::TrtllmV1,
-        9,
-        FixedClock(START_MILLIS),
-        PluginLimits {
-            max_instances: 4,
-            ..PluginLimits::default()
-        },
-    );
+    let engine = four_slot_engine();
     let runtime = runtime();
     let mut still_referenced = Vec::new();
     for round in 0..20 {
         let plugin = load_bundled(&engine);
-        runtime.block_on(async {
-            match plugin.handle_async(&json_request(CONTEXT_ONLY)).await {
-                Ok(Action::ForwardWithBody(_)) => {}
-                other => panic!("round {round}: expected a stamp, got {}", describe(&other)),
-            }
-        });
+        assert_stamps_async(&runtime, &plugin, round);
         plugin.retire();
         still_referenced.push(plugin);
     }
