@@ -219,16 +219,24 @@ fn a_plugin_sleeping_past_its_deadline_is_stopped_at_once() {
         deadline,
         ..PluginLimits::default()
     });
-    for _ in 0..2 {
-        let (error, took) = misbehave(&plugin, "sleep");
-        assert_eq!(error, CallError::Deadline(deadline));
-        assert!(took < deadline, "sync: waited {took:?} before stopping");
-        let (answer, took) = misbehave_async(&plugin, "sleep");
+    // `sleep` waits with `subscribe-duration`, `sleep-until` with
+    // `subscribe-instant`: the host replaces both.
+    for sleep in ["sleep", "sleep-until", "sleep", "sleep-until"] {
+        let (error, took) = misbehave(&plugin, sleep);
+        assert_eq!(error, CallError::Deadline(deadline), "sync {sleep}");
+        assert!(
+            took < deadline,
+            "sync {sleep}: waited {took:?} before stopping"
+        );
+        let (answer, took) = misbehave_async(&plugin, sleep);
         match answer {
-            Err(error) => assert_eq!(error, CallError::Deadline(deadline)),
-            other => panic!("async sleep: {}", describe(&other)),
+            Err(error) => assert_eq!(error, CallError::Deadline(deadline), "async {sleep}"),
+            other => panic!("async {sleep}: {}", describe(&other)),
         }
-        assert!(took < deadline, "async: waited {took:?} before stopping");
+        assert!(
+            took < deadline,
+            "async {sleep}: waited {took:?} before stopping"
+        );
         assert_next_request_is_stamped(&plugin);
     }
 }
@@ -239,22 +247,25 @@ fn a_sleep_within_the_deadline_sleeps_and_the_call_goes_on() {
         deadline: Duration::from_secs(30),
         ..PluginLimits::default()
     });
-    // The fixture's `nap` is 20 ms.
+    // The fixture's `nap` and `nap-until` are 20 ms, one with each of the
+    // clock's subscriptions.
     let nap = Duration::from_millis(20);
-    let started = Instant::now();
-    let answer = plugin.handle(&request(Some("nap"), &[]));
-    let took = started.elapsed();
-    match answer {
-        Ok(Action::ForwardWithBody(body)) => assert_stamped(&body),
-        other => panic!("sync nap: {}", describe(&other)),
-    };
-    assert!(took >= nap, "sync: the nap took only {took:?}");
-    let (answer, took) = misbehave_async(&plugin, "nap");
-    match answer {
-        Ok(Action::ForwardWithBody(body)) => assert_stamped(&body),
-        other => panic!("async nap: {}", describe(&other)),
-    };
-    assert!(took >= nap, "async: the nap took only {took:?}");
+    for behaviour in ["nap", "nap-until"] {
+        let started = Instant::now();
+        let answer = plugin.handle(&request(Some(behaviour), &[]));
+        let took = started.elapsed();
+        match answer {
+            Ok(Action::ForwardWithBody(body)) => assert_stamped(&body),
+            other => panic!("sync {behaviour}: {}", describe(&other)),
+        };
+        assert!(took >= nap, "sync {behaviour}: took only {took:?}");
+        let (answer, took) = misbehave_async(&plugin, behaviour);
+        match answer {
+            Ok(Action::ForwardWithBody(body)) => assert_stamped(&body),
+            other => panic!("async {behaviour}: {}", describe(&other)),
+        };
+        assert!(took >= nap, "async {behaviour}: took only {took:?}");
+    }
 }
 
 #[test]
