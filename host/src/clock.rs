@@ -6,7 +6,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 pub use snowgate_plugin::Tick;
 
@@ -132,6 +132,75 @@ impl IdClock {
     }
 }
 
+/// The longest a stopping process waits for the wall clock to pass its id
+/// clock ([`IdClock::wait_for_wall_clock`]). Bursts put the id clock ahead
+/// by a millisecond per sequence space of ids (4096 in `trtllm-v1`), so ten
+/// seconds covers tens of millions of ids; a longer lead means the wall
+/// clock stepped back.
+pub const MAX_CATCH_UP: Duration = Duration::from_secs(10);
+
+/// The clock's lead over the wall clock was too long to wait out: how long
+/// it was. See [`IdClock::wait_for_wall_clock`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TooFarAhead(pub Duration);
+
+impl std::fmt::Display for TooFarAhead {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "the id clock is {} ms ahead of the wall clock; a process started on the \
+             same machine id within that time may repeat its ids",
+            self.0.as_millis()
+        )
+    }
+}
+
+impl std::error::Error for TooFarAhead {}
+
+impl IdClock {
+    /// How long until the wall clock reads a later millisecond than every
+    /// tick handed out: zero when it already does, or when no tick was
+    /// handed out. The clock runs ahead after bursts (more ids than a
+    /// millisecond's sequence space), and stays ahead after the wall clock
+    /// steps back.
+    pub fn lead(&self) -> Duration {
+        match self.last_tick() {
+            Some(last) => {
+                let now = self.wall.now_millis();
+                Duration::from_millis((last.millis + 1).saturating_sub(now))
+            }
+            None => Duration::ZERO,
+        }
+    }
+
+    /// Blocks until the wall clock has passed every tick handed out, and
+    /// returns how long that took (zero when it already had).
+    ///
+    /// A process's clock starts at the wall clock, so a process that
+    /// stops while its clock is ahead must wait this out: otherwise the
+    /// next process on the same machine id could issue ids it issued. A
+    /// lead longer than `limit` (the wall clock stepped back, or a burst of
+    /// millions of ids) is not waited out; the error says how long it is.
+    pub fn wait_for_wall_clock(&self, limit: Duration) -> Result<Duration, TooFarAhead> {
+        let started = Instant::now();
+        let mut waited = Duration::ZERO;
+        loop {
+            let lead = self.lead();
+            if lead.is_zero() {
+                return Ok(waited);
+            }
+            // Sleeps run on the monotonic clock and the lead on the wall
+            // clock, so this may take a few rounds; a wall clock that stops
+            // or steps back meanwhile ends it at `limit`.
+            if waited + lead > limit {
+                return Err(TooFarAhead(lead));
+            }
+            std::thread::sleep(lead);
+            waited = started.elapsed();
+        }
+    }
+}
+
 impl std::fmt::Debug for IdClock {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("IdClock")
@@ -159,6 +228,79 @@ mod tests {
     fn hand_clock(start: u64) -> (IdClock, Arc<AtomicU64>) {
         let now = Arc::new(AtomicU64::new(start));
         (IdClock::new(HandClock(now.clone())), now)
+    }
+
+    #[test]
+    fn a_clock_that_issued_nothing_has_no_lead_to_wait_out() {
+        let (clock, _) = hand_clock(100);
+        assert_eq!(clock.lead(), Duration::ZERO);
+        // Even with no time allowed, there is nothing to wait for.
+        assert_eq!(
+            clock.wait_for_wall_clock(Duration::ZERO),
+            Ok(Duration::ZERO)
+        );
+    }
+
+    #[test]
+    fn the_lead_is_the_time_until_the_wall_clock_passes_the_last_tick() {
+        let (clock, now) = hand_clock(100);
+        clock.next_tick(4096);
+        // The wall clock still reads 100, the millisecond of the last tick.
+        assert_eq!(clock.lead(), Duration::from_millis(1));
+        now.store(101, Ordering::SeqCst);
+        assert_eq!(clock.lead(), Duration::ZERO);
+        // A burst of three milliseconds' sequence space runs 3 ms ahead.
+        for _ in 0..3 * 1024 {
+            clock.next_tick(1024);
+        }
+        assert_eq!(clock.last_tick().map(|t| t.millis), Some(103));
+        assert_eq!(clock.lead(), Duration::from_millis(3));
+        // A wall clock that steps back leaves the clock further ahead.
+        now.store(50, Ordering::SeqCst);
+        assert_eq!(clock.lead(), Duration::from_millis(54));
+    }
+
+    #[test]
+    fn waiting_for_the_wall_clock_ends_after_the_last_tick() {
+        let clock = IdClock::system();
+        clock.next_tick(4096);
+        // What a burst of 200 ms of sequence space does.
+        clock.advance_past(SystemClock.now_millis() + 200);
+        let last = clock.last_tick().expect("a tick").millis;
+        let waited = clock
+            .wait_for_wall_clock(Duration::from_secs(10))
+            .expect("a 200 ms lead is waited out");
+        assert!(SystemClock.now_millis() > last);
+        assert!(waited >= Duration::from_millis(150), "waited {waited:?}");
+        assert_eq!(clock.lead(), Duration::ZERO);
+    }
+
+    #[test]
+    fn a_lead_longer_than_the_limit_is_reported_not_waited_out() {
+        let clock = IdClock::system();
+        clock.advance_past(SystemClock.now_millis() + 3_600_000);
+        let started = Instant::now();
+        let TooFarAhead(lead) = clock
+            .wait_for_wall_clock(Duration::from_secs(10))
+            .expect_err("an hour's lead is over the limit");
+        assert!(started.elapsed() < Duration::from_secs(5));
+        assert!(lead > Duration::from_secs(3_590), "{lead:?}");
+        assert!(TooFarAhead(lead)
+            .to_string()
+            .contains("ahead of the wall clock"));
+    }
+
+    #[test]
+    fn a_wall_clock_that_stands_still_ends_the_wait_at_the_limit() {
+        let (clock, _) = hand_clock(100);
+        clock.next_tick(4096);
+        let started = Instant::now();
+        let limit = Duration::from_millis(30);
+        assert_eq!(
+            clock.wait_for_wall_clock(limit),
+            Err(TooFarAhead(Duration::from_millis(1)))
+        );
+        assert!(started.elapsed() <= limit + Duration::from_secs(5));
     }
 
     #[test]
