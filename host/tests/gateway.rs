@@ -4,12 +4,17 @@
 
 mod support;
 
-use std::time::Duration;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::{Method, StatusCode};
 use http_body_util::{BodyExt, Full};
 use serde_json::Value;
+use snowgate_host::gateway::{Gateway as LibraryGateway, GatewayConfig};
+use snowgate_host::{IdClock, SystemClock, WallClock};
+use snowgate_plugin::SnowflakeLayout;
 use support::*;
 
 // ---------------------------------------------------------------------------
@@ -722,9 +727,7 @@ async fn admin_endpoints_describe_the_serving_plugin() {
     // Ids follow the layout and machine id /status reports.
     let reply = post_json(gateway.addr, "/v1/completions", CONTEXT_ONLY).await;
     let id = stamped_id(&serde_json::to_vec(&reply.json()["body"]).unwrap());
-    let parts = snowgate_plugin::SnowflakeLayout::TrtllmV2
-        .decode(id)
-        .unwrap();
+    let parts = SnowflakeLayout::TrtllmV2.decode(id).unwrap();
     assert_eq!(parts.machine_id, 300);
 
     // The bundled plugin has no file to reload from.
@@ -939,4 +942,98 @@ async fn sigterm_does_not_wait_for_connections_that_sent_nothing() {
     let status = gateway.wait_exit(Duration::from_secs(10)).await;
     assert_eq!(status.code(), Some(0), "exit status {status:?}");
     drop(silent);
+}
+
+// ---------------------------------------------------------------------------
+// Restarts
+// ---------------------------------------------------------------------------
+
+/// Serves the library gateway with the bundled plugin, the built-in echo and
+/// [`MACHINE_ID`]; returns its address, its id clock, the stop trigger and
+/// the serving task.
+async fn serve_library_gateway() -> (
+    SocketAddr,
+    Arc<IdClock>,
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<anyhow::Result<()>>,
+) {
+    let config = GatewayConfig {
+        listen: ([127, 0, 0, 1], 0).into(),
+        admin_listen: ([127, 0, 0, 1], 0).into(),
+        machine_id: Some(MACHINE_ID),
+        ..Default::default()
+    };
+    let gateway = LibraryGateway::bind(config)
+        .await
+        .unwrap_or_else(|e| panic!("starting the gateway: {e:#}"));
+    let addr = gateway.local_addr().expect("the gateway's address");
+    let clock = gateway.clock().clone();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let served = tokio::spawn(gateway.serve(async move {
+        let _ = stopped.await;
+    }));
+    (addr, clock, stop, served)
+}
+
+/// The id the echo shows the plugin stamped into [`CONTEXT_ONLY`].
+async fn echoed_id(addr: SocketAddr) -> u64 {
+    let reply = post_json(addr, "/v1/completions", CONTEXT_ONLY).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    stamped_id(&serde_json::to_vec(&reply.json()["body"]).expect("the echoed body"))
+}
+
+/// Ids never repeat across a restart on one machine id. A process's id
+/// clock starts at the wall clock, and a burst (more ids than a
+/// millisecond's sequence space) leaves it ahead of the wall clock: a
+/// gateway that stopped at once could be followed by one that issues ids
+/// in milliseconds the first already used. So a stopping gateway waits
+/// until the wall clock has passed its last id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_on_the_same_machine_id_starts_after_the_last_id() {
+    let (addr, clock, stop, served) = serve_library_gateway().await;
+    // What a burst of about 1.6 million trtllm-v1 ids does to the clock;
+    // a real one takes too long in a debug build to outrun the wall clock.
+    let lead = Duration::from_millis(400);
+    let now = SystemClock.now_millis();
+    clock.advance_past(now + lead.as_millis() as u64);
+    let last = SnowflakeLayout::TrtllmV1
+        .decode(echoed_id(addr).await)
+        .expect("a trtllm-v1 id");
+    assert!(
+        last.millis > now + 300,
+        "the id was not made ahead: {last:?}"
+    );
+
+    let stopping = Instant::now();
+    let _ = stop.send(());
+    bounded("the first gateway to stop", Duration::from_secs(30), served)
+        .await
+        .expect("the serving task")
+        .expect("the first gateway");
+    let now = SystemClock.now_millis();
+    assert!(
+        now > last.millis,
+        "stopped at {now} ms, before the wall clock passed its last id at {} ms",
+        last.millis
+    );
+    assert!(stopping.elapsed() >= Duration::from_millis(200));
+
+    let (addr, _, stop, served) = serve_library_gateway().await;
+    let first = SnowflakeLayout::TrtllmV1
+        .decode(echoed_id(addr).await)
+        .expect("a trtllm-v1 id");
+    assert_eq!(first.machine_id, last.machine_id);
+    assert!(
+        first.millis > last.millis,
+        "the restarted gateway's first id ({first:?}) is not after the last one ({last:?})"
+    );
+    let _ = stop.send(());
+    bounded(
+        "the second gateway to stop",
+        Duration::from_secs(30),
+        served,
+    )
+    .await
+    .expect("the serving task")
+    .expect("the second gateway");
 }

@@ -30,7 +30,7 @@ pub use middleware::{Snowgate, SnowgateLayer};
 pub use slot::{PluginSlot, ReloadError, Reloaded};
 pub use upstream::Upstream;
 
-use crate::clock::IdClock;
+use crate::clock::{IdClock, MAX_CATCH_UP};
 use crate::engine::{HostServices, PluginEngine};
 use crate::identity::MachineIdentity;
 use crate::lease;
@@ -162,9 +162,35 @@ impl Gateway {
         )
         .await;
         admin_task.abort();
-        if let Some((_, handle)) = lease {
-            handle.release(drained).await;
+        match lease {
+            Some((_, handle)) => handle.release(drained).await,
+            None => outlast_the_clock(&self.services).await,
         }
         Ok(())
+    }
+
+    /// The id clock every plugin call of this gateway reads.
+    pub fn clock(&self) -> &Arc<IdClock> {
+        &self.services.clock
+    }
+}
+
+/// With a machine id of its own (no lease, so no high-water mark in
+/// etcd), the gateway stops stamping and then waits until the wall
+/// clock has passed every id it issued: the next process on this
+/// machine id starts its id clock at the wall clock, and must not
+/// start inside a millisecond this one used.
+async fn outlast_the_clock(services: &HostServices) {
+    services.identity.withdraw("the gateway is stopping");
+    let clock = services.clock.clone();
+    let waited = tokio::task::spawn_blocking(move || clock.wait_for_wall_clock(MAX_CATCH_UP)).await;
+    match waited {
+        Ok(Ok(waited)) if waited.is_zero() => {}
+        Ok(Ok(waited)) => tracing::info!(
+            waited_ms = waited.as_millis() as u64,
+            "waited for the wall clock to pass the last id issued"
+        ),
+        Ok(Err(too_far)) => tracing::warn!("{too_far}"),
+        Err(e) => tracing::warn!(error = %e, "waiting for the wall clock failed"),
     }
 }

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use anyhow::Context as _;
 use clap::Args;
+use snowgate_host::clock::MAX_CATCH_UP;
 use snowgate_host::{
     Action, FixedClock, HostServices, IdClock, MachineIdentity, Plugin, PluginEngine, PluginLimits,
     Request,
@@ -62,12 +63,12 @@ impl FromStr for ClockChoice {
 pub fn run(args: RewriteArgs) -> Result<(), Failure> {
     let identity = MachineIdentity::fixed(args.layout, args.machine_id)
         .map_err(|e| Failure::BadInput(format!("--machine-id: {e}")))?;
-    let clock = match args.clock {
+    let clock = Arc::new(match args.clock {
         ClockChoice::System => IdClock::system(),
         ClockChoice::Fixed(ms) => IdClock::new(FixedClock(ms)),
-    };
+    });
     let services = HostServices {
-        clock: Arc::new(clock),
+        clock: clock.clone(),
         identity: Arc::new(identity),
     };
     let engine = PluginEngine::new(services, PluginLimits::default())?;
@@ -108,5 +109,14 @@ pub fn run(args: RewriteArgs) -> Result<(), Failure> {
         .write_all(out)
         .and_then(|()| stdout.flush())
         .context("writing the body to stdout")?;
+    // The next process on this machine id starts its clock at the wall
+    // clock: after a burst (more ids than a millisecond's sequence space)
+    // this one must not end before the wall clock has passed its last id.
+    // A fixed clock is for reproducible runs and never catches up.
+    if matches!(args.clock, ClockChoice::System) {
+        if let Err(too_far) = clock.wait_for_wall_clock(MAX_CATCH_UP) {
+            eprintln!("snowgate: warning: {too_far}");
+        }
+    }
     Ok(())
 }
