@@ -588,3 +588,55 @@ async fn a_reload_whose_caller_gives_up_still_swaps_the_build_in() {
     }
     assert_eq!(slot.metrics().reloads(), (1, 0));
 }
+
+/// A stopping gateway closes its slot before it gives up its machine id: a
+/// reload already running finishes first, and none runs afterwards (each
+/// reload's self-check takes an id from the clock).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_slot_finishes_the_running_reload_and_refuses_later_ones() {
+    use snowgate_host::gateway::{Metrics, PluginSlot};
+    use snowgate_host::{HostServices, IdClock, MachineIdentity, PluginEngine, PluginLimits};
+
+    let dir = TempDir::new("closed-slot");
+    let path = dir.path().join("plugin.wasm");
+    std::fs::write(&path, plugin_variant(1)).expect("writing the first build");
+    let services = HostServices {
+        clock: Arc::new(IdClock::system()),
+        identity: Arc::new(
+            MachineIdentity::fixed(snowgate_plugin::SnowflakeLayout::TrtllmV1, MACHINE_ID)
+                .expect("in range"),
+        ),
+    };
+    let engine = PluginEngine::new(services, PluginLimits::default()).expect("an engine");
+    let slot = Arc::new(
+        PluginSlot::load(
+            engine,
+            Some(path.clone()),
+            Vec::new(),
+            Arc::new(Metrics::default()),
+        )
+        .expect("the first build loads"),
+    );
+    std::fs::write(&path, plugin_variant(2)).expect("writing the second build");
+
+    // A reload under way when the slot closes either ran to the end before
+    // `close` returned or never started: nothing changes afterwards.
+    let running = tokio::spawn({
+        let slot = slot.clone();
+        async move { slot.reload().await }
+    });
+    slot.close().await;
+    let at_close = slot.current().info().sha256.clone();
+    let outcome = running.await.expect("the reload task");
+    assert_eq!(slot.current().info().sha256, at_close);
+    match outcome {
+        Ok(_) => assert_eq!(at_close, sha256_hex(&plugin_variant(2))),
+        Err(e) => assert!(e.contains("stopping"), "{e}"),
+    }
+
+    // Later reloads are refused, saying why, and the file is not read.
+    std::fs::write(&path, plugin_variant(3)).expect("writing the third build");
+    let refused = slot.reload().await.expect_err("a reload after close");
+    assert_eq!(refused, "the gateway is stopping: reloads are over");
+    assert_eq!(slot.current().info().sha256, at_close);
+}

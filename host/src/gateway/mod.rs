@@ -124,6 +124,12 @@ impl Gateway {
 
     /// Serves until `shutdown` resolves, then drains in-flight requests.
     /// Reloads on plugin file changes, SIGHUP and `POST /reload`.
+    ///
+    /// After the drain it ends reloads and gives up its machine id: with
+    /// a lease, by recording its last id in etcd and revoking the lease;
+    /// without one, by waiting (up to [`MAX_CATCH_UP`]) until the wall
+    /// clock has passed its last id, which after a burst can add to the
+    /// stop.
     pub async fn serve(self, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
         let lease = match &self.config.lease {
             Some(config) => Some(lease::start(config.clone(), self.services.clone())?),
@@ -162,6 +168,10 @@ impl Gateway {
         )
         .await;
         admin_task.abort();
+        // Reload triggers (the file watcher, SIGHUP, an admin request
+        // already accepted) outlive the server; a reload's self-check
+        // stamps an id. None may run once the last id is accounted for.
+        self.slot.close().await;
         match lease {
             Some((_, handle)) => handle.release(drained).await,
             None => outlast_the_clock(&self.services).await,

@@ -46,8 +46,9 @@ pub struct PluginSlot {
     settings: Vec<(String, String)>,
     metrics: Arc<Metrics>,
     last_error: Mutex<Option<ReloadError>>,
-    /// One reload at a time.
-    reloading: tokio::sync::Mutex<()>,
+    /// One reload at a time; `true` once the slot is closed (see
+    /// [`PluginSlot::close`]).
+    reloading: tokio::sync::Mutex<bool>,
 }
 
 impl PluginSlot {
@@ -76,7 +77,7 @@ impl PluginSlot {
             settings,
             metrics,
             last_error: Mutex::new(None),
-            reloading: tokio::sync::Mutex::new(()),
+            reloading: tokio::sync::Mutex::new(false),
         })
     }
 
@@ -117,8 +118,19 @@ impl PluginSlot {
             .unwrap_or_else(|e| Err(format!("the reload task failed: {e}")))
     }
 
+    /// Ends reloading for good: waits for a reload in progress to finish,
+    /// and refuses every later one. A stopping gateway closes its slot
+    /// before it gives up its machine id, so that no reload's self-check
+    /// takes an id from the clock after the gateway's last one.
+    pub async fn close(&self) {
+        *self.reloading.lock().await = true;
+    }
+
     async fn reload_to_the_end(&self) -> Result<Reloaded, String> {
-        let _one_at_a_time = self.reloading.lock().await;
+        let closed = self.reloading.lock().await;
+        if *closed {
+            return Err("the gateway is stopping: reloads are over".to_string());
+        }
         let Some(path) = self.source.clone() else {
             return Err(
                 "the bundled plugin has no file to reload from; start with --plugin PATH"
