@@ -86,7 +86,7 @@ impl IdClock {
                         sequence,
                     },
                     None => Tick {
-                        millis: prev.millis + 1,
+                        millis: prev.millis.saturating_add(1),
                         sequence: 0,
                     },
                 }
@@ -123,7 +123,8 @@ impl IdClock {
         }
     }
 
-    /// The last tick handed out, if any.
+    /// The last tick handed out, or the floor [`IdClock::advance_past`] set
+    /// if that is later; `None` when there is neither.
     pub fn last_tick(&self) -> Option<Tick> {
         *self
             .last
@@ -134,9 +135,10 @@ impl IdClock {
 
 /// The longest a stopping process waits for the wall clock to pass its id
 /// clock ([`IdClock::wait_for_wall_clock`]). Bursts put the id clock ahead
-/// by a millisecond per sequence space of ids (4096 in `trtllm-v1`), so ten
-/// seconds covers tens of millions of ids; a longer lead means the wall
-/// clock stepped back.
+/// by a millisecond per sequence space of ids (4096 in `trtllm-v1`, 1024 in
+/// `trtllm-v2`), so ten seconds covers a burst of about 41 million v1 or 10
+/// million v2 ids beyond what the wall clock absorbs; a longer lead means
+/// the wall clock stepped back.
 pub const MAX_CATCH_UP: Duration = Duration::from_secs(10);
 
 /// The clock's lead over the wall clock was too long to wait out: how long
@@ -159,15 +161,15 @@ impl std::error::Error for TooFarAhead {}
 
 impl IdClock {
     /// How long until the wall clock reads a later millisecond than every
-    /// tick handed out: zero when it already does, or when no tick was
-    /// handed out. The clock runs ahead after bursts (more ids than a
+    /// tick handed out and any floor set by [`IdClock::advance_past`]: zero
+    /// when it already does, or when there is neither. The clock runs ahead after bursts (more ids than a
     /// millisecond's sequence space), and stays ahead after the wall clock
     /// steps back.
     pub fn lead(&self) -> Duration {
         match self.last_tick() {
             Some(last) => {
                 let now = self.wall.now_millis();
-                Duration::from_millis((last.millis + 1).saturating_sub(now))
+                Duration::from_millis(last.millis.saturating_add(1).saturating_sub(now))
             }
             None => Duration::ZERO,
         }
@@ -267,11 +269,17 @@ mod tests {
         // What a burst of 200 ms of sequence space does.
         clock.advance_past(SystemClock.now_millis() + 200);
         let last = clock.last_tick().expect("a tick").millis;
+        let lead = clock.lead();
         let waited = clock
             .wait_for_wall_clock(Duration::from_secs(10))
             .expect("a 200 ms lead is waited out");
         assert!(SystemClock.now_millis() > last);
-        assert!(waited >= Duration::from_millis(150), "waited {waited:?}");
+        // The lead is in whole wall-clock milliseconds, the wait on the
+        // monotonic clock: allow for the rounding.
+        assert!(
+            waited + Duration::from_millis(2) >= lead,
+            "waited {waited:?} of a {lead:?} lead"
+        );
         assert_eq!(clock.lead(), Duration::ZERO);
     }
 

@@ -93,7 +93,19 @@ pub fn run(args: RewriteArgs) -> Result<(), Failure> {
         headers: vec![("content-type".into(), b"application/json".to_vec())],
         body,
     };
-    let action = plugin.handle(&request).context("running the plugin")?;
+    let answer = plugin.handle(&request);
+    // The next process on this machine id starts its clock at the wall
+    // clock: after a burst (more ids than a millisecond's sequence space)
+    // this one must not end before the wall clock has passed its last id.
+    // It waits before anything else, so that no error on the way out skips
+    // it.
+    // A fixed clock is for reproducible runs and never catches up.
+    if matches!(args.clock, ClockChoice::System) {
+        if let Err(too_far) = clock.wait_for_wall_clock(MAX_CATCH_UP) {
+            eprintln!("snowgate: warning: {too_far}");
+        }
+    }
+    let action = answer.context("running the plugin")?;
     let out = match &action {
         Action::Forward => &request.body,
         Action::ForwardWithBody(body) => body,
@@ -109,14 +121,5 @@ pub fn run(args: RewriteArgs) -> Result<(), Failure> {
         .write_all(out)
         .and_then(|()| stdout.flush())
         .context("writing the body to stdout")?;
-    // The next process on this machine id starts its clock at the wall
-    // clock: after a burst (more ids than a millisecond's sequence space)
-    // this one must not end before the wall clock has passed its last id.
-    // A fixed clock is for reproducible runs and never catches up.
-    if matches!(args.clock, ClockChoice::System) {
-        if let Err(too_far) = clock.wait_for_wall_clock(MAX_CATCH_UP) {
-            eprintln!("snowgate: warning: {too_far}");
-        }
-    }
     Ok(())
 }

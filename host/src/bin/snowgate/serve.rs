@@ -65,7 +65,9 @@ pub struct ServeArgs {
     #[arg(long, value_name = "N")]
     plugin_calls_per_instance: Option<u32>,
     /// How long in-flight requests may finish after SIGTERM, in seconds
-    /// [default: 30].
+    /// [default: 30]. Without --etcd, the stop may then take up to 10 s
+    /// more, after a burst of ids, until the wall clock has passed the last
+    /// id issued.
     #[arg(long, value_name = "SECS")]
     shutdown_grace_secs: Option<u64>,
     /// Quiet time after a plugin file change before reloading, in
