@@ -18,6 +18,8 @@
 //! of any millisecond it may use before its lease could expire; on a clean
 //! stop it writes the exact last millisecond it used. A new holder starts
 //! its clock after that mark ([`IdClock::advance_past`](crate::IdClock::advance_past)) instead of waiting.
+//! A mark no holder could have written (not a number, or more than a day
+//! ahead) makes the new holder give the slot back and take another.
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -38,6 +40,12 @@ const RENEWALS_PER_TTL: u32 = 3;
 const SAFETY_MARGIN: Duration = Duration::from_millis(1000);
 /// Pause between attempts to reach etcd or claim an id.
 const RETRY_PAUSE: Duration = Duration::from_millis(500);
+/// The furthest a slot's high-water mark may lie ahead of this host's wall
+/// clock. A holder keeps its mark a TTL plus a second ahead of its clock,
+/// and bursts add seconds at most; a mark a day ahead was not written by a
+/// holder whose clock agrees with this one, and ids that far ahead would
+/// leave the layout's timestamp range early. Such a slot is skipped.
+const MAX_MARK_AHEAD: Duration = Duration::from_secs(24 * 60 * 60);
 
 /// Where and how to lease machine ids.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -234,6 +242,25 @@ impl LeaseHandle {
     }
 }
 
+/// A high-water mark's value: milliseconds since the Unix epoch, as
+/// decimal text, no more than [`MAX_MARK_AHEAD`] past `now`.
+fn parse_high_water(key: &str, value: &[u8], now: u64) -> Result<u64, String> {
+    let text = String::from_utf8_lossy(value);
+    let millis: u64 = text.trim().parse().map_err(|_| {
+        format!("the high-water mark {key} holds {text:?}, not a count of milliseconds")
+    })?;
+    let furthest = now.saturating_add(MAX_MARK_AHEAD.as_millis() as u64);
+    if millis > furthest {
+        return Err(format!(
+            "the high-water mark {key} is {millis} ({}), more than a day ahead of this host's \
+             clock ({})",
+            format_millis(millis),
+            format_millis(now)
+        ));
+    }
+    Ok(millis)
+}
+
 /// What ended a period of holding an id.
 enum Ended {
     Stopped,
@@ -372,7 +399,23 @@ impl Keeper {
             {
                 continue; // another replica took it first
             }
-            let high_water = self.read_high_water(&mut client, id).await?;
+            let high_water = match self.read_high_water(&mut client, id).await? {
+                Ok(mark) => mark,
+                Err(problem) => {
+                    // Without a mark it can trust, the slot's previous ids
+                    // are unknown: give it back and take another.
+                    tracing::error!(
+                        machine_id = id,
+                        "{problem}: skipping machine id {id}; fix or delete the mark once no \
+                         replica can have used the id for as long as the mark says"
+                    );
+                    client
+                        .delete(key.as_str(), None)
+                        .await
+                        .context("giving back a machine id with a bad high-water mark")?;
+                    continue;
+                }
+            };
             if let Some(ms) = high_water {
                 self.services.clock.advance_past(ms);
             }
@@ -400,15 +443,24 @@ impl Keeper {
         )
     }
 
-    async fn read_high_water(&self, client: &mut Client, id: u32) -> anyhow::Result<Option<u64>> {
+    /// Reads the slot's high-water mark: none, a mark, or (the inner error)
+    /// a value no holder could have written, which names the key and says
+    /// what is wrong with it.
+    async fn read_high_water(
+        &self,
+        client: &mut Client,
+        id: u32,
+    ) -> anyhow::Result<Result<Option<u64>, String>> {
+        let key = self.high_water_key(id);
         let response = client
-            .get(self.high_water_key(id), None)
+            .get(key.as_str(), None)
             .await
             .context("reading the slot's high-water mark")?;
-        Ok(response
-            .kvs()
-            .first()
-            .and_then(|kv| kv.value_str().ok()?.trim().parse().ok()))
+        let now = millis_of(SystemTime::now());
+        Ok(match response.kvs().first() {
+            None => Ok(None),
+            Some(kv) => parse_high_water(&key, kv.value(), now).map(Some),
+        })
     }
 
     /// Raises the slot's high-water mark past every millisecond this holder
@@ -513,4 +565,58 @@ fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|h| h.trim().to_string())
         .unwrap_or_else(|_| "unknown".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const KEY: &str = "/snowgate/trtllm-v1/high-water/3";
+    const NOW: u64 = 1_764_000_000_000;
+
+    #[test]
+    fn a_mark_is_decimal_milliseconds_with_optional_whitespace() {
+        assert_eq!(
+            parse_high_water(KEY, b"1764000011000", NOW),
+            Ok(1_764_000_011_000)
+        );
+        assert_eq!(
+            parse_high_water(KEY, b" 1764000011000\n", NOW),
+            Ok(1_764_000_011_000)
+        );
+        // A mark in the past is simply passed already.
+        assert_eq!(parse_high_water(KEY, b"5", NOW), Ok(5));
+    }
+
+    #[test]
+    fn a_mark_that_is_not_a_count_is_refused_naming_the_key_and_value() {
+        for bad in [
+            &b""[..],
+            b"soon",
+            b"-1",
+            b"1.5e12",
+            b"18446744073709551616",
+            b"\xff\xfe",
+        ] {
+            let problem = parse_high_water(KEY, bad, NOW).expect_err("not a mark");
+            assert!(problem.contains(KEY), "{problem}");
+            assert!(problem.contains("not a count of milliseconds"), "{problem}");
+        }
+        let problem = parse_high_water(KEY, b"soon", NOW).unwrap_err();
+        assert!(problem.contains("\"soon\""), "{problem}");
+    }
+
+    #[test]
+    fn a_mark_more_than_a_day_ahead_is_refused() {
+        let day = MAX_MARK_AHEAD.as_millis() as u64;
+        assert_eq!(
+            parse_high_water(KEY, (NOW + day).to_string().as_bytes(), NOW),
+            Ok(NOW + day)
+        );
+        let problem = parse_high_water(KEY, (NOW + day + 1).to_string().as_bytes(), NOW)
+            .expect_err("a day and a millisecond ahead");
+        assert!(problem.contains("more than a day ahead"), "{problem}");
+        assert!(problem.contains("2025-11-25T16:00:00.001Z"), "{problem}");
+        assert!(parse_high_water(KEY, u64::MAX.to_string().as_bytes(), NOW).is_err());
+    }
 }

@@ -394,3 +394,50 @@ async fn a_replica_restarted_onto_the_same_slot_repeats_no_id() {
         );
     }
 }
+
+/// A high-water mark no holder could have written (not a number, or more
+/// than a day ahead) leaves the slot's earlier ids unknown: the replica
+/// gives that slot back, says why, and takes the next one.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_slot_whose_high_water_mark_is_unreadable_is_skipped() {
+    let Some(binary) = etcd_binary() else { return };
+    let etcd = Etcd::start(binary).await;
+    let mut client = Client::connect([etcd.url()], None)
+        .await
+        .expect("connect to etcd");
+    let year_ahead = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("after 1970")
+        .as_millis() as u64
+        + 365 * 86_400_000;
+    client
+        .put("/snowgate/trtllm-v1/high-water/0", "soon", None)
+        .await
+        .expect("writing a bad mark");
+    client
+        .put(
+            "/snowgate/trtllm-v1/high-water/1",
+            year_ahead.to_string(),
+            None,
+        )
+        .await
+        .expect("writing a far mark");
+
+    let replica = replica(&etcd, &[]).await;
+    assert_eq!(leased_id(&replica).await, 2);
+    assert_eq!(etcd.claimed().await, HashSet::from([2]));
+    replica
+        .wait_log(r#"the high-water mark /snowgate/trtllm-v1/high-water/0 holds "soon""#)
+        .await;
+    replica
+        .wait_log("the high-water mark /snowgate/trtllm-v1/high-water/1 is ")
+        .await;
+    replica.wait_log("more than a day ahead").await;
+    let ids = stamp_many(&replica, 1, 10).await;
+    for id in ids {
+        let parts = SnowflakeLayout::TrtllmV1
+            .decode(id)
+            .expect("a trtllm-v1 id");
+        assert_eq!(parts.machine_id, 2, "id {id}");
+    }
+}
