@@ -19,9 +19,10 @@
 //! stop it writes the exact last millisecond it used. A new holder starts
 //! its clock after that mark ([`IdClock::advance_past`](crate::IdClock::advance_past)) instead of waiting.
 //! A mark no holder could have written (not a number, or more than a day
-//! ahead) makes the new holder give the slot back and take another.
+//! past the furthest a holder sets it) makes the new holder give the slot
+//! back and take another.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
@@ -40,11 +41,12 @@ const RENEWALS_PER_TTL: u32 = 3;
 const SAFETY_MARGIN: Duration = Duration::from_millis(1000);
 /// Pause between attempts to reach etcd or claim an id.
 const RETRY_PAUSE: Duration = Duration::from_millis(500);
-/// The furthest a slot's high-water mark may lie ahead of this host's wall
-/// clock. A holder keeps its mark a TTL plus a second ahead of its clock,
-/// and bursts add seconds at most; a mark a day ahead was not written by a
-/// holder whose clock agrees with this one, and ids that far ahead would
-/// leave the layout's timestamp range early. Such a slot is skipped.
+/// How much further than a holder sets it a slot's high-water mark may lie
+/// ahead of this host's wall clock. A holder keeps its mark a TTL plus
+/// [`SAFETY_MARGIN`] ahead of its clock, and bursts add seconds; a mark a
+/// day beyond that was not written by a holder whose clock agrees with this
+/// one, and ids that far ahead would leave the layout's timestamp range
+/// early. Such a slot is skipped.
 const MAX_MARK_AHEAD: Duration = Duration::from_secs(24 * 60 * 60);
 
 /// Where and how to lease machine ids.
@@ -200,6 +202,7 @@ pub fn start(
         services,
         status: status.clone(),
         stop: stop_rx,
+        reported: HashSet::new(),
     };
     let task = tokio::spawn(keeper.run());
     Ok((
@@ -243,19 +246,21 @@ impl LeaseHandle {
 }
 
 /// A high-water mark's value: milliseconds since the Unix epoch, as
-/// decimal text, no more than [`MAX_MARK_AHEAD`] past `now`.
-fn parse_high_water(key: &str, value: &[u8], now: u64) -> Result<u64, String> {
+/// decimal text, no later than `furthest`.
+fn parse_high_water(key: &str, value: &[u8], furthest: u64) -> Result<u64, String> {
     let text = String::from_utf8_lossy(value);
     let millis: u64 = text.trim().parse().map_err(|_| {
-        format!("the high-water mark {key} holds {text:?}, not a count of milliseconds")
+        // etcd values can be megabytes: quote the start only.
+        let shown: String = text.chars().take(64).collect();
+        let more = if shown.len() < text.len() { "..." } else { "" };
+        format!("the high-water mark {key} holds {shown:?}{more}, not a count of milliseconds")
     })?;
-    let furthest = now.saturating_add(MAX_MARK_AHEAD.as_millis() as u64);
     if millis > furthest {
         return Err(format!(
-            "the high-water mark {key} is {millis} ({}), more than a day ahead of this host's \
-             clock ({})",
+            "the high-water mark {key} is {millis} ({}), later than {}: more than a day past \
+             the furthest a holder sets it by this host's clock",
             format_millis(millis),
-            format_millis(now)
+            format_millis(furthest)
         ));
     }
     Ok(millis)
@@ -272,6 +277,55 @@ struct Keeper {
     services: HostServices,
     status: Arc<LeaseStatus>,
     stop: watch::Receiver<Stop>,
+    /// Bad high-water marks already logged as errors: (id, problem).
+    reported: HashSet<(u32, String)>,
+}
+
+/// A machine id claimed under a lease.
+struct Claim {
+    client: Client,
+    lease_id: i64,
+    machine_id: u32,
+    /// When the last renewal etcd confirmed was sent, or the grant asked
+    /// for: the lease expires no sooner than a TTL after this.
+    alive_since: Instant,
+}
+
+/// Renews `lease_id` once; returns when the renewal was sent. An error if
+/// etcd does not confirm the lease alive.
+async fn renew_once(client: &mut Client, lease_id: i64) -> anyhow::Result<Instant> {
+    let sent = Instant::now();
+    let (mut keeper, mut responses) = client
+        .lease_keep_alive(lease_id)
+        .await
+        .context("renewing the lease while claiming a machine id")?;
+    keeper
+        .keep_alive()
+        .await
+        .context("renewing the lease while claiming a machine id")?;
+    match responses
+        .message()
+        .await
+        .context("renewing the lease while claiming a machine id")?
+    {
+        Some(response) if response.ttl() > 0 => Ok(sent),
+        _ => anyhow::bail!("the lease expired while claiming a machine id"),
+    }
+}
+
+/// `ids` as text, the first few then how many more.
+fn list_ids(ids: &[u32]) -> String {
+    const SHOWN: usize = 8;
+    let mut text = ids
+        .iter()
+        .take(SHOWN)
+        .map(u32::to_string)
+        .collect::<Vec<_>>()
+        .join(", ");
+    if ids.len() > SHOWN {
+        text.push_str(&format!(" and {} more", ids.len() - SHOWN));
+    }
+    text
 }
 
 impl Keeper {
@@ -306,7 +360,12 @@ impl Keeper {
     async fn run(mut self) {
         while !self.stopping() {
             let claimed = self.claim().await;
-            let (mut client, lease_id, machine_id) = match claimed {
+            let Claim {
+                mut client,
+                lease_id,
+                machine_id,
+                alive_since,
+            } = match claimed {
                 Ok(claim) => claim,
                 Err(e) => {
                     let message = format!("{e:#}");
@@ -316,7 +375,10 @@ impl Keeper {
                     continue;
                 }
             };
-            match self.hold(&mut client, lease_id, machine_id).await {
+            match self
+                .hold(&mut client, lease_id, machine_id, alive_since)
+                .await
+            {
                 Ended::Stopped => {
                     self.release(&mut client, lease_id, machine_id).await;
                     return;
@@ -343,8 +405,10 @@ impl Keeper {
     }
 
     /// Connects, grants a lease and claims the lowest free id; sets the
-    /// clock past the slot's high-water mark and reserves ahead.
-    async fn claim(&mut self) -> anyhow::Result<(Client, i64, u32)> {
+    /// clock past the slot's high-water mark and reserves ahead. Returns
+    /// the client, the lease, the id, and when the lease was asked for: it
+    /// expires at most a TTL after that, however long the claim took.
+    async fn claim(&mut self) -> anyhow::Result<Claim> {
         let timeout = self.config.ttl / RENEWALS_PER_TTL;
         let options = ConnectOptions::new()
             .with_connect_timeout(timeout)
@@ -354,11 +418,40 @@ impl Keeper {
             .with_context(|| {
                 format!("connecting to etcd at {}", self.config.endpoints.join(","))
             })?;
+        let mut alive_since = Instant::now();
         let lease = client
             .lease_grant(self.config.ttl.as_secs() as i64, None)
             .await
             .context("granting an etcd lease")?;
         let lease_id = lease.id();
+        match self
+            .claim_under(&mut client, lease_id, &mut alive_since)
+            .await
+        {
+            Ok(id) => Ok(Claim {
+                client,
+                lease_id,
+                machine_id: id,
+                alive_since,
+            }),
+            Err(e) => {
+                // Let go of the lease (and any slot bound to it) at once,
+                // rather than block that slot for a TTL.
+                let _ = tokio::time::timeout(RETRY_PAUSE, client.lease_revoke(lease_id)).await;
+                Err(e)
+            }
+        }
+    }
+
+    /// Claims the lowest free id under `lease_id` whose high-water mark can
+    /// be trusted. Skipping many slots can take longer than a TTL, so the
+    /// lease is renewed on the way; `alive_since` follows the renewals.
+    async fn claim_under(
+        &mut self,
+        client: &mut Client,
+        lease_id: i64,
+        alive_since: &mut Instant,
+    ) -> anyhow::Result<u32> {
         let slots = self.slots_prefix();
         let taken: BTreeSet<u32> = client
             .get(
@@ -378,7 +471,12 @@ impl Keeper {
             })
             .collect();
         let holder = format!("{}:{}", hostname(), std::process::id());
+        let mut skipped = Vec::new();
         for id in (0..=self.layout().max_machine_id()).filter(|id| !taken.contains(id)) {
+            anyhow::ensure!(!self.stopping(), "the gateway is stopping");
+            if alive_since.elapsed() >= self.config.ttl / RENEWALS_PER_TTL {
+                *alive_since = renew_once(client, lease_id).await?;
+            }
             let key = format!("{slots}{id}");
             let txn = Txn::new()
                 .when(vec![Compare::create_revision(
@@ -399,18 +497,24 @@ impl Keeper {
             {
                 continue; // another replica took it first
             }
-            let high_water = match self.read_high_water(&mut client, id).await? {
+            let high_water = match self.read_high_water(client, id).await? {
                 Ok(mark) => mark,
                 Err(problem) => {
                     // Without a mark it can trust, the slot's previous ids
                     // are unknown: give it back and take another.
-                    tracing::error!(
-                        machine_id = id,
-                        "{problem}: skipping machine id {id}; fix or delete the mark once no \
-                         replica can have used the id for as long as the mark says"
-                    );
+                    self.report_bad_mark(id, &problem);
+                    skipped.push(id);
+                    // Only while the key is still ours: had our lease run
+                    // out meanwhile, another replica may hold it now.
+                    let give_back = Txn::new()
+                        .when(vec![Compare::lease(
+                            key.as_str(),
+                            CompareOp::Equal,
+                            lease_id,
+                        )])
+                        .and_then(vec![TxnOp::delete(key.as_str(), None)]);
                     client
-                        .delete(key.as_str(), None)
+                        .txn(give_back)
                         .await
                         .context("giving back a machine id with a bad high-water mark")?;
                     continue;
@@ -419,7 +523,7 @@ impl Keeper {
             if let Some(ms) = high_water {
                 self.services.clock.advance_past(ms);
             }
-            self.reserve(&mut client, id).await?;
+            self.reserve(client, id).await?;
             self.services
                 .identity
                 .assign(id)
@@ -433,14 +537,39 @@ impl Keeper {
                 s.last_error = None;
             });
             tracing::info!(machine_id = id, lease_id, high_water = ?high_water, "machine id leased from etcd");
-            return Ok((client, lease_id, id));
+            return Ok(id);
         }
-        let _ = client.lease_revoke(lease_id).await;
+        if skipped.is_empty() {
+            anyhow::bail!(
+                "every machine id of layout {} (0..={}) is taken",
+                self.layout(),
+                self.layout().max_machine_id()
+            )
+        }
         anyhow::bail!(
-            "every machine id of layout {} (0..={}) is taken",
+            "no machine id of layout {} (0..={}) is free: {} taken, and {} skipped for a bad \
+             high-water mark (ids {}; see the errors logged for each)",
             self.layout(),
-            self.layout().max_machine_id()
+            self.layout().max_machine_id(),
+            taken.len(),
+            skipped.len(),
+            list_ids(&skipped)
         )
+    }
+
+    /// Logs a bad high-water mark as an error the first time it is seen,
+    /// and at debug level after that: a replica that finds no good slot
+    /// retries every half second.
+    fn report_bad_mark(&mut self, id: u32, problem: &str) {
+        let advice = format!(
+            "{problem}: skipping machine id {id}; delete the key, or set it to the last \
+             millisecond any holder of id {id} may have used"
+        );
+        if self.reported.insert((id, problem.to_string())) {
+            tracing::error!(machine_id = id, "{advice}");
+        } else {
+            tracing::debug!(machine_id = id, "{advice}");
+        }
     }
 
     /// Reads the slot's high-water mark: none, a mark, or (the inner error)
@@ -456,10 +585,11 @@ impl Keeper {
             .get(key.as_str(), None)
             .await
             .context("reading the slot's high-water mark")?;
-        let now = millis_of(SystemTime::now());
+        let furthest = millis_of(SystemTime::now())
+            .saturating_add((self.config.ttl + SAFETY_MARGIN + MAX_MARK_AHEAD).as_millis() as u64);
         Ok(match response.kvs().first() {
             None => Ok(None),
-            Some(kv) => parse_high_water(&key, kv.value(), now).map(Some),
+            Some(kv) => parse_high_water(&key, kv.value(), furthest).map(Some),
         })
     }
 
@@ -478,12 +608,22 @@ impl Keeper {
     }
 
     /// Keeps the lease alive until stopped or until it may be lost.
-    async fn hold(&mut self, client: &mut Client, lease_id: i64, id: u32) -> Ended {
+    /// `alive_since` is when the last renewal etcd confirmed was sent, or
+    /// the grant asked for.
+    async fn hold(
+        &mut self,
+        client: &mut Client,
+        lease_id: i64,
+        id: u32,
+        alive_since: Instant,
+    ) -> Ended {
         let ttl = self.config.ttl;
         let every = ttl / RENEWALS_PER_TTL;
         // The lease lives at least until a TTL after the last renewal that
-        // etcd confirmed, counted from when it was sent.
-        let mut confirmed_at = Instant::now();
+        // etcd confirmed, counted from when it was sent; before the first,
+        // a TTL after the claim's last renewal or grant (not after the
+        // claim's end, which can be a while later).
+        let mut confirmed_at = alive_since;
         let (mut keeper, mut responses) = match client.lease_keep_alive(lease_id).await {
             Ok(pair) => pair,
             Err(e) => return Ended::Lost(format!("etcd keep-alive stream failed: {e}")),
@@ -572,20 +712,20 @@ mod tests {
     use super::*;
 
     const KEY: &str = "/snowgate/trtllm-v1/high-water/3";
-    const NOW: u64 = 1_764_000_000_000;
+    const FURTHEST: u64 = 1_764_000_000_000;
 
     #[test]
     fn a_mark_is_decimal_milliseconds_with_optional_whitespace() {
         assert_eq!(
-            parse_high_water(KEY, b"1764000011000", NOW),
-            Ok(1_764_000_011_000)
+            parse_high_water(KEY, b"1763999999000", FURTHEST),
+            Ok(1_763_999_999_000)
         );
         assert_eq!(
-            parse_high_water(KEY, b" 1764000011000\n", NOW),
-            Ok(1_764_000_011_000)
+            parse_high_water(KEY, b" 1763999999000\n", FURTHEST),
+            Ok(1_763_999_999_000)
         );
         // A mark in the past is simply passed already.
-        assert_eq!(parse_high_water(KEY, b"5", NOW), Ok(5));
+        assert_eq!(parse_high_water(KEY, b"5", FURTHEST), Ok(5));
     }
 
     #[test]
@@ -598,25 +738,39 @@ mod tests {
             b"18446744073709551616",
             b"\xff\xfe",
         ] {
-            let problem = parse_high_water(KEY, bad, NOW).expect_err("not a mark");
+            let problem = parse_high_water(KEY, bad, FURTHEST).expect_err("not a mark");
             assert!(problem.contains(KEY), "{problem}");
             assert!(problem.contains("not a count of milliseconds"), "{problem}");
         }
-        let problem = parse_high_water(KEY, b"soon", NOW).unwrap_err();
-        assert!(problem.contains("\"soon\""), "{problem}");
+        let problem = parse_high_water(KEY, b"soon", FURTHEST).unwrap_err();
+        assert!(problem.contains("holds \"soon\","), "{problem}");
+        // A huge value is quoted in part.
+        let huge = "x".repeat(1 << 20);
+        let problem = parse_high_water(KEY, huge.as_bytes(), FURTHEST).unwrap_err();
+        assert!(problem.len() < 300, "{} bytes", problem.len());
+        assert!(
+            problem.contains(&format!("{:?}...", "x".repeat(64))),
+            "{problem}"
+        );
     }
 
     #[test]
-    fn a_mark_more_than_a_day_ahead_is_refused() {
-        let day = MAX_MARK_AHEAD.as_millis() as u64;
+    fn a_mark_past_the_furthest_a_holder_sets_it_is_refused() {
         assert_eq!(
-            parse_high_water(KEY, (NOW + day).to_string().as_bytes(), NOW),
-            Ok(NOW + day)
+            parse_high_water(KEY, FURTHEST.to_string().as_bytes(), FURTHEST),
+            Ok(FURTHEST)
         );
-        let problem = parse_high_water(KEY, (NOW + day + 1).to_string().as_bytes(), NOW)
-            .expect_err("a day and a millisecond ahead");
-        assert!(problem.contains("more than a day ahead"), "{problem}");
-        assert!(problem.contains("2025-11-25T16:00:00.001Z"), "{problem}");
-        assert!(parse_high_water(KEY, u64::MAX.to_string().as_bytes(), NOW).is_err());
+        let problem = parse_high_water(KEY, (FURTHEST + 1).to_string().as_bytes(), FURTHEST)
+            .expect_err("a millisecond too far");
+        assert!(problem.contains("more than a day past"), "{problem}");
+        assert!(problem.contains("2025-11-24T16:00:00.001Z"), "{problem}");
+        assert!(parse_high_water(KEY, u64::MAX.to_string().as_bytes(), FURTHEST).is_err());
+    }
+
+    #[test]
+    fn skipped_ids_are_listed_the_first_few_then_a_count() {
+        assert_eq!(list_ids(&[0, 1]), "0, 1");
+        let many: Vec<u32> = (0..20).collect();
+        assert_eq!(list_ids(&many), "0, 1, 2, 3, 4, 5, 6, 7 and 12 more");
     }
 }

@@ -1,7 +1,8 @@
 //! Fleet-unique machine ids leased in a real etcd, with real `snowgate`
 //! replicas: distinct ids, no repeated request id across replicas, a killed
 //! replica's slot freed after its TTL, refusal while etcd is down and
-//! recovery after, and no repeated id across a restart onto the same slot.
+//! recovery after, no repeated id across a restart onto the same slot, and
+//! slots with a high-water mark no holder could have written skipped.
 //!
 //! etcd comes from Debian's `etcd-server` package (`.ci/run` installs it);
 //! each test starts its own on loopback with a temporary data directory.
@@ -432,12 +433,66 @@ async fn a_slot_whose_high_water_mark_is_unreadable_is_skipped() {
     replica
         .wait_log("the high-water mark /snowgate/trtllm-v1/high-water/1 is ")
         .await;
-    replica.wait_log("more than a day ahead").await;
+    replica
+        .wait_log("more than a day past the furthest a holder sets it")
+        .await;
     let ids = stamp_many(&replica, 1, 10).await;
     for id in ids {
         let parts = SnowflakeLayout::TrtllmV1
             .decode(id)
             .expect("a trtllm-v1 id");
         assert_eq!(parts.machine_id, 2, "id {id}");
+    }
+}
+
+/// With a bad mark on every slot, the replica stamps nothing and says why
+/// in `/status`; once an operator deletes one mark, it takes that slot.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replica_with_only_bad_slots_says_so_and_recovers_when_one_is_fixed() {
+    let Some(binary) = etcd_binary() else { return };
+    let etcd = Etcd::start(binary).await;
+    let mut client = Client::connect([etcd.url()], None)
+        .await
+        .expect("connect to etcd");
+    let max = SnowflakeLayout::TrtllmV1.max_machine_id();
+    for id in 0..=max {
+        client
+            .put(format!("/snowgate/trtllm-v1/high-water/{id}"), "soon", None)
+            .await
+            .expect("writing a bad mark");
+    }
+
+    let replica = replica(&etcd, &[]).await;
+    let status = replica
+        .wait_status("the claim to fail", STEP, |s| {
+            s["lease"]["last_error"]
+                .as_str()
+                .is_some_and(|e| e.contains("skipped for a bad high-water mark"))
+        })
+        .await;
+    let error = status["lease"]["last_error"].as_str().unwrap_or_default();
+    assert!(
+        error.contains(&format!(
+            "no machine id of layout trtllm-v1 (0..={max}) is free: 0 taken, and {} skipped",
+            max + 1
+        )),
+        "{error}"
+    );
+    assert!(error.contains("ids 0, 1, 2, 3, 4, 5, 6, 7 and"), "{error}");
+    assert!(etcd.claimed().await.is_empty(), "every slot was given back");
+    let reply = post_json(replica.addr, "/v1/completions", batch(1)).await;
+    assert_eq!(reply.status, 503, "{}", reply.text());
+
+    client
+        .delete("/snowgate/trtllm-v1/high-water/5", None)
+        .await
+        .expect("deleting one mark");
+    assert_eq!(leased_id(&replica).await, 5);
+    let ids = stamp_many(&replica, 1, 3).await;
+    for id in ids {
+        let parts = SnowflakeLayout::TrtllmV1
+            .decode(id)
+            .expect("a trtllm-v1 id");
+        assert_eq!(parts.machine_id, 5, "id {id}");
     }
 }
