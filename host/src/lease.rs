@@ -19,10 +19,10 @@
 //! stop it writes the exact last millisecond it used. A new holder starts
 //! its clock after that mark ([`IdClock::advance_past`](crate::IdClock::advance_past)) instead of waiting.
 //! A mark no holder could have written (not a number, or more than a day
-//! past the furthest a holder sets it) makes the new holder give the slot
-//! back and take another.
+//! past the furthest a holder sets it) makes a replica skip the slot (or
+//! give it back, if the mark changed after the claim) and take another.
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
@@ -202,7 +202,7 @@ pub fn start(
         services,
         status: status.clone(),
         stop: stop_rx,
-        reported: HashSet::new(),
+        reported: HashMap::new(),
     };
     let task = tokio::spawn(keeper.run());
     Ok((
@@ -250,10 +250,10 @@ impl LeaseHandle {
 fn parse_high_water(key: &str, value: &[u8], furthest: u64) -> Result<u64, String> {
     let text = String::from_utf8_lossy(value);
     let millis: u64 = text.trim().parse().map_err(|_| {
-        // etcd values can be megabytes: quote the start only.
-        let shown: String = text.chars().take(64).collect();
-        let more = if shown.len() < text.len() { "..." } else { "" };
-        format!("the high-water mark {key} holds {shown:?}{more}, not a count of milliseconds")
+        format!(
+            "the high-water mark {key} holds {}, not a count of milliseconds",
+            quoted(value)
+        )
     })?;
     if millis > furthest {
         return Err(format!(
@@ -264,6 +264,15 @@ fn parse_high_water(key: &str, value: &[u8], furthest: u64) -> Result<u64, Strin
         ));
     }
     Ok(millis)
+}
+
+/// An etcd value for a message: quoted, and only its start, since values
+/// can be megabytes.
+fn quoted(value: &[u8]) -> String {
+    let text = String::from_utf8_lossy(value);
+    let shown: String = text.chars().take(64).collect();
+    let more = if shown.len() < text.len() { "..." } else { "" };
+    format!("{shown:?}{more}")
 }
 
 /// What ended a period of holding an id.
@@ -277,8 +286,8 @@ struct Keeper {
     services: HostServices,
     status: Arc<LeaseStatus>,
     stop: watch::Receiver<Stop>,
-    /// Bad high-water marks already logged as errors: (id, problem).
-    reported: HashSet<(u32, String)>,
+    /// Bad high-water marks already logged as errors: the value, by id.
+    reported: HashMap<u32, String>,
 }
 
 /// A machine id claimed under a lease.
@@ -291,25 +300,25 @@ struct Claim {
     alive_since: Instant,
 }
 
-/// Renews `lease_id` once; returns when the renewal was sent. An error if
-/// etcd does not confirm the lease alive.
-async fn renew_once(client: &mut Client, lease_id: i64) -> anyhow::Result<Instant> {
+/// Renews `lease_id` once, waiting at most `within`; returns when the
+/// renewal was sent. An error if etcd does not confirm the lease alive in
+/// time (opening etcd-client's keep-alive stream sends one renewal and
+/// reads its answer; a TTL of 0 or less is an error).
+async fn renew_once(
+    client: &mut Client,
+    lease_id: i64,
+    within: Duration,
+) -> anyhow::Result<Instant> {
     let sent = Instant::now();
-    let (mut keeper, mut responses) = client
-        .lease_keep_alive(lease_id)
-        .await
-        .context("renewing the lease while claiming a machine id")?;
-    keeper
-        .keep_alive()
-        .await
-        .context("renewing the lease while claiming a machine id")?;
-    match responses
-        .message()
-        .await
-        .context("renewing the lease while claiming a machine id")?
-    {
-        Some(response) if response.ttl() > 0 => Ok(sent),
-        _ => anyhow::bail!("the lease expired while claiming a machine id"),
+    match tokio::time::timeout(within, client.lease_keep_alive(lease_id)).await {
+        Ok(Ok(_stream)) => Ok(sent),
+        Ok(Err(e)) => {
+            Err(anyhow::Error::new(e).context("renewing the lease while claiming a machine id"))
+        }
+        Err(_) => anyhow::bail!(
+            "renewing the lease while claiming a machine id: no answer within {} ms",
+            within.as_millis()
+        ),
     }
 }
 
@@ -367,6 +376,7 @@ impl Keeper {
                 alive_since,
             } = match claimed {
                 Ok(claim) => claim,
+                Err(_) if self.stopping() => break,
                 Err(e) => {
                     let message = format!("{e:#}");
                     tracing::warn!(error = %message, "claiming a machine id in etcd failed; retrying");
@@ -406,8 +416,8 @@ impl Keeper {
 
     /// Connects, grants a lease and claims the lowest free id; sets the
     /// clock past the slot's high-water mark and reserves ahead. Returns
-    /// the client, the lease, the id, and when the lease was asked for: it
-    /// expires at most a TTL after that, however long the claim took.
+    /// the client, the lease, the id, and when the last renewal etcd
+    /// confirmed was sent: the lease expires no sooner than a TTL after it.
     async fn claim(&mut self) -> anyhow::Result<Claim> {
         let timeout = self.config.ttl / RENEWALS_PER_TTL;
         let options = ConnectOptions::new()
@@ -444,14 +454,17 @@ impl Keeper {
     }
 
     /// Claims the lowest free id under `lease_id` whose high-water mark can
-    /// be trusted. Skipping many slots can take longer than a TTL, so the
-    /// lease is renewed on the way; `alive_since` follows the renewals.
+    /// be trusted. Slots with a bad mark are skipped without being claimed;
+    /// the lease is renewed on the way if the round runs long, and once
+    /// more before the id is used, so that `alive_since` is recent and the
+    /// lease (so the slot) provably never lapsed.
     async fn claim_under(
         &mut self,
         client: &mut Client,
         lease_id: i64,
         alive_since: &mut Instant,
     ) -> anyhow::Result<u32> {
+        let renew_every = self.config.ttl / RENEWALS_PER_TTL;
         let slots = self.slots_prefix();
         let taken: BTreeSet<u32> = client
             .get(
@@ -470,12 +483,21 @@ impl Keeper {
                     .ok()
             })
             .collect();
+        // Every mark in one read: a slot whose mark is bad now is skipped
+        // without a claim. A claimed slot's mark is read again below, so a
+        // mark written in between is still seen.
+        let bad_marks = self.bad_marks(client).await?;
         let holder = format!("{}:{}", hostname(), std::process::id());
         let mut skipped = Vec::new();
         for id in (0..=self.layout().max_machine_id()).filter(|id| !taken.contains(id)) {
             anyhow::ensure!(!self.stopping(), "the gateway is stopping");
-            if alive_since.elapsed() >= self.config.ttl / RENEWALS_PER_TTL {
-                *alive_since = renew_once(client, lease_id).await?;
+            if let Some((value, problem)) = bad_marks.get(&id) {
+                self.report_bad_mark(id, value, problem);
+                skipped.push(id);
+                continue;
+            }
+            if alive_since.elapsed() >= renew_every {
+                *alive_since = renew_once(client, lease_id, renew_every).await?;
             }
             let key = format!("{slots}{id}");
             let txn = Txn::new()
@@ -499,10 +521,10 @@ impl Keeper {
             }
             let high_water = match self.read_high_water(client, id).await? {
                 Ok(mark) => mark,
-                Err(problem) => {
+                Err((value, problem)) => {
                     // Without a mark it can trust, the slot's previous ids
                     // are unknown: give it back and take another.
-                    self.report_bad_mark(id, &problem);
+                    self.report_bad_mark(id, &value, &problem);
                     skipped.push(id);
                     // Only while the key is still ours: had our lease run
                     // out meanwhile, another replica may hold it now.
@@ -524,10 +546,14 @@ impl Keeper {
                 self.services.clock.advance_past(ms);
             }
             self.reserve(client, id).await?;
+            // A confirmed renewal now proves the lease, and so the slot,
+            // never lapsed during the claim, and starts the hold afresh.
+            *alive_since = renew_once(client, lease_id, renew_every).await?;
             self.services
                 .identity
                 .assign(id)
                 .context("the claimed machine id is out of range")?;
+            self.reported.clear();
             self.status.acquisitions.fetch_add(1, Ordering::Relaxed);
             self.status.update(|s| {
                 s.state = LeaseState::Held;
@@ -539,6 +565,9 @@ impl Keeper {
             tracing::info!(machine_id = id, lease_id, high_water = ?high_water, "machine id leased from etcd");
             return Ok(id);
         }
+        // Forget marks that are no longer bad, so the map stays as small as
+        // the slots and a mark fixed and broken again is reported again.
+        self.reported.retain(|id, _| skipped.contains(id));
         if skipped.is_empty() {
             anyhow::bail!(
                 "every machine id of layout {} (0..={}) is taken",
@@ -557,15 +586,49 @@ impl Keeper {
         )
     }
 
-    /// Logs a bad high-water mark as an error the first time it is seen,
-    /// and at debug level after that: a replica that finds no good slot
-    /// retries every half second.
-    fn report_bad_mark(&mut self, id: u32, problem: &str) {
+    /// Every high-water mark of this layout that no holder could have
+    /// written: the id, the value and what is wrong with it.
+    async fn bad_marks(
+        &self,
+        client: &mut Client,
+    ) -> anyhow::Result<HashMap<u32, (String, String)>> {
+        let prefix = self.high_water_key(0);
+        let prefix = prefix.trim_end_matches('0');
+        let furthest = self.furthest_mark();
+        let response = client
+            .get(prefix, Some(GetOptions::new().with_prefix()))
+            .await
+            .context("reading the high-water marks")?;
+        Ok(response
+            .kvs()
+            .iter()
+            .filter_map(|kv| {
+                let key = kv.key_str().ok()?;
+                let id = key.strip_prefix(prefix)?.parse().ok()?;
+                let problem = parse_high_water(key, kv.value(), furthest).err()?;
+                Some((id, (quoted(kv.value()), problem)))
+            })
+            .collect())
+    }
+
+    /// The latest high-water mark a holder could have written, by this
+    /// host's clock, plus [`MAX_MARK_AHEAD`].
+    fn furthest_mark(&self) -> u64 {
+        millis_of(SystemTime::now())
+            .saturating_add((self.config.ttl + SAFETY_MARGIN + MAX_MARK_AHEAD).as_millis() as u64)
+    }
+
+    /// Logs a bad high-water mark as an error when it is new (a slot not
+    /// reported, or a value it did not hold before), and at debug level
+    /// after that: a replica that finds no good slot retries every half
+    /// second.
+    fn report_bad_mark(&mut self, id: u32, value: &str, problem: &str) {
         let advice = format!(
             "{problem}: skipping machine id {id}; delete the key, or set it to the last \
              millisecond any holder of id {id} may have used"
         );
-        if self.reported.insert((id, problem.to_string())) {
+        if self.reported.get(&id).map(String::as_str) != Some(value) {
+            self.reported.insert(id, value.to_string());
             tracing::error!(machine_id = id, "{advice}");
         } else {
             tracing::debug!(machine_id = id, "{advice}");
@@ -573,23 +636,23 @@ impl Keeper {
     }
 
     /// Reads the slot's high-water mark: none, a mark, or (the inner error)
-    /// a value no holder could have written, which names the key and says
-    /// what is wrong with it.
+    /// a value no holder could have written, quoted, with what is wrong
+    /// with it (naming the key).
     async fn read_high_water(
         &self,
         client: &mut Client,
         id: u32,
-    ) -> anyhow::Result<Result<Option<u64>, String>> {
+    ) -> anyhow::Result<Result<Option<u64>, (String, String)>> {
         let key = self.high_water_key(id);
         let response = client
             .get(key.as_str(), None)
             .await
             .context("reading the slot's high-water mark")?;
-        let furthest = millis_of(SystemTime::now())
-            .saturating_add((self.config.ttl + SAFETY_MARGIN + MAX_MARK_AHEAD).as_millis() as u64);
         Ok(match response.kvs().first() {
             None => Ok(None),
-            Some(kv) => parse_high_water(&key, kv.value(), furthest).map(Some),
+            Some(kv) => parse_high_water(&key, kv.value(), self.furthest_mark())
+                .map(Some)
+                .map_err(|problem| (quoted(kv.value()), problem)),
         })
     }
 
@@ -624,10 +687,23 @@ impl Keeper {
         // a TTL after the claim's last renewal or grant (not after the
         // claim's end, which can be a while later).
         let mut confirmed_at = alive_since;
-        let (mut keeper, mut responses) = match client.lease_keep_alive(lease_id).await {
-            Ok(pair) => pair,
-            Err(e) => return Ended::Lost(format!("etcd keep-alive stream failed: {e}")),
-        };
+        // Opening the stream renews once and waits for etcd to confirm it.
+        let opened = Instant::now();
+        let open_within = (confirmed_at + ttl - SAFETY_MARGIN).saturating_duration_since(opened);
+        let (mut keeper, mut responses) =
+            match tokio::time::timeout(open_within, client.lease_keep_alive(lease_id)).await {
+                Ok(Ok(pair)) => {
+                    confirmed_at = opened;
+                    pair
+                }
+                Ok(Err(e)) => return Ended::Lost(format!("etcd keep-alive stream failed: {e}")),
+                Err(_) => {
+                    return Ended::Lost(format!(
+                        "no renewal confirmed by etcd within {} s",
+                        ttl.as_secs()
+                    ))
+                }
+            };
         loop {
             let deadline = confirmed_at + ttl - SAFETY_MARGIN;
             let next = (Instant::now() + every).min(deadline);
