@@ -169,14 +169,20 @@ fn assert_stamped(body: &[u8]) -> u64 {
 /// After a failure, the same plugin stamps a normal request: the host, the
 /// engine and the plugin are all fine.
 fn assert_next_request_is_stamped(plugin: &Plugin) {
-    match plugin.handle(&request(None, &[])) {
+    assert_answer_stamped(
+        &plugin.handle(&request(None, &[])),
+        "the request after a failure",
+    );
+}
+
+/// Checks that `answer` is a new body carrying a stamp ([`assert_stamped`]);
+/// `what` names the call in the failure message.
+fn assert_answer_stamped(answer: &Result<Action, CallError>, what: &str) {
+    match answer {
         Ok(Action::ForwardWithBody(body)) => {
-            assert_stamped(&body);
+            assert_stamped(body);
         }
-        other => panic!(
-            "the request after a failure was not stamped: {}",
-            describe(&other)
-        ),
+        other => panic!("{what} was not stamped: {}", describe(other)),
     }
 }
 
@@ -254,16 +260,10 @@ fn a_sleep_within_the_deadline_sleeps_and_the_call_goes_on() {
         let started = Instant::now();
         let answer = plugin.handle(&request(Some(behaviour), &[]));
         let took = started.elapsed();
-        match answer {
-            Ok(Action::ForwardWithBody(body)) => assert_stamped(&body),
-            other => panic!("sync {behaviour}: {}", describe(&other)),
-        };
+        assert_answer_stamped(&answer, &format!("sync {behaviour}"));
         assert!(took >= nap, "sync {behaviour}: took only {took:?}");
         let (answer, took) = misbehave_async(&plugin, behaviour);
-        match answer {
-            Ok(Action::ForwardWithBody(body)) => assert_stamped(&body),
-            other => panic!("async {behaviour}: {}", describe(&other)),
-        };
+        assert_answer_stamped(&answer, &format!("async {behaviour}"));
         assert!(took >= nap, "async {behaviour}: took only {took:?}");
     }
 }
@@ -294,10 +294,7 @@ fn one_deadline_covers_a_fresh_instances_configure_and_first_call() {
     }
     // With room for both, the same call stamps.
     let (answer, _) = misbehave_async(&plugin(Duration::from_secs(30)), "nap");
-    match answer {
-        Ok(Action::ForwardWithBody(body)) => assert_stamped(&body),
-        other => panic!("expected a stamp, got {}", describe(&other)),
-    };
+    assert_answer_stamped(&answer, "a nap with room for both");
 }
 
 #[test]
@@ -312,10 +309,7 @@ fn an_unlimited_deadline_is_taken_as_a_day_not_an_overflow() {
     );
     assert_next_request_is_stamped(&plugin);
     let (answer, _) = misbehave_async(&plugin, "nap");
-    match answer {
-        Ok(Action::ForwardWithBody(body)) => assert_stamped(&body),
-        other => panic!("expected a stamp, got {}", describe(&other)),
-    };
+    assert_answer_stamped(&answer, "a nap under a day's deadline");
 }
 
 #[test]

@@ -131,11 +131,16 @@ impl Etcd {
         }
     }
 
+    /// A client of this etcd.
+    async fn client(&self) -> Client {
+        Client::connect([self.url()], None)
+            .await
+            .expect("connect to etcd")
+    }
+
     /// The machine ids currently claimed for trtllm-v1.
     async fn claimed(&self) -> HashSet<u32> {
-        let mut client = Client::connect([self.url()], None)
-            .await
-            .expect("connect to etcd");
+        let mut client = self.client().await;
         let prefix = "/snowgate/trtllm-v1/slots/";
         let response = client
             .get(
@@ -404,9 +409,7 @@ async fn a_replica_restarted_onto_the_same_slot_repeats_no_id() {
 async fn a_slot_whose_high_water_mark_is_unreadable_is_skipped() {
     let Some(binary) = etcd_binary() else { return };
     let etcd = Etcd::start(binary).await;
-    let mut client = Client::connect([etcd.url()], None)
-        .await
-        .expect("connect to etcd");
+    let mut client = etcd.client().await;
     let year_ahead = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .expect("after 1970")
@@ -452,9 +455,7 @@ async fn a_slot_whose_high_water_mark_is_unreadable_is_skipped() {
 async fn a_replica_with_only_bad_slots_says_so_and_recovers_when_one_is_fixed() {
     let Some(binary) = etcd_binary() else { return };
     let etcd = Etcd::start(binary).await;
-    let mut client = Client::connect([etcd.url()], None)
-        .await
-        .expect("connect to etcd");
+    let mut client = etcd.client().await;
     let max = SnowflakeLayout::TrtllmV1.max_machine_id();
     let ids: Vec<u32> = (0..=max).collect();
     // 128 writes per transaction, etcd's default limit.

@@ -7,7 +7,7 @@
 
 mod support;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -537,16 +537,14 @@ async fn concurrent_requests_survive_repeated_plugin_replacement() {
     );
 }
 
-/// A reload whose caller stops waiting (an admin client that hangs up
-/// drops the request's future) still runs to the end and swaps the build
-/// in; had it stopped halfway, its check would run beside the next
-/// reload's and the good build would be dropped.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_reload_whose_caller_gives_up_still_swaps_the_build_in() {
+/// A plugin slot of the library (no gateway process) loaded from a file in
+/// a new temporary directory named after `name`, holding build 1: the
+/// directory, the plugin file's path and the slot.
+fn library_slot(name: &str) -> (TempDir, PathBuf, Arc<snowgate_host::gateway::PluginSlot>) {
     use snowgate_host::gateway::{Metrics, PluginSlot};
     use snowgate_host::{HostServices, IdClock, MachineIdentity, PluginEngine, PluginLimits};
 
-    let dir = TempDir::new("cancelled-reload");
+    let dir = TempDir::new(name);
     let path = dir.path().join("plugin.wasm");
     std::fs::write(&path, plugin_variant(1)).expect("writing the first build");
     let services = HostServices {
@@ -566,6 +564,16 @@ async fn a_reload_whose_caller_gives_up_still_swaps_the_build_in() {
         )
         .expect("the first build loads"),
     );
+    (dir, path, slot)
+}
+
+/// A reload whose caller stops waiting (an admin client that hangs up
+/// drops the request's future) still runs to the end and swaps the build
+/// in; had it stopped halfway, its check would run beside the next
+/// reload's and the good build would be dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_whose_caller_gives_up_still_swaps_the_build_in() {
+    let (_dir, path, slot) = library_slot("cancelled-reload");
     let second = plugin_variant(2);
     std::fs::write(&path, &second).expect("writing the second build");
 
@@ -594,29 +602,7 @@ async fn a_reload_whose_caller_gives_up_still_swaps_the_build_in() {
 /// reload's self-check takes an id from the clock).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_closed_slot_finishes_the_running_reload_and_refuses_later_ones() {
-    use snowgate_host::gateway::{Metrics, PluginSlot};
-    use snowgate_host::{HostServices, IdClock, MachineIdentity, PluginEngine, PluginLimits};
-
-    let dir = TempDir::new("closed-slot");
-    let path = dir.path().join("plugin.wasm");
-    std::fs::write(&path, plugin_variant(1)).expect("writing the first build");
-    let services = HostServices {
-        clock: Arc::new(IdClock::system()),
-        identity: Arc::new(
-            MachineIdentity::fixed(snowgate_plugin::SnowflakeLayout::TrtllmV1, MACHINE_ID)
-                .expect("in range"),
-        ),
-    };
-    let engine = PluginEngine::new(services, PluginLimits::default()).expect("an engine");
-    let slot = Arc::new(
-        PluginSlot::load(
-            engine,
-            Some(path.clone()),
-            Vec::new(),
-            Arc::new(Metrics::default()),
-        )
-        .expect("the first build loads"),
-    );
+    let (_dir, path, slot) = library_slot("closed-slot");
     std::fs::write(&path, plugin_variant(2)).expect("writing the second build");
 
     // A reload under way when the slot closes either ran to the end before
