@@ -350,12 +350,16 @@ impl Keeper {
         )
     }
 
-    fn high_water_key(&self, id: u32) -> String {
+    fn high_water_prefix(&self) -> String {
         format!(
-            "{}/{}/high-water/{id}",
+            "{}/{}/high-water/",
             self.config.prefix.trim_end_matches('/'),
             self.layout().name()
         )
+    }
+
+    fn high_water_key(&self, id: u32) -> String {
+        format!("{}{id}", self.high_water_prefix())
     }
 
     fn stopping(&self) -> bool {
@@ -567,7 +571,9 @@ impl Keeper {
         }
         // Forget marks that are no longer bad, so the map stays as small as
         // the slots and a mark fixed and broken again is reported again.
-        self.reported.retain(|id, _| skipped.contains(id));
+        // `skipped` is in id order: a binary search, not a scan per id.
+        self.reported
+            .retain(|id, _| skipped.binary_search(id).is_ok());
         if skipped.is_empty() {
             anyhow::bail!(
                 "every machine id of layout {} (0..={}) is taken",
@@ -592,11 +598,10 @@ impl Keeper {
         &self,
         client: &mut Client,
     ) -> anyhow::Result<HashMap<u32, (String, String)>> {
-        let prefix = self.high_water_key(0);
-        let prefix = prefix.trim_end_matches('0');
+        let prefix = self.high_water_prefix();
         let furthest = self.furthest_mark();
         let response = client
-            .get(prefix, Some(GetOptions::new().with_prefix()))
+            .get(prefix.as_str(), Some(GetOptions::new().with_prefix()))
             .await
             .context("reading the high-water marks")?;
         Ok(response
@@ -604,7 +609,7 @@ impl Keeper {
             .iter()
             .filter_map(|kv| {
                 let key = kv.key_str().ok()?;
-                let id = key.strip_prefix(prefix)?.parse().ok()?;
+                let id = key.strip_prefix(prefix.as_str())?.parse().ok()?;
                 let problem = parse_high_water(key, kv.value(), furthest).err()?;
                 Some((id, (quoted(kv.value()), problem)))
             })
