@@ -131,40 +131,12 @@ impl IdClock {
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
-}
 
-/// The longest a stopping process waits for the wall clock to pass its id
-/// clock ([`IdClock::wait_for_wall_clock`]). Bursts put the id clock ahead
-/// by a millisecond per sequence space of ids (4096 in `trtllm-v1`, 1024 in
-/// `trtllm-v2`), so ten seconds covers a burst of about 41 million v1 or 10
-/// million v2 ids beyond what the wall clock absorbs; a longer lead means
-/// the wall clock stepped back.
-pub const MAX_CATCH_UP: Duration = Duration::from_secs(10);
-
-/// The clock's lead over the wall clock was too long to wait out: how long
-/// it was. See [`IdClock::wait_for_wall_clock`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct TooFarAhead(pub Duration);
-
-impl std::fmt::Display for TooFarAhead {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "the id clock is {} ms ahead of the wall clock; a process started on the \
-             same machine id within that time may repeat its ids",
-            self.0.as_millis()
-        )
-    }
-}
-
-impl std::error::Error for TooFarAhead {}
-
-impl IdClock {
     /// How long until the wall clock reads a later millisecond than every
     /// tick handed out and any floor set by [`IdClock::advance_past`]: zero
-    /// when it already does, or when there is neither. The clock runs ahead after bursts (more ids than a
-    /// millisecond's sequence space), and stays ahead after the wall clock
-    /// steps back.
+    /// when it already does, or when there is neither. The clock runs ahead
+    /// after bursts (more ids than a millisecond's sequence space), and
+    /// stays ahead after the wall clock steps back.
     pub fn lead(&self) -> Duration {
         match self.last_tick() {
             Some(last) => {
@@ -202,6 +174,32 @@ impl IdClock {
         }
     }
 }
+
+/// The longest a stopping process waits for the wall clock to pass its id
+/// clock ([`IdClock::wait_for_wall_clock`]). Bursts put the id clock ahead
+/// by a millisecond per sequence space of ids (4096 in `trtllm-v1`, 1024 in
+/// `trtllm-v2`), so ten seconds covers a burst of about 41 million v1 or 10
+/// million v2 ids beyond what the wall clock absorbs; a longer lead means
+/// the wall clock stepped back.
+pub const MAX_CATCH_UP: Duration = Duration::from_secs(10);
+
+/// The clock's lead over the wall clock was too long to wait out: how long
+/// it was. See [`IdClock::wait_for_wall_clock`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TooFarAhead(pub Duration);
+
+impl std::fmt::Display for TooFarAhead {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "the id clock is {} ms ahead of the wall clock; a process started on the \
+             same machine id within that time may repeat its ids",
+            self.0.as_millis()
+        )
+    }
+}
+
+impl std::error::Error for TooFarAhead {}
 
 impl std::fmt::Debug for IdClock {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
