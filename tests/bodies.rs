@@ -144,6 +144,71 @@ fn json_inside_strings_is_left_alone() {
     assert_forwarded(format!(r#"{{"prompt":"{looks_like_params}"}}"#).as_bytes());
 }
 
+/// The walk skips plain string content a word (8 bytes) at a time, and the
+/// guest's words are 32-bit: its build is held to the native core here. A
+/// quote, a backslash, a control byte, a non-ASCII character or an invalid
+/// UTF-8 byte at every position of six words of a string gets the native
+/// core's answer, stamped or refused, from the plugin in the host.
+#[test]
+fn special_bytes_anywhere_in_a_long_string_are_read_as_the_native_core_reads_them() {
+    let pieces: [&[u8]; 9] = [
+        br#"\""#,
+        br"\\",
+        br"\u0022",
+        "é".as_bytes(),
+        b"\"",
+        b"\x01",
+        b"\x1f",
+        b"\x7f",
+        b"\xff",
+    ];
+    let (mut stamped, mut refused) = (0, 0);
+    for piece in pieces {
+        for at in 0..48 {
+            let mut content = vec![b'a'; 64];
+            content.splice(at..at, piece.iter().copied());
+            let body = [
+                &br#"{"messages":[{"content":""#[..],
+                &content,
+                br#""}],"disaggregated_params":{"request_type":"context_only"}}"#,
+            ]
+            .concat();
+            let answer = plugin().handle(&json_request(body.clone()));
+            let case = format!("{:?} at {at}", String::from_utf8_lossy(piece));
+            match (snowgate_plugin::find_edits(&body), &answer) {
+                (Ok(edits), Ok(Action::ForwardWithBody(out))) => {
+                    let ids = common::ids_in(out);
+                    assert_eq!(ids.len(), edits.len(), "{case}");
+                    let expected = snowgate_plugin::stamp::apply(&body, &edits, &ids);
+                    assert!(*out == expected, "{case}: {}", common::describe(&answer));
+                    stamped += 1;
+                }
+                (Err(native), Ok(Action::Reject(rejection))) => {
+                    assert_eq!(
+                        (rejection.status, rejection.code.as_str()),
+                        (400, native.code()),
+                        "{case}: {}",
+                        rejection.message
+                    );
+                    assert!(
+                        rejection.message.contains(&native.to_string()),
+                        "{case}: {:?} does not say {native}",
+                        rejection.message
+                    );
+                    refused += 1;
+                }
+                (native, _) => panic!(
+                    "{case}: native {native:?}, plugin {}",
+                    common::describe(&answer)
+                ),
+            }
+        }
+    }
+    // Four kinds of piece are fine JSON, four are not, and one (0x7f) is
+    // an ordinary byte.
+    assert_eq!((stamped, refused), (5 * 48, 4 * 48));
+}
+
 #[test]
 fn several_requests_in_one_body_each_get_an_id_in_body_order() {
     assert_stamped_as(
