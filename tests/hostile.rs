@@ -21,6 +21,8 @@
 //! Every wait is bounded; nothing sleeps in place of synchronisation (the
 //! only pause is in polling `/status` for a reload, under a deadline).
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::io::Read as _;
@@ -32,6 +34,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use common::describe;
 use http::{HeaderMap, Method, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
@@ -115,21 +118,6 @@ fn request(behaviour: Option<&str>, extra: &[(&str, &str)]) -> Request {
         path: "/v1/completions".into(),
         headers,
         body: CONTEXT_ONLY.as_bytes().to_vec(),
-    }
-}
-
-/// A short description of an answer for assertion messages (a body may be
-/// 100 MiB long: only its length and start are shown).
-fn describe(answer: &Result<Action, CallError>) -> String {
-    match answer {
-        Ok(Action::Forward) => "Forward".to_string(),
-        Ok(Action::ForwardWithBody(body)) => format!(
-            "ForwardWithBody({} bytes: {:?}...)",
-            body.len(),
-            String::from_utf8_lossy(&body[..body.len().min(200)])
-        ),
-        Ok(Action::Reject(r)) => format!("Reject({} {}: {})", r.status, r.code, r.message),
-        Err(e) => format!("Err({e:?})"),
     }
 }
 
