@@ -280,7 +280,7 @@ async fn strips_hop_by_hop_headers_and_passes_the_rest() {
          Keep-Alive: timeout=5\r\n\
          Proxy-Connection: keep-alive\r\n\
          Proxy-Authorization: Basic c2VjcmV0\r\n\
-         TE: trailers\r\n\
+         TE: deflate;q=0.5, trailers\r\n\
          Authorization: Bearer token-1\r\n\
          X-Request-Id: abc-123\r\n\
          X-Forwarded-For: 10.0.0.1\r\n\
@@ -297,7 +297,6 @@ async fn strips_hop_by_hop_headers_and_passes_the_rest() {
         "keep-alive",
         "proxy-connection",
         "proxy-authorization",
-        "te",
         "transfer-encoding",
     ] {
         assert_eq!(
@@ -314,6 +313,9 @@ async fn strips_hop_by_hop_headers_and_passes_the_rest() {
             "the client's Connection header reached the upstream: {connection}"
         );
     }
+    // The gateway passes trailers on, so it says it accepts them; the
+    // client's other transfer codings were for the client's hop only.
+    assert_eq!(seen.header("te"), Some("trailers"));
     assert_eq!(seen.header("authorization"), Some("Bearer token-1"));
     assert_eq!(seen.header("x-request-id"), Some("abc-123"));
     assert_eq!(seen.header("user-agent"), Some("snowgate-test"));
@@ -647,6 +649,219 @@ async fn answers_502_when_the_upstream_is_down() {
     let metrics = gateway.metrics().await;
     assert_eq!(metric(&metrics, "snowgate_upstream_errors_total"), 2.0);
     assert_eq!(get(gateway.admin, "/healthz").await.status, StatusCode::OK);
+}
+
+/// The 502 says why the upstream could not be reached, not only that it
+/// could not: the cause of the client error is in the message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_502_names_the_cause() {
+    let dead = dead_address().await;
+    let gateway = Gateway::start(&["--upstream", &format!("http://{dead}")]).await;
+    let reply = get(gateway.addr, "/v1/models").await;
+    assert_eq!(reply.status, StatusCode::BAD_GATEWAY);
+    let message = assert_openai_error(&reply.json(), "upstream_unreachable", "server_error");
+    assert!(
+        message.to_ascii_lowercase().contains("connection refused"),
+        "{message}"
+    );
+}
+
+/// An upstream that takes the request and never answers costs the client
+/// a 504 after --upstream-response-timeout-ms, not a request that hangs;
+/// a response that starts in time streams on for as long as it lasts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_that_never_answers_gets_a_504_after_the_response_timeout() {
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start(&[
+        "--upstream",
+        &upstream.url(),
+        "--upstream-response-timeout-ms",
+        "300",
+    ])
+    .await;
+
+    let started = Instant::now();
+    let reply = bounded(
+        "a request to an upstream that never answers",
+        Duration::from_secs(10),
+        get(gateway.addr, "/hold"),
+    )
+    .await;
+    assert!(started.elapsed() >= Duration::from_millis(300));
+    assert_eq!(reply.status, StatusCode::GATEWAY_TIMEOUT);
+    let message = assert_openai_error(&reply.json(), "upstream_timeout", "server_error");
+    assert!(
+        message.contains("300 ms") && message.contains("--upstream-response-timeout-ms"),
+        "{message}"
+    );
+    assert_eq!(upstream.seen().len(), 1, "the request reached the upstream");
+    let metrics = gateway.metrics().await;
+    assert_eq!(metric(&metrics, "snowgate_upstream_errors_total"), 1.0);
+
+    // The timeout is for the response headers only.
+    let mut client = Client::connect(gateway.addr).await;
+    let request = client
+        .builder(Method::GET, "/sse")
+        .body(Full::new(Bytes::new()))
+        .expect("a request");
+    let mut response = client.send_streaming(request).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    let first = bounded("the first event", STEP, response.body_mut().frame()).await;
+    assert!(first.is_some());
+    // The time under test: the stream outlives the response timeout.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    upstream.state.sse_release.notify_one();
+    let rest = bounded("the rest of the stream", STEP, response.collect())
+        .await
+        .expect("the stream ends cleanly")
+        .to_bytes();
+    assert!(
+        String::from_utf8_lossy(&rest).contains("[DONE]"),
+        "{rest:?}"
+    );
+}
+
+/// An upstream response with both `Transfer-Encoding: chunked` and a
+/// `Content-Length` is chunked (RFC 9112 section 6.3): the client gets the
+/// whole body, not the first `Content-Length` bytes of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chunked_response_with_a_stale_content_length_reaches_the_client_whole() {
+    let upstream = RawUpstream::start(
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nTransfer-Encoding: chunked\r\n\
+          Content-Length: 3\r\n\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n",
+    )
+    .await;
+    let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
+    let raw = raw_exchange(
+        gateway.addr,
+        b"GET /x HTTP/1.1\r\nHost: gateway.example\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert_eq!(raw.status, 200);
+    assert_eq!(raw.body, b"hello world", "{:?}", raw.headers);
+    assert_eq!(raw.header("content-length"), None, "{:?}", raw.headers);
+}
+
+/// Trailer fields the upstream sends after a chunked body reach a client
+/// that accepts them (`TE: trailers`), with the `Trailer` header that
+/// names them; the upstream is told the gateway accepts them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trailers_from_the_upstream_reach_a_client_that_accepts_them() {
+    let upstream = RawUpstream::start(
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nTransfer-Encoding: chunked\r\n\
+          Trailer: x-checksum\r\n\r\n5\r\nhello\r\n0\r\nx-checksum: abc123\r\n\r\n",
+    )
+    .await;
+    let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
+    let raw = raw_exchange(
+        gateway.addr,
+        b"GET /t HTTP/1.1\r\nHost: gateway.example\r\nTE: trailers\r\n\
+          Connection: close, TE\r\n\r\n",
+    )
+    .await;
+    assert_eq!(raw.status, 200);
+    assert_eq!(raw.body, b"hello");
+    assert_eq!(
+        raw.header("trailer"),
+        Some("x-checksum"),
+        "{:?}",
+        raw.headers
+    );
+    assert_eq!(
+        raw.trailers,
+        [("x-checksum".to_string(), "abc123".to_string())]
+    );
+    let heads = upstream.heads();
+    assert!(
+        heads[0].to_ascii_lowercase().contains("te: trailers\r\n"),
+        "{heads:?}"
+    );
+}
+
+/// A GET with a chunked body (not JSON, so streamed through) reaches the
+/// upstream with its body: hyper's client would send it without one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_get_with_a_chunked_body_keeps_its_body() {
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
+    let mut request = b"GET /g HTTP/1.1\r\nHost: gateway.example\r\nContent-Type: text/plain\r\n\
+                        Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+        .to_vec();
+    request.extend_from_slice(&chunked(&[b"hel", b"lo"]));
+    let raw = raw_exchange(gateway.addr, &request).await;
+    assert_eq!(raw.status, 200, "{:?}", String::from_utf8_lossy(&raw.body));
+    let seen = upstream.only_seen();
+    assert_eq!(seen.method, Method::GET);
+    assert_eq!(seen.body, "hello");
+    assert_eq!(raw.body, b"hello", "the upstream echoed it back");
+}
+
+/// `X-Forwarded-For`: every line the client sent, then the client's
+/// address; a client that names the header in `Connection` removes its
+/// own lines, not the gateway's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn x_forwarded_for_keeps_every_line_and_always_ends_with_the_client() {
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
+    for (headers, expected) in [
+        (
+            "X-Forwarded-For: 1.1.1.1\r\nX-Forwarded-For: 2.2.2.2, 3.3.3.3\r\n",
+            "1.1.1.1, 2.2.2.2, 3.3.3.3, 127.0.0.1",
+        ),
+        (
+            "Connection: X-Forwarded-For\r\nX-Forwarded-For: 1.1.1.1\r\n",
+            "127.0.0.1",
+        ),
+        ("", "127.0.0.1"),
+    ] {
+        let request = format!(
+            "GET /xff HTTP/1.1\r\nHost: gateway.example\r\n{headers}Connection: close\r\n\r\n"
+        );
+        let raw = raw_exchange(gateway.addr, request.as_bytes()).await;
+        assert_eq!(raw.status, 200);
+        let seen = upstream.seen();
+        let last = seen.last().expect("a request reached the upstream");
+        let lines: Vec<&str> = last
+            .headers
+            .get_all("x-forwarded-for")
+            .iter()
+            .map(|v| v.to_str().expect("text"))
+            .collect();
+        assert_eq!(lines, [expected], "{headers:?}");
+    }
+}
+
+/// An upstream connection left idle for --upstream-idle-timeout-ms is
+/// closed by the gateway, before an upstream with a short keep-alive
+/// (uvicorn's is 5 s) can close it under a request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_upstream_connections_are_closed_after_the_idle_timeout() {
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start(&[
+        "--upstream",
+        &upstream.url(),
+        "--upstream-idle-timeout-ms",
+        "200",
+    ])
+    .await;
+    let closed = || {
+        upstream
+            .state
+            .closed
+            .load(std::sync::atomic::Ordering::SeqCst)
+    };
+    assert_eq!(get(gateway.addr, "/idle").await.status, StatusCode::OK);
+    assert_eq!(closed(), 0);
+    // With hyper's default of 90 s this would run into the bound.
+    bounded(
+        "the gateway closing its idle upstream connection",
+        Duration::from_secs(5),
+        upstream.state.closed_one.notified(),
+    )
+    .await;
+    assert_eq!(closed(), 1);
+    // The next request opens a new connection and is answered.
+    assert_eq!(get(gateway.addr, "/idle").await.status, StatusCode::OK);
 }
 
 /// Without --upstream the built-in echo answers with the request it got:

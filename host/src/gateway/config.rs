@@ -15,6 +15,9 @@ use crate::limits::PluginLimits;
 /// The longest plugin call deadline a configuration may set: an hour.
 const MAX_PLUGIN_DEADLINE_MS: u64 = 3_600_000;
 
+/// The longest upstream timeout a configuration may set: a day.
+const MAX_UPSTREAM_TIMEOUT_MS: u64 = 86_400_000;
+
 /// What the gateway does when the plugin errs, traps or hits a limit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -72,6 +75,8 @@ pub struct GatewayConfig {
     pub reload_debounce: Duration,
     /// Limits on client connections.
     pub connections: ConnectionLimits,
+    /// How long the gateway waits on the upstream.
+    pub upstream_timeouts: UpstreamTimeouts,
     /// Bearer token every admin request must carry; required when the
     /// admin listener is not on a loopback address.
     pub admin_token: Option<String>,
@@ -105,6 +110,34 @@ impl Default for ConnectionLimits {
     }
 }
 
+/// How long the gateway waits on the upstream, so that an upstream that
+/// hangs costs a client a clear 504, not a request that never ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UpstreamTimeouts {
+    /// Opening a connection to the upstream.
+    pub connect: Duration,
+    /// From sending a request until the upstream's response headers arrive.
+    /// Generous by default: a non-streaming completion sends its headers
+    /// only when generation ends. The response body that follows (a token
+    /// stream) is not limited.
+    pub response: Duration,
+    /// How long an idle upstream connection is kept for reuse. Below the
+    /// upstream's own keep-alive timeout (uvicorn's default is 5 s), so the
+    /// gateway never sends a request on a connection the upstream is
+    /// closing at that moment.
+    pub idle: Duration,
+}
+
+impl Default for UpstreamTimeouts {
+    fn default() -> Self {
+        UpstreamTimeouts {
+            connect: Duration::from_secs(5),
+            response: Duration::from_secs(600),
+            idle: Duration::from_secs(4),
+        }
+    }
+}
+
 impl Default for GatewayConfig {
     fn default() -> Self {
         GatewayConfig {
@@ -121,6 +154,7 @@ impl Default for GatewayConfig {
             shutdown_grace: Duration::from_secs(30),
             reload_debounce: Duration::from_millis(200),
             connections: ConnectionLimits::default(),
+            upstream_timeouts: UpstreamTimeouts::default(),
             admin_token: None,
             lease: None,
             workers: None,
@@ -166,6 +200,12 @@ pub struct ConfigFile {
     pub max_header_bytes: Option<usize>,
     /// See [`ConnectionLimits::max_connections`].
     pub max_connections: Option<usize>,
+    /// See [`UpstreamTimeouts::connect`], in milliseconds.
+    pub upstream_connect_timeout_ms: Option<u64>,
+    /// See [`UpstreamTimeouts::response`], in milliseconds.
+    pub upstream_response_timeout_ms: Option<u64>,
+    /// See [`UpstreamTimeouts::idle`], in milliseconds.
+    pub upstream_idle_timeout_ms: Option<u64>,
     /// See [`GatewayConfig::admin_token`].
     pub admin_token: Option<String>,
     /// See [`GatewayConfig::workers`].
@@ -276,6 +316,32 @@ impl ConfigFile {
             anyhow::ensure!(n > 0, "max-connections must be at least 1");
             config.connections.max_connections = n;
         }
+        let timeouts = &mut config.upstream_timeouts;
+        for (name, ms, field) in [
+            (
+                "upstream-connect-timeout-ms",
+                self.upstream_connect_timeout_ms,
+                &mut timeouts.connect,
+            ),
+            (
+                "upstream-response-timeout-ms",
+                self.upstream_response_timeout_ms,
+                &mut timeouts.response,
+            ),
+            (
+                "upstream-idle-timeout-ms",
+                self.upstream_idle_timeout_ms,
+                &mut timeouts.idle,
+            ),
+        ] {
+            if let Some(ms) = ms {
+                anyhow::ensure!(
+                    (1..=MAX_UPSTREAM_TIMEOUT_MS).contains(&ms),
+                    "{name} must be between 1 and {MAX_UPSTREAM_TIMEOUT_MS} (a day), not {ms}"
+                );
+                *field = Duration::from_millis(ms);
+            }
+        }
         if self.admin_token.is_some() {
             config.admin_token = self.admin_token;
         }
@@ -335,6 +401,8 @@ mod tests {
             plugin-deadline-ms = 50
             plugin-calls-per-instance = 1
             workers = 3
+            upstream-response-timeout-ms = 30000
+            upstream-idle-timeout-ms = 1500
             [plugin-settings]
             extra = "yes"
             "#,
@@ -350,6 +418,14 @@ mod tests {
         assert_eq!(config.plugin_limits.deadline, Duration::from_millis(50));
         assert_eq!(config.plugin_limits.calls_per_instance, 1);
         assert_eq!(config.workers, Some(3));
+        assert_eq!(
+            config.upstream_timeouts,
+            UpstreamTimeouts {
+                connect: Duration::from_secs(5),
+                response: Duration::from_secs(30),
+                idle: Duration::from_millis(1500),
+            }
+        );
         assert_eq!(
             config.plugin_settings.get("extra").map(String::as_str),
             Some("yes")
@@ -389,6 +465,14 @@ mod tests {
             (
                 "plugin-deadline-ms = 9223372036854775807",
                 "plugin-deadline-ms must be between 1 and 3600000 (an hour), not 9223372036854775807",
+            ),
+            (
+                "upstream-connect-timeout-ms = 0",
+                "upstream-connect-timeout-ms must be between 1 and 86400000 (a day), not 0",
+            ),
+            (
+                "upstream-response-timeout-ms = 86400001",
+                "upstream-response-timeout-ms must be between 1 and 86400000 (a day), not 86400001",
             ),
             (
                 "plugin-memory-mib = 0",

@@ -24,7 +24,7 @@ use std::sync::Arc;
 use anyhow::Context as _;
 use tokio::net::TcpListener;
 
-pub use config::{ConfigFile, ConnectionLimits, FailurePolicy, GatewayConfig};
+pub use config::{ConfigFile, ConnectionLimits, FailurePolicy, GatewayConfig, UpstreamTimeouts};
 pub use metrics::{Metrics, Outcome};
 pub use middleware::{Snowgate, SnowgateLayer};
 pub use slot::{PluginSlot, ReloadError, Reloaded};
@@ -79,7 +79,7 @@ impl Gateway {
         .context("the plugin loading task failed")??;
         let slot = Arc::new(slot);
         let upstream = match &config.upstream {
-            Some(url) => Upstream::http(url, metrics.clone())?,
+            Some(url) => Upstream::http(url, config.upstream_timeouts, metrics.clone())?,
             None => Upstream::Echo,
         };
         let listener = TcpListener::bind(config.listen)

@@ -24,7 +24,7 @@ use tower_service::Service;
 
 use crate::gateway::config::ConnectionLimits;
 use crate::gateway::middleware::SnowgateLayer;
-use crate::gateway::upstream::Upstream;
+use crate::gateway::upstream::{strip_hop_by_hop, Upstream};
 use crate::gateway::workers::Workers;
 
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
@@ -105,6 +105,9 @@ pub async fn serve(
         next_worker = next_worker.wrapping_add(1);
         let service = services[worker % services.len()].clone();
         let per_request = hyper::service::service_fn(move |mut request: Request<Incoming>| {
+            // First, so that a client cannot name the gateway's own
+            // `X-Forwarded-For` in its `Connection` header to have it removed.
+            strip_hop_by_hop(request.headers_mut());
             append_forwarded_for(&mut request, peer);
             let mut service = service.clone();
             async move {
@@ -243,17 +246,18 @@ impl std::error::Error for BodyError {}
 /// The response body a connection writes.
 pub type ResponseBody = BoxBody<Bytes, BodyError>;
 
-/// Adds the client's address to `X-Forwarded-For`.
+/// Adds the client's address to `X-Forwarded-For`, as one line after the
+/// addresses of every line the client sent (RFC 9110 section 5.3: they
+/// read as one comma-separated list). A line that is not text is dropped.
 fn append_forwarded_for<B>(request: &mut Request<B>, peer: SocketAddr) {
-    let ip = peer.ip().to_string();
-    let value = match request
-        .headers()
-        .get(&X_FORWARDED_FOR)
-        .and_then(|v| v.to_str().ok())
-    {
-        Some(existing) => format!("{existing}, {ip}"),
-        None => ip,
-    };
+    let mut value = String::new();
+    for line in request.headers().get_all(&X_FORWARDED_FOR) {
+        if let Ok(line) = line.to_str() {
+            value.push_str(line);
+            value.push_str(", ");
+        }
+    }
+    value.push_str(&peer.ip().to_string());
     if let Ok(value) = HeaderValue::from_str(&value) {
         request.headers_mut().insert(X_FORWARDED_FOR, value);
     }

@@ -16,9 +16,10 @@ use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
 use tower_service::Service;
 
+use crate::gateway::config::UpstreamTimeouts;
 use crate::gateway::metrics::Metrics;
 use crate::gateway::read_body::read_limited;
 use crate::gateway::responses;
@@ -33,15 +34,16 @@ pub type UpstreamBody = BoxBody<Bytes, BoxError>;
 const ECHO_MAX_BODY: usize = 64 << 20;
 
 /// Headers that describe one connection, not the message: a proxy must not
-/// forward them (RFC 9110 section 7.6.1).
-const HOP_BY_HOP: [HeaderName; 8] = [
+/// forward them (RFC 9110 section 7.6.1). `Trailer` is not one of them: it
+/// names the trailer fields that end a chunked message, and without it
+/// hyper does not send them on.
+const HOP_BY_HOP: [HeaderName; 7] = [
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
     HeaderName::from_static("proxy-connection"),
     header::PROXY_AUTHENTICATE,
     header::PROXY_AUTHORIZATION,
     header::TE,
-    header::TRAILER,
     header::TRANSFER_ENCODING,
 ];
 
@@ -57,14 +59,19 @@ pub enum Upstream {
 /// A real upstream: base URL and a keep-alive connection pool.
 pub struct HttpUpstream {
     base: Uri,
+    timeouts: UpstreamTimeouts,
     metrics: Arc<Metrics>,
     client: Client<HttpConnector, BoxBody<Bytes, BoxError>>,
 }
 
 impl Upstream {
-    /// An upstream at `url` (`http://host:port[/prefix]`); failures to reach
-    /// it are counted in `metrics`.
-    pub fn http(url: &str, metrics: Arc<Metrics>) -> anyhow::Result<Upstream> {
+    /// An upstream at `url` (`http://host:port[/prefix]`), waited on for at
+    /// most `timeouts`; failures to reach it are counted in `metrics`.
+    pub fn http(
+        url: &str,
+        timeouts: UpstreamTimeouts,
+        metrics: Arc<Metrics>,
+    ) -> anyhow::Result<Upstream> {
         let base: Uri = url
             .parse()
             .with_context(|| format!("--upstream {url:?} is not a URL"))?;
@@ -81,8 +88,9 @@ impl Upstream {
         );
         Ok(Upstream::Http(Arc::new(HttpUpstream {
             base,
+            timeouts,
             metrics,
-            client: pooled_client(),
+            client: pooled_client(timeouts),
         })))
     }
 
@@ -93,8 +101,9 @@ impl Upstream {
         match self {
             Upstream::Http(http) => Upstream::Http(Arc::new(HttpUpstream {
                 base: http.base.clone(),
+                timeouts: http.timeouts,
                 metrics: http.metrics.clone(),
-                client: pooled_client(),
+                client: pooled_client(http.timeouts),
             })),
             Upstream::Echo => Upstream::Echo,
         }
@@ -109,11 +118,16 @@ impl Upstream {
     }
 }
 
-/// A keep-alive HTTP/1.1 client with Nagle off.
-fn pooled_client() -> Client<HttpConnector, BoxBody<Bytes, BoxError>> {
+/// A keep-alive HTTP/1.1 client with Nagle off, the connect timeout, and
+/// idle connections closed after the idle timeout.
+fn pooled_client(timeouts: UpstreamTimeouts) -> Client<HttpConnector, BoxBody<Bytes, BoxError>> {
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
-    Client::builder(TokioExecutor::new()).build(connector)
+    connector.set_connect_timeout(Some(timeouts.connect));
+    Client::builder(TokioExecutor::new())
+        .pool_timer(TokioTimer::new())
+        .pool_idle_timeout(timeouts.idle)
+        .build(connector)
 }
 
 impl<B> Service<Request<B>> for Upstream
@@ -153,25 +167,50 @@ impl HttpUpstream {
         // The client sets Host from the upstream URL, as proxies usually do.
         parts.headers.remove(header::HOST);
         parts.version = http::Version::HTTP_11;
+        // A body of unknown length goes on chunked. hyper's client does that
+        // by itself except for GET, HEAD and CONNECT, whose bodies it would
+        // drop without a `Transfer-Encoding` header saying so.
+        if !body.is_end_stream() && body.size_hint().exact().is_none() {
+            parts.headers.insert(
+                header::TRANSFER_ENCODING,
+                header::HeaderValue::from_static("chunked"),
+            );
+        }
         let request = Request::from_parts(parts, body);
-        match self.client.request(request).await {
-            Ok(response) => {
+        let answer = tokio::time::timeout(self.timeouts.response, self.client.request(request));
+        let failure = match answer.await {
+            Ok(Ok(response)) => {
                 let (mut parts, body) = response.into_parts();
+                // hyper reads a response with both as chunked (RFC 9112
+                // section 6.3) but leaves the `Content-Length`, which would
+                // cut the chunked body short on the way to the client.
+                if parts.headers.contains_key(header::TRANSFER_ENCODING) {
+                    parts.headers.remove(header::CONTENT_LENGTH);
+                }
                 strip_hop_by_hop(&mut parts.headers);
                 // Streamed as it arrives: server-sent events are not buffered.
-                Response::from_parts(parts, body.map_err(|e| Box::new(e) as BoxError).boxed())
+                return Response::from_parts(
+                    parts,
+                    body.map_err(|e| Box::new(e) as BoxError).boxed(),
+                );
             }
-            Err(e) => {
-                tracing::warn!(upstream = %self.base, error = %e, "upstream request failed");
-                self.metrics.upstream_error();
-                let message = format!("the upstream {} could not be reached: {e}", self.base);
-                own(responses::error(
-                    StatusCode::BAD_GATEWAY,
-                    "upstream_unreachable",
-                    &message,
-                ))
+            Ok(Err(e)) => UpstreamFailure::from_client_error(&e, self.timeouts.connect),
+            Err(_elapsed) => UpstreamFailure::TooSlow(format!(
+                "it sent no response headers within {} ms (--upstream-response-timeout-ms)",
+                self.timeouts.response.as_millis()
+            )),
+        };
+        self.metrics.upstream_error();
+        let (status, code, problem) = match failure {
+            UpstreamFailure::Unreachable(why) => {
+                (StatusCode::BAD_GATEWAY, "upstream_unreachable", why)
             }
-        }
+            UpstreamFailure::Failed(why) => (StatusCode::BAD_GATEWAY, "upstream_failed", why),
+            UpstreamFailure::TooSlow(why) => (StatusCode::GATEWAY_TIMEOUT, "upstream_timeout", why),
+        };
+        tracing::warn!(upstream = %self.base, code, problem, "upstream request failed");
+        let message = format!("the upstream {} {problem}", self.base);
+        own(responses::error(status, code, &message))
     }
 
     /// The upstream URL for a request's path and query.
@@ -187,8 +226,59 @@ impl HttpUpstream {
     }
 }
 
+/// Why a request to the upstream got no response.
+enum UpstreamFailure {
+    /// No connection could be opened (502).
+    Unreachable(String),
+    /// The connection failed after the request was sent, or the request
+    /// body could not be read from the client (502).
+    Failed(String),
+    /// A timeout ran out (504).
+    TooSlow(String),
+}
+
+impl UpstreamFailure {
+    /// Sorts a client error, and words it with every cause in its chain
+    /// (the client error's own text only says "client error (Connect)").
+    fn from_client_error(
+        error: &hyper_util::client::legacy::Error,
+        connect_timeout: std::time::Duration,
+    ) -> UpstreamFailure {
+        let mut causes = Vec::new();
+        let mut timed_out = false;
+        let mut source: Option<&(dyn std::error::Error + 'static)> = Some(error);
+        while let Some(cause) = source {
+            timed_out |= cause
+                .downcast_ref::<std::io::Error>()
+                .is_some_and(|e| e.kind() == std::io::ErrorKind::TimedOut);
+            causes.push(cause.to_string());
+            source = cause.source();
+        }
+        let why = causes.join(": ");
+        match (error.is_connect(), timed_out) {
+            (true, true) => UpstreamFailure::TooSlow(format!(
+                "could not be connected to within {} ms (--upstream-connect-timeout-ms): {why}",
+                connect_timeout.as_millis()
+            )),
+            (true, false) => UpstreamFailure::Unreachable(format!("could not be reached: {why}")),
+            (false, _) => UpstreamFailure::Failed(format!("failed to answer the request: {why}")),
+        }
+    }
+}
+
 /// Removes hop-by-hop headers, including those the `Connection` header names.
+/// A `TE` that accepts trailers becomes `TE: trailers`: the gateway passes
+/// trailers on, so the next hop may send them.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let accepts_trailers = headers
+        .get_all(header::TE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|coding| {
+            let name = coding.split(';').next().unwrap_or_default();
+            name.trim().eq_ignore_ascii_case("trailers")
+        });
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()
@@ -201,6 +291,9 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
     // `Upgrade` goes only with a `Connection: upgrade`, which was just removed.
     headers.remove(header::UPGRADE);
+    if accepts_trailers {
+        headers.insert(header::TE, header::HeaderValue::from_static("trailers"));
+    }
 }
 
 fn own(response: Response<Full<Bytes>>) -> Response<UpstreamBody> {
@@ -279,10 +372,30 @@ mod tests {
     }
 
     #[test]
+    fn a_te_that_accepts_trailers_becomes_te_trailers() {
+        for (te, kept) in [
+            ("trailers", Some("trailers")),
+            ("gzip;q=0.5, Trailers", Some("trailers")),
+            ("gzip, deflate", None),
+            ("trailersx", None),
+        ] {
+            let mut headers = HeaderMap::new();
+            headers.insert(header::TE, te.parse().unwrap());
+            headers.insert(header::CONNECTION, "TE".parse().unwrap());
+            strip_hop_by_hop(&mut headers);
+            let left = headers.get(header::TE).map(|v| v.to_str().unwrap());
+            assert_eq!(left, kept, "{te}");
+            assert_eq!(headers.get(header::CONNECTION), None);
+        }
+    }
+
+    #[test]
     fn joins_the_base_prefix_and_the_request_path() {
-        let Ok(Upstream::Http(http)) =
-            Upstream::http("http://127.0.0.1:9000/api/", Default::default())
-        else {
+        let Ok(Upstream::Http(http)) = Upstream::http(
+            "http://127.0.0.1:9000/api/",
+            Default::default(),
+            Default::default(),
+        ) else {
             panic!("a valid upstream URL")
         };
         let uri = http
@@ -296,8 +409,8 @@ mod tests {
 
     #[test]
     fn refuses_urls_it_cannot_use() {
-        assert!(Upstream::http("https://example.test", Default::default())
-            .is_err_and(|e| e.to_string().contains("use http://")));
-        assert!(Upstream::http("127.0.0.1:8000", Default::default()).is_err());
+        let http = |url| Upstream::http(url, Default::default(), Default::default());
+        assert!(http("https://example.test").is_err_and(|e| e.to_string().contains("use http://")));
+        assert!(http("127.0.0.1:8000").is_err());
     }
 }

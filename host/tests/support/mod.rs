@@ -389,6 +389,10 @@ pub struct UpstreamState {
     pub release: Notify,
     /// Lets a `/sse` stream send its second event.
     pub sse_release: Notify,
+    /// Connections the gateway has closed so far.
+    pub closed: AtomicU64,
+    /// Signalled when the gateway closes a connection.
+    pub closed_one: Notify,
 }
 
 /// An HTTP/1.1 upstream in the test process, on 127.0.0.1:0. It records
@@ -426,13 +430,16 @@ impl TestUpstream {
                 };
                 let state = shared.clone();
                 tokio::spawn(async move {
+                    let per_request = state.clone();
                     let service = hyper::service::service_fn(move |request| {
-                        let state = state.clone();
+                        let state = per_request.clone();
                         async move { Ok::<_, Infallible>(upstream_answer(state, request).await) }
                     });
                     let _ = hyper::server::conn::http1::Builder::new()
                         .serve_connection(TokioIo::new(stream), service)
                         .await;
+                    state.closed.fetch_add(1, Ordering::SeqCst);
+                    state.closed_one.notify_one();
                 });
             }
         });
@@ -555,6 +562,70 @@ impl Body for ChannelBody {
         self.0
             .poll_recv(cx)
             .map(|chunk| chunk.map(|c| Ok(Frame::data(c))))
+    }
+}
+
+/// An upstream that answers every connection's first request with the same
+/// bytes, written as they are, then closes: for responses hyper would not
+/// write. It keeps each request head it read.
+pub struct RawUpstream {
+    /// Where it listens.
+    pub addr: SocketAddr,
+    heads: Arc<Mutex<Vec<String>>>,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+impl RawUpstream {
+    /// Binds and starts answering with `response`.
+    pub async fn start(response: &'static [u8]) -> RawUpstream {
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind the raw upstream");
+        let addr = listener.local_addr().expect("raw upstream address");
+        let heads = Arc::new(Mutex::new(Vec::new()));
+        let seen = heads.clone();
+        let accept = tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                let seen = seen.clone();
+                tokio::spawn(async move {
+                    let mut reader = BufReader::new(stream);
+                    let mut head = String::new();
+                    loop {
+                        let mut line = String::new();
+                        match reader.read_line(&mut line).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(_) if line.trim_end().is_empty() => break,
+                            Ok(_) => head.push_str(&line),
+                        }
+                    }
+                    seen.lock().unwrap_or_else(|p| p.into_inner()).push(head);
+                    let mut stream = reader.into_inner();
+                    let _ = stream.write_all(response).await;
+                    let _ = stream.shutdown().await;
+                });
+            }
+        });
+        RawUpstream {
+            addr,
+            heads,
+            accept,
+        }
+    }
+
+    /// `http://ADDR`, for `--upstream`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// The request heads read so far (request line and header lines).
+    pub fn heads(&self) -> Vec<String> {
+        self.heads.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
+impl Drop for RawUpstream {
+    fn drop(&mut self) {
+        self.accept.abort();
     }
 }
 
@@ -702,6 +773,8 @@ pub struct RawReply {
     pub headers: Vec<(String, String)>,
     /// The body, de-chunked.
     pub body: Vec<u8>,
+    /// Trailer fields after a chunked body, names lower-cased, in order.
+    pub trailers: Vec<(String, String)>,
 }
 
 impl RawReply {
@@ -802,6 +875,7 @@ async fn read_raw_response(reader: &mut BufReader<TcpStream>) -> RawReply {
             .map(|(_, v)| v.clone())
     };
     let mut body = Vec::new();
+    let mut trailers = Vec::new();
     if find("transfer-encoding").is_some_and(|v| v.contains("chunked")) {
         loop {
             line.clear();
@@ -811,9 +885,10 @@ async fn read_raw_response(reader: &mut BufReader<TcpStream>) -> RawReply {
                 loop {
                     line.clear();
                     reader.read_line(&mut line).await.expect("a trailer line");
-                    if line.trim().is_empty() {
+                    let Some((name, value)) = line.trim_end().split_once(':') else {
                         break;
-                    }
+                    };
+                    trailers.push((name.trim().to_ascii_lowercase(), value.trim().to_string()));
                 }
                 break;
             }
@@ -836,6 +911,7 @@ async fn read_raw_response(reader: &mut BufReader<TcpStream>) -> RawReply {
         status,
         headers,
         body,
+        trailers,
     }
 }
 

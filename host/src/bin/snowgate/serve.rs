@@ -87,6 +87,21 @@ pub struct ServeArgs {
     /// [default: 4096].
     #[arg(long, value_name = "N")]
     max_connections: Option<usize>,
+    /// How long opening a connection to the upstream may take, in
+    /// milliseconds; then the client gets 504 [default: 5000].
+    #[arg(long, value_name = "MS")]
+    upstream_connect_timeout_ms: Option<u64>,
+    /// How long the upstream may take to send its response headers, in
+    /// milliseconds; then the client gets 504. A non-streaming completion
+    /// sends them only when generation ends; a streamed body is not limited
+    /// [default: 600000, ten minutes].
+    #[arg(long, value_name = "MS")]
+    upstream_response_timeout_ms: Option<u64>,
+    /// How long an idle upstream connection is kept for reuse, in
+    /// milliseconds; keep it below the upstream's keep-alive timeout
+    /// (uvicorn's default: 5 s) [default: 4000].
+    #[arg(long, value_name = "MS")]
+    upstream_idle_timeout_ms: Option<u64>,
     /// Threads serving client connections, each with its own event loop
     /// and upstream connection pool; a connection stays on one thread
     /// [default: one per CPU].
@@ -146,6 +161,9 @@ impl ServeArgs {
             header_read_timeout_ms: self.header_read_timeout_ms,
             max_header_bytes: self.max_header_bytes,
             max_connections: self.max_connections,
+            upstream_connect_timeout_ms: self.upstream_connect_timeout_ms,
+            upstream_response_timeout_ms: self.upstream_response_timeout_ms,
+            upstream_idle_timeout_ms: self.upstream_idle_timeout_ms,
             admin_token: self.admin_token,
             workers: self.workers,
             etcd: self.etcd,
