@@ -114,9 +114,12 @@ impl Default for ConnectionLimits {
 /// hangs costs a client a clear 504, not a request that never ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct UpstreamTimeouts {
-    /// Opening a connection to the upstream.
+    /// Opening a TCP connection to the upstream (name resolution is not
+    /// included).
     pub connect: Duration,
-    /// From sending a request until the upstream's response headers arrive.
+    /// From handing a request to the upstream client until the upstream's
+    /// response headers arrive: connecting and sending the request body
+    /// count too.
     /// Generous by default: a non-streaming completion sends its headers
     /// only when generation ends. The response body that follows (a token
     /// stream) is not limited.

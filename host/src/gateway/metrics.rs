@@ -87,7 +87,7 @@ impl Metrics {
         self.requests[outcome as usize].fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Counts a request the upstream could not answer (answered 502).
+    /// Counts a request that got no upstream response (answered 502 or 504).
     pub fn upstream_error(&self) {
         self.upstream_errors.fetch_add(1, Ordering::Relaxed);
     }
@@ -156,7 +156,7 @@ impl Metrics {
         out.push_str("# TYPE snowgate_ids_stamped_total counter\n");
         let _ = writeln!(out, "snowgate_ids_stamped_total {ids_issued}");
         out.push_str(
-            "# HELP snowgate_upstream_errors_total Requests the upstream could not answer (502).\n",
+            "# HELP snowgate_upstream_errors_total Requests that got no upstream response: 502 (unreachable, failed) or 504 (timed out).\n",
         );
         out.push_str("# TYPE snowgate_upstream_errors_total counter\n");
         let _ = writeln!(

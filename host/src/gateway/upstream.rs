@@ -176,7 +176,15 @@ impl HttpUpstream {
                 header::HeaderValue::from_static("chunked"),
             );
         }
+        // A sender of `TE` lists it in `Connection` (RFC 9110 section 10.1.4).
+        if parts.headers.contains_key(header::TE) {
+            parts
+                .headers
+                .insert(header::CONNECTION, header::HeaderValue::from_static("te"));
+        }
         let request = Request::from_parts(parts, body);
+        // Connecting and sending the request body count too: the timeout is
+        // for the whole wait for a response head, not for the body after it.
         let answer = tokio::time::timeout(self.timeouts.response, self.client.request(request));
         let failure = match answer.await {
             Ok(Ok(response)) => {
@@ -196,7 +204,7 @@ impl HttpUpstream {
             }
             Ok(Err(e)) => UpstreamFailure::from_client_error(&e, self.timeouts.connect),
             Err(_elapsed) => UpstreamFailure::TooSlow(format!(
-                "it sent no response headers within {} ms (--upstream-response-timeout-ms)",
+                "sent no response headers within {} ms of the request (--upstream-response-timeout-ms)",
                 self.timeouts.response.as_millis()
             )),
         };
@@ -266,9 +274,21 @@ impl UpstreamFailure {
     }
 }
 
-/// Removes hop-by-hop headers, including those the `Connection` header names.
-/// A `TE` that accepts trailers becomes `TE: trailers`: the gateway passes
-/// trailers on, so the next hop may send them.
+/// End-to-end headers a `Connection` header may not remove (RFC 9110
+/// section 7.6.1: a sender must not name them). They say whether and how a
+/// request reaches the plugin; a client naming them must not be able to
+/// send a JSON body past it.
+const NEVER_CONNECTION_OPTIONS: [HeaderName; 4] = [
+    header::CONTENT_LENGTH,
+    header::CONTENT_TYPE,
+    header::CONTENT_ENCODING,
+    header::HOST,
+];
+
+/// Removes hop-by-hop headers, including those the `Connection` header names
+/// (except [`NEVER_CONNECTION_OPTIONS`]). A `TE` that accepts trailers
+/// becomes `TE: trailers`: the gateway passes trailers on, so the next hop
+/// may send them.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     let accepts_trailers = headers
         .get_all(header::TE)
@@ -285,6 +305,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
         .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .filter(|name| !NEVER_CONNECTION_OPTIONS.contains(name))
         .collect();
     for name in named.iter().chain(HOP_BY_HOP.iter()) {
         headers.remove(name);

@@ -87,14 +87,16 @@ pub struct ServeArgs {
     /// [default: 4096].
     #[arg(long, value_name = "N")]
     max_connections: Option<usize>,
-    /// How long opening a connection to the upstream may take, in
-    /// milliseconds; then the client gets 504 [default: 5000].
+    /// How long opening a TCP connection to the upstream may take (name
+    /// resolution not included), in milliseconds; then the client gets 504
+    /// [default: 5000].
     #[arg(long, value_name = "MS")]
     upstream_connect_timeout_ms: Option<u64>,
-    /// How long the upstream may take to send its response headers, in
-    /// milliseconds; then the client gets 504. A non-streaming completion
-    /// sends them only when generation ends; a streamed body is not limited
-    /// [default: 600000, ten minutes].
+    /// How long the upstream may take to send its response headers, counted
+    /// from the request (connecting and sending the request body included),
+    /// in milliseconds; then the client gets 504. A non-streaming completion
+    /// sends them only when generation ends; a streamed response body is not
+    /// limited [default: 600000, ten minutes].
     #[arg(long, value_name = "MS")]
     upstream_response_timeout_ms: Option<u64>,
     /// How long an idle upstream connection is kept for reuse, in
