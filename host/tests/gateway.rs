@@ -815,6 +815,60 @@ async fn a_json_body_reaches_the_plugin_however_it_is_framed_or_labelled() {
     assert_eq!(seen.header("content-type"), Some("application/json"));
 }
 
+/// A body without a JSON content type (none, or the form type `curl -d`
+/// sends) goes to the plugin when the server behind could read it as JSON:
+/// it opens like JSON (stamped), or it starts with a byte order mark or is
+/// UTF-16, which Python's `json.loads` reads and the plugin refuses. Other
+/// bodies pass through untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loosely_typed_bodies_reach_the_plugin_when_the_server_could_read_them_as_json() {
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
+    let send = |content_type: &'static str, body: Vec<u8>| {
+        let addr = gateway.addr;
+        async move {
+            let mut request = format!(
+                "POST /v1/completions HTTP/1.1\r\nHost: gateway.example\r\n{content_type}\
+                 Content-Length: {}\r\nConnection: close\r\n\r\n",
+                body.len()
+            )
+            .into_bytes();
+            request.extend_from_slice(&body);
+            raw_exchange(addr, &request).await
+        }
+    };
+    let form = "Content-Type: application/x-www-form-urlencoded\r\n";
+    let utf16be: Vec<u8> = CONTEXT_ONLY.bytes().flat_map(|b| [0, b]).collect();
+    let with_bom = [&b"\xEF\xBB\xBF"[..], CONTEXT_ONLY.as_bytes()].concat();
+
+    for content_type in ["", form] {
+        let raw = send(content_type, CONTEXT_ONLY.as_bytes().to_vec()).await;
+        assert_eq!(raw.status, 200, "{content_type:?}");
+        let seen = upstream.seen().pop().expect("forwarded");
+        assert_fresh_v1_id(stamped_id(&seen.body));
+
+        for (body, problem) in [
+            (with_bom.clone(), "byte order mark"),
+            (utf16be.clone(), "not valid JSON"),
+        ] {
+            let before = upstream.seen().len();
+            let raw = send(content_type, body).await;
+            assert_eq!(raw.status, 400, "{content_type:?} {problem}");
+            let message = raw.json()["error"]["message"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string();
+            assert!(message.contains(problem), "{message}");
+            assert_eq!(upstream.seen().len(), before, "not forwarded");
+        }
+
+        let raw = send(content_type, b"prompt=hello&max_tokens=16".to_vec()).await;
+        assert_eq!(raw.status, 200);
+        let seen = upstream.seen().pop().expect("forwarded");
+        assert_eq!(seen.body, "prompt=hello&max_tokens=16");
+    }
+}
+
 /// A GET with a chunked body (not JSON, so streamed through) reaches the
 /// upstream with its body: hyper's client would send it without one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -199,8 +199,7 @@ impl Shared {
                 ));
             }
         };
-        let loosely_typed_and_not_json =
-            !declares_json(&parts.headers) && !starts_like_json(&bytes);
+        let loosely_typed_and_not_json = !declares_json(&parts.headers) && !could_be_json(&bytes);
         if bytes.is_empty() || loosely_typed_and_not_json {
             // Nothing to stamp: an empty body (e.g. a GET that declares a
             // JSON type), or an untyped or form-typed body that is not JSON.
@@ -312,14 +311,22 @@ fn declared_length(headers: &HeaderMap) -> Option<u64> {
         .ok()
 }
 
-/// Whether a body without a content type looks like JSON: its first
-/// non-whitespace byte opens an object or an array (a request body the
-/// plugin could stamp is one or the other).
-fn starts_like_json(body: &[u8]) -> bool {
-    matches!(
+/// Whether a body without a JSON content type could be read as JSON by the
+/// server behind the gateway, so that it must go to the plugin: its first
+/// non-whitespace byte opens an object or an array (a request the plugin
+/// could stamp is one or the other), or it is not UTF-8 to Python's
+/// `json.loads`, which also reads a body that starts with a byte order mark
+/// or has a zero byte among its first two (UTF-16 and UTF-32). The plugin
+/// refuses those with a 400, rather than let one through unstamped.
+fn could_be_json(body: &[u8]) -> bool {
+    const BOMS: [&[u8]; 3] = [b"\xEF\xBB\xBF", b"\xFE\xFF", b"\xFF\xFE"];
+    let opens_like_json = matches!(
         body.iter().find(|b| !b.is_ascii_whitespace()),
         Some(b'{' | b'[')
-    )
+    );
+    let other_encoding =
+        BOMS.iter().any(|bom| body.starts_with(bom)) || body.iter().take(2).any(|&b| b == 0);
+    opens_like_json || other_encoding
 }
 
 /// The body's media type, lower case, without parameters.
@@ -372,12 +379,21 @@ mod tests {
     }
 
     #[test]
-    fn an_untyped_body_is_json_when_it_opens_an_object_or_array() {
-        assert!(starts_like_json(b" \n{\"a\":1}"));
-        assert!(starts_like_json(b"[1]"));
-        assert!(!starts_like_json(b"hello"));
-        assert!(!starts_like_json(b"\x00\x01"));
-        assert!(!starts_like_json(b""));
+    fn an_untyped_body_goes_to_the_plugin_when_python_could_read_it_as_json() {
+        assert!(could_be_json(b" \n{\"a\":1}"));
+        assert!(could_be_json(b"[1]"));
+        assert!(could_be_json(b"\xEF\xBB\xBF{}"), "UTF-8 with a BOM");
+        assert!(could_be_json(b"\xFF\xFE{\x00}\x00"), "UTF-16 with a BOM");
+        assert!(could_be_json(b"\x00{\x00}"), "UTF-16BE");
+        assert!(could_be_json(b"{\x00}\x00"), "UTF-16LE");
+        assert!(could_be_json(b"\x00\x00\x00{"), "UTF-32BE");
+        assert!(!could_be_json(b"hello"));
+        assert!(!could_be_json(b"a=1&b=%7B"));
+        assert!(
+            !could_be_json(b"h\x01\x00"),
+            "a zero byte after the first two"
+        );
+        assert!(!could_be_json(b""));
     }
 
     #[test]
