@@ -869,6 +869,60 @@ async fn loosely_typed_bodies_reach_the_plugin_when_the_server_could_read_them_a
     }
 }
 
+/// Labels the server behind reads differently from their face value still
+/// send the body to the plugin: an empty `Content-Type` (FastAPI parses
+/// the body as JSON, as with none), a JSON type with a non-ASCII byte in a
+/// parameter (Python reads header bytes as Latin-1), and `X-TRTLLM-Msgpack`
+/// on a body labelled anything (TensorRT-LLM decodes it as MessagePack),
+/// which the plugin refuses with 415.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn labels_the_server_reads_as_json_or_msgpack_send_the_body_to_the_plugin() {
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
+    let send = |headers: &'static [u8], body: &[u8]| {
+        let addr = gateway.addr;
+        let mut request = b"POST /v1/completions HTTP/1.1\r\nHost: gateway.example\r\n".to_vec();
+        request.extend_from_slice(headers);
+        request.extend_from_slice(
+            format!(
+                "Content-Length: {}\r\nConnection: close\r\n\r\n",
+                body.len()
+            )
+            .as_bytes(),
+        );
+        request.extend_from_slice(body);
+        async move { raw_exchange(addr, &request).await }
+    };
+
+    for headers in [
+        &b"Content-Type:\r\n"[..],
+        b"Content-Type: application/json; x=\xff\r\n",
+    ] {
+        let raw = send(headers, CONTEXT_ONLY.as_bytes()).await;
+        assert_eq!(raw.status, 200, "{:?}", String::from_utf8_lossy(headers));
+        let seen = upstream.seen().pop().expect("forwarded");
+        assert_fresh_v1_id(stamped_id(&seen.body));
+    }
+
+    // {"model":"m","prompt":"hi","disaggregated_params":{"request_type":"context_only"}}
+    let msgpack = b"\x83\xa5model\xa1m\xa6prompt\xa2hi\xb4disaggregated_params\
+                    \x81\xacrequest_type\xaccontext_only";
+    let before = upstream.seen().len();
+    for headers in [
+        &b"X-TRTLLM-Msgpack: 1\r\n"[..],
+        b"X-TRTLLM-Msgpack: 1\r\nContent-Type: application/json; x=\xff\r\n",
+        b"X-TRTLLM-Msgpack: 1\r\nContent-Type: text/plain\r\n",
+    ] {
+        let raw = send(headers, msgpack).await;
+        assert_eq!(raw.status, 415, "{:?}", String::from_utf8_lossy(headers));
+    }
+    assert_eq!(
+        upstream.seen().len(),
+        before,
+        "no MessagePack body forwarded"
+    );
+}
+
 /// A GET with a chunked body (not JSON, so streamed through) reaches the
 /// upstream with its body: hyper's client would send it without one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -199,7 +199,9 @@ impl Shared {
                 ));
             }
         };
-        let loosely_typed_and_not_json = !declares_json(&parts.headers) && !could_be_json(&bytes);
+        let loosely_typed_and_not_json = !declares_json(&parts.headers)
+            && !parts.headers.contains_key(MSGPACK_HEADER)
+            && !could_be_json(&bytes);
         if bytes.is_empty() || loosely_typed_and_not_json {
             // Nothing to stamp: an empty body (e.g. a GET that declares a
             // JSON type), or an untyped or form-typed body that is not JSON.
@@ -329,12 +331,18 @@ fn could_be_json(body: &[u8]) -> bool {
     opens_like_json || other_encoding
 }
 
-/// The body's media type, lower case, without parameters.
+/// The header that has TensorRT-LLM decode a body as MessagePack, whatever
+/// its content type says.
+const MSGPACK_HEADER: &str = "x-trtllm-msgpack";
+
+/// The body's media type, lower case, without parameters. The header is
+/// read as Latin-1, as Python servers read header bytes, so that a stray
+/// non-ASCII byte in a parameter does not hide `application/json`.
 fn media_type(headers: &HeaderMap) -> Option<String> {
-    let value = headers.get(header::CONTENT_TYPE)?.to_str().ok()?;
+    let value = headers.get(header::CONTENT_TYPE)?;
+    let text: String = value.as_bytes().iter().map(|&b| char::from(b)).collect();
     Some(
-        value
-            .split(';')
+        text.split(';')
             .next()
             .unwrap_or("")
             .trim()
@@ -348,16 +356,20 @@ fn declares_json(headers: &HeaderMap) -> bool {
 }
 
 /// Whether the plugin should see this request: it has a body, and the body
-/// is declared JSON, or has no content type, or the form type `curl -d`
-/// sends by default (then only if the body opens like JSON, checked once
-/// read): an unstamped context-only request must not slip through on a
-/// label.
+/// is declared JSON or MessagePack (`X-TRTLLM-Msgpack`, which the plugin
+/// refuses), or has no or an empty content type (which FastAPI parses as
+/// JSON), or the form type `curl -d` sends by default (those three only if
+/// the body could be JSON, checked once read): an unstamped context-only
+/// request must not slip through on a label.
 fn is_json(headers: &HeaderMap, has_body: bool) -> bool {
     if !has_body {
         return false;
     }
+    if headers.contains_key(MSGPACK_HEADER) {
+        return true;
+    }
     match media_type(headers).as_deref() {
-        None | Some("application/x-www-form-urlencoded") => true,
+        None | Some("" | "application/x-www-form-urlencoded") => true,
         Some(_) => declares_json(headers),
     }
 }
@@ -403,6 +415,18 @@ mod tests {
         assert!(json(&[("content-type", "Application/JSON; charset=utf-8")]));
         assert!(json(&[("content-type", "application/vnd.api+json")]));
         assert!(json(&[]), "an untyped body goes to the plugin");
+        assert!(json(&[("content-type", "")]), "FastAPI reads it as untyped");
+        assert!(json(&[("content-type", " ; charset=utf-8")]));
+        assert!(json(&[
+            ("content-type", "text/plain"),
+            ("x-trtllm-msgpack", "1")
+        ]));
+        let mut odd = HeaderMap::new();
+        odd.insert(
+            header::CONTENT_TYPE,
+            header::HeaderValue::from_bytes(b"application/json; x=\xff").unwrap(),
+        );
+        assert!(declares_json(&odd), "read as Latin-1, as Python does");
         assert!(json(&[(
             "content-type",
             "application/x-www-form-urlencoded"

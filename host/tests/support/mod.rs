@@ -858,9 +858,15 @@ async fn read_raw_response(reader: &mut BufReader<TcpStream>) -> RawReply {
         .and_then(|s| s.parse().ok())
         .unwrap_or_else(|| panic!("bad status line {line:?}"));
     let mut headers = Vec::new();
+    let mut raw_line = Vec::new();
     loop {
-        line.clear();
-        reader.read_line(&mut line).await.expect("a header line");
+        // Bytes, not text: a header may carry obs-text (bytes over 0x7f).
+        raw_line.clear();
+        reader
+            .read_until(b'\n', &mut raw_line)
+            .await
+            .expect("a header line");
+        line = String::from_utf8_lossy(&raw_line).into_owned();
         let trimmed = line.trim_end();
         if trimmed.is_empty() {
             break;
