@@ -923,6 +923,78 @@ async fn labels_the_server_reads_as_json_or_msgpack_send_the_body_to_the_plugin(
     );
 }
 
+/// HTTP/2 clients (prior knowledge, as gRPC-style clients and some load
+/// balancers speak it) get the same gateway: a JSON body streamed in two
+/// DATA frames without a `content-length` is stamped, `te: trailers` (the
+/// one connection header HTTP/2 allows) goes on as HTTP/1.1's
+/// `TE: trailers` with `Connection: te`, and server-sent events stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_clients_are_stamped_and_streamed_like_http1_ones() {
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
+    let stream = tokio::net::TcpStream::connect(gateway.addr)
+        .await
+        .expect("connect");
+    let (mut sender, connection) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(stream),
+    )
+    .await
+    .expect("an HTTP/2 handshake");
+    tokio::spawn(connection);
+
+    let (chunks, body) = tokio::sync::mpsc::channel(2);
+    let request = http::Request::post(format!("http://{}/v1/completions", gateway.addr))
+        .version(http::Version::HTTP_2)
+        .header("content-type", "application/json")
+        .header("te", "trailers")
+        .body(ChannelBody(body).boxed())
+        .expect("a request");
+    let (head, tail) = CONTEXT_ONLY.split_at(CONTEXT_ONLY.len() / 2);
+    chunks.send(Bytes::from(head)).await.expect("first frame");
+    let response = tokio::spawn(sender.send_request(request));
+    chunks.send(Bytes::from(tail)).await.expect("second frame");
+    drop(chunks);
+    let response = bounded("an HTTP/2 response", STEP, response)
+        .await
+        .expect("the request task")
+        .expect("a response");
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(response.version(), http::Version::HTTP_2);
+    let seen = upstream.only_seen();
+    assert_eq!(
+        seen.header("content-length"),
+        Some(seen.body.len().to_string().as_str())
+    );
+    assert_fresh_v1_id(stamped_id(&seen.body));
+    assert_eq!(seen.header("te"), Some("trailers"));
+    assert_eq!(seen.header("connection"), Some("te"));
+
+    let sse = http::Request::get(format!("http://{}/sse", gateway.addr))
+        .version(http::Version::HTTP_2)
+        .body(Full::new(Bytes::new()).boxed())
+        .expect("a request");
+    let mut response = bounded("an HTTP/2 event stream", STEP, sender.send_request(sse))
+        .await
+        .expect("a response");
+    let first = bounded("the first event", STEP, response.body_mut().frame())
+        .await
+        .expect("a frame")
+        .expect("no error")
+        .into_data()
+        .expect("data");
+    assert_eq!(first, "data: event 1\n\n");
+    upstream.state.sse_release.notify_one();
+    let rest = bounded("the rest of the stream", STEP, response.collect())
+        .await
+        .expect("the stream ends cleanly")
+        .to_bytes();
+    assert!(
+        String::from_utf8_lossy(&rest).contains("[DONE]"),
+        "{rest:?}"
+    );
+}
+
 /// A GET with a chunked body (not JSON, so streamed through) reaches the
 /// upstream with its body: hyper's client would send it without one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -548,8 +548,9 @@ fn full(body: impl Into<Bytes>) -> UpstreamBody {
     Full::new(body.into()).boxed()
 }
 
-/// A response body fed chunk by chunk from a channel.
-struct ChannelBody(mpsc::Receiver<Bytes>);
+/// A body fed chunk by chunk from a channel, of unknown length: a response
+/// body of the test upstream, or a request body a test streams.
+pub struct ChannelBody(pub mpsc::Receiver<Bytes>);
 
 impl Body for ChannelBody {
     type Data = Bytes;
