@@ -666,6 +666,55 @@ async fn a_502_names_the_cause() {
     );
 }
 
+/// An upstream whose listen queue is full drops the gateway's connection
+/// attempts (Linux drops a SYN when the accept queue is full): after
+/// --upstream-connect-timeout-ms the client gets 504 naming that limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_that_cannot_be_connected_to_gets_a_504_after_the_connect_timeout() {
+    let socket = tokio::net::TcpSocket::new_v4().expect("a socket");
+    socket
+        .bind("127.0.0.1:0".parse().expect("an address"))
+        .expect("bind");
+    let full = socket.listen(0).expect("listen with a backlog of 0");
+    let addr = full.local_addr().expect("address");
+    // Fill the accept queue (a backlog of 0 holds one connection) and keep
+    // it full: nobody ever accepts.
+    let mut fillers = Vec::new();
+    for _ in 0..2 {
+        fillers.push(tokio::spawn(tokio::net::TcpStream::connect(addr)));
+    }
+    let gateway = Gateway::start(&[
+        "--upstream",
+        &format!("http://{addr}"),
+        "--upstream-connect-timeout-ms",
+        "500",
+    ])
+    .await;
+    let started = Instant::now();
+    let reply = bounded(
+        "a request to an upstream nobody can connect to",
+        Duration::from_secs(20),
+        get(gateway.addr, "/v1/models"),
+    )
+    .await;
+    assert!(started.elapsed() >= Duration::from_millis(500));
+    assert_eq!(
+        reply.status,
+        StatusCode::GATEWAY_TIMEOUT,
+        "{}",
+        reply.text()
+    );
+    let message = assert_openai_error(&reply.json(), "upstream_timeout", "server_error");
+    assert!(
+        message.contains("500 ms") && message.contains("--upstream-connect-timeout-ms"),
+        "{message}"
+    );
+    for filler in fillers {
+        filler.abort();
+    }
+    drop(full);
+}
+
 /// An upstream that takes the request and never answers costs the client
 /// a 504 after --upstream-response-timeout-ms, not a request that hangs;
 /// a response that starts in time streams on for as long as it lasts.
