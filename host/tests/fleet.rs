@@ -218,6 +218,16 @@ async fn stamp_many(replica: &Gateway, requests: usize, per_batch: usize) -> Vec
     ids
 }
 
+/// Every one of `ids` is a trtllm-v1 id of machine id `machine`.
+fn assert_issued_by(ids: &[u64], machine: u32) {
+    for &id in ids {
+        let parts = SnowflakeLayout::TrtllmV1
+            .decode(id)
+            .expect("a trtllm-v1 id");
+        assert_eq!(parts.machine_id, machine, "id {id}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn replicas_started_at_once_get_distinct_ids_and_never_share_a_request_id() {
     let Some(binary) = etcd_binary() else { return };
@@ -253,14 +263,8 @@ async fn replicas_started_at_once_get_distinct_ids_and_never_share_a_request_id(
         let machine = r.status().await["machine_id"]
             .as_u64()
             .expect("still leased") as u32;
+        assert_issued_by(&ids, machine);
         for id in ids {
-            assert_eq!(
-                SnowflakeLayout::TrtllmV1
-                    .decode(id)
-                    .expect("v1 id")
-                    .machine_id,
-                machine
-            );
             assert!(seen.insert(id), "id {id} issued twice");
         }
     }
@@ -440,13 +444,7 @@ async fn a_slot_whose_high_water_mark_is_unreadable_is_skipped() {
     replica
         .wait_log("more than a day past the furthest a holder sets it")
         .await;
-    let ids = stamp_many(&replica, 1, 10).await;
-    for id in ids {
-        let parts = SnowflakeLayout::TrtllmV1
-            .decode(id)
-            .expect("a trtllm-v1 id");
-        assert_eq!(parts.machine_id, 2, "id {id}");
-    }
+    assert_issued_by(&stamp_many(&replica, 1, 10).await, 2);
 }
 
 /// With a bad mark on every slot, the replica stamps nothing and says why
@@ -503,11 +501,5 @@ async fn a_replica_with_only_bad_slots_says_so_and_recovers_when_one_is_fixed() 
         .await
         .expect("deleting one mark");
     assert_eq!(leased_id(&replica).await, 5);
-    let ids = stamp_many(&replica, 1, 3).await;
-    for id in ids {
-        let parts = SnowflakeLayout::TrtllmV1
-            .decode(id)
-            .expect("a trtllm-v1 id");
-        assert_eq!(parts.machine_id, 5, "id {id}");
-    }
+    assert_issued_by(&stamp_many(&replica, 1, 3).await, 5);
 }

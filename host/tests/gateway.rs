@@ -381,12 +381,7 @@ async fn streams_server_sent_events_as_they_arrive() {
     // The stamped request reached the upstream before it started streaming.
     assert_fresh_v1_id(stamped_id(&upstream.only_seen().body));
 
-    upstream.state.sse_release.notify_one();
-    let rest = bounded("the rest of the stream", STEP, body.collect())
-        .await
-        .expect("the rest of the stream")
-        .to_bytes();
-    received.extend_from_slice(&rest);
+    received.extend_from_slice(&release_the_rest_of_the_events(&upstream.state, body).await);
     assert_eq!(
         String::from_utf8_lossy(&received),
         "data: event 1\n\ndata: event 2\n\ndata: [DONE]\n\n"
@@ -764,11 +759,7 @@ async fn an_upstream_that_never_answers_gets_a_504_after_the_response_timeout() 
     assert!(first.is_some());
     // The time under test: the stream outlives the response timeout.
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    upstream.state.sse_release.notify_one();
-    let rest = bounded("the rest of the stream", STEP, response.collect())
-        .await
-        .expect("the stream ends cleanly")
-        .to_bytes();
+    let rest = release_the_rest_of_the_events(&upstream.state, response.into_body()).await;
     assert!(
         String::from_utf8_lossy(&rest).contains("[DONE]"),
         "{rest:?}"
@@ -873,18 +864,9 @@ async fn a_json_body_reaches_the_plugin_however_it_is_framed_or_labelled() {
 async fn loosely_typed_bodies_reach_the_plugin_when_the_server_could_read_them_as_json() {
     let upstream = TestUpstream::start().await;
     let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
-    let send = |content_type: &'static str, body: Vec<u8>| {
-        let addr = gateway.addr;
-        async move {
-            let mut request = format!(
-                "POST /v1/completions HTTP/1.1\r\nHost: gateway.example\r\n{content_type}\
-                 Content-Length: {}\r\nConnection: close\r\n\r\n",
-                body.len()
-            )
-            .into_bytes();
-            request.extend_from_slice(&body);
-            raw_exchange(addr, &request).await
-        }
+    let send = |content_type: &str, body: Vec<u8>| {
+        let (addr, headers) = (gateway.addr, content_type.as_bytes().to_vec());
+        async move { raw_post(addr, "/v1/completions", &headers, &body).await }
     };
     let form = "Content-Type: application/x-www-form-urlencoded\r\n";
     let utf16be: Vec<u8> = CONTEXT_ONLY.bytes().flat_map(|b| [0, b]).collect();
@@ -928,19 +910,8 @@ async fn loosely_typed_bodies_reach_the_plugin_when_the_server_could_read_them_a
 async fn labels_the_server_reads_as_json_or_msgpack_send_the_body_to_the_plugin() {
     let upstream = TestUpstream::start().await;
     let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
-    let send = |headers: &'static [u8], body: &[u8]| {
-        let addr = gateway.addr;
-        let mut request = b"POST /v1/completions HTTP/1.1\r\nHost: gateway.example\r\n".to_vec();
-        request.extend_from_slice(headers);
-        request.extend_from_slice(
-            format!(
-                "Content-Length: {}\r\nConnection: close\r\n\r\n",
-                body.len()
-            )
-            .as_bytes(),
-        );
-        request.extend_from_slice(body);
-        async move { raw_exchange(addr, &request).await }
+    let send = |headers: &'static [u8], body: &'static [u8]| {
+        raw_post(gateway.addr, "/v1/completions", headers, body)
     };
 
     for headers in [
@@ -1033,11 +1004,7 @@ async fn http2_clients_are_stamped_and_streamed_like_http1_ones() {
         .into_data()
         .expect("data");
     assert_eq!(first, "data: event 1\n\n");
-    upstream.state.sse_release.notify_one();
-    let rest = bounded("the rest of the stream", STEP, response.collect())
-        .await
-        .expect("the stream ends cleanly")
-        .to_bytes();
+    let rest = release_the_rest_of_the_events(&upstream.state, response.into_body()).await;
     assert!(
         String::from_utf8_lossy(&rest).contains("[DONE]"),
         "{rest:?}"

@@ -544,6 +544,16 @@ async fn upstream_answer(
     response.body(full(body)).expect("a response")
 }
 
+/// Lets a `/sse` stream send the rest of its events, and returns what
+/// `body` then carries until it ends.
+pub async fn release_the_rest_of_the_events(state: &UpstreamState, body: Incoming) -> Bytes {
+    state.sse_release.notify_one();
+    bounded("the rest of the stream", STEP, body.collect())
+        .await
+        .expect("the stream ends cleanly")
+        .to_bytes()
+}
+
 fn full(body: impl Into<Bytes>) -> UpstreamBody {
     Full::new(body.into()).boxed()
 }
@@ -808,6 +818,23 @@ pub async fn raw_exchange(addr: SocketAddr, request: &[u8]) -> RawReply {
         read_raw_response(&mut BufReader::new(stream)).await
     })
     .await
+}
+
+/// POSTs `body` to `path` on a new connection, with `headers` (whole
+/// `Name: value\r\n` lines, written as they are) and a `Content-Length`,
+/// and reads the response.
+pub async fn raw_post(addr: SocketAddr, path: &str, headers: &[u8], body: &[u8]) -> RawReply {
+    let mut request = format!("POST {path} HTTP/1.1\r\nHost: gateway.example\r\n").into_bytes();
+    request.extend_from_slice(headers);
+    request.extend_from_slice(
+        format!(
+            "Content-Length: {}\r\nConnection: close\r\n\r\n",
+            body.len()
+        )
+        .as_bytes(),
+    );
+    request.extend_from_slice(body);
+    raw_exchange(addr, &request).await
 }
 
 /// Sends `head` (which asks for `Expect: 100-continue`), waits for the
