@@ -286,7 +286,8 @@ const NEVER_CONNECTION_OPTIONS: [HeaderName; 4] = [
 ];
 
 /// Removes hop-by-hop headers, including those the `Connection` header names
-/// (except [`NEVER_CONNECTION_OPTIONS`]). A `TE` that accepts trailers
+/// (except `Content-Length`, `Content-Type`, `Content-Encoding` and `Host`,
+/// which a sender must not name there). A `TE` that accepts trailers
 /// becomes `TE: trailers`: the gateway passes trailers on, so the next hop
 /// may send them.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
