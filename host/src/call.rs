@@ -8,10 +8,12 @@ use wasmtime::component::{Instance, TypedFunc};
 use wasmtime::{PoolConcurrencyLimitError, Store, Trap};
 
 use crate::bindings::exports::snowgate::middleware::handler::{
-    Action, PluginError, Request, Setting,
+    Action, PluginError, Rejection, Request, Setting,
 };
 use crate::bindings::Middleware;
 use crate::engine::EPOCH_TICK;
+#[cfg(doc)]
+use crate::identity::MachineIdentity;
 use crate::plugin::Plugin;
 use crate::state::HostState;
 
@@ -126,7 +128,7 @@ impl Plugin {
         };
         let action = answer.map_err(|e| CallError::PluginError(e.message))?;
         self.check(&action)?;
-        Ok(action)
+        Ok(self.fence(action, &store))
     }
 
     /// Like [`Plugin::handle`], for async callers (the gateway), and on an
@@ -156,7 +158,9 @@ impl Plugin {
             Err(e) => return Err(self.classify(e, &held.store)),
         };
         let checked = match answer {
-            Ok(action) => self.check(&action).map(|()| action),
+            Ok(action) => self
+                .check(&action)
+                .map(|()| self.fence(action, &held.store)),
             Err(e) => Err(CallError::PluginError(e.message)),
         };
         if !matches!(checked, Err(CallError::InvalidAnswer(_))) {
@@ -301,6 +305,37 @@ impl Plugin {
             detail.push_str(stderr.trim_end());
         }
         CallError::Trap(detail)
+    }
+
+    /// Lets the ids a call made leave only if the machine id they carry is
+    /// still this process's to use (see [`MachineIdentity::confirm`]):
+    /// otherwise the request is refused with the 503 a plugin gives when
+    /// there is no machine id, whatever the plugin answered. Only answers
+    /// that forward are checked; a call that took no tick made no id.
+    fn fence(&self, action: Action, store: &Store<HostState>) -> Action {
+        let issued = store.data().issued;
+        let Some(last_millis) = issued.last_millis else {
+            return action;
+        };
+        if matches!(action, Action::Reject(_)) {
+            return action;
+        }
+        match self
+            .engine
+            .services
+            .identity
+            .confirm(issued.grant, last_millis)
+        {
+            Ok(()) => action,
+            Err(reason) => {
+                tracing::warn!(plugin = %self.name, reason = %reason, "ids withheld: the machine id may no longer be ours");
+                Action::Reject(Rejection {
+                    status: 503,
+                    code: "no_machine_id".to_string(),
+                    message: format!("this gateway cannot issue request ids right now: {reason}"),
+                })
+            }
+        }
     }
 
     fn check(&self, action: &Action) -> Result<(), CallError> {

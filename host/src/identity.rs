@@ -1,34 +1,90 @@
 //! The machine id this process stamps into ids, and the layout it was
-//! checked against.
+//! checked against; for a leased id, how long and up to which millisecond
+//! it may be used.
+//!
+//! A leased id comes with two bounds the lease keeper (see
+//! [`crate::lease`]) maintains: a deadline on the [boot clock](BootTime),
+//! before which the lease is known to be alive in etcd, and a ceiling, the
+//! high-water mark etcd has confirmed for the slot, which a successor on
+//! the slot starts after. The request path enforces both itself, so a
+//! keeper that is late to notice a loss (the process was frozen, etcd is
+//! slow to answer) cannot let an id out that another replica may issue:
+//! [`MachineIdentity::current`] refuses once the deadline has passed, and
+//! [`MachineIdentity::confirm`] is asked after ids were made, before they
+//! leave the process.
 
 use std::sync::RwLock;
 
 use snowgate_plugin::{LayoutError, MachineId, SnowflakeLayout};
+use tokio::sync::Notify;
+
+use crate::boot_clock::BootTime;
 
 /// The process's machine id. Fixed for a single gateway; a fleet lease can
 /// withdraw it (then plugins refuse to make ids) and grant a new one.
 #[derive(Debug)]
 pub struct MachineIdentity {
     layout: SnowflakeLayout,
-    current: RwLock<Result<u32, String>>,
+    current: RwLock<Held>,
+    /// Woken when ids come near the lease's ceiling, so that the keeper
+    /// raises it before they reach it.
+    ceiling_near: Notify,
+}
+
+#[derive(Debug, Clone)]
+struct Held {
+    /// Changes with every grant and withdrawal.
+    generation: u64,
+    id: Result<u32, String>,
+    lease: Option<LeaseBounds>,
+}
+
+/// The bounds of a leased machine id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseBounds {
+    /// Until when the lease is known alive in etcd: a TTL (less a safety
+    /// margin) after the last renewal etcd confirmed was sent.
+    pub alive_until: BootTime,
+    /// The slot's high-water mark as etcd last confirmed it: no id may use
+    /// a later millisecond, because a successor starts right after it.
+    pub ceiling_millis: u64,
+    /// From this millisecond on, ids are near the ceiling and the keeper is
+    /// asked to raise it.
+    pub raise_from_millis: u64,
+}
+
+/// The machine id a call was given, and which grant it came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Grant {
+    /// The machine id and its layout.
+    pub id: MachineId,
+    /// Which grant: [`MachineIdentity::confirm`] checks it is still the
+    /// one held.
+    pub generation: u64,
 }
 
 impl MachineIdentity {
+    fn new(layout: SnowflakeLayout, id: Result<u32, String>) -> MachineIdentity {
+        MachineIdentity {
+            layout,
+            current: RwLock::new(Held {
+                generation: 0,
+                id,
+                lease: None,
+            }),
+            ceiling_near: Notify::new(),
+        }
+    }
+
     /// A fixed machine id, refused when out of range for `layout`.
     pub fn fixed(layout: SnowflakeLayout, machine_id: u32) -> Result<MachineIdentity, LayoutError> {
         layout.check_machine_id(machine_id)?;
-        Ok(MachineIdentity {
-            layout,
-            current: RwLock::new(Ok(machine_id)),
-        })
+        Ok(MachineIdentity::new(layout, Ok(machine_id)))
     }
 
     /// An identity that holds no machine id yet, for `reason`.
     pub fn unassigned(layout: SnowflakeLayout, reason: impl Into<String>) -> MachineIdentity {
-        MachineIdentity {
-            layout,
-            current: RwLock::new(Err(reason.into())),
-        }
+        MachineIdentity::new(layout, Err(reason.into()))
     }
 
     /// The layout machine ids are checked against.
@@ -36,42 +92,154 @@ impl MachineIdentity {
         self.layout
     }
 
-    /// The machine id to use now, or why there is none.
-    pub fn current(&self) -> Result<MachineId, String> {
-        let current = self
-            .current
+    fn held(&self) -> Held {
+        self.current
             .read()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        match &*current {
-            Ok(value) => Ok(MachineId {
-                value: *value,
-                layout: self.layout,
-            }),
-            Err(reason) => Err(reason.clone()),
-        }
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clone()
     }
 
-    /// Grants a machine id, refused when out of range for the layout.
+    fn change(&self, change: impl FnOnce(&mut Held)) {
+        change(
+            &mut self
+                .current
+                .write()
+                .unwrap_or_else(|poisoned| poisoned.into_inner()),
+        );
+    }
+
+    /// The machine id to use now, or why there is none.
+    pub fn current(&self) -> Result<MachineId, String> {
+        self.grant().map(|grant| grant.id)
+    }
+
+    /// The machine id to use now and its grant, or why there is none (a
+    /// leased id is refused once its lease may have expired, even if the
+    /// keeper has not withdrawn it yet).
+    pub fn grant(&self) -> Result<Grant, String> {
+        let held = self.held();
+        let value = held.id?;
+        if let Some(lease) = held.lease {
+            check_alive(&lease, BootTime::now())?;
+        }
+        Ok(Grant {
+            id: MachineId {
+                value,
+                layout: self.layout,
+            },
+            generation: held.generation,
+        })
+    }
+
+    /// Whether ids made up to millisecond `last_millis` (under `grant`, if
+    /// the call asked for one) may leave the process: the grant is still
+    /// held, a leased id's lease is still alive, and `last_millis` is not
+    /// past its ceiling. Asked after the ids were made, so a pause anywhere
+    /// before it (the process frozen, a slow call) cannot let through an
+    /// id made after the lease could have passed to another replica.
+    pub fn confirm(&self, grant: Option<u64>, last_millis: u64) -> Result<(), String> {
+        let held = self.held();
+        held.id?;
+        if grant.is_some_and(|generation| generation != held.generation) {
+            return Err("the machine id changed while the request was being stamped".into());
+        }
+        let Some(lease) = held.lease else {
+            return Ok(());
+        };
+        check_alive(&lease, BootTime::now())?;
+        if last_millis > lease.ceiling_millis {
+            self.ceiling_near.notify_one();
+            return Err(format!(
+                "ids reached millisecond {last_millis}, past the slot's high-water mark \
+                 {} that etcd confirmed; stamping resumes once the mark is raised",
+                lease.ceiling_millis
+            ));
+        }
+        if last_millis >= lease.raise_from_millis {
+            self.ceiling_near.notify_one();
+        }
+        Ok(())
+    }
+
+    /// Grants a fixed machine id (no lease), refused when out of range for
+    /// the layout.
     pub fn assign(&self, machine_id: u32) -> Result<(), LayoutError> {
         self.layout.check_machine_id(machine_id)?;
-        *self
-            .current
-            .write()
-            .unwrap_or_else(|poisoned| poisoned.into_inner()) = Ok(machine_id);
+        self.change(|held| {
+            held.generation += 1;
+            held.id = Ok(machine_id);
+            held.lease = None;
+        });
         Ok(())
+    }
+
+    /// Grants a leased machine id with its bounds, refused when out of
+    /// range for the layout.
+    pub fn assign_leased(&self, machine_id: u32, lease: LeaseBounds) -> Result<(), LayoutError> {
+        self.layout.check_machine_id(machine_id)?;
+        self.change(|held| {
+            held.generation += 1;
+            held.id = Ok(machine_id);
+            held.lease = Some(lease);
+        });
+        Ok(())
+    }
+
+    /// A renewal etcd confirmed: the lease is alive until `alive_until`.
+    /// Bounds only move forward.
+    pub fn lease_renewed(&self, alive_until: BootTime) {
+        self.change(|held| {
+            if let Some(lease) = &mut held.lease {
+                lease.alive_until = lease.alive_until.max(alive_until);
+            }
+        });
+    }
+
+    /// A high-water mark etcd confirmed: ids may use milliseconds up to
+    /// `ceiling_millis`, and ask for a higher one from `raise_from_millis`.
+    pub fn ceiling_raised(&self, ceiling_millis: u64, raise_from_millis: u64) {
+        self.change(|held| {
+            if let Some(lease) = &mut held.lease {
+                if ceiling_millis > lease.ceiling_millis {
+                    lease.ceiling_millis = ceiling_millis;
+                    lease.raise_from_millis = raise_from_millis;
+                }
+            }
+        });
+    }
+
+    /// Waits until ids come near (or past) the lease's ceiling.
+    pub async fn ceiling_near(&self) {
+        self.ceiling_near.notified().await
     }
 
     /// Withdraws the machine id: until the next `assign`, no ids are made.
     pub fn withdraw(&self, reason: impl Into<String>) {
-        *self
-            .current
-            .write()
-            .unwrap_or_else(|poisoned| poisoned.into_inner()) = Err(reason.into());
+        let reason = reason.into();
+        self.change(|held| {
+            held.generation += 1;
+            held.id = Err(reason);
+            held.lease = None;
+        });
     }
+}
+
+/// An error once the lease's deadline has passed at `now`.
+fn check_alive(lease: &LeaseBounds, now: BootTime) -> Result<(), String> {
+    if now < lease.alive_until {
+        return Ok(());
+    }
+    Err(format!(
+        "the machine id lease may have expired: etcd has confirmed no renewal in time (the \
+         deadline passed {} ms ago)",
+        now.since(lease.alive_until).as_millis()
+    ))
 }
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
 
     #[test]
@@ -94,5 +262,105 @@ mod tests {
                 layout: SnowflakeLayout::TrtllmV2
             })
         );
+    }
+
+    fn leased(alive_for: Duration, ceiling_millis: u64) -> MachineIdentity {
+        let identity = MachineIdentity::unassigned(SnowflakeLayout::TrtllmV1, "acquiring");
+        identity
+            .assign_leased(
+                4,
+                LeaseBounds {
+                    alive_until: BootTime::now().after(alive_for),
+                    ceiling_millis,
+                    raise_from_millis: ceiling_millis - 100,
+                },
+            )
+            .expect("in range");
+        identity
+    }
+
+    fn woken(identity: &MachineIdentity) -> bool {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .expect("a runtime");
+        runtime.block_on(async {
+            tokio::time::timeout(Duration::from_millis(1), identity.ceiling_near())
+                .await
+                .is_ok()
+        })
+    }
+
+    #[test]
+    fn a_leased_id_is_refused_once_its_deadline_has_passed() {
+        let identity = leased(Duration::ZERO, 1_000);
+        let refused = identity.current().expect_err("the deadline has passed");
+        assert!(refused.contains("may have expired"), "{refused}");
+        let refused = identity
+            .confirm(None, 10)
+            .expect_err("the deadline has passed");
+        assert!(refused.contains("may have expired"), "{refused}");
+        // A confirmed renewal brings it back.
+        identity.lease_renewed(BootTime::now().after(Duration::from_secs(60)));
+        assert_eq!(identity.current().map(|id| id.value), Ok(4));
+        assert_eq!(identity.confirm(None, 10), Ok(()));
+    }
+
+    #[test]
+    fn ids_past_the_ceiling_are_refused_and_ask_for_a_higher_one() {
+        let identity = leased(Duration::from_secs(60), 1_000);
+        let grant = identity.grant().expect("held").generation;
+        assert_eq!(identity.confirm(Some(grant), 899), Ok(()));
+        assert!(!woken(&identity), "far from the ceiling");
+        assert_eq!(identity.confirm(Some(grant), 900), Ok(()));
+        assert!(woken(&identity), "near the ceiling");
+        assert_eq!(identity.confirm(Some(grant), 1_000), Ok(()));
+        let refused = identity.confirm(Some(grant), 1_001).expect_err("past it");
+        assert!(
+            refused.contains("millisecond 1001, past the slot's high-water mark 1000"),
+            "{refused}"
+        );
+        assert!(woken(&identity), "past the ceiling");
+        // Raised by the keeper: the same ids may leave. A lower mark
+        // (a late answer) does not lower it.
+        identity.ceiling_raised(5_000, 4_000);
+        identity.ceiling_raised(2_000, 1_500);
+        assert_eq!(identity.confirm(Some(grant), 4_999), Ok(()));
+        assert!(identity.confirm(Some(grant), 5_001).is_err());
+    }
+
+    #[test]
+    fn ids_made_under_an_earlier_grant_are_refused() {
+        let identity = leased(Duration::from_secs(60), u64::MAX);
+        let grant = identity.grant().expect("held").generation;
+        identity.withdraw("lease lost");
+        assert_eq!(
+            identity.confirm(Some(grant), 1),
+            Err("lease lost".to_string())
+        );
+        identity
+            .assign_leased(
+                4,
+                LeaseBounds {
+                    alive_until: BootTime::now().after(Duration::from_secs(60)),
+                    ceiling_millis: u64::MAX,
+                    raise_from_millis: u64::MAX,
+                },
+            )
+            .expect("in range");
+        // The same machine id again, but from a new claim: the earlier
+        // call's ids predate it.
+        let refused = identity.confirm(Some(grant), 1).expect_err("old grant");
+        assert!(refused.contains("changed"), "{refused}");
+        let now = identity.grant().expect("held").generation;
+        assert_eq!(identity.confirm(Some(now), 1), Ok(()));
+    }
+
+    #[test]
+    fn a_fixed_id_has_no_deadline_and_no_ceiling() {
+        let identity = MachineIdentity::fixed(SnowflakeLayout::TrtllmV1, 3).expect("in range");
+        let grant = identity.grant().expect("held").generation;
+        assert_eq!(identity.confirm(Some(grant), u64::MAX), Ok(()));
+        assert_eq!(identity.confirm(None, u64::MAX), Ok(()));
     }
 }

@@ -9,7 +9,10 @@
 //! If the lease may have expired (no renewal confirmed for a TTL minus a
 //! safety margin, counted from when the renewal was *sent*), or etcd says it
 //! is gone, the replica withdraws its machine id at once: requests that need
-//! an id get 503, others pass. It then claims an id again.
+//! an id get 503, others pass. It then claims an id again. The keeper can
+//! be late to notice (the process was frozen, etcd answers slowly), so the
+//! request path enforces the same deadline itself, on the boot clock: see
+//! [`MachineIdentity::confirm`](crate::MachineIdentity::confirm).
 //!
 //! A new holder of an id must not repeat an id its previous holder issued in
 //! the same millisecond. Each slot has a high-water key
@@ -18,6 +21,9 @@
 //! of any millisecond it may use before its lease could expire; on a clean
 //! stop it writes the exact last millisecond it used. A new holder starts
 //! its clock after that mark ([`IdClock::advance_past`](crate::IdClock::advance_past)) instead of waiting.
+//! No id past the mark etcd confirmed may leave the process (the request
+//! path checks that too), and marks are written only while the slot's key
+//! is bound to this holder's lease.
 //! A mark no holder could have written (not a number, or more than a day
 //! past the furthest a holder sets it) makes a replica skip the slot (or
 //! give it back, if the mark changed after the claim) and take another.
@@ -32,7 +38,9 @@ use etcd_client::{Client, Compare, CompareOp, ConnectOptions, GetOptions, PutOpt
 use snowgate_plugin::SnowflakeLayout;
 use tokio::sync::watch;
 
+use crate::boot_clock::BootTime;
 use crate::engine::HostServices;
+use crate::identity::LeaseBounds;
 use crate::utc::{format_millis, millis_of};
 
 /// Renewals happen this many times per TTL.
@@ -41,6 +49,10 @@ const RENEWALS_PER_TTL: u32 = 3;
 const SAFETY_MARGIN: Duration = Duration::from_millis(1000);
 /// Pause between attempts to reach etcd or claim an id.
 const RETRY_PAUSE: Duration = Duration::from_millis(500);
+/// How long a stopping replica waits for etcd to take its last mark and
+/// the revocation of its lease: a stop must not hang on an unreachable
+/// etcd (the lease then expires after its TTL).
+const RELEASE_WAIT: Duration = Duration::from_secs(1);
 /// How much further than a holder sets it a slot's high-water mark may lie
 /// ahead of this host's wall clock. A holder keeps its mark a TTL plus
 /// [`SAFETY_MARGIN`] ahead of its clock, and bursts add seconds; a mark a
@@ -297,19 +309,49 @@ struct Claim {
     machine_id: u32,
     /// When the last renewal etcd confirmed was sent, or the grant asked
     /// for: the lease expires no sooner than a TTL after this.
-    alive_since: Instant,
+    alive_since: Sent,
+}
+
+/// When a request to etcd was sent, on both clocks: `Instant` for the
+/// keeper's timers, the [boot clock](BootTime) for the deadline the
+/// request path enforces (it counts a suspend, as etcd's clock does).
+#[derive(Debug, Clone, Copy)]
+struct Sent {
+    at: Instant,
+    boot: BootTime,
+}
+
+impl Sent {
+    fn now() -> Sent {
+        Sent {
+            boot: BootTime::now(),
+            at: Instant::now(),
+        }
+    }
+}
+
+/// What an attempt to raise the mark while holding the slot came to.
+enum Raise {
+    Done,
+    Failed,
+    /// The slot is no longer ours.
+    Lost(Ended),
+}
+
+/// What raising a slot's high-water mark came to.
+enum Reserved {
+    /// etcd holds the new mark.
+    Raised(u64),
+    /// The slot's key is no longer bound to this replica's lease.
+    NotOurs,
 }
 
 /// Renews `lease_id` once, waiting at most `within`; returns when the
 /// renewal was sent. An error if etcd does not confirm the lease alive in
 /// time (opening etcd-client's keep-alive stream sends one renewal and
 /// reads its answer; a TTL of 0 or less is an error).
-async fn renew_once(
-    client: &mut Client,
-    lease_id: i64,
-    within: Duration,
-) -> anyhow::Result<Instant> {
-    let sent = Instant::now();
+async fn renew_once(client: &mut Client, lease_id: i64, within: Duration) -> anyhow::Result<Sent> {
+    let sent = Sent::now();
     match tokio::time::timeout(within, client.lease_keep_alive(lease_id)).await {
         Ok(Ok(_stream)) => Ok(sent),
         Ok(Err(e)) => {
@@ -432,7 +474,7 @@ impl Keeper {
             .with_context(|| {
                 format!("connecting to etcd at {}", self.config.endpoints.join(","))
             })?;
-        let mut alive_since = Instant::now();
+        let mut alive_since = Sent::now();
         let lease = client
             .lease_grant(self.config.ttl.as_secs() as i64, None)
             .await
@@ -466,7 +508,7 @@ impl Keeper {
         &mut self,
         client: &mut Client,
         lease_id: i64,
-        alive_since: &mut Instant,
+        alive_since: &mut Sent,
     ) -> anyhow::Result<u32> {
         let renew_every = self.config.ttl / RENEWALS_PER_TTL;
         let slots = self.slots_prefix();
@@ -500,7 +542,7 @@ impl Keeper {
                 skipped.push(id);
                 continue;
             }
-            if alive_since.elapsed() >= renew_every {
+            if alive_since.at.elapsed() >= renew_every {
                 *alive_since = renew_once(client, lease_id, renew_every).await?;
             }
             let key = format!("{slots}{id}");
@@ -549,13 +591,25 @@ impl Keeper {
             if let Some(ms) = high_water {
                 self.services.clock.advance_past(ms);
             }
-            self.reserve(client, id).await?;
+            let ceiling = match self.reserve(client, id, lease_id).await? {
+                Reserved::Raised(mark) => mark,
+                Reserved::NotOurs => anyhow::bail!(
+                    "the lease expired while claiming machine id {id}: its key is no longer ours"
+                ),
+            };
             // A confirmed renewal now proves the lease, and so the slot,
             // never lapsed during the claim, and starts the hold afresh.
             *alive_since = renew_once(client, lease_id, renew_every).await?;
             self.services
                 .identity
-                .assign(id)
+                .assign_leased(
+                    id,
+                    LeaseBounds {
+                        alive_until: self.alive_until(*alive_since),
+                        ceiling_millis: ceiling,
+                        raise_from_millis: self.raise_from(ceiling),
+                    },
+                )
                 .context("the claimed machine id is out of range")?;
             self.reported.clear();
             self.status.acquisitions.fetch_add(1, Ordering::Relaxed);
@@ -661,44 +715,101 @@ impl Keeper {
         })
     }
 
-    /// Raises the slot's high-water mark past every millisecond this holder
-    /// may use before its lease could expire.
-    async fn reserve(&self, client: &mut Client, id: u32) -> anyhow::Result<()> {
-        let now = millis_of(SystemTime::now());
-        let last = self.services.clock.last_tick().map_or(0, |t| t.millis);
-        let ahead = (self.config.ttl + SAFETY_MARGIN).as_millis() as u64;
-        let mark = now.max(last) + ahead;
-        client
-            .put(self.high_water_key(id), mark.to_string(), None)
-            .await
-            .context("writing the slot's high-water mark")?;
-        Ok(())
+    /// How far ahead of the clock a holder keeps its high-water mark.
+    fn mark_ahead(&self) -> u64 {
+        (self.config.ttl + SAFETY_MARGIN).as_millis() as u64
     }
 
-    /// Keeps the lease alive until stopped or until it may be lost.
-    /// `alive_since` is when the last renewal etcd confirmed was sent, or
-    /// the grant asked for.
+    /// Until when a lease renewed at `sent` is known alive, less the
+    /// safety margin.
+    fn alive_until(&self, sent: Sent) -> BootTime {
+        sent.boot.after(self.config.ttl - SAFETY_MARGIN)
+    }
+
+    /// From which millisecond ids count as near a mark of `ceiling`: half
+    /// the lead below it.
+    fn raise_from(&self, ceiling: u64) -> u64 {
+        ceiling.saturating_sub(self.mark_ahead() / 2)
+    }
+
+    /// Raises the slot's high-water mark past every millisecond this holder
+    /// may use before its lease could expire, and returns it; only while
+    /// the slot's key is bound to `lease_id`, so that a holder whose lease
+    /// ran out cannot lower a successor's mark.
+    async fn reserve(
+        &self,
+        client: &mut Client,
+        id: u32,
+        lease_id: i64,
+    ) -> anyhow::Result<Reserved> {
+        let now = millis_of(SystemTime::now());
+        let last = self.services.clock.last_tick().map_or(0, |t| t.millis);
+        let mark = now.max(last) + self.mark_ahead();
+        if self.put_mark(client, id, lease_id, mark).await? {
+            Ok(Reserved::Raised(mark))
+        } else {
+            Ok(Reserved::NotOurs)
+        }
+    }
+
+    /// Writes `mark` as slot `id`'s high-water mark if the slot's key is
+    /// bound to `lease_id`; whether it was.
+    async fn put_mark(
+        &self,
+        client: &mut Client,
+        id: u32,
+        lease_id: i64,
+        mark: u64,
+    ) -> anyhow::Result<bool> {
+        let slot = format!("{}{id}", self.slots_prefix());
+        let txn = Txn::new()
+            .when(vec![Compare::lease(
+                slot.as_str(),
+                CompareOp::Equal,
+                lease_id,
+            )])
+            .and_then(vec![TxnOp::put(
+                self.high_water_key(id),
+                mark.to_string(),
+                None,
+            )]);
+        Ok(client
+            .txn(txn)
+            .await
+            .context("writing the slot's high-water mark")?
+            .succeeded())
+    }
+
+    /// Keeps the lease alive, and the slot's high-water mark ahead of the
+    /// ids, until stopped or until the lease may be lost. `alive_since` is
+    /// when the last renewal etcd confirmed was sent, or the grant asked
+    /// for. Every renewal and mark etcd confirms extends the bounds the
+    /// request path enforces (see [`MachineIdentity::confirm`](crate::MachineIdentity::confirm)),
+    /// so that nothing here being late can let an id out that is no longer
+    /// this replica's to issue.
     async fn hold(
         &mut self,
         client: &mut Client,
         lease_id: i64,
         id: u32,
-        alive_since: Instant,
+        alive_since: Sent,
     ) -> Ended {
         let ttl = self.config.ttl;
         let every = ttl / RENEWALS_PER_TTL;
+        let identity = self.services.identity.clone();
         // The lease lives at least until a TTL after the last renewal that
         // etcd confirmed, counted from when it was sent; before the first,
         // a TTL after the claim's last renewal or grant (not after the
         // claim's end, which can be a while later).
-        let mut confirmed_at = alive_since;
+        let mut confirmed_at = alive_since.at;
         // Opening the stream renews once and waits for etcd to confirm it.
-        let opened = Instant::now();
-        let open_within = (confirmed_at + ttl - SAFETY_MARGIN).saturating_duration_since(opened);
+        let opened = Sent::now();
+        let open_within = (confirmed_at + ttl - SAFETY_MARGIN).saturating_duration_since(opened.at);
         let (mut keeper, mut responses) =
             match tokio::time::timeout(open_within, client.lease_keep_alive(lease_id)).await {
                 Ok(Ok(pair)) => {
-                    confirmed_at = opened;
+                    confirmed_at = opened.at;
+                    identity.lease_renewed(self.alive_until(opened));
                     pair
                 }
                 Ok(Err(e)) => return Ended::Lost(format!("etcd keep-alive stream failed: {e}")),
@@ -709,33 +820,51 @@ impl Keeper {
                     ))
                 }
             };
+        // Whether a request for a higher mark is answered before the next
+        // renewal: not after a failed attempt, so that requests refused at
+        // the mark while etcd refuses writes do not each cost a write.
+        let mut raise_on_request = true;
         loop {
             let deadline = confirmed_at + ttl - SAFETY_MARGIN;
             let next = (Instant::now() + every).min(deadline);
-            tokio::select! {
+            let renew = tokio::select! {
                 _ = self.stop.changed() => return Ended::Stopped,
-                () = tokio::time::sleep_until(next.into()) => {}
-            }
+                () = tokio::time::sleep_until(next.into()) => true,
+                // Ids came near the mark before the next renewal would
+                // raise it (a burst ran the id clock ahead): raise it now.
+                () = identity.ceiling_near(), if raise_on_request => false,
+            };
             if Instant::now() >= deadline {
                 return Ended::Lost(format!(
                     "no renewal confirmed by etcd within {} s",
                     ttl.as_secs()
                 ));
             }
-            let sent = Instant::now();
-            let renewed = tokio::time::timeout(deadline.saturating_duration_since(sent), async {
-                keeper.keep_alive().await?;
-                responses.message().await
-            })
-            .await;
+            if !renew {
+                match self.raise_mark(client, id, lease_id, deadline).await {
+                    Raise::Done => {}
+                    Raise::Failed => raise_on_request = false,
+                    Raise::Lost(lost) => return lost,
+                }
+                continue;
+            }
+            let sent = Sent::now();
+            let renewed =
+                tokio::time::timeout(deadline.saturating_duration_since(sent.at), async {
+                    keeper.keep_alive().await?;
+                    responses.message().await
+                })
+                .await;
             match renewed {
                 Ok(Ok(Some(response))) if response.ttl() > 0 => {
-                    confirmed_at = sent;
+                    confirmed_at = sent.at;
+                    identity.lease_renewed(self.alive_until(sent));
                     self.status
                         .update(|s| s.last_renewed = Some(SystemTime::now()));
-                    if let Err(e) = self.reserve(client, id).await {
-                        // The old mark still covers the lease; try next time.
-                        tracing::warn!(error = %format!("{e:#}"), "raising the high-water mark failed");
+                    match self.raise_mark(client, id, lease_id, deadline).await {
+                        Raise::Done => raise_on_request = true,
+                        Raise::Failed => raise_on_request = false,
+                        Raise::Lost(lost) => return lost,
                     }
                 }
                 Ok(Ok(Some(_))) => {
@@ -746,14 +875,50 @@ impl Keeper {
                 }
                 Ok(Err(e)) => {
                     tracing::warn!(error = %e, "renewing the lease failed; retrying until the deadline");
-                    match client.lease_keep_alive(lease_id).await {
-                        Ok(pair) => (keeper, responses) = pair,
-                        Err(e) => {
+                    let within = deadline.saturating_duration_since(Instant::now());
+                    match tokio::time::timeout(within, client.lease_keep_alive(lease_id)).await {
+                        Ok(Ok(pair)) => (keeper, responses) = pair,
+                        Ok(Err(e)) => {
                             tracing::warn!(error = %e, "reopening the keep-alive stream failed")
                         }
+                        Err(_timeout) => {}
                     }
                 }
                 Err(_timeout) => {}
+            }
+        }
+    }
+
+    /// Raises the slot's high-water mark, waiting at most until
+    /// `deadline`, and lets the request path use milliseconds up to it. A
+    /// mark that could not be written is logged: ids stop at the old one
+    /// (the request path refuses later ones) until a later attempt
+    /// succeeds.
+    async fn raise_mark(
+        &self,
+        client: &mut Client,
+        id: u32,
+        lease_id: i64,
+        deadline: Instant,
+    ) -> Raise {
+        let within = deadline.saturating_duration_since(Instant::now());
+        match tokio::time::timeout(within, self.reserve(client, id, lease_id)).await {
+            Ok(Ok(Reserved::Raised(mark))) => {
+                self.services
+                    .identity
+                    .ceiling_raised(mark, self.raise_from(mark));
+                Raise::Done
+            }
+            Ok(Ok(Reserved::NotOurs)) => Raise::Lost(Ended::Lost(format!(
+                "the key of machine id {id} is no longer bound to this replica's lease"
+            ))),
+            Ok(Err(e)) => {
+                tracing::warn!(error = %format!("{e:#}"), "raising the high-water mark failed; ids stop at the old mark until it is raised");
+                Raise::Failed
+            }
+            Err(_timeout) => {
+                tracing::warn!("raising the high-water mark failed: etcd did not answer before the lease deadline");
+                Raise::Failed
             }
         }
     }
@@ -763,16 +928,21 @@ impl Keeper {
         self.services.identity.withdraw("the gateway is stopping");
         if *self.stop.borrow() == Stop::Drained {
             if let Some(last) = self.services.clock.last_tick() {
-                let _ = client
-                    .put(self.high_water_key(id), last.millis.to_string(), None)
-                    .await;
+                // Only while the slot is still ours (see `put_mark`); if not,
+                // or etcd does not answer, the reserved mark stays.
+                let exact = self.put_mark(client, id, lease_id, last.millis);
+                let _ = tokio::time::timeout(RELEASE_WAIT, exact).await;
             }
         }
-        match client.lease_revoke(lease_id).await {
-            Ok(_) => tracing::info!(machine_id = id, "machine id lease revoked"),
-            Err(e) => {
+        match tokio::time::timeout(RELEASE_WAIT, client.lease_revoke(lease_id)).await {
+            Ok(Ok(_)) => tracing::info!(machine_id = id, "machine id lease revoked"),
+            Ok(Err(e)) => {
                 tracing::warn!(error = %e, "revoking the lease failed; it expires after its TTL")
             }
+            Err(_) => tracing::warn!(
+                "revoking the lease failed: etcd did not answer within {} s; it expires after its TTL",
+                RELEASE_WAIT.as_secs()
+            ),
         }
         self.status.update(|s| {
             s.state = LeaseState::Released;

@@ -6,7 +6,8 @@
 //! - [`call`]: where the plugin is called: a fresh instance per call, or
 //!   (in the gateway) an instance kept for up to `calls_per_instance` calls;
 //! - [`clock`] and [`identity`]: where id time and the machine id come from,
-//!   and [`lease`]: machine ids leased in etcd, unique across a fleet;
+//!   and [`lease`]: machine ids leased in etcd, unique across a fleet,
+//!   with deadlines on the [`boot_clock`];
 //! - [`limits`]: what one call may use;
 //! - [`gateway`]: the reverse proxy that puts the plugin in a request path.
 //!
@@ -34,6 +35,7 @@
 //! ```
 
 mod bindings;
+pub mod boot_clock;
 pub mod call;
 pub mod clock;
 pub mod engine;

@@ -36,6 +36,18 @@ pub struct HostState {
     /// From when the current async call gives its thread back at every
     /// epoch tick.
     pub(crate) yield_from: Option<std::time::Instant>,
+    /// What the current call took from the id services, for the check
+    /// before its ids may leave (see `MachineIdentity::confirm`).
+    pub(crate) issued: Issued,
+}
+
+/// What one call took from the id services.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Issued {
+    /// The grant of the machine id it was given, if it asked for one.
+    pub(crate) grant: Option<u64>,
+    /// The latest millisecond of the ticks it took, if it took any.
+    pub(crate) last_millis: Option<u64>,
 }
 
 /// An empty WASI context whose only stream is a bounded `stderr` capture
@@ -80,6 +92,7 @@ impl HostState {
             plugin_name,
             deadline: None,
             yield_from: None,
+            issued: Issued::default(),
         }
     }
 
@@ -94,6 +107,7 @@ impl HostState {
         let now = std::time::Instant::now();
         self.deadline = Some(now + deadline);
         self.yield_from = Some(now + yield_after);
+        self.issued = Issued::default();
     }
 
     /// The resource table the plugin's WASI resources live in.
@@ -178,6 +192,7 @@ impl types::Host for HostState {}
 impl clock::Host for HostState {
     fn next_tick(&mut self, sequence_space: u32) -> clock::Tick {
         let tick = self.services.clock.next_tick(sequence_space);
+        self.issued.last_millis = Some(tick.millis);
         clock::Tick {
             millis: tick.millis,
             sequence: tick.sequence,
@@ -187,7 +202,9 @@ impl clock::Host for HostState {
 
 impl identity::Host for HostState {
     fn current_machine_id(&mut self) -> Result<identity::MachineId, String> {
-        let id = self.services.identity.current()?;
+        let grant = self.services.identity.grant()?;
+        self.issued.grant = Some(grant.generation);
+        let id = grant.id;
         let layout = match id.layout {
             SnowflakeLayout::TrtllmV1 => types::IdLayout::TrtllmV1,
             SnowflakeLayout::TrtllmV2 => types::IdLayout::TrtllmV2,

@@ -1,8 +1,10 @@
 //! Fleet-unique machine ids leased in a real etcd, with real `snowgate`
 //! replicas: distinct ids, no repeated request id across replicas, a killed
 //! replica's slot freed after its TTL, refusal while etcd is down and
-//! recovery after, no repeated id across a restart onto the same slot, and
-//! slots with a high-water mark no holder could have written skipped.
+//! recovery after, no repeated id across a restart onto the same slot,
+//! slots with a high-water mark no holder could have written skipped, no
+//! id with the old machine id from a replica frozen past its lease, and a
+//! prompt stop while etcd does not answer.
 //!
 //! etcd comes from Debian's `etcd-server` package (`.ci/run` installs it);
 //! each test starts its own on loopback with a temporary data directory.
@@ -20,7 +22,9 @@ use std::time::{Duration, Instant};
 use etcd_client::Client;
 use serde_json::Value;
 use snowgate_plugin::SnowflakeLayout;
-use support::{post_json, Gateway, TempDir, STEP};
+use support::{post_json, raw_exchange_on, raw_post_request, Gateway, TempDir, STEP};
+use tokio::io::AsyncWriteExt as _;
+use tokio::net::TcpStream;
 
 /// The lease TTL the tests use: short, so expiry is quick to observe.
 const TTL_SECS: u64 = 3;
@@ -120,6 +124,28 @@ impl Etcd {
                 self.url()
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Sends etcd `signal` (`STOP`, `CONT`).
+    fn signal(&self, signal: &str) {
+        let pid = self.child.as_ref().expect("etcd is running").id();
+        let status = Command::new("kill")
+            .args([format!("-{signal}"), pid.to_string()])
+            .status()
+            .expect("kill runs");
+        assert!(status.success(), "kill -{signal} {pid} failed");
+    }
+
+    /// Waits (at most a few TTLs) until machine id `id` is free.
+    async fn wait_free(&self, id: u32) {
+        let deadline = Instant::now() + Duration::from_secs(TTL_SECS * 4);
+        while self.claimed().await.contains(&id) {
+            assert!(
+                Instant::now() < deadline,
+                "slot {id} was never freed after its lease ran out"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
 
@@ -296,14 +322,7 @@ async fn a_killed_replicas_slot_is_free_after_the_ttl_and_a_stopped_ones_at_once
             "slot 0 was taken while its lease could still be alive"
         );
     }
-    let deadline = Instant::now() + Duration::from_secs(TTL_SECS * 4);
-    while etcd.claimed().await.contains(&0) {
-        assert!(
-            Instant::now() < deadline,
-            "slot 0 was never freed after its holder was killed"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    etcd.wait_free(0).await;
     assert!(killed_at.elapsed() >= Duration::from_secs(TTL_SECS) - Duration::from_millis(500));
     let third = replica(&etcd, &[]).await;
     assert_eq!(
@@ -502,4 +521,95 @@ async fn a_replica_with_only_bad_slots_says_so_and_recovers_when_one_is_fixed() 
         .expect("deleting one mark");
     assert_eq!(leased_id(&replica).await, 5);
     assert_issued_by(&stamp_many(&replica, 1, 3).await, 5);
+}
+
+/// A replica frozen for longer than its lease (a stalled VM, a stopped
+/// container) wakes up to find its slot may belong to another replica.
+/// Requests that reached it while it was frozen are read the moment it
+/// wakes, before its lease keeper has noticed anything: none of them may
+/// leave with an id of the old machine id, which the new holder is issuing.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replica_frozen_past_its_lease_lets_out_no_id_of_its_old_machine_id() {
+    let Some(binary) = etcd_binary() else { return };
+    let etcd = Etcd::start(binary).await;
+    let frozen = replica(&etcd, &[]).await;
+    assert_eq!(leased_id(&frozen).await, 0);
+    let mut waiting = Vec::new();
+    for _ in 0..16 {
+        waiting.push(TcpStream::connect(frozen.addr).await.expect("connect"));
+    }
+
+    frozen.signal("STOP");
+    etcd.wait_free(0).await;
+    let successor = replica(&etcd, &[]).await;
+    assert_eq!(leased_id(&successor).await, 0, "the successor takes slot 0");
+
+    let request = raw_post_request(
+        "/v1/completions",
+        b"Content-Type: application/json\r\n",
+        batch(50).as_bytes(),
+    );
+    for stream in &mut waiting {
+        stream.write_all(&request).await.expect("write a request");
+    }
+    frozen.signal("CONT");
+    let replies = waiting
+        .into_iter()
+        .map(|stream| tokio::spawn(async move { raw_exchange_on(stream, b"").await }))
+        .collect::<Vec<_>>();
+    let successor_ids = stamp_many(&successor, 20, 500).await;
+    assert_issued_by(&successor_ids, 0);
+
+    let mut refused = 0;
+    for reply in replies {
+        let reply = reply.await.expect("the exchange ran");
+        match reply.status {
+            503 => {
+                assert_eq!(reply.json()["error"]["code"], "no_machine_id", "{reply:?}");
+                refused += 1;
+            }
+            200 => {
+                // Stamped after the frozen replica claimed a new slot.
+                let ids = batch_ids(&reply.json());
+                for id in &ids {
+                    let parts = SnowflakeLayout::TrtllmV1.decode(*id).expect("an id");
+                    assert_ne!(
+                        parts.machine_id, 0,
+                        "id {id} carries machine id 0, which the successor holds"
+                    );
+                    assert!(!successor_ids.contains(id), "id {id} issued twice");
+                }
+            }
+            other => panic!("unexpected status {other}: {reply:?}"),
+        }
+    }
+    eprintln!("{refused} of 16 requests refused while the lease was lost");
+    assert_eq!(
+        leased_id(&successor).await,
+        0,
+        "the successor kept its slot"
+    );
+}
+
+/// A replica told to stop while etcd does not answer stops promptly: it
+/// waits a second each for its last mark and the revocation, not for etcd
+/// (its lease then runs out after the TTL).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replica_stops_promptly_while_etcd_does_not_answer() {
+    let Some(binary) = etcd_binary() else { return };
+    let etcd = Etcd::start(binary).await;
+    let url = etcd.url();
+    // A long TTL: etcd calls would otherwise wait up to a third of it.
+    let r = Gateway::start(&["--etcd", url.as_str(), "--machine-id-ttl", "60"]).await;
+    assert_eq!(leased_id(&r).await, 0);
+    etcd.signal("STOP");
+    r.signal("TERM");
+    let status = r.wait_exit(Duration::from_secs(10)).await;
+    etcd.signal("CONT");
+    assert!(status.success(), "{}", r.stderr_text());
+    assert!(
+        r.stderr_text().contains("etcd did not answer within 1 s"),
+        "{}",
+        r.stderr_text()
+    );
 }

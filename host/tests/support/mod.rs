@@ -812,18 +812,24 @@ impl RawReply {
 /// response (by `Content-Length`, chunked, or to the end of the stream).
 /// The request need not be complete: the response is read right after.
 pub async fn raw_exchange(addr: SocketAddr, request: &[u8]) -> RawReply {
+    let stream = bounded("connecting", STEP, TcpStream::connect(addr))
+        .await
+        .expect("connect");
+    raw_exchange_on(stream, request).await
+}
+
+/// Like [`raw_exchange`], on a connection opened earlier.
+pub async fn raw_exchange_on(mut stream: TcpStream, request: &[u8]) -> RawReply {
     bounded("a raw exchange", STEP, async {
-        let mut stream = TcpStream::connect(addr).await.expect("connect");
         stream.write_all(request).await.expect("write the request");
         read_raw_response(&mut BufReader::new(stream)).await
     })
     .await
 }
 
-/// POSTs `body` to `path` on a new connection, with `headers` (whole
-/// `Name: value\r\n` lines, written as they are) and a `Content-Length`,
-/// and reads the response.
-pub async fn raw_post(addr: SocketAddr, path: &str, headers: &[u8], body: &[u8]) -> RawReply {
+/// A POST of `body` to `path`, with `headers` (whole `Name: value\r\n`
+/// lines, written as they are), a `Content-Length` and `Connection: close`.
+pub fn raw_post_request(path: &str, headers: &[u8], body: &[u8]) -> Vec<u8> {
     let mut request = format!("POST {path} HTTP/1.1\r\nHost: gateway.example\r\n").into_bytes();
     request.extend_from_slice(headers);
     request.extend_from_slice(
@@ -834,7 +840,13 @@ pub async fn raw_post(addr: SocketAddr, path: &str, headers: &[u8], body: &[u8])
         .as_bytes(),
     );
     request.extend_from_slice(body);
-    raw_exchange(addr, &request).await
+    request
+}
+
+/// POSTs `body` to `path` on a new connection (see [`raw_post_request`])
+/// and reads the response.
+pub async fn raw_post(addr: SocketAddr, path: &str, headers: &[u8], body: &[u8]) -> RawReply {
+    raw_exchange(addr, &raw_post_request(path, headers, body)).await
 }
 
 /// Sends `head` (which asks for `Expect: 100-continue`), waits for the
