@@ -205,6 +205,34 @@ async fn hundreds_of_idle_connections_are_closed_and_others_are_served_meanwhile
     still_serves(&gateway).await;
 }
 
+/// The admin listener is no softer than the main one: connections that
+/// send nothing, or half a request head, are closed at the header timeout,
+/// and more idle connections than it serves at once wait in the backlog
+/// instead of using up file descriptors; the admin endpoints answer after.
+#[tokio::test(flavor = "multi_thread")]
+async fn idle_and_half_sent_admin_connections_are_closed_at_the_header_timeout() {
+    let gateway = Gateway::start(&["--header-read-timeout-ms", "500"]).await;
+    let mut half = TcpStream::connect(gateway.admin).await.expect("connect");
+    half.write_all(b"GET /status HTTP/1.1\r\nHost: x\r\nX-Half")
+        .await
+        .expect("write half a head");
+    let mut idle = Vec::new();
+    for _ in 0..100 {
+        idle.push(
+            TcpStream::connect(gateway.admin)
+                .await
+                .expect("connect an idle admin client"),
+        );
+    }
+    closes_within(&mut half, STEP).await;
+    for stream in &mut idle {
+        closes_within(stream, STEP).await;
+    }
+    let health = get(gateway.admin, "/healthz").await;
+    assert_eq!(health.status, 200, "{}", health.text());
+    still_serves(&gateway).await;
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn an_admin_listener_off_loopback_refuses_to_start_without_a_token() {
     let output = Command::new(env!("CARGO_BIN_EXE_snowgate"))

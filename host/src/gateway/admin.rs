@@ -2,13 +2,15 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{header, Method, Request, Response, StatusCode};
 use http_body_util::Full;
 use hyper::body::Incoming;
-use hyper_util::rt::TokioIo;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
 
 use crate::engine::HostServices;
 use crate::gateway::responses;
@@ -30,22 +32,52 @@ pub struct Admin {
     pub token: Option<String>,
     /// The etcd lease of the machine id, when there is one.
     pub lease: Option<Arc<LeaseStatus>>,
+    /// How long a connection may take to send its first byte, and then
+    /// each request head (the gateway's `--header-read-timeout-ms`).
+    pub header_read_timeout: Duration,
 }
 
+/// At most this many admin connections are served at once; more wait in
+/// the kernel's backlog. Enough for scrapers and operators, few enough that
+/// idle connections cannot use up the process's file descriptors.
+pub const MAX_ADMIN_CONNECTIONS: usize = 64;
+
 impl Admin {
-    /// Serves admin requests on `listener` until the task is dropped.
+    /// Serves admin requests on `listener` until the task is dropped: at
+    /// most [`MAX_ADMIN_CONNECTIONS`] at once, each closed if it sends
+    /// nothing, or not a whole request head, within the header read
+    /// timeout.
     pub async fn serve(self: Arc<Self>, listener: TcpListener) {
+        let slots = Arc::new(Semaphore::new(MAX_ADMIN_CONNECTIONS));
         loop {
-            let Ok((stream, _)) = listener.accept().await else {
-                continue;
+            let Ok(permit) = slots.clone().acquire_owned().await else {
+                return; // never closed
+            };
+            let stream = match listener.accept().await {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    // Out of file descriptors and the like: pass, then retry.
+                    tracing::warn!(error = %e, "accepting an admin connection failed");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                }
             };
             let admin = self.clone();
             tokio::spawn(async move {
+                let _permit = permit;
+                let timeout = admin.header_read_timeout;
+                let mut probe = [0u8; 1];
+                match tokio::time::timeout(timeout, stream.peek(&mut probe)).await {
+                    Ok(Ok(n)) if n > 0 => {}
+                    _ => return,
+                }
                 let service = hyper::service::service_fn(move |request| {
                     let admin = admin.clone();
                     async move { Ok::<_, Infallible>(admin.route(request).await) }
                 });
                 let _ = hyper::server::conn::http1::Builder::new()
+                    .timer(TokioTimer::new())
+                    .header_read_timeout(timeout)
                     .serve_connection(TokioIo::new(stream), service)
                     .await;
             });

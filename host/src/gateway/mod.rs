@@ -141,6 +141,7 @@ impl Gateway {
             upstream: self.upstream.describe(),
             token: self.config.admin_token.clone(),
             lease: lease.as_ref().map(|(status, _)| status.clone()),
+            header_read_timeout: self.config.connections.header_read_timeout,
             failure_policy: match self.config.failure_policy {
                 FailurePolicy::FailClosed => "fail-closed",
                 FailurePolicy::FailOpen => "fail-open",
