@@ -116,6 +116,135 @@ async fn an_in_place_rewrite_is_picked_up() {
     assert_stamps(&gateway).await;
 }
 
+/// Kubernetes updates a mounted ConfigMap by flipping a symlink: the path
+/// is `plugin.wasm -> ..data/plugin.wasm`, and `..data` is renamed to
+/// point at a new directory. The plugin file itself sees no event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_symlink_flipped_as_kubernetes_does_is_picked_up() {
+    let dir = TempDir::new("configmap");
+    let root = dir.path();
+    let version = |n: u32| {
+        let versioned = root.join(format!("..v{n}"));
+        std::fs::create_dir(&versioned).unwrap();
+        std::fs::write(versioned.join("plugin.wasm"), plugin_variant(n)).unwrap();
+    };
+    version(0);
+    std::os::unix::fs::symlink("..v0", root.join("..data")).unwrap();
+    std::os::unix::fs::symlink("..data/plugin.wasm", root.join("plugin.wasm")).unwrap();
+    let gateway = start(&root.join("plugin.wasm"), None, QUICK).await;
+    assert_eq!(
+        sha_of(&gateway.status().await),
+        sha256_hex(&plugin_variant(0))
+    );
+
+    version(1);
+    std::os::unix::fs::symlink("..v1", root.join("..data_tmp")).unwrap();
+    std::fs::rename(root.join("..data_tmp"), root.join("..data")).unwrap();
+    std::fs::remove_dir_all(root.join("..v0")).unwrap();
+    let new = sha256_hex(&plugin_variant(1));
+    let status = gateway
+        .wait_status("the flipped build to serve", RELOAD_TIMEOUT, |s| {
+            sha_of(s) == new
+        })
+        .await;
+    assert_eq!(reloads(&status).0, 1, "{status:#}");
+    assert_stamps(&gateway).await;
+}
+
+/// A deploy that replaces the plugin's whole directory (`mv dir dir.old;
+/// mv dir.new dir`) is seen, and so are later changes in the new
+/// directory, although the old directory's watch went with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replaced_directory_is_picked_up_and_watched_after() {
+    let dir = TempDir::new("replaced-dir");
+    let live = dir.path().join("plugins");
+    let path = live.join("plugin.wasm");
+    std::fs::create_dir(&live).unwrap();
+    std::fs::write(&path, plugin_variant(0)).unwrap();
+    let gateway = start(&path, None, QUICK).await;
+
+    let staged = dir.path().join("plugins.new");
+    std::fs::create_dir(&staged).unwrap();
+    std::fs::write(staged.join("plugin.wasm"), plugin_variant(1)).unwrap();
+    std::fs::rename(&live, dir.path().join("plugins.old")).unwrap();
+    std::fs::rename(&staged, &live).unwrap();
+    let new = sha256_hex(&plugin_variant(1));
+    gateway
+        .wait_status("the new directory's build to serve", RELOAD_TIMEOUT, |s| {
+            sha_of(s) == new
+        })
+        .await;
+
+    replace_by_rename(&path, &plugin_variant(2));
+    let newer = sha256_hex(&plugin_variant(2));
+    let status = gateway
+        .wait_status(
+            "a build renamed into the new directory",
+            RELOAD_TIMEOUT,
+            |s| sha_of(s) == newer,
+        )
+        .await;
+    assert_eq!(reloads(&status), (2, 0), "{status:#}");
+    assert_stamps(&gateway).await;
+}
+
+/// A FIFO at the plugin path would block a plain read until some writer
+/// came, holding the reload lock, so that neither later reloads nor a clean
+/// stop could finish; a huge file would be read whole into memory. Both
+/// are refused at once, naming the problem, and the gateway reloads and
+/// stops as usual after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fifo_or_an_oversized_file_is_refused_without_reading_it() {
+    let dir = TempDir::new("fifo");
+    let path = dir.path().join("plugin.wasm");
+    std::fs::write(&path, plugin_variant(0)).unwrap();
+    let gateway = start(&path, None, NO_WATCH).await;
+
+    let fifo = dir.path().join(".fifo");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .expect("mkfifo runs");
+    assert!(made.success());
+    std::fs::rename(&fifo, &path).unwrap();
+    let reply = post_empty(gateway.admin, "/reload").await;
+    assert_eq!(
+        reply.status,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "{}",
+        reply.text()
+    );
+    let message = assert_openai_error(&reply.json(), "reload_failed", "invalid_request_error");
+    assert!(
+        message.contains("it is a FIFO, not a regular file"),
+        "{message}"
+    );
+
+    std::fs::remove_file(&path).unwrap();
+    let big = std::fs::File::create(&path).unwrap();
+    let limit = snowgate_host::gateway::plugin_file::MAX_PLUGIN_FILE_BYTES;
+    big.set_len(limit + 1).unwrap(); // sparse
+    let reply = post_empty(gateway.admin, "/reload").await;
+    assert_eq!(
+        reply.status,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "{}",
+        reply.text()
+    );
+    let message = assert_openai_error(&reply.json(), "reload_failed", "invalid_request_error");
+    assert!(
+        message.contains(&format!("over the {limit} byte limit")),
+        "{message}"
+    );
+
+    replace_by_rename(&path, &plugin_variant(1));
+    let reply = post_empty(gateway.admin, "/reload").await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    assert_stamps(&gateway).await;
+    gateway.signal("TERM");
+    assert!(gateway.wait_exit(STEP).await.success());
+}
+
 /// SIGHUP reloads (the watcher is muted, so only the signal can).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sighup_reloads_the_plugin() {

@@ -9,6 +9,7 @@ pub mod admin;
 pub mod config;
 pub mod metrics;
 pub mod middleware;
+pub mod plugin_file;
 pub mod read_body;
 pub mod responses;
 pub mod server;

@@ -11,6 +11,7 @@ use arc_swap::ArcSwap;
 use crate::bindings::exports::snowgate::middleware::handler::{Action, Request};
 use crate::engine::PluginEngine;
 use crate::gateway::metrics::Metrics;
+use crate::gateway::plugin_file::read_plugin_file;
 use crate::plugin::{hex_sha256, Plugin};
 
 /// The body of the canned request every new build must stamp before it
@@ -62,8 +63,7 @@ impl PluginSlot {
     ) -> anyhow::Result<PluginSlot> {
         let plugin = match &source {
             Some(path) => {
-                let bytes = std::fs::read(path)
-                    .with_context(|| format!("reading the plugin {}", path.display()))?;
+                let bytes = read_plugin_file(path)?;
                 load_checked(&engine, &bytes, &settings)
                     .with_context(|| format!("loading the plugin {}", path.display()))?
             }
@@ -143,8 +143,7 @@ impl PluginSlot {
         // Reading and compiling take milliseconds: keep them off the
         // request threads.
         let outcome = tokio::task::spawn_blocking(move || -> anyhow::Result<Option<Plugin>> {
-            let bytes = std::fs::read(&path)
-                .with_context(|| format!("reading the plugin {}", path.display()))?;
+            let bytes = read_plugin_file(&path)?;
             if hex_sha256(&bytes) == current_sha {
                 return Ok(None);
             }

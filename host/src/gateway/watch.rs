@@ -1,5 +1,13 @@
-//! Reload triggers: changes to the plugin file (an atomic rename into place
-//! or an in-place rewrite), debounced; and SIGHUP.
+//! Reload triggers: changes to the plugin file (an atomic rename into place,
+//! an in-place rewrite, a symlink flipped as Kubernetes does for a
+//! ConfigMap, the directory replaced), debounced; and SIGHUP.
+//!
+//! Changes are seen two ways: at once, from the events of the file's
+//! directory; and, as a backstop for what those miss (a symlink flipped in
+//! another directory, the directory itself moved or replaced, which ends
+//! its watch), by looking at the file behind the path every
+//! [`POLL_INTERVAL`]. Either only asks for a reload; the reload compares
+//! contents, so a false alarm costs a read of the file.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -10,11 +18,16 @@ use notify::event::{AccessKind, AccessMode, ModifyKind};
 use notify::{EventKind, RecommendedWatcher, RecursiveMode, Watcher};
 use tokio::sync::mpsc;
 
+use crate::gateway::plugin_file::Fingerprint;
 use crate::gateway::slot::PluginSlot;
 
-/// Watches the directory of `slot`'s plugin file and reloads once the file
-/// has been quiet for `debounce` after a finished write or a rename. The
-/// watch lasts as long as the returned watcher lives.
+/// How often the file behind the plugin path is looked at (one `stat`).
+pub const POLL_INTERVAL: Duration = Duration::from_secs(2);
+
+/// Watches the directory of `slot`'s plugin file, and the file behind the
+/// path, and reloads once the file has been quiet for `debounce` after a
+/// finished write, a rename, or any change of which file the path leads
+/// to. The watch lasts as long as the returned watcher lives.
 pub fn watch_plugin_file(
     slot: Arc<PluginSlot>,
     debounce: Duration,
@@ -30,30 +43,62 @@ pub fn watch_plugin_file(
         Some(dir) if !dir.as_os_str().is_empty() => dir.to_path_buf(),
         _ => std::path::PathBuf::from("."),
     };
-    let (tx, mut rx) = mpsc::unbounded_channel();
+    let (events, mut rx) = mpsc::unbounded_channel();
+    // The poll holds a weak sender: once the watcher (which holds the
+    // strong one) is dropped, the poll and the reload task end.
+    let polls = events.downgrade();
     let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
         let Ok(event) = event else { return };
-        // A finished write, a rename into place, or removal: not the
-        // modify events in the middle of a write.
-        let finished = matches!(
-            event.kind,
-            EventKind::Access(AccessKind::Close(AccessMode::Write))
-                | EventKind::Modify(ModifyKind::Name(_))
-                | EventKind::Remove(_)
-        );
-        if finished
-            && event
-                .paths
-                .iter()
-                .any(|p| p.file_name() == Some(file_name.as_os_str()))
-        {
-            let _ = tx.send(());
+        // The plugin file's own finished write, rename into place, or
+        // removal (not the modify events in the middle of a write); or any
+        // entry of the directory created, renamed or removed, which is how
+        // a symlink on the path is flipped (Kubernetes renames `..data`).
+        let plugin_file = event
+            .paths
+            .iter()
+            .any(|p| p.file_name() == Some(file_name.as_os_str()));
+        let trigger = match event.kind {
+            EventKind::Access(AccessKind::Close(AccessMode::Write)) => plugin_file,
+            EventKind::Modify(ModifyKind::Name(_))
+            | EventKind::Create(_)
+            | EventKind::Remove(_) => true,
+            _ => false,
+        };
+        if trigger {
+            let _ = events.send(());
         }
     })
     .context("starting the plugin file watcher")?;
     watcher
         .watch(&dir, RecursiveMode::NonRecursive)
         .with_context(|| format!("watching the plugin directory {}", dir.display()))?;
+
+    // The backstop: ask for a reload when the file behind the path is
+    // another one, or changed, and has then stayed as it is for one
+    // interval (so that a slow write in place is not read half done).
+    let polled = path.clone();
+    tokio::spawn(async move {
+        let look = move || {
+            let path = polled.clone();
+            tokio::task::spawn_blocking(move || Fingerprint::of(&path))
+        };
+        let Ok(mut settled) = look().await else {
+            return;
+        };
+        let mut previous = settled.clone();
+        loop {
+            tokio::time::sleep(POLL_INTERVAL).await;
+            let Ok(now) = look().await else { return };
+            let Some(tx) = polls.upgrade() else { return };
+            if now == previous && now != settled {
+                settled = now.clone();
+                if tx.send(()).is_err() {
+                    return; // the reload task is gone
+                }
+            }
+            previous = now;
+        }
+    });
 
     tokio::spawn(async move {
         while rx.recv().await.is_some() {

@@ -1,0 +1,184 @@
+//! The plugin file on disk: read safely (a regular file, within a size
+//! limit, without blocking on a FIFO), and fingerprinted, so that a change
+//! is noticed however it was made (a rewrite, a rename, a symlink flipped,
+//! the directory replaced).
+
+use std::fs::{Metadata, OpenOptions};
+use std::io::Read as _;
+use std::os::unix::fs::{FileTypeExt as _, MetadataExt as _, OpenOptionsExt as _};
+use std::path::Path;
+
+/// The largest plugin file that is read; a larger one is refused before
+/// any of it is read. Plugin components are kilobytes to a few megabytes.
+pub const MAX_PLUGIN_FILE_BYTES: u64 = 128 << 20;
+
+/// Reads the plugin file at `path` (following symlinks). Refuses anything
+/// that is not a regular file (a FIFO would block the read until a writer
+/// comes, a device could be endless) and anything over
+/// [`MAX_PLUGIN_FILE_BYTES`], with a message that names the path.
+pub fn read_plugin_file(path: &Path) -> anyhow::Result<Vec<u8>> {
+    let shown = path.display();
+    // Non-blocking: opening a FIFO for reading would wait for a writer.
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| anyhow::anyhow!("reading the plugin {shown}: {e}"))?;
+    let metadata = file
+        .metadata()
+        .map_err(|e| anyhow::anyhow!("reading the plugin {shown}: {e}"))?;
+    if !metadata.is_file() {
+        anyhow::bail!(
+            "reading the plugin {shown}: it is {}, not a regular file",
+            kind(&metadata)
+        );
+    }
+    let too_big = |size: u64| {
+        anyhow::anyhow!(
+            "reading the plugin {shown}: it is {size} bytes, over the {MAX_PLUGIN_FILE_BYTES} \
+             byte limit for a plugin file"
+        )
+    };
+    if metadata.len() > MAX_PLUGIN_FILE_BYTES {
+        return Err(too_big(metadata.len()));
+    }
+    let mut bytes = Vec::with_capacity(metadata.len() as usize);
+    file.take(MAX_PLUGIN_FILE_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| anyhow::anyhow!("reading the plugin {shown}: {e}"))?;
+    // It grew while it was read.
+    if bytes.len() as u64 > MAX_PLUGIN_FILE_BYTES {
+        return Err(too_big(bytes.len() as u64));
+    }
+    Ok(bytes)
+}
+
+/// What kind of file `metadata` describes, for a message.
+fn kind(metadata: &Metadata) -> &'static str {
+    let kind = metadata.file_type();
+    if kind.is_dir() {
+        "a directory"
+    } else if kind.is_fifo() {
+        "a FIFO"
+    } else if kind.is_socket() {
+        "a socket"
+    } else if kind.is_char_device() {
+        "a character device"
+    } else if kind.is_block_device() {
+        "a block device"
+    } else {
+        "not a regular file"
+    }
+}
+
+/// Which file is at the plugin path, and its state: device, inode, size,
+/// and modification and change times (of the file a symlink leads to), or
+/// the error that reading them gave. Two different fingerprints mean the
+/// file may have changed; the reload then compares contents.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Fingerprint {
+    /// The file's identity and state.
+    File {
+        dev: u64,
+        ino: u64,
+        size: u64,
+        mtime_ns: i128,
+        ctime_ns: i128,
+    },
+    /// No file could be looked at (missing, no permission, ...).
+    Unreadable(std::io::ErrorKind),
+}
+
+impl Fingerprint {
+    /// The fingerprint of the file at `path` now.
+    pub fn of(path: &Path) -> Fingerprint {
+        match std::fs::metadata(path) {
+            Ok(m) => Fingerprint::File {
+                dev: m.dev(),
+                ino: m.ino(),
+                size: m.size(),
+                mtime_ns: i128::from(m.mtime()) * 1_000_000_000 + i128::from(m.mtime_nsec()),
+                ctime_ns: i128::from(m.ctime()) * 1_000_000_000 + i128::from(m.ctime_nsec()),
+            },
+            Err(e) => Fingerprint::Unreadable(e.kind()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::fs::File;
+
+    use super::*;
+
+    fn temp_dir(name: &str) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!(
+            "snowgate-plugin-file-{name}-{}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("a temporary directory");
+        dir
+    }
+
+    #[test]
+    fn a_fifo_is_refused_at_once_instead_of_blocking() {
+        let dir = temp_dir("fifo");
+        let path = dir.join("plugin.wasm");
+        let status = std::process::Command::new("mkfifo")
+            .arg(&path)
+            .status()
+            .expect("mkfifo runs");
+        assert!(status.success());
+        let error = read_plugin_file(&path).expect_err("a FIFO").to_string();
+        assert!(
+            error.contains("it is a FIFO, not a regular file"),
+            "{error}"
+        );
+        assert!(error.contains(&path.display().to_string()), "{error}");
+        let error = read_plugin_file(&dir).expect_err("a directory").to_string();
+        assert!(error.contains("it is a directory"), "{error}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_file_over_the_limit_is_refused_without_being_read() {
+        let dir = temp_dir("big");
+        let path = dir.join("plugin.wasm");
+        // Sparse: no disk space, and reading it would take a while.
+        let file = File::create(&path).expect("create");
+        file.set_len(MAX_PLUGIN_FILE_BYTES + 1).expect("set_len");
+        let error = read_plugin_file(&path).expect_err("too big").to_string();
+        assert!(
+            error.contains(&format!(
+                "it is {} bytes, over the {MAX_PLUGIN_FILE_BYTES} byte limit",
+                MAX_PLUGIN_FILE_BYTES + 1
+            )),
+            "{error}"
+        );
+        file.set_len(5).expect("set_len");
+        assert_eq!(read_plugin_file(&path).expect("read"), vec![0; 5]);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_fingerprint_changes_with_the_file_behind_a_flipped_symlink() {
+        let dir = temp_dir("fingerprint");
+        std::fs::write(dir.join("a"), b"same").expect("write");
+        std::fs::write(dir.join("b"), b"same").expect("write");
+        let link = dir.join("plugin.wasm");
+        std::os::unix::fs::symlink("a", &link).expect("symlink");
+        let before = Fingerprint::of(&link);
+        assert_eq!(Fingerprint::of(&link), before, "nothing changed");
+        let flipped = dir.join("flipped");
+        std::os::unix::fs::symlink("b", &flipped).expect("symlink");
+        std::fs::rename(&flipped, &link).expect("flip");
+        assert_ne!(Fingerprint::of(&link), before);
+        std::fs::remove_file(&link).expect("remove");
+        assert_eq!(
+            Fingerprint::of(&link),
+            Fingerprint::Unreadable(std::io::ErrorKind::NotFound)
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
