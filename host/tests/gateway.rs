@@ -1174,6 +1174,22 @@ async fn admin_endpoints_describe_the_serving_plugin() {
     assert_eq!(status["machine_id_error"], Value::Null);
     assert_eq!(status["id_layout"], "trtllm-v2");
     assert_eq!(status["failure_policy"], "fail-closed");
+    // /metrics names the same build, for dashboards across a fleet.
+    let metrics = gateway.metrics().await;
+    let info = format!(
+        "snowgate_plugin_info{{name=\"{}\",version=\"{}\",sha256=\"{bundled}\"}} 1\n",
+        snowgate_plugin::PLUGIN_NAME,
+        snowgate_plugin::PLUGIN_VERSION
+    );
+    assert!(metrics.contains(&info), "{metrics}");
+    assert!(
+        metrics.contains("snowgate_plugin_reload_failing 0\n"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("snowgate_plugin_loaded_timestamp_seconds 1"),
+        "{metrics}"
+    );
 
     // Ids follow the layout and machine id /status reports.
     let reply = post_json(gateway.addr, "/v1/completions", CONTEXT_ONLY).await;

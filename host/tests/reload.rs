@@ -317,6 +317,15 @@ async fn post_reload_swaps_reports_unchanged_and_refuses_bad_files() {
     assert_eq!(sha_of(&status), second, "the old build keeps serving");
     assert_eq!(reloads(&status), (1, 1));
     assert_eq!(last_error(&status), Some(message.as_str()));
+    let metrics = gateway.metrics().await;
+    assert!(
+        metrics.contains("snowgate_plugin_reload_failing 1\n"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(&format!("sha256=\"{second}\"}} 1\n")),
+        "{metrics}"
+    );
     assert_stamps(&gateway).await;
 
     // The serving build back in place: unchanged, and the error is gone.
@@ -329,6 +338,11 @@ async fn post_reload_swaps_reports_unchanged_and_refuses_bad_files() {
     let status = gateway.status().await;
     assert_eq!(status["last_reload_error"], Value::Null, "{status:#}");
     assert_eq!(reloads(&status), (1, 1));
+    let metrics = gateway.metrics().await;
+    assert!(
+        metrics.contains("snowgate_plugin_reload_failing 0\n"),
+        "{metrics}"
+    );
 
     assert_eq!(
         get(gateway.admin, "/reload").await.status,

@@ -106,6 +106,7 @@ impl Admin {
             ),
             (&Method::GET, "/metrics") => {
                 let mut body = self.slot.metrics().render(self.services.clock.issued());
+                body.push_str(&self.plugin_metrics());
                 if let Some(lease) = &self.lease {
                     body.push_str(&lease.render_metrics());
                 }
@@ -135,6 +136,30 @@ impl Admin {
                 &format!("no admin endpoint {path}; try /status, /reload, /healthz or /metrics"),
             ),
         }
+    }
+
+    /// Which build serves, since when, and whether the last reload failed,
+    /// in Prometheus text format: what a fleet's dashboards need to see a
+    /// replica left on an old build.
+    fn plugin_metrics(&self) -> String {
+        let plugin = self.slot.current();
+        let info = plugin.info();
+        let loaded = millis_of(info.loaded_at) as f64 / 1000.0;
+        let failing = u8::from(self.slot.last_error().is_some());
+        format!(
+            "# HELP snowgate_plugin_info The plugin serving now (always 1).\n\
+             # TYPE snowgate_plugin_info gauge\n\
+             snowgate_plugin_info{{name=\"{}\",version=\"{}\",sha256=\"{}\"}} 1\n\
+             # HELP snowgate_plugin_loaded_timestamp_seconds When the plugin serving now was loaded.\n\
+             # TYPE snowgate_plugin_loaded_timestamp_seconds gauge\n\
+             snowgate_plugin_loaded_timestamp_seconds {loaded:.3}\n\
+             # HELP snowgate_plugin_reload_failing 1 while the last reload failed (an older build serves).\n\
+             # TYPE snowgate_plugin_reload_failing gauge\n\
+             snowgate_plugin_reload_failing {failing}\n",
+            label_value(&info.name),
+            label_value(&info.version),
+            label_value(&info.sha256),
+        )
     }
 
     /// Whether the request carries the admin token (or none is needed).
@@ -202,6 +227,21 @@ fn text(status: StatusCode, content_type: &'static str, body: String) -> Respons
     response
 }
 
+/// `value` as a Prometheus label value: backslash, double quote and line
+/// feed escaped (a plugin names itself, so its name is not trusted).
+fn label_value(value: &str) -> String {
+    let mut escaped = String::with_capacity(value.len());
+    for c in value.chars() {
+        match c {
+            '\\' => escaped.push_str("\\\\"),
+            '"' => escaped.push_str("\\\""),
+            '\n' => escaped.push_str("\\n"),
+            c => escaped.push(c),
+        }
+    }
+    escaped
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -209,5 +249,15 @@ mod tests {
         assert!(super::constant_time_eq(b"abc", b"abc"));
         assert!(!super::constant_time_eq(b"abc", b"abd"));
         assert!(!super::constant_time_eq(b"abc", b"ab"));
+    }
+
+    #[test]
+    fn label_values_are_escaped() {
+        use super::label_value;
+        assert_eq!(label_value("snowgate-disagg-id"), "snowgate-disagg-id");
+        assert_eq!(
+            label_value("a\\b\"c\nd} 1\nfake 2"),
+            "a\\\\b\\\"c\\nd} 1\\nfake 2"
+        );
     }
 }
