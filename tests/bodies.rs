@@ -286,6 +286,21 @@ fn invalid_json_is_rejected_with_400_naming_the_problem() {
         &["not valid JSON"],
     );
     assert_rejected(b"\xEF\xBB\xBF{}", 400, "invalid_json", &["byte order mark"]);
+    // UTF-16 and UTF-32 without a byte order mark, as Python would detect
+    // them: the message names the encoding, not a grammar error.
+    for body in [
+        &b"{\x00}\x00"[..],
+        b"7\x00",
+        b"\x00{",
+        b"{\x00\x00\x00}\x00\x00\x00",
+    ] {
+        assert_rejected(
+            body,
+            400,
+            "invalid_json",
+            &["UTF-16 or UTF-32", "must be UTF-8"],
+        );
+    }
 }
 
 #[test]

@@ -164,6 +164,14 @@ pub fn find_edits(body: &[u8]) -> Result<Vec<Edit>, BodyError> {
             "the body starts with a UTF-8 byte order mark (BOM), which JSON does not allow",
         ));
     }
+    // JSON text never holds a zero byte; one among the first two is how
+    // UTF-16 and UTF-32 text without a byte order mark begins.
+    if body.iter().take(2).any(|&b| b == 0) {
+        return Err(walk.syntax(
+            "the body looks like UTF-16 or UTF-32 (a zero byte among its first two); JSON must \
+             be UTF-8",
+        ));
+    }
     walk.skip_whitespace();
     if walk.pos == body.len() {
         return Err(BodyError::Empty);
