@@ -861,6 +861,7 @@ impl Keeper {
                     identity.lease_renewed(self.alive_until(sent));
                     self.status
                         .update(|s| s.last_renewed = Some(SystemTime::now()));
+                    let deadline = confirmed_at + ttl - SAFETY_MARGIN;
                     match self.raise_mark(client, id, lease_id, deadline).await {
                         Raise::Done => raise_on_request = true,
                         Raise::Failed => raise_on_request = false,
