@@ -178,9 +178,25 @@ impl Plugin {
         store.set_epoch_deadline(1);
     }
 
-    /// An idle instance of this plugin, if one is kept.
+    /// An idle instance of this plugin, if one is kept. Instances made
+    /// under an earlier machine id grant are dropped instead: a plugin may
+    /// have kept that machine id in its memory.
     fn take_idle(&self) -> Option<Reusable> {
-        self.idle.lock().ok()?.as_mut()?.pop()
+        let generation = self.engine.services.identity.generation();
+        let mut stale = Vec::new();
+        let found = {
+            let mut idle = self.idle.lock().ok()?;
+            let kept = idle.as_mut()?;
+            loop {
+                match kept.pop() {
+                    Some(held) if held.store.data().created_under != generation => stale.push(held),
+                    other => break other,
+                }
+            }
+        };
+        // Dropped outside the lock: returning slots to the pool takes time.
+        drop(stale);
+        found
     }
 
     /// Keeps `held` for another request, unless it has served its share,
@@ -313,19 +329,26 @@ impl Plugin {
     /// there is no machine id, whatever the plugin answered. Only answers
     /// that forward are checked; a call that took no tick made no id.
     fn fence(&self, action: Action, store: &Store<HostState>) -> Action {
-        let issued = store.data().issued;
-        let Some(last_millis) = issued.last_millis else {
+        let state = store.data();
+        let issued = state.issued;
+        if issued.last_millis.is_none() && issued.grant.is_none() {
             return action;
-        };
+        }
         if matches!(action, Action::Reject(_)) {
             return action;
         }
-        match self
-            .engine
-            .services
-            .identity
-            .confirm(issued.grant, last_millis)
-        {
+        // Ids made without asking for the machine id in this call use one
+        // kept from an earlier call: of the instance's grant at the latest.
+        let generation = issued.grant.unwrap_or(state.created_under);
+        let confirmed = if issued.mixed {
+            Err("the machine id changed while the request was being stamped".to_string())
+        } else {
+            self.engine
+                .services
+                .identity
+                .confirm(Some(generation), issued.last_millis.unwrap_or(0))
+        };
+        match confirmed {
             Ok(()) => action,
             Err(reason) => {
                 tracing::warn!(plugin = %self.name, reason = %reason, "ids withheld: the machine id may no longer be ours");
@@ -461,5 +484,59 @@ mod tests {
                 other => panic!("a {size} byte body: {other:?}"),
             }
         }
+    }
+
+    fn idle_count(plugin: &Plugin) -> usize {
+        plugin
+            .idle
+            .lock()
+            .expect("idle list")
+            .as_ref()
+            .map_or(0, Vec::len)
+    }
+
+    #[test]
+    fn an_instance_made_under_an_earlier_machine_id_grant_is_not_reused() {
+        let plugin = plugin(PluginLimits::default());
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a runtime");
+        let call = |plugin: &Plugin| {
+            runtime
+                .block_on(plugin.handle_async(&request(100)))
+                .expect("an answer")
+        };
+        assert!(matches!(call(&plugin), Action::ForwardWithBody(_)));
+        assert_eq!(idle_count(&plugin), 1, "kept for the next call");
+        assert!(matches!(call(&plugin), Action::ForwardWithBody(_)));
+        assert_eq!(idle_count(&plugin), 1, "the same one, reused");
+
+        // A new grant (a lease lost, and a slot claimed again): the kept
+        // instance may hold the old machine id, so it is dropped, and the
+        // call runs on a fresh one.
+        let identity = &plugin.engine.services.identity;
+        identity.withdraw("lease lost");
+        identity.assign(8).expect("in range");
+        let Action::ForwardWithBody(body) = call(&plugin) else {
+            panic!("expected a stamped body")
+        };
+        let body = String::from_utf8(body).expect("utf-8");
+        let id: u64 = body
+            .split(r#""disagg_request_id":"#)
+            .nth(1)
+            .and_then(|rest| rest.split('}').next())
+            .and_then(|digits| digits.parse().ok())
+            .expect("an id");
+        let parts = SnowflakeLayout::TrtllmV1.decode(id).expect("decodes");
+        assert_eq!(parts.machine_id, 8);
+        assert_eq!(idle_count(&plugin), 1, "only the fresh instance is kept");
+        let kept = plugin.idle.lock().expect("idle list");
+        let kept = kept.as_ref().expect("kept instances");
+        assert_eq!(
+            kept[0].store.data().created_under,
+            identity.generation(),
+            "the kept instance is of the current grant"
+        );
     }
 }

@@ -131,16 +131,32 @@ impl MachineIdentity {
         })
     }
 
-    /// Whether ids made up to millisecond `last_millis` (under `grant`, if
-    /// the call asked for one) may leave the process: the grant is still
+    /// Which grant is current: it changes with every grant and withdrawal.
+    pub fn generation(&self) -> u64 {
+        self.held().generation
+    }
+
+    /// Whether the machine id is leased (it can be refused at any moment),
+    /// not fixed.
+    pub fn is_leased(&self) -> bool {
+        self.held().lease.is_some()
+    }
+
+    /// The high-water mark etcd confirmed for a leased id.
+    pub fn ceiling(&self) -> Option<u64> {
+        self.held().lease.map(|lease| lease.ceiling_millis)
+    }
+
+    /// Whether ids made up to millisecond `last_millis` under grant
+    /// `generation` (when known) may leave the process: that grant is still
     /// held, a leased id's lease is still alive, and `last_millis` is not
     /// past its ceiling. Asked after the ids were made, so a pause anywhere
     /// before it (the process frozen, a slow call) cannot let through an
     /// id made after the lease could have passed to another replica.
-    pub fn confirm(&self, grant: Option<u64>, last_millis: u64) -> Result<(), String> {
+    pub fn confirm(&self, generation: Option<u64>, last_millis: u64) -> Result<(), String> {
         let held = self.held();
         held.id?;
-        if grant.is_some_and(|generation| generation != held.generation) {
+        if generation.is_some_and(|generation| generation != held.generation) {
             return Err("the machine id changed while the request was being stamped".into());
         }
         let Some(lease) = held.lease else {

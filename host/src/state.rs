@@ -39,13 +39,19 @@ pub struct HostState {
     /// What the current call took from the id services, for the check
     /// before its ids may leave (see `MachineIdentity::confirm`).
     pub(crate) issued: Issued,
+    /// The machine id grant current when the instance was made: a plugin
+    /// that kept a machine id from an earlier call has one of this grant
+    /// at the latest (instances of an older grant are not reused).
+    pub(crate) created_under: u64,
 }
 
 /// What one call took from the id services.
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct Issued {
-    /// The grant of the machine id it was given, if it asked for one.
+    /// The grant of the machine id it was first given, if it asked for one.
     pub(crate) grant: Option<u64>,
+    /// Whether it was given machine ids of more than one grant.
+    pub(crate) mixed: bool,
     /// The latest millisecond of the ticks it took, if it took any.
     pub(crate) last_millis: Option<u64>,
 }
@@ -80,6 +86,7 @@ impl HostState {
         memory_bytes: usize,
         plugin_name: Arc<str>,
     ) -> HostState {
+        let created_under = services.identity.generation();
         HostState {
             wasi: None,
             table: ResourceTable::new(),
@@ -93,6 +100,7 @@ impl HostState {
             deadline: None,
             yield_from: None,
             issued: Issued::default(),
+            created_under,
         }
     }
 
@@ -203,7 +211,10 @@ impl clock::Host for HostState {
 impl identity::Host for HostState {
     fn current_machine_id(&mut self) -> Result<identity::MachineId, String> {
         let grant = self.services.identity.grant()?;
-        self.issued.grant = Some(grant.generation);
+        match self.issued.grant {
+            None => self.issued.grant = Some(grant.generation),
+            Some(first) => self.issued.mixed |= first != grant.generation,
+        }
         let id = grant.id;
         let layout = match id.layout {
             SnowflakeLayout::TrtllmV1 => types::IdLayout::TrtllmV1,
