@@ -413,8 +413,14 @@ impl Keeper {
     }
 
     async fn run(mut self) {
+        let mut stop = self.stop.clone();
         while !self.stopping() {
-            let claimed = self.claim().await;
+            // A stop does not wait for a claim that waits on etcd (a lease
+            // granted meanwhile runs out after its TTL).
+            let claimed = tokio::select! {
+                claimed = self.claim() => claimed,
+                _ = stop.changed() => break,
+            };
             let Claim {
                 mut client,
                 lease_id,
@@ -457,6 +463,7 @@ impl Keeper {
                 }
             }
         }
+        self.services.identity.withdraw("the gateway is stopping");
         self.status.update(|s| s.state = LeaseState::Released);
     }
 
@@ -744,7 +751,10 @@ impl Keeper {
     ) -> anyhow::Result<Reserved> {
         let now = millis_of(SystemTime::now());
         let last = self.services.clock.last_tick().map_or(0, |t| t.millis);
-        let mark = now.max(last) + self.mark_ahead();
+        // Never below the mark already confirmed (the wall clock may have
+        // stepped back): ids up to that one may have left already.
+        let confirmed = self.services.identity.ceiling().unwrap_or(0);
+        let mark = (now.max(last) + self.mark_ahead()).max(confirmed);
         if self.put_mark(client, id, lease_id, mark).await? {
             Ok(Reserved::Raised(mark))
         } else {
@@ -797,6 +807,8 @@ impl Keeper {
         let ttl = self.config.ttl;
         let every = ttl / RENEWALS_PER_TTL;
         let identity = self.services.identity.clone();
+        // Every wait on etcd below also ends when the gateway stops.
+        let mut stop = self.stop.clone();
         // The lease lives at least until a TTL after the last renewal that
         // etcd confirmed, counted from when it was sent; before the first,
         // a TTL after the claim's last renewal or grant (not after the
@@ -805,30 +817,37 @@ impl Keeper {
         // Opening the stream renews once and waits for etcd to confirm it.
         let opened = Sent::now();
         let open_within = (confirmed_at + ttl - SAFETY_MARGIN).saturating_duration_since(opened.at);
-        let (mut keeper, mut responses) =
-            match tokio::time::timeout(open_within, client.lease_keep_alive(lease_id)).await {
-                Ok(Ok(pair)) => {
-                    confirmed_at = opened.at;
-                    identity.lease_renewed(self.alive_until(opened));
-                    pair
-                }
-                Ok(Err(e)) => return Ended::Lost(format!("etcd keep-alive stream failed: {e}")),
-                Err(_) => {
-                    return Ended::Lost(format!(
-                        "no renewal confirmed by etcd within {} s",
-                        ttl.as_secs()
-                    ))
-                }
-            };
+        let opening = tokio::time::timeout(open_within, client.lease_keep_alive(lease_id));
+        let opened_stream = tokio::select! {
+            opened_stream = opening => opened_stream,
+            _ = stop.changed() => return Ended::Stopped,
+        };
+        let (mut keeper, mut responses) = match opened_stream {
+            Ok(Ok(pair)) => {
+                confirmed_at = opened.at;
+                identity.lease_renewed(self.alive_until(opened));
+                pair
+            }
+            Ok(Err(e)) => return Ended::Lost(format!("etcd keep-alive stream failed: {e}")),
+            Err(_) => {
+                return Ended::Lost(format!(
+                    "no renewal confirmed by etcd within {} s",
+                    ttl.as_secs()
+                ))
+            }
+        };
         // Whether a request for a higher mark is answered before the next
         // renewal: not after a failed attempt, so that requests refused at
         // the mark while etcd refuses writes do not each cost a write.
         let mut raise_on_request = true;
+        // When to renew next: moved only by a renewal attempt, so that
+        // requests to raise the mark cannot put renewals off.
+        let mut renew_at = confirmed_at + every;
         loop {
             let deadline = confirmed_at + ttl - SAFETY_MARGIN;
-            let next = (Instant::now() + every).min(deadline);
+            let next = renew_at.min(deadline);
             let renew = tokio::select! {
-                _ = self.stop.changed() => return Ended::Stopped,
+                _ = stop.changed() => return Ended::Stopped,
                 () = tokio::time::sleep_until(next.into()) => true,
                 // Ids came near the mark before the next renewal would
                 // raise it (a burst ran the id clock ahead): raise it now.
@@ -841,7 +860,11 @@ impl Keeper {
                 ));
             }
             if !renew {
-                match self.raise_mark(client, id, lease_id, deadline).await {
+                let raised = tokio::select! {
+                    raised = self.raise_mark(client, id, lease_id, deadline) => raised,
+                    _ = stop.changed() => return Ended::Stopped,
+                };
+                match raised {
                     Raise::Done => {}
                     Raise::Failed => raise_on_request = false,
                     Raise::Lost(lost) => return lost,
@@ -849,12 +872,16 @@ impl Keeper {
                 continue;
             }
             let sent = Sent::now();
-            let renewed =
+            renew_at = sent.at + every;
+            let renewal =
                 tokio::time::timeout(deadline.saturating_duration_since(sent.at), async {
                     keeper.keep_alive().await?;
                     responses.message().await
-                })
-                .await;
+                });
+            let renewed = tokio::select! {
+                renewed = renewal => renewed,
+                _ = stop.changed() => return Ended::Stopped,
+            };
             match renewed {
                 Ok(Ok(Some(response))) if response.ttl() > 0 => {
                     confirmed_at = sent.at;
@@ -862,7 +889,11 @@ impl Keeper {
                     self.status
                         .update(|s| s.last_renewed = Some(SystemTime::now()));
                     let deadline = confirmed_at + ttl - SAFETY_MARGIN;
-                    match self.raise_mark(client, id, lease_id, deadline).await {
+                    let raised = tokio::select! {
+                        raised = self.raise_mark(client, id, lease_id, deadline) => raised,
+                        _ = stop.changed() => return Ended::Stopped,
+                    };
+                    match raised {
                         Raise::Done => raise_on_request = true,
                         Raise::Failed => raise_on_request = false,
                         Raise::Lost(lost) => return lost,
@@ -876,9 +907,20 @@ impl Keeper {
                 }
                 Ok(Err(e)) => {
                     tracing::warn!(error = %e, "renewing the lease failed; retrying until the deadline");
-                    let within = deadline.saturating_duration_since(Instant::now());
-                    match tokio::time::timeout(within, client.lease_keep_alive(lease_id)).await {
-                        Ok(Ok(pair)) => (keeper, responses) = pair,
+                    // Reopening renews once and waits for etcd to confirm it.
+                    let reopened = Sent::now();
+                    let within = deadline.saturating_duration_since(reopened.at);
+                    let reopening = tokio::time::timeout(within, client.lease_keep_alive(lease_id));
+                    let reopening = tokio::select! {
+                        reopening = reopening => reopening,
+                        _ = stop.changed() => return Ended::Stopped,
+                    };
+                    match reopening {
+                        Ok(Ok(pair)) => {
+                            (keeper, responses) = pair;
+                            confirmed_at = reopened.at;
+                            identity.lease_renewed(self.alive_until(reopened));
+                        }
                         Ok(Err(e)) => {
                             tracing::warn!(error = %e, "reopening the keep-alive stream failed")
                         }

@@ -188,7 +188,7 @@ impl PluginSlot {
 
 /// Loads a plugin and runs the self-check: a canned context-only request
 /// must come back with an integer `disagg_request_id` (or, while the host
-/// holds no machine id, a 503 rejection that says so).
+/// holds no machine id it may use, a 503 rejection that says so).
 pub fn load_checked(
     engine: &PluginEngine,
     bytes: &[u8],
@@ -212,7 +212,13 @@ pub fn load_checked(
                 anyhow::bail!("self-check: the plugin did not stamp an integer disagg_request_id on a context-only request");
             }
         }
-        Action::Reject(r) if r.status == 503 && engine.services().identity.current().is_err() => {}
+        // No machine id now, or (leased) none the host lets ids out under
+        // at this moment: the plugin cannot show it stamps, and that is not
+        // its fault.
+        Action::Reject(r)
+            if r.status == 503
+                && (engine.services().identity.current().is_err()
+                    || engine.services().identity.is_leased() && r.code == "no_machine_id") => {}
         Action::Forward => {
             anyhow::bail!("self-check: the plugin forwarded a context-only request without an id")
         }
