@@ -184,7 +184,9 @@ async fn a_replaced_directory_is_picked_up_and_watched_after() {
             |s| sha_of(s) == newer,
         )
         .await;
-    assert_eq!(reloads(&status), (2, 0), "{status:#}");
+    // Two swaps; a look between the two renames may also have found no
+    // file, which is refused like any bad file.
+    assert_eq!(reloads(&status).0, 2, "{status:#}");
     assert_stamps(&gateway).await;
 }
 

@@ -42,11 +42,15 @@ pub struct Admin {
 /// idle connections cannot use up the process's file descriptors.
 pub const MAX_ADMIN_CONNECTIONS: usize = 64;
 
+/// How long an admin connection may stay silent before its first byte (at
+/// most the header read timeout).
+pub const ADMIN_FIRST_BYTE_TIMEOUT: Duration = Duration::from_secs(1);
+
 impl Admin {
     /// Serves admin requests on `listener` until the task is dropped: at
     /// most [`MAX_ADMIN_CONNECTIONS`] at once, each closed if it sends
-    /// nothing, or not a whole request head, within the header read
-    /// timeout.
+    /// nothing within [`ADMIN_FIRST_BYTE_TIMEOUT`], or not a whole request
+    /// head within the header read timeout.
     pub async fn serve(self: Arc<Self>, listener: TcpListener) {
         let slots = Arc::new(Semaphore::new(MAX_ADMIN_CONNECTIONS));
         loop {
@@ -66,8 +70,12 @@ impl Admin {
             tokio::spawn(async move {
                 let _permit = permit;
                 let timeout = admin.header_read_timeout;
+                // A client that connects sends at once: a short wait for
+                // the first byte, so that silent connections cannot hold
+                // the admin listener's slots for a whole header timeout.
+                let first_byte = timeout.min(ADMIN_FIRST_BYTE_TIMEOUT);
                 let mut probe = [0u8; 1];
-                match tokio::time::timeout(timeout, stream.peek(&mut probe)).await {
+                match tokio::time::timeout(first_byte, stream.peek(&mut probe)).await {
                     Ok(Ok(n)) if n > 0 => {}
                     _ => return,
                 }
