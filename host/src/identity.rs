@@ -13,7 +13,9 @@
 //! [`MachineIdentity::confirm`] is asked after ids were made, before they
 //! leave the process.
 
-use std::sync::RwLock;
+use std::sync::Arc;
+
+use arc_swap::{ArcSwap, Guard};
 
 use snowgate_plugin::{LayoutError, MachineId, SnowflakeLayout};
 use tokio::sync::Notify;
@@ -25,7 +27,9 @@ use crate::boot_clock::BootTime;
 #[derive(Debug)]
 pub struct MachineIdentity {
     layout: SnowflakeLayout,
-    current: RwLock<Held>,
+    /// Read on every plugin call that makes ids, written on every grant,
+    /// withdrawal, renewal and raised mark: reads take no lock.
+    current: ArcSwap<Held>,
     /// Woken when ids come near the lease's ceiling, so that the keeper
     /// raises it before they reach it.
     ceiling_near: Notify,
@@ -67,7 +71,7 @@ impl MachineIdentity {
     fn new(layout: SnowflakeLayout, id: Result<u32, String>) -> MachineIdentity {
         MachineIdentity {
             layout,
-            current: RwLock::new(Held {
+            current: ArcSwap::from_pointee(Held {
                 generation: 0,
                 id,
                 lease: None,
@@ -92,20 +96,16 @@ impl MachineIdentity {
         self.layout
     }
 
-    fn held(&self) -> Held {
-        self.current
-            .read()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .clone()
+    fn held(&self) -> Guard<Arc<Held>> {
+        self.current.load()
     }
 
-    fn change(&self, change: impl FnOnce(&mut Held)) {
-        change(
-            &mut self
-                .current
-                .write()
-                .unwrap_or_else(|poisoned| poisoned.into_inner()),
-        );
+    fn change(&self, change: impl Fn(&mut Held)) {
+        self.current.rcu(|held| {
+            let mut held = Held::clone(held);
+            change(&mut held);
+            held
+        });
     }
 
     /// The machine id to use now, or why there is none.
@@ -118,7 +118,7 @@ impl MachineIdentity {
     /// keeper has not withdrawn it yet).
     pub fn grant(&self) -> Result<Grant, String> {
         let held = self.held();
-        let value = held.id?;
+        let value = held.id.clone()?;
         if let Some(lease) = held.lease {
             check_alive(&lease, BootTime::now())?;
         }
@@ -155,7 +155,9 @@ impl MachineIdentity {
     /// id made after the lease could have passed to another replica.
     pub fn confirm(&self, generation: Option<u64>, last_millis: u64) -> Result<(), String> {
         let held = self.held();
-        held.id?;
+        if let Err(reason) = &held.id {
+            return Err(reason.clone());
+        }
         if generation.is_some_and(|generation| generation != held.generation) {
             return Err("the machine id changed while the request was being stamped".into());
         }
@@ -234,7 +236,7 @@ impl MachineIdentity {
         let reason = reason.into();
         self.change(|held| {
             held.generation += 1;
-            held.id = Err(reason);
+            held.id = Err(reason.clone());
             held.lease = None;
         });
     }
