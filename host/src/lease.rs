@@ -431,7 +431,13 @@ impl Keeper {
                 Err(_) if self.stopping() => break,
                 Err(e) => {
                     let message = format!("{e:#}");
-                    tracing::warn!(error = %message, "claiming a machine id in etcd failed; retrying");
+                    // Retried twice a second: a failure is logged as a
+                    // warning when it is new, and at debug level after.
+                    if self.status.snapshot().last_error.as_deref() == Some(message.as_str()) {
+                        tracing::debug!(error = %message, "claiming a machine id in etcd failed again; retrying");
+                    } else {
+                        tracing::warn!(error = %message, "claiming a machine id in etcd failed; retrying");
+                    }
                     self.status.update(|s| s.last_error = Some(message));
                     self.pause(RETRY_PAUSE).await;
                     continue;
