@@ -183,16 +183,16 @@ impl Plugin {
     /// have kept that machine id in its memory.
     fn take_idle(&self) -> Option<Reusable> {
         let generation = self.engine.services.identity.generation();
-        let mut stale = Vec::new();
+        let stale: Vec<Reusable>;
         let found = {
             let mut idle = self.idle.lock().ok()?;
             let kept = idle.as_mut()?;
-            loop {
-                match kept.pop() {
-                    Some(held) if held.store.data().created_under != generation => stale.push(held),
-                    other => break other,
-                }
-            }
+            let (current, earlier) = std::mem::take(kept)
+                .into_iter()
+                .partition(|held| held.store.data().created_under == generation);
+            *kept = current;
+            stale = earlier;
+            kept.pop()
         };
         // Dropped outside the lock: returning slots to the pool takes time.
         drop(stale);
@@ -339,8 +339,10 @@ impl Plugin {
         }
         // Ids made without asking for the machine id in this call use one
         // kept from an earlier call: of the instance's grant at the latest.
+        // So a call that asked must have been given that same grant: a
+        // plugin may have used a kept machine id as well.
         let generation = issued.grant.unwrap_or(state.created_under);
-        let confirmed = if issued.mixed {
+        let confirmed = if issued.mixed || generation != state.created_under {
             Err("the machine id changed while the request was being stamped".to_string())
         } else {
             self.engine

@@ -136,12 +136,6 @@ impl MachineIdentity {
         self.held().generation
     }
 
-    /// Whether the machine id is leased (it can be refused at any moment),
-    /// not fixed.
-    pub fn is_leased(&self) -> bool {
-        self.held().lease.is_some()
-    }
-
     /// The high-water mark etcd confirmed for a leased id.
     pub fn ceiling(&self) -> Option<u64> {
         self.held().lease.map(|lease| lease.ceiling_millis)

@@ -866,8 +866,10 @@ impl Keeper {
                 ));
             }
             if !renew {
+                // Not past the next renewal: that must not wait on a write.
+                let until = renew_at.min(deadline);
                 let raised = tokio::select! {
-                    raised = self.raise_mark(client, id, lease_id, deadline) => raised,
+                    raised = self.raise_mark(client, id, lease_id, until) => raised,
                     _ = stop.changed() => return Ended::Stopped,
                 };
                 match raised {
@@ -894,9 +896,9 @@ impl Keeper {
                     identity.lease_renewed(self.alive_until(sent));
                     self.status
                         .update(|s| s.last_renewed = Some(SystemTime::now()));
-                    let deadline = confirmed_at + ttl - SAFETY_MARGIN;
+                    let until = renew_at.min(confirmed_at + ttl - SAFETY_MARGIN);
                     let raised = tokio::select! {
-                        raised = self.raise_mark(client, id, lease_id, deadline) => raised,
+                        raised = self.raise_mark(client, id, lease_id, until) => raised,
                         _ = stop.changed() => return Ended::Stopped,
                     };
                     match raised {
@@ -938,8 +940,9 @@ impl Keeper {
         }
     }
 
-    /// Raises the slot's high-water mark, waiting at most until
-    /// `deadline`, and lets the request path use milliseconds up to it. A
+    /// Raises the slot's high-water mark, waiting at most until `deadline`
+    /// (no later than the next renewal is due), and lets the request path
+    /// use milliseconds up to it. A
     /// mark that could not be written is logged: ids stop at the old one
     /// (the request path refuses later ones) until a later attempt
     /// succeeds.

@@ -212,13 +212,10 @@ pub fn load_checked(
                 anyhow::bail!("self-check: the plugin did not stamp an integer disagg_request_id on a context-only request");
             }
         }
-        // No machine id now, or (leased) none the host lets ids out under
-        // at this moment: the plugin cannot show it stamps, and that is not
-        // its fault.
-        Action::Reject(r)
-            if r.status == 503
-                && (engine.services().identity.current().is_err()
-                    || engine.services().identity.is_leased() && r.code == "no_machine_id") => {}
+        // No machine id now, or (leased) the host's own check refused the
+        // self-check's id: the plugin cannot show it stamps, and that is
+        // not its fault.
+        Action::Reject(r) if r.status == 503 && !ids_may_leave_now(engine) => {}
         Action::Forward => {
             anyhow::bail!("self-check: the plugin forwarded a context-only request without an id")
         }
@@ -228,4 +225,18 @@ pub fn load_checked(
         ),
     }
     Ok(plugin)
+}
+
+/// Whether the host would let an id out now: it holds a machine id, and (if
+/// leased) the latest tick is within the lease.
+fn ids_may_leave_now(engine: &PluginEngine) -> bool {
+    let services = engine.services();
+    let Ok(grant) = services.identity.grant() else {
+        return false;
+    };
+    let last = services.clock.last_tick().map_or(0, |tick| tick.millis);
+    services
+        .identity
+        .confirm(Some(grant.generation), last)
+        .is_ok()
 }

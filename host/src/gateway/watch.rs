@@ -81,10 +81,13 @@ pub fn watch_plugin_file(
         .watch(&dir, RecursiveMode::NonRecursive)
         .with_context(|| format!("watching the plugin directory {}", dir.display()))?;
 
-    // What the file behind the path was when a reload last read it: the
-    // poll asks only about a file no reload has tried yet, so a bad build
-    // is refused (and counted) once.
-    let tried = Arc::new(Mutex::new(None::<Fingerprint>));
+    // What the file behind the path was when a reload last read it, and
+    // how that went: the poll asks about a file no reload has read yet,
+    // and about one whose reload failed only after a pause (15 s, doubling
+    // with each failure up to 5 min): a failure may have been passing,
+    // such as a self-check that ran out of time on a busy machine, but a
+    // bad build is not to be refused, and counted, every two seconds.
+    let tried = Arc::new(Mutex::new(None::<Tried>));
     let look = {
         let path = path.clone();
         move || {
@@ -93,21 +96,21 @@ pub fn watch_plugin_file(
         }
     };
 
-    // The backstop: ask for a reload when the file behind the path is one
-    // no reload has tried and has stayed as it is for one interval (so
-    // that a slow write in place is not read half done).
+    // The backstop: ask for a reload when the file behind the path is due
+    // (see above) and has stayed as it is for one interval (so that a slow
+    // write in place is not read half done).
     let poll_tried = tried.clone();
     let poll_look = look.clone();
     tokio::spawn(async move {
         let Ok(first) = poll_look().await else { return };
-        lock(&poll_tried).get_or_insert(first.clone());
+        lock(&poll_tried).get_or_insert(Tried::succeeded(first.clone()));
         let mut previous = first;
         loop {
             tokio::time::sleep(POLL_INTERVAL).await;
             let Ok(now) = poll_look().await else { return };
             let Some(tx) = polls.upgrade() else { return };
-            let untried = lock(&poll_tried).as_ref() != Some(&now);
-            if now == previous && untried && tx.send(()).is_err() {
+            let due = lock(&poll_tried).as_ref().is_none_or(|t| t.due(&now));
+            if now == previous && due && tx.send(()).is_err() {
                 return; // the reload task is gone
             }
             previous = now;
@@ -128,13 +131,68 @@ pub fn watch_plugin_file(
                     Err(_quiet) => break,
                 }
             }
-            if let Ok(seen) = look().await {
-                *lock(&tried) = Some(seen);
+            let seen = look().await;
+            let outcome = slot.reload().await;
+            if let Ok(seen) = seen {
+                let mut tried = lock(&tried);
+                let failures = match (&outcome, tried.as_ref()) {
+                    (Ok(_), _) => 0,
+                    (Err(_), Some(last)) if last.fingerprint == seen => last.failures + 1,
+                    (Err(_), _) => 1,
+                };
+                *tried = Some(Tried {
+                    fingerprint: seen,
+                    failures,
+                    at: tokio::time::Instant::now(),
+                });
             }
-            let _ = slot.reload().await;
         }
     });
     Ok(Some(watcher))
+}
+
+/// The file a reload last read, and how many reloads of it failed in a row.
+struct Tried {
+    fingerprint: Fingerprint,
+    failures: u32,
+    at: tokio::time::Instant,
+}
+
+/// The pause before a file whose reload failed is tried again; it doubles
+/// with each failure in a row, up to [`MAX_RETRY_PAUSE`].
+const RETRY_PAUSE: Duration = Duration::from_secs(15);
+
+/// The longest pause before a file whose reloads failed is tried again.
+const MAX_RETRY_PAUSE: Duration = Duration::from_secs(300);
+
+impl Tried {
+    fn succeeded(fingerprint: Fingerprint) -> Tried {
+        Tried {
+            fingerprint,
+            failures: 0,
+            at: tokio::time::Instant::now(),
+        }
+    }
+
+    /// Whether the file now at the path (`now`) is due for a reload: it is
+    /// another file, or this one failed and its pause is over.
+    fn due(&self, now: &Fingerprint) -> bool {
+        self.due_after(now, self.at.elapsed())
+    }
+
+    /// [`Tried::due`], `elapsed` after the reload.
+    fn due_after(&self, now: &Fingerprint, elapsed: Duration) -> bool {
+        if *now != self.fingerprint {
+            return true;
+        }
+        if self.failures == 0 {
+            return false;
+        }
+        let pause = RETRY_PAUSE
+            .saturating_mul(1 << (self.failures - 1).min(16))
+            .min(MAX_RETRY_PAUSE);
+        elapsed >= pause
+    }
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -154,4 +212,50 @@ pub fn reload_on_sighup(slot: Arc<PluginSlot>) -> anyhow::Result<()> {
         }
     });
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(ino: u64) -> Fingerprint {
+        Fingerprint::File {
+            dev: 1,
+            ino,
+            size: 10,
+            mtime_ns: 0,
+            ctime_ns: 0,
+        }
+    }
+
+    /// Whether `now` is due `ago` after a reload of file 1 that made
+    /// `failures` failures in a row.
+    fn due(failures: u32, ago: Duration, now: &Fingerprint) -> bool {
+        let tried = Tried {
+            fingerprint: file(1),
+            failures,
+            at: tokio::time::Instant::now(),
+        };
+        tried.due_after(now, ago)
+    }
+
+    #[test]
+    fn another_file_is_due_at_once_and_a_good_one_never_again() {
+        assert!(due(0, Duration::ZERO, &file(2)));
+        assert!(due(3, Duration::ZERO, &file(2)));
+        assert!(!due(0, Duration::from_secs(3600), &file(1)));
+    }
+
+    #[test]
+    fn a_failed_file_is_tried_again_after_a_pause_that_doubles() {
+        let secs = Duration::from_secs;
+        assert!(!due(1, secs(14), &file(1)));
+        assert!(due(1, secs(15), &file(1)));
+        assert!(!due(2, secs(29), &file(1)));
+        assert!(due(2, secs(30), &file(1)));
+        assert!(!due(3, secs(59), &file(1)));
+        // At most five minutes, however many failures.
+        assert!(!due(40, secs(299), &file(1)));
+        assert!(due(40, secs(300), &file(1)));
+    }
 }
