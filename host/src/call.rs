@@ -183,31 +183,33 @@ impl Plugin {
     /// have kept that machine id in its memory.
     fn take_idle(&self) -> Option<Reusable> {
         let generation = self.engine.services.identity.generation();
-        let stale: Vec<Reusable>;
-        let found = {
-            let mut idle = self.idle.lock().ok()?;
-            let kept = idle.as_mut()?;
-            let (current, earlier) = std::mem::take(kept)
-                .into_iter()
-                .partition(|held| held.store.data().created_under == generation);
-            *kept = current;
-            stale = earlier;
-            kept.pop()
-        };
+        let mut idle = self.idle.lock().ok()?;
+        let kept = idle.as_mut()?;
+        let held = kept.pop()?;
+        if held.store.data().created_under == generation {
+            return Some(held);
+        }
+        // Only instances of the grant current when they were given back
+        // are kept (see `give_back`), newest on top: below a stale one,
+        // all are stale.
+        let stale = std::mem::take(kept);
+        drop(idle);
         // Dropped outside the lock: returning slots to the pool takes time.
-        drop(stale);
-        found
+        drop((held, stale));
+        None
     }
 
     /// Keeps `held` for another request, unless it has served its share,
-    /// grew its memory, left something in stderr, or enough are kept.
+    /// grew its memory, left something in stderr, was made under an earlier
+    /// machine id grant, or enough are kept.
     fn give_back(&self, held: Reusable) {
         let limits = self.engine.limits;
         let state = held.store.data();
         let reusable = held.calls < limits.calls_per_instance
             && state.memory.peak <= REUSE_MAX_MEMORY
             && !state.memory.hit
-            && !state.wrote_stderr();
+            && !state.wrote_stderr()
+            && state.created_under == self.engine.services.identity.generation();
         if !reusable {
             return;
         }
