@@ -14,6 +14,7 @@ use crate::bindings::Middleware;
 use crate::engine::EPOCH_TICK;
 #[cfg(doc)]
 use crate::identity::MachineIdentity;
+use crate::identity::GRANT_CHANGED;
 use crate::plugin::Plugin;
 use crate::state::HostState;
 
@@ -182,11 +183,10 @@ impl Plugin {
     /// under an earlier machine id grant are dropped instead: a plugin may
     /// have kept that machine id in its memory.
     fn take_idle(&self) -> Option<Reusable> {
-        let generation = self.engine.services.identity.generation();
         let mut idle = self.idle.lock().ok()?;
         let kept = idle.as_mut()?;
         let held = kept.pop()?;
-        if held.store.data().created_under == generation {
+        if self.of_current_grant(&held.store) {
             return Some(held);
         }
         // Only instances of the grant current when they were given back
@@ -199,6 +199,12 @@ impl Plugin {
         None
     }
 
+    /// Whether the instance in `store` was made under the machine id grant
+    /// that is current.
+    fn of_current_grant(&self, store: &Store<HostState>) -> bool {
+        store.data().created_under == self.engine.services.identity.generation()
+    }
+
     /// Keeps `held` for another request, unless it has served its share,
     /// grew its memory, left something in stderr, was made under an earlier
     /// machine id grant, or enough are kept.
@@ -209,7 +215,7 @@ impl Plugin {
             && state.memory.peak <= REUSE_MAX_MEMORY
             && !state.memory.hit
             && !state.wrote_stderr()
-            && state.created_under == self.engine.services.identity.generation();
+            && self.of_current_grant(&held.store);
         if !reusable {
             return;
         }
@@ -343,14 +349,14 @@ impl Plugin {
         // kept from an earlier call: of the instance's grant at the latest.
         // So a call that asked must have been given that same grant: a
         // plugin may have used a kept machine id as well.
-        let generation = issued.grant.unwrap_or(state.created_under);
-        let confirmed = if issued.mixed || generation != state.created_under {
-            Err("the machine id changed while the request was being stamped".to_string())
+        let other_grant = issued.grant.is_some_and(|g| g != state.created_under);
+        let confirmed = if issued.mixed || other_grant {
+            Err(GRANT_CHANGED.to_string())
         } else {
             self.engine
                 .services
                 .identity
-                .confirm(Some(generation), issued.last_millis.unwrap_or(0))
+                .confirm(Some(state.created_under), issued.last_millis.unwrap_or(0))
         };
         match confirmed {
             Ok(()) => action,

@@ -153,7 +153,7 @@ impl MachineIdentity {
             return Err(reason.clone());
         }
         if generation.is_some_and(|generation| generation != held.generation) {
-            return Err("the machine id changed while the request was being stamped".into());
+            return Err(GRANT_CHANGED.into());
         }
         let Some(lease) = held.lease else {
             return Ok(());
@@ -176,23 +176,22 @@ impl MachineIdentity {
     /// Grants a fixed machine id (no lease), refused when out of range for
     /// the layout.
     pub fn assign(&self, machine_id: u32) -> Result<(), LayoutError> {
-        self.layout.check_machine_id(machine_id)?;
-        self.change(|held| {
-            held.generation += 1;
-            held.id = Ok(machine_id);
-            held.lease = None;
-        });
-        Ok(())
+        self.grant_new(machine_id, None)
     }
 
     /// Grants a leased machine id with its bounds, refused when out of
     /// range for the layout.
     pub fn assign_leased(&self, machine_id: u32, lease: LeaseBounds) -> Result<(), LayoutError> {
+        self.grant_new(machine_id, Some(lease))
+    }
+
+    /// A new grant of `machine_id`, with the bounds of its lease if leased.
+    fn grant_new(&self, machine_id: u32, lease: Option<LeaseBounds>) -> Result<(), LayoutError> {
         self.layout.check_machine_id(machine_id)?;
         self.change(|held| {
             held.generation += 1;
             held.id = Ok(machine_id);
-            held.lease = Some(lease);
+            held.lease = lease;
         });
         Ok(())
     }
@@ -235,6 +234,9 @@ impl MachineIdentity {
         });
     }
 }
+
+/// Why ids made under one grant may not leave once another is current.
+pub(crate) const GRANT_CHANGED: &str = "the machine id changed while the request was being stamped";
 
 /// An error once the lease's deadline has passed at `now`.
 fn check_alive(lease: &LeaseBounds, now: BootTime) -> Result<(), String> {

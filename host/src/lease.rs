@@ -364,6 +364,17 @@ async fn renew_once(client: &mut Client, lease_id: i64, within: Duration) -> any
     }
 }
 
+/// `work`, unless the gateway is told to stop first (then `None`).
+async fn unless_stopped<T>(
+    stop: &mut watch::Receiver<Stop>,
+    work: impl std::future::Future<Output = T>,
+) -> Option<T> {
+    tokio::select! {
+        done = work => Some(done),
+        _ = stop.changed() => None,
+    }
+}
+
 /// `ids` as text, the first few then how many more.
 fn list_ids(ids: &[u32]) -> String {
     const SHOWN: usize = 8;
@@ -417,9 +428,8 @@ impl Keeper {
         while !self.stopping() {
             // A stop does not wait for a claim that waits on etcd (a lease
             // granted meanwhile runs out after its TTL).
-            let claimed = tokio::select! {
-                claimed = self.claim() => claimed,
-                _ = stop.changed() => break,
+            let Some(claimed) = unless_stopped(&mut stop, self.claim()).await else {
+                break;
             };
             let Claim {
                 mut client,
@@ -824,14 +834,12 @@ impl Keeper {
         let opened = Sent::now();
         let open_within = (confirmed_at + ttl - SAFETY_MARGIN).saturating_duration_since(opened.at);
         let opening = tokio::time::timeout(open_within, client.lease_keep_alive(lease_id));
-        let opened_stream = tokio::select! {
-            opened_stream = opening => opened_stream,
-            _ = stop.changed() => return Ended::Stopped,
+        let Some(opened_stream) = unless_stopped(&mut stop, opening).await else {
+            return Ended::Stopped;
         };
         let (mut keeper, mut responses) = match opened_stream {
             Ok(Ok(pair)) => {
-                confirmed_at = opened.at;
-                identity.lease_renewed(self.alive_until(opened));
+                confirmed_at = self.renewed(opened);
                 pair
             }
             Ok(Err(e)) => return Ended::Lost(format!("etcd keep-alive stream failed: {e}")),
@@ -865,79 +873,79 @@ impl Keeper {
                     ttl.as_secs()
                 ));
             }
-            if !renew {
-                // Not past the next renewal: that must not wait on a write.
-                let until = renew_at.min(deadline);
-                let raised = tokio::select! {
-                    raised = self.raise_mark(client, id, lease_id, until) => raised,
-                    _ = stop.changed() => return Ended::Stopped,
+            if renew {
+                let sent = Sent::now();
+                renew_at = sent.at + every;
+                let renewal =
+                    tokio::time::timeout(deadline.saturating_duration_since(sent.at), async {
+                        keeper.keep_alive().await?;
+                        responses.message().await
+                    });
+                let Some(renewed) = unless_stopped(&mut stop, renewal).await else {
+                    return Ended::Stopped;
                 };
-                match raised {
-                    Raise::Done => {}
-                    Raise::Failed => raise_on_request = false,
-                    Raise::Lost(lost) => return lost,
+                match renewed {
+                    Ok(Ok(Some(response))) if response.ttl() > 0 => {
+                        confirmed_at = self.renewed(sent);
+                        self.status
+                            .update(|s| s.last_renewed = Some(SystemTime::now()));
+                    }
+                    Ok(Ok(Some(_))) => {
+                        return Ended::Lost(
+                            "etcd says the lease expired or was revoked".to_string(),
+                        )
+                    }
+                    Ok(Ok(None)) => {
+                        return Ended::Lost("etcd closed the keep-alive stream".to_string())
+                    }
+                    Ok(Err(e)) => {
+                        tracing::warn!(error = %e, "renewing the lease failed; retrying until the deadline");
+                        // Reopening renews once and waits for etcd to
+                        // confirm it.
+                        let reopened = Sent::now();
+                        let within = deadline.saturating_duration_since(reopened.at);
+                        let reopening =
+                            tokio::time::timeout(within, client.lease_keep_alive(lease_id));
+                        let Some(reopening) = unless_stopped(&mut stop, reopening).await else {
+                            return Ended::Stopped;
+                        };
+                        match reopening {
+                            Ok(Ok(pair)) => {
+                                (keeper, responses) = pair;
+                                confirmed_at = self.renewed(reopened);
+                            }
+                            Ok(Err(e)) => {
+                                tracing::warn!(error = %e, "reopening the keep-alive stream failed")
+                            }
+                            Err(_timeout) => {}
+                        }
+                        continue;
+                    }
+                    Err(_timeout) => continue,
                 }
-                continue;
             }
-            let sent = Sent::now();
-            renew_at = sent.at + every;
-            let renewal =
-                tokio::time::timeout(deadline.saturating_duration_since(sent.at), async {
-                    keeper.keep_alive().await?;
-                    responses.message().await
-                });
-            let renewed = tokio::select! {
-                renewed = renewal => renewed,
-                _ = stop.changed() => return Ended::Stopped,
+            // After a confirmed renewal, or when ids came near the mark:
+            // raise it, waiting no later than the next renewal is due (which
+            // must not wait on a write).
+            let until = renew_at.min(confirmed_at + ttl - SAFETY_MARGIN);
+            let raising = self.raise_mark(client, id, lease_id, until);
+            let Some(raised) = unless_stopped(&mut stop, raising).await else {
+                return Ended::Stopped;
             };
-            match renewed {
-                Ok(Ok(Some(response))) if response.ttl() > 0 => {
-                    confirmed_at = sent.at;
-                    identity.lease_renewed(self.alive_until(sent));
-                    self.status
-                        .update(|s| s.last_renewed = Some(SystemTime::now()));
-                    let until = renew_at.min(confirmed_at + ttl - SAFETY_MARGIN);
-                    let raised = tokio::select! {
-                        raised = self.raise_mark(client, id, lease_id, until) => raised,
-                        _ = stop.changed() => return Ended::Stopped,
-                    };
-                    match raised {
-                        Raise::Done => raise_on_request = true,
-                        Raise::Failed => raise_on_request = false,
-                        Raise::Lost(lost) => return lost,
-                    }
-                }
-                Ok(Ok(Some(_))) => {
-                    return Ended::Lost("etcd says the lease expired or was revoked".to_string())
-                }
-                Ok(Ok(None)) => {
-                    return Ended::Lost("etcd closed the keep-alive stream".to_string())
-                }
-                Ok(Err(e)) => {
-                    tracing::warn!(error = %e, "renewing the lease failed; retrying until the deadline");
-                    // Reopening renews once and waits for etcd to confirm it.
-                    let reopened = Sent::now();
-                    let within = deadline.saturating_duration_since(reopened.at);
-                    let reopening = tokio::time::timeout(within, client.lease_keep_alive(lease_id));
-                    let reopening = tokio::select! {
-                        reopening = reopening => reopening,
-                        _ = stop.changed() => return Ended::Stopped,
-                    };
-                    match reopening {
-                        Ok(Ok(pair)) => {
-                            (keeper, responses) = pair;
-                            confirmed_at = reopened.at;
-                            identity.lease_renewed(self.alive_until(reopened));
-                        }
-                        Ok(Err(e)) => {
-                            tracing::warn!(error = %e, "reopening the keep-alive stream failed")
-                        }
-                        Err(_timeout) => {}
-                    }
-                }
-                Err(_timeout) => {}
-            }
+            raise_on_request = match raised {
+                Raise::Done => true,
+                Raise::Failed => false,
+                Raise::Lost(lost) => return lost,
+            };
         }
+    }
+
+    /// A renewal etcd confirmed, sent at `sent`: the request path may use
+    /// the id until a TTL (less the margin) after it. Returns when it was
+    /// sent, by the keeper's clock.
+    fn renewed(&self, sent: Sent) -> Instant {
+        self.services.identity.lease_renewed(self.alive_until(sent));
+        sent.at
     }
 
     /// Raises the slot's high-water mark, waiting at most until `deadline`

@@ -14,6 +14,7 @@ use tokio::sync::Semaphore;
 
 use crate::engine::HostServices;
 use crate::gateway::responses;
+use crate::gateway::server::{pause_after_accept_error, sends_within};
 use crate::gateway::slot::{PluginSlot, Reloaded};
 use crate::lease::LeaseStatus;
 use crate::utc::{format_millis, millis_of};
@@ -60,9 +61,7 @@ impl Admin {
             let stream = match listener.accept().await {
                 Ok((stream, _)) => stream,
                 Err(e) => {
-                    // Out of file descriptors and the like: pass, then retry.
-                    tracing::warn!(error = %e, "accepting an admin connection failed");
-                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    pause_after_accept_error(&e, "accepting an admin connection failed").await;
                     continue;
                 }
             };
@@ -73,11 +72,8 @@ impl Admin {
                 // A client that connects sends at once: a short wait for
                 // the first byte, so that silent connections cannot hold
                 // the admin listener's slots for a whole header timeout.
-                let first_byte = timeout.min(ADMIN_FIRST_BYTE_TIMEOUT);
-                let mut probe = [0u8; 1];
-                match tokio::time::timeout(first_byte, stream.peek(&mut probe)).await {
-                    Ok(Ok(n)) if n > 0 => {}
-                    _ => return,
+                if !sends_within(&stream, timeout.min(ADMIN_FIRST_BYTE_TIMEOUT)).await {
+                    return;
                 }
                 let service = hyper::service::service_fn(move |request| {
                     let admin = admin.clone();

@@ -18,15 +18,14 @@ pub const MAX_PLUGIN_FILE_BYTES: u64 = 128 << 20;
 /// [`MAX_PLUGIN_FILE_BYTES`], with a message that names the path.
 pub fn read_plugin_file(path: &Path) -> anyhow::Result<Vec<u8>> {
     let shown = path.display();
+    let failed = |e: std::io::Error| anyhow::anyhow!("reading the plugin {shown}: {e}");
     // Non-blocking: opening a FIFO for reading would wait for a writer.
     let file = OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NONBLOCK)
         .open(path)
-        .map_err(|e| anyhow::anyhow!("reading the plugin {shown}: {e}"))?;
-    let metadata = file
-        .metadata()
-        .map_err(|e| anyhow::anyhow!("reading the plugin {shown}: {e}"))?;
+        .map_err(failed)?;
+    let metadata = file.metadata().map_err(failed)?;
     if !metadata.is_file() {
         anyhow::bail!(
             "reading the plugin {shown}: it is {}, not a regular file",
@@ -45,7 +44,7 @@ pub fn read_plugin_file(path: &Path) -> anyhow::Result<Vec<u8>> {
     let mut bytes = Vec::with_capacity(metadata.len() as usize);
     file.take(MAX_PLUGIN_FILE_BYTES + 1)
         .read_to_end(&mut bytes)
-        .map_err(|e| anyhow::anyhow!("reading the plugin {shown}: {e}"))?;
+        .map_err(failed)?;
     // It grew while it was read.
     if bytes.len() as u64 > MAX_PLUGIN_FILE_BYTES {
         return Err(too_big(bytes.len() as u64));

@@ -82,9 +82,7 @@ pub async fn serve(
             accepted = listener.accept() => match accepted {
                 Ok(accepted) => accepted,
                 Err(e) => {
-                    // Out of file descriptors and the like: pass, then retry.
-                    tracing::warn!(error = %e, "accepting a connection failed");
-                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    pause_after_accept_error(&e, "accepting a connection failed").await;
                     continue;
                 }
             },
@@ -181,13 +179,26 @@ async fn client_sends(
     timeout: Duration,
     stopping: &mut tokio::sync::watch::Receiver<bool>,
 ) -> bool {
-    let mut probe = [0u8; 1];
-    let first = tokio::select! {
+    tokio::select! {
         biased;
-        first = tokio::time::timeout(timeout, stream.peek(&mut probe)) => first,
-        _ = stopping.wait_for(|stopping| *stopping) => return false,
-    };
+        sent = sends_within(stream, timeout) => sent,
+        _ = stopping.wait_for(|stopping| *stopping) => false,
+    }
+}
+
+/// Whether the client sends its first byte within `timeout` (it is left
+/// unread).
+pub(crate) async fn sends_within(stream: &tokio::net::TcpStream, timeout: Duration) -> bool {
+    let mut probe = [0u8; 1];
+    let first = tokio::time::timeout(timeout, stream.peek(&mut probe)).await;
     matches!(first, Ok(Ok(n)) if n > 0)
+}
+
+/// After an error accepting a connection (out of file descriptors and the
+/// like): log it, and pause before the next accept instead of spinning.
+pub(crate) async fn pause_after_accept_error(error: &std::io::Error, what: &str) {
+    tracing::warn!(error = %error, "{what}");
+    tokio::time::sleep(Duration::from_millis(10)).await;
 }
 
 /// Drives `connection` to its end, and shuts it down gracefully (the
