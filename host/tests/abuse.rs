@@ -10,7 +10,7 @@ use std::net::SocketAddr;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use support::{bounded, get, post_json, Gateway, CONTEXT_ONLY, STEP};
+use support::{bounded, connect_many, get, post_json, Gateway, CONTEXT_ONLY, STEP};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -183,14 +183,7 @@ async fn a_client_sending_headers_a_byte_at_a_time_is_cut_off_at_the_header_time
 #[tokio::test(flavor = "multi_thread")]
 async fn hundreds_of_idle_connections_are_closed_and_others_are_served_meanwhile() {
     let gateway = Gateway::start(&["--header-read-timeout-ms", "1000"]).await;
-    let mut idle = Vec::new();
-    for _ in 0..300 {
-        idle.push(
-            TcpStream::connect(gateway.addr)
-                .await
-                .expect("connect an idle client"),
-        );
-    }
+    let mut idle = connect_many(gateway.addr, 300).await;
     // While they sit there, others are served.
     still_serves(&gateway).await;
     let started = Instant::now();
@@ -216,14 +209,7 @@ async fn idle_and_half_sent_admin_connections_are_closed_at_the_header_timeout()
     half.write_all(b"GET /status HTTP/1.1\r\nHost: x\r\nX-Half")
         .await
         .expect("write half a head");
-    let mut idle = Vec::new();
-    for _ in 0..100 {
-        idle.push(
-            TcpStream::connect(gateway.admin)
-                .await
-                .expect("connect an idle admin client"),
-        );
-    }
+    let mut idle = connect_many(gateway.admin, 100).await;
     closes_within(&mut half, STEP).await;
     for stream in &mut idle {
         closes_within(stream, STEP).await;

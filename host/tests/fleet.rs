@@ -22,9 +22,8 @@ use std::time::{Duration, Instant};
 use etcd_client::Client;
 use serde_json::Value;
 use snowgate_plugin::SnowflakeLayout;
-use support::{post_json, raw_exchange_on, raw_post_request, Gateway, TempDir, STEP};
+use support::{connect_many, post_json, raw_exchange_on, raw_post_request, Gateway, TempDir, STEP};
 use tokio::io::AsyncWriteExt as _;
-use tokio::net::TcpStream;
 
 /// The lease TTL the tests use: short, so expiry is quick to observe.
 const TTL_SECS: u64 = 3;
@@ -534,10 +533,7 @@ async fn a_replica_frozen_past_its_lease_lets_out_no_id_of_its_old_machine_id() 
     let etcd = Etcd::start(binary).await;
     let frozen = replica(&etcd, &[]).await;
     assert_eq!(leased_id(&frozen).await, 0);
-    let mut waiting = Vec::new();
-    for _ in 0..16 {
-        waiting.push(TcpStream::connect(frozen.addr).await.expect("connect"));
-    }
+    let mut waiting = connect_many(frozen.addr, 16).await;
 
     frozen.signal("STOP");
     etcd.wait_free(0).await;

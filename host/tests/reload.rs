@@ -34,6 +34,29 @@ async fn start(path: &Path, upstream: Option<&TestUpstream>, extra: &[&str]) -> 
     Gateway::start(&args).await
 }
 
+/// A gateway (built-in echo upstream, `extra` flags) serving build 0 of the
+/// plugin from `plugin.wasm` in a new temporary directory named `name`.
+async fn serving_variant_0(name: &str, extra: &[&str]) -> (TempDir, PathBuf, Gateway) {
+    let dir = TempDir::new(name);
+    let path = dir.path().join("plugin.wasm");
+    std::fs::write(&path, plugin_variant(0)).unwrap();
+    let gateway = start(&path, None, extra).await;
+    (dir, path, gateway)
+}
+
+/// `POST /reload`, which must be refused with 422 `reload_failed`; the
+/// error's message.
+async fn reload_refused(gateway: &Gateway) -> String {
+    let reply = post_empty(gateway.admin, "/reload").await;
+    assert_eq!(
+        reply.status,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "{}",
+        reply.text()
+    );
+    assert_openai_error(&reply.json(), "reload_failed", "invalid_request_error")
+}
+
 /// Sends a context-only request (built-in echo upstream) and checks it was
 /// stamped.
 async fn assert_stamps(gateway: &Gateway) -> u64 {
@@ -69,10 +92,7 @@ fn last_error(status: &Value) -> Option<&str> {
 /// is seen by the directory watcher and swapped in.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_atomic_rename_is_picked_up() {
-    let dir = TempDir::new("rename");
-    let path = dir.path().join("plugin.wasm");
-    std::fs::write(&path, plugin_variant(0)).unwrap();
-    let gateway = start(&path, None, QUICK).await;
+    let (_dir, path, gateway) = serving_variant_0("rename", QUICK).await;
 
     let status = gateway.status().await;
     assert_eq!(sha_of(&status), sha256_hex(&plugin_variant(0)));
@@ -98,10 +118,7 @@ async fn an_atomic_rename_is_picked_up() {
 /// An in-place rewrite (truncate, then write the same path) is seen too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_in_place_rewrite_is_picked_up() {
-    let dir = TempDir::new("in-place");
-    let path = dir.path().join("plugin.wasm");
-    std::fs::write(&path, plugin_variant(0)).unwrap();
-    let gateway = start(&path, None, QUICK).await;
+    let (_dir, path, gateway) = serving_variant_0("in-place", QUICK).await;
     assert_stamps(&gateway).await;
 
     let new = sha256_hex(&plugin_variant(1));
@@ -197,26 +214,16 @@ async fn a_replaced_directory_is_picked_up_and_watched_after() {
 /// stops as usual after.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fifo_or_an_oversized_file_is_refused_without_reading_it() {
-    let dir = TempDir::new("fifo");
-    let path = dir.path().join("plugin.wasm");
-    std::fs::write(&path, plugin_variant(0)).unwrap();
-    let gateway = start(&path, None, NO_WATCH).await;
+    let (_dir, path, gateway) = serving_variant_0("fifo", NO_WATCH).await;
 
-    let fifo = dir.path().join(".fifo");
+    let fifo = path.with_file_name(".fifo");
     let made = std::process::Command::new("mkfifo")
         .arg(&fifo)
         .status()
         .expect("mkfifo runs");
     assert!(made.success());
     std::fs::rename(&fifo, &path).unwrap();
-    let reply = post_empty(gateway.admin, "/reload").await;
-    assert_eq!(
-        reply.status,
-        StatusCode::UNPROCESSABLE_ENTITY,
-        "{}",
-        reply.text()
-    );
-    let message = assert_openai_error(&reply.json(), "reload_failed", "invalid_request_error");
+    let message = reload_refused(&gateway).await;
     assert!(
         message.contains("it is a FIFO, not a regular file"),
         "{message}"
@@ -226,14 +233,7 @@ async fn a_fifo_or_an_oversized_file_is_refused_without_reading_it() {
     let big = std::fs::File::create(&path).unwrap();
     let limit = snowgate_host::gateway::plugin_file::MAX_PLUGIN_FILE_BYTES;
     big.set_len(limit + 1).unwrap(); // sparse
-    let reply = post_empty(gateway.admin, "/reload").await;
-    assert_eq!(
-        reply.status,
-        StatusCode::UNPROCESSABLE_ENTITY,
-        "{}",
-        reply.text()
-    );
-    let message = assert_openai_error(&reply.json(), "reload_failed", "invalid_request_error");
+    let message = reload_refused(&gateway).await;
     assert!(
         message.contains(&format!("over the {limit} byte limit")),
         "{message}"
@@ -250,10 +250,7 @@ async fn a_fifo_or_an_oversized_file_is_refused_without_reading_it() {
 /// SIGHUP reloads (the watcher is muted, so only the signal can).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sighup_reloads_the_plugin() {
-    let dir = TempDir::new("sighup");
-    let path = dir.path().join("plugin.wasm");
-    std::fs::write(&path, plugin_variant(0)).unwrap();
-    let gateway = start(&path, None, NO_WATCH).await;
+    let (_dir, path, gateway) = serving_variant_0("sighup", NO_WATCH).await;
 
     let new = sha256_hex(&plugin_variant(1));
     rewrite_in_place(&path, &plugin_variant(1));
@@ -278,10 +275,7 @@ async fn sighup_reloads_the_plugin() {
 /// `last_reload_error` is cleared even though nothing was swapped.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn post_reload_swaps_reports_unchanged_and_refuses_bad_files() {
-    let dir = TempDir::new("post-reload");
-    let path = dir.path().join("plugin.wasm");
-    std::fs::write(&path, plugin_variant(0)).unwrap();
-    let gateway = start(&path, None, NO_WATCH).await;
+    let (_dir, path, gateway) = serving_variant_0("post-reload", NO_WATCH).await;
     let first = sha256_hex(&plugin_variant(0));
 
     let reply = post_empty(gateway.admin, "/reload").await;
@@ -311,9 +305,7 @@ async fn post_reload_swaps_reports_unchanged_and_refuses_bad_files() {
     );
 
     rewrite_in_place(&path, b"not a plugin");
-    let reply = post_empty(gateway.admin, "/reload").await;
-    assert_eq!(reply.status, StatusCode::UNPROCESSABLE_ENTITY);
-    let message = assert_openai_error(&reply.json(), "reload_failed", "invalid_request_error");
+    let message = reload_refused(&gateway).await;
     assert!(message.contains(arg(&path)), "names the file: {message}");
     let status = gateway.status().await;
     assert_eq!(sha_of(&status), second, "the old build keeps serving");
@@ -358,10 +350,7 @@ async fn post_reload_swaps_reports_unchanged_and_refuses_bad_files() {
 /// error without a swap; a new good build then swaps in.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_files_never_replace_a_good_plugin() {
-    let dir = TempDir::new("bad-files");
-    let path = dir.path().join("plugin.wasm");
-    std::fs::write(&path, plugin_variant(0)).unwrap();
-    let gateway = start(&path, None, QUICK).await;
+    let (_dir, path, gateway) = serving_variant_0("bad-files", QUICK).await;
     let good = sha256_hex(&plugin_variant(0));
 
     let good_bytes = plugin_variant(1);

@@ -640,6 +640,18 @@ impl Drop for RawUpstream {
     }
 }
 
+/// `count` connections to `addr`, opened and left silent.
+pub async fn connect_many(addr: SocketAddr, count: usize) -> Vec<TcpStream> {
+    let mut streams = Vec::with_capacity(count);
+    for _ in 0..count {
+        let stream = bounded("connecting", STEP, TcpStream::connect(addr))
+            .await
+            .unwrap_or_else(|e| panic!("connecting to {addr}: {e}"));
+        streams.push(stream);
+    }
+    streams
+}
+
 /// An address nothing listens on (bound, then released).
 pub async fn dead_address() -> SocketAddr {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
