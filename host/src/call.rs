@@ -505,6 +505,84 @@ mod tests {
             .map_or(0, Vec::len)
     }
 
+    /// What the plugin's `identity` import does when it asks for the
+    /// machine id, as the host runs it.
+    fn ask_machine_id(store: &mut Store<HostState>) -> u32 {
+        use crate::bindings::snowgate::middleware::identity::Host;
+        store
+            .data_mut()
+            .current_machine_id()
+            .expect("a machine id")
+            .value
+    }
+
+    /// What the plugin's `clock` import does when it makes an id.
+    fn take_tick(store: &mut Store<HostState>) {
+        use crate::bindings::snowgate::middleware::clock::Host;
+        store.data_mut().next_tick(4096);
+    }
+
+    fn let_out(action: &Action) -> bool {
+        matches!(action, Action::ForwardWithBody(body) if body == b"{}")
+    }
+
+    fn withheld(action: &Action) -> bool {
+        matches!(action, Action::Reject(r) if r.status == 503 && r.code == "no_machine_id")
+    }
+
+    #[test]
+    fn ids_made_while_the_machine_id_grant_changed_are_withheld() {
+        let plugin = plugin(PluginLimits::default());
+        let identity = plugin.engine.services.identity.clone();
+        let stamped = || Action::ForwardWithBody(b"{}".to_vec());
+
+        // The control: asked once, under the grant the instance was made
+        // under, and still current.
+        let mut store = plugin.new_store();
+        assert_eq!(ask_machine_id(&mut store), 7);
+        take_tick(&mut store);
+        assert!(let_out(&plugin.fence(stamped(), &store)));
+
+        // Given machine ids of two grants in one call (a plugin that asks
+        // once per id): the ids carry two machine ids, one no longer ours.
+        let mut store = plugin.new_store();
+        assert_eq!(ask_machine_id(&mut store), 7);
+        take_tick(&mut store);
+        identity.assign(8).expect("in range");
+        assert_eq!(ask_machine_id(&mut store), 8);
+        take_tick(&mut store);
+        let answer = plugin.fence(stamped(), &store);
+        assert!(withheld(&answer), "{answer:?}");
+
+        // An instance made under the old grant that asks once, under the
+        // new one: it may also have used a machine id it kept.
+        let mut store = plugin.new_store();
+        identity.assign(9).expect("in range");
+        assert_eq!(ask_machine_id(&mut store), 9);
+        take_tick(&mut store);
+        let answer = plugin.fence(stamped(), &store);
+        assert!(withheld(&answer), "{answer:?}");
+
+        // Ids made without asking, by an instance of an earlier grant:
+        // with a kept machine id that is no longer ours.
+        let mut store = plugin.new_store();
+        identity.assign(10).expect("in range");
+        take_tick(&mut store);
+        let answer = plugin.fence(stamped(), &store);
+        assert!(withheld(&answer), "{answer:?}");
+        // The same answer with no id made passes: there is nothing to
+        // withhold.
+        let store = plugin.new_store();
+        identity.assign(11).expect("in range");
+        assert!(let_out(&plugin.fence(stamped(), &store)));
+
+        // And a fresh instance under the current grant stamps again.
+        let mut store = plugin.new_store();
+        assert_eq!(ask_machine_id(&mut store), 11);
+        take_tick(&mut store);
+        assert!(let_out(&plugin.fence(stamped(), &store)));
+    }
+
     #[test]
     fn an_instance_made_under_an_earlier_machine_id_grant_is_not_reused() {
         let plugin = plugin(PluginLimits::default());
