@@ -10,6 +10,7 @@ use std::net::SocketAddr;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use snowgate_host::gateway::admin::MAX_ADMIN_CONNECTIONS;
 use support::{bounded, connect_many, get, post_json, Gateway, CONTEXT_ONLY, STEP};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -200,8 +201,7 @@ async fn hundreds_of_idle_connections_are_closed_and_others_are_served_meanwhile
 
 /// The admin listener is no softer than the main one: connections that
 /// send nothing, or half a request head, are closed at the header timeout,
-/// and more idle connections than it serves at once wait in the backlog
-/// instead of using up file descriptors; the admin endpoints answer after.
+/// and the admin endpoints answer after.
 #[tokio::test(flavor = "multi_thread")]
 async fn idle_and_half_sent_admin_connections_are_closed_at_the_header_timeout() {
     let gateway = Gateway::start(&["--header-read-timeout-ms", "500"]).await;
@@ -211,6 +211,69 @@ async fn idle_and_half_sent_admin_connections_are_closed_at_the_header_timeout()
         .expect("write half a head");
     let mut idle = connect_many(gateway.admin, 100).await;
     closes_within(&mut half, STEP).await;
+    for stream in &mut idle {
+        closes_within(stream, STEP).await;
+    }
+    let health = get(gateway.admin, "/healthz").await;
+    assert_eq!(health.status, 200, "{}", health.text());
+    still_serves(&gateway).await;
+}
+
+/// The sockets process `pid` has open.
+fn open_sockets(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("the gateway's descriptors")
+        .filter_map(Result::ok)
+        .filter(|fd| {
+            std::fs::read_link(fd.path())
+                .is_ok_and(|target| target.to_string_lossy().starts_with("socket:"))
+        })
+        .count()
+}
+
+/// Idle admin connections beyond the cap wait in the kernel's backlog: the
+/// gateway holds at most `MAX_ADMIN_CONNECTIONS` of them open at once, so
+/// a flood of them cannot use up its file descriptors. Each is closed in
+/// turn for sending nothing, and the admin endpoints answer after.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_admin_listener_holds_no_more_connections_open_than_its_cap() {
+    const IDLE: usize = 3 * MAX_ADMIN_CONNECTIONS;
+    let gateway = Gateway::start(&[]).await;
+    let pid = gateway.pid();
+    let before = open_sockets(pid);
+    let mut idle = connect_many(gateway.admin, IDLE).await;
+
+    // The kernel completed every handshake; the gateway takes connections
+    // from the backlog as it frees slots. Until it closes the first one
+    // (after the first-byte timeout), count what it holds.
+    let mut most = before;
+    let mut buf = [0u8; 64];
+    bounded(
+        "the first idle admin connection to be closed",
+        STEP,
+        async {
+            loop {
+                most = most.max(open_sockets(pid));
+                match tokio::time::timeout(Duration::from_millis(10), idle[0].read(&mut buf)).await
+                {
+                    Err(_) => continue,
+                    Ok(Ok(0) | Err(_)) => break,
+                    Ok(Ok(n)) => panic!("the gateway sent {n} bytes to a silent connection"),
+                }
+            }
+        },
+    )
+    .await;
+    assert!(
+        most <= before + MAX_ADMIN_CONNECTIONS + 1,
+        "the gateway held {most} sockets with {IDLE} idle admin connections waiting, \
+         {before} before them"
+    );
+    assert!(
+        most >= before + MAX_ADMIN_CONNECTIONS / 2,
+        "the gateway held {most} sockets, {before} before: it did not take the idle \
+         connections it has room for, so this test measured nothing"
+    );
     for stream in &mut idle {
         closes_within(stream, STEP).await;
     }
