@@ -53,11 +53,19 @@ impl Gateway {
     /// Checks the configuration, loads the plugin and binds both listeners.
     pub async fn bind(config: GatewayConfig) -> anyhow::Result<Gateway> {
         ConfigFile::check(&config)?;
-        let machine_id = config.machine_id.unwrap_or_else(|| {
-            tracing::warn!("no --machine-id given: using 0; every replica behind one router needs a distinct machine id");
-            0
-        });
-        let identity = MachineIdentity::fixed(config.layout, machine_id).context("--machine-id")?;
+        let identity = match (&config.lease, config.machine_id) {
+            // Until the lease keeper (started by `serve`) claims one.
+            (Some(_), _) => {
+                MachineIdentity::unassigned(config.layout, "acquiring a machine id lease from etcd")
+            }
+            (None, machine_id) => {
+                let machine_id = machine_id.unwrap_or_else(|| {
+                    tracing::warn!("no --machine-id given: using 0; every replica behind one router needs a distinct machine id");
+                    0
+                });
+                MachineIdentity::fixed(config.layout, machine_id).context("--machine-id")?
+            }
+        };
         let services = HostServices {
             clock: Arc::new(IdClock::system()),
             identity: Arc::new(identity),
