@@ -302,6 +302,17 @@ struct Keeper {
     reported: HashMap<u32, String>,
 }
 
+/// The slots a claim may try, from one read.
+#[derive(Default)]
+struct Candidates {
+    /// Free slots whose high-water mark is not bad, lowest first.
+    free: Vec<u32>,
+    /// How many slots other replicas hold.
+    taken: usize,
+    /// Free slots skipped for a bad high-water mark.
+    skipped: Vec<u32>,
+}
+
 /// A machine id claimed under a lease.
 struct Claim {
     client: Client,
@@ -487,6 +498,8 @@ impl Keeper {
     /// clock past the slot's high-water mark and reserves ahead. Returns
     /// the client, the lease, the id, and when the last renewal etcd
     /// confirmed was sent: the lease expires no sooner than a TTL after it.
+    /// When no slot is free, no lease is granted: a replica waiting for
+    /// one only reads.
     async fn claim(&mut self) -> anyhow::Result<Claim> {
         let timeout = self.config.ttl / RENEWALS_PER_TTL;
         let options = ConnectOptions::new()
@@ -497,6 +510,10 @@ impl Keeper {
             .with_context(|| {
                 format!("connecting to etcd at {}", self.config.endpoints.join(","))
             })?;
+        let mut candidates = self.candidates(&mut client).await?;
+        if candidates.free.is_empty() {
+            return Err(self.none_free(candidates));
+        }
         let mut alive_since = Sent::now();
         let lease = client
             .lease_grant(self.config.ttl.as_secs() as i64, None)
@@ -504,7 +521,7 @@ impl Keeper {
             .context("granting an etcd lease")?;
         let lease_id = lease.id();
         match self
-            .claim_under(&mut client, lease_id, &mut alive_since)
+            .claim_under(&mut client, lease_id, &mut alive_since, &mut candidates)
             .await
         {
             Ok(id) => Ok(Claim {
@@ -522,18 +539,11 @@ impl Keeper {
         }
     }
 
-    /// Claims the lowest free id under `lease_id` whose high-water mark can
-    /// be trusted. Slots with a bad mark are skipped without being claimed;
-    /// the lease is renewed on the way if the round runs long, and once
-    /// more before the id is used, so that `alive_since` is recent and the
-    /// lease (so the slot) provably never lapsed.
-    async fn claim_under(
-        &mut self,
-        client: &mut Client,
-        lease_id: i64,
-        alive_since: &mut Sent,
-    ) -> anyhow::Result<u32> {
-        let renew_every = self.config.ttl / RENEWALS_PER_TTL;
+    /// The slots a claim may try, from one read of the claimed slots and
+    /// one of the marks: a slot whose mark is bad now is skipped without a
+    /// claim (and reported). A claimed slot's mark is read again, so a mark
+    /// written in between is still seen.
+    async fn candidates(&mut self, client: &mut Client) -> anyhow::Result<Candidates> {
         let slots = self.slots_prefix();
         let taken: BTreeSet<u32> = client
             .get(
@@ -552,19 +562,69 @@ impl Keeper {
                     .ok()
             })
             .collect();
-        // Every mark in one read: a slot whose mark is bad now is skipped
-        // without a claim. A claimed slot's mark is read again below, so a
-        // mark written in between is still seen.
         let bad_marks = self.bad_marks(client).await?;
-        let holder = format!("{}:{}", hostname(), std::process::id());
-        let mut skipped = Vec::new();
+        let mut candidates = Candidates {
+            free: Vec::new(),
+            taken: taken.len(),
+            skipped: Vec::new(),
+        };
         for id in (0..=self.layout().max_machine_id()).filter(|id| !taken.contains(id)) {
-            anyhow::ensure!(!self.stopping(), "the gateway is stopping");
-            if let Some((value, problem)) = bad_marks.get(&id) {
-                self.report_bad_mark(id, value, problem);
-                skipped.push(id);
-                continue;
+            match bad_marks.get(&id) {
+                Some((value, problem)) => {
+                    self.report_bad_mark(id, value, problem);
+                    candidates.skipped.push(id);
+                }
+                None => candidates.free.push(id),
             }
+        }
+        Ok(candidates)
+    }
+
+    /// Why no slot could be claimed; forgets the bad marks no longer seen,
+    /// so the map stays as small as the slots and a mark fixed and broken
+    /// again is reported again.
+    fn none_free(&mut self, mut candidates: Candidates) -> anyhow::Error {
+        // Skipped before the claim, or after claiming: sorted, for a
+        // binary search rather than a scan per id.
+        candidates.skipped.sort_unstable();
+        let skipped = candidates.skipped;
+        self.reported
+            .retain(|id, _| skipped.binary_search(id).is_ok());
+        if skipped.is_empty() {
+            return anyhow::anyhow!(
+                "every machine id of layout {} (0..={}) is taken",
+                self.layout(),
+                self.layout().max_machine_id()
+            );
+        }
+        anyhow::anyhow!(
+            "no machine id of layout {} (0..={}) is free: {} taken, and {} skipped for a bad \
+             high-water mark (ids {}; see the errors logged for each)",
+            self.layout(),
+            self.layout().max_machine_id(),
+            candidates.taken,
+            skipped.len(),
+            list_ids(&skipped)
+        )
+    }
+
+    /// Claims the lowest of the `candidates` under `lease_id` whose
+    /// high-water mark can be trusted. The lease is renewed on the way if
+    /// the round runs long, and once more before the id is used, so that
+    /// `alive_since` is recent and the lease (so the slot) provably never
+    /// lapsed.
+    async fn claim_under(
+        &mut self,
+        client: &mut Client,
+        lease_id: i64,
+        alive_since: &mut Sent,
+        candidates: &mut Candidates,
+    ) -> anyhow::Result<u32> {
+        let renew_every = self.config.ttl / RENEWALS_PER_TTL;
+        let slots = self.slots_prefix();
+        let holder = format!("{}:{}", hostname(), std::process::id());
+        for id in std::mem::take(&mut candidates.free) {
+            anyhow::ensure!(!self.stopping(), "the gateway is stopping");
             if alive_since.at.elapsed() >= renew_every {
                 *alive_since = renew_once(client, lease_id, renew_every).await?;
             }
@@ -594,7 +654,7 @@ impl Keeper {
                     // Without a mark it can trust, the slot's previous ids
                     // are unknown: give it back and take another.
                     self.report_bad_mark(id, &value, &problem);
-                    skipped.push(id);
+                    candidates.skipped.push(id);
                     // Only while the key is still ours: had our lease run
                     // out meanwhile, another replica may hold it now.
                     let give_back = Txn::new()
@@ -646,27 +706,7 @@ impl Keeper {
             tracing::info!(machine_id = id, lease_id, high_water = ?high_water, "machine id leased from etcd");
             return Ok(id);
         }
-        // Forget marks that are no longer bad, so the map stays as small as
-        // the slots and a mark fixed and broken again is reported again.
-        // `skipped` is in id order: a binary search, not a scan per id.
-        self.reported
-            .retain(|id, _| skipped.binary_search(id).is_ok());
-        if skipped.is_empty() {
-            anyhow::bail!(
-                "every machine id of layout {} (0..={}) is taken",
-                self.layout(),
-                self.layout().max_machine_id()
-            )
-        }
-        anyhow::bail!(
-            "no machine id of layout {} (0..={}) is free: {} taken, and {} skipped for a bad \
-             high-water mark (ids {}; see the errors logged for each)",
-            self.layout(),
-            self.layout().max_machine_id(),
-            taken.len(),
-            skipped.len(),
-            list_ids(&skipped)
-        )
+        Err(self.none_free(std::mem::take(candidates)))
     }
 
     /// Every high-water mark of this layout that no holder could have

@@ -3,8 +3,9 @@
 //! replica's slot freed after its TTL, refusal while etcd is down and
 //! recovery after, no repeated id across a restart onto the same slot,
 //! slots with a high-water mark no holder could have written skipped, no
-//! id with the old machine id from a replica frozen past its lease, and a
-//! prompt stop while etcd does not answer.
+//! id with the old machine id from a replica frozen past its lease, a
+//! prompt stop while etcd does not answer, and a replica waiting for a free
+//! slot that only reads.
 //!
 //! etcd comes from Debian's `etcd-server` package (`.ci/run` installs it);
 //! each test starts its own on loopback with a temporary data directory.
@@ -520,6 +521,92 @@ async fn a_replica_with_only_bad_slots_says_so_and_recovers_when_one_is_fixed() 
         .expect("deleting one mark");
     assert_eq!(leased_id(&replica).await, 5);
     assert_issued_by(&stamp_many(&replica, 1, 3).await, 5);
+}
+
+/// etcd's count of leases granted since it started.
+async fn leases_granted(etcd: &Etcd) -> f64 {
+    let reply = support::get(([127, 0, 0, 1], etcd.client_port).into(), "/metrics").await;
+    assert_eq!(reply.status, 200, "etcd's /metrics: {}", reply.text());
+    support::metric(reply.text(), "etcd_debugging_lease_granted_total")
+}
+
+/// With every slot held by others, a waiting replica says so once as a
+/// warning (then at debug level), and only reads: no lease is granted and
+/// revoked at every retry. It claims a slot as soon as one frees.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replica_waiting_for_a_free_slot_warns_once_and_grants_no_lease() {
+    let Some(binary) = etcd_binary() else { return };
+    let etcd = Etcd::start(binary).await;
+    let mut client = etcd.client().await;
+    let holder = client
+        .lease_grant(600, None)
+        .await
+        .expect("the other replicas' lease")
+        .id();
+    let max = SnowflakeLayout::TrtllmV1.max_machine_id();
+    let ids: Vec<u32> = (0..=max).collect();
+    // 128 writes per transaction, etcd's default limit.
+    for chunk in ids.chunks(128) {
+        let puts = chunk
+            .iter()
+            .map(|id| {
+                etcd_client::TxnOp::put(
+                    format!("/snowgate/trtllm-v1/slots/{id}"),
+                    "another-replica",
+                    Some(etcd_client::PutOptions::new().with_lease(holder)),
+                )
+            })
+            .collect::<Vec<_>>();
+        client
+            .txn(etcd_client::Txn::new().and_then(puts))
+            .await
+            .expect("claiming every slot");
+    }
+    let granted = leases_granted(&etcd).await;
+
+    let replica = Gateway::start_logging(
+        &[
+            "--etcd",
+            &etcd.url(),
+            "--machine-id-ttl",
+            &TTL_SECS.to_string(),
+        ],
+        "info,snowgate_host::lease=debug",
+    )
+    .await;
+    replica
+        .wait_log_times("claiming a machine id in etcd failed again", 3)
+        .await;
+    let log = replica.stderr_text();
+    assert!(!log.contains("no --machine-id given"), "{log}");
+    let warned = log
+        .lines()
+        .filter(|line| {
+            line.contains("WARN") && line.contains("claiming a machine id in etcd failed")
+        })
+        .collect::<Vec<_>>();
+    assert_eq!(warned.len(), 1, "{log}");
+    assert!(
+        warned[0].contains(&format!(
+            "every machine id of layout trtllm-v1 (0..={max}) is taken"
+        )),
+        "{}",
+        warned[0]
+    );
+    assert_eq!(
+        leases_granted(&etcd).await,
+        granted,
+        "the waiting replica granted leases in etcd"
+    );
+    let reply = post_json(replica.addr, "/v1/completions", batch(1)).await;
+    assert_eq!(reply.status, 503, "{}", reply.text());
+
+    // The other replicas go: the waiting one takes the lowest slot, under
+    // a lease of its own (which the count sees, so it counts this replica).
+    client.lease_revoke(holder).await.expect("revoking");
+    assert_eq!(leased_id(&replica).await, 0);
+    assert_eq!(leases_granted(&etcd).await, granted + 1.0);
+    assert_issued_by(&stamp_many(&replica, 1, 3).await, 0);
 }
 
 /// A replica frozen for longer than its lease (a stalled VM, a stopped

@@ -113,6 +113,11 @@ impl Gateway {
     /// (plus `--machine-id 7` unless `args` name one or `--etcd`) and waits for its
     /// ready line and for `/healthz`.
     pub async fn start(args: &[&str]) -> Gateway {
+        Gateway::start_logging(args, "info").await
+    }
+
+    /// [`Gateway::start`], with `filter` as the log filter (`SNOWGATE_LOG`).
+    pub async fn start_logging(args: &[&str], filter: &str) -> Gateway {
         let mut command = Command::new(env!("CARGO_BIN_EXE_snowgate"));
         command
             .args([
@@ -127,7 +132,7 @@ impl Gateway {
             command.args(["--machine-id", &MACHINE_ID.to_string()]);
         }
         let mut child = command
-            .env("SNOWGATE_LOG", "info")
+            .env("SNOWGATE_LOG", filter)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -258,21 +263,27 @@ impl Gateway {
     /// Waits (at most [`STEP`]) until the gateway's log contains `needle`:
     /// the log arrives through a pipe, a little after the event it reports.
     pub async fn wait_log(&self, needle: &str) {
+        self.wait_log_times(needle, 1).await
+    }
+
+    /// Waits (at most [`STEP`]) until the gateway's log contains `needle`
+    /// at least `times` times.
+    pub async fn wait_log_times(&self, needle: &str, times: usize) {
         let log = self.stderr.clone();
         let wanted = needle.to_string();
         let found = tokio::task::spawn_blocking(move || {
             let text = log.text.lock().unwrap_or_else(|p| p.into_inner());
             let (text, _) = log
                 .grew
-                .wait_timeout_while(text, STEP, |t| !t.contains(&wanted))
+                .wait_timeout_while(text, STEP, |t| t.matches(&wanted).count() < times)
                 .unwrap_or_else(|p| p.into_inner());
-            text.contains(&wanted)
+            text.matches(&wanted).count() >= times
         })
         .await
         .expect("the log waiter");
         assert!(
             found,
-            "the gateway never logged {needle:?}; stderr:\n{}",
+            "the gateway never logged {needle:?} {times} times; stderr:\n{}",
             self.stderr_text()
         );
     }
