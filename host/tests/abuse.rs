@@ -11,7 +11,9 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use snowgate_host::gateway::admin::MAX_ADMIN_CONNECTIONS;
-use support::{bounded, connect_many, get, post_json, Gateway, CONTEXT_ONLY, STEP};
+use support::{
+    bounded, connect_many, get, metric, post_json, Gateway, TestUpstream, CONTEXT_ONLY, STEP,
+};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -179,6 +181,55 @@ async fn a_client_sending_headers_a_byte_at_a_time_is_cut_off_at_the_header_time
         started.elapsed()
     );
     still_serves(&gateway).await;
+}
+
+/// A client that sends its headers and then stalls its body gets 408 at
+/// the body read timeout, on the plugin path and on pass-through alike,
+/// and is counted as the client's error, not the upstream's. A stall that
+/// outlasts the upstream response timeout instead is still the client's.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_that_stalls_its_body_gets_408() {
+    let upstream = TestUpstream::start().await;
+    let stalled = |content_type: &str| {
+        format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: {content_type}\r\n\
+             Content-Length: 100\r\n\r\n{{\"prompt\":"
+        )
+    };
+    let gateway = Gateway::start(&[
+        "--upstream",
+        &upstream.url(),
+        "--body-read-timeout-ms",
+        "300",
+    ])
+    .await;
+    for content_type in ["application/json", "text/plain"] {
+        let ended = abuse(gateway.addr, stalled(content_type).as_bytes(), STEP).await;
+        assert_eq!(ended, Ended::Status(408), "{content_type}");
+    }
+    let metrics = gateway.metrics().await;
+    assert_eq!(
+        metric(
+            &metrics,
+            r#"snowgate_requests_total{outcome="client_error"}"#
+        ),
+        2.0
+    );
+    assert_eq!(metric(&metrics, "snowgate_upstream_errors_total"), 0.0);
+    let served = post_json(gateway.addr, "/v1/completions", CONTEXT_ONLY).await;
+    assert_eq!(served.status, 200, "{}", served.text());
+
+    let gateway = Gateway::start(&[
+        "--upstream",
+        &upstream.url(),
+        "--upstream-response-timeout-ms",
+        "300",
+    ])
+    .await;
+    let ended = abuse(gateway.addr, stalled("text/plain").as_bytes(), STEP).await;
+    assert_eq!(ended, Ended::Status(408));
+    let metrics = gateway.metrics().await;
+    assert_eq!(metric(&metrics, "snowgate_upstream_errors_total"), 0.0);
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -819,6 +819,170 @@ async fn trailers_from_the_upstream_reach_a_client_that_accepts_them() {
     let head = upstream.heads()[0].to_ascii_lowercase();
     assert!(head.contains("\r\nte: trailers\r\n"), "{head:?}");
     assert!(head.contains("\r\nconnection: te\r\n"), "{head:?}");
+
+    // A client that did not ask for trailers gets none, and no `Trailer`
+    // header announcing them.
+    let raw = raw_exchange(
+        gateway.addr,
+        b"GET /t HTTP/1.1\r\nHost: gateway.example\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert_eq!(raw.status, 200);
+    assert_eq!(raw.body, b"hello");
+    assert_eq!(raw.header("trailer"), None, "{:?}", raw.headers);
+    assert!(raw.trailers.is_empty(), "{:?}", raw.trailers);
+}
+
+/// An upstream that answers in HTTP/1.0 (Python's `http.server` by
+/// default) does not turn the gateway's answers to HTTP/1.1 clients into
+/// HTTP/1.0 ones, which would close their connections after every
+/// response.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http_1_0_upstream_leaves_clients_on_keep_alive_http_1_1() {
+    let upstream = RawUpstream::start(
+        b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 2\r\n\r\nok",
+    )
+    .await;
+    let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
+    let mut client = Client::connect(gateway.addr).await;
+    for _ in 0..2 {
+        let request = client
+            .builder(Method::GET, "/v1/models")
+            .body(Full::new(Bytes::new()))
+            .expect("request");
+        // On one connection: the second would fail had the first closed it.
+        let response = client.send_streaming(request).await;
+        assert_eq!(response.version(), http::Version::HTTP_11);
+        assert_eq!(response.status(), StatusCode::OK);
+        assert_eq!(response.headers().get("connection"), None);
+        let body = response
+            .into_body()
+            .collect()
+            .await
+            .expect("body")
+            .to_bytes();
+        assert_eq!(body, "ok");
+    }
+    assert_eq!(upstream.heads().len(), 2);
+}
+
+/// The gateway is a reverse proxy: `CONNECT` is refused, and never sent on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_is_refused_with_405() {
+    let upstream = RawUpstream::start(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n").await;
+    let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
+    let raw = raw_exchange(
+        gateway.addr,
+        b"CONNECT upstream.example:443 HTTP/1.1\r\nHost: upstream.example:443\r\n\r\n",
+    )
+    .await;
+    assert_eq!(raw.status, 405);
+    let body: Value = serde_json::from_slice(&raw.body).expect("a JSON error");
+    let message = assert_openai_error(&body, "method_not_allowed", "invalid_request_error");
+    assert!(message.contains("CONNECT"), "{message}");
+    assert!(upstream.heads().is_empty(), "{:?}", upstream.heads());
+}
+
+/// Neither the plugin nor the server behind the gateway reads a compressed
+/// request body, which may hold a context-only request: one that would go
+/// to the plugin is refused with 415 naming the coding. Bodies that never
+/// go to the plugin pass with theirs; `identity` is no coding.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_compressed_body_that_may_be_json_is_refused_with_415_naming_the_coding() {
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
+    for (headers, coding) in [
+        (
+            "Content-Type: application/json\r\nContent-Encoding: gzip\r\n",
+            "gzip",
+        ),
+        ("Content-Encoding: br\r\n", "br"),
+        (
+            "Content-Type: application/json\r\nContent-Encoding: identity, deflate\r\n",
+            "identity, deflate",
+        ),
+    ] {
+        let raw = raw_post(
+            gateway.addr,
+            "/v1/completions",
+            headers.as_bytes(),
+            b"\x1f\x8b\x08\x00compressed",
+        )
+        .await;
+        assert_eq!(raw.status, 415, "{headers:?}");
+        let body: Value = serde_json::from_slice(&raw.body).expect("a JSON error");
+        let message = assert_openai_error(
+            &body,
+            "unsupported_content_encoding",
+            "invalid_request_error",
+        );
+        assert!(message.contains(coding), "{message}");
+    }
+    assert!(upstream.seen().is_empty());
+
+    let plain = raw_post(
+        gateway.addr,
+        "/upload",
+        b"Content-Type: text/plain\r\nContent-Encoding: gzip\r\n",
+        b"\x1f\x8b\x08\x00compressed",
+    )
+    .await;
+    assert_eq!(plain.status, 200);
+    let identity = raw_post(
+        gateway.addr,
+        "/v1/completions",
+        b"Content-Type: application/json\r\nContent-Encoding: identity\r\n",
+        CONTEXT_ONLY.as_bytes(),
+    )
+    .await;
+    assert_eq!(identity.status, 200);
+    let seen = upstream.seen();
+    assert_eq!(seen.len(), 2);
+    assert_eq!(seen[0].body.as_ref(), b"\x1f\x8b\x08\x00compressed");
+    stamped_id(&seen[1].body);
+}
+
+/// A client that breaks off a body streaming through to the upstream (bad
+/// chunking here) gets 400 naming the problem: its error, not the
+/// upstream's, in the answer, the log level and the counters.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pass_through_body_the_client_breaks_off_is_a_400_not_an_upstream_failure() {
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
+    let raw = raw_exchange(
+        gateway.addr,
+        b"POST /upload HTTP/1.1\r\nHost: gateway.example\r\nContent-Type: text/plain\r\n\
+          Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\nzz\r\n",
+    )
+    .await;
+    assert_eq!(raw.status, 400);
+    let body: Value = serde_json::from_slice(&raw.body).expect("a JSON error");
+    let message = assert_openai_error(&body, "body_read_error", "invalid_request_error");
+    assert!(
+        message.contains("request body could not be read"),
+        "{message}"
+    );
+    let metrics = gateway.metrics().await;
+    assert_eq!(
+        metric(
+            &metrics,
+            r#"snowgate_requests_total{outcome="client_error"}"#
+        ),
+        1.0
+    );
+    assert_eq!(
+        metric(
+            &metrics,
+            r#"snowgate_requests_total{outcome="passed_through"}"#
+        ),
+        0.0
+    );
+    assert_eq!(metric(&metrics, "snowgate_upstream_errors_total"), 0.0);
+    assert!(
+        !gateway.stderr_text().contains("upstream request failed"),
+        "{}",
+        gateway.stderr_text()
+    );
 }
 
 /// A JSON body reaches the plugin however the client frames or labels it:

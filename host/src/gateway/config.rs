@@ -15,7 +15,7 @@ use crate::limits::PluginLimits;
 /// The longest plugin call deadline a configuration may set: an hour.
 const MAX_PLUGIN_DEADLINE_MS: u64 = 3_600_000;
 
-/// The longest upstream timeout a configuration may set: a day.
+/// The longest upstream or body read timeout a configuration may set: a day.
 const MAX_UPSTREAM_TIMEOUT_MS: u64 = 86_400_000;
 
 /// What the gateway does when the plugin errs, traps or hits a limit.
@@ -93,6 +93,10 @@ pub struct ConnectionLimits {
     /// A client must send a request's complete headers within this time
     /// (also bounds how long an idle keep-alive connection is held).
     pub header_read_timeout: Duration,
+    /// The longest a client may pause while sending a request body (the
+    /// gateway waiting for more); then it gets 408. Only time the gateway
+    /// waits on the client counts.
+    pub body_read_timeout: Duration,
     /// The largest request head (request line and headers) accepted, in
     /// bytes; larger heads get 431. At least 8192.
     pub max_header_bytes: usize,
@@ -104,6 +108,7 @@ impl Default for ConnectionLimits {
     fn default() -> Self {
         ConnectionLimits {
             header_read_timeout: Duration::from_secs(10),
+            body_read_timeout: Duration::from_secs(60),
             max_header_bytes: 64 << 10,
             max_connections: 4096,
         }
@@ -199,6 +204,8 @@ pub struct ConfigFile {
     pub reload_debounce_ms: Option<u64>,
     /// See [`ConnectionLimits::header_read_timeout`], in milliseconds.
     pub header_read_timeout_ms: Option<u64>,
+    /// See [`ConnectionLimits::body_read_timeout`], in milliseconds.
+    pub body_read_timeout_ms: Option<u64>,
     /// See [`ConnectionLimits::max_header_bytes`].
     pub max_header_bytes: Option<usize>,
     /// See [`ConnectionLimits::max_connections`].
@@ -307,6 +314,13 @@ impl ConfigFile {
         }
         if let Some(ms) = self.header_read_timeout_ms {
             config.connections.header_read_timeout = Duration::from_millis(ms);
+        }
+        if let Some(ms) = self.body_read_timeout_ms {
+            anyhow::ensure!(
+                (1..=MAX_UPSTREAM_TIMEOUT_MS).contains(&ms),
+                "body-read-timeout-ms must be between 1 and {MAX_UPSTREAM_TIMEOUT_MS} (a day), not {ms}"
+            );
+            config.connections.body_read_timeout = Duration::from_millis(ms);
         }
         if let Some(bytes) = self.max_header_bytes {
             anyhow::ensure!(

@@ -57,6 +57,7 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 use crate::bindings::exports::snowgate::middleware::handler::{Action, Request as PluginRequest};
+use crate::gateway::client_body::{BodyProgress, ClientFault};
 use crate::gateway::config::FailurePolicy;
 use crate::gateway::metrics::{Metrics, Outcome};
 use crate::gateway::read_body::{read_limited, ReadBodyError};
@@ -174,11 +175,33 @@ impl Shared {
         // framing headers (`Transfer-Encoding` is hop-by-hop and gone).
         let has_body = !request.body().is_end_stream();
         if !is_json(request.headers(), has_body) {
-            self.metrics.request(Outcome::PassedThrough);
             let response = inner.call(request.map(Either::Right)).await?;
+            // A body the client stalled or broke off is the client's error.
+            self.metrics
+                .request(match response.extensions().get::<ClientFault>() {
+                    Some(_) => Outcome::ClientError,
+                    None => Outcome::PassedThrough,
+                });
             return Ok(response.map(Either::Right));
         }
+        // Neither the plugin nor the server behind it (vLLM, TensorRT-LLM)
+        // reads a compressed body: refuse it, rather than forward a body
+        // that may hold a context-only request unstamped.
+        if let Some(coding) = content_coding(request.headers()) {
+            self.metrics.request(Outcome::ClientError);
+            let message = format!(
+                "the request body has Content-Encoding {coding:?}; this gateway stamps request ids \
+                 into JSON bodies sent without a content coding: send the body uncompressed"
+            );
+            return own(responses::error(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "unsupported_content_encoding",
+                &message,
+            ));
+        }
 
+        // How the client's body ends, when it came from a client.
+        let progress = request.extensions().get::<Arc<BodyProgress>>().cloned();
         let (mut parts, body) = request.into_parts();
         // The body is forwarded whole from memory, without the client's
         // trailers: no `Trailer` header may promise them.
@@ -192,11 +215,12 @@ impl Shared {
             Err(ReadBodyError::Failed(e)) => {
                 self.metrics.request(Outcome::ClientError);
                 let message = format!("the request body could not be read: {e}");
-                return own(responses::error(
-                    StatusCode::BAD_REQUEST,
-                    "body_read_error",
-                    &message,
-                ));
+                let stalled = progress.and_then(|p| p.fault()) == Some(ClientFault::Stalled);
+                let (status, code) = match stalled {
+                    true => (StatusCode::REQUEST_TIMEOUT, "body_timeout"),
+                    false => (StatusCode::BAD_REQUEST, "body_read_error"),
+                };
+                return own(responses::error(status, code, &message));
             }
         };
         let loosely_typed_and_not_json = !declares_json(&parts.headers)
@@ -329,6 +353,21 @@ fn could_be_json(body: &[u8]) -> bool {
     let other_encoding =
         BOMS.iter().any(|bom| body.starts_with(bom)) || body.iter().take(2).any(|&b| b == 0);
     opens_like_json || other_encoding
+}
+
+/// The body's content coding, when it has one other than `identity`
+/// (`gzip`, `br`, ...), as the client wrote it.
+fn content_coding(headers: &HeaderMap) -> Option<String> {
+    let codings: Vec<String> = headers
+        .get_all(header::CONTENT_ENCODING)
+        .iter()
+        .map(|value| String::from_utf8_lossy(value.as_bytes()).into_owned())
+        .collect();
+    let encoded = codings
+        .iter()
+        .flat_map(|value| value.split(','))
+        .any(|coding| !coding.trim().is_empty() && !coding.trim().eq_ignore_ascii_case("identity"));
+    encoded.then(|| codings.join(", "))
 }
 
 /// The header that has TensorRT-LLM decode a body as MessagePack, whatever

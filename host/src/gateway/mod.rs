@@ -6,6 +6,7 @@
 //! [`watch`] reloads; [`admin`] and [`metrics`] show what happens.
 
 pub mod admin;
+pub mod client_body;
 pub mod config;
 pub mod metrics;
 pub mod middleware;

@@ -22,6 +22,7 @@ use tokio::sync::Semaphore;
 use tower_layer::Layer;
 use tower_service::Service;
 
+use crate::gateway::client_body::{BodyProgress, ClientBody};
 use crate::gateway::config::ConnectionLimits;
 use crate::gateway::middleware::SnowgateLayer;
 use crate::gateway::upstream::{strip_hop_by_hop, Upstream};
@@ -107,6 +108,12 @@ pub async fn serve(
             // `X-Forwarded-For` in its `Connection` header to have it removed.
             strip_hop_by_hop(request.headers_mut());
             append_forwarded_for(&mut request, peer);
+            // The body may pause at most the body read timeout; how it
+            // ends travels with the request, for whoever reads it.
+            let progress = Arc::new(BodyProgress::default());
+            request.extensions_mut().insert(progress.clone());
+            let request =
+                request.map(|body| ClientBody::new(body, limits.body_read_timeout, progress));
             let mut service = service.clone();
             async move {
                 let response = service.call(request).await?;
@@ -268,7 +275,9 @@ fn append_forwarded_for<B>(request: &mut Request<B>, peer: SocketAddr) {
             value.push_str(", ");
         }
     }
-    value.push_str(&peer.ip().to_string());
+    // An IPv4 client of a dual-stack listener as `127.0.0.1`, not
+    // `::ffff:127.0.0.1`.
+    value.push_str(&peer.ip().to_canonical().to_string());
     if let Ok(value) = HeaderValue::from_str(&value) {
         request.headers_mut().insert(X_FORWARDED_FOR, value);
     }
@@ -283,6 +292,21 @@ mod tests {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     use super::*;
+
+    /// An IPv4 client of a dual-stack (`[::]`) listener is appended to
+    /// `X-Forwarded-For` as the IPv4 address it is.
+    #[test]
+    fn an_ipv4_client_of_a_dual_stack_listener_is_forwarded_as_ipv4() {
+        for (peer, expected) in [
+            ("[::ffff:192.0.2.7]:5000", "192.0.2.7"),
+            ("[2001:db8::1]:5000", "2001:db8::1"),
+            ("192.0.2.8:5000", "192.0.2.8"),
+        ] {
+            let mut request = Request::new(());
+            append_forwarded_for(&mut request, peer.parse().expect("an address"));
+            assert_eq!(request.headers()[&X_FORWARDED_FOR], expected, "{peer}");
+        }
+    }
 
     /// A request sent before its connection reaches a worker counts as sent
     /// even when shutdown has begun by then; a silent connection does not.

@@ -10,7 +10,7 @@ use std::task::{Context, Poll};
 use anyhow::Context as _;
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName};
-use http::{Request, Response, StatusCode, Uri};
+use http::{Method, Request, Response, StatusCode, Uri};
 use http_body::Body;
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full};
@@ -19,6 +19,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use tower_service::Service;
 
+use crate::gateway::client_body::{BodyProgress, ClientFault};
 use crate::gateway::config::UpstreamTimeouts;
 use crate::gateway::metrics::Metrics;
 use crate::gateway::read_body::read_limited;
@@ -159,11 +160,23 @@ where
 impl HttpUpstream {
     async fn forward(&self, request: Request<UpstreamBody>) -> Response<UpstreamBody> {
         let (mut parts, body) = request.into_parts();
+        if parts.method == Method::CONNECT {
+            return own(responses::error(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "method_not_allowed",
+                "CONNECT is not supported: this gateway is a reverse proxy for one upstream",
+            ));
+        }
         parts.uri = match self.target(&parts.uri) {
             Ok(uri) => uri,
             Err(e) => return own(responses::error(StatusCode::BAD_REQUEST, "bad_path", &e)),
         };
         strip_hop_by_hop(&mut parts.headers);
+        // Set by the server when the body came from a client: says whether
+        // a failure is the client's.
+        let progress = parts.extensions.get::<Arc<BodyProgress>>().cloned();
+        // What is left of the client's `TE` says whether it takes trailers.
+        let client_takes_trailers = parts.headers.contains_key(header::TE);
         // The client sets Host from the upstream URL, as proxies usually do.
         parts.headers.remove(header::HOST);
         parts.version = http::Version::HTTP_11;
@@ -196,13 +209,40 @@ impl HttpUpstream {
                     parts.headers.remove(header::CONTENT_LENGTH);
                 }
                 strip_hop_by_hop(&mut parts.headers);
+                // The gateway speaks its own HTTP version to the client (RFC
+                // 9110 section 6.2): an HTTP/1.0 upstream must not turn off
+                // keep-alive and chunking for HTTP/1.1 clients.
+                parts.version = http::Version::HTTP_11;
+                // hyper drops trailers a client did not ask for: do not
+                // announce them either.
+                if !client_takes_trailers {
+                    parts.headers.remove(header::TRAILER);
+                }
                 // Streamed as it arrives: server-sent events are not buffered.
                 return Response::from_parts(
                     parts,
                     body.map_err(|e| Box::new(e) as BoxError).boxed(),
                 );
             }
-            Ok(Err(e)) => UpstreamFailure::from_client_error(&e, self.timeouts.connect),
+            Ok(Err(e)) => {
+                // The request body is the client's: when reading it failed,
+                // the client is told, and the upstream is not blamed.
+                if let Some(fault) = progress.as_ref().and_then(|p| p.fault()) {
+                    let why = UpstreamFailure::causes(&e);
+                    return client_fault(fault, &format!("the request body could not be read: {why}"));
+                }
+                UpstreamFailure::from_client_error(&e, self.timeouts.connect)
+            }
+            Err(_elapsed) if progress.as_ref().is_some_and(|p| p.waiting_on_client()) => {
+                return client_fault(
+                    ClientFault::Stalled,
+                    &format!(
+                        "the request body was still arriving when the upstream response timeout \
+                         ran out ({} ms from the request, --upstream-response-timeout-ms)",
+                        self.timeouts.response.as_millis()
+                    ),
+                );
+            }
             Err(_elapsed) => UpstreamFailure::TooSlow(format!(
                 "sent no response headers within {} ms of the request (--upstream-response-timeout-ms)",
                 self.timeouts.response.as_millis()
@@ -234,35 +274,57 @@ impl HttpUpstream {
     }
 }
 
+/// The answer to a request whose body the client stalled or broke off:
+/// 408 or 400, marked with the [`ClientFault`] for the request counters.
+fn client_fault(fault: ClientFault, message: &str) -> Response<UpstreamBody> {
+    tracing::debug!(?fault, message, "request body failed on the client's side");
+    let (status, code) = match fault {
+        ClientFault::Broken => (StatusCode::BAD_REQUEST, "body_read_error"),
+        ClientFault::Stalled => (StatusCode::REQUEST_TIMEOUT, "body_timeout"),
+    };
+    let mut response = own(responses::error(status, code, message));
+    response.extensions_mut().insert(fault);
+    response
+}
+
 /// Why a request to the upstream got no response.
 enum UpstreamFailure {
     /// No connection could be opened (502).
     Unreachable(String),
-    /// The connection failed after the request was sent, or the request
-    /// body could not be read from the client (502).
+    /// The connection failed after the request was sent (502).
     Failed(String),
     /// A timeout ran out (504).
     TooSlow(String),
 }
 
 impl UpstreamFailure {
+    /// `error` with every cause in its chain (the client error's own text
+    /// only says "client error (Connect)").
+    fn causes(error: &hyper_util::client::legacy::Error) -> String {
+        let mut causes = Vec::new();
+        let mut source: Option<&(dyn std::error::Error + 'static)> = Some(error);
+        while let Some(cause) = source {
+            causes.push(cause.to_string());
+            source = cause.source();
+        }
+        causes.join(": ")
+    }
+
     /// Sorts a client error, and words it with every cause in its chain
     /// (the client error's own text only says "client error (Connect)").
     fn from_client_error(
         error: &hyper_util::client::legacy::Error,
         connect_timeout: std::time::Duration,
     ) -> UpstreamFailure {
-        let mut causes = Vec::new();
+        let why = UpstreamFailure::causes(error);
         let mut timed_out = false;
         let mut source: Option<&(dyn std::error::Error + 'static)> = Some(error);
         while let Some(cause) = source {
             timed_out |= cause
                 .downcast_ref::<std::io::Error>()
                 .is_some_and(|e| e.kind() == std::io::ErrorKind::TimedOut);
-            causes.push(cause.to_string());
             source = cause.source();
         }
-        let why = causes.join(": ");
         match (error.is_connect(), timed_out) {
             (true, true) => UpstreamFailure::TooSlow(format!(
                 "could not be connected to within {} ms (--upstream-connect-timeout-ms): {why}",

@@ -79,6 +79,10 @@ pub struct ServeArgs {
     /// [default: 10000].
     #[arg(long, value_name = "MS")]
     header_read_timeout_ms: Option<u64>,
+    /// The longest a client may pause while sending a request body, in
+    /// milliseconds; then it gets 408 [default: 60000].
+    #[arg(long, value_name = "MS")]
+    body_read_timeout_ms: Option<u64>,
     /// Largest request head (request line plus headers) in bytes; larger
     /// ones get 431 [default: 65536, at least 8192].
     #[arg(long, value_name = "BYTES")]
@@ -161,6 +165,7 @@ impl ServeArgs {
             shutdown_grace_secs: self.shutdown_grace_secs,
             reload_debounce_ms: self.reload_debounce_ms,
             header_read_timeout_ms: self.header_read_timeout_ms,
+            body_read_timeout_ms: self.body_read_timeout_ms,
             max_header_bytes: self.max_header_bytes,
             max_connections: self.max_connections,
             upstream_connect_timeout_ms: self.upstream_connect_timeout_ms,

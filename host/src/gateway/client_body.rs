@@ -1,0 +1,248 @@
+//! A client's request body on its way in: how long it may pause, and a
+//! record of how it ended, so that a client that stalls or breaks off its
+//! body is told so, and is not reported as a failure of the upstream.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
+use tokio::time::{Instant, Sleep};
+
+/// The error type of the bodies this module wraps.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// How a request body is coming along, shared between the body and
+/// whoever forwards the request (it travels in the request's extensions).
+#[derive(Debug, Default)]
+pub struct BodyProgress {
+    state: AtomicU8,
+}
+
+/// Frames are handed out as they come; the reader has not asked for more.
+const FLOWING: u8 = 0;
+/// The reader asked for more and waits on the client.
+const WAITING_ON_CLIENT: u8 = 1;
+/// The whole body arrived.
+const COMPLETE: u8 = 2;
+/// The client's stream failed (it went away, or sent bad chunking).
+const BROKEN: u8 = 3;
+/// The client paused longer than the body read timeout.
+const STALLED: u8 = 4;
+
+/// What a client did wrong with its request body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClientFault {
+    /// Its stream failed: it went away mid-body, or framed it badly (400).
+    Broken,
+    /// It paused longer than the body read timeout (408).
+    Stalled,
+}
+
+impl BodyProgress {
+    /// The client's fault, if its body failed because of the client.
+    pub fn fault(&self) -> Option<ClientFault> {
+        match self.state.load(Ordering::Acquire) {
+            BROKEN => Some(ClientFault::Broken),
+            STALLED => Some(ClientFault::Stalled),
+            _ => None,
+        }
+    }
+
+    /// Whether the reader is waiting for the client to send more: the
+    /// body is incomplete because of the client, not because its reader
+    /// (the upstream) stopped taking it.
+    pub fn waiting_on_client(&self) -> bool {
+        self.state.load(Ordering::Acquire) == WAITING_ON_CLIENT
+    }
+
+    fn set(&self, state: u8) {
+        self.state.store(state, Ordering::Release);
+    }
+}
+
+/// The error a body gives when the client paused too long.
+#[derive(Debug)]
+pub struct BodyStalled(pub Duration);
+
+impl std::fmt::Display for BodyStalled {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "the client sent no more of the request body for {} ms (--body-read-timeout-ms)",
+            self.0.as_millis()
+        )
+    }
+}
+
+impl std::error::Error for BodyStalled {}
+
+/// A request body that fails with [`BodyStalled`] when the client sends
+/// nothing for `pause` while its reader waits, and records in its
+/// [`BodyProgress`] how it went. Only time spent waiting on the client
+/// counts: a reader that stops reading (an upstream not yet connected, or
+/// not taking more) does not make the client late.
+pub struct ClientBody<B> {
+    inner: B,
+    pause: Duration,
+    /// Armed when the reader starts waiting on the client.
+    timer: Option<Pin<Box<Sleep>>>,
+    progress: Arc<BodyProgress>,
+}
+
+impl<B> ClientBody<B> {
+    /// Wraps `inner`; its progress is recorded in `progress`.
+    pub fn new(inner: B, pause: Duration, progress: Arc<BodyProgress>) -> ClientBody<B> {
+        ClientBody {
+            inner,
+            pause,
+            timer: None,
+            progress,
+        }
+    }
+}
+
+impl<B> Body for ClientBody<B>
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self.get_mut();
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                this.timer = None;
+                this.progress.set(FLOWING);
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(e))) => {
+                this.timer = None;
+                this.progress.set(BROKEN);
+                Poll::Ready(Some(Err(e.into())))
+            }
+            Poll::Ready(None) => {
+                this.timer = None;
+                this.progress.set(COMPLETE);
+                Poll::Ready(None)
+            }
+            Poll::Pending => {
+                this.progress.set(WAITING_ON_CLIENT);
+                let pause = this.pause;
+                let timer = this.timer.get_or_insert_with(|| {
+                    Box::pin(tokio::time::sleep_until(Instant::now() + pause))
+                });
+                match timer.as_mut().poll(cx) {
+                    Poll::Ready(()) => {
+                        this.timer = None;
+                        this.progress.set(STALLED);
+                        Poll::Ready(Some(Err(Box::new(BodyStalled(pause)))))
+                    }
+                    Poll::Pending => Poll::Pending,
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use http_body_util::BodyExt;
+    use tokio::sync::mpsc;
+
+    use super::*;
+
+    type Sent = Result<Frame<Bytes>, std::io::Error>;
+
+    /// A body whose frames the test sends, as a client's arrive.
+    struct Channel(mpsc::Receiver<Sent>);
+
+    impl Body for Channel {
+        type Data = Bytes;
+        type Error = std::io::Error;
+
+        fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Sent>> {
+            self.0.poll_recv(cx)
+        }
+    }
+
+    fn body(pause: Duration) -> (ClientBody<Channel>, Arc<BodyProgress>, mpsc::Sender<Sent>) {
+        let (tx, rx) = mpsc::channel(4);
+        let progress = Arc::new(BodyProgress::default());
+        (
+            ClientBody::new(Channel(rx), pause, progress.clone()),
+            progress,
+            tx,
+        )
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_client_that_pauses_too_long_is_stalled_and_one_that_keeps_sending_is_not() {
+        let (mut body, progress, tx) = body(Duration::from_secs(60));
+        // Chunks 59 s apart: never a pause of 60 s.
+        for _ in 0..3 {
+            let sender = tx.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_secs(59)).await;
+                let _ = sender.send(Ok(Frame::data(Bytes::from_static(b"x")))).await;
+            });
+            let frame = body.frame().await.expect("a frame").expect("data");
+            assert_eq!(frame.into_data().expect("data"), "x");
+            assert_eq!(progress.fault(), None);
+        }
+        // Then nothing: after 60 s of waiting, the body fails.
+        let error = body.frame().await.expect("an end").expect_err("stalled");
+        assert!(error.to_string().contains("for 60000 ms"), "{error}");
+        assert_eq!(progress.fault(), Some(ClientFault::Stalled));
+        drop(tx);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn time_the_reader_does_not_read_is_not_the_clients() {
+        let (mut body, progress, tx) = body(Duration::from_secs(60));
+        tx.send(Ok(Frame::data(Bytes::from_static(b"a"))))
+            .await
+            .expect("send");
+        let _ = body.frame().await;
+        // The reader takes two minutes before it asks again (an upstream
+        // slow to connect): the client sent everything meanwhile.
+        tokio::time::sleep(Duration::from_secs(120)).await;
+        assert!(!progress.waiting_on_client());
+        tx.send(Ok(Frame::data(Bytes::from_static(b"b"))))
+            .await
+            .expect("send");
+        drop(tx);
+        let rest = body.collect().await.expect("the rest").to_bytes();
+        assert_eq!(rest, "b");
+        assert_eq!(progress.fault(), None);
+        assert!(!progress.waiting_on_client());
+    }
+
+    #[tokio::test]
+    async fn a_broken_stream_is_the_clients_fault() {
+        let (mut body, progress, tx) = body(Duration::from_secs(60));
+        tx.send(Err(std::io::Error::other("bad chunk size")))
+            .await
+            .expect("send");
+        let error = body.frame().await.expect("an end").expect_err("broken");
+        assert!(error.to_string().contains("bad chunk size"));
+        assert_eq!(progress.fault(), Some(ClientFault::Broken));
+    }
+}
