@@ -307,8 +307,6 @@ struct Keeper {
 struct Candidates {
     /// Free slots whose high-water mark is not bad, lowest first.
     free: Vec<u32>,
-    /// How many slots other replicas hold.
-    taken: usize,
     /// Free slots skipped for a bad high-water mark.
     skipped: Vec<u32>,
 }
@@ -563,11 +561,7 @@ impl Keeper {
             })
             .collect();
         let bad_marks = self.bad_marks(client).await?;
-        let mut candidates = Candidates {
-            free: Vec::new(),
-            taken: taken.len(),
-            skipped: Vec::new(),
-        };
+        let mut candidates = Candidates::default();
         for id in (0..=self.layout().max_machine_id()).filter(|id| !taken.contains(id)) {
             match bad_marks.get(&id) {
                 Some((value, problem)) => {
@@ -590,6 +584,9 @@ impl Keeper {
         let skipped = candidates.skipped;
         self.reported
             .retain(|id, _| skipped.binary_search(id).is_ok());
+        // Every slot not skipped is taken: by others when read, or by
+        // others first when claimed.
+        let slots = self.layout().max_machine_id() as usize + 1;
         if skipped.is_empty() {
             return anyhow::anyhow!(
                 "every machine id of layout {} (0..={}) is taken",
@@ -602,7 +599,7 @@ impl Keeper {
              high-water mark (ids {}; see the errors logged for each)",
             self.layout(),
             self.layout().max_machine_id(),
-            candidates.taken,
+            slots - skipped.len(),
             skipped.len(),
             list_ids(&skipped)
         )

@@ -866,21 +866,73 @@ async fn an_http_1_0_upstream_leaves_clients_on_keep_alive_http_1_1() {
     assert_eq!(upstream.heads().len(), 2);
 }
 
-/// The gateway is a reverse proxy: `CONNECT` is refused, and never sent on.
+/// The gateway is a reverse proxy: `CONNECT` is refused with 405 and an
+/// `Allow` header, before its body is read or reaches the plugin, and is
+/// never sent on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connect_is_refused_with_405() {
     let upstream = RawUpstream::start(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n").await;
     let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
-    let raw = raw_exchange(
-        gateway.addr,
-        b"CONNECT upstream.example:443 HTTP/1.1\r\nHost: upstream.example:443\r\n\r\n",
+    let json = format!(
+        "CONNECT upstream.example:443 HTTP/1.1\r\nHost: upstream.example:443\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{CONTEXT_ONLY}",
+        CONTEXT_ONLY.len()
+    );
+    for request in [
+        "CONNECT upstream.example:443 HTTP/1.1\r\nHost: upstream.example:443\r\n\r\n",
+        json.as_str(),
+    ] {
+        let raw = raw_exchange(gateway.addr, request.as_bytes()).await;
+        assert_eq!(raw.status, 405);
+        assert!(raw
+            .header("allow")
+            .is_some_and(|allow| allow.contains("POST")));
+        let body: Value = serde_json::from_slice(&raw.body).expect("a JSON error");
+        let message = assert_openai_error(&body, "method_not_allowed", "invalid_request_error");
+        assert!(message.contains("CONNECT"), "{message}");
+    }
+    assert!(upstream.heads().is_empty(), "{:?}", upstream.heads());
+    let metrics = gateway.metrics().await;
+    assert_eq!(
+        metric(
+            &metrics,
+            r#"snowgate_requests_total{outcome="client_error"}"#
+        ),
+        2.0
+    );
+    assert_eq!(metric(&metrics, "snowgate_plugin_call_seconds_count"), 0.0);
+}
+
+/// A request streaming through to the upstream is counted even when its
+/// client goes away before the answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pass_through_request_its_client_abandons_is_still_counted() {
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
+    let mut stream = tokio::net::TcpStream::connect(gateway.addr)
+        .await
+        .expect("connect");
+    tokio::io::AsyncWriteExt::write_all(
+        &mut stream,
+        b"GET /hold HTTP/1.1\r\nHost: gateway.example\r\n\r\n",
+    )
+    .await
+    .expect("send");
+    bounded(
+        "the request reaching the upstream",
+        STEP,
+        upstream.state.held.notified(),
     )
     .await;
-    assert_eq!(raw.status, 405);
-    let body: Value = serde_json::from_slice(&raw.body).expect("a JSON error");
-    let message = assert_openai_error(&body, "method_not_allowed", "invalid_request_error");
-    assert!(message.contains("CONNECT"), "{message}");
-    assert!(upstream.heads().is_empty(), "{:?}", upstream.heads());
+    drop(stream);
+    let counted = r#"snowgate_requests_total{outcome="passed_through"}"#;
+    bounded("the abandoned request to be counted", STEP, async {
+        while metric(&gateway.metrics().await, counted) < 1.0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    upstream.state.release.notify_one();
 }
 
 /// Neither the plugin nor the server behind the gateway reads a compressed

@@ -86,9 +86,14 @@ impl std::error::Error for BodyStalled {}
 /// [`BodyProgress`] how it went. Only time spent waiting on the client
 /// counts: a reader that stops reading (an upstream not yet connected, or
 /// not taking more) does not make the client late.
+///
+/// Without a `pause` (HTTP/2) waits are not timed, and not counted as the
+/// client's: an HTTP/2 stream's data also waits on the connection's flow
+/// control window, which other streams' unread bodies can use up, so a
+/// stream may wait on the gateway, not on its client.
 pub struct ClientBody<B> {
     inner: B,
-    pause: Duration,
+    pause: Option<Duration>,
     /// Armed when the reader starts waiting on the client.
     timer: Option<Pin<Box<Sleep>>>,
     progress: Arc<BodyProgress>,
@@ -96,7 +101,7 @@ pub struct ClientBody<B> {
 
 impl<B> ClientBody<B> {
     /// Wraps `inner`; its progress is recorded in `progress`.
-    pub fn new(inner: B, pause: Duration, progress: Arc<BodyProgress>) -> ClientBody<B> {
+    pub fn new(inner: B, pause: Option<Duration>, progress: Arc<BodyProgress>) -> ClientBody<B> {
         ClientBody {
             inner,
             pause,
@@ -136,8 +141,10 @@ where
                 Poll::Ready(None)
             }
             Poll::Pending => {
+                let Some(pause) = this.pause else {
+                    return Poll::Pending;
+                };
                 this.progress.set(WAITING_ON_CLIENT);
-                let pause = this.pause;
                 let timer = this.timer.get_or_insert_with(|| {
                     Box::pin(tokio::time::sleep_until(Instant::now() + pause))
                 });
@@ -187,7 +194,7 @@ mod tests {
         let (tx, rx) = mpsc::channel(4);
         let progress = Arc::new(BodyProgress::default());
         (
-            ClientBody::new(Channel(rx), pause, progress.clone()),
+            ClientBody::new(Channel(rx), Some(pause), progress.clone()),
             progress,
             tx,
         )
@@ -233,6 +240,31 @@ mod tests {
         assert_eq!(rest, "b");
         assert_eq!(progress.fault(), None);
         assert!(!progress.waiting_on_client());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn without_a_pause_limit_waits_are_neither_timed_nor_the_clients() {
+        let (tx, rx) = mpsc::channel(4);
+        let progress = Arc::new(BodyProgress::default());
+        let mut body = ClientBody::new(Channel(rx), None, progress.clone());
+        let sender = tx.clone();
+        // An hour's wait: never cut off.
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+            let _ = sender
+                .send(Ok(Frame::data(Bytes::from_static(b"late"))))
+                .await;
+        });
+        let frame = body.frame().await.expect("a frame").expect("data");
+        assert_eq!(frame.into_data().expect("data"), "late");
+        // Waiting again is not counted as waiting on the client.
+        let mut waiting = body.frame();
+        let ready =
+            std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut waiting).poll(cx).is_ready()))
+                .await;
+        assert!(!ready);
+        assert!(!progress.waiting_on_client());
+        assert_eq!(progress.fault(), None);
     }
 
     #[tokio::test]

@@ -49,7 +49,7 @@ use std::task::{Context, Poll};
 use std::time::Instant;
 
 use bytes::Bytes;
-use http::{header, HeaderMap, Request, Response, StatusCode};
+use http::{header, HeaderMap, Method, Request, Response, StatusCode};
 use http_body::Body;
 use http_body_util::{Either, Full};
 use tokio::sync::Semaphore;
@@ -165,6 +165,21 @@ impl Shared {
         B::Error: std::fmt::Display,
     {
         let own = |response: Response<Full<Bytes>>| Ok(response.map(Either::Left));
+        // A reverse proxy for one upstream has no tunnels to open; refused
+        // before any body is read or reaches the plugin.
+        if request.method() == Method::CONNECT {
+            self.metrics.request(Outcome::ClientError);
+            let mut response = responses::error(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "method_not_allowed",
+                "CONNECT is not supported: this gateway is a reverse proxy for one upstream",
+            );
+            response.headers_mut().insert(
+                header::ALLOW,
+                header::HeaderValue::from_static("GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS"),
+            );
+            return own(response);
+        }
         let declared = declared_length(request.headers());
         if declared.is_some_and(|len| len > self.max_body_bytes as u64) {
             self.metrics.request(Outcome::TooLarge);
@@ -175,13 +190,17 @@ impl Shared {
         // framing headers (`Transfer-Encoding` is hop-by-hop and gone).
         let has_body = !request.body().is_end_stream();
         if !is_json(request.headers(), has_body) {
+            // Counted when the answer comes, or when the client goes away
+            // before it (the request is then dropped here).
+            let mut counted = CountOnDrop {
+                metrics: &self.metrics,
+                outcome: Outcome::PassedThrough,
+            };
             let response = inner.call(request.map(Either::Right)).await?;
             // A body the client stalled or broke off is the client's error.
-            self.metrics
-                .request(match response.extensions().get::<ClientFault>() {
-                    Some(_) => Outcome::ClientError,
-                    None => Outcome::PassedThrough,
-                });
+            if response.extensions().get::<ClientFault>().is_some() {
+                counted.outcome = Outcome::ClientError;
+            }
             return Ok(response.map(Either::Right));
         }
         // Neither the plugin nor the server behind it (vLLM, TensorRT-LLM)
@@ -220,7 +239,13 @@ impl Shared {
                     true => (StatusCode::REQUEST_TIMEOUT, "body_timeout"),
                     false => (StatusCode::BAD_REQUEST, "body_read_error"),
                 };
-                return own(responses::error(status, code, &message));
+                // The rest of the body is not read: the connection ends.
+                let mut response = responses::error(status, code, &message);
+                response.headers_mut().insert(
+                    header::CONNECTION,
+                    header::HeaderValue::from_static("close"),
+                );
+                return own(response);
             }
         };
         let loosely_typed_and_not_json = !declares_json(&parts.headers)
@@ -323,6 +348,18 @@ impl Shared {
             self.max_body_bytes
         );
         responses::error(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", &message)
+    }
+}
+
+/// Counts a request with `outcome` when dropped.
+struct CountOnDrop<'m> {
+    metrics: &'m Metrics,
+    outcome: Outcome,
+}
+
+impl Drop for CountOnDrop<'_> {
+    fn drop(&mut self) {
+        self.metrics.request(self.outcome);
     }
 }
 

@@ -54,19 +54,18 @@ impl Gateway {
     /// Checks the configuration, loads the plugin and binds both listeners.
     pub async fn bind(config: GatewayConfig) -> anyhow::Result<Gateway> {
         ConfigFile::check(&config)?;
-        let identity = match (&config.lease, config.machine_id) {
-            // Until the lease keeper (started by `serve`) claims one.
-            (Some(_), _) => {
-                MachineIdentity::unassigned(config.layout, "acquiring a machine id lease from etcd")
-            }
-            (None, machine_id) => {
-                let machine_id = machine_id.unwrap_or_else(|| {
-                    tracing::warn!("no --machine-id given: using 0; every replica behind one router needs a distinct machine id");
-                    0
-                });
-                MachineIdentity::fixed(config.layout, machine_id).context("--machine-id")?
+        let machine_id = match (&config.lease, config.machine_id) {
+            // Only for the plugin's self-check at load, whose ids never
+            // leave the process: `serve` withdraws it before it serves a
+            // request, and the lease keeper claims one.
+            (Some(_), _) => 0,
+            (None, Some(machine_id)) => machine_id,
+            (None, None) => {
+                tracing::warn!("no --machine-id given: using 0; every replica behind one router needs a distinct machine id");
+                0
             }
         };
+        let identity = MachineIdentity::fixed(config.layout, machine_id).context("--machine-id")?;
         let services = HostServices {
             clock: Arc::new(IdClock::system()),
             identity: Arc::new(identity),

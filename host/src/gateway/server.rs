@@ -108,12 +108,14 @@ pub async fn serve(
             // `X-Forwarded-For` in its `Connection` header to have it removed.
             strip_hop_by_hop(request.headers_mut());
             append_forwarded_for(&mut request, peer);
-            // The body may pause at most the body read timeout; how it
-            // ends travels with the request, for whoever reads it.
+            // An HTTP/1 body may pause at most the body read timeout (see
+            // `ClientBody` for HTTP/2); how it ends travels with the
+            // request, for whoever reads it.
             let progress = Arc::new(BodyProgress::default());
             request.extensions_mut().insert(progress.clone());
-            let request =
-                request.map(|body| ClientBody::new(body, limits.body_read_timeout, progress));
+            let pause =
+                (request.version() < http::Version::HTTP_2).then_some(limits.body_read_timeout);
+            let request = request.map(|body| ClientBody::new(body, pause, progress));
             let mut service = service.clone();
             async move {
                 let response = service.call(request).await?;

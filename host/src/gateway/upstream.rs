@@ -10,7 +10,7 @@ use std::task::{Context, Poll};
 use anyhow::Context as _;
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName};
-use http::{Method, Request, Response, StatusCode, Uri};
+use http::{Request, Response, StatusCode, Uri};
 use http_body::Body;
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full};
@@ -160,13 +160,6 @@ where
 impl HttpUpstream {
     async fn forward(&self, request: Request<UpstreamBody>) -> Response<UpstreamBody> {
         let (mut parts, body) = request.into_parts();
-        if parts.method == Method::CONNECT {
-            return own(responses::error(
-                StatusCode::METHOD_NOT_ALLOWED,
-                "method_not_allowed",
-                "CONNECT is not supported: this gateway is a reverse proxy for one upstream",
-            ));
-        }
         parts.uri = match self.target(&parts.uri) {
             Ok(uri) => uri,
             Err(e) => return own(responses::error(StatusCode::BAD_REQUEST, "bad_path", &e)),
@@ -175,8 +168,10 @@ impl HttpUpstream {
         // Set by the server when the body came from a client: says whether
         // a failure is the client's.
         let progress = parts.extensions.get::<Arc<BodyProgress>>().cloned();
-        // What is left of the client's `TE` says whether it takes trailers.
-        let client_takes_trailers = parts.headers.contains_key(header::TE);
+        // What is left of an HTTP/1 client's `TE` says whether it takes
+        // trailers; hyper sends them to HTTP/2 clients in any case.
+        let client_takes_trailers =
+            parts.version >= http::Version::HTTP_2 || parts.headers.contains_key(header::TE);
         // The client sets Host from the upstream URL, as proxies usually do.
         parts.headers.remove(header::HOST);
         parts.version = http::Version::HTTP_11;
@@ -213,8 +208,8 @@ impl HttpUpstream {
                 // 9110 section 6.2): an HTTP/1.0 upstream must not turn off
                 // keep-alive and chunking for HTTP/1.1 clients.
                 parts.version = http::Version::HTTP_11;
-                // hyper drops trailers a client did not ask for: do not
-                // announce them either.
+                // hyper drops trailers an HTTP/1 client did not ask for: do
+                // not announce them either.
                 if !client_takes_trailers {
                     parts.headers.remove(header::TRAILER);
                 }
@@ -228,7 +223,9 @@ impl HttpUpstream {
                 // The request body is the client's: when reading it failed,
                 // the client is told, and the upstream is not blamed.
                 if let Some(fault) = progress.as_ref().and_then(|p| p.fault()) {
-                    let why = UpstreamFailure::causes(&e);
+                    // The innermost cause is the body's own error; the rest
+                    // is the upstream client's wording around it.
+                    let why = UpstreamFailure::innermost_cause(&e);
                     return client_fault(fault, &format!("the request body could not be read: {why}"));
                 }
                 UpstreamFailure::from_client_error(&e, self.timeouts.connect)
@@ -298,6 +295,15 @@ enum UpstreamFailure {
 }
 
 impl UpstreamFailure {
+    /// The last cause in `error`'s chain.
+    fn innermost_cause(error: &hyper_util::client::legacy::Error) -> String {
+        let mut innermost: &(dyn std::error::Error + 'static) = error;
+        while let Some(cause) = innermost.source() {
+            innermost = cause;
+        }
+        innermost.to_string()
+    }
+
     /// `error` with every cause in its chain (the client error's own text
     /// only says "client error (Connect)").
     fn causes(error: &hyper_util::client::legacy::Error) -> String {
