@@ -183,6 +183,65 @@ async fn a_client_sending_headers_a_byte_at_a_time_is_cut_off_at_the_header_time
     still_serves(&gateway).await;
 }
 
+/// HTTP/2 connections are held no longer than HTTP/1 ones: one with no
+/// request in flight for the header read timeout gets GOAWAY and is
+/// closed, and so is one that stops partway through the HTTP/2 preface.
+/// A request in flight for longer than that keeps its connection open.
+#[tokio::test(flavor = "multi_thread")]
+async fn idle_http2_connections_and_half_sent_prefaces_are_closed() {
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start(&[
+        "--upstream",
+        &upstream.url(),
+        "--header-read-timeout-ms",
+        "500",
+    ])
+    .await;
+    const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+    // An empty SETTINGS frame.
+    const SETTINGS: &[u8] = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00";
+    let mut idle = TcpStream::connect(gateway.addr).await.expect("connect");
+    idle.write_all(&[PREFACE, SETTINGS].concat())
+        .await
+        .expect("preface");
+    let mut half = TcpStream::connect(gateway.addr).await.expect("connect");
+    half.write_all(&PREFACE[..8]).await.expect("half a preface");
+    closes_within(&mut idle, STEP).await;
+    closes_within(&mut half, STEP).await;
+
+    let stream = TcpStream::connect(gateway.addr).await.expect("connect");
+    let (mut sender, connection) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(stream),
+    )
+    .await
+    .expect("an HTTP/2 handshake");
+    let connection = tokio::spawn(connection);
+    let request = http::Request::get(format!("http://{}/hold", gateway.addr))
+        .body(http_body_util::Empty::<bytes::Bytes>::new())
+        .expect("a request");
+    let response = tokio::spawn(sender.send_request(request));
+    bounded(
+        "the request reaching the upstream",
+        STEP,
+        upstream.state.held.notified(),
+    )
+    .await;
+    // The time under test: in flight for three idle timeouts.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    upstream.state.release.notify_one();
+    let response = bounded("the held response", STEP, response)
+        .await
+        .expect("the request task")
+        .expect("a response on the same connection");
+    assert_eq!(response.status(), 200);
+    drop(sender);
+    bounded("the client connection to end", STEP, connection)
+        .await
+        .expect("the connection task")
+        .expect("a clean end");
+}
+
 /// A client that sends its headers and then stalls its body gets 408 at
 /// the body read timeout, on the plugin path and on pass-through alike,
 /// and is counted as the client's error, not the upstream's. A stall that

@@ -22,6 +22,7 @@ use tokio::sync::Semaphore;
 use tower_layer::Layer;
 use tower_service::Service;
 
+use crate::gateway::activity::{ActiveBody, Activity};
 use crate::gateway::client_body::{BodyProgress, ClientBody};
 use crate::gateway::config::ConnectionLimits;
 use crate::gateway::middleware::SnowgateLayer;
@@ -103,7 +104,11 @@ pub async fn serve(
         let worker = next_worker;
         next_worker = next_worker.wrapping_add(1);
         let service = services[worker % services.len()].clone();
+        let activity = Activity::default();
+        let requests = activity.clone();
         let per_request = hyper::service::service_fn(move |mut request: Request<Incoming>| {
+            // In flight until its response body is sent (or dropped).
+            let in_flight = requests.begin();
             // First, so that a client cannot name the gateway's own
             // `X-Forwarded-For` in its `Connection` header to have it removed.
             strip_hop_by_hop(request.headers_mut());
@@ -120,13 +125,16 @@ pub async fn serve(
             async move {
                 let response = service.call(request).await?;
                 Ok::<_, std::convert::Infallible>(
-                    response.map(|body| body.map_err(BodyError).boxed()),
+                    response
+                        .map(|body| ActiveBody::new(body.map_err(BodyError), in_flight).boxed()),
                 )
             }
         });
         let builder = builder.clone();
         let watcher = graceful.watcher();
         let first_byte_timeout = limits.header_read_timeout;
+        // As long as hyper keeps an idle HTTP/1 connection.
+        let idle_timeout = limits.header_read_timeout;
         let mut stopping = stopping_rx.clone();
         workers.spawn(worker, async move {
             let sent = has_sent(&stream);
@@ -146,7 +154,8 @@ pub async fn serve(
                 .into_owned();
             // The watcher, while alive, holds the drain open; the stop
             // itself comes through `stopping` (see `serve_until_stopped`).
-            if let Err(e) = serve_until_stopped(connection, stopping).await {
+            let idle = activity.idle_for(idle_timeout);
+            if let Err(e) = serve_until_stopped(connection, stopping, idle, idle_timeout).await {
                 tracing::debug!(%peer, error = %e, "client connection ended with an error");
             }
             drop(watcher);
@@ -212,7 +221,8 @@ pub(crate) async fn pause_after_accept_error(error: &std::io::Error, what: &str)
 
 /// Drives `connection` to its end, and shuts it down gracefully (the
 /// request in progress is answered, then the connection closes) once
-/// `stopping` turns true or its sender is gone.
+/// `stopping` turns true or its sender is gone, or once `idle` resolves
+/// (no request in flight for `idle_timeout`).
 ///
 /// The connection is polled before the stop is looked at, every time, so a
 /// request the client had already sent when shutdown began is read and
@@ -224,15 +234,27 @@ pub(crate) async fn pause_after_accept_error(error: &std::io::Error, what: &str)
 async fn serve_until_stopped<C: GracefulConnection>(
     connection: C,
     mut stopping: tokio::sync::watch::Receiver<bool>,
+    idle: impl Future<Output = ()>,
+    idle_timeout: Duration,
 ) -> Result<(), C::Error> {
     tokio::pin!(connection);
-    tokio::select! {
+    let idle = tokio::select! {
         biased;
         done = connection.as_mut() => return done,
-        _ = stopping.wait_for(|stopping| *stopping) => {}
-    }
+        _ = stopping.wait_for(|stopping| *stopping) => false,
+        () = idle => true,
+    };
     connection.as_mut().graceful_shutdown();
-    connection.await
+    if !idle {
+        return connection.await;
+    }
+    // Nothing is in flight: HTTP/2 says GOAWAY and ends at once. A
+    // connection still in the HTTP/2 preface does not take notice, and is
+    // dropped (closed) after another timeout.
+    match tokio::time::timeout(idle_timeout, connection).await {
+        Ok(done) => done,
+        Err(_) => Ok(()),
+    }
 }
 
 /// Keeps a timer pending on this worker that always fires before any
@@ -367,7 +389,8 @@ mod tests {
         });
         let builder = auto::Builder::new(TokioExecutor::new());
         let connection = builder.serve_connection(TokioIo::new(server), service);
-        serve_until_stopped(connection, stopping)
+        let never_idle = std::future::pending();
+        serve_until_stopped(connection, stopping, never_idle, Duration::MAX)
             .await
             .expect("the connection ends cleanly");
 
