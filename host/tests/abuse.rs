@@ -242,6 +242,53 @@ async fn idle_http2_connections_and_half_sent_prefaces_are_closed() {
         .expect("a clean end");
 }
 
+/// The idle timeout counts from when the gateway has handed over the last
+/// of a response, which a slow reader may still be receiving long after:
+/// it gets all of it, however long past the idle timeout that takes.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_slow_reader_gets_a_whole_http2_response_past_the_idle_timeout() {
+    // The built-in echo upstream answers with the body it was sent.
+    let gateway = Gateway::start(&["--header-read-timeout-ms", "200"]).await;
+    let stream = TcpStream::connect(gateway.addr).await.expect("connect");
+    // Small windows: the gateway can send only as fast as this client
+    // reads.
+    let (mut sender, connection) =
+        hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+            .initial_stream_window_size(65_535)
+            .initial_connection_window_size(65_535)
+            .handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .expect("an HTTP/2 handshake");
+    tokio::spawn(connection);
+    let sent = vec![b'x'; 1 << 20];
+    let request = http::Request::post(format!("http://{}/upload", gateway.addr))
+        .header("content-type", "text/plain")
+        .body(http_body_util::Full::new(bytes::Bytes::from(sent.clone())))
+        .expect("a request");
+    let response = bounded("a response head", STEP, sender.send_request(request))
+        .await
+        .expect("a response");
+    assert_eq!(response.status(), 200);
+    let started = Instant::now();
+    let mut body = response.into_body();
+    let mut received = 0;
+    while let Some(frame) =
+        bounded("a frame", STEP, http_body_util::BodyExt::frame(&mut body)).await
+    {
+        let frame = frame.expect("the body goes on to its end");
+        received += frame.data_ref().map_or(0, |data| data.len());
+        // The time under test: a slow reader.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        started.elapsed() > Duration::from_millis(600),
+        "read in {:?}: not slower than the idle timeout, so this test measured nothing",
+        started.elapsed()
+    );
+    // The echo wraps the body in JSON.
+    assert!(received > sent.len(), "received {received} bytes");
+}
+
 /// A client that sends its headers and then stalls its body gets 408 at
 /// the body read timeout, on the plugin path and on pass-through alike,
 /// and is counted as the client's error, not the upstream's. A stall that

@@ -22,7 +22,7 @@ use tokio::sync::Semaphore;
 use tower_layer::Layer;
 use tower_service::Service;
 
-use crate::gateway::activity::{ActiveBody, Activity};
+use crate::gateway::activity::{ActiveBody, Activity, Watched};
 use crate::gateway::client_body::{BodyProgress, ClientBody};
 use crate::gateway::config::ConnectionLimits;
 use crate::gateway::middleware::SnowgateLayer;
@@ -107,8 +107,9 @@ pub async fn serve(
         let activity = Activity::default();
         let requests = activity.clone();
         let per_request = hyper::service::service_fn(move |mut request: Request<Incoming>| {
-            // In flight until its response body is sent (or dropped).
-            let in_flight = requests.begin();
+            // In flight until hyper has taken its whole response body (or
+            // dropped it).
+            let in_flight = requests.begin(request.version());
             // First, so that a client cannot name the gateway's own
             // `X-Forwarded-For` in its `Connection` header to have it removed.
             strip_hop_by_hop(request.headers_mut());
@@ -149,13 +150,15 @@ pub async fn serve(
                 tracing::debug!(%peer, "closed a connection that sent nothing");
                 return;
             }
+            let stream = Watched::new(stream, activity.clone());
             let connection = builder
                 .serve_connection(TokioIo::new(stream), per_request)
                 .into_owned();
             // The watcher, while alive, holds the drain open; the stop
             // itself comes through `stopping` (see `serve_until_stopped`).
             let idle = activity.idle_for(idle_timeout);
-            if let Err(e) = serve_until_stopped(connection, stopping, idle, idle_timeout).await {
+            let dormant = activity.dormant_for(idle_timeout);
+            if let Err(e) = serve_until_stopped(connection, stopping, idle, dormant).await {
                 tracing::debug!(%peer, error = %e, "client connection ended with an error");
             }
             drop(watcher);
@@ -222,7 +225,9 @@ pub(crate) async fn pause_after_accept_error(error: &std::io::Error, what: &str)
 /// Drives `connection` to its end, and shuts it down gracefully (the
 /// request in progress is answered, then the connection closes) once
 /// `stopping` turns true or its sender is gone, or once `idle` resolves
-/// (no request in flight for `idle_timeout`).
+/// (no request in flight for the idle timeout). After an idle shutdown, a
+/// connection that takes no notice is dropped once `dormant` resolves: no
+/// request in flight and no byte moved for the idle timeout.
 ///
 /// The connection is polled before the stop is looked at, every time, so a
 /// request the client had already sent when shutdown began is read and
@@ -235,7 +240,7 @@ async fn serve_until_stopped<C: GracefulConnection>(
     connection: C,
     mut stopping: tokio::sync::watch::Receiver<bool>,
     idle: impl Future<Output = ()>,
-    idle_timeout: Duration,
+    dormant: impl Future<Output = ()>,
 ) -> Result<(), C::Error> {
     tokio::pin!(connection);
     let idle = tokio::select! {
@@ -248,12 +253,14 @@ async fn serve_until_stopped<C: GracefulConnection>(
     if !idle {
         return connection.await;
     }
-    // Nothing is in flight: HTTP/2 says GOAWAY and ends at once. A
-    // connection still in the HTTP/2 preface does not take notice, and is
-    // dropped (closed) after another timeout.
-    match tokio::time::timeout(idle_timeout, connection).await {
-        Ok(done) => done,
-        Err(_) => Ok(()),
+    // HTTP/2 says GOAWAY and ends once the client acknowledges it and
+    // every stream it started meanwhile is answered. A client that takes
+    // no notice (one still in the HTTP/2 preface) is dropped once nothing
+    // is in flight or moving.
+    tokio::select! {
+        biased;
+        done = connection => done,
+        () = dormant => Ok(()),
     }
 }
 
@@ -389,8 +396,8 @@ mod tests {
         });
         let builder = auto::Builder::new(TokioExecutor::new());
         let connection = builder.serve_connection(TokioIo::new(server), service);
-        let never_idle = std::future::pending();
-        serve_until_stopped(connection, stopping, never_idle, Duration::MAX)
+        let never = || std::future::pending();
+        serve_until_stopped(connection, stopping, never(), never())
             .await
             .expect("the connection ends cleanly");
 
