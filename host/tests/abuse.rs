@@ -243,8 +243,9 @@ async fn idle_http2_connections_and_half_sent_prefaces_are_closed() {
 }
 
 /// The idle timeout counts from when the gateway has handed over the last
-/// of a response, which a slow reader may still be receiving long after:
-/// it gets all of it, however long past the idle timeout that takes.
+/// of a response, which a slow reader may still be receiving: a reader
+/// that stops for longer than the idle timeout between windows still gets
+/// all of it.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_slow_reader_gets_a_whole_http2_response_past_the_idle_timeout() {
     // The built-in echo upstream answers with the body it was sent.
@@ -260,7 +261,7 @@ async fn a_slow_reader_gets_a_whole_http2_response_past_the_idle_timeout() {
             .await
             .expect("an HTTP/2 handshake");
     tokio::spawn(connection);
-    let sent = vec![b'x'; 1 << 20];
+    let sent = vec![b'x'; 512 << 10];
     let request = http::Request::post(format!("http://{}/upload", gateway.addr))
         .header("content-type", "text/plain")
         .body(http_body_util::Full::new(bytes::Bytes::from(sent.clone())))
@@ -269,24 +270,58 @@ async fn a_slow_reader_gets_a_whole_http2_response_past_the_idle_timeout() {
         .await
         .expect("a response");
     assert_eq!(response.status(), 200);
-    let started = Instant::now();
     let mut body = response.into_body();
     let mut received = 0;
+    let mut since_pause = 0;
     while let Some(frame) =
         bounded("a frame", STEP, http_body_util::BodyExt::frame(&mut body)).await
     {
         let frame = frame.expect("the body goes on to its end");
-        received += frame.data_ref().map_or(0, |data| data.len());
-        // The time under test: a slow reader.
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        let len = frame.data_ref().map_or(0, |data| data.len());
+        received += len;
+        since_pause += len;
+        if since_pause >= 64 << 10 {
+            since_pause = 0;
+            // The time under test: a reader that stops for longer than
+            // the idle timeout after each window.
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
     }
-    assert!(
-        started.elapsed() > Duration::from_millis(600),
-        "read in {:?}: not slower than the idle timeout, so this test measured nothing",
-        started.elapsed()
-    );
     // The echo wraps the body in JSON.
     assert!(received > sent.len(), "received {received} bytes");
+}
+
+/// A client cannot keep an HTTP/2 connection that serves nothing by
+/// pinging it, ignoring the GOAWAY: once nothing has been in flight for
+/// the idle timeout twice over, it is closed.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_that_only_pings_loses_its_idle_http2_connection() {
+    const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+    const SETTINGS: &[u8] = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00";
+    const PING: &[u8] = b"\x00\x00\x08\x06\x00\x00\x00\x00\x00snowgate";
+    let gateway = Gateway::start(&["--header-read-timeout-ms", "300"]).await;
+    let stream = TcpStream::connect(gateway.addr).await.expect("connect");
+    let (mut read, mut write) = stream.into_split();
+    write
+        .write_all(&[PREFACE, SETTINGS].concat())
+        .await
+        .expect("preface");
+    let pinger = tokio::spawn(async move {
+        // A ping every third of the idle timeout, until the gateway closes.
+        while write.write_all(PING).await.is_ok() {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    bounded("the gateway to close the pinging connection", STEP, async {
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = read.read(&mut buf).await {
+            if n == 0 {
+                break;
+            }
+        }
+    })
+    .await;
+    pinger.abort();
 }
 
 /// A client that sends its headers and then stalls its body gets 408 at

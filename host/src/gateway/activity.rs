@@ -1,48 +1,39 @@
-//! What a client connection is doing: the requests in flight on it, and
-//! when it last moved a byte, so that a connection that serves nothing is
-//! closed whatever its protocol. hyper closes an idle HTTP/1 connection by
-//! itself (its header read timeout); an HTTP/2 connection with no stream,
-//! or one that never finished the HTTP/2 preface, it would keep for ever.
+//! What a client connection is doing: the requests in flight on it, so
+//! that an HTTP/2 connection that serves nothing is closed. hyper closes an
+//! idle HTTP/1 connection by itself (its header read timeout); an HTTP/2
+//! connection with no stream, or one that never finished the HTTP/2
+//! preface, it would keep for ever.
 
-use std::io;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::watch;
-use tokio::time::Instant;
 
-/// The requests in flight on one connection, and its last I/O.
+/// The largest piece of a response body handed to an HTTP/2 connection at
+/// once: its frame size. hyper takes the next piece only once the client's
+/// flow-control window has room, so a response counts as in flight until
+/// at most this much (twice over) is left to send.
+const HTTP2_PIECE: usize = 16 << 10;
+
+/// The requests in flight on one connection.
 #[derive(Clone)]
 pub struct Activity {
     in_flight: watch::Sender<usize>,
-    shared: Arc<Shared>,
-}
-
-struct Shared {
-    /// When the connection was opened: `last_io` counts from here.
-    opened: Instant,
-    /// Milliseconds from `opened` to the last read or write of a byte.
-    last_io: AtomicU64,
     /// Whether a request came in over HTTP/1, whose idle connections
     /// hyper closes by itself.
-    http1: AtomicBool,
+    http1: Arc<AtomicBool>,
 }
 
 impl Default for Activity {
     fn default() -> Self {
         Activity {
             in_flight: watch::Sender::new(0),
-            shared: Arc::new(Shared {
-                opened: Instant::now(),
-                last_io: AtomicU64::new(0),
-                http1: AtomicBool::new(false),
-            }),
+            http1: Arc::new(AtomicBool::new(false)),
         }
     }
 }
@@ -50,14 +41,16 @@ impl Default for Activity {
 impl Activity {
     /// A request begins, over `version`: it is in flight until the guard
     /// is dropped (with its response body, once hyper has taken the last
-    /// of it).
+    /// of it; see [`ActiveBody`]).
     pub fn begin(&self, version: http::Version) -> InFlight {
-        if version < http::Version::HTTP_2 {
-            self.shared.http1.store(true, Ordering::Relaxed);
+        let http2 = version >= http::Version::HTTP_2;
+        if !http2 {
+            self.http1.store(true, Ordering::Relaxed);
         }
         self.in_flight.send_modify(|n| *n += 1);
         InFlight {
             in_flight: self.in_flight.clone(),
+            http2,
         }
     }
 
@@ -69,7 +62,7 @@ impl Activity {
         loop {
             // Never closed: `self` holds the sender.
             let _ = in_flight.wait_for(|n| *n == 0).await;
-            if self.shared.http1.load(Ordering::Relaxed) {
+            if self.http1.load(Ordering::Relaxed) {
                 return std::future::pending().await;
             }
             tokio::select! {
@@ -84,47 +77,12 @@ impl Activity {
             }
         }
     }
-
-    /// Resolves once the connection has neither had a request in flight
-    /// nor moved a byte for `timeout`: nothing it does can still finish.
-    /// A response hyper is still writing to a slow reader moves bytes.
-    pub async fn dormant_for(&self, timeout: Duration) {
-        let mut in_flight = self.in_flight.subscribe();
-        // Since when nothing has been in flight (at the latest, now).
-        let mut quiet_since = Instant::now();
-        loop {
-            if *self.in_flight.borrow() != 0 {
-                let _ = in_flight.wait_for(|n| *n == 0).await;
-                quiet_since = Instant::now();
-            }
-            let last_io = self.last_io();
-            let moved = self.shared.opened + Duration::from_millis(last_io);
-            let due = quiet_since.max(moved) + timeout;
-            tokio::select! {
-                biased;
-                _ = in_flight.wait_for(|n| *n > 0) => {}
-                () = tokio::time::sleep_until(due) => {
-                    if *self.in_flight.borrow() == 0 && self.last_io() == last_io {
-                        return;
-                    }
-                }
-            }
-        }
-    }
-
-    fn last_io(&self) -> u64 {
-        self.shared.last_io.load(Ordering::Relaxed)
-    }
-
-    fn moved_bytes(&self) {
-        let now = self.shared.opened.elapsed().as_millis() as u64;
-        self.shared.last_io.fetch_max(now, Ordering::Relaxed);
-    }
 }
 
 /// One request in flight (see [`Activity::begin`]).
 pub struct InFlight {
     in_flight: watch::Sender<usize>,
+    http2: bool,
 }
 
 impl Drop for InFlight {
@@ -133,10 +91,16 @@ impl Drop for InFlight {
     }
 }
 
-/// A response body that keeps its request in flight until it is dropped.
+/// A response body that keeps its request in flight until hyper has taken
+/// the last of it. Over HTTP/2 it is handed over in pieces of at most
+/// [`HTTP2_PIECE`]: hyper would take a whole body at once into the
+/// connection's send buffer, and the request would then no longer count
+/// as in flight while a slow reader is still receiving it.
 pub struct ActiveBody<B> {
     inner: B,
-    _in_flight: InFlight,
+    /// The rest of a data frame larger than a piece.
+    rest: Bytes,
+    in_flight: InFlight,
 }
 
 impl<B> ActiveBody<B> {
@@ -144,8 +108,17 @@ impl<B> ActiveBody<B> {
     pub fn new(inner: B, in_flight: InFlight) -> ActiveBody<B> {
         ActiveBody {
             inner,
-            _in_flight: in_flight,
+            rest: Bytes::new(),
+            in_flight,
         }
+    }
+
+    /// The next piece of `data` to hand over, keeping the rest.
+    fn piece(&mut self, mut data: Bytes) -> Bytes {
+        if self.in_flight.http2 && data.len() > HTTP2_PIECE {
+            self.rest = data.split_off(HTTP2_PIECE);
+        }
+        data
     }
 }
 
@@ -157,91 +130,39 @@ impl<B: Body<Data = Bytes> + Unpin> Body for ActiveBody<B> {
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
-        Pin::new(&mut self.get_mut().inner).poll_frame(cx)
+        let this = self.get_mut();
+        if !this.rest.is_empty() {
+            let rest = std::mem::take(&mut this.rest);
+            return Poll::Ready(Some(Ok(Frame::data(this.piece(rest)))));
+        }
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
+                Ok(data) => Poll::Ready(Some(Ok(Frame::data(this.piece(data))))),
+                Err(frame) => Poll::Ready(Some(Ok(frame))),
+            },
+            other => other,
+        }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.rest.is_empty() && self.inner.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
-    }
-}
-
-/// A connection's socket that records in its [`Activity`] when it last
-/// read or wrote a byte.
-pub struct Watched<S> {
-    inner: S,
-    activity: Activity,
-}
-
-impl<S> Watched<S> {
-    /// `inner`, recording its I/O in `activity`.
-    pub fn new(inner: S, activity: Activity) -> Watched<S> {
-        Watched { inner, activity }
-    }
-}
-
-impl<S: AsyncRead + Unpin> AsyncRead for Watched<S> {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        let this = self.get_mut();
-        let before = buf.filled().len();
-        let polled = Pin::new(&mut this.inner).poll_read(cx, buf);
-        if buf.filled().len() > before {
-            this.activity.moved_bytes();
+        let mut hint = self.inner.size_hint();
+        let rest = self.rest.len() as u64;
+        hint.set_lower(hint.lower() + rest);
+        if let Some(upper) = hint.upper() {
+            hint.set_upper(upper + rest);
         }
-        polled
-    }
-}
-
-impl<S: AsyncWrite + Unpin> AsyncWrite for Watched<S> {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        let this = self.get_mut();
-        let polled = Pin::new(&mut this.inner).poll_write(cx, buf);
-        if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
-            this.activity.moved_bytes();
-        }
-        polled
-    }
-
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        let this = self.get_mut();
-        let polled = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
-        if matches!(polled, Poll::Ready(Ok(n)) if n > 0) {
-            this.activity.moved_bytes();
-        }
-        polled
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+        hint
     }
 }
 
 #[cfg(test)]
 mod tests {
     use http::Version;
+    use tokio::time::Instant;
 
     use super::*;
 
@@ -302,37 +223,29 @@ mod tests {
         assert!(ready(idle.as_mut()).await);
     }
 
-    /// A request in flight (one the client started as the connection was
-    /// told to go away, waiting on a slow upstream) keeps it from being
-    /// dormant, however long nothing moves.
-    #[tokio::test(start_paused = true)]
-    async fn a_request_in_flight_keeps_a_connection_from_being_dormant() {
-        let activity = Activity::default();
-        let waiting = activity.begin(Version::HTTP_2);
-        let dormant =
-            tokio::time::timeout(Duration::from_secs(3600), activity.dormant_for(TIMEOUT));
-        assert!(dormant.await.is_err(), "dormant with a request in flight");
-        drop(waiting);
-        let started = Instant::now();
-        activity.dormant_for(TIMEOUT).await;
-        assert_eq!(started.elapsed(), TIMEOUT);
-    }
+    /// Over HTTP/2 a large body is handed over in pieces, and counts as
+    /// in flight until the last is taken; over HTTP/1 it goes whole.
+    #[tokio::test]
+    async fn http2_bodies_are_handed_over_in_pieces_while_in_flight() {
+        use http_body_util::{BodyExt, Full};
 
-    /// Bytes still moving (a response written to a slow reader after its
-    /// body was handed over) keep a connection from being dormant.
-    #[tokio::test(start_paused = true)]
-    async fn moving_bytes_keeps_a_connection_from_being_dormant() {
+        let whole = Bytes::from(vec![7u8; 3 * HTTP2_PIECE + 5]);
         let activity = Activity::default();
-        let writer = activity.clone();
-        tokio::spawn(async move {
-            for _ in 0..6 {
-                tokio::time::sleep(Duration::from_secs(5)).await;
-                writer.moved_bytes();
-            }
-        });
-        let started = Instant::now();
-        activity.dormant_for(TIMEOUT).await;
-        // The last byte at 30 s, then 10 s without one.
-        assert_eq!(started.elapsed(), Duration::from_secs(40));
+        let mut body = ActiveBody::new(Full::new(whole.clone()), activity.begin(Version::HTTP_2));
+        let mut pieces = Vec::new();
+        while let Some(frame) = body.frame().await {
+            pieces.push(frame.expect("data").into_data().expect("data"));
+            assert_eq!(*activity.in_flight.borrow(), 1);
+        }
+        let sizes: Vec<usize> = pieces.iter().map(Bytes::len).collect();
+        assert_eq!(sizes, [HTTP2_PIECE, HTTP2_PIECE, HTTP2_PIECE, 5]);
+        assert_eq!(pieces.concat(), whole);
+        assert!(body.is_end_stream());
+        drop(body);
+        assert_eq!(*activity.in_flight.borrow(), 0);
+
+        let mut body = ActiveBody::new(Full::new(whole.clone()), activity.begin(Version::HTTP_11));
+        let frame = body.frame().await.expect("a frame").expect("data");
+        assert_eq!(frame.into_data().expect("data"), whole);
     }
 }

@@ -22,7 +22,7 @@ use tokio::sync::Semaphore;
 use tower_layer::Layer;
 use tower_service::Service;
 
-use crate::gateway::activity::{ActiveBody, Activity, Watched};
+use crate::gateway::activity::{ActiveBody, Activity};
 use crate::gateway::client_body::{BodyProgress, ClientBody};
 use crate::gateway::config::ConnectionLimits;
 use crate::gateway::middleware::SnowgateLayer;
@@ -150,15 +150,14 @@ pub async fn serve(
                 tracing::debug!(%peer, "closed a connection that sent nothing");
                 return;
             }
-            let stream = Watched::new(stream, activity.clone());
             let connection = builder
                 .serve_connection(TokioIo::new(stream), per_request)
                 .into_owned();
             // The watcher, while alive, holds the drain open; the stop
             // itself comes through `stopping` (see `serve_until_stopped`).
             let idle = activity.idle_for(idle_timeout);
-            let dormant = activity.dormant_for(idle_timeout);
-            if let Err(e) = serve_until_stopped(connection, stopping, idle, dormant).await {
+            let idle_again = activity.idle_for(idle_timeout);
+            if let Err(e) = serve_until_stopped(connection, stopping, idle, idle_again).await {
                 tracing::debug!(%peer, error = %e, "client connection ended with an error");
             }
             drop(watcher);
@@ -226,8 +225,9 @@ pub(crate) async fn pause_after_accept_error(error: &std::io::Error, what: &str)
 /// request in progress is answered, then the connection closes) once
 /// `stopping` turns true or its sender is gone, or once `idle` resolves
 /// (no request in flight for the idle timeout). After an idle shutdown, a
-/// connection that takes no notice is dropped once `dormant` resolves: no
-/// request in flight and no byte moved for the idle timeout.
+/// connection that has not ended is dropped once `idle_again` resolves:
+/// requests its client started as the shutdown began are answered first,
+/// but pings, window updates or a trickle of bytes do not keep it.
 ///
 /// The connection is polled before the stop is looked at, every time, so a
 /// request the client had already sent when shutdown began is read and
@@ -240,7 +240,7 @@ async fn serve_until_stopped<C: GracefulConnection>(
     connection: C,
     mut stopping: tokio::sync::watch::Receiver<bool>,
     idle: impl Future<Output = ()>,
-    dormant: impl Future<Output = ()>,
+    idle_again: impl Future<Output = ()>,
 ) -> Result<(), C::Error> {
     tokio::pin!(connection);
     let idle = tokio::select! {
@@ -254,13 +254,15 @@ async fn serve_until_stopped<C: GracefulConnection>(
         return connection.await;
     }
     // HTTP/2 says GOAWAY and ends once the client acknowledges it and
-    // every stream it started meanwhile is answered. A client that takes
-    // no notice (one still in the HTTP/2 preface) is dropped once nothing
-    // is in flight or moving.
+    // every stream it started meanwhile is answered. A client that does
+    // not acknowledge it is dropped once nothing has been in flight for
+    // another timeout: what is left of a response then is at most a piece
+    // or two (see `ActiveBody`) that the client has not read for that
+    // long.
     tokio::select! {
         biased;
         done = connection => done,
-        () = dormant => Ok(()),
+        () = idle_again => Ok(()),
     }
 }
 
