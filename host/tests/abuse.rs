@@ -14,7 +14,7 @@ use snowgate_host::gateway::admin::MAX_ADMIN_CONNECTIONS;
 use support::{
     bounded, connect_many, get, metric, post_json, Gateway, TestUpstream, CONTEXT_ONLY, STEP,
 };
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 /// How a connection ended for an abusive client.
@@ -57,8 +57,15 @@ async fn read_status(stream: &mut TcpStream) -> Ended {
     }
 }
 
+/// The HTTP/2 client connection preface.
+const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+/// An empty HTTP/2 SETTINGS frame.
+const SETTINGS: &[u8] = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00";
+/// An HTTP/2 PING frame.
+const PING: &[u8] = b"\x00\x00\x08\x06\x00\x00\x00\x00\x00snowgate";
+
 /// Reads whatever follows until the gateway closes, at most `bound`.
-async fn closes_within(stream: &mut TcpStream, bound: Duration) {
+async fn closes_within(stream: &mut (impl AsyncRead + Unpin), bound: Duration) {
     bounded("the gateway to close the connection", bound, async {
         let mut buf = [0u8; 4096];
         while let Ok(n) = stream.read(&mut buf).await {
@@ -197,9 +204,6 @@ async fn idle_http2_connections_and_half_sent_prefaces_are_closed() {
         "500",
     ])
     .await;
-    const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
-    // An empty SETTINGS frame.
-    const SETTINGS: &[u8] = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00";
     let mut idle = TcpStream::connect(gateway.addr).await.expect("connect");
     idle.write_all(&[PREFACE, SETTINGS].concat())
         .await
@@ -296,9 +300,6 @@ async fn a_slow_reader_gets_a_whole_http2_response_past_the_idle_timeout() {
 /// the idle timeout twice over, it is closed.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_client_that_only_pings_loses_its_idle_http2_connection() {
-    const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
-    const SETTINGS: &[u8] = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00";
-    const PING: &[u8] = b"\x00\x00\x08\x06\x00\x00\x00\x00\x00snowgate";
     let gateway = Gateway::start(&["--header-read-timeout-ms", "300"]).await;
     let stream = TcpStream::connect(gateway.addr).await.expect("connect");
     let (mut read, mut write) = stream.into_split();
@@ -312,15 +313,7 @@ async fn a_client_that_only_pings_loses_its_idle_http2_connection() {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     });
-    bounded("the gateway to close the pinging connection", STEP, async {
-        let mut buf = [0u8; 4096];
-        while let Ok(n) = read.read(&mut buf).await {
-            if n == 0 {
-                break;
-            }
-        }
-    })
-    .await;
+    closes_within(&mut read, STEP).await;
     pinger.abort();
 }
 

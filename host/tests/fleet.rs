@@ -212,6 +212,27 @@ async fn leased_id(replica: &Gateway) -> u32 {
     status["machine_id"].as_u64().expect("machine_id") as u32
 }
 
+/// Writes `value` under `prefix` + every trtllm-v1 machine id, with
+/// `options`: 128 writes per transaction, etcd's default limit.
+async fn put_for_every_id(
+    client: &mut Client,
+    prefix: &str,
+    value: &str,
+    options: Option<etcd_client::PutOptions>,
+) {
+    let ids: Vec<u32> = (0..=SnowflakeLayout::TrtllmV1.max_machine_id()).collect();
+    for chunk in ids.chunks(128) {
+        let puts = chunk
+            .iter()
+            .map(|id| etcd_client::TxnOp::put(format!("{prefix}{id}"), value, options.clone()))
+            .collect::<Vec<_>>();
+        client
+            .txn(etcd_client::Txn::new().and_then(puts))
+            .await
+            .unwrap_or_else(|e| panic!("writing {prefix}* for every machine id: {e}"));
+    }
+}
+
 /// A batch of `n` context-only requests in one body.
 fn batch(n: usize) -> String {
     let one = r#"{"prompt":"x","disaggregated_params":{"request_type":"context_only"}}"#;
@@ -474,24 +495,7 @@ async fn a_replica_with_only_bad_slots_says_so_and_recovers_when_one_is_fixed() 
     let etcd = Etcd::start(binary).await;
     let mut client = etcd.client().await;
     let max = SnowflakeLayout::TrtllmV1.max_machine_id();
-    let ids: Vec<u32> = (0..=max).collect();
-    // 128 writes per transaction, etcd's default limit.
-    for chunk in ids.chunks(128) {
-        let puts = chunk
-            .iter()
-            .map(|id| {
-                etcd_client::TxnOp::put(
-                    format!("/snowgate/trtllm-v1/high-water/{id}"),
-                    "soon",
-                    None,
-                )
-            })
-            .collect::<Vec<_>>();
-        client
-            .txn(etcd_client::Txn::new().and_then(puts))
-            .await
-            .expect("writing bad marks");
-    }
+    put_for_every_id(&mut client, "/snowgate/trtllm-v1/high-water/", "soon", None).await;
 
     let replica = replica(&etcd, &[]).await;
     let status = replica
@@ -544,24 +548,14 @@ async fn a_replica_waiting_for_a_free_slot_warns_once_and_grants_no_lease() {
         .expect("the other replicas' lease")
         .id();
     let max = SnowflakeLayout::TrtllmV1.max_machine_id();
-    let ids: Vec<u32> = (0..=max).collect();
-    // 128 writes per transaction, etcd's default limit.
-    for chunk in ids.chunks(128) {
-        let puts = chunk
-            .iter()
-            .map(|id| {
-                etcd_client::TxnOp::put(
-                    format!("/snowgate/trtllm-v1/slots/{id}"),
-                    "another-replica",
-                    Some(etcd_client::PutOptions::new().with_lease(holder)),
-                )
-            })
-            .collect::<Vec<_>>();
-        client
-            .txn(etcd_client::Txn::new().and_then(puts))
-            .await
-            .expect("claiming every slot");
-    }
+    let leased = etcd_client::PutOptions::new().with_lease(holder);
+    put_for_every_id(
+        &mut client,
+        "/snowgate/trtllm-v1/slots/",
+        "another-replica",
+        Some(leased),
+    )
+    .await;
     let granted = leases_granted(&etcd).await;
 
     let replica = Gateway::start_logging(
