@@ -43,6 +43,16 @@ pub enum ClientFault {
     Stalled,
 }
 
+impl ClientFault {
+    /// The status and error code the client is answered with.
+    pub fn answer(self) -> (http::StatusCode, &'static str) {
+        match self {
+            ClientFault::Broken => (http::StatusCode::BAD_REQUEST, "body_read_error"),
+            ClientFault::Stalled => (http::StatusCode::REQUEST_TIMEOUT, "body_timeout"),
+        }
+    }
+}
+
 impl BodyProgress {
     /// The client's fault, if its body failed because of the client.
     pub fn fault(&self) -> Option<ClientFault> {

@@ -234,11 +234,12 @@ impl Shared {
             Err(ReadBodyError::Failed(e)) => {
                 self.metrics.request(Outcome::ClientError);
                 let message = format!("the request body could not be read: {e}");
-                let stalled = progress.and_then(|p| p.fault()) == Some(ClientFault::Stalled);
-                let (status, code) = match stalled {
-                    true => (StatusCode::REQUEST_TIMEOUT, "body_timeout"),
-                    false => (StatusCode::BAD_REQUEST, "body_read_error"),
-                };
+                // A body that did not come through the server's wrapper
+                // can only have failed.
+                let fault = progress
+                    .and_then(|p| p.fault())
+                    .unwrap_or(ClientFault::Broken);
+                let (status, code) = fault.answer();
                 // The rest of the body is not read: the connection ends.
                 let mut response = responses::error(status, code, &message);
                 response.headers_mut().insert(

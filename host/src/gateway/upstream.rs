@@ -275,10 +275,7 @@ impl HttpUpstream {
 /// 408 or 400, marked with the [`ClientFault`] for the request counters.
 fn client_fault(fault: ClientFault, message: &str) -> Response<UpstreamBody> {
     tracing::debug!(?fault, message, "request body failed on the client's side");
-    let (status, code) = match fault {
-        ClientFault::Broken => (StatusCode::BAD_REQUEST, "body_read_error"),
-        ClientFault::Stalled => (StatusCode::REQUEST_TIMEOUT, "body_timeout"),
-    };
+    let (status, code) = fault.answer();
     let mut response = own(responses::error(status, code, message));
     response.extensions_mut().insert(fault);
     response
@@ -304,33 +301,23 @@ impl UpstreamFailure {
         innermost.to_string()
     }
 
-    /// `error` with every cause in its chain (the client error's own text
-    /// only says "client error (Connect)").
-    fn causes(error: &hyper_util::client::legacy::Error) -> String {
-        let mut causes = Vec::new();
-        let mut source: Option<&(dyn std::error::Error + 'static)> = Some(error);
-        while let Some(cause) = source {
-            causes.push(cause.to_string());
-            source = cause.source();
-        }
-        causes.join(": ")
-    }
-
     /// Sorts a client error, and words it with every cause in its chain
     /// (the client error's own text only says "client error (Connect)").
     fn from_client_error(
         error: &hyper_util::client::legacy::Error,
         connect_timeout: std::time::Duration,
     ) -> UpstreamFailure {
-        let why = UpstreamFailure::causes(error);
+        let mut causes = Vec::new();
         let mut timed_out = false;
         let mut source: Option<&(dyn std::error::Error + 'static)> = Some(error);
         while let Some(cause) = source {
             timed_out |= cause
                 .downcast_ref::<std::io::Error>()
                 .is_some_and(|e| e.kind() == std::io::ErrorKind::TimedOut);
+            causes.push(cause.to_string());
             source = cause.source();
         }
+        let why = causes.join(": ");
         match (error.is_connect(), timed_out) {
             (true, true) => UpstreamFailure::TooSlow(format!(
                 "could not be connected to within {} ms (--upstream-connect-timeout-ms): {why}",
