@@ -158,11 +158,13 @@ impl PluginSlot {
             Ok(Some(plugin)) => {
                 let sha = plugin.info().sha256.clone();
                 let replaced = self.current.swap(Arc::new(plugin));
+                // Counted at once, so that `/status` shows the new build and
+                // its reload together (retiring the old one takes time).
+                *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = None;
+                self.metrics.reload(true);
                 // Requests still on the old build finish on it, each on an
                 // instance of its own; its kept instances go now.
                 replaced.retire();
-                *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = None;
-                self.metrics.reload(true);
                 tracing::info!(sha256 = %sha, "plugin reloaded");
                 Ok(Reloaded::Swapped(sha))
             }
