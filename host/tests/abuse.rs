@@ -252,8 +252,15 @@ async fn idle_http2_connections_and_half_sent_prefaces_are_closed() {
 /// all of it.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_slow_reader_gets_a_whole_http2_response_past_the_idle_timeout() {
-    // The built-in echo upstream answers with the body it was sent.
-    let gateway = Gateway::start(&["--header-read-timeout-ms", "200"]).await;
+    // The built-in echo upstream answers with the body it was sent. The
+    // reader's pauses are shorter than the send timeout.
+    let gateway = Gateway::start(&[
+        "--header-read-timeout-ms",
+        "200",
+        "--send-timeout-ms",
+        "1000",
+    ])
+    .await;
     let stream = TcpStream::connect(gateway.addr).await.expect("connect");
     // Small windows: the gateway can send only as fast as this client
     // reads.
@@ -293,6 +300,166 @@ async fn a_slow_reader_gets_a_whole_http2_response_past_the_idle_timeout() {
     }
     // The echo wraps the body in JSON.
     assert!(received > sent.len(), "received {received} bytes");
+}
+
+/// An upstream that answers every request with a chunked body of 64 KiB
+/// chunks, `chunks` of them or endless; it tells when the gateway stops
+/// taking one (drops the upstream connection mid-body).
+struct StreamingUpstream {
+    addr: SocketAddr,
+    cut: tokio::sync::mpsc::UnboundedReceiver<()>,
+}
+
+impl StreamingUpstream {
+    async fn start(chunks: Option<usize>) -> StreamingUpstream {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind the streaming upstream");
+        let addr = listener.local_addr().expect("its address");
+        let (cut_tx, cut) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                let cut_tx = cut_tx.clone();
+                tokio::spawn(async move {
+                    let mut head = Vec::new();
+                    let mut buf = [0u8; 4096];
+                    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match stream.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => head.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    let chunk = [b"10000\r\n".as_slice(), &[b'x'; 64 << 10], b"\r\n"].concat();
+                    let mut sent = stream
+                        .write_all(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ntransfer-encoding: chunked\r\n\r\n")
+                        .await;
+                    let mut left = chunks;
+                    while sent.is_ok() && left != Some(0) {
+                        sent = stream.write_all(&chunk).await;
+                        left = left.map(|n| n - 1);
+                    }
+                    match sent {
+                        Ok(()) => {
+                            let _ = stream.write_all(b"0\r\n\r\n").await;
+                        }
+                        Err(_) => {
+                            let _ = cut_tx.send(());
+                        }
+                    }
+                });
+            }
+        });
+        StreamingUpstream { addr, cut }
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+}
+
+/// An HTTP/1 client that sends a request and never reads the answer loses
+/// its connection at the send timeout, and the gateway lets go of the
+/// upstream's: without the timeout both were held for ever.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_http1_client_that_never_reads_its_response_loses_its_connection() {
+    let mut upstream = StreamingUpstream::start(None).await;
+    let gateway =
+        Gateway::start(&["--upstream", &upstream.url(), "--send-timeout-ms", "500"]).await;
+    let mut client = TcpStream::connect(gateway.addr).await.expect("connect");
+    let sent = Instant::now();
+    client
+        .write_all(b"GET /stream HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await
+        .expect("a request");
+    bounded(
+        "the gateway to let go of the upstream",
+        STEP,
+        upstream.cut.recv(),
+    )
+    .await
+    .expect("a cut");
+    assert!(
+        sent.elapsed() >= Duration::from_millis(500),
+        "{:?}",
+        sent.elapsed()
+    );
+    // What the socket buffers held, then the end.
+    closes_within(&mut client, STEP).await;
+}
+
+/// An HTTP/2 client that grants no more flow-control window (it does not
+/// read the response body) keeps its socket writable, and is closed by
+/// the send timeout all the same.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_http2_client_that_grants_no_window_loses_its_connection() {
+    let mut upstream = StreamingUpstream::start(None).await;
+    let gateway =
+        Gateway::start(&["--upstream", &upstream.url(), "--send-timeout-ms", "500"]).await;
+    let stream = TcpStream::connect(gateway.addr).await.expect("connect");
+    let (mut sender, connection) =
+        hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+            .handshake::<_, http_body_util::Empty<bytes::Bytes>>(hyper_util::rt::TokioIo::new(
+                stream,
+            ))
+            .await
+            .expect("an HTTP/2 handshake");
+    let connection = tokio::spawn(connection);
+    let request = http::Request::get(format!("http://{}/stream", gateway.addr))
+        .body(http_body_util::Empty::new())
+        .expect("a request");
+    let response = bounded("a response head", STEP, sender.send_request(request))
+        .await
+        .expect("a response");
+    assert_eq!(response.status(), 200);
+    // The body is never read, so its window is never given back; the
+    // client still answers pings and settings.
+    bounded(
+        "the gateway to let go of the upstream",
+        STEP,
+        upstream.cut.recv(),
+    )
+    .await
+    .expect("a cut");
+    // Closed by the gateway: the client's connection task ends (with an
+    // error or without, as the close happens to land).
+    let _ended = bounded("the gateway to close the connection", STEP, connection)
+        .await
+        .expect("the connection task");
+    drop(response);
+}
+
+/// Readers that pause for less than the send timeout each time get the
+/// whole of a response that takes many timeouts to read, over HTTP/1.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reader_pausing_for_less_than_the_send_timeout_gets_the_whole_response() {
+    const CHUNKS: usize = 384; // 24 MiB: more than the socket buffers hold
+    let upstream = StreamingUpstream::start(Some(CHUNKS)).await;
+    let gateway =
+        Gateway::start(&["--upstream", &upstream.url(), "--send-timeout-ms", "1000"]).await;
+    let mut client = support::Client::connect(gateway.addr).await;
+    let request = client
+        .builder(http::Method::GET, "/stream")
+        .body(http_body_util::Full::default())
+        .expect("a request");
+    let mut body = client.send_streaming(request).await.into_body();
+    let (mut received, mut since_pause, mut pauses) = (0, 0, 0);
+    while let Some(frame) =
+        bounded("a frame", STEP, http_body_util::BodyExt::frame(&mut body)).await
+    {
+        let len = frame
+            .expect("the body goes on to its end")
+            .data_ref()
+            .map_or(0, |d| d.len());
+        received += len;
+        since_pause += len;
+        if since_pause >= 2 << 20 {
+            since_pause = 0;
+            pauses += 1;
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+    }
+    assert_eq!(received, CHUNKS << 16);
+    assert!(pauses * 300 > 3 * 1000, "{pauses} pauses");
 }
 
 /// A client cannot keep an HTTP/2 connection that serves nothing by

@@ -1,11 +1,15 @@
 //! What a client connection is doing: the requests in flight on it, so
-//! that an HTTP/2 connection that serves nothing is closed. hyper closes an
-//! idle HTTP/1 connection by itself (its header read timeout); an HTTP/2
-//! connection with no stream, or one that never finished the HTTP/2
-//! preface, it would keep for ever.
+//! that an HTTP/2 connection that serves nothing is closed, and whether its
+//! client takes the responses, so that one whose client stops taking them
+//! is closed too. hyper closes an idle HTTP/1 connection by itself (its
+//! header read timeout); an HTTP/2 connection with no stream, or one that
+//! never finished the HTTP/2 preface, it would keep for ever. An HTTP/2
+//! client that stops granting flow-control window leaves the socket
+//! writable, so [`SendTimeout`](crate::gateway::send_timeout::SendTimeout)
+//! does not see it.
 
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -27,6 +31,20 @@ pub struct Activity {
     /// Whether a request came in over HTTP/1, whose idle connections
     /// hyper closes by itself.
     http1: Arc<AtomicBool>,
+    /// How HTTP/2 response bodies are being taken.
+    taking: Arc<Taking>,
+}
+
+/// How a connection's HTTP/2 response bodies are being taken by hyper,
+/// which takes the next piece of a body only once the client's
+/// flow-control window has room for it.
+#[derive(Default)]
+struct Taking {
+    /// Bumped every time hyper asks a body for its next piece.
+    asks: AtomicU64,
+    /// Bodies that handed hyper a piece and have not been asked for the
+    /// next one since.
+    owed: AtomicUsize,
 }
 
 impl Default for Activity {
@@ -34,6 +52,7 @@ impl Default for Activity {
         Activity {
             in_flight: watch::Sender::new(0),
             http1: Arc::new(AtomicBool::new(false)),
+            taking: Arc::default(),
         }
     }
 }
@@ -50,7 +69,34 @@ impl Activity {
         self.in_flight.send_modify(|n| *n += 1);
         InFlight {
             in_flight: self.in_flight.clone(),
-            http2,
+            taking: http2.then(|| self.taking.clone()),
+            owed: false,
+        }
+    }
+
+    /// Resolves once an HTTP/2 response body has waited for the client to
+    /// take its last piece for at least `timeout`, and at most twice that,
+    /// with hyper asking no body on the connection for more meanwhile: the
+    /// client has taken none of any response for that long. Never for
+    /// HTTP/1, whose stalls [`SendTimeout`](crate::gateway::send_timeout::SendTimeout)
+    /// sees at the socket.
+    pub async fn stalled_for(&self, timeout: Duration) {
+        let mut in_flight = self.in_flight.subscribe();
+        loop {
+            // Never closed: `self` holds the sender.
+            let _ = in_flight.wait_for(|n| *n > 0).await;
+            if self.http1.load(Ordering::Relaxed) {
+                return std::future::pending().await;
+            }
+            let asks = self.taking.asks.load(Ordering::Relaxed);
+            tokio::time::sleep(timeout).await;
+            // Nothing asked for a whole timeout: whatever is owed now was
+            // owed all along.
+            if self.taking.owed.load(Ordering::Relaxed) > 0
+                && self.taking.asks.load(Ordering::Relaxed) == asks
+            {
+                return;
+            }
         }
     }
 
@@ -82,11 +128,39 @@ impl Activity {
 /// One request in flight (see [`Activity::begin`]).
 pub struct InFlight {
     in_flight: watch::Sender<usize>,
-    http2: bool,
+    /// Over HTTP/2: how the connection's bodies are being taken.
+    taking: Option<Arc<Taking>>,
+    /// Whether this request's body handed hyper a piece and has not been
+    /// asked for the next one since.
+    owed: bool,
+}
+
+impl InFlight {
+    /// hyper asks the body for its next piece.
+    fn asked(&mut self) {
+        if let Some(taking) = &self.taking {
+            taking.asks.fetch_add(1, Ordering::Relaxed);
+            if std::mem::take(&mut self.owed) {
+                taking.owed.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// The body handed hyper a piece of data.
+    fn handed(&mut self) {
+        if let Some(taking) = &self.taking {
+            if !std::mem::replace(&mut self.owed, true) {
+                taking.owed.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
+        if let (Some(taking), true) = (&self.taking, self.owed) {
+            taking.owed.fetch_sub(1, Ordering::Relaxed);
+        }
         self.in_flight.send_modify(|n| *n -= 1);
     }
 }
@@ -115,9 +189,10 @@ impl<B> ActiveBody<B> {
 
     /// The next piece of `data` to hand over, keeping the rest.
     fn piece(&mut self, mut data: Bytes) -> Bytes {
-        if self.in_flight.http2 && data.len() > HTTP2_PIECE {
+        if self.in_flight.taking.is_some() && data.len() > HTTP2_PIECE {
             self.rest = data.split_off(HTTP2_PIECE);
         }
+        self.in_flight.handed();
         data
     }
 }
@@ -131,6 +206,7 @@ impl<B: Body<Data = Bytes> + Unpin> Body for ActiveBody<B> {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
         let this = self.get_mut();
+        this.in_flight.asked();
         if !this.rest.is_empty() {
             let rest = std::mem::take(&mut this.rest);
             return Poll::Ready(Some(Ok(Frame::data(this.piece(rest)))));
@@ -221,6 +297,91 @@ mod tests {
         assert!(!ready(idle.as_mut()).await);
         tokio::time::advance(Duration::from_millis(1)).await;
         assert!(ready(idle.as_mut()).await);
+    }
+
+    /// A body whose upstream has sent nothing yet.
+    struct WaitingUpstream;
+
+    impl Body for WaitingUpstream {
+        type Data = Bytes;
+        type Error = std::convert::Infallible;
+
+        fn poll_frame(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+            Poll::Pending
+        }
+    }
+
+    /// An HTTP/2 body whose last piece hyper has not taken for a timeout
+    /// (the client grants no window) is a stall, found within two.
+    #[tokio::test(start_paused = true)]
+    async fn an_http2_body_the_client_takes_nothing_of_is_a_stall() {
+        use http_body_util::{BodyExt, Full};
+
+        let activity = Activity::default();
+        let whole = Bytes::from(vec![7u8; 4 * HTTP2_PIECE]);
+        let mut body = ActiveBody::new(Full::new(whole), activity.begin(Version::HTTP_2));
+        let started = Instant::now();
+        let stalled = activity.stalled_for(TIMEOUT);
+        tokio::pin!(stalled);
+        // Taken: two pieces, half a timeout apart.
+        for _ in 0..2 {
+            assert!(!ready(stalled.as_mut()).await);
+            body.frame().await.expect("a piece").expect("data");
+            tokio::time::sleep(TIMEOUT / 2).await;
+        }
+        // Then nothing more is taken.
+        tokio::time::timeout(10 * TIMEOUT, stalled)
+            .await
+            .expect("a stall was found");
+        let stalled_after = started.elapsed() - TIMEOUT / 2;
+        assert!(
+            (TIMEOUT..=2 * TIMEOUT).contains(&stalled_after),
+            "found {stalled_after:?} after the last piece"
+        );
+        drop(body);
+        assert_eq!(activity.taking.owed.load(Ordering::Relaxed), 0);
+    }
+
+    /// A client that takes a piece every half timeout, a body waiting on
+    /// its upstream, and an HTTP/1 connection never stall.
+    #[tokio::test(start_paused = true)]
+    async fn slow_takers_bodies_waiting_upstream_and_http1_never_stall() {
+        use http_body_util::{BodyExt, Full};
+
+        let activity = Activity::default();
+        let whole = Bytes::from(vec![7u8; 64 * HTTP2_PIECE]);
+        let mut body = ActiveBody::new(Full::new(whole), activity.begin(Version::HTTP_2));
+        let taker = tokio::spawn(async move {
+            while body.frame().await.is_some() {
+                tokio::time::sleep(TIMEOUT / 2).await;
+            }
+        });
+        let stalled = tokio::time::timeout(20 * TIMEOUT, activity.stalled_for(TIMEOUT));
+        assert!(
+            stalled.await.is_err(),
+            "a client taking every piece stalled"
+        );
+        taker.abort();
+
+        let activity = Activity::default();
+        let mut body = ActiveBody::new(WaitingUpstream, activity.begin(Version::HTTP_2));
+        let asked = std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut body).poll_frame(cx)));
+        assert!(asked.await.is_pending());
+        let stalled = tokio::time::timeout(20 * TIMEOUT, activity.stalled_for(TIMEOUT));
+        assert!(
+            stalled.await.is_err(),
+            "a body waiting on its upstream stalled"
+        );
+
+        let activity = Activity::default();
+        let whole = Bytes::from(vec![7u8; 4 * HTTP2_PIECE]);
+        let mut body = ActiveBody::new(Full::new(whole), activity.begin(Version::HTTP_11));
+        body.frame().await.expect("a frame").expect("data");
+        let stalled = tokio::time::timeout(20 * TIMEOUT, activity.stalled_for(TIMEOUT));
+        assert!(stalled.await.is_err(), "an HTTP/1 connection stalled");
     }
 
     /// Over HTTP/2 a large body is handed over in pieces, and counts as

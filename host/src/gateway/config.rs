@@ -97,6 +97,10 @@ pub struct ConnectionLimits {
     /// gateway waiting for more); then it gets 408. Only time the gateway
     /// waits on the client counts.
     pub body_read_timeout: Duration,
+    /// The longest a client may take none of a response the gateway has
+    /// for it (its socket full, or over HTTP/2 its flow-control window
+    /// used up); then its connection is closed.
+    pub send_timeout: Duration,
     /// The largest request head (request line and headers) accepted, in
     /// bytes; larger heads get 431. At least 8192.
     pub max_header_bytes: usize,
@@ -109,6 +113,7 @@ impl Default for ConnectionLimits {
         ConnectionLimits {
             header_read_timeout: Duration::from_secs(10),
             body_read_timeout: Duration::from_secs(60),
+            send_timeout: Duration::from_secs(60),
             max_header_bytes: 64 << 10,
             max_connections: 4096,
         }
@@ -206,6 +211,8 @@ pub struct ConfigFile {
     pub header_read_timeout_ms: Option<u64>,
     /// See [`ConnectionLimits::body_read_timeout`], in milliseconds.
     pub body_read_timeout_ms: Option<u64>,
+    /// See [`ConnectionLimits::send_timeout`], in milliseconds.
+    pub send_timeout_ms: Option<u64>,
     /// See [`ConnectionLimits::max_header_bytes`].
     pub max_header_bytes: Option<usize>,
     /// See [`ConnectionLimits::max_connections`].
@@ -322,6 +329,13 @@ impl ConfigFile {
             );
             config.connections.body_read_timeout = Duration::from_millis(ms);
         }
+        if let Some(ms) = self.send_timeout_ms {
+            anyhow::ensure!(
+                (1..=MAX_UPSTREAM_TIMEOUT_MS).contains(&ms),
+                "send-timeout-ms must be between 1 and {MAX_UPSTREAM_TIMEOUT_MS} (a day), not {ms}"
+            );
+            config.connections.send_timeout = Duration::from_millis(ms);
+        }
         if let Some(bytes) = self.max_header_bytes {
             anyhow::ensure!(
                 bytes >= 8192,
@@ -420,6 +434,7 @@ mod tests {
             workers = 3
             upstream-response-timeout-ms = 30000
             upstream-idle-timeout-ms = 1500
+            send-timeout-ms = 2500
             [plugin-settings]
             extra = "yes"
             "#,
@@ -435,6 +450,7 @@ mod tests {
         assert_eq!(config.plugin_limits.deadline, Duration::from_millis(50));
         assert_eq!(config.plugin_limits.calls_per_instance, 1);
         assert_eq!(config.workers, Some(3));
+        assert_eq!(config.connections.send_timeout, Duration::from_millis(2500));
         assert_eq!(
             config.upstream_timeouts,
             UpstreamTimeouts {
@@ -490,6 +506,14 @@ mod tests {
             (
                 "upstream-response-timeout-ms = 86400001",
                 "upstream-response-timeout-ms must be between 1 and 86400000 (a day), not 86400001",
+            ),
+            (
+                "send-timeout-ms = 0",
+                "send-timeout-ms must be between 1 and 86400000 (a day), not 0",
+            ),
+            (
+                "body-read-timeout-ms = 86400001",
+                "body-read-timeout-ms must be between 1 and 86400000 (a day), not 86400001",
             ),
             (
                 "plugin-memory-mib = 0",

@@ -14,6 +14,7 @@ pub mod middleware;
 pub mod plugin_file;
 pub mod read_body;
 pub mod responses;
+pub mod send_timeout;
 pub mod server;
 pub mod slot;
 pub mod upstream;

@@ -26,6 +26,7 @@ use crate::gateway::activity::{ActiveBody, Activity};
 use crate::gateway::client_body::{BodyProgress, ClientBody};
 use crate::gateway::config::ConnectionLimits;
 use crate::gateway::middleware::SnowgateLayer;
+use crate::gateway::send_timeout::SendTimeout;
 use crate::gateway::upstream::{strip_hop_by_hop, Upstream};
 use crate::gateway::workers::Workers;
 
@@ -136,6 +137,7 @@ pub async fn serve(
         let first_byte_timeout = limits.header_read_timeout;
         // As long as hyper keeps an idle HTTP/1 connection.
         let idle_timeout = limits.header_read_timeout;
+        let send_timeout = limits.send_timeout;
         let mut stopping = stopping_rx.clone();
         workers.spawn(worker, async move {
             let sent = has_sent(&stream);
@@ -150,6 +152,7 @@ pub async fn serve(
                 tracing::debug!(%peer, "closed a connection that sent nothing");
                 return;
             }
+            let stream = SendTimeout::new(stream, send_timeout);
             let connection = builder
                 .serve_connection(TokioIo::new(stream), per_request)
                 .into_owned();
@@ -157,7 +160,12 @@ pub async fn serve(
             // itself comes through `stopping` (see `serve_until_stopped`).
             let idle = activity.idle_for(idle_timeout);
             let idle_again = activity.idle_for(idle_timeout);
-            if let Err(e) = serve_until_stopped(connection, stopping, idle, idle_again).await {
+            let stalled = async {
+                activity.stalled_for(send_timeout).await;
+                tracing::debug!(%peer, "closed an HTTP/2 connection whose client took none of its responses for the send timeout");
+            };
+            let ended = serve_until_stopped(connection, stopping, idle, idle_again, stalled);
+            if let Err(e) = ended.await {
                 tracing::debug!(%peer, error = %e, "client connection ended with an error");
             }
             drop(watcher);
@@ -227,7 +235,9 @@ pub(crate) async fn pause_after_accept_error(error: &std::io::Error, what: &str)
 /// (no request in flight for the idle timeout). After an idle shutdown, a
 /// connection that has not ended is dropped once `idle_again` resolves:
 /// requests its client started as the shutdown began are answered first,
-/// but pings, window updates or a trickle of bytes do not keep it.
+/// but pings, window updates or a trickle of bytes do not keep it. Whenever
+/// `stalled` resolves (the client takes none of its responses), the
+/// connection is dropped at once.
 ///
 /// The connection is polled before the stop is looked at, every time, so a
 /// request the client had already sent when shutdown began is read and
@@ -241,17 +251,24 @@ async fn serve_until_stopped<C: GracefulConnection>(
     mut stopping: tokio::sync::watch::Receiver<bool>,
     idle: impl Future<Output = ()>,
     idle_again: impl Future<Output = ()>,
+    stalled: impl Future<Output = ()>,
 ) -> Result<(), C::Error> {
     tokio::pin!(connection);
+    tokio::pin!(stalled);
     let idle = tokio::select! {
         biased;
         done = connection.as_mut() => return done,
+        () = stalled.as_mut() => return Ok(()),
         _ = stopping.wait_for(|stopping| *stopping) => false,
         () = idle => true,
     };
     connection.as_mut().graceful_shutdown();
     if !idle {
-        return connection.await;
+        return tokio::select! {
+            biased;
+            done = connection => done,
+            () = stalled => Ok(()),
+        };
     }
     // HTTP/2 says GOAWAY and ends once the client acknowledges it and
     // every stream it started meanwhile is answered. A client that does
@@ -262,6 +279,7 @@ async fn serve_until_stopped<C: GracefulConnection>(
     tokio::select! {
         biased;
         done = connection => done,
+        () = stalled => Ok(()),
         () = idle_again => Ok(()),
     }
 }
@@ -399,7 +417,7 @@ mod tests {
         let builder = auto::Builder::new(TokioExecutor::new());
         let connection = builder.serve_connection(TokioIo::new(server), service);
         let never = || std::future::pending();
-        serve_until_stopped(connection, stopping, never(), never())
+        serve_until_stopped(connection, stopping, never(), never(), never())
             .await
             .expect("the connection ends cleanly");
 

@@ -83,6 +83,12 @@ pub struct ServeArgs {
     /// milliseconds; then it gets 408 [default: 60000].
     #[arg(long, value_name = "MS")]
     body_read_timeout_ms: Option<u64>,
+    /// The longest a client may take none of a response the gateway has
+    /// for it (it stops reading, or over HTTP/2 grants no flow-control
+    /// window), in milliseconds; then its connection is closed
+    /// [default: 60000].
+    #[arg(long, value_name = "MS")]
+    send_timeout_ms: Option<u64>,
     /// Largest request head (request line plus headers) in bytes; larger
     /// ones get 431 [default: 65536, at least 8192].
     #[arg(long, value_name = "BYTES")]
@@ -166,6 +172,7 @@ impl ServeArgs {
             reload_debounce_ms: self.reload_debounce_ms,
             header_read_timeout_ms: self.header_read_timeout_ms,
             body_read_timeout_ms: self.body_read_timeout_ms,
+            send_timeout_ms: self.send_timeout_ms,
             max_header_bytes: self.max_header_bytes,
             max_connections: self.max_connections,
             upstream_connect_timeout_ms: self.upstream_connect_timeout_ms,
