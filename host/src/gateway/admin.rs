@@ -182,6 +182,8 @@ impl Admin {
 
     /// The `/status` document.
     pub fn status(&self) -> serde_json::Value {
+        // The serving build first: a reload is counted before its swap
+        // (see `PluginSlot::reload`), so the counts below include it.
         let plugin = self.slot.current();
         let info = plugin.info();
         let (succeeded, failed) = self.slot.metrics().reloads();

@@ -157,11 +157,12 @@ impl PluginSlot {
         match outcome {
             Ok(Some(plugin)) => {
                 let sha = plugin.info().sha256.clone();
-                let replaced = self.current.swap(Arc::new(plugin));
-                // Counted at once, so that `/status` shows the new build and
-                // its reload together (retiring the old one takes time).
+                // Counted before the swap, and `/status` reads the serving
+                // build first: whoever sees the new build sees its reload
+                // counted and the last error cleared.
                 *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = None;
                 self.metrics.reload(true);
+                let replaced = self.current.swap(Arc::new(plugin));
                 // Requests still on the old build finish on it, each on an
                 // instance of its own; its kept instances go now.
                 replaced.retire();
