@@ -2,7 +2,6 @@
 //! record of how it ended, so that a client that stalls or breaks off its
 //! body is told so, and is not reported as a failure of the upstream.
 
-use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
@@ -11,7 +10,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
-use tokio::time::{Instant, Sleep};
+
+use crate::gateway::wait_timer::WaitTimer;
 
 /// The error type of the bodies this module wraps.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -103,9 +103,8 @@ impl std::error::Error for BodyStalled {}
 /// stream may wait on the gateway, not on its client.
 pub struct ClientBody<B> {
     inner: B,
-    pause: Option<Duration>,
-    /// Armed when the reader starts waiting on the client.
-    timer: Option<Pin<Box<Sleep>>>,
+    /// Times the waits on the client, if they are timed.
+    pause: Option<WaitTimer>,
     progress: Arc<BodyProgress>,
 }
 
@@ -114,10 +113,17 @@ impl<B> ClientBody<B> {
     pub fn new(inner: B, pause: Option<Duration>, progress: Arc<BodyProgress>) -> ClientBody<B> {
         ClientBody {
             inner,
-            pause,
-            timer: None,
+            pause: pause.map(WaitTimer::new),
             progress,
         }
+    }
+
+    /// The reader got something from the client (or its end).
+    fn progressed(&mut self, state: u8) {
+        if let Some(timer) = &mut self.pause {
+            timer.progressed();
+        }
+        self.progress.set(state);
     }
 }
 
@@ -136,36 +142,27 @@ where
         let this = self.get_mut();
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
-                this.timer = None;
-                this.progress.set(FLOWING);
+                this.progressed(FLOWING);
                 Poll::Ready(Some(Ok(frame)))
             }
             Poll::Ready(Some(Err(e))) => {
-                this.timer = None;
-                this.progress.set(BROKEN);
+                this.progressed(BROKEN);
                 Poll::Ready(Some(Err(e.into())))
             }
             Poll::Ready(None) => {
-                this.timer = None;
-                this.progress.set(COMPLETE);
+                this.progressed(COMPLETE);
                 Poll::Ready(None)
             }
             Poll::Pending => {
-                let Some(pause) = this.pause else {
+                let Some(timer) = &mut this.pause else {
                     return Poll::Pending;
                 };
                 this.progress.set(WAITING_ON_CLIENT);
-                let timer = this.timer.get_or_insert_with(|| {
-                    Box::pin(tokio::time::sleep_until(Instant::now() + pause))
-                });
-                match timer.as_mut().poll(cx) {
-                    Poll::Ready(()) => {
-                        this.timer = None;
-                        this.progress.set(STALLED);
-                        Poll::Ready(Some(Err(Box::new(BodyStalled(pause)))))
-                    }
-                    Poll::Pending => Poll::Pending,
+                if !timer.expired(cx) {
+                    return Poll::Pending;
                 }
+                this.progress.set(STALLED);
+                Poll::Ready(Some(Err(Box::new(BodyStalled(timer.timeout())))))
             }
         }
     }
@@ -181,6 +178,8 @@ where
 
 #[cfg(test)]
 mod tests {
+    use std::future::Future;
+
     use http_body_util::BodyExt;
     use tokio::sync::mpsc;
 

@@ -6,28 +6,22 @@
 //! HTTP/2, where the socket stays writable, are timed by
 //! [`Activity::stalled_for`](crate::gateway::activity::Activity::stalled_for).
 
-use std::future::Future;
 use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::time::{Instant, Sleep};
+
+use crate::gateway::wait_timer::WaitTimer;
 
 /// A client connection whose writes fail with [`io::ErrorKind::TimedOut`]
-/// once one has waited on the client for `timeout` without any write
+/// once one has waited on the client for the timeout without any write
 /// making progress. Only the time a write waits counts: a client that is
 /// slow to send its next request is the header read timeout's business.
 pub struct SendTimeout<S> {
     inner: S,
-    timeout: Duration,
-    /// The deadline of a write waiting on the client; made the first time
-    /// one waits and reused after, so a client that always reads promptly
-    /// costs no timer at all.
-    deadline: Option<Pin<Box<Sleep>>>,
-    /// Whether `deadline` times a wait now (rather than an old one).
-    waiting: bool,
+    timer: WaitTimer,
 }
 
 impl<S> SendTimeout<S> {
@@ -35,9 +29,7 @@ impl<S> SendTimeout<S> {
     pub fn new(inner: S, timeout: Duration) -> SendTimeout<S> {
         SendTimeout {
             inner,
-            timeout,
-            deadline: None,
-            waiting: false,
+            timer: WaitTimer::new(timeout),
         }
     }
 
@@ -48,32 +40,19 @@ impl<S> SendTimeout<S> {
         result: Poll<io::Result<T>>,
     ) -> Poll<io::Result<T>> {
         if result.is_ready() {
-            self.waiting = false;
+            self.timer.progressed();
             return result;
         }
-        let deadline = Instant::now() + self.timeout;
-        let sleep = match &mut self.deadline {
-            Some(sleep) => {
-                if !self.waiting {
-                    sleep.as_mut().reset(deadline);
-                }
-                sleep
-            }
-            None => self
-                .deadline
-                .insert(Box::pin(tokio::time::sleep_until(deadline))),
-        };
-        self.waiting = true;
-        match sleep.as_mut().poll(cx) {
-            Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                format!(
-                    "the client took none of its response for {} ms (--send-timeout-ms)",
-                    self.timeout.as_millis()
-                ),
-            ))),
-            Poll::Pending => Poll::Pending,
+        if !self.timer.expired(cx) {
+            return Poll::Pending;
         }
+        Poll::Ready(Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!(
+                "the client took none of its response for {} ms (--send-timeout-ms)",
+                self.timer.timeout().as_millis()
+            ),
+        )))
     }
 }
 
@@ -128,6 +107,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for SendTimeout<S> {
 #[cfg(test)]
 mod tests {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::time::Instant;
 
     use super::*;
 
