@@ -766,6 +766,64 @@ async fn an_upstream_that_never_answers_gets_a_504_after_the_response_timeout() 
     );
 }
 
+/// An upstream that stops sending partway through a response body is cut
+/// off after --upstream-read-timeout-ms: the client's body ends with an
+/// error instead of never, and the cut-off is counted and logged. A pause
+/// shorter than the timeout is not cut off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_that_stops_mid_body_is_cut_off_after_the_read_timeout() {
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start(&[
+        "--upstream",
+        &upstream.url(),
+        "--upstream-read-timeout-ms",
+        "1000",
+    ])
+    .await;
+    let mut client = Client::connect(gateway.addr).await;
+    let sse = |client: &Client| {
+        client
+            .builder(Method::GET, "/sse")
+            .body(Full::new(Bytes::new()))
+            .expect("a request")
+    };
+
+    let mut response = client.send_streaming(sse(&client)).await;
+    let first = bounded("the first event", STEP, response.body_mut().frame()).await;
+    assert!(first.is_some());
+    // The time under test: the upstream pauses, for less than the timeout.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let rest = release_the_rest_of_the_events(&upstream.state, response.into_body()).await;
+    assert!(
+        String::from_utf8_lossy(&rest).contains("[DONE]"),
+        "{rest:?}"
+    );
+
+    let mut response = client.send_streaming(sse(&client)).await;
+    let first = bounded("the first event", STEP, response.body_mut().frame()).await;
+    assert!(first.is_some());
+    let paused = Instant::now();
+    let rest = bounded(
+        "the stream to be cut off",
+        STEP,
+        response.into_body().collect(),
+    )
+    .await;
+    assert!(rest.is_err(), "the body ended cleanly: {rest:?}");
+    assert!(
+        paused.elapsed() >= Duration::from_millis(1000),
+        "{:?}",
+        paused.elapsed()
+    );
+    gateway.wait_log("cut off a response").await;
+    assert!(gateway
+        .stderr_text()
+        .contains("1000 ms (--upstream-read-timeout-ms)"));
+    let metrics = gateway.metrics().await;
+    assert_eq!(metric(&metrics, "snowgate_upstream_cut_offs_total"), 1.0);
+    assert_eq!(metric(&metrics, "snowgate_upstream_errors_total"), 0.0);
+}
+
 /// An upstream response with both `Transfer-Encoding: chunked` and a
 /// `Content-Length` is chunked (RFC 9112 section 6.3): the client gets the
 /// whole body, not the first `Content-Length` bytes of it.

@@ -132,8 +132,13 @@ pub struct UpstreamTimeouts {
     /// count too.
     /// Generous by default: a non-streaming completion sends its headers
     /// only when generation ends. The response body that follows (a token
-    /// stream) is not limited.
+    /// stream) is limited by [`UpstreamTimeouts::read`] alone.
     pub response: Duration,
+    /// The longest the upstream may pause within a response body, once
+    /// its headers came: then the response is cut off. Only time the
+    /// gateway waits on the upstream counts, not time the client takes to
+    /// read.
+    pub read: Duration,
     /// How long an idle upstream connection is kept for reuse. Below the
     /// upstream's own keep-alive timeout (uvicorn's default is 5 s), so the
     /// gateway never sends a request on a connection the upstream is
@@ -146,6 +151,7 @@ impl Default for UpstreamTimeouts {
         UpstreamTimeouts {
             connect: Duration::from_secs(5),
             response: Duration::from_secs(600),
+            read: Duration::from_secs(600),
             idle: Duration::from_secs(4),
         }
     }
@@ -221,6 +227,8 @@ pub struct ConfigFile {
     pub upstream_connect_timeout_ms: Option<u64>,
     /// See [`UpstreamTimeouts::response`], in milliseconds.
     pub upstream_response_timeout_ms: Option<u64>,
+    /// See [`UpstreamTimeouts::read`], in milliseconds.
+    pub upstream_read_timeout_ms: Option<u64>,
     /// See [`UpstreamTimeouts::idle`], in milliseconds.
     pub upstream_idle_timeout_ms: Option<u64>,
     /// See [`GatewayConfig::admin_token`].
@@ -360,6 +368,11 @@ impl ConfigFile {
                 &mut timeouts.response,
             ),
             (
+                "upstream-read-timeout-ms",
+                self.upstream_read_timeout_ms,
+                &mut timeouts.read,
+            ),
+            (
                 "upstream-idle-timeout-ms",
                 self.upstream_idle_timeout_ms,
                 &mut timeouts.idle,
@@ -434,6 +447,7 @@ mod tests {
             workers = 3
             upstream-response-timeout-ms = 30000
             upstream-idle-timeout-ms = 1500
+            upstream-read-timeout-ms = 45000
             send-timeout-ms = 2500
             [plugin-settings]
             extra = "yes"
@@ -456,6 +470,7 @@ mod tests {
             UpstreamTimeouts {
                 connect: Duration::from_secs(5),
                 response: Duration::from_secs(30),
+                read: Duration::from_secs(45),
                 idle: Duration::from_millis(1500),
             }
         );

@@ -73,6 +73,7 @@ const LATENCY_BUCKETS: [f64; 19] = [
 pub struct Metrics {
     requests: [AtomicU64; Outcome::ALL.len()],
     upstream_errors: AtomicU64,
+    upstream_cut_offs: AtomicU64,
     reloads_succeeded: AtomicU64,
     reloads_failed: AtomicU64,
     plugin_failures: [AtomicU64; FAILURE_KINDS.len()],
@@ -90,6 +91,12 @@ impl Metrics {
     /// Counts a request that got no upstream response (answered 502 or 504).
     pub fn upstream_error(&self) {
         self.upstream_errors.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a response cut off because its upstream paused longer than
+    /// the upstream read timeout.
+    pub fn upstream_cut_off(&self) {
+        self.upstream_cut_offs.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Counts a reload, good or bad.
@@ -163,6 +170,15 @@ impl Metrics {
             out,
             "snowgate_upstream_errors_total {}",
             load(&self.upstream_errors)
+        );
+        out.push_str(
+            "# HELP snowgate_upstream_cut_offs_total Responses cut off because the upstream paused within the body longer than --upstream-read-timeout-ms.\n",
+        );
+        out.push_str("# TYPE snowgate_upstream_cut_offs_total counter\n");
+        let _ = writeln!(
+            out,
+            "snowgate_upstream_cut_offs_total {}",
+            load(&self.upstream_cut_offs)
         );
         out.push_str("# HELP snowgate_reloads_total Plugin reloads, by result.\n");
         out.push_str("# TYPE snowgate_reloads_total counter\n");

@@ -18,6 +18,7 @@ pub mod send_timeout;
 pub mod server;
 pub mod slot;
 pub mod upstream;
+pub mod upstream_read_timeout;
 pub mod wait_timer;
 pub mod watch;
 pub mod workers;

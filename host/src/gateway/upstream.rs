@@ -24,6 +24,7 @@ use crate::gateway::config::UpstreamTimeouts;
 use crate::gateway::metrics::Metrics;
 use crate::gateway::read_body::read_limited;
 use crate::gateway::responses;
+use crate::gateway::upstream_read_timeout::UpstreamReadTimeout;
 
 /// Any error a body may carry.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -214,10 +215,8 @@ impl HttpUpstream {
                     parts.headers.remove(header::TRAILER);
                 }
                 // Streamed as it arrives: server-sent events are not buffered.
-                return Response::from_parts(
-                    parts,
-                    body.map_err(|e| Box::new(e) as BoxError).boxed(),
-                );
+                let body = UpstreamReadTimeout::new(body, self.timeouts.read, self.metrics.clone());
+                return Response::from_parts(parts, body.boxed());
             }
             Ok(Err(e)) => {
                 // The request body is the client's: when reading it failed,

@@ -105,10 +105,16 @@ pub struct ServeArgs {
     /// How long the upstream may take to send its response headers, counted
     /// from the request (connecting and sending the request body included),
     /// in milliseconds; then the client gets 504. A non-streaming completion
-    /// sends them only when generation ends; a streamed response body is not
-    /// limited [default: 600000, ten minutes].
+    /// sends them only when generation ends; the body after them is
+    /// limited by --upstream-read-timeout-ms [default: 600000, ten minutes].
     #[arg(long, value_name = "MS")]
     upstream_response_timeout_ms: Option<u64>,
+    /// The longest the upstream may pause within a response body once its
+    /// headers came (a token stream between two tokens), in milliseconds;
+    /// then the response is cut off, counted and logged. Time the client
+    /// takes to read does not count [default: 600000, ten minutes].
+    #[arg(long, value_name = "MS")]
+    upstream_read_timeout_ms: Option<u64>,
     /// How long an idle upstream connection is kept for reuse, in
     /// milliseconds; keep it below the upstream's keep-alive timeout
     /// (uvicorn's default: 5 s) [default: 4000].
@@ -177,6 +183,7 @@ impl ServeArgs {
             max_connections: self.max_connections,
             upstream_connect_timeout_ms: self.upstream_connect_timeout_ms,
             upstream_response_timeout_ms: self.upstream_response_timeout_ms,
+            upstream_read_timeout_ms: self.upstream_read_timeout_ms,
             upstream_idle_timeout_ms: self.upstream_idle_timeout_ms,
             admin_token: self.admin_token,
             workers: self.workers,

@@ -1,0 +1,92 @@
+//! The upstream's response body on its way to the client: how long the
+//! upstream may pause within it, so that an upstream that hangs after its
+//! headers (a stuck worker mid-stream) costs the client a response that
+//! ends, not one that never does.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
+
+use crate::gateway::client_body::BoxError;
+use crate::gateway::metrics::Metrics;
+use crate::gateway::wait_timer::WaitTimer;
+
+/// The error a response body gives when the upstream paused too long.
+#[derive(Debug)]
+pub struct UpstreamPaused(pub Duration);
+
+impl std::fmt::Display for UpstreamPaused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "the upstream sent no more of its response body for {} ms (--upstream-read-timeout-ms)",
+            self.0.as_millis()
+        )
+    }
+}
+
+impl std::error::Error for UpstreamPaused {}
+
+/// A response body that fails with [`UpstreamPaused`] when the upstream
+/// sends nothing for the read timeout while the gateway waits for more;
+/// the response is then cut off (the client sees it end short), counted
+/// and logged. Only time spent waiting on the upstream counts: a client
+/// that reads slowly does not make the upstream late.
+pub struct UpstreamReadTimeout<B> {
+    inner: B,
+    timer: WaitTimer,
+    metrics: Arc<Metrics>,
+}
+
+impl<B> UpstreamReadTimeout<B> {
+    /// `inner`, which may pause at most `timeout` each time; a cut-off is
+    /// counted in `metrics`.
+    pub fn new(inner: B, timeout: Duration, metrics: Arc<Metrics>) -> UpstreamReadTimeout<B> {
+        UpstreamReadTimeout {
+            inner,
+            timer: WaitTimer::new(timeout),
+            metrics,
+        }
+    }
+}
+
+impl<B> Body for UpstreamReadTimeout<B>
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self.get_mut();
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(frame) => {
+                this.timer.progressed();
+                Poll::Ready(frame.map(|frame| frame.map_err(Into::into)))
+            }
+            Poll::Pending if !this.timer.expired(cx) => Poll::Pending,
+            Poll::Pending => {
+                let paused = UpstreamPaused(this.timer.timeout());
+                tracing::warn!(problem = %paused, "cut off a response: its upstream stopped sending");
+                this.metrics.upstream_cut_off();
+                Poll::Ready(Some(Err(Box::new(paused))))
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
