@@ -355,6 +355,13 @@ impl StreamingUpstream {
     fn url(&self) -> String {
         format!("http://{}", self.addr)
     }
+
+    /// Waits for the gateway to drop a connection mid-body.
+    async fn wait_cut(&mut self) {
+        let cut = self.cut.recv();
+        let cut = bounded("the gateway to let go of the upstream", STEP, cut).await;
+        cut.expect("the upstream is running");
+    }
 }
 
 /// An HTTP/1 client that sends a request and never reads the answer loses
@@ -371,13 +378,7 @@ async fn an_http1_client_that_never_reads_its_response_loses_its_connection() {
         .write_all(b"GET /stream HTTP/1.1\r\nhost: x\r\n\r\n")
         .await
         .expect("a request");
-    bounded(
-        "the gateway to let go of the upstream",
-        STEP,
-        upstream.cut.recv(),
-    )
-    .await
-    .expect("a cut");
+    upstream.wait_cut().await;
     assert!(
         sent.elapsed() >= Duration::from_millis(500),
         "{:?}",
@@ -413,13 +414,7 @@ async fn an_http2_client_that_grants_no_window_loses_its_connection() {
     assert_eq!(response.status(), 200);
     // The body is never read, so its window is never given back; the
     // client still answers pings and settings.
-    bounded(
-        "the gateway to let go of the upstream",
-        STEP,
-        upstream.cut.recv(),
-    )
-    .await
-    .expect("a cut");
+    upstream.wait_cut().await;
     // Closed by the gateway: the client's connection task ends (with an
     // error or without, as the close happens to land).
     let _ended = bounded("the gateway to close the connection", STEP, connection)

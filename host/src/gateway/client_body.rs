@@ -75,23 +75,8 @@ impl BodyProgress {
     }
 }
 
-/// The error a body gives when the client paused too long.
-#[derive(Debug)]
-pub struct BodyStalled(pub Duration);
-
-impl std::fmt::Display for BodyStalled {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "the client sent no more of the request body for {} ms (--body-read-timeout-ms)",
-            self.0.as_millis()
-        )
-    }
-}
-
-impl std::error::Error for BodyStalled {}
-
-/// A request body that fails with [`BodyStalled`] when the client sends
+/// A request body that fails with a
+/// [`WaitedTooLong`](crate::gateway::wait_timer::WaitedTooLong) when the client sends
 /// nothing for `pause` while its reader waits, and records in its
 /// [`BodyProgress`] how it went. Only time spent waiting on the client
 /// counts: a reader that stops reading (an upstream not yet connected, or
@@ -113,7 +98,10 @@ impl<B> ClientBody<B> {
     pub fn new(inner: B, pause: Option<Duration>, progress: Arc<BodyProgress>) -> ClientBody<B> {
         ClientBody {
             inner,
-            pause: pause.map(WaitTimer::new),
+            pause: pause.map(|pause| {
+                let what = "the client sent no more of the request body";
+                WaitTimer::new(pause, what, "--body-read-timeout-ms")
+            }),
             progress,
         }
     }
@@ -162,7 +150,7 @@ where
                     return Poll::Pending;
                 }
                 this.progress.set(STALLED);
-                Poll::Ready(Some(Err(Box::new(BodyStalled(timer.timeout())))))
+                Poll::Ready(Some(Err(Box::new(timer.error()))))
             }
         }
     }

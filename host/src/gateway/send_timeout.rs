@@ -29,7 +29,11 @@ impl<S> SendTimeout<S> {
     pub fn new(inner: S, timeout: Duration) -> SendTimeout<S> {
         SendTimeout {
             inner,
-            timer: WaitTimer::new(timeout),
+            timer: WaitTimer::new(
+                timeout,
+                "the client took none of its response",
+                "--send-timeout-ms",
+            ),
         }
     }
 
@@ -48,10 +52,7 @@ impl<S> SendTimeout<S> {
         }
         Poll::Ready(Err(io::Error::new(
             io::ErrorKind::TimedOut,
-            format!(
-                "the client took none of its response for {} ms (--send-timeout-ms)",
-                self.timer.timeout().as_millis()
-            ),
+            self.timer.error(),
         )))
     }
 }

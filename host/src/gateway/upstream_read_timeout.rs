@@ -15,23 +15,8 @@ use crate::gateway::client_body::BoxError;
 use crate::gateway::metrics::Metrics;
 use crate::gateway::wait_timer::WaitTimer;
 
-/// The error a response body gives when the upstream paused too long.
-#[derive(Debug)]
-pub struct UpstreamPaused(pub Duration);
-
-impl std::fmt::Display for UpstreamPaused {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "the upstream sent no more of its response body for {} ms (--upstream-read-timeout-ms)",
-            self.0.as_millis()
-        )
-    }
-}
-
-impl std::error::Error for UpstreamPaused {}
-
-/// A response body that fails with [`UpstreamPaused`] when the upstream
+/// A response body that fails with a
+/// [`WaitedTooLong`](crate::gateway::wait_timer::WaitedTooLong) when the upstream
 /// sends nothing for the read timeout while the gateway waits for more;
 /// the response is then cut off (the client sees it end short), counted
 /// and logged. Only time spent waiting on the upstream counts: a client
@@ -48,7 +33,11 @@ impl<B> UpstreamReadTimeout<B> {
     pub fn new(inner: B, timeout: Duration, metrics: Arc<Metrics>) -> UpstreamReadTimeout<B> {
         UpstreamReadTimeout {
             inner,
-            timer: WaitTimer::new(timeout),
+            timer: WaitTimer::new(
+                timeout,
+                "the upstream sent no more of its response body",
+                "--upstream-read-timeout-ms",
+            ),
             metrics,
         }
     }
@@ -74,7 +63,7 @@ where
             }
             Poll::Pending if !this.timer.expired(cx) => Poll::Pending,
             Poll::Pending => {
-                let paused = UpstreamPaused(this.timer.timeout());
+                let paused = this.timer.error();
                 tracing::warn!(problem = %paused, "cut off a response: its upstream stopped sending");
                 this.metrics.upstream_cut_off();
                 Poll::Ready(Some(Err(Box::new(paused))))

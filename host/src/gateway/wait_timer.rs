@@ -11,9 +11,31 @@ use std::time::Duration;
 
 use tokio::time::{Instant, Sleep};
 
+/// The error of a wait that lasted its whole timeout.
+#[derive(Debug, Clone)]
+pub struct WaitedTooLong {
+    /// What did not happen, as a clause ("the client sent no more of the
+    /// request body").
+    what: &'static str,
+    /// The flag that sets the limit.
+    flag: &'static str,
+    timeout: Duration,
+}
+
+impl std::fmt::Display for WaitedTooLong {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (what, ms, flag) = (self.what, self.timeout.as_millis(), self.flag);
+        write!(f, "{what} for {ms} ms ({flag})")
+    }
+}
+
+impl std::error::Error for WaitedTooLong {}
+
 /// Times one wait at a time on a stream polled for progress.
 pub struct WaitTimer {
     timeout: Duration,
+    /// How a wait that lasts the timeout is reported.
+    error: WaitedTooLong,
     /// Made the first time a poll waits, and reset for later waits: a
     /// stream that never waits costs no timer at all.
     sleep: Option<Pin<Box<Sleep>>>,
@@ -22,18 +44,25 @@ pub struct WaitTimer {
 }
 
 impl WaitTimer {
-    /// A timer for waits of at most `timeout` each.
-    pub fn new(timeout: Duration) -> WaitTimer {
+    /// A timer for waits of at most `timeout` each, set by `flag`; a wait
+    /// that lasts it is reported as `what` (a clause: "the upstream sent
+    /// no more of its response body") did not happen for that long.
+    pub fn new(timeout: Duration, what: &'static str, flag: &'static str) -> WaitTimer {
         WaitTimer {
             timeout,
+            error: WaitedTooLong {
+                what,
+                flag,
+                timeout,
+            },
             sleep: None,
             waiting: false,
         }
     }
 
-    /// The longest a wait may last.
-    pub fn timeout(&self) -> Duration {
-        self.timeout
+    /// The error for a wait that lasted the whole timeout.
+    pub fn error(&self) -> WaitedTooLong {
+        self.error.clone()
     }
 
     /// A poll found the other side ready: the wait, if any, is over.
@@ -76,7 +105,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn only_a_wait_as_long_as_the_timeout_expires() {
-        let mut timer = WaitTimer::new(TIMEOUT);
+        let mut timer = WaitTimer::new(TIMEOUT, "nothing came", "--test-timeout-ms");
         assert!(!expired(&mut timer).await);
         tokio::time::advance(TIMEOUT - Duration::from_millis(1)).await;
         assert!(
@@ -91,13 +120,17 @@ mod tests {
         assert!(!expired(&mut timer).await);
         tokio::time::advance(Duration::from_millis(1)).await;
         assert!(expired(&mut timer).await);
+        assert_eq!(
+            timer.error().to_string(),
+            "nothing came for 60000 ms (--test-timeout-ms)"
+        );
     }
 
     /// The task waiting is woken when the timeout runs out, without being
     /// polled meanwhile.
     #[tokio::test(start_paused = true)]
     async fn the_waiting_task_is_woken_at_the_timeout() {
-        let mut timer = WaitTimer::new(TIMEOUT);
+        let mut timer = WaitTimer::new(TIMEOUT, "nothing came", "--test-timeout-ms");
         let started = Instant::now();
         std::future::poll_fn(|cx| {
             if timer.expired(cx) {
