@@ -390,36 +390,58 @@ async fn an_http1_client_that_never_reads_its_response_loses_its_connection() {
 
 /// An HTTP/2 client that grants no more flow-control window (it does not
 /// read the response body) keeps its socket writable, and is closed by
-/// the send timeout all the same.
+/// the send timeout all the same, even while it keeps the connection busy
+/// with other requests (each answered 400 by the gateway itself).
 #[tokio::test(flavor = "multi_thread")]
 async fn an_http2_client_that_grants_no_window_loses_its_connection() {
+    use http_body_util::Full;
+
     let mut upstream = StreamingUpstream::start(None).await;
     let gateway =
         Gateway::start(&["--upstream", &upstream.url(), "--send-timeout-ms", "500"]).await;
     let stream = TcpStream::connect(gateway.addr).await.expect("connect");
     let (mut sender, connection) =
         hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
-            .handshake::<_, http_body_util::Empty<bytes::Bytes>>(hyper_util::rt::TokioIo::new(
-                stream,
-            ))
+            .handshake::<_, Full<bytes::Bytes>>(hyper_util::rt::TokioIo::new(stream))
             .await
             .expect("an HTTP/2 handshake");
     let connection = tokio::spawn(connection);
     let request = http::Request::get(format!("http://{}/stream", gateway.addr))
-        .body(http_body_util::Empty::new())
+        .body(Full::default())
         .expect("a request");
     let response = bounded("a response head", STEP, sender.send_request(request))
         .await
         .expect("a response");
     assert_eq!(response.status(), 200);
     // The body is never read, so its window is never given back; the
-    // client still answers pings and settings.
+    // client still answers pings and settings, and sends a request that
+    // the gateway answers at once every 100 ms.
+    let addr = gateway.addr;
+    let poker = tokio::spawn(async move {
+        let mut answered = 0;
+        loop {
+            let request = http::Request::post(format!("http://{addr}/v1/completions"))
+                .header("content-type", "application/json")
+                .body(Full::new(bytes::Bytes::from_static(b"{")))
+                .expect("a request");
+            match sender.send_request(request).await {
+                Ok(response) => assert_eq!(response.status(), 400),
+                Err(_closed) => return answered,
+            }
+            answered += 1;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
     upstream.wait_cut().await;
     // Closed by the gateway: the client's connection task ends (with an
     // error or without, as the close happens to land).
     let _ended = bounded("the gateway to close the connection", STEP, connection)
         .await
         .expect("the connection task");
+    let answered = bounded("the poker to stop", STEP, poker)
+        .await
+        .expect("poker");
+    assert!(answered >= 5, "only {answered} requests answered meanwhile");
     drop(response);
 }
 

@@ -37,14 +37,17 @@ pub struct Activity {
 
 /// How a connection's HTTP/2 response bodies are being taken by hyper,
 /// which takes the next piece of a body only once the client's
-/// flow-control window has room for it.
+/// flow-control window has room for it. Time is cut into epochs of one
+/// timeout each (see [`Activity::stalled_for`]); each body owed a take
+/// counts in the epoch it became owed in.
 #[derive(Default)]
 struct Taking {
-    /// Bumped every time hyper asks a body for its next piece.
-    asks: AtomicU64,
+    /// The current epoch.
+    epoch: AtomicU64,
     /// Bodies that handed hyper a piece and have not been asked for the
-    /// next one since.
-    owed: AtomicUsize,
+    /// next one since, by the epoch they did so in, modulo 3: only the
+    /// last three epochs can hold any (see [`Activity::stalled_for`]).
+    owed: [AtomicUsize; 3],
 }
 
 impl Default for Activity {
@@ -70,33 +73,7 @@ impl Activity {
         InFlight {
             in_flight: self.in_flight.clone(),
             taking: http2.then(|| self.taking.clone()),
-            owed: false,
-        }
-    }
-
-    /// Resolves once an HTTP/2 response body has waited for the client to
-    /// take its last piece for at least `timeout`, and at most twice that,
-    /// with hyper asking no body on the connection for more meanwhile: the
-    /// client has taken none of any response for that long. Never for
-    /// HTTP/1, whose stalls [`SendTimeout`](crate::gateway::send_timeout::SendTimeout)
-    /// sees at the socket.
-    pub async fn stalled_for(&self, timeout: Duration) {
-        let mut in_flight = self.in_flight.subscribe();
-        loop {
-            // Never closed: `self` holds the sender.
-            let _ = in_flight.wait_for(|n| *n > 0).await;
-            if self.http1.load(Ordering::Relaxed) {
-                return std::future::pending().await;
-            }
-            let asks = self.taking.asks.load(Ordering::Relaxed);
-            tokio::time::sleep(timeout).await;
-            // Nothing asked for a whole timeout: whatever is owed now was
-            // owed all along.
-            if self.taking.owed.load(Ordering::Relaxed) > 0
-                && self.taking.asks.load(Ordering::Relaxed) == asks
-            {
-                return;
-            }
+            owed_in: None,
         }
     }
 
@@ -123,6 +100,33 @@ impl Activity {
             }
         }
     }
+
+    /// Resolves once an HTTP/2 response body has waited for the client to
+    /// take its last piece for at least `timeout` (and at most twice
+    /// that): the client has taken none of that response for that long,
+    /// whatever it does with the connection's other streams. Never for
+    /// HTTP/1, whose stalls [`SendTimeout`](crate::gateway::send_timeout::SendTimeout)
+    /// sees at the socket.
+    pub async fn stalled_for(&self, timeout: Duration) {
+        let mut in_flight = self.in_flight.subscribe();
+        loop {
+            // Never closed: `self` holds the sender.
+            let _ = in_flight.wait_for(|n| *n > 0).await;
+            if self.http1.load(Ordering::Relaxed) {
+                return std::future::pending().await;
+            }
+            tokio::time::sleep(timeout).await;
+            // Epoch n + 1 begins. A body still owed since epoch n - 1 has
+            // been owed since before epoch n began, a whole timeout ago.
+            // That count's slot, (n - 1) mod 3, is reused for epoch n + 2
+            // only after this check found it empty.
+            let n = self.taking.epoch.fetch_add(1, Ordering::Relaxed);
+            let before_last = ((n + 2) % 3) as usize;
+            if self.taking.owed[before_last].load(Ordering::Relaxed) > 0 {
+                return;
+            }
+        }
+    }
 }
 
 /// One request in flight (see [`Activity::begin`]).
@@ -130,37 +134,32 @@ pub struct InFlight {
     in_flight: watch::Sender<usize>,
     /// Over HTTP/2: how the connection's bodies are being taken.
     taking: Option<Arc<Taking>>,
-    /// Whether this request's body handed hyper a piece and has not been
-    /// asked for the next one since.
-    owed: bool,
+    /// The slot of the epoch this request's body handed hyper a piece in,
+    /// if it has not been asked for the next one since.
+    owed_in: Option<usize>,
 }
 
 impl InFlight {
     /// hyper asks the body for its next piece.
     fn asked(&mut self) {
-        if let Some(taking) = &self.taking {
-            taking.asks.fetch_add(1, Ordering::Relaxed);
-            if std::mem::take(&mut self.owed) {
-                taking.owed.fetch_sub(1, Ordering::Relaxed);
-            }
+        if let (Some(taking), Some(slot)) = (&self.taking, self.owed_in.take()) {
+            taking.owed[slot].fetch_sub(1, Ordering::Relaxed);
         }
     }
 
     /// The body handed hyper a piece of data.
     fn handed(&mut self) {
-        if let Some(taking) = &self.taking {
-            if !std::mem::replace(&mut self.owed, true) {
-                taking.owed.fetch_add(1, Ordering::Relaxed);
-            }
+        if let (Some(taking), None) = (&self.taking, self.owed_in) {
+            let slot = (taking.epoch.load(Ordering::Relaxed) % 3) as usize;
+            taking.owed[slot].fetch_add(1, Ordering::Relaxed);
+            self.owed_in = Some(slot);
         }
     }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        if let (Some(taking), true) = (&self.taking, self.owed) {
-            taking.owed.fetch_sub(1, Ordering::Relaxed);
-        }
+        self.asked();
         self.in_flight.send_modify(|n| *n -= 1);
     }
 }
@@ -342,7 +341,43 @@ mod tests {
             "found {stalled_after:?} after the last piece"
         );
         drop(body);
-        assert_eq!(activity.taking.owed.load(Ordering::Relaxed), 0);
+        let owed = activity
+            .taking
+            .owed
+            .iter()
+            .map(|n| n.load(Ordering::Relaxed));
+        assert_eq!(owed.sum::<usize>(), 0);
+    }
+
+    /// A stalled body is found even while the client takes pieces of
+    /// another response on the same connection.
+    #[tokio::test(start_paused = true)]
+    async fn a_stalled_body_is_found_while_other_streams_flow() {
+        use http_body_util::{BodyExt, Full};
+
+        let activity = Activity::default();
+        let whole = Bytes::from(vec![7u8; 4 * HTTP2_PIECE]);
+        let mut stalled = ActiveBody::new(Full::new(whole), activity.begin(Version::HTTP_2));
+        stalled.frame().await.expect("a piece").expect("data");
+        let whole = Bytes::from(vec![7u8; 256 * HTTP2_PIECE]);
+        let mut flowing = ActiveBody::new(Full::new(whole), activity.begin(Version::HTTP_2));
+        let taker = tokio::spawn(async move {
+            while flowing.frame().await.is_some() {
+                tokio::time::sleep(TIMEOUT / 4).await;
+            }
+        });
+        let started = Instant::now();
+        tokio::time::timeout(10 * TIMEOUT, activity.stalled_for(TIMEOUT))
+            .await
+            .expect("the stalled body was found");
+        let found = started.elapsed();
+        assert!(
+            (TIMEOUT..=2 * TIMEOUT).contains(&found),
+            "found after {found:?}"
+        );
+        assert!(!taker.is_finished(), "the other stream still flows");
+        taker.abort();
+        drop(stalled);
     }
 
     /// A client that takes a piece every half timeout, a body waiting on
