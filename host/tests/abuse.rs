@@ -370,8 +370,8 @@ impl StreamingUpstream {
 #[tokio::test(flavor = "multi_thread")]
 async fn an_http1_client_that_never_reads_its_response_loses_its_connection() {
     let mut upstream = StreamingUpstream::start(None).await;
-    let gateway =
-        Gateway::start(&["--upstream", &upstream.url(), "--send-timeout-ms", "500"]).await;
+    let args = ["--upstream", &upstream.url(), "--send-timeout-ms", "500"];
+    let gateway = Gateway::start_logging(&args, "snowgate_host::gateway::server=debug").await;
     let mut client = TcpStream::connect(gateway.addr).await.expect("connect");
     let sent = Instant::now();
     client
@@ -386,6 +386,10 @@ async fn an_http1_client_that_never_reads_its_response_loses_its_connection() {
     );
     // What the socket buffers held, then the end.
     closes_within(&mut client, STEP).await;
+    // The log says why.
+    gateway
+        .wait_log("the client took none of its response for 500 ms (--send-timeout-ms)")
+        .await;
 }
 
 /// An HTTP/2 client that grants no more flow-control window (it does not
@@ -477,6 +481,46 @@ async fn a_reader_pausing_for_less_than_the_send_timeout_gets_the_whole_response
     }
     assert_eq!(received, CHUNKS << 16);
     assert!(pauses * 300 > 3 * 1000, "{pauses} pauses");
+}
+
+/// A client that reads steadily but slowly keeps its response although
+/// the kernel reports the gateway's full socket writable only once about
+/// a third of its send buffer (megabytes) is free, which can take such a
+/// reader longer than the send timeout: the gateway sees the send queue
+/// shrink. (The release build, without that check, cut this reader off
+/// after about 4 MB; the debug build these tests run fills the buffers
+/// differently and was not cut. The unit tests of `SendTimeout` check the
+/// queue logic itself.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_steady_slow_reader_gets_the_whole_response() {
+    const CHUNKS: usize = 96; // 6 MiB
+    let upstream = StreamingUpstream::start(Some(CHUNKS)).await;
+    let gateway =
+        Gateway::start(&["--upstream", &upstream.url(), "--send-timeout-ms", "1000"]).await;
+    let mut client = TcpStream::connect(gateway.addr).await.expect("connect");
+    client
+        .write_all(b"GET /stream HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        .await
+        .expect("a request");
+    let mut received = Vec::new();
+    let mut buf = vec![0u8; 256 << 10];
+    loop {
+        // At most 256 KiB every 300 ms: 870 KB/s.
+        let n = bounded("a read", STEP, client.read(&mut buf))
+            .await
+            .expect("a read");
+        if n == 0 {
+            break;
+        }
+        received.extend_from_slice(&buf[..n]);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    assert!(
+        received.ends_with(b"\r\n0\r\n\r\n"),
+        "the body ended early, after {} bytes",
+        received.len()
+    );
+    assert!(received.len() > CHUNKS << 16);
 }
 
 /// A client cannot keep an HTTP/2 connection that serves nothing by

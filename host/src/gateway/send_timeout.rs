@@ -16,15 +16,59 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use crate::gateway::wait_timer::WaitTimer;
 
 /// A client connection whose writes fail with [`io::ErrorKind::TimedOut`]
-/// once one has waited on the client for the timeout without any write
-/// making progress. Only the time a write waits counts: a client that is
+/// once one has waited on the client for the timeout without the client
+/// taking anything. Only the time a write waits counts: a client that is
 /// slow to send its next request is the header read timeout's business.
+///
+/// The kernel reports a full socket writable again only once a third or
+/// so of its send buffer (up to megabytes) is free, so a client that
+/// reads steadily but slowly can leave a write waiting longer than the
+/// timeout. When the timeout runs out, the socket's send queue is looked
+/// at: if the client took some of it since the wait began, a new wait
+/// begins instead.
 pub struct SendTimeout<S> {
     inner: S,
     timer: WaitTimer,
+    /// While a write waits: what the send queue held when the wait
+    /// began, if the connection can tell.
+    queued: Option<Option<usize>>,
 }
 
-impl<S> SendTimeout<S> {
+/// A connection that can tell how much of what was written to it its
+/// peer has not yet taken.
+pub trait SendQueue {
+    /// Bytes written but not yet acknowledged by the peer; `None` where
+    /// the platform cannot tell.
+    fn queued(&self) -> Option<usize>;
+}
+
+impl SendQueue for tokio::net::TcpStream {
+    #[cfg(target_os = "linux")]
+    fn queued(&self) -> Option<usize> {
+        use std::os::fd::AsRawFd;
+
+        let mut queued: libc::c_int = 0;
+        // SAFETY: TIOCOUTQ (SIOCOUTQ) writes one int through the pointer,
+        // which points at a live int.
+        let status = unsafe { libc::ioctl(self.as_raw_fd(), libc::TIOCOUTQ, &mut queued) };
+        (status == 0)
+            .then(|| usize::try_from(queued).ok())
+            .flatten()
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    fn queued(&self) -> Option<usize> {
+        None
+    }
+}
+
+impl SendQueue for tokio::io::DuplexStream {
+    fn queued(&self) -> Option<usize> {
+        None
+    }
+}
+
+impl<S: SendQueue> SendTimeout<S> {
     /// `inner`, whose writes may wait on the client at most `timeout` each.
     pub fn new(inner: S, timeout: Duration) -> SendTimeout<S> {
         SendTimeout {
@@ -34,6 +78,7 @@ impl<S> SendTimeout<S> {
                 "the client took none of its response",
                 "--send-timeout-ms",
             ),
+            queued: None,
         }
     }
 
@@ -45,19 +90,31 @@ impl<S> SendTimeout<S> {
     ) -> Poll<io::Result<T>> {
         if result.is_ready() {
             self.timer.progressed();
+            self.queued = None;
             return result;
         }
-        if !self.timer.expired(cx) {
-            return Poll::Pending;
+        let inner = &self.inner;
+        let mut queued = *self.queued.get_or_insert_with(|| inner.queued());
+        while self.timer.expired(cx) {
+            match (queued, self.inner.queued()) {
+                // The client took some: it is reading, a new wait begins.
+                (Some(before), Some(now)) if now < before => {
+                    queued = Some(now);
+                    self.queued = Some(queued);
+                    self.timer.progressed();
+                }
+                _ => {
+                    return Poll::Ready(Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        self.timer.error(),
+                    )))
+                }
+            }
         }
-        Poll::Ready(Err(io::Error::new(
-            io::ErrorKind::TimedOut,
-            self.timer.error(),
-        )))
+        Poll::Pending
     }
 }
-
-impl<S: AsyncRead + Unpin> AsyncRead for SendTimeout<S> {
+impl<S: AsyncRead + SendQueue + Unpin> AsyncRead for SendTimeout<S> {
     fn poll_read(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -67,7 +124,7 @@ impl<S: AsyncRead + Unpin> AsyncRead for SendTimeout<S> {
     }
 }
 
-impl<S: AsyncWrite + Unpin> AsyncWrite for SendTimeout<S> {
+impl<S: AsyncWrite + SendQueue + Unpin> AsyncWrite for SendTimeout<S> {
     fn poll_write(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -107,6 +164,9 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for SendTimeout<S> {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::time::Instant;
 
@@ -127,6 +187,60 @@ mod tests {
         assert_eq!(error.kind(), io::ErrorKind::TimedOut);
         assert!(error.to_string().contains("60000 ms"), "{error}");
         assert_eq!(started.elapsed(), TIMEOUT);
+    }
+
+    /// A socket that never turns writable, whose send queue the test
+    /// drains as a client reading slowly would.
+    struct FullSocket(Arc<AtomicUsize>);
+
+    impl SendQueue for FullSocket {
+        fn queued(&self) -> Option<usize> {
+            Some(self.0.load(Ordering::Relaxed))
+        }
+    }
+
+    impl AsyncWrite for FullSocket {
+        fn poll_write(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            _: &[u8],
+        ) -> Poll<io::Result<usize>> {
+            Poll::Pending
+        }
+
+        fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+
+        fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    /// A client that takes some of the send queue within each timeout
+    /// keeps its connection though the socket never turns writable (the
+    /// kernel waits for a third of the buffer); one that stops taking
+    /// loses it one timeout later.
+    #[tokio::test(start_paused = true)]
+    async fn a_client_draining_the_send_queue_keeps_its_connection() {
+        let queue = Arc::new(AtomicUsize::new(4 << 20));
+        let client = queue.clone();
+        tokio::spawn(async move {
+            for _ in 0..5 {
+                tokio::time::sleep(TIMEOUT - Duration::from_millis(1)).await;
+                client.fetch_sub(64 << 10, Ordering::Relaxed);
+            }
+        });
+        let mut gateway = SendTimeout::new(FullSocket(queue), TIMEOUT);
+        let started = Instant::now();
+        let write = gateway.write_all(b"more");
+        let error = tokio::time::timeout(20 * TIMEOUT, write)
+            .await
+            .expect("the write ended")
+            .expect_err("the client stopped taking");
+        assert_eq!(error.kind(), io::ErrorKind::TimedOut);
+        // Five takes kept it five timeouts; then one more timeout.
+        assert_eq!(started.elapsed(), 6 * TIMEOUT);
     }
 
     /// The timeout is per wait: a client that takes something before each

@@ -166,7 +166,12 @@ pub async fn serve(
             };
             let ended = serve_until_stopped(connection, stopping, idle, idle_again, stalled);
             if let Err(e) = ended.await {
-                tracing::debug!(%peer, error = %e, "client connection ended with an error");
+                // hyper's own words ("error writing a body to connection")
+                // do not say why: its causes do (a send timeout, a reset).
+                let error: &(dyn std::error::Error + 'static) = &*e;
+                let causes = std::iter::successors(Some(error), |e| e.source());
+                let why = causes.map(ToString::to_string).collect::<Vec<_>>().join(": ");
+                tracing::debug!(%peer, error = %why, "client connection ended with an error");
             }
             drop(watcher);
             drop(permit);
