@@ -816,9 +816,14 @@ async fn an_upstream_that_stops_mid_body_is_cut_off_after_the_read_timeout() {
         paused.elapsed()
     );
     gateway.wait_log("cut off a response").await;
-    assert!(gateway
-        .stderr_text()
-        .contains("1000 ms (--upstream-read-timeout-ms)"));
+    let log = gateway.stderr_text();
+    let cut_off = log.lines().find(|l| l.contains("cut off a response"));
+    let cut_off = cut_off.expect("logged");
+    assert!(
+        cut_off.contains("1000 ms (--upstream-read-timeout-ms)"),
+        "{cut_off}"
+    );
+    assert!(cut_off.contains("/sse"), "names the path: {cut_off}");
     let metrics = gateway.metrics().await;
     assert_eq!(metric(&metrics, "snowgate_upstream_cut_offs_total"), 1.0);
     assert_eq!(metric(&metrics, "snowgate_upstream_errors_total"), 0.0);

@@ -33,6 +33,9 @@ pub struct Activity {
     http1: Arc<AtomicBool>,
     /// How HTTP/2 response bodies are being taken.
     taking: Arc<Taking>,
+    /// Whether a write to the client's socket waits for room (set by
+    /// [`SendTimeout`](crate::gateway::send_timeout::SendTimeout)).
+    socket_full: Arc<AtomicBool>,
 }
 
 /// How a connection's HTTP/2 response bodies are being taken by hyper,
@@ -56,6 +59,7 @@ impl Default for Activity {
             in_flight: watch::Sender::new(0),
             http1: Arc::new(AtomicBool::new(false)),
             taking: Arc::default(),
+            socket_full: Arc::default(),
         }
     }
 }
@@ -101,12 +105,21 @@ impl Activity {
         }
     }
 
+    /// The flag the connection's socket sets while a write to it waits
+    /// for room, to give to its [`SendTimeout`](crate::gateway::send_timeout::SendTimeout).
+    pub fn socket_full(&self) -> Arc<AtomicBool> {
+        self.socket_full.clone()
+    }
+
     /// Resolves once an HTTP/2 response body has waited for the client to
     /// take its last piece for at least `timeout` (and at most twice
     /// that): the client has taken none of that response for that long,
     /// whatever it does with the connection's other streams. Never for
     /// HTTP/1, whose stalls [`SendTimeout`](crate::gateway::send_timeout::SendTimeout)
-    /// sees at the socket.
+    /// sees at the socket; nor while the socket is full, which is
+    /// `SendTimeout`'s to judge too: a client that reads the socket slowly
+    /// leaves the pieces owed because the socket is full, not because it
+    /// grants no window.
     pub async fn stalled_for(&self, timeout: Duration) {
         let mut in_flight = self.in_flight.subscribe();
         loop {
@@ -118,11 +131,15 @@ impl Activity {
             tokio::time::sleep(timeout).await;
             // Epoch n + 1 begins. A body still owed since epoch n - 1 has
             // been owed since before epoch n began, a whole timeout ago.
-            // That count's slot, (n - 1) mod 3, is reused for epoch n + 2
-            // only after this check found it empty.
+            // That count's slot, (n - 1) mod 3, is reused for epoch n + 2;
+            // bodies left in it (while the socket was full) are then
+            // checked as that epoch's, later than their own (up to three
+            // timeouts after the socket has room), never sooner.
             let n = self.taking.epoch.fetch_add(1, Ordering::Relaxed);
             let before_last = ((n + 2) % 3) as usize;
-            if self.taking.owed[before_last].load(Ordering::Relaxed) > 0 {
+            if self.taking.owed[before_last].load(Ordering::Relaxed) > 0
+                && !self.socket_full.load(Ordering::Relaxed)
+            {
                 return;
             }
         }
@@ -378,6 +395,33 @@ mod tests {
         assert!(!taker.is_finished(), "the other stream still flows");
         taker.abort();
         drop(stalled);
+    }
+
+    /// While the socket is full, an owed body is the send timeout's to
+    /// judge (the client may be reading the socket slowly); once it has
+    /// room again, the stall is found within three timeouts (its count
+    /// sits in a slot that has since been reused for a later epoch).
+    #[tokio::test(start_paused = true)]
+    async fn no_stall_is_found_while_the_socket_is_full() {
+        use http_body_util::{BodyExt, Full};
+
+        let activity = Activity::default();
+        let whole = Bytes::from(vec![7u8; 4 * HTTP2_PIECE]);
+        let mut body = ActiveBody::new(Full::new(whole), activity.begin(Version::HTTP_2));
+        body.frame().await.expect("a piece").expect("data");
+        let full = activity.socket_full();
+        full.store(true, Ordering::Relaxed);
+        let stalled = activity.stalled_for(TIMEOUT);
+        tokio::pin!(stalled);
+        let waited = tokio::time::timeout(20 * TIMEOUT, stalled.as_mut());
+        assert!(waited.await.is_err(), "a stall while the socket was full");
+        full.store(false, Ordering::Relaxed);
+        let started = Instant::now();
+        tokio::time::timeout(10 * TIMEOUT, stalled)
+            .await
+            .expect("the stall was found once the socket had room");
+        assert!(started.elapsed() <= 3 * TIMEOUT, "{:?}", started.elapsed());
+        drop(body);
     }
 
     /// A client that takes a piece every half timeout, a body waiting on

@@ -8,6 +8,8 @@
 
 use std::io;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -32,6 +34,8 @@ pub struct SendTimeout<S> {
     /// While a write waits: what the send queue held when the wait
     /// began, if the connection can tell.
     queued: Option<Option<usize>>,
+    /// Set while a write waits, for whoever else judges the client.
+    full: Arc<AtomicBool>,
 }
 
 /// A connection that can tell how much of what was written to it its
@@ -69,8 +73,9 @@ impl SendQueue for tokio::io::DuplexStream {
 }
 
 impl<S: SendQueue> SendTimeout<S> {
-    /// `inner`, whose writes may wait on the client at most `timeout` each.
-    pub fn new(inner: S, timeout: Duration) -> SendTimeout<S> {
+    /// `inner`, whose writes may wait on the client at most `timeout` each;
+    /// `full` is set while one waits.
+    pub fn new(inner: S, timeout: Duration, full: Arc<AtomicBool>) -> SendTimeout<S> {
         SendTimeout {
             inner,
             timer: WaitTimer::new(
@@ -79,6 +84,7 @@ impl<S: SendQueue> SendTimeout<S> {
                 "--send-timeout-ms",
             ),
             queued: None,
+            full,
         }
     }
 
@@ -89,12 +95,19 @@ impl<S: SendQueue> SendTimeout<S> {
         result: Poll<io::Result<T>>,
     ) -> Poll<io::Result<T>> {
         if result.is_ready() {
-            self.timer.progressed();
-            self.queued = None;
+            if self.queued.take().is_some() {
+                self.timer.progressed();
+                self.full.store(false, Ordering::Relaxed);
+            }
             return result;
         }
-        let inner = &self.inner;
-        let mut queued = *self.queued.get_or_insert_with(|| inner.queued());
+        let mut queued = match self.queued {
+            Some(queued) => queued,
+            None => {
+                self.full.store(true, Ordering::Relaxed);
+                *self.queued.insert(self.inner.queued())
+            }
+        };
         while self.timer.expired(cx) {
             match (queued, self.inner.queued()) {
                 // The client took some: it is reading, a new wait begins.
@@ -164,8 +177,8 @@ impl<S: AsyncWrite + SendQueue + Unpin> AsyncWrite for SendTimeout<S> {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::sync::Arc;
+    use std::future::Future;
+    use std::sync::atomic::AtomicUsize;
 
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::time::Instant;
@@ -177,7 +190,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_write_the_client_never_takes_fails_at_the_timeout() {
         let (gateway, _client) = tokio::io::duplex(1024);
-        let mut gateway = SendTimeout::new(gateway, TIMEOUT);
+        let mut gateway = SendTimeout::new(gateway, TIMEOUT, Arc::default());
         let started = Instant::now();
         let write = gateway.write_all(&[1u8; 4096]);
         let error = tokio::time::timeout(10 * TIMEOUT, write)
@@ -231,9 +244,14 @@ mod tests {
                 client.fetch_sub(64 << 10, Ordering::Relaxed);
             }
         });
-        let mut gateway = SendTimeout::new(FullSocket(queue), TIMEOUT);
+        let full = Arc::new(AtomicBool::new(false));
+        let mut gateway = SendTimeout::new(FullSocket(queue), TIMEOUT, full.clone());
         let started = Instant::now();
         let write = gateway.write_all(b"more");
+        tokio::pin!(write);
+        let polled = std::future::poll_fn(|cx| Poll::Ready(write.as_mut().poll(cx)));
+        assert!(polled.await.is_pending());
+        assert!(full.load(Ordering::Relaxed), "the socket is full");
         let error = tokio::time::timeout(20 * TIMEOUT, write)
             .await
             .expect("the write ended")
@@ -248,7 +266,8 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_client_that_reads_before_each_timeout_gets_everything() {
         let (gateway, mut client) = tokio::io::duplex(1024);
-        let mut gateway = SendTimeout::new(gateway, TIMEOUT);
+        let full = Arc::new(AtomicBool::new(false));
+        let mut gateway = SendTimeout::new(gateway, TIMEOUT, full.clone());
         let reader = tokio::spawn(async move {
             let mut received = Vec::new();
             let mut buf = [0u8; 1024];
@@ -266,6 +285,7 @@ mod tests {
             .write_all(&sent)
             .await
             .expect("every wait was shorter than the timeout");
+        assert!(!full.load(Ordering::Relaxed), "the last write went through");
         gateway.shutdown().await.expect("shutdown");
         drop(gateway);
         assert_eq!(reader.await.expect("reader"), sent);

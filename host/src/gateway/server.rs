@@ -152,7 +152,7 @@ pub async fn serve(
                 tracing::debug!(%peer, "closed a connection that sent nothing");
                 return;
             }
-            let stream = SendTimeout::new(stream, send_timeout);
+            let stream = SendTimeout::new(stream, send_timeout, activity.socket_full());
             let connection = builder
                 .serve_connection(TokioIo::new(stream), per_request)
                 .into_owned();
@@ -162,7 +162,8 @@ pub async fn serve(
             let idle_again = activity.idle_for(idle_timeout);
             let stalled = async {
                 activity.stalled_for(send_timeout).await;
-                tracing::debug!(%peer, "closed an HTTP/2 connection whose client took none of its responses for the send timeout");
+                let ms = send_timeout.as_millis();
+                tracing::debug!(%peer, "closed an HTTP/2 connection: its client took none of a response for {ms} ms (--send-timeout-ms)");
             };
             let ended = serve_until_stopped(connection, stopping, idle, idle_again, stalled);
             if let Err(e) = ended.await {

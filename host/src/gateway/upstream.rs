@@ -191,6 +191,8 @@ impl HttpUpstream {
                 .headers
                 .insert(header::CONNECTION, header::HeaderValue::from_static("te"));
         }
+        // For the log, should the response be cut off.
+        let path = parts.uri.path_and_query().cloned();
         let request = Request::from_parts(parts, body);
         // Connecting and sending the request body count too: the timeout is
         // for the whole wait for a response head, not for the body after it.
@@ -215,7 +217,8 @@ impl HttpUpstream {
                     parts.headers.remove(header::TRAILER);
                 }
                 // Streamed as it arrives: server-sent events are not buffered.
-                let body = UpstreamReadTimeout::new(body, self.timeouts.read, self.metrics.clone());
+                let body = UpstreamReadTimeout::new(body, self.timeouts.read, self.metrics.clone())
+                    .for_path(path);
                 return Response::from_parts(parts, body.boxed());
             }
             Ok(Err(e)) => {

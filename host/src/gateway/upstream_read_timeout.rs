@@ -9,6 +9,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
+use http::uri::PathAndQuery;
 use http_body::{Body, Frame, SizeHint};
 
 use crate::gateway::client_body::BoxError;
@@ -25,6 +26,8 @@ pub struct UpstreamReadTimeout<B> {
     inner: B,
     timer: WaitTimer,
     metrics: Arc<Metrics>,
+    /// The upstream path of the request, for the log.
+    path: Option<PathAndQuery>,
 }
 
 impl<B> UpstreamReadTimeout<B> {
@@ -39,7 +42,13 @@ impl<B> UpstreamReadTimeout<B> {
                 "--upstream-read-timeout-ms",
             ),
             metrics,
+            path: None,
         }
+    }
+
+    /// Names the request's upstream `path` when a cut-off is logged.
+    pub fn for_path(self, path: Option<PathAndQuery>) -> UpstreamReadTimeout<B> {
+        UpstreamReadTimeout { path, ..self }
     }
 }
 
@@ -64,7 +73,8 @@ where
             Poll::Pending if !this.timer.expired(cx) => Poll::Pending,
             Poll::Pending => {
                 let paused = this.timer.error();
-                tracing::warn!(problem = %paused, "cut off a response: its upstream stopped sending");
+                let path = this.path.as_ref().map_or("", PathAndQuery::as_str);
+                tracing::warn!(path, problem = %paused, "cut off a response: its upstream stopped sending");
                 this.metrics.upstream_cut_off();
                 Poll::Ready(Some(Err(Box::new(paused))))
             }
