@@ -74,7 +74,7 @@ fn position_clock(plugin: &Plugin, wall: &HandClock, vector: &Vector, space: u32
     }
     wall.set(vector.timestamp_ms);
     for _ in 0..vector.counter {
-        clock.next_tick(space);
+        clock.next_tick(space).expect("a tick");
     }
     // The loop above started the vector's millisecond at sequence 0, since
     // every earlier tick was in an earlier millisecond.

@@ -15,6 +15,10 @@ use crate::engine::EPOCH_TICK;
 #[cfg(doc)]
 use crate::identity::MachineIdentity;
 use crate::identity::GRANT_CHANGED;
+
+/// Why a call's ids are withheld when the id clock had no tick left.
+const OUT_OF_TIME: &str =
+    "the id clock has used up every millisecond it can count (a fixed clock or a high-water mark at the end of time): a new id would repeat one";
 use crate::plugin::Plugin;
 use crate::state::HostState;
 
@@ -350,7 +354,9 @@ impl Plugin {
         // So a call that asked must have been given that same grant: a
         // plugin may have used a kept machine id as well.
         let other_grant = issued.grant.is_some_and(|g| g != state.created_under);
-        let confirmed = if issued.mixed || other_grant {
+        let confirmed = if issued.out_of_time {
+            Err(OUT_OF_TIME.to_string())
+        } else if issued.mixed || other_grant {
             Err(GRANT_CHANGED.to_string())
         } else {
             self.engine
@@ -361,7 +367,7 @@ impl Plugin {
         match confirmed {
             Ok(()) => action,
             Err(reason) => {
-                tracing::warn!(plugin = %self.name, reason = %reason, "ids withheld: the machine id may no longer be ours");
+                tracing::warn!(plugin = %self.name, reason = %reason, "ids withheld");
                 Action::Reject(Rejection {
                     status: 503,
                     code: "no_machine_id".to_string(),

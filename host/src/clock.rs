@@ -69,8 +69,11 @@ impl IdClock {
     }
 
     /// The next unique tick for a layout with `sequence_space` sequence
-    /// numbers per millisecond (0 is taken as 1).
-    pub fn next_tick(&self, sequence_space: u32) -> Tick {
+    /// numbers per millisecond (0 is taken as 1); `None` once the clock has
+    /// used up the last millisecond a `u64` holds (only a fixed clock or a
+    /// corrupt high-water mark gets there), rather than a tick it gave
+    /// before.
+    pub fn next_tick(&self, sequence_space: u32) -> Option<Tick> {
         let space = sequence_space.max(1);
         let now = self.wall.now_millis();
         // The lock only guards two integers; a panic cannot leave them torn.
@@ -86,7 +89,7 @@ impl IdClock {
                         sequence,
                     },
                     None => Tick {
-                        millis: prev.millis.saturating_add(1),
+                        millis: prev.millis.checked_add(1)?,
                         sequence: 0,
                     },
                 }
@@ -98,7 +101,7 @@ impl IdClock {
         };
         *last = Some(tick);
         self.issued.fetch_add(1, Ordering::Relaxed);
-        tick
+        Some(tick)
     }
 
     /// How many ticks (so, ids) this clock has handed out.
@@ -244,14 +247,14 @@ mod tests {
     #[test]
     fn the_lead_is_the_time_until_the_wall_clock_passes_the_last_tick() {
         let (clock, now) = hand_clock(100);
-        clock.next_tick(4096);
+        clock.next_tick(4096).unwrap();
         // The wall clock still reads 100, the millisecond of the last tick.
         assert_eq!(clock.lead(), Duration::from_millis(1));
         now.store(101, Ordering::SeqCst);
         assert_eq!(clock.lead(), Duration::ZERO);
         // A burst of three milliseconds' sequence space runs 3 ms ahead.
         for _ in 0..3 * 1024 {
-            clock.next_tick(1024);
+            clock.next_tick(1024).unwrap();
         }
         assert_eq!(clock.last_tick().map(|t| t.millis), Some(103));
         assert_eq!(clock.lead(), Duration::from_millis(3));
@@ -263,7 +266,7 @@ mod tests {
     #[test]
     fn waiting_for_the_wall_clock_ends_after_the_last_tick() {
         let clock = IdClock::system();
-        clock.next_tick(4096);
+        clock.next_tick(4096).unwrap();
         // What a burst of 200 ms of sequence space does.
         clock.advance_past(SystemClock.now_millis() + 200);
         let last = clock.last_tick().expect("a tick").millis;
@@ -299,7 +302,7 @@ mod tests {
     #[test]
     fn a_wall_clock_that_stands_still_ends_the_wait_at_the_limit() {
         let (clock, _) = hand_clock(100);
-        clock.next_tick(4096);
+        clock.next_tick(4096).unwrap();
         let started = Instant::now();
         let limit = Duration::from_millis(30);
         assert_eq!(
@@ -313,14 +316,14 @@ mod tests {
     fn sequence_starts_at_zero_in_each_new_millisecond() {
         let (clock, now) = hand_clock(100);
         assert_eq!(
-            clock.next_tick(4096),
+            clock.next_tick(4096).unwrap(),
             Tick {
                 millis: 100,
                 sequence: 0
             }
         );
         assert_eq!(
-            clock.next_tick(4096),
+            clock.next_tick(4096).unwrap(),
             Tick {
                 millis: 100,
                 sequence: 1
@@ -328,7 +331,7 @@ mod tests {
         );
         now.store(101, Ordering::SeqCst);
         assert_eq!(
-            clock.next_tick(4096),
+            clock.next_tick(4096).unwrap(),
             Tick {
                 millis: 101,
                 sequence: 0
@@ -339,7 +342,7 @@ mod tests {
     #[test]
     fn moves_to_the_next_millisecond_when_the_sequence_space_is_used_up() {
         let clock = IdClock::new(FixedClock(7));
-        let ticks: Vec<Tick> = (0..2050).map(|_| clock.next_tick(1024)).collect();
+        let ticks: Vec<Tick> = (0..2050).map(|_| clock.next_tick(1024).unwrap()).collect();
         assert_eq!(
             ticks[1023],
             Tick {
@@ -367,9 +370,9 @@ mod tests {
     #[test]
     fn never_goes_backwards_when_the_wall_clock_steps_back() {
         let (clock, now) = hand_clock(5_000);
-        let before = clock.next_tick(4096);
+        let before = clock.next_tick(4096).unwrap();
         now.store(1_000, Ordering::SeqCst);
-        let after: Vec<Tick> = (0..5000).map(|_| clock.next_tick(4096)).collect();
+        let after: Vec<Tick> = (0..5000).map(|_| clock.next_tick(4096).unwrap()).collect();
         assert!(after[0] > before);
         assert!(after.windows(2).all(|w| w[0] < w[1]));
         assert_eq!(
@@ -381,7 +384,7 @@ mod tests {
         );
         now.store(9_000, Ordering::SeqCst);
         assert_eq!(
-            clock.next_tick(4096),
+            clock.next_tick(4096).unwrap(),
             Tick {
                 millis: 9_000,
                 sequence: 0
@@ -397,7 +400,7 @@ mod tests {
                 let clock = clock.clone();
                 std::thread::spawn(move || {
                     (0..50_000)
-                        .map(|_| clock.next_tick(4096))
+                        .map(|_| clock.next_tick(4096).unwrap())
                         .collect::<Vec<_>>()
                 })
             })
@@ -420,7 +423,7 @@ mod tests {
         let clock = IdClock::new(FixedClock(10));
         clock.advance_past(20);
         assert_eq!(
-            clock.next_tick(4096),
+            clock.next_tick(4096).unwrap(),
             Tick {
                 millis: 21,
                 sequence: 0
@@ -428,7 +431,7 @@ mod tests {
         );
         clock.advance_past(5);
         assert_eq!(
-            clock.next_tick(4096),
+            clock.next_tick(4096).unwrap(),
             Tick {
                 millis: 21,
                 sequence: 1
@@ -440,18 +443,35 @@ mod tests {
     fn a_zero_sequence_space_counts_as_one() {
         let clock = IdClock::new(FixedClock(3));
         assert_eq!(
-            clock.next_tick(0),
+            clock.next_tick(0).unwrap(),
             Tick {
                 millis: 3,
                 sequence: 0
             }
         );
         assert_eq!(
-            clock.next_tick(0),
+            clock.next_tick(0).unwrap(),
             Tick {
                 millis: 4,
                 sequence: 0
             }
         );
+    }
+
+    /// At the last millisecond a u64 holds, the clock gives that
+    /// millisecond's sequence space and then nothing, never a tick again.
+    #[test]
+    fn a_clock_at_the_end_of_time_runs_out_instead_of_repeating() {
+        let clock = IdClock::new(FixedClock(u64::MAX));
+        let ticks: Vec<Tick> = std::iter::from_fn(|| clock.next_tick(1024))
+            .take(5000)
+            .collect();
+        assert_eq!(ticks.len(), 1024);
+        assert!(ticks.iter().all(|t| t.millis == u64::MAX));
+        assert_eq!(ticks.last().map(|t| t.sequence), Some(1023));
+        assert_eq!(clock.next_tick(1024), None);
+        // A layout with a larger sequence space still has unused pairs.
+        let more = clock.next_tick(4096).map(|t| t.sequence);
+        assert_eq!(more, Some(1024));
     }
 }

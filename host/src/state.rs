@@ -54,6 +54,8 @@ pub(crate) struct Issued {
     pub(crate) mixed: bool,
     /// The latest millisecond of the ticks it took, if it took any.
     pub(crate) last_millis: Option<u64>,
+    /// Whether the clock had no milliseconds left for a tick it asked for.
+    pub(crate) out_of_time: bool,
 }
 
 /// An empty WASI context whose only stream is a bounded `stderr` capture
@@ -199,7 +201,18 @@ impl types::Host for HostState {}
 
 impl clock::Host for HostState {
     fn next_tick(&mut self, sequence_space: u32) -> clock::Tick {
-        let tick = self.services.clock.next_tick(sequence_space);
+        // A clock with no milliseconds left gives its last tick again, and
+        // the call's ids are withheld (see `Call::fence`).
+        let tick = match self.services.clock.next_tick(sequence_space) {
+            Some(tick) => tick,
+            None => {
+                self.issued.out_of_time = true;
+                crate::clock::Tick {
+                    millis: u64::MAX,
+                    sequence: 0,
+                }
+            }
+        };
         self.issued.last_millis = Some(tick.millis);
         clock::Tick {
             millis: tick.millis,

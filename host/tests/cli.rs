@@ -187,6 +187,24 @@ fn rewrite_runs_the_plugin_file_given_with_plugin() {
     );
 }
 
+/// A fixed clock at the last millisecond a u64 holds has 4096 ticks for
+/// trtllm-v1: a batch of 5000 context-only requests is refused, where it
+/// used to get 904 repeated ids.
+#[test]
+fn rewrite_refuses_a_batch_the_clock_has_no_ticks_left_for() {
+    let one = r#"{"prompt":"x","disaggregated_params":{"request_type":"context_only"}}"#;
+    let batch = format!("[{}]", vec![one; 5000].join(","));
+    let args = [
+        "rewrite",
+        "--machine-id",
+        "7",
+        "--clock",
+        "fixed:18446744073709551615",
+    ];
+    let output = snowgate(&args, batch.as_bytes());
+    failure(&output, 2, &["id clock", "every millisecond", "repeat"]);
+}
+
 #[test]
 fn rewrite_refuses_bad_json_with_status_2_and_says_why() {
     failure(
