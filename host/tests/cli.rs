@@ -205,6 +205,34 @@ fn rewrite_refuses_a_batch_the_clock_has_no_ticks_left_for() {
     failure(&output, 2, &["id clock", "every millisecond", "repeat"]);
 }
 
+/// A plugin path that is a device or a FIFO is refused as `serve`
+/// refuses it, instead of reading /dev/zero until memory runs out.
+#[test]
+fn rewrite_refuses_a_plugin_path_that_is_not_a_regular_file() {
+    let args = ["rewrite", "--machine-id", "7", "--plugin", "/dev/zero"];
+    let output = snowgate(&args, CONTEXT_ONLY.as_bytes());
+    failure(&output, 1, &["/dev/zero", "not a regular file"]);
+}
+
+/// Output that cannot be written is an error that says so, not a panic.
+#[test]
+fn output_that_cannot_be_written_is_an_error_not_a_panic() {
+    let full = || {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/full")
+            .expect("/dev/full")
+    };
+    let decode = Command::new(env!("CARGO_BIN_EXE_snowgate"))
+        .args(["decode", "7398756654046539776"])
+        .stdout(full())
+        .output()
+        .expect("running decode");
+    assert_eq!(decode.status.code(), Some(1), "{}", text(&decode.stderr));
+    assert!(text(&decode.stderr).contains("writing the output to stdout"));
+    assert!(!text(&decode.stderr).contains("panicked"));
+}
+
 #[test]
 fn rewrite_refuses_bad_json_with_status_2_and_says_why() {
     failure(

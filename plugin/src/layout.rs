@@ -56,6 +56,15 @@ pub enum LayoutError {
         /// The id given.
         id: u64,
     },
+    /// The id is at or above 2^63 - 1, which no layout makes (ids are
+    /// below the largest signed 64-bit integer), or its machine id field is one no machine
+    /// may have, so it was not made by the layout.
+    NotMadeByLayout {
+        /// The layout asked for.
+        layout: SnowflakeLayout,
+        /// The id given.
+        id: u64,
+    },
     /// A layout name that is not known.
     UnknownLayout(String),
 }
@@ -77,6 +86,11 @@ impl fmt::Display for LayoutError {
                 f,
                 "id {id} is below {}, the smallest id of layout {layout}",
                 layout.min_id()
+            ),
+            LayoutError::NotMadeByLayout { layout, id } => write!(
+                f,
+                "id {id} was not made by layout {layout}: it is at or above 2^63 - 1, or its machine id field is outside 0..={}",
+                layout.max_machine_id()
             ),
             LayoutError::UnknownLayout(name) => {
                 write!(f, "unknown id layout {name:?}: use trtllm-v1 or trtllm-v2")
@@ -174,7 +188,12 @@ impl SnowflakeLayout {
         let raw = id
             .checked_sub(self.min_id())
             .ok_or(LayoutError::IdBelowRange { layout: self, id })?;
-        Ok(match self {
+        let not_made = LayoutError::NotMadeByLayout { layout: self, id };
+        // Ids are below MAX_INT64 (see `compose`).
+        if id >= i64::MAX as u64 {
+            return Err(not_made);
+        }
+        let parts = match self {
             SnowflakeLayout::TrtllmV1 => IdParts {
                 millis: raw >> 22,
                 machine_id: ((raw >> 12) & 0x3ff) as u32,
@@ -185,7 +204,11 @@ impl SnowflakeLayout {
                 machine_id: (((raw >> 16) & 0xff) * 64 + ((raw >> 10) & 0x3f)) as u32,
                 sequence: (raw & 0x3ff) as u32,
             },
-        })
+        };
+        match self.check_machine_id(parts.machine_id) {
+            Ok(()) => Ok(parts),
+            Err(_) => Err(not_made),
+        }
     }
 }
 
@@ -294,6 +317,17 @@ mod tests {
         assert!(SnowflakeLayout::TrtllmV2.compose(0, 16383, 1024).is_err());
         assert!(SnowflakeLayout::TrtllmV1.compose(0, 0, 4096).is_err());
         assert!(SnowflakeLayout::TrtllmV1.decode(5).is_err());
+        // Machine id 1023, which trtllm-v1 never gives out.
+        let id = SnowflakeLayout::TrtllmV1.min_id() + (1023 << 12);
+        let err = SnowflakeLayout::TrtllmV1
+            .decode(id)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("was not made by layout trtllm-v1"), "{err}");
+        for layout in SnowflakeLayout::ALL {
+            assert!(layout.decode(i64::MAX as u64).is_err());
+            assert!(layout.decode(u64::MAX).is_err());
+        }
     }
 
     #[test]

@@ -21,27 +21,23 @@ pub fn run(args: DecodeArgs) -> Result<(), Failure> {
         .layout
         .decode(args.id)
         .map_err(|e| Failure::BadInput(e.to_string()))?;
-    println!("id:         {}", args.id);
-    println!("layout:     {}", args.layout);
+    let mut out = format!("id:         {}\nlayout:     {}\n", args.id, args.layout);
     match args.layout {
         SnowflakeLayout::TrtllmV1 => {
-            println!(
-                "timestamp:  {} ms ({})",
-                parts.millis,
-                snowgate_host::utc::format_millis(parts.millis)
-            );
-            println!("machine id: {}", parts.machine_id);
+            let utc = snowgate_host::utc::format_millis(parts.millis);
+            out += &format!("timestamp:  {} ms ({utc})\n", parts.millis);
+            out += &format!("machine id: {}\n", parts.machine_id);
         }
         SnowflakeLayout::TrtllmV2 => {
-            println!("timestamp:  {} ms modulo 2^39", parts.millis);
-            println!(
-                "machine id: {} (node {}, process {})",
-                parts.machine_id,
-                parts.machine_id / 64,
-                parts.machine_id % 64
+            out += &format!("timestamp:  {} ms modulo 2^39\n", parts.millis);
+            let (node, process) = (parts.machine_id / 64, parts.machine_id % 64);
+            out += &format!(
+                "machine id: {} (node {node}, process {process})\n",
+                parts.machine_id
             );
         }
     }
-    println!("sequence:   {}", parts.sequence);
+    out += &format!("sequence:   {}\n", parts.sequence);
+    crate::write_stdout(out.as_bytes())?;
     Ok(())
 }

@@ -17,7 +17,7 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 /// snowgate: request middleware that gives disaggregated LLM requests
 /// globally unique `disagg_request_id`s, in a WebAssembly plugin.
 #[derive(Parser)]
-#[command(name = "snowgate", version, about, long_about = None)]
+#[command(name = "snowgate", version, long_about = None)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -41,6 +41,18 @@ pub enum Failure {
     BadInput(String),
     /// Something else failed: exit status 1.
     Failed(anyhow::Error),
+}
+
+/// Writes `bytes` to stdout and flushes it: a closed or full stdout is an
+/// error that says so, not a panic or output silently lost.
+pub fn write_stdout(bytes: &[u8]) -> anyhow::Result<()> {
+    use std::io::Write;
+
+    let mut stdout = std::io::stdout().lock();
+    stdout
+        .write_all(bytes)
+        .and_then(|()| stdout.flush())
+        .map_err(|e| anyhow::anyhow!("writing the output to stdout: {e}"))
 }
 
 impl From<anyhow::Error> for Failure {

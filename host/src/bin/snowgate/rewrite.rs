@@ -1,6 +1,6 @@
 //! `snowgate rewrite`: one body through the plugin, stdin to stdout.
 
-use std::io::{Read, Write};
+use std::io::Read;
 use std::path::PathBuf;
 use std::str::FromStr;
 use std::sync::Arc;
@@ -8,6 +8,7 @@ use std::sync::Arc;
 use anyhow::Context as _;
 use clap::Args;
 use snowgate_host::clock::MAX_CATCH_UP;
+use snowgate_host::gateway::plugin_file::read_plugin_file;
 use snowgate_host::{
     Action, FixedClock, HostServices, IdClock, MachineIdentity, Plugin, PluginEngine, PluginLimits,
     Request,
@@ -74,8 +75,9 @@ pub fn run(args: RewriteArgs) -> Result<(), Failure> {
     let engine = PluginEngine::new(services, PluginLimits::default())?;
     let plugin = match &args.plugin {
         Some(path) => {
-            let bytes = std::fs::read(path)
-                .with_context(|| format!("reading the plugin {}", path.display()))?;
+            // The same checks as `serve` makes: a regular file of a
+            // bounded size, not a FIFO or /dev/zero.
+            let bytes = read_plugin_file(path)?;
             Plugin::load(&engine, &bytes, &[])
                 .with_context(|| format!("loading the plugin {}", path.display()))?
         }
@@ -116,10 +118,6 @@ pub fn run(args: RewriteArgs) -> Result<(), Failure> {
             )))
         }
     };
-    let mut stdout = std::io::stdout().lock();
-    stdout
-        .write_all(out)
-        .and_then(|()| stdout.flush())
-        .context("writing the body to stdout")?;
+    crate::write_stdout(out)?;
     Ok(())
 }

@@ -212,8 +212,8 @@ pub fn run(args: ServeArgs) -> Result<(), Failure> {
         // signal sent right after the ready line is handled, not fatal.
         let shutdown = shutdown_signal()?;
         let info = gateway.slot().current().info().clone();
-        println!(
-            "snowgate listening on http://{} (admin http://{}); upstream {}; plugin {} {} sha256 {}",
+        let ready = format!(
+            "snowgate listening on http://{} (admin http://{}); upstream {}; plugin {} {} sha256 {}\n",
             gateway.local_addr()?,
             gateway.admin_addr()?,
             config.upstream.as_deref().unwrap_or("built-in echo"),
@@ -221,6 +221,10 @@ pub fn run(args: ServeArgs) -> Result<(), Failure> {
             info.version,
             info.sha256
         );
+        // A gateway serves whether or not anyone reads its ready line.
+        if let Err(e) = crate::write_stdout(ready.as_bytes()) {
+            tracing::warn!(error = %format!("{e:#}"), "the ready line was not printed");
+        }
         gateway.serve(shutdown).await?;
         tracing::info!("stopped");
         Ok::<_, anyhow::Error>(())
