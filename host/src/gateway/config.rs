@@ -15,6 +15,16 @@ use crate::limits::PluginLimits;
 /// The longest plugin call deadline a configuration may set: an hour.
 const MAX_PLUGIN_DEADLINE_MS: u64 = 3_600_000;
 
+/// The most client connections a configuration may allow at once.
+const MAX_CONNECTIONS: usize = 1 << 20;
+
+/// The shortest machine-id lease: renewals come a third of it apart.
+const MIN_MACHINE_ID_TTL_SECS: u64 = 3;
+
+/// The longest machine-id lease a configuration may set: a day. A dead
+/// replica's machine id stays taken for that long.
+const MAX_MACHINE_ID_TTL_SECS: u64 = 86_400;
+
 /// The longest upstream or body read timeout a configuration may set: a day.
 const MAX_UPSTREAM_TIMEOUT_MS: u64 = 86_400_000;
 
@@ -352,7 +362,10 @@ impl ConfigFile {
             config.connections.max_header_bytes = bytes;
         }
         if let Some(n) = self.max_connections {
-            anyhow::ensure!(n > 0, "max-connections must be at least 1");
+            anyhow::ensure!(
+                (1..=MAX_CONNECTIONS).contains(&n),
+                "max-connections must be between 1 and {MAX_CONNECTIONS}, not {n}"
+            );
             config.connections.max_connections = n;
         }
         let timeouts = &mut config.upstream_timeouts;
@@ -407,12 +420,25 @@ impl ConfigFile {
                 !endpoints.is_empty(),
                 "etcd needs at least one endpoint URL, e.g. http://127.0.0.1:2379"
             );
+            for endpoint in &endpoints {
+                let uri: Option<http::Uri> = endpoint.parse().ok();
+                let scheme = uri.as_ref().and_then(|u| u.scheme_str());
+                anyhow::ensure!(
+                    matches!(scheme, Some("http" | "https"))
+                        && uri.as_ref().is_some_and(|u| u.host().is_some()),
+                    "etcd endpoint {endpoint:?} is not an http:// or https:// URL, e.g. http://127.0.0.1:2379"
+                );
+            }
             let lease = config
                 .lease
                 .get_or_insert_with(LeaseConfig::default_for_endpoints);
             lease.endpoints = endpoints;
         }
         if let Some(secs) = self.machine_id_ttl {
+            anyhow::ensure!(
+                (MIN_MACHINE_ID_TTL_SECS..=MAX_MACHINE_ID_TTL_SECS).contains(&secs),
+                "machine-id-ttl must be between {MIN_MACHINE_ID_TTL_SECS} and {MAX_MACHINE_ID_TTL_SECS} seconds (a day), not {secs}"
+            );
             config
                 .lease
                 .get_or_insert_with(LeaseConfig::default_for_endpoints)
@@ -521,6 +547,22 @@ mod tests {
             (
                 "upstream-response-timeout-ms = 86400001",
                 "upstream-response-timeout-ms must be between 1 and 86400000 (a day), not 86400001",
+            ),
+            (
+                "max-connections = 3000000000000000000",
+                "max-connections must be between 1 and 1048576, not 3000000000000000000",
+            ),
+            (
+                "machine-id-ttl = 18446744073709551615",
+                "machine-id-ttl must be between 3 and 86400 seconds (a day), not 18446744073709551615",
+            ),
+            (
+                "machine-id-ttl = 2",
+                "machine-id-ttl must be between 3 and 86400 seconds (a day), not 2",
+            ),
+            (
+                "etcd = \"garbage\"",
+                "etcd endpoint \"garbage\" is not an http:// or https:// URL",
             ),
             (
                 "send-timeout-ms = 0",

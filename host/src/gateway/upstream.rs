@@ -84,9 +84,22 @@ impl Upstream {
             }
             None => anyhow::bail!("--upstream {url:?} needs a scheme, e.g. http://{url}"),
         }
+        let Some(authority) = base.authority() else {
+            anyhow::bail!("--upstream {url:?} needs a host, e.g. http://127.0.0.1:8000");
+        };
         anyhow::ensure!(
-            base.authority().is_some(),
-            "--upstream {url:?} needs a host, e.g. http://127.0.0.1:8000"
+            !authority.as_str().contains('@'),
+            "--upstream {url:?}: credentials in the URL are not supported (they would not be sent)"
+        );
+        // After an IPv6 host's closing bracket, if any.
+        let after_host = &authority.as_str()[authority.as_str().rfind(']').unwrap_or(0)..];
+        if let Some((_, port)) = after_host.rsplit_once(':') {
+            let valid = port.is_empty() || port.parse::<u16>().is_ok_and(|p| p > 0);
+            anyhow::ensure!(valid, "--upstream {url:?}: port {port} is not 1..=65535");
+        }
+        anyhow::ensure!(
+            base.query().is_none(),
+            "--upstream {url:?}: a query is not supported; give the upstream's base URL"
         );
         Ok(Upstream::Http(Arc::new(HttpUpstream {
             base,
@@ -435,6 +448,36 @@ async fn echo(request: Request<UpstreamBody>) -> Response<UpstreamBody> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn upstream_urls_that_cannot_work_are_refused_by_name() {
+        let upstream = |url: &str| {
+            let metrics = Arc::new(Metrics::default());
+            Upstream::http(url, UpstreamTimeouts::default(), metrics).map(|u| u.describe())
+        };
+        for (url, named) in [
+            ("https://127.0.0.1:8000", "scheme https is not supported"),
+            ("127.0.0.1:8000", "needs a scheme"),
+            ("http://127.0.0.1:99999", "port 99999 is not 1..=65535"),
+            ("http://127.0.0.1:0", "port 0 is not 1..=65535"),
+            (
+                "http://user:pw@127.0.0.1:8000",
+                "credentials in the URL are not supported",
+            ),
+            ("http://127.0.0.1:8000/v1?x=1", "a query is not supported"),
+        ] {
+            let err = upstream(url).expect_err(url).to_string();
+            assert!(err.contains(named), "{url}: {err}");
+        }
+        for url in [
+            "http://127.0.0.1:8000",
+            "http://[::1]:8000/v1",
+            "http://[::1]",
+            "http://host",
+        ] {
+            assert!(upstream(url).is_ok(), "{url}");
+        }
+    }
 
     #[test]
     fn strips_hop_by_hop_headers_and_those_connection_names() {
