@@ -66,6 +66,7 @@ impl SendQueue for tokio::net::TcpStream {
     }
 }
 
+#[cfg(test)]
 impl SendQueue for tokio::io::DuplexStream {
     fn queued(&self) -> Option<usize> {
         None

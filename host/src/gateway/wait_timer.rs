@@ -33,8 +33,7 @@ impl std::error::Error for WaitedTooLong {}
 
 /// Times one wait at a time on a stream polled for progress.
 pub struct WaitTimer {
-    timeout: Duration,
-    /// How a wait that lasts the timeout is reported.
+    /// How a wait that lasts the timeout is reported; it holds the timeout.
     error: WaitedTooLong,
     /// Made the first time a poll waits, and reset for later waits: a
     /// stream that never waits costs no timer at all.
@@ -49,7 +48,6 @@ impl WaitTimer {
     /// no more of its response body") did not happen for that long.
     pub fn new(timeout: Duration, what: &'static str, flag: &'static str) -> WaitTimer {
         WaitTimer {
-            timeout,
             error: WaitedTooLong {
                 what,
                 flag,
@@ -74,7 +72,7 @@ impl WaitTimer {
     /// the whole timeout since it last made progress. If not, `cx` is woken
     /// when it will have.
     pub fn expired(&mut self, cx: &mut Context<'_>) -> bool {
-        let deadline = Instant::now() + self.timeout;
+        let deadline = Instant::now() + self.error.timeout;
         let sleep = match &mut self.sleep {
             Some(sleep) => {
                 if !self.waiting {
