@@ -9,6 +9,7 @@ pub mod activity;
 pub mod admin;
 pub mod client_body;
 pub mod config;
+pub mod error_chain;
 pub mod metrics;
 pub mod middleware;
 pub mod plugin_file;

@@ -25,6 +25,7 @@ use tower_service::Service;
 use crate::gateway::activity::{ActiveBody, Activity};
 use crate::gateway::client_body::{BodyProgress, ClientBody};
 use crate::gateway::config::ConnectionLimits;
+use crate::gateway::error_chain;
 use crate::gateway::middleware::SnowgateLayer;
 use crate::gateway::send_timeout::SendTimeout;
 use crate::gateway::upstream::{strip_hop_by_hop, Upstream};
@@ -169,9 +170,7 @@ pub async fn serve(
             if let Err(e) = ended.await {
                 // hyper's own words ("error writing a body to connection")
                 // do not say why: its causes do (a send timeout, a reset).
-                let error: &(dyn std::error::Error + 'static) = &*e;
-                let causes = std::iter::successors(Some(error), |e| e.source());
-                let why = causes.map(ToString::to_string).collect::<Vec<_>>().join(": ");
+                let why = error_chain::describe(&*e);
                 tracing::debug!(%peer, error = %why, "client connection ended with an error");
             }
             drop(watcher);

@@ -21,6 +21,7 @@ use tower_service::Service;
 
 use crate::gateway::client_body::{BodyProgress, ClientFault};
 use crate::gateway::config::UpstreamTimeouts;
+use crate::gateway::error_chain;
 use crate::gateway::metrics::Metrics;
 use crate::gateway::read_body::read_limited;
 use crate::gateway::responses;
@@ -309,11 +310,8 @@ enum UpstreamFailure {
 impl UpstreamFailure {
     /// The last cause in `error`'s chain.
     fn innermost_cause(error: &hyper_util::client::legacy::Error) -> String {
-        let mut innermost: &(dyn std::error::Error + 'static) = error;
-        while let Some(cause) = innermost.source() {
-            innermost = cause;
-        }
-        innermost.to_string()
+        let innermost = error_chain::causes(error).last();
+        innermost.map_or_else(|| error.to_string(), ToString::to_string)
     }
 
     /// Sorts a client error, and words it with every cause in its chain
@@ -322,17 +320,12 @@ impl UpstreamFailure {
         error: &hyper_util::client::legacy::Error,
         connect_timeout: std::time::Duration,
     ) -> UpstreamFailure {
-        let mut causes = Vec::new();
-        let mut timed_out = false;
-        let mut source: Option<&(dyn std::error::Error + 'static)> = Some(error);
-        while let Some(cause) = source {
-            timed_out |= cause
+        let timed_out = error_chain::causes(error).any(|cause| {
+            cause
                 .downcast_ref::<std::io::Error>()
-                .is_some_and(|e| e.kind() == std::io::ErrorKind::TimedOut);
-            causes.push(cause.to_string());
-            source = cause.source();
-        }
-        let why = causes.join(": ");
+                .is_some_and(|e| e.kind() == std::io::ErrorKind::TimedOut)
+        });
+        let why = error_chain::describe(error);
         match (error.is_connect(), timed_out) {
             (true, true) => UpstreamFailure::TooSlow(format!(
                 "could not be connected to within {} ms (--upstream-connect-timeout-ms): {why}",
