@@ -315,6 +315,17 @@ mod tests {
         assert!(ready(idle.as_mut()).await);
     }
 
+    /// A response body of `pieces` whole HTTP/2 pieces, in flight on
+    /// `activity` over `version`.
+    fn body_of(
+        activity: &Activity,
+        pieces: usize,
+        version: Version,
+    ) -> ActiveBody<http_body_util::Full<Bytes>> {
+        let whole = Bytes::from(vec![7u8; pieces * HTTP2_PIECE]);
+        ActiveBody::new(http_body_util::Full::new(whole), activity.begin(version))
+    }
+
     /// A body whose upstream has sent nothing yet.
     struct WaitingUpstream;
 
@@ -334,11 +345,10 @@ mod tests {
     /// (the client grants no window) is a stall, found within two.
     #[tokio::test(start_paused = true)]
     async fn an_http2_body_the_client_takes_nothing_of_is_a_stall() {
-        use http_body_util::{BodyExt, Full};
+        use http_body_util::BodyExt;
 
         let activity = Activity::default();
-        let whole = Bytes::from(vec![7u8; 4 * HTTP2_PIECE]);
-        let mut body = ActiveBody::new(Full::new(whole), activity.begin(Version::HTTP_2));
+        let mut body = body_of(&activity, 4, Version::HTTP_2);
         let started = Instant::now();
         let stalled = activity.stalled_for(TIMEOUT);
         tokio::pin!(stalled);
@@ -370,14 +380,12 @@ mod tests {
     /// another response on the same connection.
     #[tokio::test(start_paused = true)]
     async fn a_stalled_body_is_found_while_other_streams_flow() {
-        use http_body_util::{BodyExt, Full};
+        use http_body_util::BodyExt;
 
         let activity = Activity::default();
-        let whole = Bytes::from(vec![7u8; 4 * HTTP2_PIECE]);
-        let mut stalled = ActiveBody::new(Full::new(whole), activity.begin(Version::HTTP_2));
+        let mut stalled = body_of(&activity, 4, Version::HTTP_2);
         stalled.frame().await.expect("a piece").expect("data");
-        let whole = Bytes::from(vec![7u8; 256 * HTTP2_PIECE]);
-        let mut flowing = ActiveBody::new(Full::new(whole), activity.begin(Version::HTTP_2));
+        let mut flowing = body_of(&activity, 256, Version::HTTP_2);
         let taker = tokio::spawn(async move {
             while flowing.frame().await.is_some() {
                 tokio::time::sleep(TIMEOUT / 4).await;
@@ -403,11 +411,10 @@ mod tests {
     /// sits in a slot that has since been reused for a later epoch).
     #[tokio::test(start_paused = true)]
     async fn no_stall_is_found_while_the_socket_is_full() {
-        use http_body_util::{BodyExt, Full};
+        use http_body_util::BodyExt;
 
         let activity = Activity::default();
-        let whole = Bytes::from(vec![7u8; 4 * HTTP2_PIECE]);
-        let mut body = ActiveBody::new(Full::new(whole), activity.begin(Version::HTTP_2));
+        let mut body = body_of(&activity, 4, Version::HTTP_2);
         body.frame().await.expect("a piece").expect("data");
         let full = activity.socket_full();
         full.store(true, Ordering::Relaxed);
@@ -428,11 +435,10 @@ mod tests {
     /// its upstream, and an HTTP/1 connection never stall.
     #[tokio::test(start_paused = true)]
     async fn slow_takers_bodies_waiting_upstream_and_http1_never_stall() {
-        use http_body_util::{BodyExt, Full};
+        use http_body_util::BodyExt;
 
         let activity = Activity::default();
-        let whole = Bytes::from(vec![7u8; 64 * HTTP2_PIECE]);
-        let mut body = ActiveBody::new(Full::new(whole), activity.begin(Version::HTTP_2));
+        let mut body = body_of(&activity, 64, Version::HTTP_2);
         let taker = tokio::spawn(async move {
             while body.frame().await.is_some() {
                 tokio::time::sleep(TIMEOUT / 2).await;
@@ -456,8 +462,7 @@ mod tests {
         );
 
         let activity = Activity::default();
-        let whole = Bytes::from(vec![7u8; 4 * HTTP2_PIECE]);
-        let mut body = ActiveBody::new(Full::new(whole), activity.begin(Version::HTTP_11));
+        let mut body = body_of(&activity, 4, Version::HTTP_11);
         body.frame().await.expect("a frame").expect("data");
         let stalled = tokio::time::timeout(20 * TIMEOUT, activity.stalled_for(TIMEOUT));
         assert!(stalled.await.is_err(), "an HTTP/1 connection stalled");
