@@ -449,6 +449,108 @@ async fn an_http2_client_that_grants_no_window_loses_its_connection() {
     drop(response);
 }
 
+/// An upstream that never accepts: its listen queue is full, so the
+/// gateway's connection attempts wait (until the connect timeout) and the
+/// request bodies meant for it are never read. The queue's one
+/// connection is kept with the listener.
+async fn an_upstream_that_never_accepts() -> (tokio::net::TcpListener, TcpStream) {
+    let socket = tokio::net::TcpSocket::new_v4().expect("a socket");
+    socket
+        .bind("127.0.0.1:0".parse().expect("an address"))
+        .expect("bind");
+    // Linux queues one connection at a backlog of 0, then drops SYNs.
+    let listener = socket.listen(0).expect("listen");
+    let addr = listener.local_addr().expect("address");
+    let queued = TcpStream::connect(addr)
+        .await
+        .expect("the queued connection");
+    (listener, queued)
+}
+
+/// An HTTP/2 stream whose request body the gateway cannot pass on (its
+/// upstream connection is still being made) holds its own flow-control
+/// window, not the whole connection's: another stream on the same
+/// connection still gets its body to the gateway and its answer back.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stream_whose_body_waits_does_not_hold_up_the_connections_other_streams() {
+    use http_body_util::BodyExt as _;
+    use support::ChannelBody;
+
+    let (upstream, _queued) = an_upstream_that_never_accepts().await;
+    let upstream_url = format!("http://{}", upstream.local_addr().expect("address"));
+    let gateway = Gateway::start(&[
+        "--upstream",
+        &upstream_url,
+        "--upstream-connect-timeout-ms",
+        "600000",
+    ])
+    .await;
+    let stream = TcpStream::connect(gateway.addr).await.expect("connect");
+    let (mut sender, connection) =
+        hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+            .handshake::<_, ChannelBody>(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .expect("an HTTP/2 handshake");
+    tokio::spawn(connection);
+
+    // The waiting stream: a pass-through upload. The channel holds one
+    // chunk, so each send returns only once the client took the one
+    // before it.
+    let (upload, chunks) = tokio::sync::mpsc::channel(1);
+    let request = http::Request::post(format!("http://{}/upload", gateway.addr))
+        .header("content-type", "application/octet-stream")
+        .body(ChannelBody(chunks))
+        .expect("a request");
+    let waiting = sender.send_request(request);
+    let waiting = tokio::spawn(waiting);
+    // Past the gateway's stream window (1 MiB): the client has taken more
+    // than the gateway will accept on this stream, so all of the window
+    // the upload can have is on its way to the gateway, never to be given
+    // back.
+    const CHUNK: usize = 16 << 10;
+    let mut taken = 0;
+    while taken < (1 << 20) + 2 * CHUNK {
+        bounded(
+            "the client to take the upload's next chunk",
+            STEP,
+            upload.send(bytes::Bytes::from(vec![b'u'; CHUNK])),
+        )
+        .await
+        .expect("the upload's channel is open");
+        taken += CHUNK;
+    }
+
+    // Another stream, with a body the gateway must read before it can
+    // answer (invalid JSON: the plugin refuses it with 400).
+    let (body, chunks) = tokio::sync::mpsc::channel(1);
+    body.send(bytes::Bytes::from_static(b"{\"model\":"))
+        .await
+        .expect("the channel is open");
+    drop(body);
+    let request = http::Request::post(format!("http://{}/v1/completions", gateway.addr))
+        .header("content-type", "application/json")
+        .body(ChannelBody(chunks))
+        .expect("a request");
+    let response = bounded(
+        "the other stream's answer while the upload waits",
+        STEP,
+        sender.send_request(request),
+    )
+    .await
+    .expect("a response");
+    assert_eq!(response.status(), 400);
+    let answer = bounded("the answer's body", STEP, response.into_body().collect())
+        .await
+        .expect("the body")
+        .to_bytes();
+    assert!(
+        String::from_utf8_lossy(&answer).contains("JSON"),
+        "{answer:?}"
+    );
+    assert!(!waiting.is_finished(), "the upload should still be waiting");
+    drop(upload);
+}
+
 /// Readers that pause for less than the send timeout each time get the
 /// whole of a response that takes many timeouts to read, over HTTP/1.
 #[tokio::test(flavor = "multi_thread")]

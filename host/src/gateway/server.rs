@@ -33,6 +33,19 @@ use crate::gateway::workers::Workers;
 
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 
+/// How much of one HTTP/2 request body the gateway accepts before it has
+/// passed any of it on (hyper's default).
+const HTTP2_STREAM_WINDOW: u32 = 1 << 20;
+
+/// How much of all of one HTTP/2 connection's request bodies the gateway
+/// accepts before it has passed any of it on: sixteen streams' windows.
+/// With hyper's default, one stream's window, a single body waiting on its
+/// upstream (a connection still being made, an upstream reading slowly)
+/// held up every other stream of the connection, even those the gateway
+/// answers itself; now that takes sixteen at once. It also bounds the
+/// waiting bodies a connection can make the gateway keep in memory.
+const HTTP2_CONNECTION_WINDOW: u32 = 16 * HTTP2_STREAM_WINDOW;
+
 /// Serves clients on `listener` through `layer` in front of `upstream` until
 /// `shutdown` resolves; then stops accepting and lets in-flight requests
 /// finish for up to `grace`. Returns whether they all finished.
@@ -65,6 +78,8 @@ pub async fn serve(
     builder
         .http2()
         .timer(TokioTimer::new())
+        .initial_stream_window_size(HTTP2_STREAM_WINDOW)
+        .initial_connection_window_size(HTTP2_CONNECTION_WINDOW)
         .max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX));
     let slots = Arc::new(Semaphore::new(limits.max_connections));
     let graceful = GracefulShutdown::new();
