@@ -362,20 +362,58 @@ fn an_empty_body_is_rejected_with_400() {
     }
 }
 
+/// A context-only MessagePack request (TensorRT-LLM's orchestrator with
+/// `TRTLLM_SERVE_ENABLE_MSGSPEC=1`): `{"prompt": "hi",
+/// "disaggregated_params": {"request_type": "context_only"}}`.
+fn msgpack_context_only() -> Vec<u8> {
+    let mut body = vec![0x82, 0xa6];
+    body.extend_from_slice(b"prompt");
+    body.extend_from_slice(&[0xa2, b'h', b'i', 0xb4]);
+    body.extend_from_slice(b"disaggregated_params");
+    body.extend_from_slice(&[0x81, 0xac]);
+    body.extend_from_slice(b"request_type");
+    body.push(0xac);
+    body.extend_from_slice(b"context_only");
+    body
+}
+
 #[test]
-fn a_messagepack_body_is_rejected_with_415() {
-    let mut request = json_request(common::CONTEXT_ONLY);
+fn a_messagepack_body_is_stamped_in_messagepack() {
+    let body = msgpack_context_only();
+    let mut request = json_request(body.clone());
     request
         .headers
         .push(("x-trtllm-msgpack".into(), b" 1 ".to_vec()));
+    let Ok(Action::ForwardWithBody(out)) = plugin().handle(&request) else {
+        panic!("expected a stamped body");
+    };
+    // The params map counts one pair more, and ends with
+    // `"disagg_request_id": <uint 64>`; no other byte changes.
+    let header = body.len() - 1 - 12 - 1 - 12 - 1;
+    assert_eq!(out[..header], body[..header]);
+    assert_eq!(out[header], 0x82);
+    assert_eq!(out[header + 1..body.len()], body[header + 1..]);
+    let pair = &out[body.len()..];
+    assert_eq!(pair[..18], *b"\xb1disagg_request_id");
+    assert_eq!(pair[18], 0xcf);
+    let id = u64::from_be_bytes(pair[19..].try_into().expect("8 bytes"));
+    let parts = SnowflakeLayout::TrtllmV1.decode(id).expect("a v1 id");
+    assert_eq!(parts.machine_id, MACHINE);
+    assert!(parts.millis >= START_MILLIS, "{parts:?}");
+    assert_next_request_works();
+
+    // Bad MessagePack is refused by name.
+    let mut request = json_request(&body[..body.len() - 1]);
+    request
+        .headers
+        .push(("x-trtllm-msgpack".into(), b"1".to_vec()));
     let rejection = reject(plugin(), &request);
-    assert_eq!(rejection.status, 415, "{rejection:?}");
+    assert_eq!(rejection.status, 400, "{rejection:?}");
     assert!(
-        rejection.message.contains("MessagePack"),
+        rejection.message.contains("not valid MessagePack"),
         "{:?}",
         rejection.message
     );
-    assert_next_request_works();
 
     // A header that is present but not `1` is not MessagePack.
     let mut request = json_request(common::CONTEXT_ONLY);

@@ -205,6 +205,32 @@ fn rewrite_refuses_a_batch_the_clock_has_no_ticks_left_for() {
     failure(&output, 2, &["id clock", "every millisecond", "repeat"]);
 }
 
+/// `--msgpack` reads the body as MessagePack and stamps it in MessagePack;
+/// without it the same bytes are not JSON.
+#[test]
+fn rewrite_stamps_a_messagepack_body_with_msgpack() {
+    // {"disaggregated_params": {"request_type": "context_only"}}
+    let body = b"\x81\xb4disaggregated_params\x81\xacrequest_type\xaccontext_only";
+    let args = [
+        "rewrite",
+        "--machine-id",
+        "7",
+        "--clock",
+        &format!("fixed:{MILLIS}"),
+        "--msgpack",
+    ];
+    let output = snowgate(&args, body);
+    assert!(output.status.success(), "{}", text(&output.stderr));
+    let mut expected = body.to_vec();
+    expected[22] = 0x82;
+    expected.extend_from_slice(b"\xb1disagg_request_id\xcf");
+    expected.extend_from_slice(&FIRST_ID_V1.to_be_bytes());
+    assert_eq!(output.stdout, expected);
+
+    let output = snowgate(&args[..5], body);
+    failure(&output, 2, &["JSON must be UTF-8"]);
+}
+
 /// A plugin path that is a device or a FIFO is refused as `serve`
 /// refuses it, instead of reading /dev/zero until memory runs out.
 #[test]

@@ -505,8 +505,8 @@ async fn answers_malformed_json_with_400_naming_the_problem() {
     assert_eq!(reply.status, StatusCode::OK);
 }
 
-/// A plugin rejection reaches the client with the plugin's status: a
-/// MessagePack body (`X-TRTLLM-Msgpack: 1`) gets 415.
+/// A plugin rejection reaches the client with the plugin's status and
+/// message: MessagePack that is cut short gets 400 naming the format.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relays_a_plugin_rejection_with_its_status() {
     let upstream = TestUpstream::start().await;
@@ -517,13 +517,90 @@ async fn relays_a_plugin_rejection_with_its_status() {
         .builder(Method::POST, "/v1/completions")
         .header("content-type", "application/json")
         .header("x-trtllm-msgpack", "1")
-        .body(Full::new(Bytes::from_static(b"\x81\xa6prompt\xa2hi")))
+        .body(Full::new(Bytes::from_static(b"\x82\xa6prompt\xa2hi")))
         .unwrap();
     let reply = client.send(request).await;
-    assert_eq!(reply.status, StatusCode::UNSUPPORTED_MEDIA_TYPE);
-    let message = assert_openai_error(&reply.json(), "unsupported_body", "invalid_request_error");
-    assert!(message.contains("MessagePack"), "{message}");
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST);
+    let message = assert_openai_error(&reply.json(), "invalid_msgpack", "invalid_request_error");
+    assert!(message.contains("not valid MessagePack"), "{message}");
     assert!(upstream.seen().is_empty());
+}
+
+/// A real MessagePack client and upstream: Python's msgspec, which
+/// TensorRT-LLM uses for `X-TRTLLM-Msgpack: 1`, encodes requests and
+/// decodes what the gateway forwards (`tests/clients/msgspec_client.py`
+/// says what it checks). Skipped where python3 has no msgspec, except in
+/// CI, where `.ci/run` installs it.
+#[test]
+fn msgspec_decodes_what_the_gateway_stamped() {
+    let has_msgspec = std::process::Command::new("python3")
+        .args(["-c", "import msgspec"])
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|status| status.success());
+    if !has_msgspec {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "python3 with msgspec is missing; CI must install it (see .ci/run)"
+        );
+        eprintln!("SKIPPED: python3 with msgspec not found (pip install msgspec)");
+        return;
+    }
+    let output = std::process::Command::new("python3")
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/clients/msgspec_client.py"
+        ))
+        .arg(env!("CARGO_BIN_EXE_snowgate"))
+        .output()
+        .expect("running python3");
+    assert!(
+        output.status.success(),
+        "msgspec_client.py: {}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// A context-only request in MessagePack, as TensorRT-LLM's orchestrator
+/// sends it to workers with `TRTLLM_SERVE_ENABLE_MSGSPEC=1`, reaches the
+/// upstream stamped, still MessagePack, with its new length.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stamps_a_messagepack_request() {
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
+
+    // {"prompt": "hi", "disaggregated_params": {"request_type": "context_only"}}
+    let mut body = b"\x82\xa6prompt\xa2hi\xb4disaggregated_params".to_vec();
+    let header = body.len();
+    body.extend_from_slice(b"\x81\xacrequest_type\xaccontext_only");
+    let mut client = Client::connect(gateway.addr).await;
+    let request = client
+        .builder(Method::POST, "/v1/completions")
+        .header("content-type", "application/json")
+        .header("x-trtllm-msgpack", "1")
+        .body(Full::new(Bytes::from(body.clone())))
+        .unwrap();
+    let reply = client.send(request).await;
+    assert_eq!(reply.status, StatusCode::OK);
+
+    let seen = upstream.only_seen();
+    assert_eq!(seen.header("x-trtllm-msgpack"), Some("1"));
+    let out = &seen.body;
+    assert_eq!(
+        seen.header("content-length"),
+        Some(out.len().to_string().as_str())
+    );
+    assert_eq!(out.len(), body.len() + 1 + 17 + 9);
+    assert_eq!(out[..header], body[..header]);
+    assert_eq!(out[header], 0x82, "the params map counts one pair more");
+    assert_eq!(out[header + 1..body.len()], body[header + 1..]);
+    assert_eq!(
+        out[body.len()..body.len() + 19],
+        *b"\xb1disagg_request_id\xcf"
+    );
+    let id = u64::from_be_bytes(out[body.len() + 19..].try_into().expect("8 bytes"));
+    assert_fresh_v1_id(id);
 }
 
 // ---------------------------------------------------------------------------
@@ -1184,7 +1261,7 @@ async fn loosely_typed_bodies_reach_the_plugin_when_the_server_could_read_them_a
 /// the body as JSON, as with none), a JSON type with a non-ASCII byte in a
 /// parameter (Python reads header bytes as Latin-1), and `X-TRTLLM-Msgpack`
 /// on a body labelled anything (TensorRT-LLM decodes it as MessagePack),
-/// which the plugin refuses with 415.
+/// which the plugin stamps in MessagePack.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn labels_the_server_reads_as_json_or_msgpack_send_the_body_to_the_plugin() {
     let upstream = TestUpstream::start().await;
@@ -1206,20 +1283,23 @@ async fn labels_the_server_reads_as_json_or_msgpack_send_the_body_to_the_plugin(
     // {"model":"m","prompt":"hi","disaggregated_params":{"request_type":"context_only"}}
     let msgpack = b"\x83\xa5model\xa1m\xa6prompt\xa2hi\xb4disaggregated_params\
                     \x81\xacrequest_type\xaccontext_only";
-    let before = upstream.seen().len();
     for headers in [
         &b"X-TRTLLM-Msgpack: 1\r\n"[..],
         b"X-TRTLLM-Msgpack: 1\r\nContent-Type: application/json; x=\xff\r\n",
         b"X-TRTLLM-Msgpack: 1\r\nContent-Type: text/plain\r\n",
     ] {
         let raw = send(headers, msgpack).await;
-        assert_eq!(raw.status, 415, "{:?}", String::from_utf8_lossy(headers));
+        assert_eq!(raw.status, 200, "{:?}", String::from_utf8_lossy(headers));
+        let seen = upstream.seen().pop().expect("forwarded");
+        let (body, id) = seen.body.split_at(seen.body.len() - 8);
+        // The params map (the last 27 bytes) counts one pair more.
+        let header = msgpack.len() - 27;
+        assert_eq!(body[header], 0x82);
+        assert_eq!(body[..header], msgpack[..header]);
+        assert_eq!(body[header + 1..msgpack.len()], msgpack[header + 1..]);
+        assert_eq!(body[msgpack.len()..], *b"\xb1disagg_request_id\xcf");
+        assert_fresh_v1_id(u64::from_be_bytes(id.try_into().expect("8 bytes")));
     }
-    assert_eq!(
-        upstream.seen().len(),
-        before,
-        "no MessagePack body forwarded"
-    );
 }
 
 /// HTTP/2 clients (prior knowledge, as gRPC-style clients and some load

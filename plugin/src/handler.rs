@@ -3,9 +3,10 @@
 
 use std::fmt;
 
-use crate::body::{find_edits, BodyError};
+use crate::body::{find_edits, BodyError, Edit};
 use crate::layout::SnowflakeLayout;
-use crate::stamp::apply;
+use crate::msgpack::{self, find_msgpack_edits, MsgpackEdit, MsgpackError};
+use crate::stamp;
 
 /// The plugin's name, as the `name` export reports it.
 pub const PLUGIN_NAME: &str = "snowgate-disagg-id";
@@ -121,8 +122,18 @@ impl From<BodyError> for Rejection {
     }
 }
 
+impl From<MsgpackError> for Rejection {
+    fn from(e: MsgpackError) -> Self {
+        Rejection {
+            status: 400,
+            code: e.code(),
+            message: e.to_string(),
+        }
+    }
+}
+
 /// Whether the headers say the body is MessagePack (TensorRT-LLM's
-/// `X-TRTLLM-Msgpack: 1`), which this plugin cannot stamp.
+/// `X-TRTLLM-Msgpack: 1`, sent with `Content-Type: application/json`).
 pub fn is_msgpack<'h>(mut headers: impl Iterator<Item = (&'h str, &'h [u8])>) -> bool {
     headers.any(|(name, value)| {
         name.eq_ignore_ascii_case("x-trtllm-msgpack") && value.trim_ascii() == b"1"
@@ -137,17 +148,16 @@ pub fn decide(
     body: &[u8],
     ids: &mut impl IdSource,
 ) -> Result<Decision, PluginFailure> {
-    if msgpack {
-        return Ok(Decision::Reject(Rejection {
-            status: 415,
-            code: "unsupported_body",
-            message: "MessagePack bodies (X-TRTLLM-Msgpack: 1) cannot be given request ids here; send the request as JSON"
-                .to_string(),
-        }));
-    }
-    let edits = match find_edits(body) {
+    let found = if msgpack {
+        find_msgpack_edits(body)
+            .map(Edits::Msgpack)
+            .map_err(Rejection::from)
+    } else {
+        find_edits(body).map(Edits::Json).map_err(Rejection::from)
+    };
+    let edits = match found {
         Ok(edits) => edits,
-        Err(e) => return Ok(Decision::Reject(e.into())),
+        Err(rejection) => return Ok(Decision::Reject(rejection)),
     };
     if edits.is_empty() {
         return Ok(Decision::Forward);
@@ -181,8 +191,28 @@ pub fn decide(
                 .map_err(|e| PluginFailure(format!("the host's clock gave an unusable tick: {e}")))
         })
         .collect::<Result<Vec<u64>, _>>()?;
-    Ok(Decision::ForwardWithBody {
-        body: apply(body, &edits, &stamped),
-        ids: stamped,
-    })
+    let body = match &edits {
+        Edits::Json(edits) => stamp::apply(body, edits, &stamped),
+        Edits::Msgpack(edits) => msgpack::apply(body, edits, &stamped),
+    };
+    Ok(Decision::ForwardWithBody { body, ids: stamped })
+}
+
+/// Where ids go, in a body of either format.
+enum Edits {
+    Json(Vec<Edit>),
+    Msgpack(Vec<MsgpackEdit>),
+}
+
+impl Edits {
+    fn len(&self) -> usize {
+        match self {
+            Edits::Json(edits) => edits.len(),
+            Edits::Msgpack(edits) => edits.len(),
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }

@@ -1,7 +1,7 @@
 //! The snowgate disaggregated-request-id plugin.
 //!
-//! Finds every context-only `disaggregated_params` object in a JSON request
-//! body and gives it a `disagg_request_id` in TensorRT-LLM's snowflake layout,
+//! Finds every context-only `disaggregated_params` object in a JSON (or
+//! MessagePack) request body and gives it a `disagg_request_id` in TensorRT-LLM's snowflake layout,
 //! changing no other byte of the body.
 //!
 //! The crate is a pure core that compiles natively (tests, fuzzing,
@@ -9,6 +9,7 @@
 //! wit-bindgen glue that exports it as a `snowgate:middleware` component:
 //! - [`body`]: the JSON walk that finds where ids go;
 //! - [`stamp`]: splices ids into those places;
+//! - [`msgpack`]: both, for MessagePack bodies (`X-TRTLLM-Msgpack: 1`);
 //! - [`layout`]: packs ids bit for bit as TensorRT-LLM does;
 //! - [`handler`]: the decision for one request, on top of the three.
 //!
@@ -40,6 +41,7 @@
 pub mod body;
 pub mod handler;
 pub mod layout;
+pub mod msgpack;
 pub mod stamp;
 
 #[cfg(all(target_arch = "wasm32", feature = "component"))]
@@ -51,3 +53,4 @@ pub use handler::{
     PLUGIN_NAME, PLUGIN_VERSION,
 };
 pub use layout::{IdParts, LayoutError, SnowflakeLayout};
+pub use msgpack::{find_msgpack_edits, MsgpackEdit, MsgpackError};

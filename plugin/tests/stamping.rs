@@ -1000,22 +1000,432 @@ fn recognises_the_msgpack_header() {
     assert!(!is_msgpack(std::iter::empty()));
 }
 
+// MessagePack bodies: the same rules, checked against rmpv, an independent
+// MessagePack reader and writer.
+
+/// `{k: v, ...}` as an rmpv map, keys as strings.
+fn mp_map(pairs: Vec<(&str, rmpv::Value)>) -> rmpv::Value {
+    rmpv::Value::Map(pairs.into_iter().map(|(k, v)| (k.into(), v)).collect())
+}
+
+fn mp_encode(value: &rmpv::Value) -> Vec<u8> {
+    let mut out = Vec::new();
+    rmpv::encode::write_value(&mut out, value).expect("encoding into a Vec");
+    out
+}
+
+fn mp_decode(bytes: &[u8]) -> rmpv::Value {
+    let mut reader = bytes;
+    let value = rmpv::decode::read_value(&mut reader).expect("valid MessagePack");
+    assert!(reader.is_empty(), "nothing after the value");
+    value
+}
+
+fn mp_context_only(extra: Vec<(&str, rmpv::Value)>) -> rmpv::Value {
+    let mut pairs = vec![("request_type", "context_only".into())];
+    pairs.extend(extra);
+    mp_map(pairs)
+}
+
+/// Decides on a MessagePack body with the v1 layout.
+fn decide_msgpack(body: &[u8]) -> Decision {
+    let mut ids = FakeIds::new(SnowflakeLayout::TrtllmV1);
+    decide(&v1(), true, body, &mut ids).expect("no plugin failure")
+}
+
+/// Stamps a MessagePack body and returns the new body and the ids.
+fn stamp_msgpack(body: &[u8]) -> (Vec<u8>, Vec<u64>) {
+    match decide_msgpack(body) {
+        Decision::ForwardWithBody { body, ids } => (body, ids),
+        other => panic!("expected a stamp, got {other:?}"),
+    }
+}
+
 #[test]
-fn rejects_msgpack_bodies_with_415() {
-    for body in [
-        &br#"{"disaggregated_params":{"request_type":"context_only"}}"#[..],
-        b"{}",
-        b"\x81\xa1a\x01",
+fn stamps_a_messagepack_request_as_it_would_a_json_one() {
+    let request = mp_map(vec![
+        ("model", "m".into()),
+        (
+            "prompt_token_ids",
+            rmpv::Value::Array(vec![1.into(), 2.into()]),
+        ),
+        ("disaggregated_params", mp_context_only(vec![])),
+    ]);
+    let body = mp_encode(&request);
+    let (out, ids) = stamp_msgpack(&body);
+    assert_eq!(ids, [first_v1_id()]);
+    let expected = mp_map(vec![
+        ("model", "m".into()),
+        (
+            "prompt_token_ids",
+            rmpv::Value::Array(vec![1.into(), 2.into()]),
+        ),
+        (
+            "disaggregated_params",
+            mp_context_only(vec![("disagg_request_id", ids[0].into())]),
+        ),
+    ]);
+    assert_eq!(mp_decode(&out), expected);
+    // Only the params map's header changed, and the pair was appended.
+    let header = body.len() - 1 - "request_type".len() - 1 - "context_only".len() - 1;
+    assert_eq!(body[header], 0x81);
+    assert_eq!(out[header], 0x82);
+    assert_eq!(out[..header], body[..header]);
+    assert_eq!(out[header + 1..body.len()], body[header + 1..]);
+}
+
+#[test]
+fn stamps_messagepack_params_like_json_ones() {
+    let ctx = || mp_context_only(vec![]);
+    // A null id is replaced in place, by a uint 64.
+    let body = mp_encode(&mp_map(vec![(
+        "disaggregated_params",
+        mp_context_only(vec![
+            ("disagg_request_id", rmpv::Value::Nil),
+            ("x", 1.into()),
+        ]),
+    )]));
+    let (out, ids) = stamp_msgpack(&body);
+    let nil = body.iter().position(|&b| b == 0xc0).expect("a nil");
+    assert_eq!(out[..nil], body[..nil]);
+    assert_eq!(out[nil], 0xcf);
+    assert_eq!(out[nil + 1..nil + 9], ids[0].to_be_bytes());
+    assert_eq!(out[nil + 9..], body[nil + 1..]);
+
+    // Each request of a batch, in order; the request type ignoring case.
+    let batch = rmpv::Value::Array(
+        [
+            "context_only",
+            "CONTEXT_ONLY",
+            "generation_only",
+            "Context_Only",
+        ]
+        .iter()
+        .map(|t| {
+            mp_map(vec![(
+                "disaggregated_params",
+                mp_map(vec![("request_type", (*t).into())]),
+            )])
+        })
+        .collect(),
+    );
+    let (out, ids) = stamp_msgpack(&mp_encode(&batch));
+    assert_eq!(ids.len(), 3);
+    let rmpv::Value::Array(requests) = mp_decode(&out) else {
+        panic!("an array")
+    };
+    let stamped: Vec<Option<u64>> = requests
+        .iter()
+        .map(|r| r["disaggregated_params"]["disagg_request_id"].as_u64())
+        .collect();
+    assert_eq!(stamped, [Some(ids[0]), Some(ids[1]), None, Some(ids[2])]);
+
+    // Bodies that need no id come out as they went in.
+    for value in [
+        mp_map(vec![(
+            "disaggregated_params",
+            mp_context_only(vec![("disagg_request_id", 5.into())]),
+        )]),
+        mp_map(vec![(
+            "disaggregated_params",
+            mp_map(vec![("request_type", "generation_only".into())]),
+        )]),
+        mp_map(vec![("other", ctx())]),
+        mp_map(vec![(
+            "prompt",
+            "\"disaggregated_params\": {\"request_type\": \"context_only\"}".into(),
+        )]),
+        mp_map(vec![(
+            "disaggregated_params",
+            mp_map(vec![(
+                "request_type",
+                rmpv::Value::Binary(b"context_only".to_vec()),
+            )]),
+        )]),
+        rmpv::Value::Map(vec![(
+            rmpv::Value::Binary(b"disaggregated_params".to_vec()),
+            ctx(),
+        )]),
     ] {
-        let mut ids = FakeIds::new(SnowflakeLayout::TrtllmV1);
-        let Ok(Decision::Reject(r)) = decide(&v1(), true, body, &mut ids) else {
-            panic!("expected a rejection");
+        assert!(
+            matches!(decide_msgpack(&mp_encode(&value)), Decision::Forward),
+            "{value}"
+        );
+    }
+}
+
+#[test]
+fn the_last_of_duplicate_messagepack_keys_counts() {
+    // Duplicate params: only the last gets an id.
+    let body = mp_encode(&mp_map(vec![
+        ("disaggregated_params", mp_context_only(vec![])),
+        ("disaggregated_params", mp_context_only(vec![])),
+    ]));
+    let (out, ids) = stamp_msgpack(&body);
+    assert_eq!(ids.len(), 1);
+    let rmpv::Value::Map(pairs) = mp_decode(&out) else {
+        panic!("a map")
+    };
+    assert!(pairs[0].1["disagg_request_id"].is_nil());
+    assert_eq!(pairs[1].1["disagg_request_id"].as_u64(), Some(ids[0]));
+
+    // The last request type, and the last id, decide.
+    for (pairs, stamped) in [
+        (
+            vec![
+                ("request_type", "generation_only".into()),
+                ("request_type", "context_only".into()),
+            ],
+            true,
+        ),
+        (
+            vec![
+                ("request_type", "context_only".into()),
+                ("request_type", "generation_only".into()),
+            ],
+            false,
+        ),
+        (
+            vec![
+                ("request_type", "context_only".into()),
+                ("disagg_request_id", 9.into()),
+                ("disagg_request_id", rmpv::Value::Nil),
+            ],
+            true,
+        ),
+        (
+            vec![
+                ("request_type", "context_only".into()),
+                ("disagg_request_id", rmpv::Value::Nil),
+                ("disagg_request_id", 9.into()),
+            ],
+            false,
+        ),
+    ] {
+        let body = mp_encode(&mp_map(vec![("disaggregated_params", mp_map(pairs))]));
+        assert_eq!(
+            matches!(decide_msgpack(&body), Decision::ForwardWithBody { .. }),
+            stamped
+        );
+    }
+
+    // A member overridden by a later duplicate key is never stamped.
+    let body = mp_encode(&mp_map(vec![
+        (
+            "a",
+            mp_map(vec![("disaggregated_params", mp_context_only(vec![]))]),
+        ),
+        ("a", 1.into()),
+    ]));
+    assert!(matches!(decide_msgpack(&body), Decision::Forward));
+}
+
+#[test]
+fn a_map_that_outgrows_its_header_format_gets_the_next_one() {
+    // 15 pairs fit a fixmap; the 16th needs a map 16.
+    let mut pairs = vec![("request_type", "context_only".into())];
+    let names: Vec<String> = (0..14).map(|i| format!("k{i}")).collect();
+    pairs.extend(names.iter().map(|n| (n.as_str(), rmpv::Value::from(1))));
+    let body = mp_encode(&mp_map(vec![(
+        "disaggregated_params",
+        mp_map(pairs.clone()),
+    )]));
+    let (out, ids) = stamp_msgpack(&body);
+    let header = 1 + 1 + "disaggregated_params".len();
+    assert_eq!(body[header], 0x8f);
+    assert_eq!(out[header..header + 3], [0xde, 0x00, 0x10]);
+    pairs.push(("disagg_request_id", ids[0].into()));
+    assert_eq!(
+        mp_decode(&out),
+        mp_map(vec![("disaggregated_params", mp_map(pairs))])
+    );
+}
+
+#[test]
+fn gives_a_messagepack_burst_of_ten_thousand_params_distinct_ids() {
+    let batch = rmpv::Value::Array(
+        (0..10_000)
+            .map(|_| mp_map(vec![("disaggregated_params", mp_context_only(vec![]))]))
+            .collect(),
+    );
+    let (out, ids) = stamp_msgpack(&mp_encode(&batch));
+    assert_eq!(ids.len(), 10_000);
+    assert_eq!(ids.iter().collect::<HashSet<_>>().len(), 10_000);
+    let rmpv::Value::Array(requests) = mp_decode(&out) else {
+        panic!("an array")
+    };
+    for (request, id) in requests.iter().zip(&ids) {
+        assert_eq!(
+            request["disaggregated_params"]["disagg_request_id"].as_u64(),
+            Some(*id)
+        );
+    }
+}
+
+#[test]
+fn rejects_bad_messagepack_with_400_naming_the_problem() {
+    let ctx = mp_encode(&mp_map(vec![(
+        "disaggregated_params",
+        mp_context_only(vec![]),
+    )]));
+    let mut deep = vec![0x91; MAX_NESTING_DEPTH];
+    deep.push(0xc0);
+    let mut too_deep = vec![0x91; MAX_NESTING_DEPTH + 1];
+    too_deep.push(0xc0);
+    assert!(matches!(decide_msgpack(&deep), Decision::Forward));
+    for (body, problem) in [
+        (&b""[..], "empty"),
+        (&ctx[..ctx.len() - 1], "ends inside"),
+        (
+            &[ctx.as_slice(), b"\x00"].concat()[..],
+            "after the MessagePack value",
+        ),
+        (b"\xc1", "0xc1"),
+        (b"\x81\xa1a\xa2\xff\xfe", "UTF-8"),
+        (b"\x81\x91\x01\x01", "map key is an array"),
+        (&too_deep[..], "deeper than 128"),
+        (b"\xdb\xff\xff\xff\xff", "ends inside"),
+        (b"\xdd\xff\xff\xff\xff", "ends"),
+        (
+            br#"{"disaggregated_params":{"request_type":"context_only"}}"#,
+            "after the MessagePack value",
+        ),
+    ] {
+        let Decision::Reject(r) = decide_msgpack(body) else {
+            panic!("expected a rejection of {body:?}");
         };
-        assert_eq!(r.status, 415);
-        assert_eq!(r.code, "unsupported_body");
-        assert!(r.message.contains("MessagePack"), "{}", r.message);
-        assert_eq!(ids.machine_calls, 0);
-        assert!(ids.ticks.is_empty());
+        assert_eq!((r.status, r.code), (400, "invalid_msgpack"), "{body:?}");
+        assert!(
+            r.message.contains("MessagePack") && r.message.contains(problem),
+            "{body:?}: {}",
+            r.message
+        );
+    }
+    // Every truncation of a stamped-looking body is refused, never a panic.
+    for end in 0..ctx.len() {
+        assert!(matches!(decide_msgpack(&ctx[..end]), Decision::Reject(_)));
+    }
+}
+
+/// A MessagePack value for the property test: nested maps and arrays with
+/// params maps in every state, under keys that repeat.
+fn mp_document() -> BoxedStrategy<rmpv::Value> {
+    let leaf = prop_oneof![
+        Just(rmpv::Value::Nil),
+        any::<bool>().prop_map(rmpv::Value::from),
+        any::<i64>().prop_map(rmpv::Value::from),
+        any::<u64>().prop_map(rmpv::Value::from),
+        any::<f64>().prop_map(rmpv::Value::from),
+        prop::sample::select(vec![
+            "context_only",
+            "CONTEXT_only",
+            "generation_only",
+            "",
+            "é"
+        ])
+        .prop_map(rmpv::Value::from),
+        prop::collection::vec(any::<u8>(), 0..4).prop_map(rmpv::Value::Binary),
+    ];
+    let key = prop_oneof![
+        prop::sample::select(vec![
+            "disaggregated_params",
+            "request_type",
+            "disagg_request_id",
+            "a",
+            "b"
+        ])
+        .prop_map(rmpv::Value::from),
+        (0i64..3).prop_map(rmpv::Value::from),
+        Just(rmpv::Value::Binary(b"disaggregated_params".to_vec())),
+    ];
+    leaf.prop_recursive(5, 64, 6, move |inner| {
+        prop_oneof![
+            prop::collection::vec(inner.clone(), 0..5).prop_map(rmpv::Value::Array),
+            prop::collection::vec((key.clone(), inner), 0..6).prop_map(rmpv::Value::Map),
+        ]
+    })
+    .boxed()
+}
+
+/// Two map keys Python takes for the same dict key (as far as the
+/// generator's keys go: strings, byte strings and small integers).
+fn mp_same_key(a: &rmpv::Value, b: &rmpv::Value) -> bool {
+    match (a, b) {
+        (rmpv::Value::Integer(x), rmpv::Value::Integer(y)) => x.as_i64() == y.as_i64(),
+        _ => a == b,
+    }
+}
+
+/// The oracle: `value` with the ids a Python reader would expect, taken in
+/// the order of the params maps' headers (before their children).
+fn mp_expected(value: &mut rmpv::Value, params: bool, ids: &mut std::slice::Iter<'_, u64>) {
+    match value {
+        rmpv::Value::Array(items) => items.iter_mut().for_each(|v| mp_expected(v, false, ids)),
+        rmpv::Value::Map(pairs) => {
+            let effective = |i: usize, pairs: &[(rmpv::Value, rmpv::Value)]| {
+                !pairs[i + 1..]
+                    .iter()
+                    .any(|(k, _)| mp_same_key(k, &pairs[i].0))
+            };
+            let last = |name: &str, pairs: &[(rmpv::Value, rmpv::Value)]| {
+                pairs.iter().rposition(|(k, _)| k.as_str() == Some(name))
+            };
+            if params {
+                let context_only = last("request_type", pairs).is_some_and(|i| {
+                    pairs[i]
+                        .1
+                        .as_str()
+                        .is_some_and(|t| t.eq_ignore_ascii_case("context_only"))
+                });
+                if context_only {
+                    match last("disagg_request_id", pairs) {
+                        None => pairs.push((
+                            "disagg_request_id".into(),
+                            (*ids.next().expect("an id")).into(),
+                        )),
+                        Some(i) if pairs[i].1.is_nil() => {
+                            pairs[i].1 = (*ids.next().expect("an id")).into()
+                        }
+                        Some(_) => {}
+                    }
+                }
+            }
+            for i in 0..pairs.len() {
+                if effective(i, pairs) {
+                    let is_params = pairs[i].0.as_str() == Some("disaggregated_params");
+                    mp_expected(&mut pairs[i].1, is_params, ids);
+                }
+            }
+        }
+        _ => {}
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(2000))]
+
+    /// Any MessagePack document comes out as rmpv reads it plus exactly
+    /// the ids the oracle expects where it expects them, all distinct; a
+    /// document that needs none comes out byte for byte.
+    #[test]
+    fn messagepack_bodies_gain_exactly_the_expected_ids(doc in mp_document()) {
+        let body = mp_encode(&doc);
+        match decide_msgpack(&body) {
+            Decision::Forward => {
+                let mut expected = doc.clone();
+                mp_expected(&mut expected, false, &mut [].iter());
+                prop_assert_eq!(expected, doc);
+            }
+            Decision::ForwardWithBody { body: out, ids } => {
+                prop_assert_eq!(ids.iter().collect::<HashSet<_>>().len(), ids.len());
+                let mut expected = doc.clone();
+                let mut taken = ids.iter();
+                mp_expected(&mut expected, false, &mut taken);
+                prop_assert!(taken.next().is_none(), "more ids than the oracle expects");
+                prop_assert_eq!(mp_decode(&out), expected);
+            }
+            Decision::Reject(r) => prop_assert!(false, "rejected: {:?}", r),
+        }
     }
 }
 

@@ -36,6 +36,10 @@ pub struct RewriteArgs {
     /// for reproducible runs and examples.
     #[arg(long, default_value = "system", value_name = "CLOCK")]
     clock: ClockChoice,
+    /// The body is MessagePack, as TensorRT-LLM's orchestrator sends it with
+    /// `X-TRTLLM-Msgpack: 1`, instead of JSON.
+    #[arg(long)]
+    msgpack: bool,
 }
 
 /// The `--clock` flag.
@@ -89,10 +93,14 @@ pub fn run(args: RewriteArgs) -> Result<(), Failure> {
     std::io::stdin()
         .read_to_end(&mut body)
         .context("reading the body from stdin")?;
+    let mut headers = vec![("content-type".into(), b"application/json".to_vec())];
+    if args.msgpack {
+        headers.push(("x-trtllm-msgpack".into(), b"1".to_vec()));
+    }
     let request = Request {
         method: "POST".into(),
         path: "/".into(),
-        headers: vec![("content-type".into(), b"application/json".to_vec())],
+        headers,
         body,
     };
     let answer = plugin.handle(&request);

@@ -1,0 +1,516 @@
+//! Where ids go in a MessagePack body: TensorRT-LLM's orchestrator sends
+//! requests to its workers as MessagePack (with `X-TRTLLM-Msgpack: 1`)
+//! when `TRTLLM_SERVE_ENABLE_MSGSPEC=1`. The same rules as the JSON walk in
+//! [`crate::body`], read the way Python's decoders build dicts: map keys
+//! that are strings match by their bytes, the last of duplicate keys wins,
+//! and only a `request_type` string equal to `context_only` (ignoring
+//! ASCII case) asks for an id. The walk validates the whole body and
+//! returns where ids go; [`apply`] splices them in, touching no other byte
+//! but the count in the header of each map that gains a pair.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use crate::body::MAX_NESTING_DEPTH;
+
+/// The key that holds the parameters.
+const PARAMS_KEY: &[u8] = b"disaggregated_params";
+/// The member that says which phase the request is for.
+const REQUEST_TYPE_KEY: &[u8] = b"request_type";
+/// The member that carries the id.
+const ID_KEY: &[u8] = b"disagg_request_id";
+/// The only request type that gets a new id.
+const CONTEXT_ONLY: &[u8] = b"context_only";
+/// `disagg_request_id` as a MessagePack fixstr (17 bytes).
+const ID_KEY_FIXSTR: u8 = 0xa0 | ID_KEY.len() as u8;
+/// The marker of a 64-bit unsigned integer, as MessagePack encoders write
+/// every id (ids are at least 2^40).
+const UINT64: u8 = 0xcf;
+/// The nil marker.
+const NIL: u8 = 0xc0;
+
+/// One place an id goes in a MessagePack body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MsgpackEdit {
+    /// Add the pair `disagg_request_id: ID` to a map: its header, at
+    /// `header` and `header_len` bytes long, counts one pair more, and the
+    /// pair is inserted at `end`, just after the map's last pair.
+    AppendPair {
+        /// Byte offset of the map's header.
+        header: usize,
+        /// Length of the header (1, 3 or 5 bytes).
+        header_len: usize,
+        /// The number of pairs the map holds now.
+        count: u32,
+        /// Byte offset just after the map's last pair.
+        end: usize,
+    },
+    /// Replace the nil byte at `at` with the id.
+    ReplaceNil {
+        /// Byte offset of the nil.
+        at: usize,
+    },
+}
+
+/// Why a body cannot be read as MessagePack.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MsgpackError {
+    /// Byte offset where the problem was found.
+    pub offset: usize,
+    /// What was wrong there.
+    pub problem: &'static str,
+}
+
+impl MsgpackError {
+    /// A short machine-readable code for the error.
+    pub fn code(&self) -> &'static str {
+        "invalid_msgpack"
+    }
+}
+
+impl fmt::Display for MsgpackError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "the request body is not valid MessagePack (X-TRTLLM-Msgpack: 1): {} at byte {}",
+            self.problem, self.offset
+        )
+    }
+}
+
+impl std::error::Error for MsgpackError {}
+
+/// Validates `body` as one MessagePack value and returns, in the order of
+/// their maps' headers, the edits that give every effective context-only
+/// `disaggregated_params` map without an id its id.
+pub fn find_msgpack_edits(body: &[u8]) -> Result<Vec<MsgpackEdit>, MsgpackError> {
+    if body.is_empty() {
+        return Err(MsgpackError {
+            offset: 0,
+            problem: "the body is empty",
+        });
+    }
+    let mut walk = Walk {
+        bytes: body,
+        pos: 0,
+        depth: 0,
+        edits: Vec::new(),
+        live: Vec::new(),
+    };
+    walk.value(false)?;
+    if walk.pos != body.len() {
+        return Err(walk.error("unexpected data after the MessagePack value"));
+    }
+    let mut edits: Vec<MsgpackEdit> = walk
+        .edits
+        .into_iter()
+        .zip(walk.live)
+        .filter_map(|(e, live)| live.then_some(e))
+        .collect();
+    // A map's own edit is recorded when it ends, after its children's.
+    edits.sort_by_key(|e| match *e {
+        MsgpackEdit::AppendPair { header, .. } => header,
+        MsgpackEdit::ReplaceNil { at } => at,
+    });
+    Ok(edits)
+}
+
+/// Returns `body` with `ids[i]` written by `edits[i]`, as
+/// [`find_msgpack_edits`] returned them; `ids` must be as long as `edits`.
+pub fn apply(body: &[u8], edits: &[MsgpackEdit], ids: &[u64]) -> Vec<u8> {
+    debug_assert_eq!(edits.len(), ids.len());
+    /// One splice: at `at`, drop `remove` bytes and write `insert`.
+    struct Splice {
+        at: usize,
+        /// Among splices at one offset: insertions first, the innermost
+        /// map's (the latest header) first of all; then a replacement.
+        order: (u8, std::cmp::Reverse<usize>),
+        remove: usize,
+        insert: Vec<u8>,
+    }
+    let mut splices = Vec::with_capacity(edits.len() * 2);
+    for (edit, &id) in edits.iter().zip(ids) {
+        match *edit {
+            MsgpackEdit::AppendPair {
+                header,
+                header_len,
+                count,
+                end,
+            } => {
+                splices.push(Splice {
+                    at: header,
+                    order: (1, std::cmp::Reverse(header)),
+                    remove: header_len,
+                    insert: map_header(body[header], count + 1),
+                });
+                let mut pair = Vec::with_capacity(1 + ID_KEY.len() + 9);
+                pair.push(ID_KEY_FIXSTR);
+                pair.extend_from_slice(ID_KEY);
+                push_id(&mut pair, id);
+                splices.push(Splice {
+                    at: end,
+                    order: (0, std::cmp::Reverse(header)),
+                    remove: 0,
+                    insert: pair,
+                });
+            }
+            MsgpackEdit::ReplaceNil { at } => {
+                let mut value = Vec::with_capacity(9);
+                push_id(&mut value, id);
+                splices.push(Splice {
+                    at,
+                    order: (1, std::cmp::Reverse(at)),
+                    remove: 1,
+                    insert: value,
+                });
+            }
+        }
+    }
+    splices.sort_by_key(|s| (s.at, s.order));
+    let grown: usize = splices.iter().map(|s| s.insert.len()).sum();
+    let mut out = Vec::with_capacity(body.len() + grown);
+    let mut copied = 0;
+    for splice in &splices {
+        out.extend_from_slice(&body[copied..splice.at]);
+        out.extend_from_slice(&splice.insert);
+        copied = splice.at + splice.remove;
+    }
+    out.extend_from_slice(&body[copied..]);
+    out
+}
+
+/// A map header for `count` pairs in the format of the header that starts
+/// with `marker` when it still fits, else in the next larger one.
+fn map_header(marker: u8, count: u32) -> Vec<u8> {
+    match marker {
+        0x80..=0x8f if count <= 15 => vec![0x80 | count as u8],
+        0x80..=0x8f | 0xde if count <= u32::from(u16::MAX) => {
+            let mut header = vec![0xde];
+            header.extend_from_slice(&(count as u16).to_be_bytes());
+            header
+        }
+        _ => {
+            let mut header = vec![0xdf];
+            header.extend_from_slice(&count.to_be_bytes());
+            header
+        }
+    }
+}
+
+fn push_id(out: &mut Vec<u8>, id: u64) {
+    out.push(UINT64);
+    out.extend_from_slice(&id.to_be_bytes());
+}
+
+/// What kind of value was just read, with what the params logic needs.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Value {
+    /// A string; `start..end` is its content.
+    Str { start: usize, end: usize },
+    /// Nil, at `at`.
+    Nil { at: usize },
+    /// Anything else.
+    Other,
+}
+
+/// A map key, as far as telling duplicates apart goes: strings and
+/// byte strings by their bytes, integers by their value. Other keys are
+/// never taken for duplicates (a missed duplicate only stamps a map that
+/// the worker then drops).
+#[derive(Clone, PartialEq, Eq, PartialOrd, Ord)]
+enum Key {
+    Str(Vec<u8>),
+    Bin(Vec<u8>),
+    Int(i128),
+}
+
+/// The state of a `disaggregated_params` map while it is read.
+enum IdMember {
+    Missing,
+    Nil { at: usize },
+    Set,
+}
+
+struct Walk<'a> {
+    bytes: &'a [u8],
+    pos: usize,
+    depth: usize,
+    /// Edits in the order found.
+    edits: Vec<MsgpackEdit>,
+    /// Parallel to `edits`: false once the edit sits under a key that a
+    /// later duplicate key overrides.
+    live: Vec<bool>,
+}
+
+impl Walk<'_> {
+    fn error(&self, problem: &'static str) -> MsgpackError {
+        MsgpackError {
+            offset: self.pos.min(self.bytes.len()),
+            problem,
+        }
+    }
+
+    /// Takes `n` bytes, or says the body ends inside what was being read.
+    fn take(&mut self, n: usize) -> Result<&[u8], MsgpackError> {
+        let taken = self
+            .pos
+            .checked_add(n)
+            .and_then(|end| self.bytes.get(self.pos..end))
+            .ok_or_else(|| self.error("the body ends inside a value"))?;
+        self.pos += n;
+        Ok(taken)
+    }
+
+    /// Reads a big-endian length of `width` bytes (1, 2 or 4).
+    fn length(&mut self, width: usize) -> Result<usize, MsgpackError> {
+        let bytes = self.take(width)?;
+        Ok(bytes.iter().fold(0usize, |n, &b| (n << 8) | usize::from(b)))
+    }
+
+    /// Reads one value at `pos`. `params` says the value belongs to a
+    /// `disaggregated_params` key.
+    fn value(&mut self, params: bool) -> Result<Value, MsgpackError> {
+        self.value_and_key(params).map(|(value, _)| value)
+    }
+
+    /// Reads one value and, when it can be a map key that duplicates
+    /// matter for, that key.
+    fn value_and_key(&mut self, params: bool) -> Result<(Value, Option<Key>), MsgpackError> {
+        let at = self.pos;
+        let marker = *self
+            .bytes
+            .get(at)
+            .ok_or_else(|| self.error("the body ends where a value was expected"))?;
+        self.pos += 1;
+        let int = |v: i128| Ok((Value::Other, Some(Key::Int(v))));
+        match marker {
+            0x00..=0x7f => int(i128::from(marker)),
+            0xe0..=0xff => int(i128::from(marker as i8)),
+            0x80..=0x8f => self.map(at, usize::from(marker & 0x0f), params),
+            0xde => {
+                let count = self.length(2)?;
+                self.map(at, count, params)
+            }
+            0xdf => {
+                let count = self.length(4)?;
+                self.map(at, count, params)
+            }
+            0x90..=0x9f => self.array(usize::from(marker & 0x0f)),
+            0xdc => {
+                let count = self.length(2)?;
+                self.array(count)
+            }
+            0xdd => {
+                let count = self.length(4)?;
+                self.array(count)
+            }
+            0xa0..=0xbf => self.str(usize::from(marker & 0x1f)),
+            0xd9 => {
+                let len = self.length(1)?;
+                self.str(len)
+            }
+            0xda => {
+                let len = self.length(2)?;
+                self.str(len)
+            }
+            0xdb => {
+                let len = self.length(4)?;
+                self.str(len)
+            }
+            0xc4..=0xc6 => {
+                let len = self.length(1 << (marker - 0xc4))?;
+                let bytes = self.take(len)?.to_vec();
+                Ok((Value::Other, Some(Key::Bin(bytes))))
+            }
+            0xc0 => Ok((Value::Nil { at }, None)),
+            0xc2 | 0xc3 => Ok((Value::Other, None)),
+            0xca => self.take(4).map(|_| (Value::Other, None)),
+            0xcb => self.take(8).map(|_| (Value::Other, None)),
+            0xcc..=0xcf => {
+                let bytes = self.take(1 << (marker - 0xcc))?;
+                let v = bytes.iter().fold(0u64, |n, &b| (n << 8) | u64::from(b));
+                int(i128::from(v))
+            }
+            0xd0..=0xd3 => {
+                let width = 1 << (marker - 0xd0);
+                let bytes = self.take(width)?;
+                let unsigned = bytes.iter().fold(0u64, |n, &b| (n << 8) | u64::from(b));
+                let shift = 64 - 8 * width as u32;
+                int(i128::from(((unsigned << shift) as i64) >> shift))
+            }
+            // fixext 1, 2, 4, 8, 16: a type byte and the data.
+            0xd4..=0xd8 => self
+                .take(1 + (1 << (marker - 0xd4)))
+                .map(|_| (Value::Other, None)),
+            0xc7..=0xc9 => {
+                let len = self.length(1 << (marker - 0xc7))?;
+                self.take(1 + len).map(|_| (Value::Other, None))
+            }
+            0xc1 => {
+                self.pos = at;
+                Err(self.error("0xc1 is never used in MessagePack"))
+            }
+        }
+    }
+
+    fn str(&mut self, len: usize) -> Result<(Value, Option<Key>), MsgpackError> {
+        let start = self.pos;
+        let bytes = self.take(len)?;
+        if std::str::from_utf8(bytes).is_err() {
+            self.pos = start;
+            return Err(self.error("a string is not valid UTF-8"));
+        }
+        let end = self.pos;
+        Ok((
+            Value::Str { start, end },
+            Some(Key::Str(self.bytes[start..end].to_vec())),
+        ))
+    }
+
+    fn enter(&mut self, at: usize) -> Result<(), MsgpackError> {
+        if self.depth == MAX_NESTING_DEPTH {
+            return Err(MsgpackError {
+                offset: at,
+                problem: "arrays and maps nest deeper than 128 levels",
+            });
+        }
+        self.depth += 1;
+        Ok(())
+    }
+
+    fn array(&mut self, count: usize) -> Result<(Value, Option<Key>), MsgpackError> {
+        self.enter(self.pos)?;
+        for _ in 0..count {
+            self.value(false)?;
+        }
+        self.depth -= 1;
+        Ok((Value::Other, None))
+    }
+
+    /// Reads a map of `count` pairs whose header is at `header`. When
+    /// `params` is set it is a `disaggregated_params` value: decide from its
+    /// effective members whether it needs an id.
+    fn map(
+        &mut self,
+        header: usize,
+        count: usize,
+        params: bool,
+    ) -> Result<(Value, Option<Key>), MsgpackError> {
+        self.enter(header)?;
+        let header_len = self.pos - header;
+        let mut with_edits: BTreeMap<Key, std::ops::Range<usize>> = BTreeMap::new();
+        let mut context_only = false;
+        let mut id = IdMember::Missing;
+        for _ in 0..count {
+            let key_at = self.pos;
+            if let Some(&(0x80..=0x9f | 0xdc..=0xdf)) = self.bytes.get(key_at) {
+                return Err(self.error(
+                    "a map key is an array or a map, which no Python decoder takes as a dict key",
+                ));
+            }
+            let (key_value, key) = self.value_and_key(false)?;
+            let key_bytes = match key_value {
+                Value::Str { start, end } => Some(&self.bytes[start..end]),
+                _ => None,
+            };
+            let is = |name: &[u8]| key_bytes == Some(name);
+            let (is_params, is_type, is_id) = (is(PARAMS_KEY), is(REQUEST_TYPE_KEY), is(ID_KEY));
+            if let Some(range) = key.as_ref().and_then(|k| with_edits.remove(k)) {
+                self.live[range].iter_mut().for_each(|l| *l = false);
+            }
+            let first_edit = self.edits.len();
+            let value = self.value(is_params)?;
+            if params && is_type {
+                context_only = match value {
+                    Value::Str { start, end } => {
+                        self.bytes[start..end].eq_ignore_ascii_case(CONTEXT_ONLY)
+                    }
+                    _ => false,
+                };
+            } else if params && is_id {
+                id = match value {
+                    Value::Nil { at } => IdMember::Nil { at },
+                    _ => IdMember::Set,
+                };
+            }
+            if self.edits.len() > first_edit {
+                if let Some(key) = key {
+                    with_edits.insert(key, first_edit..self.edits.len());
+                }
+            }
+        }
+        self.depth -= 1;
+        if params && context_only {
+            let edit = match id {
+                IdMember::Missing => {
+                    let count = u32::try_from(count).ok().filter(|&c| c < u32::MAX).ok_or(
+                        MsgpackError {
+                            offset: header,
+                            problem: "a disaggregated_params map is too large to add an id to",
+                        },
+                    )?;
+                    Some(MsgpackEdit::AppendPair {
+                        header,
+                        header_len,
+                        count,
+                        end: self.pos,
+                    })
+                }
+                IdMember::Nil { at } => {
+                    debug_assert_eq!(self.bytes[at], NIL);
+                    Some(MsgpackEdit::ReplaceNil { at })
+                }
+                IdMember::Set => None,
+            };
+            if let Some(edit) = edit {
+                self.edits.push(edit);
+                self.live.push(true);
+            }
+        }
+        Ok((Value::Other, None))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn map_headers_keep_their_format_until_the_count_outgrows_it() {
+        assert_eq!(map_header(0x82, 3), [0x83]);
+        assert_eq!(map_header(0x8f, 16), [0xde, 0x00, 0x10]);
+        assert_eq!(map_header(0xde, 3), [0xde, 0x00, 0x03]);
+        assert_eq!(map_header(0xde, 65536), [0xdf, 0x00, 0x01, 0x00, 0x00]);
+        assert_eq!(map_header(0xdf, 2), [0xdf, 0, 0, 0, 2]);
+    }
+
+    #[test]
+    fn a_nested_map_ending_with_its_parent_gets_its_pair_first() {
+        // {"disaggregated_params": {"request_type": "context_only",
+        //   "x": {"disaggregated_params": {"request_type": "context_only"}}}}
+        let mut body = vec![0x81, 0xb4];
+        body.extend_from_slice(PARAMS_KEY);
+        body.extend_from_slice(&[0x82, 0xac]);
+        body.extend_from_slice(REQUEST_TYPE_KEY);
+        body.push(0xac);
+        body.extend_from_slice(CONTEXT_ONLY);
+        body.extend_from_slice(&[0xa1, b'x', 0x81, 0xb4]);
+        body.extend_from_slice(PARAMS_KEY);
+        body.extend_from_slice(&[0x81, 0xac]);
+        body.extend_from_slice(REQUEST_TYPE_KEY);
+        body.push(0xac);
+        body.extend_from_slice(CONTEXT_ONLY);
+        let edits = find_msgpack_edits(&body).unwrap();
+        assert_eq!(edits.len(), 2);
+        let out = apply(&body, &edits, &[1 << 42, (1 << 42) + 1]);
+        // The outer map now has 3 pairs and ends with the first id; the
+        // inner one 2, ending with the second, inside the outer's "x".
+        let inner_pair_at = out.len() - 2 * (1 + ID_KEY.len() + 9);
+        assert_eq!(out[22], 0x83);
+        assert_eq!(
+            out[inner_pair_at + 1 + ID_KEY.len() + 1..][..8],
+            ((1u64 << 42) + 1).to_be_bytes()
+        );
+        assert_eq!(out[out.len() - 8..], (1u64 << 42).to_be_bytes());
+    }
+}
