@@ -132,18 +132,30 @@ pub fn watch_plugin_file(
                 }
             }
             let seen = look().await;
-            let outcome = slot.reload().await;
-            if let Ok(seen) = seen {
+            // While this reload runs, the file it read is not due: a build
+            // that takes longer than a poll interval to compile would
+            // otherwise be queued again behind itself, and a bad one
+            // compiled and refused twice before its pause began.
+            let failed_before = seen.as_ref().ok().map(|seen| {
                 let mut tried = lock(&tried);
-                let failures = match (&outcome, tried.as_ref()) {
-                    (Ok(_), _) => 0,
-                    (Err(_), Some(last)) if last.fingerprint == seen => last.failures + 1,
-                    (Err(_), _) => 1,
+                let failed_before = tried
+                    .as_ref()
+                    .filter(|last| last.fingerprint == *seen)
+                    .map_or(0, |last| last.failures);
+                *tried = Some(Tried::reloading(seen.clone(), failed_before));
+                failed_before
+            });
+            let outcome = slot.reload().await;
+            if let (Ok(seen), Some(failed_before)) = (seen, failed_before) {
+                let failures = match outcome {
+                    Ok(_) => 0,
+                    Err(_) => failed_before + 1,
                 };
-                *tried = Some(Tried {
+                *lock(&tried) = Some(Tried {
                     fingerprint: seen,
                     failures,
                     at: tokio::time::Instant::now(),
+                    reloading: false,
                 });
             }
         }
@@ -156,6 +168,8 @@ struct Tried {
     fingerprint: Fingerprint,
     failures: u32,
     at: tokio::time::Instant,
+    /// The reload of this file is still running.
+    reloading: bool,
 }
 
 /// The pause before a file whose reload failed is tried again; it doubles
@@ -171,11 +185,22 @@ impl Tried {
             fingerprint,
             failures: 0,
             at: tokio::time::Instant::now(),
+            reloading: false,
+        }
+    }
+
+    fn reloading(fingerprint: Fingerprint, failures: u32) -> Tried {
+        Tried {
+            fingerprint,
+            failures,
+            at: tokio::time::Instant::now(),
+            reloading: true,
         }
     }
 
     /// Whether the file now at the path (`now`) is due for a reload: it is
-    /// another file, or this one failed and its pause is over.
+    /// another file, or this one failed and its pause is over (and it is
+    /// not being reloaded now).
     fn due(&self, now: &Fingerprint) -> bool {
         self.due_after(now, self.at.elapsed())
     }
@@ -185,7 +210,7 @@ impl Tried {
         if *now != self.fingerprint {
             return true;
         }
-        if self.failures == 0 {
+        if self.failures == 0 || self.reloading {
             return false;
         }
         let pause = RETRY_PAUSE
@@ -235,8 +260,18 @@ mod tests {
             fingerprint: file(1),
             failures,
             at: tokio::time::Instant::now(),
+            reloading: false,
         };
         tried.due_after(now, ago)
+    }
+
+    #[test]
+    fn a_file_being_reloaded_is_not_due_again_but_a_newer_one_is() {
+        for failures in [0, 1, 3] {
+            let tried = Tried::reloading(file(1), failures);
+            assert!(!tried.due_after(&file(1), Duration::from_secs(3600)));
+            assert!(tried.due_after(&file(2), Duration::ZERO));
+        }
     }
 
     #[test]
