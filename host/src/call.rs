@@ -78,6 +78,22 @@ impl CallError {
     }
 }
 
+impl CallError {
+    /// What a client may be told: the kind of failure and the host's own
+    /// limits, but not what the plugin said or wrote. A trap's panic text
+    /// and stderr, or a plugin's error message, can hold its internals or
+    /// another request's data; the full error is for the gateway's log.
+    pub fn public_message(&self) -> String {
+        match self {
+            CallError::Trap(_) => "the plugin trapped (the gateway's log has the details)".into(),
+            CallError::PluginError(_) => {
+                "the plugin reported an error (the gateway's log has it)".into()
+            }
+            _ => self.to_string(),
+        }
+    }
+}
+
 impl fmt::Display for CallError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {

@@ -318,7 +318,8 @@ impl Shared {
                         tracing::warn!(error = %failure, "plugin failed; request refused (fail-closed)");
                         self.metrics.request(Outcome::FailedClosed);
                         let message = format!(
-                            "the request-id middleware failed, so the request was not forwarded: {failure}"
+                            "the plugin failed, so the request was not forwarded: {}",
+                            failure.public_message()
                         );
                         return own(responses::error(
                             StatusCode::SERVICE_UNAVAILABLE,
