@@ -11,6 +11,7 @@ use crate::bindings::exports::snowgate::middleware::handler::{
     Action, PluginError, Rejection, Request, Setting,
 };
 use crate::bindings::Middleware;
+use crate::call_clock::ExcludingWaits;
 use crate::engine::EPOCH_TICK;
 #[cfg(doc)]
 use crate::identity::MachineIdentity;
@@ -171,7 +172,9 @@ impl Plugin {
             // instantiation, `configure` and this first call.
             None => self.new_reusable().await?,
         };
-        let answer = held.handle.call_async(&mut held.store, (request,)).await;
+        let clock = held.store.data().clock.clone();
+        let answer =
+            ExcludingWaits::new(clock, held.handle.call_async(&mut held.store, (request,))).await;
         held.calls += 1;
         let answer = match answer {
             Ok((answer,)) => answer,
@@ -265,11 +268,15 @@ impl Plugin {
         // epoch tick.
         store.epoch_deadline_callback(|store| Ok(store.data().on_epoch_tick()));
         self.start_async_call(&mut store);
-        let instance = match self.pre_async.instantiate_async(&mut store).await {
-            Ok(instance) => instance,
-            Err(e) => return Err(self.classify(e, &store)),
-        };
-        match self.configure_async(&mut store, instance).await {
+        let clock = store.data().clock.clone();
+        let instance =
+            match ExcludingWaits::new(clock.clone(), self.pre_async.instantiate_async(&mut store))
+                .await
+            {
+                Ok(instance) => instance,
+                Err(e) => return Err(self.classify(e, &store)),
+            };
+        match ExcludingWaits::new(clock, self.configure_async(&mut store, instance)).await {
             Ok(Ok(handle)) => Ok(Reusable {
                 store,
                 handle,
@@ -318,8 +325,12 @@ impl Plugin {
         let ticks = limits.deadline.as_micros().div_ceil(EPOCH_TICK.as_micros()) as u64 + 1;
         store.set_epoch_deadline(ticks);
         store.epoch_deadline_trap();
-        // For the plugin's WASI waits (see `sleeps`).
-        store.data_mut().deadline = Some(std::time::Instant::now() + limits.deadline);
+        // For the plugin's WASI waits (see `sleeps`); a call that never
+        // yields counts wall time.
+        store
+            .data()
+            .clock
+            .begin(std::time::Instant::now(), limits.deadline, Duration::MAX);
         match self.pre.instantiate(&mut store) {
             Ok(instance) => Ok((store, instance)),
             Err(e) => Err(self.classify(e, &store)),

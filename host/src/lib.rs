@@ -5,6 +5,7 @@
 //! - [`plugin`]: loading and checking a plugin component;
 //! - [`call`]: where the plugin is called: a fresh instance per call, or
 //!   (in the gateway) an instance kept for up to `calls_per_instance` calls;
+//!   `call_clock` counts a call's deadline in the time it runs;
 //! - [`clock`] and [`identity`]: where id time and the machine id come from,
 //!   and [`lease`]: machine ids leased in etcd, unique across a fleet,
 //!   with deadlines on the [`boot_clock`];
@@ -37,6 +38,7 @@
 mod bindings;
 pub mod boot_clock;
 pub mod call;
+mod call_clock;
 pub mod clock;
 pub mod engine;
 pub mod gateway;

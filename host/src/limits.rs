@@ -9,9 +9,11 @@ pub struct PluginLimits {
     /// The most linear memory one instance may grow to. The body is copied in
     /// and a new body built inside, so allow a few times the largest body.
     pub memory_bytes: usize,
-    /// Wall time for instantiation, configuration and the handler together
+    /// Time for instantiation, configuration and the handler together
     /// (the handler alone on a reused instance), enforced by epoch
     /// interruption; a WASI wait that would end after it ends the call.
+    /// An async call (the gateway's) does not count the time it waits for
+    /// its next turn after yielding its thread to other requests.
     /// At most [`MAX_DEADLINE`](crate::engine::MAX_DEADLINE) (a day): the
     /// engine takes longer ones, `Duration::MAX` included, as that.
     pub deadline: Duration,

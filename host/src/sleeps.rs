@@ -58,7 +58,7 @@ fn wait(state: &mut HostState, duration: Duration) -> wasmtime::Result<Resource<
     let until = now.checked_add(duration);
     // Every call sets a deadline before the plugin runs; without one (or
     // for a wait too long to represent) the wait is refused, not unbounded.
-    let within = match (until, state.deadline) {
+    let within = match (until, state.clock.deadline()) {
         (Some(until), Some(deadline)) => until <= deadline,
         _ => false,
     };

@@ -9,6 +9,7 @@ use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
 use crate::bindings::snowgate::middleware::{clock, identity, log, types};
+use crate::call_clock::{CallClock, OnTick};
 use crate::engine::{HostServices, MAX_TABLE_ELEMENTS};
 use snowgate_plugin::SnowflakeLayout;
 
@@ -29,13 +30,10 @@ pub struct HostState {
     services: HostServices,
     pub(crate) memory: MemoryLimiter,
     plugin_name: Arc<str>,
-    /// When the current call must end: checked at epoch ticks by async
-    /// calls (see `Plugin::handle_async`), and by every call's WASI waits
-    /// (see `sleeps`).
-    pub(crate) deadline: Option<std::time::Instant>,
-    /// From when the current async call gives its thread back at every
-    /// epoch tick.
-    pub(crate) yield_from: Option<std::time::Instant>,
+    /// When the current call must end, and when it yields: checked at
+    /// epoch ticks by async calls (see `Plugin::handle_async`), and by
+    /// every call's WASI waits (see `sleeps`).
+    pub(crate) clock: Arc<CallClock>,
     /// What the current call took from the id services, for the check
     /// before its ids may leave (see `MachineIdentity::confirm`).
     pub(crate) issued: Issued,
@@ -99,8 +97,7 @@ impl HostState {
                 peak: 0,
             },
             plugin_name,
-            deadline: None,
-            yield_from: None,
+            clock: Arc::default(),
             issued: Issued::default(),
             created_under,
         }
@@ -114,9 +111,8 @@ impl HostState {
         deadline: std::time::Duration,
         yield_after: std::time::Duration,
     ) {
-        let now = std::time::Instant::now();
-        self.deadline = Some(now + deadline);
-        self.yield_from = Some(now + yield_after);
+        self.clock
+            .begin(std::time::Instant::now(), deadline, yield_after);
         self.issued = Issued::default();
     }
 
@@ -127,13 +123,10 @@ impl HostState {
 
     /// What an async call does when the epoch ticks: go on, yield, or stop.
     pub(crate) fn on_epoch_tick(&self) -> wasmtime::UpdateDeadline {
-        let now = std::time::Instant::now();
-        if self.deadline.is_none_or(|d| now >= d) {
-            wasmtime::UpdateDeadline::Interrupt
-        } else if self.yield_from.is_none_or(|y| now >= y) {
-            wasmtime::UpdateDeadline::Yield(1)
-        } else {
-            wasmtime::UpdateDeadline::Continue(1)
+        match self.clock.on_tick(std::time::Instant::now()) {
+            OnTick::Interrupt => wasmtime::UpdateDeadline::Interrupt,
+            OnTick::Yield => wasmtime::UpdateDeadline::Yield(1),
+            OnTick::Continue => wasmtime::UpdateDeadline::Continue(1),
         }
     }
 
