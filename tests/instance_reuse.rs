@@ -71,6 +71,30 @@ fn an_instance_serves_its_share_of_requests_then_a_fresh_one_takes_over() {
     assert_eq!(counts(3, 8), [1, 2, 3, 1, 2, 3, 1, 2]);
 }
 
+/// A plugin whose runtime starts large (here 8 MiB more than the fixture
+/// needs, as CPython or a JavaScript engine does) is reused all the same:
+/// only growth after `configure` counts against reuse.
+#[test]
+fn an_instance_that_starts_large_is_reused() {
+    let engine = engine_with(
+        SnowflakeLayout::TrtllmV1,
+        5,
+        FixedClock(START_MILLIS),
+        PluginLimits::default(),
+    );
+    let settings = [("hostile-configure".to_string(), "ballast".to_string())];
+    let plugin = Plugin::load(&engine, HOSTILE_WASM, &settings)
+        .unwrap_or_else(|e| panic!("loading the hostile fixture: {e:#}"));
+    let counts = runtime().block_on(async {
+        let mut counts = Vec::new();
+        for _ in 0..4 {
+            counts.push(count(&plugin).await);
+        }
+        counts
+    });
+    assert_eq!(counts, [1, 2, 3, 4]);
+}
+
 #[test]
 fn one_call_per_instance_gives_every_request_a_fresh_instance() {
     assert_eq!(counts(1, 5), [1; 5]);

@@ -31,6 +31,8 @@ pub(crate) struct Reusable {
     store: Store<HostState>,
     handle: HandleFunc,
     calls: u32,
+    /// The instance's memory once configured, before its first request.
+    configured_memory: usize,
 }
 
 /// How long an async call runs before it starts giving its thread back at
@@ -40,9 +42,12 @@ pub(crate) struct Reusable {
 /// one that happens to span a tick.
 pub const YIELD_AFTER: Duration = Duration::from_millis(2);
 
-/// An instance whose memory grew past this is not reused: its pages go
-/// back to the system (the pool keeps this much resident per slot).
-const REUSE_MAX_MEMORY: usize = crate::engine::MEMORY_KEEP_RESIDENT;
+/// An instance whose memory grew by more than this since `configure` (or
+/// past it in all) is not reused: its pages go back to the system (the
+/// pool keeps this much resident per slot). Measured from `configure`, so
+/// that a plugin whose language runtime starts larger (CPython, a
+/// JavaScript engine) is reused too.
+const REUSE_MAX_GROWTH: usize = crate::engine::MEMORY_KEEP_RESIDENT;
 
 /// Why a plugin call gave no answer. The gateway applies its failure policy
 /// to every kind alike.
@@ -235,7 +240,7 @@ impl Plugin {
         let limits = self.engine.limits;
         let state = held.store.data();
         let reusable = held.calls < limits.calls_per_instance
-            && state.memory.peak <= REUSE_MAX_MEMORY
+            && state.memory.peak <= held.configured_memory + REUSE_MAX_GROWTH
             && !state.memory.hit
             && !state.wrote_stderr()
             && self.of_current_grant(&held.store);
@@ -278,6 +283,7 @@ impl Plugin {
             };
         match ExcludingWaits::new(clock, self.configure_async(&mut store, instance)).await {
             Ok(Ok(handle)) => Ok(Reusable {
+                configured_memory: store.data().memory.peak,
                 store,
                 handle,
                 calls: 0,
