@@ -606,6 +606,35 @@ fn a_plugin_for_another_contract_version_is_refused_at_load() {
     );
 }
 
+/// A component of the right interface names whose `handle` has another
+/// signature (the wrong-world fixture relabelled from @0.2.0 to @0.1.0:
+/// its `handle` takes an extra argument) is refused naming the function and the type
+/// the world wants, not as a trap.
+#[test]
+fn an_export_of_another_type_is_refused_naming_the_function() {
+    let mut bytes = WRONG_WORLD_WASM.to_vec();
+    let mut relabelled = 0;
+    for at in 0..bytes.len() - 6 {
+        if &bytes[at..at + 6] == b"@0.2.0" {
+            bytes[at..at + 6].copy_from_slice(b"@0.1.0");
+            relabelled += 1;
+        }
+    }
+    assert!(relabelled > 0, "the fixture names its interfaces' version");
+    let error = Plugin::load(&engine(PluginLimits::default()), &bytes, &[])
+        .expect_err("a handle of another type must not load");
+    let message = format!("{error:#}");
+    assert!(
+        message.contains(
+            "the plugin's handle export has another type than the \
+                          snowgate:middleware@0.1.0 world's \
+                          `handle: func(request: request) -> result<action, plugin-error>`"
+        ),
+        "{message}"
+    );
+    assert!(!message.contains("trapped"), "{message}");
+}
+
 // ---------------------------------------------------------------------------
 // Gateway level: helpers
 // ---------------------------------------------------------------------------

@@ -132,3 +132,31 @@ fn a_component_importing_an_interface_the_host_lacks_is_refused() {
         ],
     );
 }
+
+/// A plugin whose memory starts above the memory limit is refused naming
+/// the limit and the flag that raises it, not as an invalid component.
+#[test]
+fn a_plugin_that_starts_above_the_memory_limit_is_refused_naming_the_limit() {
+    let engine = engine_with(
+        SnowflakeLayout::TrtllmV1,
+        1,
+        FixedClock(START_MILLIS),
+        PluginLimits {
+            memory_bytes: 256 << 10,
+            ..PluginLimits::default()
+        },
+    );
+    let message = match Plugin::load(&engine, PLUGIN_WASM, &[]) {
+        Ok(plugin) => panic!("loaded {:?} under a 256 KiB limit", plugin.info()),
+        Err(e) => format!("{e:#}"),
+    };
+    assert_mentions(
+        &message,
+        &[
+            "memory starts larger than",
+            "plugin memory limit",
+            "--plugin-memory-mib",
+        ],
+    );
+    assert!(!message.contains("not a valid"), "{message}");
+}

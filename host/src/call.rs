@@ -323,8 +323,8 @@ impl Plugin {
         store
     }
 
-    /// A fresh store under the limits, and the plugin instantiated in it.
-    pub(crate) fn instantiate(&self) -> Result<(Store<HostState>, Middleware), CallError> {
+    /// A fresh store under the limits, with the deadline of a sync call.
+    fn new_sync_store(&self) -> Store<HostState> {
         let limits = self.engine.limits;
         let mut store = self.new_store();
         // One tick may be nearly over already: allow one extra.
@@ -337,10 +337,64 @@ impl Plugin {
             .data()
             .clock
             .begin(std::time::Instant::now(), limits.deadline, Duration::MAX);
+        store
+    }
+
+    /// A fresh store under the limits, and the plugin instantiated in it.
+    pub(crate) fn instantiate(&self) -> Result<(Store<HostState>, Middleware), CallError> {
+        let mut store = self.new_sync_store();
         match self.pre.instantiate(&mut store) {
             Ok(instance) => Ok((store, instance)),
             Err(e) => Err(self.classify(e, &store)),
         }
+    }
+
+    /// Instantiates once without the typed bindings and checks the type of
+    /// each handler export, so that a build whose function has another
+    /// signature than the world's is refused naming that function.
+    pub(crate) fn check_export_types(&self) -> anyhow::Result<()> {
+        let mut store = self.new_sync_store();
+        let instance = self
+            .pre
+            .instance_pre()
+            .instantiate(&mut store)
+            .map_err(|e| anyhow::Error::new(self.classify(e, &store)))?;
+        let exports = &self.exports;
+        fn wrong(
+            function: &'static str,
+            signature: &'static str,
+        ) -> impl FnOnce(wasmtime::Error) -> anyhow::Error {
+            let world = "snowgate:middleware@0.1.0";
+            move |e: wasmtime::Error| {
+                anyhow::anyhow!(
+                    "the plugin's {function} export has another type than the {world} world's \
+                     `{function}: {signature}`: {}",
+                    e.root_cause()
+                )
+            }
+        }
+        instance
+            .get_typed_func::<(), (String,)>(&mut store, &exports.name)
+            .map_err(wrong("name", "func() -> string"))?;
+        instance
+            .get_typed_func::<(), (String,)>(&mut store, &exports.version)
+            .map_err(wrong("version", "func() -> string"))?;
+        instance
+            .get_typed_func::<(&[Setting],), (Result<(), String>,)>(&mut store, &exports.configure)
+            .map_err(wrong(
+                "configure",
+                "func(settings: list<setting>) -> result<_, string>",
+            ))?;
+        instance
+            .get_typed_func::<(&Request,), (Result<Action, PluginError>,)>(
+                &mut store,
+                &exports.handle,
+            )
+            .map_err(wrong(
+                "handle",
+                "func(request: request) -> result<action, plugin-error>",
+            ))?;
+        Ok(())
     }
 
     fn classify(&self, error: wasmtime::Error, store: &Store<HostState>) -> CallError {

@@ -69,8 +69,23 @@ impl Plugin {
         bytes: &[u8],
         settings: &[(String, String)],
     ) -> anyhow::Result<Plugin> {
-        let component = Component::new(&engine.engine, bytes)
-            .context("the plugin is not a valid WebAssembly component for this host")?;
+        let component = Component::new(&engine.engine, bytes).map_err(|e| {
+            // The pool refuses a memory that starts above the limit.
+            if format!("{e:#}").contains("minimum byte size") {
+                let bytes = engine.limits.memory_bytes;
+                let limit = if bytes % (1 << 20) == 0 {
+                    format!("{} MiB", bytes >> 20)
+                } else {
+                    format!("{bytes} byte")
+                };
+                e.context(format!(
+                    "the plugin's memory starts larger than the {limit} plugin memory limit \
+                     allows (`snowgate serve --plugin-memory-mib`)"
+                ))
+            } else {
+                e.context("the plugin is not a valid WebAssembly component for this host")
+            }
+        })?;
         let instance_pre = engine.linker.instantiate_pre(&component).context(
             "the plugin imports something the host does not provide (it must target the snowgate:middleware@0.1.0 world)",
         )?;
@@ -135,6 +150,7 @@ impl Plugin {
     /// Instantiates once, asks for name and version, and hands over the
     /// configuration, under the same limits as a request.
     fn describe(&self) -> anyhow::Result<(String, String)> {
+        self.check_export_types()?;
         let (mut store, instance) = self.instantiate().map_err(anyhow::Error::new)?;
         let handler = instance.snowgate_middleware_handler();
         let name = handler
@@ -156,6 +172,8 @@ impl Plugin {
 /// The export indices of the handler functions a request call uses, found
 /// once at load time.
 pub(crate) struct HandlerExports {
+    pub(crate) name: ComponentExportIndex,
+    pub(crate) version: ComponentExportIndex,
     pub(crate) configure: ComponentExportIndex,
     pub(crate) handle: ComponentExportIndex,
 }
@@ -173,6 +191,8 @@ impl HandlerExports {
                 .with_context(|| format!("the plugin's {} has no {name}", Self::INTERFACE))
         };
         Ok(HandlerExports {
+            name: function("name")?,
+            version: function("version")?,
             configure: function("configure")?,
             handle: function("handle")?,
         })
