@@ -87,7 +87,10 @@ impl Plugin {
             }
         })?;
         let instance_pre = engine.linker.instantiate_pre(&component).context(
-            "the plugin imports something the host does not provide (it must target the snowgate:middleware@0.1.0 world)",
+            "the plugin imports something the host does not provide (the host provides the \
+             snowgate:middleware@0.1.0 world's clock, identity and log, and WASI 0.2's cli, \
+             clocks, filesystem, io, random and sockets, with nothing behind them; not \
+             wasi:http)",
         )?;
         let pre = MiddlewarePre::new(instance_pre).with_context(|| {
             format!(

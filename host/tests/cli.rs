@@ -231,6 +231,24 @@ fn rewrite_stamps_a_messagepack_body_with_msgpack() {
     failure(&output, 2, &["JSON must be UTF-8"]);
 }
 
+/// `--plugin-setting` reaches the plugin's configure export, as with
+/// `serve`: the bundled plugin refuses one it does not know, by name.
+#[test]
+fn rewrite_hands_plugin_settings_to_the_plugin() {
+    let args = [
+        "rewrite",
+        "--machine-id",
+        "7",
+        "--plugin-setting",
+        "colour=blue",
+    ];
+    let output = snowgate(&args, CONTEXT_ONLY.as_bytes());
+    failure(&output, 1, &["refused its configuration", "colour"]);
+    let args = ["rewrite", "--machine-id", "7", "--plugin-setting", "colour"];
+    let output = snowgate(&args, CONTEXT_ONLY.as_bytes());
+    failure(&output, 2, &["\"colour\" is not NAME=VALUE"]);
+}
+
 /// A plugin path that is a device or a FIFO is refused as `serve`
 /// refuses it, instead of reading /dev/zero until memory runs out.
 #[test]

@@ -16,8 +16,13 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// snowgate: request middleware that gives disaggregated LLM requests
 /// globally unique `disagg_request_id`s, in a WebAssembly plugin.
+///
+/// Logs go to stderr: `serve` logs at info, the other commands at warn.
+/// The environment variable SNOWGATE_LOG sets the level or a filter
+/// (`debug`, `snowgate_host=debug,info`); a plugin's own log lines are
+/// under the target `snowgate::plugin`.
 #[derive(Parser)]
-#[command(name = "snowgate", version, long_about = None)]
+#[command(name = "snowgate", version)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -25,8 +30,9 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Read one request body on stdin, run the plugin on it, write the result
-    /// on stdout.
+    /// Read one request body on stdin, run the plugin on it as the body of
+    /// `POST /` with `content-type: application/json` (and
+    /// `x-trtllm-msgpack: 1` with --msgpack), write the result on stdout.
     Rewrite(rewrite::RewriteArgs),
     /// Print the fields of an id: timestamp, machine id, sequence.
     Decode(decode::DecodeArgs),

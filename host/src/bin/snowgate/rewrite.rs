@@ -23,6 +23,10 @@ pub struct RewriteArgs {
     /// Plugin component (.wasm) to run; the bundled plugin when absent.
     #[arg(long, value_name = "PATH")]
     plugin: Option<PathBuf>,
+    /// A setting handed to the plugin's configure export, after `id-layout`;
+    /// repeatable.
+    #[arg(long = "plugin-setting", value_name = "NAME=VALUE", value_parser = crate::serve::parse_setting)]
+    plugin_settings: Vec<(String, String)>,
     /// Id layout: trtllm-v1 (TensorRT-LLM up to 1.3.0rc21) or trtllm-v2
     /// (1.3.0rc22 and later).
     #[arg(long, default_value = "trtllm-v1", value_name = "LAYOUT")]
@@ -82,11 +86,15 @@ pub fn run(args: RewriteArgs) -> Result<(), Failure> {
             // The same checks as `serve` makes: a regular file of a
             // bounded size, not a FIFO or /dev/zero.
             let bytes = read_plugin_file(path)?;
-            Plugin::load(&engine, &bytes, &[])
+            Plugin::load(&engine, &bytes, &args.plugin_settings)
                 .with_context(|| format!("loading the plugin {}", path.display()))?
         }
-        None => Plugin::load(&engine, snowgate_plugin_bundle::PLUGIN_WASM, &[])
-            .context("loading the bundled plugin")?,
+        None => Plugin::load(
+            &engine,
+            snowgate_plugin_bundle::PLUGIN_WASM,
+            &args.plugin_settings,
+        )
+        .context("loading the bundled plugin")?,
     };
 
     let mut body = Vec::new();

@@ -148,7 +148,8 @@ pub struct ServeArgs {
     admin_token: Option<String>,
 }
 
-fn parse_setting(s: &str) -> Result<(String, String), String> {
+/// Reads a `--plugin-setting NAME=VALUE`.
+pub(crate) fn parse_setting(s: &str) -> Result<(String, String), String> {
     s.split_once('=')
         .map(|(n, v)| (n.to_string(), v.to_string()))
         .ok_or_else(|| format!("{s:?} is not NAME=VALUE"))
