@@ -11,7 +11,7 @@ use crate::bindings::exports::snowgate::middleware::handler::{
     Action, PluginError, Rejection, Request, Setting,
 };
 use crate::bindings::Middleware;
-use crate::call_clock::ExcludingWaits;
+use crate::call_clock::excluding_waits;
 use crate::engine::EPOCH_TICK;
 #[cfg(doc)]
 use crate::identity::MachineIdentity;
@@ -179,7 +179,7 @@ impl Plugin {
         };
         let clock = held.store.data().clock.clone();
         let answer =
-            ExcludingWaits::new(clock, held.handle.call_async(&mut held.store, (request,))).await;
+            excluding_waits(&clock, held.handle.call_async(&mut held.store, (request,))).await;
         held.calls += 1;
         let answer = match answer {
             Ok((answer,)) => answer,
@@ -275,13 +275,11 @@ impl Plugin {
         self.start_async_call(&mut store);
         let clock = store.data().clock.clone();
         let instance =
-            match ExcludingWaits::new(clock.clone(), self.pre_async.instantiate_async(&mut store))
-                .await
-            {
+            match excluding_waits(&clock, self.pre_async.instantiate_async(&mut store)).await {
                 Ok(instance) => instance,
                 Err(e) => return Err(self.classify(e, &store)),
             };
-        match ExcludingWaits::new(clock, self.configure_async(&mut store, instance)).await {
+        match excluding_waits(&clock, self.configure_async(&mut store, instance)).await {
             Ok(Ok(handle)) => Ok(Reusable {
                 configured_memory: store.data().memory.peak,
                 store,

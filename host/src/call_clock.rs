@@ -11,9 +11,7 @@
 //! the plugin spends in a WASI wait of its own still counts (see `sleeps`).
 
 use std::future::Future;
-use std::pin::Pin;
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::task::{Context, Poll};
+use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 /// The clock of the current call in one store, shared between the store's
@@ -91,28 +89,13 @@ impl CallClock {
 
 /// Drives `future`, a call in the store that owns `clock`, telling the
 /// clock whenever it is polled.
-pub(crate) struct ExcludingWaits<F> {
-    clock: Arc<CallClock>,
-    future: Pin<Box<F>>,
-}
-
-impl<F: Future> ExcludingWaits<F> {
-    /// Wraps `future`.
-    pub(crate) fn new(clock: Arc<CallClock>, future: F) -> Self {
-        ExcludingWaits {
-            clock,
-            future: Box::pin(future),
-        }
-    }
-}
-
-impl<F: Future> Future for ExcludingWaits<F> {
-    type Output = F::Output;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
-        self.clock.resumed(Instant::now());
-        self.future.as_mut().poll(cx)
-    }
+pub(crate) async fn excluding_waits<F: Future>(clock: &CallClock, future: F) -> F::Output {
+    let mut future = std::pin::pin!(future);
+    std::future::poll_fn(|cx| {
+        clock.resumed(Instant::now());
+        future.as_mut().poll(cx)
+    })
+    .await
 }
 
 #[cfg(test)]

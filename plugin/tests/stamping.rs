@@ -1404,6 +1404,31 @@ fn mp_expected(value: &mut rmpv::Value, params: bool, ids: &mut std::slice::Iter
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(2000))]
 
+    /// Any bytes at all, and any valid document with bytes overwritten or
+    /// cut, get a decision, never a panic; what is forwarded stamped is
+    /// still MessagePack that rmpv reads whole.
+    #[test]
+    fn any_bytes_as_messagepack_get_a_decision(
+        doc in mp_document(),
+        noise in prop::collection::vec(any::<u8>(), 0..64),
+        changes in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 0..4),
+        cut in any::<prop::sample::Index>(),
+    ) {
+        let mut body = mp_encode(&doc);
+        for (at, byte) in &changes {
+            let at = at.index(body.len());
+            body[at] = *byte;
+        }
+        body.truncate(cut.index(body.len() + 1));
+        for body in [&body[..], &noise[..]] {
+            if let Decision::ForwardWithBody { body: out, .. } = decide_msgpack(body) {
+                let mut reader = &out[..];
+                prop_assert!(rmpv::decode::read_value(&mut reader).is_ok());
+                prop_assert!(reader.is_empty());
+            }
+        }
+    }
+
     /// Any MessagePack document comes out as rmpv reads it plus exactly
     /// the ids the oracle expects where it expects them, all distinct; a
     /// document that needs none comes out byte for byte.
