@@ -2,6 +2,7 @@
 //! memory limit and the CPU deadline.
 
 use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
 use wasmtime::component::{Instance, TypedFunc};
@@ -11,7 +12,7 @@ use crate::bindings::exports::snowgate::middleware::handler::{
     Action, PluginError, Rejection, Request, Setting,
 };
 use crate::bindings::Middleware;
-use crate::call_clock::excluding_waits;
+use crate::call_clock::{excluding_waits, CallClock};
 use crate::engine::EPOCH_TICK;
 #[cfg(doc)]
 use crate::identity::MachineIdentity;
@@ -33,6 +34,8 @@ pub(crate) struct Reusable {
     calls: u32,
     /// The instance's memory once configured, before its first request.
     configured_memory: usize,
+    /// The store's call clock, held here so that a call need not clone it.
+    clock: Arc<CallClock>,
 }
 
 /// How long an async call runs before it starts giving its thread back at
@@ -177,9 +180,11 @@ impl Plugin {
             // instantiation, `configure` and this first call.
             None => self.new_reusable().await?,
         };
-        let clock = held.store.data().clock.clone();
-        let answer =
-            excluding_waits(&clock, held.handle.call_async(&mut held.store, (request,))).await;
+        let answer = excluding_waits(
+            &held.clock,
+            held.handle.call_async(&mut held.store, (request,)),
+        )
+        .await;
         held.calls += 1;
         let answer = match answer {
             Ok((answer,)) => answer,
@@ -282,6 +287,7 @@ impl Plugin {
         match excluding_waits(&clock, self.configure_async(&mut store, instance)).await {
             Ok(Ok(handle)) => Ok(Reusable {
                 configured_memory: store.data().memory.peak,
+                clock,
                 store,
                 handle,
                 calls: 0,

@@ -11,25 +11,39 @@
 //! the plugin spends in a WASI wait of its own still counts (see `sleeps`).
 
 use std::future::Future;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// The clock of the current call in one store, shared between the store's
 /// epoch callback (which reads it and records yields) and the future that
-/// drives the call (which records resumptions).
-#[derive(Debug, Default)]
+/// drives the call (which records resumptions). Times are nanoseconds
+/// since the clock was made, in atomics: the poll of a call that never
+/// yielded reads one of them and nothing else.
+#[derive(Debug)]
 pub(crate) struct CallClock {
-    state: Mutex<ClockState>,
+    origin: Instant,
+    /// When the call must end ([`NONE`] before any call began).
+    deadline: AtomicU64,
+    /// From when an async call yields at every epoch tick ([`NONE`]:
+    /// never).
+    yield_from: AtomicU64,
+    /// When the call last yielded, until its first poll after that
+    /// ([`NONE`]: it has not yielded since).
+    yielded_at: AtomicU64,
 }
 
-#[derive(Debug, Default)]
-struct ClockState {
-    /// When the call must end; `None` before any call began.
-    deadline: Option<Instant>,
-    /// From when an async call yields at every epoch tick (`None`: never).
-    yield_from: Option<Instant>,
-    /// When the call last yielded, until its first poll after that.
-    yielded_at: Option<Instant>,
+/// No time: the atomics' "none".
+const NONE: u64 = u64::MAX;
+
+impl Default for CallClock {
+    fn default() -> Self {
+        CallClock {
+            origin: Instant::now(),
+            deadline: AtomicU64::new(NONE),
+            yield_from: AtomicU64::new(NONE),
+            yielded_at: AtomicU64::new(NONE),
+        }
+    }
 }
 
 /// What the epoch callback should do for the current call.
@@ -44,45 +58,67 @@ pub(crate) enum OnTick {
 }
 
 impl CallClock {
-    fn lock(&self) -> MutexGuard<'_, ClockState> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    /// `at` in nanoseconds since the origin (times before it count as 0,
+    /// times past 584 years as [`NONE`]).
+    fn nanos(&self, at: Instant) -> u64 {
+        u64::try_from(at.saturating_duration_since(self.origin).as_nanos()).unwrap_or(NONE)
+    }
+
+    fn nanos_after(&self, at: Instant, after: Duration) -> u64 {
+        at.checked_add(after).map_or(NONE, |t| self.nanos(t))
     }
 
     /// Starts a call at `now`: it ends `deadline` later (plus the time it
     /// waits after yielding), and yields from `yield_after` on
     /// (`Duration::MAX`: never).
     pub(crate) fn begin(&self, now: Instant, deadline: Duration, yield_after: Duration) {
-        let mut state = self.lock();
-        state.deadline = Some(now + deadline);
-        state.yield_from = now.checked_add(yield_after);
-        state.yielded_at = None;
+        self.deadline
+            .store(self.nanos_after(now, deadline), Ordering::Relaxed);
+        self.yield_from
+            .store(self.nanos_after(now, yield_after), Ordering::Relaxed);
+        self.yielded_at.store(NONE, Ordering::Relaxed);
     }
 
     /// When the current call must end, as it stands now.
     pub(crate) fn deadline(&self) -> Option<Instant> {
-        self.lock().deadline
+        match self.deadline.load(Ordering::Relaxed) {
+            NONE => None,
+            nanos => self.origin.checked_add(Duration::from_nanos(nanos)),
+        }
     }
 
     /// The decision at an epoch tick at `now`; a yield is recorded.
     pub(crate) fn on_tick(&self, now: Instant) -> OnTick {
-        let mut state = self.lock();
-        if state.deadline.is_none_or(|d| now >= d) {
+        let now = self.nanos(now);
+        let deadline = self.deadline.load(Ordering::Relaxed);
+        if deadline == NONE || now >= deadline {
             OnTick::Interrupt
-        } else if state.yield_from.is_some_and(|y| now >= y) {
-            state.yielded_at = Some(now);
+        } else if now >= self.yield_from.load(Ordering::Relaxed) {
+            self.yielded_at.store(now, Ordering::Relaxed);
             OnTick::Yield
         } else {
             OnTick::Continue
         }
     }
 
-    /// The call's future is polled at `now`: if the call had yielded, the
-    /// wait since then is not the plugin's, and the deadline moves on.
-    pub(crate) fn resumed(&self, now: Instant) {
-        let mut state = self.lock();
-        if let Some(yielded_at) = state.yielded_at.take() {
-            let waited = now.saturating_duration_since(yielded_at);
-            state.deadline = state.deadline.map(|d| d + waited);
+    /// The call's future is being polled: if the call had yielded, the
+    /// wait since then (to `now()`) is not the plugin's, and the deadline
+    /// moves on. Reads the time only after a yield.
+    pub(crate) fn resumed(&self, now: impl FnOnce() -> Instant) {
+        // A plain load first: the usual poll, of a call that has not
+        // yielded, writes nothing.
+        let yielded_at = self.yielded_at.load(Ordering::Relaxed);
+        if yielded_at == NONE {
+            return;
+        }
+        self.yielded_at.store(NONE, Ordering::Relaxed);
+        let waited = self.nanos(now()).saturating_sub(yielded_at);
+        let deadline = self.deadline.load(Ordering::Relaxed);
+        if deadline != NONE {
+            self.deadline.store(
+                deadline.saturating_add(waited).min(NONE - 1),
+                Ordering::Relaxed,
+            );
         }
     }
 }
@@ -92,7 +128,7 @@ impl CallClock {
 pub(crate) async fn excluding_waits<F: Future>(clock: &CallClock, future: F) -> F::Output {
     let mut future = std::pin::pin!(future);
     std::future::poll_fn(|cx| {
-        clock.resumed(Instant::now());
+        clock.resumed(Instant::now);
         future.as_mut().poll(cx)
     })
     .await
@@ -112,13 +148,13 @@ mod tests {
         assert_eq!(clock.on_tick(t0 + MS), OnTick::Continue);
         assert_eq!(clock.on_tick(t0 + 3 * MS), OnTick::Yield);
         // Another request held the thread for a second.
-        clock.resumed(t0 + 1003 * MS);
+        clock.resumed(|| t0 + 1003 * MS);
         assert_eq!(clock.deadline(), Some(t0 + 1100 * MS));
         assert_eq!(clock.on_tick(t0 + 1004 * MS), OnTick::Yield);
-        clock.resumed(t0 + 1004 * MS);
+        clock.resumed(|| t0 + 1004 * MS);
         // 99 ms of running time later it is over.
         assert_eq!(clock.on_tick(t0 + 1099 * MS), OnTick::Yield);
-        clock.resumed(t0 + 1099 * MS);
+        clock.resumed(|| t0 + 1099 * MS);
         assert_eq!(clock.on_tick(t0 + 1100 * MS), OnTick::Interrupt);
     }
 
@@ -129,8 +165,8 @@ mod tests {
         let clock = CallClock::default();
         let t0 = Instant::now();
         clock.begin(t0, 100 * MS, 2 * MS);
-        clock.resumed(t0 + 50 * MS);
-        clock.resumed(t0 + 99 * MS);
+        clock.resumed(|| t0 + 50 * MS);
+        clock.resumed(|| t0 + 99 * MS);
         assert_eq!(clock.deadline(), Some(t0 + 100 * MS));
         assert_eq!(clock.on_tick(t0 + 100 * MS), OnTick::Interrupt);
     }
@@ -141,9 +177,9 @@ mod tests {
         let t0 = Instant::now();
         clock.begin(t0, 100 * MS, Duration::ZERO);
         assert_eq!(clock.on_tick(t0 + 10 * MS), OnTick::Yield);
-        clock.resumed(t0 + 20 * MS);
+        clock.resumed(|| t0 + 20 * MS);
         // Then a WASI wait of 30 ms, ended by another poll: it counts.
-        clock.resumed(t0 + 50 * MS);
+        clock.resumed(|| t0 + 50 * MS);
         assert_eq!(clock.deadline(), Some(t0 + 110 * MS));
     }
 
