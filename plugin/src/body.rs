@@ -16,13 +16,13 @@ use std::fmt;
 pub const MAX_NESTING_DEPTH: usize = 128;
 
 /// The key that holds the parameters.
-const PARAMS_KEY: &[u8] = b"disaggregated_params";
+pub(crate) const PARAMS_KEY: &[u8] = b"disaggregated_params";
 /// The member that says which phase the request is for.
-const REQUEST_TYPE_KEY: &[u8] = b"request_type";
+pub(crate) const REQUEST_TYPE_KEY: &[u8] = b"request_type";
 /// The member that carries the id.
-const ID_KEY: &[u8] = b"disagg_request_id";
+pub(crate) const ID_KEY: &[u8] = b"disagg_request_id";
 /// The only request type that gets a new id.
-const CONTEXT_ONLY: &[u8] = b"context_only";
+pub(crate) const CONTEXT_ONLY: &[u8] = b"context_only";
 /// A UTF-8 byte order mark: valid UTF-8, but not JSON.
 const UTF8_BOM: &[u8] = b"\xEF\xBB\xBF";
 
@@ -181,15 +181,20 @@ pub fn find_edits(body: &[u8]) -> Result<Vec<Edit>, BodyError> {
     if walk.pos != body.len() {
         return Err(walk.syntax("unexpected data after the JSON value"));
     }
-    let mut edits: Vec<Edit> = walk
-        .edits
-        .into_iter()
-        .zip(walk.live)
-        .filter_map(|(e, live)| live.then_some(e))
-        .collect();
+    let mut edits = live_edits(walk.edits, walk.live);
     // An object's own edit is recorded when it closes, after its children's.
     edits.sort_by_key(|e| e.at());
     Ok(edits)
+}
+
+/// The edits whose `live` flag is still set: those not under a key that a
+/// later duplicate key overrode.
+pub(crate) fn live_edits<E>(edits: Vec<E>, live: Vec<bool>) -> Vec<E> {
+    edits
+        .into_iter()
+        .zip(live)
+        .filter_map(|(e, live)| live.then_some(e))
+        .collect()
 }
 
 /// What kind of value was just read, with what the params logic needs.

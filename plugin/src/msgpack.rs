@@ -11,16 +11,9 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
-use crate::body::MAX_NESTING_DEPTH;
-
-/// The key that holds the parameters.
-const PARAMS_KEY: &[u8] = b"disaggregated_params";
-/// The member that says which phase the request is for.
-const REQUEST_TYPE_KEY: &[u8] = b"request_type";
-/// The member that carries the id.
-const ID_KEY: &[u8] = b"disagg_request_id";
-/// The only request type that gets a new id.
-const CONTEXT_ONLY: &[u8] = b"context_only";
+use crate::body::{
+    live_edits, CONTEXT_ONLY, ID_KEY, MAX_NESTING_DEPTH, PARAMS_KEY, REQUEST_TYPE_KEY,
+};
 /// `disagg_request_id` as a MessagePack fixstr (17 bytes).
 const ID_KEY_FIXSTR: u8 = 0xa0 | ID_KEY.len() as u8;
 /// The marker of a 64-bit unsigned integer, as MessagePack encoders write
@@ -101,12 +94,7 @@ pub fn find_msgpack_edits(body: &[u8]) -> Result<Vec<MsgpackEdit>, MsgpackError>
     if walk.pos != body.len() {
         return Err(walk.error("unexpected data after the MessagePack value"));
     }
-    let mut edits: Vec<MsgpackEdit> = walk
-        .edits
-        .into_iter()
-        .zip(walk.live)
-        .filter_map(|(e, live)| live.then_some(e))
-        .collect();
+    let mut edits = live_edits(walk.edits, walk.live);
     // A map's own edit is recorded when it ends, after its children's.
     edits.sort_by_key(|e| match *e {
         MsgpackEdit::AppendPair { header, .. } => header,
@@ -287,34 +275,21 @@ impl Walk<'_> {
             0x00..=0x7f => int(i128::from(marker)),
             0xe0..=0xff => int(i128::from(marker as i8)),
             0x80..=0x8f => self.map(at, usize::from(marker & 0x0f), params),
-            0xde => {
-                let count = self.length(2)?;
-                self.map(at, count, params)
-            }
-            0xdf => {
-                let count = self.length(4)?;
+            // map 16, map 32: a 2- or 4-byte count.
+            0xde | 0xdf => {
+                let count = self.length(2 << (marker - 0xde))?;
                 self.map(at, count, params)
             }
             0x90..=0x9f => self.array(usize::from(marker & 0x0f)),
-            0xdc => {
-                let count = self.length(2)?;
-                self.array(count)
-            }
-            0xdd => {
-                let count = self.length(4)?;
+            // array 16, array 32.
+            0xdc | 0xdd => {
+                let count = self.length(2 << (marker - 0xdc))?;
                 self.array(count)
             }
             0xa0..=0xbf => self.str(usize::from(marker & 0x1f)),
-            0xd9 => {
-                let len = self.length(1)?;
-                self.str(len)
-            }
-            0xda => {
-                let len = self.length(2)?;
-                self.str(len)
-            }
-            0xdb => {
-                let len = self.length(4)?;
+            // str 8, str 16, str 32: a 1-, 2- or 4-byte length.
+            0xd9..=0xdb => {
+                let len = self.length(1 << (marker - 0xd9))?;
                 self.str(len)
             }
             0xc4..=0xc6 => {
@@ -482,6 +457,36 @@ mod tests {
         assert_eq!(map_header(0xde, 3), [0xde, 0x00, 0x03]);
         assert_eq!(map_header(0xde, 65536), [0xdf, 0x00, 0x01, 0x00, 0x00]);
         assert_eq!(map_header(0xdf, 2), [0xdf, 0, 0, 0, 2]);
+    }
+
+    /// Every length format, in its widest form where a narrower one would
+    /// do (as some encoders write them), is read, and the params map keeps
+    /// its format when it gains a pair.
+    #[test]
+    fn reads_every_length_format_and_keeps_a_wide_header() {
+        let str8 = |s: &[u8]| [&[0xd9, s.len() as u8][..], s].concat();
+        let str16 = |s: &[u8]| [&[0xda, 0, s.len() as u8][..], s].concat();
+        let str32 = |s: &[u8]| [&[0xdb, 0, 0, 0, s.len() as u8][..], s].concat();
+        // map 16 {str8 "xs": array 32 [nil], str16 "disaggregated_params":
+        //   map 32 {str32 "request_type": str8 "context_only"}}
+        let mut body = vec![0xde, 0, 2];
+        body.extend(str8(b"xs"));
+        body.extend([0xdd, 0, 0, 0, 1, 0xc0]);
+        body.extend(str16(PARAMS_KEY));
+        let header = body.len();
+        body.extend([0xdf, 0, 0, 0, 1]);
+        body.extend(str32(REQUEST_TYPE_KEY));
+        body.extend(str8(CONTEXT_ONLY));
+        // bin 8, ext 8 and fixext 4 values are skipped whole.
+        let mut batch = vec![0x94, 0xc4, 1, 0xff, 0xc7, 1, 5, 0xee, 0xd6, 9, 1, 2, 3, 4];
+        batch.extend(&body);
+        let edits = find_msgpack_edits(&batch).unwrap();
+        assert_eq!(edits.len(), 1);
+        let out = apply(&batch, &edits, &[1 << 42]);
+        let at = 14 + header;
+        assert_eq!(out[at..at + 5], [0xdf, 0, 0, 0, 2]);
+        assert_eq!(out[..at], batch[..at]);
+        assert_eq!(out[out.len() - 8..], (1u64 << 42).to_be_bytes());
     }
 
     #[test]
