@@ -415,6 +415,17 @@ fn a_messagepack_body_is_stamped_in_messagepack() {
         rejection.message
     );
 
+    // An ext 32 declaring 4 GiB - 1 bytes, before a context-only map: in
+    // the 32-bit guest `1 + len` wrapped to 0, so the map was read and
+    // stamped, into a body msgspec refuses.
+    // body[11..] is `"disaggregated_params": {...}`; 0x81 makes it a map.
+    let mut request = json_request([&b"\x92\xc9\xff\xff\xff\xff\x81"[..], &body[11..]].concat());
+    request
+        .headers
+        .push(("x-trtllm-msgpack".into(), b"1".to_vec()));
+    let rejection = reject(plugin(), &request);
+    assert_eq!(rejection.status, 400, "{rejection:?}");
+
     // A header that is present but not `1` is not MessagePack.
     let mut request = json_request(common::CONTEXT_ONLY);
     request

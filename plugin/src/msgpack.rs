@@ -89,6 +89,7 @@ pub fn find_msgpack_edits(body: &[u8]) -> Result<Vec<MsgpackEdit>, MsgpackError>
         depth: 0,
         edits: Vec::new(),
         live: Vec::new(),
+        in_key: 0,
     };
     walk.value(false)?;
     if walk.pos != body.len() {
@@ -228,6 +229,9 @@ struct Walk<'a> {
     /// Parallel to `edits`: false once the edit sits under a key that a
     /// later duplicate key overrides.
     live: Vec<bool>,
+    /// How many map keys are being read around `pos`: a map inside a key
+    /// is refused, as msgspec refuses it (a dict is not hashable).
+    in_key: usize,
 }
 
 impl Walk<'_> {
@@ -319,7 +323,10 @@ impl Walk<'_> {
                 .map(|_| (Value::Other, None)),
             0xc7..=0xc9 => {
                 let len = self.length(1 << (marker - 0xc7))?;
-                self.take(1 + len).map(|_| (Value::Other, None))
+                // The type byte, then the data: two takes, as `1 + len`
+                // overflows a 32-bit usize for a 4 GiB length.
+                self.take(1)?;
+                self.take(len).map(|_| (Value::Other, None))
             }
             0xc1 => {
                 self.pos = at;
@@ -371,19 +378,24 @@ impl Walk<'_> {
         count: usize,
         params: bool,
     ) -> Result<(Value, Option<Key>), MsgpackError> {
+        if self.in_key > 0 {
+            self.pos = header;
+            return Err(self.error(
+                "a map key is or holds a map, which msgspec and Python refuse as a dict key",
+            ));
+        }
         self.enter(header)?;
         let header_len = self.pos - header;
         let mut with_edits: BTreeMap<Key, std::ops::Range<usize>> = BTreeMap::new();
         let mut context_only = false;
         let mut id = IdMember::Missing;
         for _ in 0..count {
-            let key_at = self.pos;
-            if let Some(&(0x80..=0x9f | 0xdc..=0xdf)) = self.bytes.get(key_at) {
-                return Err(self.error(
-                    "a map key is an array or a map, which no Python decoder takes as a dict key",
-                ));
-            }
-            let (key_value, key) = self.value_and_key(false)?;
+            // An array key is a tuple in Python, and is read (and never
+            // taken for a duplicate); a map in a key is refused above.
+            self.in_key += 1;
+            let read_key = self.value_and_key(false);
+            self.in_key -= 1;
+            let (key_value, key) = read_key?;
             let key_bytes = match key_value {
                 Value::Str { start, end } => Some(&self.bytes[start..end]),
                 _ => None,
@@ -487,6 +499,34 @@ mod tests {
         assert_eq!(out[at..at + 5], [0xdf, 0, 0, 0, 2]);
         assert_eq!(out[..at], batch[..at]);
         assert_eq!(out[out.len() - 8..], (1u64 << 42).to_be_bytes());
+    }
+
+    /// Python reads an array key as a tuple, so a body with one is read;
+    /// a map as a key, or inside one, is refused as msgspec refuses it.
+    #[test]
+    fn array_keys_are_read_and_maps_in_keys_refused() {
+        // {[1]: "x", "disaggregated_params": {"request_type": "context_only"}}
+        let mut body = vec![0x82, 0x91, 0x01, 0xa1, b'x', 0xb4];
+        body.extend_from_slice(PARAMS_KEY);
+        body.extend_from_slice(&[0x81, 0xac]);
+        body.extend_from_slice(REQUEST_TYPE_KEY);
+        body.push(0xac);
+        body.extend_from_slice(CONTEXT_ONLY);
+        assert_eq!(find_msgpack_edits(&body).unwrap().len(), 1);
+        for key in [&[0x80][..], &[0x91, 0x80], &[0xde, 0, 0]] {
+            let body = [&[0x81][..], key, &[0x01]].concat();
+            let error = find_msgpack_edits(&body).unwrap_err();
+            assert!(error.problem.contains("map key"), "{error}");
+        }
+    }
+
+    /// An ext 32 whose length is 4 GiB - 1 is cut short, not read as an
+    /// empty value (`1 + len` wrapped to 0 on 32-bit targets).
+    #[test]
+    fn an_ext_of_the_largest_length_is_cut_short() {
+        let body = [0x92, 0xc9, 0xff, 0xff, 0xff, 0xff, 0x80, 0xc0];
+        let error = find_msgpack_edits(&body).unwrap_err();
+        assert!(error.problem.contains("ends inside"), "{error}");
     }
 
     #[test]

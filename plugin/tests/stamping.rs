@@ -1282,7 +1282,7 @@ fn rejects_bad_messagepack_with_400_naming_the_problem() {
         ),
         (b"\xc1", "0xc1"),
         (b"\x81\xa1a\xa2\xff\xfe", "UTF-8"),
-        (b"\x81\x91\x01\x01", "map key is an array"),
+        (b"\x81\x80\x01", "map key is or holds a map"),
         (&too_deep[..], "deeper than 128"),
         (b"\xdb\xff\xff\xff\xff", "ends inside"),
         (b"\xdd\xff\xff\xff\xff", "ends"),
