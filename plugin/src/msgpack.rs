@@ -205,11 +205,12 @@ enum Value {
 /// A map key, as far as telling duplicates apart goes: strings and
 /// byte strings by their bytes, integers by their value. Other keys are
 /// never taken for duplicates (a missed duplicate only stamps a map that
-/// the worker then drops).
+/// the worker then drops). Borrowed from the body: reading a string or
+/// byte string value copies nothing.
 #[derive(Clone, PartialEq, Eq, PartialOrd, Ord)]
-enum Key {
-    Str(Vec<u8>),
-    Bin(Vec<u8>),
+enum Key<'a> {
+    Str(&'a [u8]),
+    Bin(&'a [u8]),
     Int(i128),
 }
 
@@ -234,7 +235,7 @@ struct Walk<'a> {
     in_key: usize,
 }
 
-impl Walk<'_> {
+impl<'a> Walk<'a> {
     fn error(&self, problem: &'static str) -> MsgpackError {
         MsgpackError {
             offset: self.pos.min(self.bytes.len()),
@@ -243,11 +244,12 @@ impl Walk<'_> {
     }
 
     /// Takes `n` bytes, or says the body ends inside what was being read.
-    fn take(&mut self, n: usize) -> Result<&[u8], MsgpackError> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], MsgpackError> {
+        let bytes = self.bytes;
         let taken = self
             .pos
             .checked_add(n)
-            .and_then(|end| self.bytes.get(self.pos..end))
+            .and_then(|end| bytes.get(self.pos..end))
             .ok_or_else(|| self.error("the body ends inside a value"))?;
         self.pos += n;
         Ok(taken)
@@ -267,7 +269,7 @@ impl Walk<'_> {
 
     /// Reads one value and, when it can be a map key that duplicates
     /// matter for, that key.
-    fn value_and_key(&mut self, params: bool) -> Result<(Value, Option<Key>), MsgpackError> {
+    fn value_and_key(&mut self, params: bool) -> Result<(Value, Option<Key<'a>>), MsgpackError> {
         let at = self.pos;
         let marker = *self
             .bytes
@@ -298,7 +300,7 @@ impl Walk<'_> {
             }
             0xc4..=0xc6 => {
                 let len = self.length(1 << (marker - 0xc4))?;
-                let bytes = self.take(len)?.to_vec();
+                let bytes = self.take(len)?;
                 Ok((Value::Other, Some(Key::Bin(bytes))))
             }
             0xc0 => Ok((Value::Nil { at }, None)),
@@ -335,17 +337,19 @@ impl Walk<'_> {
         }
     }
 
-    fn str(&mut self, len: usize) -> Result<(Value, Option<Key>), MsgpackError> {
+    fn str(&mut self, len: usize) -> Result<(Value, Option<Key<'a>>), MsgpackError> {
         let start = self.pos;
         let bytes = self.take(len)?;
         if std::str::from_utf8(bytes).is_err() {
             self.pos = start;
             return Err(self.error("a string is not valid UTF-8"));
         }
-        let end = self.pos;
         Ok((
-            Value::Str { start, end },
-            Some(Key::Str(self.bytes[start..end].to_vec())),
+            Value::Str {
+                start,
+                end: self.pos,
+            },
+            Some(Key::Str(bytes)),
         ))
     }
 
@@ -360,7 +364,7 @@ impl Walk<'_> {
         Ok(())
     }
 
-    fn array(&mut self, count: usize) -> Result<(Value, Option<Key>), MsgpackError> {
+    fn array(&mut self, count: usize) -> Result<(Value, Option<Key<'a>>), MsgpackError> {
         self.enter(self.pos)?;
         for _ in 0..count {
             self.value(false)?;
@@ -377,7 +381,7 @@ impl Walk<'_> {
         header: usize,
         count: usize,
         params: bool,
-    ) -> Result<(Value, Option<Key>), MsgpackError> {
+    ) -> Result<(Value, Option<Key<'a>>), MsgpackError> {
         if self.in_key > 0 {
             self.pos = header;
             return Err(self.error(
@@ -386,7 +390,7 @@ impl Walk<'_> {
         }
         self.enter(header)?;
         let header_len = self.pos - header;
-        let mut with_edits: BTreeMap<Key, std::ops::Range<usize>> = BTreeMap::new();
+        let mut with_edits: BTreeMap<Key<'a>, std::ops::Range<usize>> = BTreeMap::new();
         let mut context_only = false;
         let mut id = IdMember::Missing;
         for _ in 0..count {
@@ -395,12 +399,8 @@ impl Walk<'_> {
             self.in_key += 1;
             let read_key = self.value_and_key(false);
             self.in_key -= 1;
-            let (key_value, key) = read_key?;
-            let key_bytes = match key_value {
-                Value::Str { start, end } => Some(&self.bytes[start..end]),
-                _ => None,
-            };
-            let is = |name: &[u8]| key_bytes == Some(name);
+            let (_, key) = read_key?;
+            let is = |name: &'a [u8]| key == Some(Key::Str(name));
             let (is_params, is_type, is_id) = (is(PARAMS_KEY), is(REQUEST_TYPE_KEY), is(ID_KEY));
             if let Some(range) = key.as_ref().and_then(|k| with_edits.remove(k)) {
                 self.live[range].iter_mut().for_each(|l| *l = false);
