@@ -17,12 +17,12 @@ use crate::engine::EPOCH_TICK;
 #[cfg(doc)]
 use crate::identity::MachineIdentity;
 use crate::identity::GRANT_CHANGED;
+use crate::plugin::Plugin;
+use crate::state::HostState;
 
 /// Why a call's ids are withheld when the id clock had no tick left.
 const OUT_OF_TIME: &str =
     "the id clock has used up every millisecond it can count (a fixed clock or a high-water mark at the end of time): a new id would repeat one";
-use crate::plugin::Plugin;
-use crate::state::HostState;
 
 /// The typed `handle` export of one instance.
 type HandleFunc = TypedFunc<(&'static Request,), (Result<Action, PluginError>,)>;
@@ -85,9 +85,7 @@ impl CallError {
             CallError::Busy(_) => "busy",
         }
     }
-}
 
-impl CallError {
     /// What a client may be told: the kind of failure and the host's own
     /// limits, but not what the plugin said or wrote. A trap's panic text
     /// and stderr, or a plugin's error message, can hold its internals or
@@ -353,10 +351,11 @@ impl Plugin {
         }
     }
 
-    /// Instantiates once without the typed bindings and checks the type of
-    /// each handler export, so that a build whose function has another
-    /// signature than the world's is refused naming that function.
-    pub(crate) fn check_export_types(&self) -> anyhow::Result<()> {
+    /// Like [`Plugin::instantiate`], for the load-time check: instantiates
+    /// without the typed bindings and checks the type of each handler
+    /// export first, so that a build whose function has another signature
+    /// than the world's is refused naming that function.
+    pub(crate) fn instantiate_checked(&self) -> anyhow::Result<(Store<HostState>, Middleware)> {
         let mut store = self.new_sync_store();
         let instance = self
             .pre
@@ -398,7 +397,9 @@ impl Plugin {
                 "handle",
                 "func(request: request) -> result<action, plugin-error>",
             ))?;
-        Ok(())
+        let bindings = Middleware::new(&mut store, &instance)
+            .map_err(|e| anyhow::Error::from(e).context("binding the plugin's exports"))?;
+        Ok((store, bindings))
     }
 
     fn classify(&self, error: wasmtime::Error, store: &Store<HostState>) -> CallError {

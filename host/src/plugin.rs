@@ -153,8 +153,7 @@ impl Plugin {
     /// Instantiates once, asks for name and version, and hands over the
     /// configuration, under the same limits as a request.
     fn describe(&self) -> anyhow::Result<(String, String)> {
-        self.check_export_types()?;
-        let (mut store, instance) = self.instantiate().map_err(anyhow::Error::new)?;
+        let (mut store, instance) = self.instantiate_checked()?;
         let handler = instance.snowgate_middleware_handler();
         let name = handler
             .call_name(&mut store)
