@@ -54,6 +54,20 @@ pub const RELOAD_TIMEOUT: Duration = Duration::from_secs(60);
 /// A context-only body: the plugin must stamp it.
 pub const CONTEXT_ONLY: &str = r#"{"model":"m","prompt":"Hello","max_tokens":16,"stream":false,"disaggregated_params":{"request_type":"context_only"}}"#;
 
+/// Whether a tool a test needs (`tool`, installed with `install`) is
+/// here. Where it is missing the test is skipped (it prints `SKIPPED`), but
+/// not in CI (`CI` set), where `.ci/run` installs it: there it fails.
+pub fn tool_present(present: bool, tool: &str, install: &str) -> bool {
+    if !present {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "{tool} is missing; CI must install it ({install}; see .ci/run)"
+        );
+        eprintln!("SKIPPED: {tool} not found ({install})");
+    }
+    present
+}
+
 /// Awaits `future` for at most `bound`, panicking with `what` on timeout.
 pub async fn bounded<F: std::future::Future>(what: &str, bound: Duration, future: F) -> F::Output {
     match tokio::time::timeout(bound, future).await {
