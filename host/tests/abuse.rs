@@ -852,3 +852,82 @@ async fn with_a_token_every_admin_request_must_carry_it() {
     // The client listener is not the admin listener: no token needed there.
     still_serves(&gateway).await;
 }
+
+/// An HTTP/2 client that resets its stream with NO_ERROR before its body
+/// is complete abandoned the request: hyper ends such a body as if it were
+/// whole, so a body shorter than its content-length must be refused, not
+/// stamped and forwarded. Here the part sent is itself valid JSON, a
+/// context-only request the plugin would stamp.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_http2_body_reset_before_its_declared_length_is_not_forwarded() {
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
+    let stream = TcpStream::connect(gateway.addr).await.expect("connect");
+    let (client, connection) = h2::client::handshake(stream)
+        .await
+        .expect("an HTTP/2 handshake");
+    tokio::spawn(connection);
+    let mut client = bounded("the connection to be ready", STEP, client.ready())
+        .await
+        .expect("ready");
+
+    // One whole request first, so that the gateway has an upstream
+    // connection at hand for the next one.
+    let sent = CONTEXT_ONLY.as_bytes();
+    let request = |length: usize| {
+        http::Request::post(format!("http://{}/v1/completions", gateway.addr))
+            .header("content-type", "application/json")
+            .header("content-length", length)
+            .body(())
+            .expect("a request")
+    };
+    let (response, mut body) = client
+        .send_request(request(sent.len()), false)
+        .expect("send");
+    body.send_data(bytes::Bytes::from_static(sent), true)
+        .expect("the body");
+    let response = bounded("the whole request's answer", STEP, response)
+        .await
+        .expect("a response");
+    assert_eq!(response.status(), 200);
+    let mut client = bounded("the connection to be ready", STEP, client.ready())
+        .await
+        .expect("ready");
+
+    // Then the same JSON as the start of a body declared twice as long,
+    // and a reset with NO_ERROR.
+    let (_response, mut body) = client
+        .send_request(request(2 * sent.len()), false)
+        .expect("send");
+    body.send_data(bytes::Bytes::from_static(sent), false)
+        .expect("the body");
+    body.send_reset(h2::Reason::NO_ERROR);
+
+    // Wait for the second request's outcome, whatever it is.
+    let outcomes = ["rewritten", "client_error"]
+        .map(|outcome| format!("snowgate_requests_total{{outcome=\"{outcome}\"}}"));
+    let deadline = Instant::now() + STEP;
+    let metrics = loop {
+        let metrics = gateway.metrics().await;
+        if outcomes.iter().map(|o| metric(&metrics, o)).sum::<f64>() >= 2.0 {
+            break metrics;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no outcome for the abandoned request: {metrics}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(
+        metric(&metrics, &outcomes[1]),
+        1.0,
+        "the abandoned request is the client's error: {metrics}\nupstream saw {:#?}",
+        upstream.seen()
+    );
+    assert_eq!(
+        upstream.seen().len(),
+        1,
+        "only the whole request went upstream: {:#?}",
+        upstream.seen()
+    );
+}

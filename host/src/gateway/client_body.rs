@@ -86,17 +86,51 @@ impl BodyProgress {
 /// client's: an HTTP/2 stream's data also waits on the connection's flow
 /// control window, which other streams' unread bodies can use up, so a
 /// stream may wait on the gateway, not on its client.
+///
+/// A body that ends before the length it declared (its content-length)
+/// fails as broken. HTTP/1 framing already fails such a body; over HTTP/2
+/// hyper ends a body whose client reset its stream with `NO_ERROR` as if it
+/// were whole, and the client that did so has abandoned the request.
 pub struct ClientBody<B> {
     inner: B,
     /// Times the waits on the client, if they are timed.
     pause: Option<WaitTimer>,
     progress: Arc<BodyProgress>,
+    /// The length the body declared, if it did.
+    declared: Option<u64>,
+    /// Data bytes handed out so far.
+    received: u64,
 }
 
-impl<B> ClientBody<B> {
-    /// Wraps `inner`; its progress is recorded in `progress`.
+/// A body that ended before the length it declared.
+#[derive(Debug)]
+pub struct EndedShort {
+    /// Bytes that came.
+    pub received: u64,
+    /// Bytes the content-length declared.
+    pub declared: u64,
+}
+
+impl std::fmt::Display for EndedShort {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "the client's request body ended after {} of the {} bytes its content-length declares \
+             (over HTTP/2: the client reset the stream), so the request was abandoned",
+            self.received, self.declared
+        )
+    }
+}
+
+impl std::error::Error for EndedShort {}
+
+impl<B: Body> ClientBody<B> {
+    /// Wraps `inner`; its progress is recorded in `progress`. Its exact size
+    /// hint, if it has one, is the length it declared.
     pub fn new(inner: B, pause: Option<Duration>, progress: Arc<BodyProgress>) -> ClientBody<B> {
         ClientBody {
+            declared: inner.size_hint().exact(),
+            received: 0,
             inner,
             pause: pause.map(|pause| {
                 let what = "the client sent no more of the request body";
@@ -105,7 +139,9 @@ impl<B> ClientBody<B> {
             progress,
         }
     }
+}
 
+impl<B> ClientBody<B> {
     /// The reader got something from the client (or its end).
     fn progressed(&mut self, state: u8) {
         if let Some(timer) = &mut self.pause {
@@ -130,6 +166,9 @@ where
         let this = self.get_mut();
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref() {
+                    this.received += data.len() as u64;
+                }
                 this.progressed(FLOWING);
                 Poll::Ready(Some(Ok(frame)))
             }
@@ -137,10 +176,17 @@ where
                 this.progressed(BROKEN);
                 Poll::Ready(Some(Err(e.into())))
             }
-            Poll::Ready(None) => {
-                this.progressed(COMPLETE);
-                Poll::Ready(None)
-            }
+            Poll::Ready(None) => match this.declared {
+                Some(declared) if this.received < declared => {
+                    this.progressed(BROKEN);
+                    let received = this.received;
+                    Poll::Ready(Some(Err(Box::new(EndedShort { received, declared }))))
+                }
+                _ => {
+                    this.progressed(COMPLETE);
+                    Poll::Ready(None)
+                }
+            },
             Poll::Pending => {
                 let Some(timer) = &mut this.pause else {
                     return Poll::Pending;
@@ -262,6 +308,51 @@ mod tests {
         assert!(!ready);
         assert!(!progress.waiting_on_client());
         assert_eq!(progress.fault(), None);
+    }
+
+    /// A body with a declared length, as hyper's is with a content-length.
+    struct Declared(Channel, u64);
+
+    impl Body for Declared {
+        type Data = Bytes;
+        type Error = std::io::Error;
+
+        fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Sent>> {
+            Pin::new(&mut self.0).poll_frame(cx)
+        }
+
+        fn size_hint(&self) -> SizeHint {
+            SizeHint::with_exact(self.1)
+        }
+    }
+
+    #[tokio::test]
+    async fn a_body_that_ends_before_its_declared_length_is_broken() {
+        for (sent, declared, whole) in [
+            (&b"abc"[..], 5, false),
+            (b"abcde", 5, true),
+            (b"", 1, false),
+        ] {
+            let (tx, rx) = mpsc::channel(4);
+            let progress = Arc::new(BodyProgress::default());
+            let body = ClientBody::new(Declared(Channel(rx), declared), None, progress.clone());
+            if !sent.is_empty() {
+                tx.send(Ok(Frame::data(Bytes::copy_from_slice(sent))))
+                    .await
+                    .expect("send");
+            }
+            drop(tx);
+            let result = body.collect().await;
+            if whole {
+                assert_eq!(result.expect("whole").to_bytes(), sent);
+                assert_eq!(progress.fault(), None);
+            } else {
+                let error = result.expect_err("ended short").to_string();
+                let expected = format!("after {} of the {declared} bytes", sent.len());
+                assert!(error.contains(&expected), "{error}");
+                assert_eq!(progress.fault(), Some(ClientFault::Broken));
+            }
+        }
     }
 
     #[tokio::test]
