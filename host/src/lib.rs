@@ -56,4 +56,4 @@ pub use clock::{FixedClock, IdClock, SystemClock, Tick, WallClock};
 pub use engine::{HostServices, PluginEngine};
 pub use identity::MachineIdentity;
 pub use limits::PluginLimits;
-pub use plugin::{Plugin, PluginInfo};
+pub use plugin::{ConfigurationRefused, Plugin, PluginInfo};

@@ -27,6 +27,20 @@ pub struct PluginInfo {
     pub loaded_at: SystemTime,
 }
 
+/// The plugin's `configure` export refused the settings it was given (its
+/// message): the settings are at fault, not the plugin. Found in the chain
+/// of the error [`Plugin::load`] returns.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigurationRefused(pub String);
+
+impl fmt::Display for ConfigurationRefused {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "the plugin refused its configuration: {}", self.0)
+    }
+}
+
+impl std::error::Error for ConfigurationRefused {}
+
 /// A compiled, linked and validated plugin, ready to serve requests. Cheap
 /// to share: calls on it run in parallel, each in its own store.
 pub struct Plugin {
@@ -164,9 +178,7 @@ impl Plugin {
         handler
             .call_configure(&mut store, &self.settings)
             .context("calling the plugin's configure export")?
-            .map_err(|refusal| {
-                anyhow::anyhow!("the plugin refused its configuration: {refusal}")
-            })?;
+            .map_err(|refusal| anyhow::Error::new(ConfigurationRefused(refusal.to_string())))?;
         Ok((name, version))
     }
 }

@@ -243,7 +243,7 @@ fn rewrite_hands_plugin_settings_to_the_plugin() {
         "colour=blue",
     ];
     let output = snowgate(&args, CONTEXT_ONLY.as_bytes());
-    failure(&output, 1, &["refused its configuration", "colour"]);
+    failure(&output, 2, &["refused its configuration", "colour"]);
     let args = ["rewrite", "--machine-id", "7", "--plugin-setting", "colour"];
     let output = snowgate(&args, CONTEXT_ONLY.as_bytes());
     failure(&output, 2, &["\"colour\" is not NAME=VALUE"]);
@@ -275,6 +275,23 @@ fn output_that_cannot_be_written_is_an_error_not_a_panic() {
     assert_eq!(decode.status.code(), Some(1), "{}", text(&decode.stderr));
     assert!(text(&decode.stderr).contains("writing the output to stdout"));
     assert!(!text(&decode.stderr).contains("panicked"));
+}
+
+/// A plugin setting the plugin refuses stops `serve` before it listens,
+/// with status 2 and the plugin's reason, as `rewrite` does.
+#[test]
+fn serve_refuses_a_setting_the_plugin_refuses_with_status_2() {
+    let args = [
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--admin-listen",
+        "127.0.0.1:0",
+        "--plugin-setting",
+        "colour=blue",
+    ];
+    let output = snowgate(&args, b"");
+    failure(&output, 2, &["refused its configuration", "colour"]);
 }
 
 #[test]

@@ -35,6 +35,12 @@ enum Command {
     /// `x-trtllm-msgpack: 1` with --msgpack), write the result on stdout.
     Rewrite(rewrite::RewriteArgs),
     /// Print the fields of an id: timestamp, machine id, sequence.
+    ///
+    /// Exact for trtllm-v1 ids made before 2039-09-07 15:47 UTC, when the
+    /// 41-bit millisecond count runs out and TensorRT-LLM's rotation folds
+    /// later ids back into the range, where they read as other fields; and
+    /// for trtllm-v2 ids except in the last 2^40 values before its masked
+    /// 39-bit timestamp wraps.
     Decode(decode::DecodeArgs),
     /// Run the gateway: a reverse proxy that stamps ids into JSON requests
     /// on their way to the upstream, and reloads the plugin when it changes.
@@ -62,8 +68,16 @@ pub fn write_stdout(bytes: &[u8]) -> anyhow::Result<()> {
 }
 
 impl From<anyhow::Error> for Failure {
+    /// Settings the plugin refuses (`--plugin-setting`, `--layout`) are bad
+    /// input, like a malformed flag; anything else failed.
     fn from(e: anyhow::Error) -> Self {
-        Failure::Failed(e)
+        if e.chain()
+            .any(|cause| cause.is::<snowgate_host::ConfigurationRefused>())
+        {
+            Failure::BadInput(format!("{e:#}"))
+        } else {
+            Failure::Failed(e)
+        }
     }
 }
 
