@@ -14,6 +14,7 @@ use wasmtime::{
 
 use crate::bindings::Middleware;
 use crate::clock::IdClock;
+use crate::compile_cache::CompileCache;
 use crate::identity::MachineIdentity;
 use crate::limits::PluginLimits;
 use crate::state::HostState;
@@ -71,6 +72,8 @@ pub struct PluginEngine {
     pub(crate) async_linker: Arc<Linker<HostState>>,
     pub(crate) services: HostServices,
     pub(crate) limits: PluginLimits,
+    /// Where compiled plugins are kept between loads, if anywhere.
+    pub(crate) compile_cache: Option<Arc<CompileCache>>,
 }
 
 /// The id services shared by every plugin instance in the process.
@@ -156,7 +159,15 @@ impl PluginEngine {
             async_linker: Arc::new(async_linker),
             services,
             limits,
+            compile_cache: None,
         })
+    }
+
+    /// Keeps compiled plugins in `cache`, and loads them from there: see
+    /// [`CompileCache`].
+    pub fn with_compile_cache(mut self, cache: CompileCache) -> PluginEngine {
+        self.compile_cache = Some(Arc::new(cache));
+        self
     }
 
     /// The shared id services.

@@ -11,6 +11,7 @@ use wasmtime::error::Context as _;
 
 use crate::bindings::exports::snowgate::middleware::handler::Setting;
 use crate::bindings::MiddlewarePre;
+use crate::compile_cache::Compiled;
 use crate::engine::PluginEngine;
 use crate::state::HostState;
 
@@ -25,6 +26,8 @@ pub struct PluginInfo {
     pub sha256: String,
     /// When it was loaded.
     pub loaded_at: SystemTime,
+    /// Whether it was compiled at load or read from the compile cache.
+    pub compiled: Compiled,
 }
 
 /// The plugin's `configure` export refused the settings it was given (its
@@ -83,23 +86,11 @@ impl Plugin {
         bytes: &[u8],
         settings: &[(String, String)],
     ) -> anyhow::Result<Plugin> {
-        let component = Component::new(&engine.engine, bytes).map_err(|e| {
-            // The pool refuses a memory that starts above the limit.
-            if format!("{e:#}").contains("minimum byte size") {
-                let bytes = engine.limits.memory_bytes;
-                let limit = if bytes % (1 << 20) == 0 {
-                    format!("{} MiB", bytes >> 20)
-                } else {
-                    format!("{bytes} byte")
-                };
-                e.context(format!(
-                    "the plugin's memory starts larger than the {limit} plugin memory limit \
-                     allows (`snowgate serve --plugin-memory-mib`)"
-                ))
-            } else {
-                e.context("the plugin is not a valid WebAssembly component for this host")
-            }
-        })?;
+        let sha256 = hex_sha256(bytes);
+        let (component, compiled) = match &engine.compile_cache {
+            Some(cache) => cache.component(&engine.engine, &sha256, || compile(engine, bytes))?,
+            None => (compile(engine, bytes)?, Compiled::Now),
+        };
         let instance_pre = engine.linker.instantiate_pre(&component).context(
             "the plugin imports something the host does not provide (the host provides the \
              snowgate:middleware@0.1.0 world's clock, identity and log, and WASI 0.2's cli, \
@@ -141,8 +132,9 @@ impl Plugin {
             info: PluginInfo {
                 name: String::new(),
                 version: String::new(),
-                sha256: hex_sha256(bytes),
+                sha256,
                 loaded_at: SystemTime::now(),
+                compiled,
             },
         };
         let (name, version) = plugin
@@ -181,6 +173,29 @@ impl Plugin {
             .map_err(|refusal| anyhow::Error::new(ConfigurationRefused(refusal.to_string())))?;
         Ok((name, version))
     }
+}
+
+/// Compiles `bytes`; the error says why a component the pool cannot hold
+/// was refused.
+fn compile(engine: &PluginEngine, bytes: &[u8]) -> anyhow::Result<Component> {
+    let component = Component::new(&engine.engine, bytes).map_err(|e| {
+        // The pool refuses a memory that starts above the limit.
+        if format!("{e:#}").contains("minimum byte size") {
+            let bytes = engine.limits.memory_bytes;
+            let limit = if bytes % (1 << 20) == 0 {
+                format!("{} MiB", bytes >> 20)
+            } else {
+                format!("{bytes} byte")
+            };
+            e.context(format!(
+                "the plugin's memory starts larger than the {limit} plugin memory limit \
+                 allows (`snowgate serve --plugin-memory-mib`)"
+            ))
+        } else {
+            e.context("the plugin is not a valid WebAssembly component for this host")
+        }
+    })?;
+    Ok(component)
 }
 
 /// The export indices of the handler functions a request call uses, found

@@ -484,3 +484,29 @@ fn the_perfmap_variable_names_the_plugins_compiled_functions_for_perf() {
     assert_eq!(run(None), None, "no map without the variable");
     assert_eq!(run(Some("0")), None, "no map with the variable set to 0");
 }
+
+/// A compile cache directory others may write to is refused at start,
+/// naming the flag: its files are run as compiled code.
+#[test]
+fn serve_refuses_a_compile_cache_others_may_write_to() {
+    use std::os::unix::fs::PermissionsExt as _;
+
+    let dir = scratch("shared-cache");
+    std::fs::create_dir_all(&dir).expect("created");
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).expect("chmod");
+    let args = [
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--admin-listen",
+        "127.0.0.1:0",
+        "--plugin-cache-dir",
+        dir.to_str().expect("UTF-8"),
+    ];
+    let output = snowgate(&args, b"");
+    failure(
+        &output,
+        1,
+        &["--plugin-cache-dir", "others may write to it"],
+    );
+}

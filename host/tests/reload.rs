@@ -760,3 +760,114 @@ async fn a_closed_slot_finishes_the_running_reload_and_refuses_later_ones() {
     assert_eq!(refused, "the gateway is stopping: reloads are over");
     assert_eq!(slot.current().info().sha256, at_close);
 }
+
+/// The files the compile cache holds: `*.cwasm`, sorted.
+fn cached_builds(dir: &Path) -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .expect("the cache directory")
+        .map(|entry| entry.expect("an entry").path())
+        .filter(|path| path.extension().is_some_and(|e| e == "cwasm"))
+        .collect();
+    files.sort();
+    files
+}
+
+fn compiled(status: &Value) -> &str {
+    status["plugin"]["compiled"]
+        .as_str()
+        .expect("plugin.compiled")
+}
+
+/// With `--plugin-cache-dir`, a restart and a reload back to a build served
+/// before read the compiled build instead of compiling; a new build is
+/// compiled and stored; a cached file that is no longer a build is compiled
+/// again and replaced, never the gateway's end.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_compile_cache_serves_restarts_and_reloads_back_and_survives_a_bad_file() {
+    use std::os::unix::fs::PermissionsExt as _;
+
+    let dir = TempDir::new("compile-cache");
+    let cache = dir.path().join("cache");
+    let path = dir.path().join("plugin.wasm");
+    std::fs::write(&path, plugin_variant(0)).unwrap();
+    let flags = [QUICK, &["--plugin-cache-dir", arg(&cache)]].concat();
+
+    // First start: compiled, and stored for this user only.
+    let gateway = start(&path, None, &flags).await;
+    let status = gateway.status().await;
+    assert_eq!(compiled(&status), "now");
+    let first_build = sha_of(&status).to_string();
+    let stored = cached_builds(&cache);
+    assert_eq!(stored.len(), 1, "{stored:?}");
+    let name = stored[0].file_name().unwrap().to_string_lossy().to_string();
+    assert!(
+        name.starts_with(&first_build),
+        "{name} is keyed by the component's SHA-256"
+    );
+    let mode = std::fs::metadata(&stored[0]).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600);
+    assert_eq!(
+        std::fs::metadata(&cache).unwrap().permissions().mode() & 0o777,
+        0o700
+    );
+    let before_restart = assert_stamps(&gateway).await;
+    gateway.signal("TERM");
+    assert!(gateway.wait_exit(STEP).await.success());
+
+    // A restart reads it.
+    let gateway = start(&path, None, &flags).await;
+    let status = gateway.status().await;
+    assert_eq!(compiled(&status), "cache", "{status:#}");
+    assert_eq!(sha_of(&status), first_build);
+    assert!(assert_stamps(&gateway).await > before_restart);
+
+    // A new build is compiled and stored beside it; going back to the
+    // first reads the first again.
+    replace_by_rename(&path, &plugin_variant(1));
+    let status = gateway
+        .wait_status("build 1 to serve", STEP, |s| sha_of(s) != first_build)
+        .await;
+    assert_eq!(compiled(&status), "now");
+    assert_eq!(cached_builds(&cache).len(), 2);
+    replace_by_rename(&path, &plugin_variant(0));
+    let status = gateway
+        .wait_status("build 0 to serve again", STEP, |s| sha_of(s) == first_build)
+        .await;
+    assert_eq!(compiled(&status), "cache", "{status:#}");
+    assert_stamps(&gateway).await;
+    gateway.signal("TERM");
+    assert!(gateway.wait_exit(STEP).await.success());
+
+    // A cached file that is not a build (replaced, as anything that
+    // changes it must: the running gateway maps it) is compiled again and
+    // replaced by a good one.
+    replace_by_rename(&stored[0], b"not a compiled plugin");
+    let gateway = start(&path, None, &flags).await;
+    let status = gateway.status().await;
+    assert_eq!(compiled(&status), "now", "{status:#}");
+    assert!(
+        gateway
+            .stderr_text()
+            .contains("unusable; compiling it again"),
+        "{}",
+        gateway.stderr_text()
+    );
+    assert_stamps(&gateway).await;
+    gateway.signal("TERM");
+    assert!(gateway.wait_exit(STEP).await.success());
+    let gateway = start(&path, None, &flags).await;
+    assert_eq!(compiled(&gateway.status().await), "cache");
+
+    // A cached file others may write to is not run.
+    std::fs::set_permissions(&stored[0], std::fs::Permissions::from_mode(0o666)).unwrap();
+    gateway.signal("TERM");
+    assert!(gateway.wait_exit(STEP).await.success());
+    let gateway = start(&path, None, &flags).await;
+    assert_eq!(compiled(&gateway.status().await), "now");
+    assert!(
+        gateway.stderr_text().contains("others may write to it"),
+        "{}",
+        gateway.stderr_text()
+    );
+    assert_stamps(&gateway).await;
+}

@@ -200,6 +200,7 @@ impl Admin {
                 "sha256": info.sha256,
                 "loaded_at": format_millis(loaded_ms),
                 "loaded_at_ms": loaded_ms,
+                "compiled": info.compiled.name(),
                 "source": self.slot.source().map_or("bundled".to_string(), |p| p.display().to_string()),
             },
             "reloads": { "succeeded": succeeded, "failed": failed },

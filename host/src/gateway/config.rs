@@ -71,6 +71,9 @@ pub struct GatewayConfig {
     pub plugin: Option<PathBuf>,
     /// Extra settings handed to the plugin's `configure`.
     pub plugin_settings: BTreeMap<String, String>,
+    /// Where compiled plugins are kept between loads (see
+    /// [`CompileCache`](crate::CompileCache)); `None` compiles at every load.
+    pub plugin_cache_dir: Option<PathBuf>,
     /// Where the admin endpoints listen.
     pub admin_listen: SocketAddr,
     /// The largest request body accepted.
@@ -176,6 +179,7 @@ impl Default for GatewayConfig {
             layout: SnowflakeLayout::TrtllmV1,
             plugin: None,
             plugin_settings: BTreeMap::new(),
+            plugin_cache_dir: None,
             admin_listen: SocketAddr::from(([127, 0, 0, 1], 9901)),
             max_body_bytes: 32 << 20,
             failure_policy: FailurePolicy::FailClosed,
@@ -207,6 +211,8 @@ pub struct ConfigFile {
     pub plugin: Option<PathBuf>,
     /// See [`GatewayConfig::plugin_settings`].
     pub plugin_settings: Option<BTreeMap<String, String>>,
+    /// See [`GatewayConfig::plugin_cache_dir`].
+    pub plugin_cache_dir: Option<PathBuf>,
     /// See [`GatewayConfig::admin_listen`].
     pub admin_listen: Option<SocketAddr>,
     /// See [`GatewayConfig::max_body_bytes`].
@@ -308,6 +314,9 @@ impl ConfigFile {
         }
         if self.plugin.is_some() {
             config.plugin = self.plugin;
+        }
+        if self.plugin_cache_dir.is_some() {
+            config.plugin_cache_dir = self.plugin_cache_dir;
         }
         if let Some(layout) = self.layout {
             config.layout = layout.parse().context("config key layout")?;

@@ -38,6 +38,7 @@ pub use slot::{PluginSlot, ReloadError, Reloaded};
 pub use upstream::Upstream;
 
 use crate::clock::{IdClock, MAX_CATCH_UP};
+use crate::compile_cache::CompileCache;
 use crate::engine::{HostServices, PluginEngine};
 use crate::identity::MachineIdentity;
 use crate::lease;
@@ -75,7 +76,11 @@ impl Gateway {
             clock: Arc::new(IdClock::system()),
             identity: Arc::new(identity),
         };
-        let engine = PluginEngine::new(services.clone(), config.plugin_limits)?;
+        let mut engine = PluginEngine::new(services.clone(), config.plugin_limits)?;
+        if let Some(dir) = &config.plugin_cache_dir {
+            let cache = CompileCache::open(dir).context("--plugin-cache-dir")?;
+            engine = engine.with_compile_cache(cache);
+        }
         let metrics = Arc::new(Metrics::default());
         let settings = config
             .plugin_settings

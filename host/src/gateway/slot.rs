@@ -157,6 +157,7 @@ impl PluginSlot {
         match outcome {
             Ok(Some(plugin)) => {
                 let sha = plugin.info().sha256.clone();
+                let compiled = plugin.info().compiled.name();
                 // Counted before the swap, and `/status` reads the serving
                 // build first: whoever sees the new build sees its reload
                 // counted and the last error cleared.
@@ -166,7 +167,7 @@ impl PluginSlot {
                 // Requests still on the old build finish on it, each on an
                 // instance of its own; its kept instances go now.
                 replaced.retire();
-                tracing::info!(sha256 = %sha, "plugin reloaded");
+                tracing::info!(sha256 = %sha, compiled, "plugin reloaded");
                 Ok(Reloaded::Swapped(sha))
             }
             Ok(None) => {
