@@ -85,7 +85,10 @@ impl CompileCache {
     ) -> anyhow::Result<(Component, Compiled)> {
         let path = self.path_for(engine, sha256);
         match self.read(engine, &path) {
-            Ok(Some(component)) => return Ok((component, Compiled::FromCache)),
+            Ok(Some(component)) => {
+                tracing::debug!(file = %path.display(), "plugin read from the compile cache");
+                return Ok((component, Compiled::FromCache));
+            }
             Ok(None) => {}
             Err(e) => tracing::warn!(
                 file = %path.display(),
@@ -94,12 +97,17 @@ impl CompileCache {
             ),
         }
         let component = compile()?;
-        if let Err(e) = self.write(&component, &path) {
-            tracing::warn!(
-                file = %path.display(),
-                error = %format!("{e:#}"),
-                "the compiled plugin could not be stored in the compile cache"
-            );
+        match self.write(&component, &path) {
+            Ok(()) => {
+                tracing::debug!(file = %path.display(), "plugin compiled and stored in the compile cache")
+            }
+            Err(e) => {
+                tracing::warn!(
+                    file = %path.display(),
+                    error = %format!("{e:#}"),
+                    "the compiled plugin could not be stored in the compile cache"
+                )
+            }
         }
         Ok((component, Compiled::Now))
     }

@@ -510,3 +510,45 @@ fn serve_refuses_a_compile_cache_others_may_write_to() {
         &["--plugin-cache-dir", "others may write to it"],
     );
 }
+
+/// `rewrite --plugin-cache-dir` compiles the plugin once and reads it
+/// from the cache on the next run, with the same result.
+#[test]
+fn rewrite_reads_the_plugin_from_the_compile_cache_on_its_second_run() {
+    let dir = scratch("rewrite-cache");
+    let _ = std::fs::remove_dir_all(&dir);
+    let run = || {
+        let output = Command::new(env!("CARGO_BIN_EXE_snowgate"))
+            .args([
+                "rewrite",
+                "--machine-id",
+                "7",
+                "--clock",
+                "fixed:1764000000000",
+            ])
+            .arg("--plugin-cache-dir")
+            .arg(&dir)
+            .env("SNOWGATE_LOG", "snowgate_host=debug")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .and_then(|mut child| {
+                let mut input = child.stdin.take().expect("stdin is piped");
+                input.write_all(CONTEXT_ONLY.as_bytes())?;
+                drop(input);
+                child.wait_with_output()
+            })
+            .expect("running rewrite");
+        (success(&output), text(&output.stderr))
+    };
+    let (first, log) = run();
+    assert!(
+        log.contains("compiled and stored in the compile cache"),
+        "{log}"
+    );
+    let (second, log) = run();
+    assert!(log.contains("read from the compile cache"), "{log}");
+    assert_eq!(first, second, "a fixed clock: the same id both times");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -10,8 +10,8 @@ use clap::Args;
 use snowgate_host::clock::MAX_CATCH_UP;
 use snowgate_host::gateway::plugin_file::read_plugin_file;
 use snowgate_host::{
-    Action, FixedClock, HostServices, IdClock, MachineIdentity, Plugin, PluginEngine, PluginLimits,
-    Request,
+    Action, CompileCache, FixedClock, HostServices, IdClock, MachineIdentity, Plugin, PluginEngine,
+    PluginLimits, Request,
 };
 use snowgate_plugin::SnowflakeLayout;
 
@@ -40,6 +40,11 @@ pub struct RewriteArgs {
     /// for reproducible runs and examples.
     #[arg(long, default_value = "system", value_name = "CLOCK")]
     clock: ClockChoice,
+    /// Keep the compiled plugin in DIR and read it from there next time,
+    /// as `serve --plugin-cache-dir` does: for repeated runs of a plugin
+    /// that is slow to compile.
+    #[arg(long, value_name = "DIR")]
+    plugin_cache_dir: Option<PathBuf>,
     /// The body is MessagePack, as TensorRT-LLM's orchestrator sends it with
     /// `X-TRTLLM-Msgpack: 1`, instead of JSON.
     #[arg(long)]
@@ -80,7 +85,10 @@ pub fn run(args: RewriteArgs) -> Result<(), Failure> {
         clock: clock.clone(),
         identity: Arc::new(identity),
     };
-    let engine = PluginEngine::new(services, PluginLimits::default())?;
+    let mut engine = PluginEngine::new(services, PluginLimits::default())?;
+    if let Some(dir) = &args.plugin_cache_dir {
+        engine = engine.with_compile_cache(CompileCache::open(dir).context("--plugin-cache-dir")?);
+    }
     let plugin = match &args.plugin {
         Some(path) => {
             // The same checks as `serve` makes: a regular file of a
