@@ -277,20 +277,18 @@ fn output_that_cannot_be_written_is_an_error_not_a_panic() {
     assert!(!text(&decode.stderr).contains("panicked"));
 }
 
+/// `snowgate serve` on free ports with `flags`, for flags that must stop it
+/// before it serves (it would otherwise run until killed).
+fn serve_on_any_port(flags: &[&str]) -> Output {
+    let any_port = ["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"];
+    snowgate(&[&["serve"][..], &any_port, flags].concat(), b"")
+}
+
 /// A plugin setting the plugin refuses stops `serve` before it listens,
 /// with status 2 and the plugin's reason, as `rewrite` does.
 #[test]
 fn serve_refuses_a_setting_the_plugin_refuses_with_status_2() {
-    let args = [
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--admin-listen",
-        "127.0.0.1:0",
-        "--plugin-setting",
-        "colour=blue",
-    ];
-    let output = snowgate(&args, b"");
+    let output = serve_on_any_port(&["--plugin-setting", "colour=blue"]);
     failure(&output, 2, &["refused its configuration", "colour"]);
 }
 
@@ -494,16 +492,7 @@ fn serve_refuses_a_compile_cache_others_may_write_to() {
     let dir = scratch("shared-cache");
     std::fs::create_dir_all(&dir).expect("created");
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).expect("chmod");
-    let args = [
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--admin-listen",
-        "127.0.0.1:0",
-        "--plugin-cache-dir",
-        dir.to_str().expect("UTF-8"),
-    ];
-    let output = snowgate(&args, b"");
+    let output = serve_on_any_port(&["--plugin-cache-dir", dir.to_str().expect("UTF-8")]);
     failure(
         &output,
         1,
