@@ -11,7 +11,7 @@ use wasmtime::error::Context as _;
 
 use crate::bindings::exports::snowgate::middleware::handler::Setting;
 use crate::bindings::MiddlewarePre;
-use crate::compile_cache::Compiled;
+use crate::compile_cache::{is_over_the_limits, Compiled};
 use crate::engine::PluginEngine;
 use crate::state::HostState;
 
@@ -87,8 +87,12 @@ impl Plugin {
         settings: &[(String, String)],
     ) -> anyhow::Result<Plugin> {
         let sha256 = hex_sha256(bytes);
-        let (component, compiled) = match &engine.compile_cache {
-            Some(cache) => cache.component(&engine.engine, &sha256, || compile(engine, bytes))?,
+        let cached = match &engine.compile_cache {
+            Some(cache) => cache.lookup(&engine.engine, &sha256, |e| refused(engine, e))?,
+            None => None,
+        };
+        let (component, compiled) = match cached {
+            Some(component) => (component, Compiled::FromCache),
             None => (compile(engine, bytes)?, Compiled::Now),
         };
         let instance_pre = engine.linker.instantiate_pre(&component).context(
@@ -156,6 +160,20 @@ impl Plugin {
         &self.engine
     }
 
+    /// Keeps this plugin's build in the engine's compile cache, if it has
+    /// one and the build was compiled at load. Call it once the plugin is
+    /// accepted, after any checks of your own, so that only builds that
+    /// serve are kept (the gateway calls it after its self-check).
+    pub fn keep_compiled(&self) {
+        if let (Some(cache), Compiled::Now) = (&self.engine.compile_cache, self.info.compiled) {
+            cache.store(
+                &self.engine.engine,
+                &self.info.sha256,
+                self.pre_async.component(),
+            );
+        }
+    }
+
     /// Instantiates once, asks for name and version, and hands over the
     /// configuration, under the same limits as a request.
     fn describe(&self) -> anyhow::Result<(String, String)> {
@@ -175,27 +193,29 @@ impl Plugin {
     }
 }
 
-/// Compiles `bytes`; the error says why a component the pool cannot hold
-/// was refused.
+/// Compiles `bytes`.
 fn compile(engine: &PluginEngine, bytes: &[u8]) -> anyhow::Result<Component> {
-    let component = Component::new(&engine.engine, bytes).map_err(|e| {
-        // The pool refuses a memory that starts above the limit.
-        if format!("{e:#}").contains("minimum byte size") {
-            let bytes = engine.limits.memory_bytes;
-            let limit = if bytes % (1 << 20) == 0 {
-                format!("{} MiB", bytes >> 20)
-            } else {
-                format!("{bytes} byte")
-            };
-            e.context(format!(
-                "the plugin's memory starts larger than the {limit} plugin memory limit \
-                 allows (`snowgate serve --plugin-memory-mib`)"
-            ))
+    Component::new(&engine.engine, bytes).map_err(|e| refused(engine, e))
+}
+
+/// Why the engine refused a component: a memory that starts larger than the
+/// pool allows, named with its flag; otherwise its contents.
+fn refused(engine: &PluginEngine, e: wasmtime::Error) -> anyhow::Error {
+    let e = if is_over_the_limits(&e) {
+        let bytes = engine.limits.memory_bytes;
+        let limit = if bytes % (1 << 20) == 0 {
+            format!("{} MiB", bytes >> 20)
         } else {
-            e.context("the plugin is not a valid WebAssembly component for this host")
-        }
-    })?;
-    Ok(component)
+            format!("{bytes} byte")
+        };
+        e.context(format!(
+            "the plugin's memory starts larger than the {limit} plugin memory limit \
+             allows (`snowgate serve --plugin-memory-mib`)"
+        ))
+    } else {
+        e.context("the plugin is not a valid WebAssembly component for this host")
+    };
+    anyhow::Error::from(e)
 }
 
 /// The export indices of the handler functions a request call uses, found

@@ -838,17 +838,20 @@ async fn the_compile_cache_serves_restarts_and_reloads_back_and_survives_a_bad_f
     gateway.signal("TERM");
     assert!(gateway.wait_exit(STEP).await.success());
 
-    // A cached file that is not a build (replaced, as anything that
-    // changes it must: the running gateway maps it) is compiled again and
-    // replaced by a good one.
-    replace_by_rename(&stored[0], b"not a compiled plugin");
+    // A cached file damaged in the middle, where wasmtime would not
+    // notice and would run broken code, is compiled again and replaced by
+    // a good one.
+    let mut damaged = std::fs::read(&stored[0]).unwrap();
+    let middle = damaged.len() / 2;
+    for byte in &mut damaged[middle..middle + 4096] {
+        *byte = !*byte;
+    }
+    std::fs::write(&stored[0], &damaged).unwrap();
     let gateway = start(&path, None, &flags).await;
     let status = gateway.status().await;
     assert_eq!(compiled(&status), "now", "{status:#}");
     assert!(
-        gateway
-            .stderr_text()
-            .contains("unusable; compiling it again"),
+        gateway.stderr_text().contains("checksum does not match"),
         "{}",
         gateway.stderr_text()
     );
@@ -857,6 +860,29 @@ async fn the_compile_cache_serves_restarts_and_reloads_back_and_survives_a_bad_f
     assert!(gateway.wait_exit(STEP).await.success());
     let gateway = start(&path, None, &flags).await;
     assert_eq!(compiled(&gateway.status().await), "cache");
+    // The file it was read from may change or go while it serves.
+    std::fs::write(&stored[0], b"").unwrap();
+    assert_stamps(&gateway).await;
+    gateway.signal("TERM");
+    assert!(gateway.wait_exit(STEP).await.success());
+
+    // A file with a second name (another user's hard link to a build of
+    // ours, under another build's name) is not read.
+    let gateway = start(&path, None, &flags).await;
+    assert_eq!(compiled(&gateway.status().await), "now");
+    std::fs::hard_link(&stored[0], dir.path().join("second-name")).unwrap();
+    gateway.signal("TERM");
+    assert!(gateway.wait_exit(STEP).await.success());
+    let gateway = start(&path, None, &flags).await;
+    assert_eq!(compiled(&gateway.status().await), "now");
+    assert!(
+        gateway.stderr_text().contains("one name"),
+        "{}",
+        gateway.stderr_text()
+    );
+    gateway.signal("TERM");
+    assert!(gateway.wait_exit(STEP).await.success());
+    let gateway = start(&path, None, &flags).await;
 
     // A cached file others may write to is not run.
     std::fs::set_permissions(&stored[0], std::fs::Permissions::from_mode(0o666)).unwrap();
@@ -870,4 +896,51 @@ async fn the_compile_cache_serves_restarts_and_reloads_back_and_survives_a_bad_f
         gateway.stderr_text()
     );
     assert_stamps(&gateway).await;
+}
+
+/// Only a build that passed the load-time self-check is kept: one that
+/// never stamps is refused and leaves nothing in the cache. A cached build
+/// whose memory is over a lower limit is refused with the limit's own
+/// message, without compiling it again.
+#[test]
+fn the_compile_cache_keeps_only_accepted_builds_and_names_the_memory_limit() {
+    use snowgate_host::gateway::slot::load_checked;
+    use snowgate_host::{
+        CompileCache, HostServices, IdClock, MachineIdentity, PluginEngine, PluginLimits,
+    };
+    use snowgate_plugin::SnowflakeLayout;
+
+    let dir = TempDir::new("compile-cache-accepted");
+    let engine = |limits: PluginLimits| {
+        let services = HostServices {
+            clock: Arc::new(IdClock::system()),
+            identity: Arc::new(MachineIdentity::fixed(SnowflakeLayout::TrtllmV1, 1).unwrap()),
+        };
+        let cache = CompileCache::open(dir.path()).expect("the cache");
+        PluginEngine::new(services, limits)
+            .expect("an engine")
+            .with_compile_cache(cache)
+    };
+    let ours = engine(PluginLimits::default());
+
+    let never_stamps = [("hostile-handle".to_string(), "forward".to_string())];
+    let error = load_checked(&ours, snowgate_test_fixtures::HOSTILE_WASM, &never_stamps)
+        .expect_err("refused by the self-check");
+    assert!(format!("{error:#}").contains("self-check"), "{error:#}");
+    assert_eq!(cached_builds(dir.path()), Vec::<PathBuf>::new());
+
+    let plugin = load_checked(&ours, &plugin_variant(7), &[]).expect("accepted");
+    assert_eq!(plugin.info().compiled.name(), "now");
+    assert_eq!(cached_builds(dir.path()).len(), 1);
+
+    // The bundled plugin's memory starts at 1 MiB and more.
+    let small = engine(PluginLimits {
+        memory_bytes: 64 << 10,
+        ..PluginLimits::default()
+    });
+    let error = load_checked(&small, &plugin_variant(7), &[]).expect_err("over the limit");
+    assert!(
+        format!("{error:#}").contains("--plugin-memory-mib"),
+        "{error:#}"
+    );
 }

@@ -228,6 +228,8 @@ pub fn load_checked(
             r.message
         ),
     }
+    // Only a build that passed is kept for the next load of the same bytes.
+    plugin.keep_compiled();
     Ok(plugin)
 }
 

@@ -104,6 +104,7 @@ pub fn run(args: RewriteArgs) -> Result<(), Failure> {
         )
         .context("loading the bundled plugin")?,
     };
+    plugin.keep_compiled();
 
     let mut body = Vec::new();
     std::io::stdin()
