@@ -183,7 +183,7 @@ impl Drop for InFlight {
 
 /// A response body that keeps its request in flight until hyper has taken
 /// the last of it. Over HTTP/2 it is handed over in pieces of at most
-/// [`HTTP2_PIECE`]: hyper would take a whole body at once into the
+/// `HTTP2_PIECE` (16 KiB): hyper would take a whole body at once into the
 /// connection's send buffer, and the request would then no longer count
 /// as in flight while a slow reader is still receiving it.
 pub struct ActiveBody<B> {
