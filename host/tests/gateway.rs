@@ -1907,3 +1907,75 @@ async fn a_restart_on_the_same_machine_id_starts_after_the_last_id() {
     .expect("the serving task")
     .expect("the second gateway");
 }
+
+/// The built-in echo upstream answers HEAD with a GET's headers and no
+/// body, over both protocols: over HTTP/2 a body on a HEAD answer is a
+/// protocol error that resets the stream.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_echo_upstream_answers_head_without_a_body() {
+    let gateway = Gateway::start(&[]).await;
+    let stream = tokio::net::TcpStream::connect(gateway.addr)
+        .await
+        .expect("connect");
+    let (mut sender, connection) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(stream),
+    )
+    .await
+    .expect("an HTTP/2 handshake");
+    tokio::spawn(connection);
+    let request = |method: http::Method| {
+        http::Request::builder()
+            .method(method)
+            .uri(format!("http://{}/v1/models", gateway.addr))
+            .body(Full::new(Bytes::new()))
+            .expect("a request")
+    };
+    let get = bounded(
+        "GET over HTTP/2",
+        STEP,
+        sender.send_request(request(http::Method::GET)),
+    )
+    .await
+    .expect("a response");
+    let get_length = get.headers()["content-length"].clone();
+    let get_body = get.into_body().collect().await.expect("a body").to_bytes();
+    assert_eq!(get_length, get_body.len().to_string().as_str());
+    let head = bounded(
+        "HEAD over HTTP/2",
+        STEP,
+        sender.send_request(request(http::Method::HEAD)),
+    )
+    .await
+    .expect("a response, not a reset stream");
+    assert_eq!(head.status(), StatusCode::OK);
+    // The length of the echo the request would get ("HEAD" is one letter
+    // longer than "GET").
+    let head_length = (get_body.len() + 1).to_string();
+    assert_eq!(head.headers()["content-length"], head_length.as_str());
+    let head_body = head
+        .into_body()
+        .collect()
+        .await
+        .expect("no error")
+        .to_bytes();
+    assert!(head_body.is_empty(), "{head_body:?}");
+
+    let mut client = Client::connect(gateway.addr).await;
+    let request = client
+        .builder(http::Method::HEAD, "/v1/models")
+        .body(Full::default())
+        .expect("a request");
+    let reply = client.send(request).await;
+    assert_eq!(reply.status, StatusCode::OK);
+    // Its own request's headers differ, so its echo's length does too.
+    let length: usize = reply.headers["content-length"]
+        .to_str()
+        .expect("ASCII")
+        .parse()
+        .expect("a length");
+    assert!(length > 0);
+    assert!(reply.body.is_empty(), "{:?}", reply.body);
+    // The connection is still good for the next request.
+    assert_eq!(client.get("/v1/models").await.status, StatusCode::OK);
+}

@@ -10,7 +10,7 @@ use std::task::{Context, Poll};
 use anyhow::Context as _;
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName};
-use http::{Request, Response, StatusCode, Uri};
+use http::{Method, Request, Response, StatusCode, Uri};
 use http_body::Body;
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full};
@@ -430,11 +430,22 @@ async fn echo(request: Request<UpstreamBody>) -> Response<UpstreamBody> {
         out.extend_from_slice(text.as_bytes());
     }
     out.extend_from_slice(b"}\n");
-    let mut response = Response::new(Full::new(Bytes::from(out)));
+    // A HEAD answer has the headers a GET's would have, and no body: over
+    // HTTP/2 a body on it is a protocol error that resets the stream.
+    let length = out.len();
+    let body = if parts.method == Method::HEAD {
+        Bytes::new()
+    } else {
+        Bytes::from(out)
+    };
+    let mut response = Response::new(Full::new(body));
     response.headers_mut().insert(
         header::CONTENT_TYPE,
         header::HeaderValue::from_static("application/json"),
     );
+    response
+        .headers_mut()
+        .insert(header::CONTENT_LENGTH, header::HeaderValue::from(length));
     own(response)
 }
 
