@@ -1908,29 +1908,39 @@ async fn a_restart_on_the_same_machine_id_starts_after_the_last_id() {
     .expect("the second gateway");
 }
 
-/// The built-in echo upstream answers HEAD with a GET's headers and no
-/// body, over both protocols: over HTTP/2 a body on a HEAD answer is a
-/// protocol error that resets the stream.
-#[tokio::test(flavor = "multi_thread")]
-async fn the_echo_upstream_answers_head_without_a_body() {
-    let gateway = Gateway::start(&[]).await;
-    let stream = tokio::net::TcpStream::connect(gateway.addr)
-        .await
-        .expect("connect");
-    let (mut sender, connection) = hyper::client::conn::http2::handshake(
+/// An HTTP/2 connection to the gateway at `addr`.
+async fn http2_to(
+    addr: std::net::SocketAddr,
+) -> hyper::client::conn::http2::SendRequest<Full<Bytes>> {
+    let stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let (sender, connection) = hyper::client::conn::http2::handshake(
         hyper_util::rt::TokioExecutor::new(),
         hyper_util::rt::TokioIo::new(stream),
     )
     .await
     .expect("an HTTP/2 handshake");
     tokio::spawn(connection);
-    let request = |method: http::Method| {
-        http::Request::builder()
-            .method(method)
-            .uri(format!("http://{}/v1/models", gateway.addr))
-            .body(Full::new(Bytes::new()))
-            .expect("a request")
-    };
+    sender
+}
+
+/// A bodiless request to `addr` for `/v1/models`.
+fn bodiless(addr: std::net::SocketAddr, method: http::Method) -> http::Request<Full<Bytes>> {
+    http::Request::builder()
+        .method(method)
+        .uri(format!("http://{addr}/v1/models"))
+        .body(Full::new(Bytes::new()))
+        .expect("a request")
+}
+
+/// HEAD gets a GET's headers and no body, over both protocols, whether the
+/// upstream (here the built-in echo) or the gateway itself answers: over
+/// HTTP/2 a body on a HEAD answer is a protocol error that resets the
+/// stream.
+#[tokio::test(flavor = "multi_thread")]
+async fn head_is_answered_without_a_body() {
+    let gateway = Gateway::start(&[]).await;
+    let mut sender = http2_to(gateway.addr).await;
+    let request = |method: http::Method| bodiless(gateway.addr, method);
     let get = bounded(
         "GET over HTTP/2",
         STEP,
@@ -1978,4 +1988,24 @@ async fn the_echo_upstream_answers_head_without_a_body() {
     assert!(reply.body.is_empty(), "{:?}", reply.body);
     // The connection is still good for the next request.
     assert_eq!(client.get("/v1/models").await.status, StatusCode::OK);
+
+    // The gateway's own answer: 502, its upstream gone.
+    let dead = dead_address().await;
+    let gateway = Gateway::start(&["--upstream", &format!("http://{dead}")]).await;
+    let mut sender = http2_to(gateway.addr).await;
+    let head = bounded(
+        "HEAD over HTTP/2, upstream gone",
+        STEP,
+        sender.send_request(bodiless(gateway.addr, http::Method::HEAD)),
+    )
+    .await
+    .expect("a response");
+    assert_eq!(head.status(), StatusCode::BAD_GATEWAY);
+    let head_body = head
+        .into_body()
+        .collect()
+        .await
+        .expect("no error")
+        .to_bytes();
+    assert!(head_body.is_empty(), "{head_body:?}");
 }

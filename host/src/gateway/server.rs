@@ -9,7 +9,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::header::{HeaderName, HeaderValue};
 use http_body_util::combinators::BoxBody;
-use http_body_util::BodyExt;
+use http_body_util::{BodyExt, Either, Empty};
 use hyper::body::Incoming;
 use hyper::Request;
 use std::sync::Arc;
@@ -139,13 +139,22 @@ pub async fn serve(
             let pause =
                 (request.version() < http::Version::HTTP_2).then_some(limits.body_read_timeout);
             let request = request.map(|body| ClientBody::new(body, pause, progress));
+            let is_head = request.method() == http::Method::HEAD;
             let mut service = service.clone();
             async move {
                 let response = service.call(request).await?;
-                Ok::<_, std::convert::Infallible>(
-                    response
-                        .map(|body| ActiveBody::new(body.map_err(BodyError), in_flight).boxed()),
-                )
+                Ok::<_, std::convert::Infallible>(response.map(|body| {
+                    // A HEAD answer has a GET's headers and no body. hyper
+                    // drops the body for HTTP/1 clients but sends it over
+                    // HTTP/2, where the client resets the stream; and the
+                    // gateway's own answers (a 502, a 413) have bodies.
+                    let body = if is_head {
+                        Either::Right(Empty::<Bytes>::new())
+                    } else {
+                        Either::Left(body)
+                    };
+                    ActiveBody::new(body.map_err(BodyError), in_flight).boxed()
+                }))
             }
         });
         let builder = builder.clone();
