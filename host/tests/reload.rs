@@ -838,64 +838,90 @@ async fn the_compile_cache_serves_restarts_and_reloads_back_and_survives_a_bad_f
     gateway.signal("TERM");
     assert!(gateway.wait_exit(STEP).await.success());
 
-    // A cached file damaged in the middle, where wasmtime would not
-    // notice and would run broken code, is compiled again and replaced by
-    // a good one.
-    let mut damaged = std::fs::read(&stored[0]).unwrap();
-    let middle = damaged.len() / 2;
-    for byte in &mut damaged[middle..middle + 4096] {
-        *byte = !*byte;
+    // A cached file that is not a build the cache wrote and checked is
+    // compiled again, with a warning that names the problem, and replaced
+    // by a good one; never run, never waited on.
+    let the_file = stored[0].clone();
+    /// What a spoiled file must be refused for, and how to spoil it.
+    type Spoiler<'a> = (&'static str, Box<dyn Fn() + 'a>);
+    let spoilers: [Spoiler; 5] = [
+        // Where wasmtime would not notice, and would run broken code.
+        (
+            "checksum does not match",
+            Box::new(|| {
+                let mut damaged = std::fs::read(&the_file).unwrap();
+                let middle = damaged.len() / 2;
+                for byte in &mut damaged[middle..middle + 4096] {
+                    *byte = !*byte;
+                }
+                std::fs::write(&the_file, &damaged).unwrap();
+            }),
+        ),
+        // Another user's hard link to a build of ours, under this name.
+        (
+            "one name",
+            Box::new(|| {
+                let _ = std::fs::remove_file(dir.path().join("second-name"));
+                std::fs::hard_link(&the_file, dir.path().join("second-name")).unwrap();
+            }),
+        ),
+        // A FIFO would make a plain open wait for a writer for ever.
+        (
+            "not a regular file",
+            Box::new(|| {
+                std::fs::remove_file(&the_file).unwrap();
+                let status = std::process::Command::new("mkfifo")
+                    .arg(&the_file)
+                    .status()
+                    .expect("mkfifo");
+                assert!(status.success());
+            }),
+        ),
+        // Sparse: 2 GiB that would all be read into memory.
+        (
+            "more than any build",
+            Box::new(|| {
+                let file = std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(&the_file)
+                    .unwrap();
+                file.set_len(2 << 30).unwrap();
+            }),
+        ),
+        (
+            "others may write to it",
+            Box::new(|| {
+                std::fs::set_permissions(&the_file, std::fs::Permissions::from_mode(0o666))
+                    .unwrap();
+            }),
+        ),
+    ];
+    for (problem, spoil) in spoilers {
+        spoil();
+        let gateway = start(&path, None, &flags).await;
+        let status = gateway.status().await;
+        assert_eq!(compiled(&status), "now", "{problem}: {status:#}");
+        assert!(
+            gateway.stderr_text().contains(problem),
+            "{problem}: {}",
+            gateway.stderr_text()
+        );
+        assert_stamps(&gateway).await;
+        gateway.signal("TERM");
+        assert!(gateway.wait_exit(STEP).await.success());
+        let gateway = start(&path, None, &flags).await;
+        assert_eq!(compiled(&gateway.status().await), "cache", "{problem}");
+        // The file it was read from may change or go while it serves.
+        std::fs::write(&the_file, b"").unwrap();
+        assert_stamps(&gateway).await;
+        gateway.signal("TERM");
+        assert!(gateway.wait_exit(STEP).await.success());
+        // Good again for the next case.
+        let gateway = start(&path, None, &flags).await;
+        assert_eq!(compiled(&gateway.status().await), "now", "{problem}");
+        gateway.signal("TERM");
+        assert!(gateway.wait_exit(STEP).await.success());
     }
-    std::fs::write(&stored[0], &damaged).unwrap();
-    let gateway = start(&path, None, &flags).await;
-    let status = gateway.status().await;
-    assert_eq!(compiled(&status), "now", "{status:#}");
-    assert!(
-        gateway.stderr_text().contains("checksum does not match"),
-        "{}",
-        gateway.stderr_text()
-    );
-    assert_stamps(&gateway).await;
-    gateway.signal("TERM");
-    assert!(gateway.wait_exit(STEP).await.success());
-    let gateway = start(&path, None, &flags).await;
-    assert_eq!(compiled(&gateway.status().await), "cache");
-    // The file it was read from may change or go while it serves.
-    std::fs::write(&stored[0], b"").unwrap();
-    assert_stamps(&gateway).await;
-    gateway.signal("TERM");
-    assert!(gateway.wait_exit(STEP).await.success());
-
-    // A file with a second name (another user's hard link to a build of
-    // ours, under another build's name) is not read.
-    let gateway = start(&path, None, &flags).await;
-    assert_eq!(compiled(&gateway.status().await), "now");
-    std::fs::hard_link(&stored[0], dir.path().join("second-name")).unwrap();
-    gateway.signal("TERM");
-    assert!(gateway.wait_exit(STEP).await.success());
-    let gateway = start(&path, None, &flags).await;
-    assert_eq!(compiled(&gateway.status().await), "now");
-    assert!(
-        gateway.stderr_text().contains("one name"),
-        "{}",
-        gateway.stderr_text()
-    );
-    gateway.signal("TERM");
-    assert!(gateway.wait_exit(STEP).await.success());
-    let gateway = start(&path, None, &flags).await;
-
-    // A cached file others may write to is not run.
-    std::fs::set_permissions(&stored[0], std::fs::Permissions::from_mode(0o666)).unwrap();
-    gateway.signal("TERM");
-    assert!(gateway.wait_exit(STEP).await.success());
-    let gateway = start(&path, None, &flags).await;
-    assert_eq!(compiled(&gateway.status().await), "now");
-    assert!(
-        gateway.stderr_text().contains("others may write to it"),
-        "{}",
-        gateway.stderr_text()
-    );
-    assert_stamps(&gateway).await;
 }
 
 /// Only a build that passed the load-time self-check is kept: one that

@@ -1,0 +1,534 @@
+//! Compiled plugins kept on disk, so that a restart, or a reload back to a
+//! build served before, skips compiling: a plugin written in Python or
+//! JavaScript takes 5 to 17 s of both CPUs to compile.
+//!
+//! A cached file is machine code that wasmtime runs without checking it,
+//! so the cache trusts its directory exactly as much as the `snowgate`
+//! binary. The directory is opened once, when the cache is opened, and
+//! every file is then opened, created, renamed and removed relative to that
+//! open directory, never by path: whatever later happens to the path (a
+//! parent directory others may write to, a symbolic link changed) cannot
+//! put another directory in its place. The directory and every file read
+//! must belong to the user snowgate runs as and be writable by no one else
+//! (checked on what was opened, not on a path), and a file must be a
+//! regular file with one name.
+//!
+//! Files are named by the SHA-256 of the component and of the engine's
+//! compilation settings (wasmtime's version, the CPU features, the memory
+//! layout the code assumes), so a build for another engine is never read
+//! (see `names`). Each is written under a name of its own, then renamed
+//! into place, so a reader never sees half a file; and ends with the
+//! SHA-256 of the build and of its component (see `trailer`), checked
+//! before wasmtime sees it, so a damaged or misnamed file is compiled again
+//! instead of crashing the gateway. A build is read into memory, not
+//! mapped, so its file may then change or go. Only builds the caller
+//! accepted are stored ([`Plugin::keep_compiled`]), and only the
+//! [`KEPT_BUILDS`] used last are kept.
+//!
+//! [`Plugin::keep_compiled`]: crate::Plugin::keep_compiled
+
+mod names;
+mod trailer;
+
+use std::fs;
+use std::io::{Read as _, Write as _};
+use std::os::fd::OwnedFd;
+use std::os::unix::fs::{DirBuilderExt as _, MetadataExt as _};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime};
+
+use anyhow::Context as _;
+use rustix::fs::{AtFlags, FileType, Mode, OFlags};
+use wasmtime::component::Component;
+use wasmtime::Engine;
+
+/// How many builds the cache keeps: the ones used last.
+pub const KEPT_BUILDS: usize = 8;
+
+/// The largest file read as a build: far above any build of a plugin the
+/// gateway accepts (at most 128 MiB of component), and far below what would
+/// exhaust memory if a file were huge by mistake.
+const MAX_BUILD_BYTES: u64 = 1 << 30;
+
+/// A temporary file this old is a store that died, not one under way.
+const ABANDONED_AFTER: Duration = Duration::from_secs(3600);
+
+/// A directory of compiled plugins.
+#[derive(Debug)]
+pub struct CompileCache {
+    /// The path it was opened by, for messages.
+    path: PathBuf,
+    /// The directory, opened once: every file operation is relative to it.
+    dir: OwnedFd,
+}
+
+/// Where a loaded plugin's compiled code came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Compiled {
+    /// Compiled at load time (no cache, or the cache had no usable build).
+    Now,
+    /// Read from the compile cache.
+    FromCache,
+}
+
+impl Compiled {
+    /// `"now"` or `"cache"`, as `/status` reports it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Compiled::Now => "now",
+            Compiled::FromCache => "cache",
+        }
+    }
+}
+
+impl CompileCache {
+    /// Opens `path`, creating it (mode 0700) if it is missing. Refused when
+    /// it is not a directory, when it or (if it is one) its symbolic link
+    /// belongs to another user, or when others may write to it.
+    pub fn open(path: &Path) -> anyhow::Result<CompileCache> {
+        let what = || format!("the plugin compile cache {}", path.display());
+        if !path.exists() {
+            fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(path)
+                .with_context(|| format!("creating {}", what()))?;
+        }
+        // A link another user made could be pointed elsewhere later, but
+        // only before this open: after it, the open directory is used.
+        let link = fs::symlink_metadata(path).with_context(what)?;
+        if link.file_type().is_symlink() {
+            let me = rustix::process::geteuid().as_raw();
+            anyhow::ensure!(
+                link.uid() == me || link.uid() == 0,
+                "{} is a symbolic link that belongs to user {}: only snowgate's user or root \
+                 may choose where the cache is",
+                what(),
+                link.uid()
+            );
+        }
+        let dir = rustix::fs::open(
+            path,
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|e| match e {
+            rustix::io::Errno::NOTDIR => anyhow::anyhow!("{} is not a directory", what()),
+            e => anyhow::Error::from(std::io::Error::from(e)).context(what()),
+        })?;
+        let cache = CompileCache {
+            path: path.to_path_buf(),
+            dir,
+        };
+        cache.check_directory().with_context(what)?;
+        Ok(cache)
+    }
+
+    /// The path it was opened by.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The build of the component whose hex SHA-256 is `sha256` for
+    /// `engine`, if the cache holds a usable one. One that is unusable
+    /// (damaged, from another wasmtime, writable by others) is a warning
+    /// and `None`: the caller compiles, and [`store`](Self::store) replaces
+    /// it. A build the engine refuses for its limits (a memory that starts
+    /// larger than the limit) is the error `refused` makes of it: compiling
+    /// again would be refused the same way.
+    pub(crate) fn lookup(
+        &self,
+        engine: &Engine,
+        sha256: &str,
+        refused: impl FnOnce(wasmtime::Error) -> anyhow::Error,
+    ) -> anyhow::Result<Option<Component>> {
+        let name = names::build(engine, sha256);
+        match self.read(engine, sha256, &name) {
+            Ok(Some(component)) => {
+                tracing::debug!(file = %self.path.join(&name).display(), "plugin read from the compile cache");
+                Ok(Some(component))
+            }
+            Ok(None) => Ok(None),
+            Err(Unusable::ByTheEngine(e)) if is_over_the_limits(&e) => Err(refused(e)),
+            Err(e) => {
+                let e = anyhow::Error::from(e);
+                tracing::warn!(
+                    file = %self.path.join(&name).display(),
+                    error = %format!("{e:#}"),
+                    "the compile cache's build of the plugin is unusable; compiling it again"
+                );
+                Ok(None)
+            }
+        }
+    }
+
+    /// Stores `component`, the build of the component whose hex SHA-256 is
+    /// `sha256`, after removing all but the builds used last, so that the
+    /// directory holds at most [`KEPT_BUILDS`]. Failing is a warning: the
+    /// cache is only a shortcut.
+    pub(crate) fn store(&self, engine: &Engine, sha256: &str, component: &Component) {
+        let name = names::build(engine, sha256);
+        // First, so that a full disk has room for the newest build.
+        self.evict(&name);
+        match self.write(component, sha256, &name) {
+            Ok(()) => {
+                tracing::debug!(file = %self.path.join(&name).display(), "plugin compiled and stored in the compile cache")
+            }
+            Err(e) => tracing::warn!(
+                file = %self.path.join(&name).display(),
+                error = %format!("{e:#}"),
+                "the compiled plugin could not be stored in the compile cache"
+            ),
+        }
+    }
+
+    /// Refuses the open directory if it has been opened up to others since.
+    fn check_directory(&self) -> anyhow::Result<()> {
+        let stat = rustix::fs::fstat(&self.dir)
+            .map_err(std::io::Error::from)
+            .context("the cache directory")?;
+        only_ours(stat.st_uid, stat.st_mode).context("the cache directory")
+    }
+
+    /// The cached build `name` of the component whose hex SHA-256 is
+    /// `sha256`; `None` when there is none.
+    fn read(
+        &self,
+        engine: &Engine,
+        sha256: &str,
+        name: &str,
+    ) -> Result<Option<Component>, Unusable> {
+        self.check_directory()?;
+        // O_NONBLOCK: a FIFO in its place cannot make the open wait.
+        let file = match rustix::fs::openat(
+            &self.dir,
+            name,
+            OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
+            Mode::empty(),
+        ) {
+            Ok(file) => file,
+            Err(rustix::io::Errno::NOENT) => return Ok(None),
+            Err(rustix::io::Errno::LOOP) => {
+                return Err(
+                    anyhow::anyhow!("it is a symbolic link, not a file the cache wrote").into(),
+                )
+            }
+            Err(e) => {
+                return Err(anyhow::Error::from(std::io::Error::from(e))
+                    .context("opening it")
+                    .into())
+            }
+        };
+        // The checks are of the file opened; and one name only, so that it
+        // cannot be another user's link to a file of ours.
+        let stat = rustix::fs::fstat(&file)
+            .map_err(std::io::Error::from)
+            .context("reading its metadata")?;
+        if FileType::from_raw_mode(stat.st_mode) != FileType::RegularFile || stat.st_nlink != 1 {
+            return Err(anyhow::anyhow!("it is not a regular file with one name").into());
+        }
+        only_ours(stat.st_uid, stat.st_mode)?;
+        let size = u64::try_from(stat.st_size).unwrap_or(u64::MAX);
+        if size > MAX_BUILD_BYTES {
+            return Err(anyhow::anyhow!(
+                "it is {size} bytes, more than any build ({MAX_BUILD_BYTES} bytes at most)"
+            )
+            .into());
+        }
+        let mut file = fs::File::from(file);
+        let mut stored = Vec::with_capacity(size as usize);
+        (&mut file)
+            .take(MAX_BUILD_BYTES + 1)
+            .read_to_end(&mut stored)
+            .context("reading it")?;
+        let build = trailer::checked(&stored, sha256)?;
+        // SAFETY: `build` is wasmtime's own serialization of this component
+        // for an engine with these settings: the file is named by them, was
+        // written by this module with the trailer just verified (so it is
+        // whole, undamaged, and of this component), and is a file with one
+        // name in a directory that only this user can write, both checked
+        // on what was opened. wasmtime checks its version and settings
+        // again, and copies it into memory of its own, so later changes to
+        // the file cannot reach it.
+        let component =
+            unsafe { Component::deserialize(engine, build) }.map_err(Unusable::ByTheEngine)?;
+        // Used now: among the last to be removed (see `evict`).
+        let _ = file.set_modified(SystemTime::now());
+        Ok(Some(component))
+    }
+
+    /// Stores `component`, the build of the component whose hex SHA-256 is
+    /// `sha256`, as `name`, with its trailer: written to a new file of a
+    /// name no one else uses, synced, and renamed into place.
+    fn write(&self, component: &Component, sha256: &str, name: &str) -> anyhow::Result<()> {
+        self.check_directory()?;
+        let mut bytes = component
+            .serialize()
+            .map_err(anyhow::Error::from)
+            .context("serializing the compiled plugin")?;
+        bytes.extend_from_slice(&trailer::of(&bytes, sha256));
+        let temporary = names::temporary(name);
+        let written = rustix::fs::openat(
+            &self.dir,
+            &*temporary,
+            OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::from_raw_mode(0o600),
+        )
+        .map_err(std::io::Error::from)
+        .and_then(|file| {
+            let mut file = fs::File::from(file);
+            file.write_all(&bytes)?;
+            file.sync_all()
+        })
+        .and_then(|()| {
+            rustix::fs::renameat(&self.dir, &*temporary, &self.dir, name)
+                .map_err(std::io::Error::from)
+        });
+        if let Err(e) = written {
+            let _ = rustix::fs::unlinkat(&self.dir, &*temporary, AtFlags::empty());
+            return Err(anyhow::Error::from(e).context(format!("writing it (as {temporary})")));
+        }
+        // Stored; the rename's durability is a shortcut's, so a failure to
+        // sync the directory only costs a compile after a crash.
+        let _ = rustix::fs::fsync(&self.dir);
+        Ok(())
+    }
+
+    /// Removes the builds used least recently (by the time they were last
+    /// stored or read), leaving room for `keep`'s, so that at most
+    /// [`KEPT_BUILDS`] remain with it; and temporary files that a store that
+    /// died left behind. Only regular files with the cache's own names are
+    /// removed. Each failure is a warning, and the rest goes on.
+    fn evict(&self, keep: &str) {
+        let entries = match rustix::fs::Dir::read_from(&self.dir) {
+            Ok(entries) => entries,
+            Err(e) => {
+                tracing::warn!(dir = %self.path.display(), error = %e, "listing the compile cache failed");
+                return;
+            }
+        };
+        let mut builds = Vec::new();
+        for entry in entries.flatten() {
+            let Ok(name) = entry.file_name().to_str().map(str::to_owned) else {
+                continue;
+            };
+            let (build, temporary) = (names::is_build(&name), names::is_temporary(&name));
+            if !(build || temporary) || name == keep {
+                continue;
+            }
+            let Ok(stat) = rustix::fs::statat(&self.dir, &*name, AtFlags::SYMLINK_NOFOLLOW) else {
+                continue;
+            };
+            if FileType::from_raw_mode(stat.st_mode) != FileType::RegularFile {
+                continue;
+            }
+            let used = SystemTime::UNIX_EPOCH
+                + Duration::from_secs(u64::try_from(stat.st_mtime).unwrap_or(0));
+            if build {
+                builds.push((used, name));
+            } else if used.elapsed().is_ok_and(|age| age > ABANDONED_AFTER) {
+                self.remove(&name, "an abandoned temporary file");
+            }
+        }
+        builds.sort_by_key(|(used, _)| std::cmp::Reverse(*used));
+        for (_, name) in builds.into_iter().skip(KEPT_BUILDS - 1) {
+            self.remove(&name, "a build used less recently than the 8 kept");
+        }
+    }
+
+    /// Removes `name`, saying why.
+    fn remove(&self, name: &str, why: &str) {
+        match rustix::fs::unlinkat(&self.dir, name, AtFlags::empty()) {
+            // Another gateway sharing the directory was first.
+            Ok(()) | Err(rustix::io::Errno::NOENT) => {
+                tracing::info!(file = %self.path.join(name).display(), "removed {why} from the compile cache")
+            }
+            Err(e) => tracing::warn!(
+                file = %self.path.join(name).display(),
+                error = %e,
+                "removing {why} from the compile cache failed"
+            ),
+        }
+    }
+}
+
+/// Why a cached build was not used.
+enum Unusable {
+    /// wasmtime refused it.
+    ByTheEngine(wasmtime::Error),
+    /// The file: missing checks, damage, or an I/O error.
+    File(anyhow::Error),
+}
+
+impl From<anyhow::Error> for Unusable {
+    fn from(e: anyhow::Error) -> Self {
+        Unusable::File(e)
+    }
+}
+
+impl From<Unusable> for anyhow::Error {
+    fn from(e: Unusable) -> Self {
+        match e {
+            Unusable::ByTheEngine(e) => anyhow::Error::from(e).context("wasmtime refused it"),
+            Unusable::File(e) => e,
+        }
+    }
+}
+
+/// Whether wasmtime refused a component for the engine's limits (the
+/// instance pool's), not for its contents.
+pub(crate) fn is_over_the_limits(e: &wasmtime::Error) -> bool {
+    format!("{e:#}").contains("minimum byte size")
+}
+
+/// Refuses what belongs to another user (`uid`) or is writable by group or
+/// others (`mode`).
+fn only_ours(uid: u32, mode: u32) -> anyhow::Result<()> {
+    let me = rustix::process::geteuid().as_raw();
+    anyhow::ensure!(
+        uid == me,
+        "it belongs to user {uid}, not to user {me} that snowgate runs as; a cached build is run \
+         unchecked, so only snowgate's own user may have written it"
+    );
+    anyhow::ensure!(
+        mode & 0o022 == 0,
+        "others may write to it (mode {:o}); a cached build is run unchecked, so only snowgate's \
+         own user may write to it (chmod go-w)",
+        mode & 0o7777
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::PermissionsExt as _;
+
+    use super::*;
+
+    fn scratch(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!(
+            "snowgate-compile-cache-{name}-{}",
+            std::process::id()
+        ));
+        let _ = fs::remove_dir_all(&dir);
+        dir
+    }
+
+    #[test]
+    fn a_missing_directory_is_created_for_this_user_only() {
+        let dir = scratch("create").join("nested");
+        CompileCache::open(&dir).expect("created");
+        let mode = fs::metadata(&dir).expect("exists").mode() & 0o777;
+        assert_eq!(mode, 0o700);
+        let _ = fs::remove_dir_all(dir.parent().expect("parent"));
+    }
+
+    #[test]
+    fn a_directory_others_may_write_to_is_refused() {
+        let dir = scratch("shared");
+        fs::create_dir_all(&dir).expect("created");
+        fs::set_permissions(&dir, fs::Permissions::from_mode(0o777)).expect("chmod");
+        let error = format!("{:#}", CompileCache::open(&dir).expect_err("refused"));
+        assert!(
+            error.contains("others may write to it (mode 777)"),
+            "{error}"
+        );
+        assert!(error.contains(&dir.display().to_string()), "{error}");
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_directory_opened_up_after_the_start_is_no_longer_used() {
+        let dir = scratch("opened-up");
+        let cache = CompileCache::open(&dir).expect("opened");
+        cache.check_directory().expect("ours");
+        fs::set_permissions(&dir, fs::Permissions::from_mode(0o777)).expect("chmod");
+        let error = format!("{:#}", cache.check_directory().expect_err("opened up"));
+        assert!(error.contains("others may write to it"), "{error}");
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn the_directory_opened_is_used_whatever_its_path_names_later() {
+        let dir = scratch("moved");
+        let cache = CompileCache::open(&dir).expect("opened");
+        // The path now names another directory; the cache still lists and
+        // removes in the one it opened.
+        let moved = dir.with_extension("moved");
+        let _ = fs::remove_dir_all(&moved);
+        fs::rename(&dir, &moved).expect("moved");
+        fs::create_dir_all(&dir).expect("a new directory at the old path");
+        let old = format!("{}-{}.cwasm", "a".repeat(64), "b".repeat(16));
+        let stale = format!("{}-{}.cwasm", "c".repeat(64), "b".repeat(16));
+        for (i, name) in [&stale, &old].iter().enumerate() {
+            for place in [&dir, &moved] {
+                let file = fs::File::create(place.join(name)).expect("created");
+                let at = SystemTime::now() - Duration::from_secs(60 * (i as u64 + 1));
+                file.set_modified(at).expect("dated");
+            }
+        }
+        for n in 0..KEPT_BUILDS {
+            let name = format!(
+                "{}-{}.cwasm",
+                format!("{n:x}").repeat(64)[..64].to_owned(),
+                "d".repeat(16)
+            );
+            fs::File::create(moved.join(name)).expect("created");
+        }
+        cache.evict("none");
+        assert!(!moved.join(&old).exists() && !moved.join(&stale).exists());
+        assert!(dir.join(&old).exists() && dir.join(&stale).exists());
+        let _ = fs::remove_dir_all(&dir);
+        let _ = fs::remove_dir_all(&moved);
+    }
+
+    #[test]
+    fn only_the_builds_used_last_are_kept_and_abandoned_stores_go() {
+        let dir = scratch("evict");
+        let cache = CompileCache::open(&dir).expect("opened");
+        let now = SystemTime::now();
+        let age = |secs: u64| now - Duration::from_secs(secs);
+        let touch = |name: &str, at: SystemTime| {
+            let file = fs::File::create(dir.join(name)).expect("created");
+            file.set_modified(at).expect("dated");
+        };
+        let build = |n: u64| format!("{}-{}.cwasm", format!("{n:02}").repeat(32), "e".repeat(16));
+        // Build n was last used n minutes ago.
+        for n in 0..KEPT_BUILDS as u64 + 3 {
+            touch(&build(n), age(60 * n));
+        }
+        let left_behind = format!(".{}.1-0-0.tmp", build(99));
+        let under_way = format!(".{}.2-0-0.tmp", build(98));
+        touch(&left_behind, age(2 * 3600));
+        touch(&under_way, age(1));
+        // Not the cache's: never removed, however old.
+        let foreign = ["README", "module.cwasm", ".notes.tmp"];
+        for name in foreign {
+            touch(name, age(10 * 3600));
+        }
+        fs::create_dir(dir.join(build(50))).expect("a directory with a build's name");
+        // The build about to be stored is counted among the 8.
+        cache.evict(&build(40));
+
+        let mut left: Vec<String> = fs::read_dir(&dir)
+            .expect("listed")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        let mut expected: Vec<String> = (0..KEPT_BUILDS as u64 - 1).map(build).collect();
+        expected.extend([under_way, build(50)]);
+        expected.extend(foreign.map(String::from));
+        expected.sort();
+        assert_eq!(left, expected);
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_file_in_place_of_the_directory_is_refused() {
+        let dir = scratch("file");
+        fs::write(&dir, b"x").expect("written");
+        let error = format!("{:#}", CompileCache::open(&dir).expect_err("refused"));
+        assert!(error.contains("is not a directory"), "{error}");
+        let _ = fs::remove_file(&dir);
+    }
+}
