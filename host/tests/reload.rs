@@ -772,6 +772,18 @@ fn cached_builds(dir: &Path) -> Vec<PathBuf> {
     files
 }
 
+/// `snowgate_plugin_loads_total`: (compiled now, read from the cache).
+async fn loads(gateway: &Gateway) -> (f64, f64) {
+    let metrics = gateway.metrics().await;
+    let count = |compiled: &str| {
+        metric(
+            &metrics,
+            &format!("snowgate_plugin_loads_total{{compiled=\"{compiled}\"}}"),
+        )
+    };
+    (count("now"), count("cache"))
+}
+
 fn compiled(status: &Value) -> &str {
     status["plugin"]["compiled"]
         .as_str()
@@ -820,6 +832,7 @@ async fn the_compile_cache_serves_restarts_and_reloads_back_and_survives_a_bad_f
     assert_eq!(compiled(&status), "cache", "{status:#}");
     assert_eq!(sha_of(&status), first_build);
     assert!(assert_stamps(&gateway).await > before_restart);
+    assert_eq!(loads(&gateway).await, (0.0, 1.0));
 
     // A new build is compiled and stored beside it; going back to the
     // first reads the first again.
@@ -835,6 +848,11 @@ async fn the_compile_cache_serves_restarts_and_reloads_back_and_survives_a_bad_f
         .await;
     assert_eq!(compiled(&status), "cache", "{status:#}");
     assert_stamps(&gateway).await;
+    assert_eq!(
+        loads(&gateway).await,
+        (1.0, 2.0),
+        "compiled now, read from the cache"
+    );
     gateway.signal("TERM");
     assert!(gateway.wait_exit(STEP).await.success());
 

@@ -66,9 +66,9 @@ pub struct CompileCache {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Compiled {
     /// Compiled at load time (no cache, or the cache had no usable build).
-    Now,
+    Now = 0,
     /// Read from the compile cache.
-    FromCache,
+    FromCache = 1,
 }
 
 impl Compiled {
@@ -323,7 +323,10 @@ impl CompileCache {
                 continue;
             }
             let used = SystemTime::UNIX_EPOCH
-                + Duration::from_secs(u64::try_from(stat.st_mtime).unwrap_or(0));
+                + Duration::new(
+                    u64::try_from(stat.st_mtime).unwrap_or(0),
+                    u32::try_from(stat.st_mtime_nsec).unwrap_or(0),
+                );
             if build {
                 builds.push((used, name));
             } else if used.elapsed().is_ok_and(|age| age > ABANDONED_AFTER) {

@@ -4,6 +4,8 @@ use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use crate::compile_cache::Compiled;
+
 /// How a request through the gateway ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
@@ -76,6 +78,9 @@ pub struct Metrics {
     upstream_cut_offs: AtomicU64,
     reloads_succeeded: AtomicU64,
     reloads_failed: AtomicU64,
+    /// Builds loaded (at start and by reloads): compiled now, read from
+    /// the compile cache.
+    loads: [AtomicU64; 2],
     plugin_failures: [AtomicU64; FAILURE_KINDS.len()],
     call_buckets: [AtomicU64; LATENCY_BUCKETS.len()],
     call_count: AtomicU64,
@@ -97,6 +102,12 @@ impl Metrics {
     /// the upstream read timeout.
     pub fn upstream_cut_off(&self) {
         self.upstream_cut_offs.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a build the gateway loaded and serves, by where its compiled
+    /// code came from.
+    pub fn loaded(&self, compiled: Compiled) {
+        self.loads[compiled as usize].fetch_add(1, Ordering::Relaxed);
     }
 
     /// Counts a reload, good or bad.
@@ -185,6 +196,16 @@ impl Metrics {
         let (ok, failed) = self.reloads();
         let _ = writeln!(out, "snowgate_reloads_total{{result=\"succeeded\"}} {ok}");
         let _ = writeln!(out, "snowgate_reloads_total{{result=\"failed\"}} {failed}");
+        out.push_str("# HELP snowgate_plugin_loads_total Builds loaded to serve (at start and by reloads), by where their compiled code came from: compiled now, or read from --plugin-cache-dir.\n");
+        out.push_str("# TYPE snowgate_plugin_loads_total counter\n");
+        for compiled in [Compiled::Now, Compiled::FromCache] {
+            let _ = writeln!(
+                out,
+                "snowgate_plugin_loads_total{{compiled=\"{}\"}} {}",
+                compiled.name(),
+                load(&self.loads[compiled as usize])
+            );
+        }
         out.push_str(
             "# HELP snowgate_plugin_failures_total Plugin calls that gave no answer, by kind.\n",
         );

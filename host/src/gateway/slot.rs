@@ -70,6 +70,7 @@ impl PluginSlot {
             None => load_checked(&engine, snowgate_plugin_bundle::PLUGIN_WASM, &settings)
                 .context("loading the bundled plugin")?,
         };
+        metrics.loaded(plugin.info().compiled);
         Ok(PluginSlot {
             current: ArcSwap::from_pointee(plugin),
             engine,
@@ -163,6 +164,7 @@ impl PluginSlot {
                 // counted and the last error cleared.
                 *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = None;
                 self.metrics.reload(true);
+                self.metrics.loaded(plugin.info().compiled);
                 let replaced = self.current.swap(Arc::new(plugin));
                 // Requests still on the old build finish on it, each on an
                 // instance of its own; its kept instances go now.
