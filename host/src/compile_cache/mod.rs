@@ -27,6 +27,7 @@
 //!
 //! [`Plugin::keep_compiled`]: crate::Plugin::keep_compiled
 
+mod links;
 mod names;
 mod trailer;
 
@@ -35,6 +36,7 @@ use std::io::{Read as _, Write as _};
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::{DirBuilderExt as _, MetadataExt as _};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime};
 
 use anyhow::Context as _;
@@ -60,6 +62,9 @@ pub struct CompileCache {
     path: PathBuf,
     /// The directory, opened once: every file operation is relative to it.
     dir: OwnedFd,
+    /// Whether the path was found to name another directory since, and
+    /// said so.
+    moved_warned: AtomicBool,
 }
 
 /// Where a loaded plugin's compiled code came from.
@@ -87,25 +92,21 @@ impl CompileCache {
     /// belongs to another user, or when others may write to it.
     pub fn open(path: &Path) -> anyhow::Result<CompileCache> {
         let what = || format!("the plugin compile cache {}", path.display());
+        links::check(path).with_context(what)?;
+        if let (Err(_), Ok(link)) = (fs::metadata(path), fs::symlink_metadata(path)) {
+            anyhow::ensure!(
+                !link.file_type().is_symlink(),
+                "{} is a symbolic link to {}, which does not exist",
+                what(),
+                fs::read_link(path).unwrap_or_default().display()
+            );
+        }
         if !path.exists() {
             fs::DirBuilder::new()
                 .recursive(true)
                 .mode(0o700)
                 .create(path)
                 .with_context(|| format!("creating {}", what()))?;
-        }
-        // A link another user made could be pointed elsewhere later, but
-        // only before this open: after it, the open directory is used.
-        let link = fs::symlink_metadata(path).with_context(what)?;
-        if link.file_type().is_symlink() {
-            let me = rustix::process::geteuid().as_raw();
-            anyhow::ensure!(
-                link.uid() == me || link.uid() == 0,
-                "{} is a symbolic link that belongs to user {}: only snowgate's user or root \
-                 may choose where the cache is",
-                what(),
-                link.uid()
-            );
         }
         let dir = rustix::fs::open(
             path,
@@ -119,8 +120,16 @@ impl CompileCache {
         let cache = CompileCache {
             path: path.to_path_buf(),
             dir,
+            moved_warned: AtomicBool::new(false),
         };
-        cache.check_directory().with_context(what)?;
+        cache.check_directory().with_context(|| {
+            format!(
+                "{}: give snowgate a directory of its own, or name one that does not exist yet, \
+                 which it creates mode 0700 (a volume mounted writable by all, such as a \
+                 Kubernetes emptyDir, stays so: name a directory inside it)",
+                what()
+            )
+        })?;
         Ok(cache)
     }
 
@@ -150,6 +159,14 @@ impl CompileCache {
             }
             Ok(None) => Ok(None),
             Err(Unusable::ByTheEngine(e)) if is_over_the_limits(&e) => Err(refused(e)),
+            Err(Unusable::Directory(e)) => {
+                tracing::warn!(
+                    dir = %self.path.display(),
+                    error = %format!("{e:#}"),
+                    "the compile cache directory can no longer be used; compiling the plugin"
+                );
+                Ok(None)
+            }
             Err(e) => {
                 let e = anyhow::Error::from(e);
                 tracing::warn!(
@@ -168,6 +185,14 @@ impl CompileCache {
     /// cache is only a shortcut.
     pub(crate) fn store(&self, engine: &Engine, sha256: &str, component: &Component) {
         let name = names::build(engine, sha256);
+        if let Err(e) = self.check_directory() {
+            tracing::warn!(
+                dir = %self.path.display(),
+                error = %format!("{e:#}"),
+                "the compiled plugin was not stored: the compile cache directory can no longer be used"
+            );
+            return;
+        }
         // First, so that a full disk has room for the newest build.
         self.evict(&name);
         match self.write(component, sha256, &name) {
@@ -182,12 +207,29 @@ impl CompileCache {
         }
     }
 
-    /// Refuses the open directory if it has been opened up to others since.
+    /// Refuses the open directory if it has been removed, or opened up to
+    /// others, since; and says once if its path now names another one.
     fn check_directory(&self) -> anyhow::Result<()> {
         let stat = rustix::fs::fstat(&self.dir)
             .map_err(std::io::Error::from)
             .context("the cache directory")?;
-        only_ours(stat.st_uid, stat.st_mode).context("the cache directory")
+        anyhow::ensure!(
+            stat.st_nlink > 0,
+            "the cache directory opened at start was removed; restart snowgate to use {} again",
+            self.path.display()
+        );
+        only_ours(stat.st_uid, stat.st_mode).context("the cache directory")?;
+        let same = fs::metadata(&self.path)
+            .is_ok_and(|now| now.dev() == stat.st_dev && now.ino() == stat.st_ino);
+        if !same && !self.moved_warned.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                dir = %self.path.display(),
+                "the path no longer names the compile cache directory opened at start (it was \
+                 moved or replaced); the cache keeps using the directory it opened: restart \
+                 snowgate to use the new one"
+            );
+        }
+        Ok(())
     }
 
     /// The cached build `name` of the component whose hex SHA-256 is
@@ -198,7 +240,7 @@ impl CompileCache {
         sha256: &str,
         name: &str,
     ) -> Result<Option<Component>, Unusable> {
-        self.check_directory()?;
+        self.check_directory().map_err(Unusable::Directory)?;
         // O_NONBLOCK: a FIFO in its place cannot make the open wait.
         let file = match rustix::fs::openat(
             &self.dir,
@@ -208,6 +250,12 @@ impl CompileCache {
         ) {
             Ok(file) => file,
             Err(rustix::io::Errno::NOENT) => return Ok(None),
+            Err(rustix::io::Errno::ACCESS) => {
+                return Err(anyhow::anyhow!(
+                    "snowgate's user may not read it: it belongs to another user"
+                )
+                .into())
+            }
             Err(rustix::io::Errno::LOOP) => {
                 return Err(
                     anyhow::anyhow!("it is a symbolic link, not a file the cache wrote").into(),
@@ -261,7 +309,6 @@ impl CompileCache {
     /// `sha256`, as `name`, with its trailer: written to a new file of a
     /// name no one else uses, synced, and renamed into place.
     fn write(&self, component: &Component, sha256: &str, name: &str) -> anyhow::Result<()> {
-        self.check_directory()?;
         let mut bytes = component
             .serialize()
             .map_err(anyhow::Error::from)
@@ -335,7 +382,10 @@ impl CompileCache {
         }
         builds.sort_by_key(|(used, _)| std::cmp::Reverse(*used));
         for (_, name) in builds.into_iter().skip(KEPT_BUILDS - 1) {
-            self.remove(&name, "a build used less recently than the 8 kept");
+            self.remove(
+                &name,
+                &format!("an old build (the {KEPT_BUILDS} used last are kept)"),
+            );
         }
     }
 
@@ -357,6 +407,8 @@ impl CompileCache {
 
 /// Why a cached build was not used.
 enum Unusable {
+    /// The directory can no longer be used.
+    Directory(anyhow::Error),
     /// wasmtime refused it.
     ByTheEngine(wasmtime::Error),
     /// The file: missing checks, damage, or an I/O error.
@@ -373,7 +425,7 @@ impl From<Unusable> for anyhow::Error {
     fn from(e: Unusable) -> Self {
         match e {
             Unusable::ByTheEngine(e) => anyhow::Error::from(e).context("wasmtime refused it"),
-            Unusable::File(e) => e,
+            Unusable::File(e) | Unusable::Directory(e) => e,
         }
     }
 }
@@ -524,6 +576,27 @@ mod tests {
         expected.sort();
         assert_eq!(left, expected);
         let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_directory_removed_after_the_start_says_to_restart() {
+        let dir = scratch("removed");
+        let cache = CompileCache::open(&dir).expect("opened");
+        fs::remove_dir(&dir).expect("removed");
+        fs::create_dir(&dir).expect("another one at the path");
+        let error = format!("{:#}", cache.check_directory().expect_err("removed"));
+        assert!(error.contains("was removed; restart snowgate"), "{error}");
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_link_to_nothing_is_named_as_such() {
+        let link = scratch("dangling");
+        std::os::unix::fs::symlink(scratch("nowhere"), &link).expect("a link");
+        let error = format!("{:#}", CompileCache::open(&link).expect_err("dangling"));
+        assert!(error.contains("is a symbolic link to"), "{error}");
+        assert!(error.contains("which does not exist"), "{error}");
+        let _ = fs::remove_file(&link);
     }
 
     #[test]
