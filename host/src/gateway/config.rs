@@ -484,6 +484,7 @@ mod tests {
             upstream-idle-timeout-ms = 1500
             upstream-read-timeout-ms = 45000
             send-timeout-ms = 2500
+            plugin-cache-dir = "/var/cache/snowgate"
             [plugin-settings]
             extra = "yes"
             "#,
@@ -514,6 +515,10 @@ mod tests {
             Some("yes")
         );
         assert_eq!(config.max_body_bytes, 32 << 20);
+        assert_eq!(
+            config.plugin_cache_dir.as_deref(),
+            Some(Path::new("/var/cache/snowgate"))
+        );
     }
 
     #[test]
