@@ -92,15 +92,15 @@ impl CompileCache {
     pub fn open(path: &Path) -> anyhow::Result<CompileCache> {
         let what = || format!("the plugin compile cache {}", path.display());
         links::check(path).with_context(what)?;
-        if let (Err(_), Ok(link)) = (fs::metadata(path), fs::symlink_metadata(path)) {
-            anyhow::ensure!(
-                !link.file_type().is_symlink(),
-                "{} is a symbolic link to {}, which does not exist",
-                what(),
-                fs::read_link(path).unwrap_or_default().display()
-            );
-        }
-        if !path.exists() {
+        if fs::metadata(path).is_err() {
+            if let Ok(link) = fs::symlink_metadata(path) {
+                anyhow::ensure!(
+                    !link.file_type().is_symlink(),
+                    "{} is a symbolic link to {}, which does not exist",
+                    what(),
+                    fs::read_link(path).unwrap_or_default().display()
+                );
+            }
             fs::DirBuilder::new()
                 .recursive(true)
                 .mode(0o700)
