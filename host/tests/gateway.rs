@@ -1349,16 +1349,7 @@ async fn labels_the_server_reads_as_json_or_msgpack_send_the_body_to_the_plugin(
 async fn http2_clients_are_stamped_and_streamed_like_http1_ones() {
     let upstream = TestUpstream::start().await;
     let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
-    let stream = tokio::net::TcpStream::connect(gateway.addr)
-        .await
-        .expect("connect");
-    let (mut sender, connection) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        hyper_util::rt::TokioIo::new(stream),
-    )
-    .await
-    .expect("an HTTP/2 handshake");
-    tokio::spawn(connection);
+    let mut sender = http2_to(gateway.addr).await;
 
     let (chunks, body) = tokio::sync::mpsc::channel(2);
     let request = http::Request::post(format!("http://{}/v1/completions", gateway.addr))
@@ -1909,9 +1900,12 @@ async fn a_restart_on_the_same_machine_id_starts_after_the_last_id() {
 }
 
 /// An HTTP/2 connection to the gateway at `addr`.
-async fn http2_to(
-    addr: std::net::SocketAddr,
-) -> hyper::client::conn::http2::SendRequest<Full<Bytes>> {
+async fn http2_to<B>(addr: std::net::SocketAddr) -> hyper::client::conn::http2::SendRequest<B>
+where
+    B: http_body::Body + Unpin + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     let stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
     let (sender, connection) = hyper::client::conn::http2::handshake(
         hyper_util::rt::TokioExecutor::new(),
