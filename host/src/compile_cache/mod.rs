@@ -132,11 +132,6 @@ impl CompileCache {
         Ok(cache)
     }
 
-    /// The path it was opened by.
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
     /// The build of the component whose hex SHA-256 is `sha256` for
     /// `engine`, if the cache holds a usable one. One that is unusable
     /// (damaged, from another wasmtime, writable by others) is a warning
