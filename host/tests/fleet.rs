@@ -353,8 +353,7 @@ async fn a_killed_replicas_slot_is_free_after_the_ttl_and_a_stopped_ones_at_once
     );
 
     // A clean stop revokes the lease: the slot is free at once.
-    third.signal("TERM");
-    assert!(third.wait_exit(STEP).await.success());
+    third.stop().await;
     assert!(
         !etcd.claimed().await.contains(&0),
         "SIGTERM did not revoke the lease"
@@ -428,8 +427,7 @@ async fn a_replica_restarted_onto_the_same_slot_repeats_no_id() {
     let id = leased_id(&before).await;
     // Bursts of 4,000 ids per request run the clock ahead of the wall clock.
     let first_ids = stamp_many(&before, 10, 4000).await;
-    before.signal("TERM");
-    assert!(before.wait_exit(STEP).await.success());
+    before.stop().await;
 
     let after = replica(&etcd, &[]).await;
     assert_eq!(

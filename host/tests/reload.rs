@@ -243,8 +243,7 @@ async fn a_fifo_or_an_oversized_file_is_refused_without_reading_it() {
     let reply = post_empty(gateway.admin, "/reload").await;
     assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
     assert_stamps(&gateway).await;
-    gateway.signal("TERM");
-    assert!(gateway.wait_exit(STEP).await.success());
+    gateway.stop().await;
 }
 
 /// SIGHUP reloads (the watcher is muted, so only the signal can).
@@ -823,8 +822,7 @@ async fn the_compile_cache_serves_restarts_and_reloads_back_and_survives_a_bad_f
         0o700
     );
     let before_restart = assert_stamps(&gateway).await;
-    gateway.signal("TERM");
-    assert!(gateway.wait_exit(STEP).await.success());
+    gateway.stop().await;
 
     // A restart reads it.
     let gateway = start(&path, None, &flags).await;
@@ -853,8 +851,7 @@ async fn the_compile_cache_serves_restarts_and_reloads_back_and_survives_a_bad_f
         (1.0, 2.0),
         "compiled now, read from the cache"
     );
-    gateway.signal("TERM");
-    assert!(gateway.wait_exit(STEP).await.success());
+    gateway.stop().await;
 
     // A cached file that is not a build the cache wrote and checked is
     // compiled again, with a warning that names the problem, and replaced
@@ -925,20 +922,17 @@ async fn the_compile_cache_serves_restarts_and_reloads_back_and_survives_a_bad_f
             gateway.stderr_text()
         );
         assert_stamps(&gateway).await;
-        gateway.signal("TERM");
-        assert!(gateway.wait_exit(STEP).await.success());
+        gateway.stop().await;
         let gateway = start(&path, None, &flags).await;
         assert_eq!(compiled(&gateway.status().await), "cache", "{problem}");
         // The file it was read from may change or go while it serves.
         std::fs::write(&the_file, b"").unwrap();
         assert_stamps(&gateway).await;
-        gateway.signal("TERM");
-        assert!(gateway.wait_exit(STEP).await.success());
+        gateway.stop().await;
         // Good again for the next case.
         let gateway = start(&path, None, &flags).await;
         assert_eq!(compiled(&gateway.status().await), "now", "{problem}");
-        gateway.signal("TERM");
-        assert!(gateway.wait_exit(STEP).await.success());
+        gateway.stop().await;
     }
 }
 

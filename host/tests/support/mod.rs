@@ -246,6 +246,18 @@ impl Gateway {
         assert!(status.success(), "kill -{signal} {} failed", self.pid);
     }
 
+    /// Stops it as an operator does (SIGTERM) and checks that it exits
+    /// cleanly within [`STEP`].
+    pub async fn stop(&self) {
+        self.signal("TERM");
+        let status = self.wait_exit(STEP).await;
+        assert!(
+            status.success(),
+            "SIGTERM: {status}; stderr:\n{}",
+            self.stderr_text()
+        );
+    }
+
     /// Waits for the process to exit, at most `bound`.
     pub async fn wait_exit(&self, bound: Duration) -> ExitStatus {
         let exit = self.exit.clone();
