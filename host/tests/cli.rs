@@ -18,8 +18,14 @@ const CONTEXT_ONLY: &str =
     r#"{"prompt":"hi","disaggregated_params":{"request_type":"context_only"}}"#;
 
 fn snowgate(args: &[&str], stdin: &[u8]) -> Output {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_snowgate"))
-        .args(args)
+    let mut command = Command::new(env!("CARGO_BIN_EXE_snowgate"));
+    command.args(args);
+    run(command, stdin)
+}
+
+/// Runs `command` with `stdin` on its standard input.
+fn run(mut command: Command, stdin: &[u8]) -> Output {
+    let mut child = command
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -506,8 +512,9 @@ fn serve_refuses_a_compile_cache_others_may_write_to() {
 fn rewrite_reads_the_plugin_from_the_compile_cache_on_its_second_run() {
     let dir = scratch("rewrite-cache");
     let _ = std::fs::remove_dir_all(&dir);
-    let run = || {
-        let output = Command::new(env!("CARGO_BIN_EXE_snowgate"))
+    let rewrite = || {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_snowgate"));
+        command
             .args([
                 "rewrite",
                 "--machine-id",
@@ -517,26 +524,16 @@ fn rewrite_reads_the_plugin_from_the_compile_cache_on_its_second_run() {
             ])
             .arg("--plugin-cache-dir")
             .arg(&dir)
-            .env("SNOWGATE_LOG", "snowgate_host=debug")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .and_then(|mut child| {
-                let mut input = child.stdin.take().expect("stdin is piped");
-                input.write_all(CONTEXT_ONLY.as_bytes())?;
-                drop(input);
-                child.wait_with_output()
-            })
-            .expect("running rewrite");
+            .env("SNOWGATE_LOG", "snowgate_host=debug");
+        let output = run(command, CONTEXT_ONLY.as_bytes());
         (success(&output), text(&output.stderr))
     };
-    let (first, log) = run();
+    let (first, log) = rewrite();
     assert!(
         log.contains("compiled and stored in the compile cache"),
         "{log}"
     );
-    let (second, log) = run();
+    let (second, log) = rewrite();
     assert!(log.contains("read from the compile cache"), "{log}");
     assert_eq!(first, second, "a fixed clock: the same id both times");
     let _ = std::fs::remove_dir_all(&dir);
