@@ -117,15 +117,18 @@ impl std::error::Error for BodyError {}
 
 /// From `pos`, skips whole 8-byte words of string content that need no
 /// attention: no quote, no backslash, no control character. Returns where
-/// the byte-by-byte scan must go on (at most 7 bytes before the end).
+/// the byte-by-byte scan must go on (at most 7 bytes before the end), and
+/// whether a skipped word held a byte outside ASCII (whose UTF-8 the
+/// string must then have checked).
 ///
 /// Each test is the classic "has a zero byte" word trick: a byte is
 /// flagged when subtracting sets its top bit and it had none. A borrow can
 /// flag a neighbour falsely only after a true hit in the same word, and a
 /// hit only stops the skipping, so no special byte is ever skipped.
-fn skip_plain_words(bytes: &[u8], mut pos: usize) -> usize {
+fn skip_plain_words(bytes: &[u8], mut pos: usize) -> (usize, bool) {
     const ONES: u64 = 0x0101_0101_0101_0101;
     const TOPS: u64 = 0x8080_8080_8080_8080;
+    let mut seen = 0;
     while let Some(word) = bytes.get(pos..pos + 8) {
         let word = u64::from_le_bytes([
             word[0], word[1], word[2], word[3], word[4], word[5], word[6], word[7],
@@ -138,20 +141,31 @@ fn skip_plain_words(bytes: &[u8], mut pos: usize) -> usize {
         if special & TOPS != 0 {
             break;
         }
+        seen |= word;
         pos += 8;
     }
-    pos
+    (pos, seen & TOPS != 0)
 }
 
 /// Validates `body` as one JSON value and returns, in byte order, the edits
 /// that give every effective context-only `disaggregated_params` object
 /// without an id its id.
+///
+/// UTF-8 is checked in the same pass: the walk accepts only ASCII outside
+/// strings and checks each string that holds other bytes, so a body it
+/// accepts is valid UTF-8. A body it refuses is checked whole, so that
+/// invalid UTF-8 anywhere is reported as such, before any grammar error.
 pub fn find_edits(body: &[u8]) -> Result<Vec<Edit>, BodyError> {
-    if let Err(e) = std::str::from_utf8(body) {
-        return Err(BodyError::InvalidUtf8 {
-            offset: e.valid_up_to(),
-        });
-    }
+    walk_body(body).map_err(|e| match std::str::from_utf8(body) {
+        Err(bad) => BodyError::InvalidUtf8 {
+            offset: bad.valid_up_to(),
+        },
+        Ok(_) => e,
+    })
+}
+
+/// [`find_edits`] before its errors are ranked.
+fn walk_body(body: &[u8]) -> Result<Vec<Edit>, BodyError> {
     let mut walk = Walk {
         bytes: body,
         pos: 0,
@@ -341,11 +355,21 @@ impl<'a> Walk<'a> {
         self.pos += 1; // the opening quote
         let start = self.pos;
         let mut escaped = false;
+        let mut non_ascii = false;
         loop {
-            self.pos = skip_plain_words(self.bytes, self.pos);
+            let (pos, skipped_non_ascii) = skip_plain_words(self.bytes, self.pos);
+            self.pos = pos;
+            non_ascii |= skipped_non_ascii;
             match self.peek() {
                 Some(b'"') => {
                     let end = self.pos;
+                    if non_ascii {
+                        if let Err(bad) = std::str::from_utf8(&self.bytes[start..end]) {
+                            return Err(BodyError::InvalidUtf8 {
+                                offset: start + bad.valid_up_to(),
+                            });
+                        }
+                    }
                     self.pos += 1;
                     return Ok((start, end, escaped));
                 }
@@ -370,7 +394,10 @@ impl<'a> Walk<'a> {
                 Some(0x00..=0x1f) => {
                     return Err(self.syntax("control character inside a string (escape it)"))
                 }
-                Some(_) => self.pos += 1,
+                Some(b) => {
+                    non_ascii |= !b.is_ascii();
+                    self.pos += 1
+                }
                 None => return Err(self.syntax("the body ends inside a string")),
             }
         }
@@ -597,7 +624,7 @@ mod tests {
                     let mut bytes = vec![filler; 24];
                     bytes[at] = hit;
                     for start in 0..=at {
-                        let stop = skip_plain_words(&bytes, start);
+                        let (stop, _) = skip_plain_words(&bytes, start);
                         assert!(stop <= at, "filler {filler:#x} hit {hit:#x} at {at}, start {start}: skipped to {stop}");
                         assert!(at - stop < 8 + 8, "stopped too early");
                         assert_eq!((stop - start) % 8, 0);
@@ -606,8 +633,8 @@ mod tests {
             }
         }
         let plain = vec![b'x'; 64];
-        assert_eq!(skip_plain_words(&plain, 0), 64);
-        assert_eq!(skip_plain_words(&plain, 3), 59);
+        assert_eq!(skip_plain_words(&plain, 0), (64, false));
+        assert_eq!(skip_plain_words(&plain, 3), (59, false));
     }
 
     /// Against the plain byte scan, on pseudo-random bytes.
@@ -631,8 +658,13 @@ mod tests {
                 })
                 .collect();
             for start in 0..=len {
-                let stop = skip_plain_words(&bytes, start);
+                let (stop, non_ascii) = skip_plain_words(&bytes, start);
                 let first_special = (start..len).find(|&i| special(bytes[i])).unwrap_or(len);
+                assert_eq!(
+                    non_ascii,
+                    !bytes[start..stop].is_ascii(),
+                    "{bytes:?} from {start}: non-ASCII in what was skipped"
+                );
                 assert!(stop <= first_special, "{bytes:?} from {start}");
                 assert!(
                     first_special - stop < 8 || len - stop < 8,

@@ -914,6 +914,43 @@ fn names_where_the_problem_is() {
     assert!(r.message.contains("offset 6"), "message {:?}", r.message);
 }
 
+/// UTF-8 is checked inside long strings too, which the walk skips a word
+/// at a time: a bad sequence at any offset of a string is found, and a good
+/// one at any offset is accepted.
+#[test]
+fn checks_utf8_at_every_offset_of_a_long_string() {
+    let good: [&[u8]; 3] = [b"\xc3\xa9", b"\xe2\x82\xac", b"\xf0\x9f\x98\x80"];
+    let bad: [&[u8]; 5] = [b"\xff", b"\xe9", b"\xc0\xaf", b"\xed\xa0\x80", b"\xe2\x82"];
+    for at in 0..40 {
+        let body = |inner: &[u8]| {
+            let mut body = br#"{"prompt":""#.to_vec();
+            body.extend(std::iter::repeat_n(b'a', at));
+            body.extend_from_slice(inner);
+            body.extend(std::iter::repeat_n(b'b', 40 - at));
+            body.extend_from_slice(br#"","disaggregated_params":{"request_type":"context_only"}}"#);
+            body
+        };
+        for inner in good {
+            let body = body(inner);
+            assert_eq!(
+                find_edits(&body).map(|e| e.len()),
+                Ok(1),
+                "{inner:x?} at {at}"
+            );
+        }
+        for inner in bad {
+            let body = body(inner);
+            let offset = std::str::from_utf8(&body).unwrap_err().valid_up_to();
+            assert_eq!(
+                find_edits(&body),
+                Err(BodyError::InvalidUtf8 { offset }),
+                "{inner:x?} at {at}"
+            );
+            assert_eq!(rejection(&body).code, "invalid_utf8");
+        }
+    }
+}
+
 #[test]
 fn rejects_every_truncation_of_a_body_without_panicking() {
     let body = "{\"model\":\"caf\u{e9} \u{1F600}\\u00e9\\ud83d\\ude00\",\"n\":[-1.5e+3,true,false,null],\r\n\"disaggregated_params\":{\"request_type\":\"context_only\",\"disagg_request_id\":null}}";
@@ -2075,6 +2112,12 @@ proptest! {
             }
         }
         let ours = find_edits(&body);
+        // Invalid UTF-8 anywhere is named as such, at its first bad byte,
+        // whatever else is wrong with the body (the walk checks UTF-8
+        // string by string, in the same pass).
+        if let Err(bad) = std::str::from_utf8(&body) {
+            prop_assert_eq!(&ours, &Err(BodyError::InvalidUtf8 { offset: bad.valid_up_to() }));
+        }
         match serde_json::from_slice::<Value>(&body) {
             Ok(_) => {
                 prop_assert!(ours.is_ok(), "serde_json accepts, we reject: {:?}", ours);
