@@ -7,8 +7,14 @@
 mod common;
 
 use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
 
-use common::{batch_body, fixed_plugin, ids_in, stamped_batch_body, START_MILLIS};
+use common::{
+    batch_body, fixed_plugin, ids_in, json_request, load_bundled, reject, stamped_batch_body,
+    HandClock, START_MILLIS,
+};
+use snowgate_host::{HostServices, IdClock, MachineIdentity, PluginEngine, PluginLimits};
 use snowgate_plugin::{IdParts, SnowflakeLayout};
 
 const BURST: usize = 10_000;
@@ -70,4 +76,47 @@ fn a_burst_of_10000_requests_gets_distinct_ids_that_spill_over_after_4096_in_v1(
 #[test]
 fn a_burst_of_10000_requests_gets_distinct_ids_that_spill_over_after_1024_in_v2() {
     check_burst(SnowflakeLayout::TrtllmV2, 16383);
+}
+
+/// Ids asked for faster than the layout makes them run the id clock ahead
+/// of the wall clock; past its bound (`MAX_LEAD`, 9 s for the system clock:
+/// what a stopping gateway can wait out before the next process on its
+/// machine id starts) the host refuses the request with 503 rather than let
+/// the lead grow. Here with a 2 ms bound and a wall clock that stands still.
+#[test]
+fn ids_past_the_clock_s_lead_are_refused_until_the_wall_clock_moves_on() {
+    let wall = HandClock::at(START_MILLIS);
+    let services = HostServices {
+        clock: Arc::new(IdClock::new(wall.clone()).with_max_lead(Duration::from_millis(2))),
+        identity: Arc::new(MachineIdentity::fixed(SnowflakeLayout::TrtllmV2, 5).unwrap()),
+    };
+    let engine = PluginEngine::new(services, PluginLimits::default()).unwrap();
+    let plugin = load_bundled(&engine);
+    let space = SnowflakeLayout::TrtllmV2.sequence_space() as usize;
+
+    // Two milliseconds' worth (START_MILLIS and the next) go through.
+    let first = ids_in(&common::stamp(&plugin, batch_body(2 * space)));
+    assert_eq!(first.len(), 2 * space);
+    // Two more would need two milliseconds past the bound: refused whole.
+    let refused = reject(&plugin, &json_request(batch_body(2 * space)));
+    assert_eq!(refused.status, 503, "{refused:?}");
+    assert_eq!(refused.code, "id_rate_exceeded", "{refused:?}");
+    assert!(
+        refused
+            .message
+            .contains("faster than the id layout can make them"),
+        "{refused:?}"
+    );
+    // Once the wall clock has moved on, ids come again, after every id
+    // given before (the refused request's own are never given out).
+    wall.set(START_MILLIS + 10);
+    let later = ids_in(&common::stamp(&plugin, batch_body(3)));
+    let layout = SnowflakeLayout::TrtllmV2;
+    let last_before = layout.decode(*first.last().unwrap()).unwrap();
+    let first_after = layout.decode(later[0]).unwrap();
+    assert!(
+        (first_after.millis, first_after.sequence) > (last_before.millis, last_before.sequence),
+        "{first_after:?} after {last_before:?}"
+    );
+    assert_eq!(first_after.millis, (START_MILLIS + 10) & ((1 << 39) - 1));
 }

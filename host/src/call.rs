@@ -20,10 +20,6 @@ use crate::identity::GRANT_CHANGED;
 use crate::plugin::Plugin;
 use crate::state::HostState;
 
-/// Why a call's ids are withheld when the id clock had no tick left.
-const OUT_OF_TIME: &str =
-    "the id clock has used up every millisecond it can count (a fixed clock or a high-water mark at the end of time): a new id would repeat one";
-
 /// The typed `handle` export of one instance.
 type HandleFunc = TypedFunc<(&'static Request,), (Result<Action, PluginError>,)>;
 
@@ -446,23 +442,24 @@ impl Plugin {
         // So a call that asked must have been given that same grant: a
         // plugin may have used a kept machine id as well.
         let other_grant = issued.grant.is_some_and(|g| g != state.created_under);
-        let confirmed = if issued.out_of_time {
-            Err(OUT_OF_TIME.to_string())
+        let confirmed = if let Some(refused) = issued.refused {
+            Err((refused.code(), refused.to_string()))
         } else if issued.mixed || other_grant {
-            Err(GRANT_CHANGED.to_string())
+            Err(("no_machine_id", GRANT_CHANGED.to_string()))
         } else {
             self.engine
                 .services
                 .identity
                 .confirm(Some(state.created_under), issued.last_millis.unwrap_or(0))
+                .map_err(|reason| ("no_machine_id", reason))
         };
         match confirmed {
             Ok(()) => action,
-            Err(reason) => {
+            Err((code, reason)) => {
                 tracing::warn!(plugin = %self.name, reason = %reason, "ids withheld");
                 Action::Reject(Rejection {
                     status: 503,
-                    code: "no_machine_id".to_string(),
+                    code: code.to_string(),
                     message: format!("this gateway cannot issue request ids right now: {reason}"),
                 })
             }

@@ -47,41 +47,117 @@ impl WallClock for FixedClock {
 /// moves on to the next millisecond instead of wrapping; and it never goes
 /// backwards, even when the wall clock does (it keeps counting from the last
 /// reading until the wall clock catches up).
+///
+/// A clock made with [`IdClock::system`] also never runs more than
+/// [`MAX_LEAD`] ahead of time (see [`NoTick::TooFarAhead`]), so that a
+/// stopping process can always wait its lead out.
 pub struct IdClock {
     wall: Box<dyn WallClock>,
-    last: Mutex<Option<Tick>>,
+    state: Mutex<State>,
     issued: AtomicU64,
+    max_lead: Option<u64>,
+}
+
+/// The clock's readings so far, behind its lock.
+#[derive(Debug, Clone, Copy, Default)]
+struct State {
+    /// The last tick handed out, or the floor set by
+    /// [`IdClock::advance_past`] if that is later.
+    last: Option<Tick>,
+    /// The latest time known to have come: the highest wall clock reading
+    /// and the highest floor. The lead is bounded from here, so that a wall
+    /// clock that steps back does not stop the clock.
+    reached: u64,
+}
+
+/// Why the clock gave no tick.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NoTick {
+    /// The clock has used every millisecond a `u64` holds (only a fixed
+    /// clock or a corrupt high-water mark gets there): a new tick would
+    /// repeat one.
+    EndOfTime,
+    /// Another tick would put the clock more than this far ahead of the
+    /// latest wall clock reading: ids are being asked for faster than the
+    /// layout can make them (more than its sequence space per
+    /// millisecond, for this long). Refused rather than let the lead grow
+    /// past what a stopping process waits out ([`MAX_CATCH_UP`]).
+    TooFarAhead {
+        /// The largest lead allowed.
+        max_lead: Duration,
+    },
+}
+
+impl std::fmt::Display for NoTick {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NoTick::EndOfTime => f.write_str(
+                "the id clock has used up every millisecond it can count (a fixed clock or a \
+                 high-water mark at the end of time): a new id would repeat one",
+            ),
+            NoTick::TooFarAhead { max_lead } => write!(
+                f,
+                "ids are being asked for faster than the id layout can make them: the id clock \
+                 is {} ms ahead of the wall clock, the most it may run ahead; retry shortly",
+                max_lead.as_millis()
+            ),
+        }
+    }
+}
+
+impl std::error::Error for NoTick {}
+
+impl NoTick {
+    /// The machine-readable code of the 503 that withholds the call's ids.
+    pub fn code(&self) -> &'static str {
+        match self {
+            NoTick::EndOfTime => "id_clock_exhausted",
+            NoTick::TooFarAhead { .. } => "id_rate_exceeded",
+        }
+    }
 }
 
 impl IdClock {
-    /// A clock that reads `wall`.
+    /// A clock that reads `wall`, with no bound on its lead (for fixed and
+    /// test clocks).
     pub fn new(wall: impl WallClock + 'static) -> IdClock {
         IdClock {
             wall: Box::new(wall),
-            last: Mutex::new(None),
+            state: Mutex::new(State::default()),
             issued: AtomicU64::new(0),
+            max_lead: None,
         }
     }
 
-    /// A clock on the operating system's real-time clock.
+    /// A clock on the operating system's real-time clock, whose lead is
+    /// bounded by [`MAX_LEAD`].
     pub fn system() -> IdClock {
-        IdClock::new(SystemClock)
+        IdClock::new(SystemClock).with_max_lead(MAX_LEAD)
+    }
+
+    /// Refuses ticks that would put the clock more than `max_lead` ahead of
+    /// the latest wall clock reading (or floor): see [`NoTick::TooFarAhead`].
+    pub fn with_max_lead(mut self, max_lead: Duration) -> IdClock {
+        self.max_lead = Some(u64::try_from(max_lead.as_millis()).unwrap_or(u64::MAX));
+        self
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        // The lock only guards integers; a panic cannot leave them torn.
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// The next unique tick for a layout with `sequence_space` sequence
-    /// numbers per millisecond (0 is taken as 1); `None` once the clock has
-    /// used up the last millisecond a `u64` holds (only a fixed clock or a
-    /// corrupt high-water mark gets there), rather than a tick it gave
-    /// before.
-    pub fn next_tick(&self, sequence_space: u32) -> Option<Tick> {
+    /// numbers per millisecond (0 is taken as 1), or why there is none: the
+    /// clock never gives a tick it gave before.
+    pub fn next_tick(&self, sequence_space: u32) -> Result<Tick, NoTick> {
         let space = sequence_space.max(1);
         let now = self.wall.now_millis();
-        // The lock only guards two integers; a panic cannot leave them torn.
-        let mut last = self
-            .last
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        let tick = match *last {
+        let mut state = self.state();
+        state.reached = state.reached.max(now);
+        let tick = match state.last {
             Some(prev) if now <= prev.millis => {
                 match prev.sequence.checked_add(1).filter(|&s| s < space) {
                     Some(sequence) => Tick {
@@ -89,7 +165,7 @@ impl IdClock {
                         sequence,
                     },
                     None => Tick {
-                        millis: prev.millis.checked_add(1)?,
+                        millis: prev.millis.checked_add(1).ok_or(NoTick::EndOfTime)?,
                         sequence: 0,
                     },
                 }
@@ -99,9 +175,16 @@ impl IdClock {
                 sequence: 0,
             },
         };
-        *last = Some(tick);
+        if let Some(max_lead) = self.max_lead {
+            if tick.millis > state.reached.saturating_add(max_lead) {
+                return Err(NoTick::TooFarAhead {
+                    max_lead: Duration::from_millis(max_lead),
+                });
+            }
+        }
+        state.last = Some(tick);
         self.issued.fetch_add(1, Ordering::Relaxed);
-        Some(tick)
+        Ok(tick)
     }
 
     /// How many ticks (so, ids) this clock has handed out.
@@ -113,26 +196,21 @@ impl IdClock {
     /// takes over a machine id whose previous holder may have issued ids up
     /// to and including that millisecond.
     pub fn advance_past(&self, millis: u64) {
-        let mut last = self
-            .last
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut state = self.state();
         let floor = Tick {
             millis,
             sequence: u32::MAX,
         };
-        if last.is_none_or(|prev| prev < floor) {
-            *last = Some(floor);
+        if state.last.is_none_or(|prev| prev < floor) {
+            state.last = Some(floor);
         }
+        state.reached = state.reached.max(millis);
     }
 
     /// The last tick handed out, or the floor [`IdClock::advance_past`] set
     /// if that is later; `None` when there is neither.
     pub fn last_tick(&self) -> Option<Tick> {
-        *self
-            .last
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.state().last
     }
 
     /// How long until the wall clock reads a later millisecond than every
@@ -181,10 +259,15 @@ impl IdClock {
 /// The longest a stopping process waits for the wall clock to pass its id
 /// clock ([`IdClock::wait_for_wall_clock`]). Bursts put the id clock ahead
 /// by a millisecond per sequence space of ids (4096 in `trtllm-v1`, 1024 in
-/// `trtllm-v2`), so ten seconds covers a burst of about 41 million v1 or 10
-/// million v2 ids beyond what the wall clock absorbs; a longer lead means
-/// the wall clock stepped back.
+/// `trtllm-v2`), and [`IdClock::system`] refuses ids past [`MAX_LEAD`], so
+/// a longer lead means the wall clock stepped back.
 pub const MAX_CATCH_UP: Duration = Duration::from_secs(10);
+
+/// How far [`IdClock::system`] may run ahead of the latest wall clock
+/// reading: about 36 million `trtllm-v1` or 9 million `trtllm-v2` ids beyond
+/// what the wall clock absorbs. Under [`MAX_CATCH_UP`], with room for the
+/// stop itself.
+pub const MAX_LEAD: Duration = Duration::from_secs(9);
 
 /// The clock's lead over the wall clock was too long to wait out: how long
 /// it was. See [`IdClock::wait_for_wall_clock`].
@@ -458,20 +541,89 @@ mod tests {
         );
     }
 
+    /// A bounded clock refuses the tick that would run it too far ahead,
+    /// without using it up, and gives it once the wall clock has moved on.
+    #[test]
+    fn a_bounded_clock_refuses_ticks_past_its_lead_until_the_wall_clock_moves() {
+        let (clock, now) = hand_clock(100);
+        let clock = clock.with_max_lead(Duration::from_millis(2));
+        // Milliseconds 100, 101 and 102: three sequence spaces.
+        let ticks: Vec<Tick> = (0..3 * 1024)
+            .map(|_| clock.next_tick(1024).unwrap())
+            .collect();
+        assert_eq!(
+            ticks.last().map(|t| (t.millis, t.sequence)),
+            Some((102, 1023))
+        );
+        let refused = NoTick::TooFarAhead {
+            max_lead: Duration::from_millis(2),
+        };
+        assert_eq!(clock.next_tick(1024), Err(refused));
+        assert_eq!(clock.next_tick(1024), Err(refused));
+        assert_eq!(clock.issued(), 3 * 1024);
+        assert!(refused.to_string().contains("faster than the id layout"));
+        assert_eq!(refused.code(), "id_rate_exceeded");
+        // One millisecond later, one more millisecond of ids, right after
+        // the last one given.
+        now.store(101, Ordering::SeqCst);
+        assert_eq!(
+            clock.next_tick(1024),
+            Ok(Tick {
+                millis: 103,
+                sequence: 0
+            })
+        );
+        // The lead is counted from the latest wall clock reading: a wall
+        // clock that steps back does not stop the clock.
+        now.store(50, Ordering::SeqCst);
+        assert_eq!(
+            clock.next_tick(1024),
+            Ok(Tick {
+                millis: 103,
+                sequence: 1
+            })
+        );
+        // Nor does a floor taken over from a previous holder.
+        clock.advance_past(10_000);
+        assert_eq!(
+            clock.next_tick(1024),
+            Ok(Tick {
+                millis: 10_001,
+                sequence: 0
+            })
+        );
+        // A clock without the bound runs as far ahead as asked.
+        let (unbounded, _) = hand_clock(100);
+        for _ in 0..100 * 1024 {
+            unbounded.next_tick(1024).unwrap();
+        }
+        assert_eq!(unbounded.last_tick().map(|t| t.millis), Some(199));
+    }
+
+    /// A stopping process can always wait out the lead its own ids made.
+    #[test]
+    fn the_system_clock_never_runs_further_ahead_than_a_stop_waits() {
+        const { assert!(MAX_LEAD.as_millis() + 1_000 <= MAX_CATCH_UP.as_millis()) };
+        assert_eq!(
+            IdClock::system().max_lead,
+            Some(MAX_LEAD.as_millis() as u64)
+        );
+    }
+
     /// At the last millisecond a u64 holds, the clock gives that
     /// millisecond's sequence space and then nothing, never a tick again.
     #[test]
     fn a_clock_at_the_end_of_time_runs_out_instead_of_repeating() {
         let clock = IdClock::new(FixedClock(u64::MAX));
-        let ticks: Vec<Tick> = std::iter::from_fn(|| clock.next_tick(1024))
+        let ticks: Vec<Tick> = std::iter::from_fn(|| clock.next_tick(1024).ok())
             .take(5000)
             .collect();
         assert_eq!(ticks.len(), 1024);
         assert!(ticks.iter().all(|t| t.millis == u64::MAX));
         assert_eq!(ticks.last().map(|t| t.sequence), Some(1023));
-        assert_eq!(clock.next_tick(1024), None);
+        assert_eq!(clock.next_tick(1024), Err(NoTick::EndOfTime));
         // A layout with a larger sequence space still has unused pairs.
         let more = clock.next_tick(4096).map(|t| t.sequence);
-        assert_eq!(more, Some(1024));
+        assert_eq!(more, Ok(1024));
     }
 }

@@ -53,7 +53,7 @@ pub mod utc;
 
 pub use bindings::exports::snowgate::middleware::handler::{Action, Rejection, Request};
 pub use call::{CallError, YIELD_AFTER};
-pub use clock::{FixedClock, IdClock, SystemClock, Tick, WallClock};
+pub use clock::{FixedClock, IdClock, NoTick, SystemClock, Tick, WallClock};
 pub use compile_cache::{CompileCache, Compiled};
 pub use engine::{HostServices, PluginEngine};
 pub use identity::MachineIdentity;

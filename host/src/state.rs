@@ -10,6 +10,7 @@ use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
 use crate::bindings::snowgate::middleware::{clock, identity, log, types};
 use crate::call_clock::{CallClock, OnTick};
+use crate::clock::NoTick;
 use crate::engine::{HostServices, MAX_TABLE_ELEMENTS};
 use snowgate_plugin::SnowflakeLayout;
 
@@ -52,8 +53,8 @@ pub(crate) struct Issued {
     pub(crate) mixed: bool,
     /// The latest millisecond of the ticks it took, if it took any.
     pub(crate) last_millis: Option<u64>,
-    /// Whether the clock had no milliseconds left for a tick it asked for.
-    pub(crate) out_of_time: bool,
+    /// Why the clock refused a tick it asked for, if it did.
+    pub(crate) refused: Option<NoTick>,
 }
 
 /// An empty WASI context whose only stream is a bounded `stderr` capture
@@ -194,12 +195,12 @@ impl types::Host for HostState {}
 
 impl clock::Host for HostState {
     fn next_tick(&mut self, sequence_space: u32) -> clock::Tick {
-        // A clock with no milliseconds left gives its last tick again, and
+        // A clock that refuses gives a tick it may have given before, and
         // the call's ids are withheld (see `Call::fence`).
         let tick = match self.services.clock.next_tick(sequence_space) {
-            Some(tick) => tick,
-            None => {
-                self.issued.out_of_time = true;
+            Ok(tick) => tick,
+            Err(refused) => {
+                self.issued.refused = Some(refused);
                 crate::clock::Tick {
                     millis: u64::MAX,
                     sequence: 0,
