@@ -17,6 +17,7 @@ use crate::engine::EPOCH_TICK;
 #[cfg(doc)]
 use crate::identity::MachineIdentity;
 use crate::identity::GRANT_CHANGED;
+use crate::log_throttle::LogThrottle;
 use crate::plugin::Plugin;
 use crate::state::HostState;
 
@@ -456,7 +457,17 @@ impl Plugin {
         match confirmed {
             Ok(()) => action,
             Err((code, reason)) => {
-                tracing::warn!(plugin = %self.name, reason = %reason, "ids withheld");
+                // Every request that needs an id is refused for the same
+                // reason while it lasts: one warning a second.
+                static WITHHELD: LogThrottle = LogThrottle::new();
+                if let Some(held_back) = WITHHELD.admit() {
+                    tracing::warn!(
+                        plugin = %self.name,
+                        reason = %reason,
+                        "ids withheld, request answered 503 {code} \
+                         ({held_back} more since the last such warning)"
+                    );
+                }
                 Action::Reject(Rejection {
                     status: 503,
                     code: code.to_string(),

@@ -46,6 +46,7 @@ pub mod gateway;
 pub mod identity;
 pub mod lease;
 pub mod limits;
+mod log_throttle;
 pub mod plugin;
 mod sleeps;
 mod state;

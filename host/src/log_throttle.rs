@@ -1,0 +1,76 @@
+//! Warnings that a flood of requests could repeat thousands of times a
+//! second (every request refused for the same reason) are written at most
+//! once a second, with a count of the ones left out.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+/// Lets one warning through per second.
+#[derive(Debug, Default)]
+pub(crate) struct LogThrottle {
+    /// The millisecond (of the process's monotonic time, plus one) before
+    /// which warnings are held back; 0 until one is written.
+    next: AtomicU64,
+    /// Warnings held back since the last one written.
+    held_back: AtomicU64,
+}
+
+/// How often a throttled warning is written.
+const EVERY: Duration = Duration::from_secs(1);
+
+impl LogThrottle {
+    /// A throttle that lets the first warning through.
+    pub(crate) const fn new() -> LogThrottle {
+        LogThrottle {
+            next: AtomicU64::new(0),
+            held_back: AtomicU64::new(0),
+        }
+    }
+
+    /// Whether to write this warning now; if so, how many were held back
+    /// since the last one written.
+    pub(crate) fn admit(&self) -> Option<u64> {
+        static START: OnceLock<Instant> = OnceLock::new();
+        self.admit_at(START.get_or_init(Instant::now).elapsed())
+    }
+
+    fn admit_at(&self, now: Duration) -> Option<u64> {
+        let now = now.as_millis() as u64 + 1;
+        let next = self.next.load(Ordering::Relaxed);
+        if now >= next
+            && self
+                .next
+                .compare_exchange(
+                    next,
+                    now + EVERY.as_millis() as u64,
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                )
+                .is_ok()
+        {
+            return Some(self.held_back.swap(0, Ordering::Relaxed));
+        }
+        self.held_back.fetch_add(1, Ordering::Relaxed);
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_warning_a_second_goes_through_with_a_count_of_the_rest() {
+        let throttle = LogThrottle::new();
+        let at = Duration::from_millis;
+        assert_eq!(throttle.admit_at(at(5_000)), Some(0));
+        assert_eq!(throttle.admit_at(at(5_001)), None);
+        assert_eq!(throttle.admit_at(at(5_998)), None);
+        assert_eq!(throttle.admit_at(at(5_999)), None);
+        assert_eq!(throttle.admit_at(at(6_000)), Some(3));
+        assert_eq!(throttle.admit_at(at(9_000)), Some(0));
+        // The very first moment of the clock counts too.
+        assert_eq!(LogThrottle::new().admit_at(at(0)), Some(0));
+    }
+}
