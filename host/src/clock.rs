@@ -64,9 +64,8 @@ struct State {
     /// The last tick handed out, or the floor set by
     /// [`IdClock::advance_past`] if that is later.
     last: Option<Tick>,
-    /// The latest time known to have come: the highest wall clock reading
-    /// and the highest floor. The lead is bounded from here, so that a wall
-    /// clock that steps back does not stop the clock.
+    /// The highest wall clock reading. The lead is bounded from here, so
+    /// that a wall clock that steps back does not stop the clock.
     reached: u64,
 }
 
@@ -136,7 +135,10 @@ impl IdClock {
     }
 
     /// Refuses ticks that would put the clock more than `max_lead` ahead of
-    /// the latest wall clock reading (or floor): see [`NoTick::TooFarAhead`].
+    /// the latest wall clock reading: see [`NoTick::TooFarAhead`]. A floor
+    /// set by [`IdClock::advance_past`] further ahead than that stops the
+    /// clock until the wall clock is near it (a leased slot waits for that
+    /// before it is used).
     pub fn with_max_lead(mut self, max_lead: Duration) -> IdClock {
         self.max_lead = Some(u64::try_from(max_lead.as_millis()).unwrap_or(u64::MAX));
         self
@@ -204,7 +206,6 @@ impl IdClock {
         if state.last.is_none_or(|prev| prev < floor) {
             state.last = Some(floor);
         }
-        state.reached = state.reached.max(millis);
     }
 
     /// The last tick handed out, or the floor [`IdClock::advance_past`] set
@@ -583,8 +584,13 @@ mod tests {
                 sequence: 1
             })
         );
-        // Nor does a floor taken over from a previous holder.
+        // A floor further ahead than the bound stops the clock until the
+        // wall clock is near it: no tick is ever more than the bound ahead.
         clock.advance_past(10_000);
+        assert_eq!(clock.next_tick(1024), Err(refused));
+        now.store(9_998, Ordering::SeqCst);
+        assert_eq!(clock.next_tick(1024), Err(refused));
+        now.store(9_999, Ordering::SeqCst);
         assert_eq!(
             clock.next_tick(1024),
             Ok(Tick {

@@ -39,6 +39,7 @@ use snowgate_plugin::SnowflakeLayout;
 use tokio::sync::watch;
 
 use crate::boot_clock::BootTime;
+use crate::clock::MAX_LEAD;
 use crate::engine::HostServices;
 use crate::identity::LeaseBounds;
 use crate::utc::{format_millis, millis_of};
@@ -49,6 +50,9 @@ const RENEWALS_PER_TTL: u32 = 3;
 const SAFETY_MARGIN: Duration = Duration::from_millis(1000);
 /// Pause between attempts to reach etcd or claim an id.
 const RETRY_PAUSE: Duration = Duration::from_millis(500);
+/// How far below [`MAX_LEAD`] ahead of the wall clock a slot's floor must
+/// be before the slot is used: room for the first bursts.
+const ROOM_FOR_BURSTS: Duration = Duration::from_millis(200);
 /// How long a stopping replica waits for etcd to take its last mark and
 /// the revocation of its lease: a stop must not hang on an unreachable
 /// etcd (the lease then expires after its TTL).
@@ -668,15 +672,27 @@ impl Keeper {
                     continue;
                 }
             };
-            if let Some(ms) = high_water {
-                self.services.clock.advance_past(ms);
-            }
+            let floor = match high_water {
+                Some(ms) => ms,
+                // No mark: a slot never held, or one whose mark etcd lost
+                // with its data. In the second case its last holder may
+                // not know yet, and go on issuing ids until it does or its
+                // lease deadline comes: for at most a TTL from now, each at
+                // most `MAX_LEAD` ahead of its wall clock (its id clock
+                // refuses more). Start past them.
+                None => millis_of(SystemTime::now())
+                    .saturating_add(self.mark_ahead())
+                    .saturating_add(MAX_LEAD.as_millis() as u64),
+            };
+            self.services.clock.advance_past(floor);
             let ceiling = match self.reserve(client, id, lease_id).await? {
                 Reserved::Raised(mark) => mark,
                 Reserved::NotOurs => anyhow::bail!(
                     "the lease expired while claiming machine id {id}: its key is no longer ours"
                 ),
             };
+            self.wait_for_the_floor(client, lease_id, alive_since, id, floor)
+                .await?;
             // A confirmed renewal now proves the lease, and so the slot,
             // never lapsed during the claim, and starts the hold afresh.
             *alive_since = renew_once(client, lease_id, renew_every).await?;
@@ -704,6 +720,50 @@ impl Keeper {
             return Ok(id);
         }
         Err(self.none_free(std::mem::take(candidates)))
+    }
+
+    /// Waits, keeping the lease alive, until the id clock can tick past
+    /// `floor`: it issues no tick more than [`MAX_LEAD`] ahead of the wall
+    /// clock, so a slot whose floor is further ahead would have every
+    /// request refused. Taking over after a crash waits up to about a TTL;
+    /// a slot without a mark a TTL plus a second (see `claim_under`).
+    async fn wait_for_the_floor(
+        &mut self,
+        client: &mut Client,
+        lease_id: i64,
+        alive_since: &mut Sent,
+        id: u32,
+        floor: u64,
+    ) -> anyhow::Result<()> {
+        let renew_every = self.config.ttl / RENEWALS_PER_TTL;
+        let usable_from = floor
+            .saturating_add(ROOM_FOR_BURSTS.as_millis() as u64)
+            .saturating_sub(MAX_LEAD.as_millis() as u64);
+        let now = millis_of(SystemTime::now());
+        if now >= usable_from {
+            return Ok(());
+        }
+        let wait = format!(
+            "holding machine id {id}, waiting {} ms until the wall clock is near its \
+             high-water mark {}",
+            usable_from - now,
+            format_millis(floor)
+        );
+        tracing::info!(machine_id = id, "{wait}");
+        self.status.update(|s| s.last_error = Some(wait));
+        loop {
+            let now = millis_of(SystemTime::now());
+            if now >= usable_from {
+                return Ok(());
+            }
+            anyhow::ensure!(!self.stopping(), "the gateway is stopping");
+            let until_renewal = renew_every.saturating_sub(alive_since.at.elapsed());
+            if until_renewal.is_zero() {
+                *alive_since = renew_once(client, lease_id, renew_every).await?;
+                continue;
+            }
+            tokio::time::sleep(Duration::from_millis(usable_from - now).min(until_renewal)).await;
+        }
     }
 
     /// Every high-water mark of this layout that no holder could have
@@ -879,6 +939,7 @@ impl Keeper {
                 confirmed_at = self.renewed(opened);
                 pair
             }
+            Ok(Err(e)) if lease_not_found(&e) => return Ended::Lost(LEASE_NOT_FOUND.to_string()),
             Ok(Err(e)) => return Ended::Lost(format!("etcd keep-alive stream failed: {e}")),
             Err(_) => {
                 return Ended::Lost(format!(
@@ -950,6 +1011,10 @@ impl Keeper {
                             Ok(Ok(pair)) => {
                                 (keeper, responses) = pair;
                                 confirmed_at = self.renewed(reopened);
+                            }
+                            // etcd answered, and no longer knows the lease.
+                            Ok(Err(e)) if lease_not_found(&e) => {
+                                return Ended::Lost(LEASE_NOT_FOUND.to_string())
                             }
                             Ok(Err(e)) => {
                                 tracing::warn!(error = %e, "reopening the keep-alive stream failed")
@@ -1047,6 +1112,18 @@ impl Keeper {
             s.lease_id = None;
         });
     }
+}
+
+/// Why a lease ended that etcd no longer knows.
+const LEASE_NOT_FOUND: &str =
+    "etcd no longer knows the lease (it expired, was revoked, or etcd lost its data)";
+
+/// Whether opening a keep-alive stream failed because etcd answered that
+/// the lease does not exist (or has expired): then it is gone for good,
+/// unlike a failure to reach etcd. etcd-client reports that answer, a TTL
+/// of 0 or less, only by this message.
+fn lease_not_found(error: &etcd_client::Error) -> bool {
+    matches!(error, etcd_client::Error::LeaseKeepAliveError(m) if m == "lease not found")
 }
 
 fn hostname() -> String {

@@ -4,8 +4,8 @@
 //! recovery after, no repeated id across a restart onto the same slot,
 //! slots with a high-water mark no holder could have written skipped, no
 //! id with the old machine id from a replica frozen past its lease, a
-//! prompt stop while etcd does not answer, and a replica waiting for a free
-//! slot that only reads.
+//! prompt stop while etcd does not answer, a replica waiting for a free
+//! slot that only reads, and no repeated id when etcd loses its data.
 //!
 //! etcd comes from Debian's `etcd-server` package (`.ci/run` installs it);
 //! each test starts its own on loopback with a temporary data directory.
@@ -24,8 +24,8 @@ use etcd_client::Client;
 use serde_json::Value;
 use snowgate_plugin::SnowflakeLayout;
 use support::{
-    connect_many, post_json, raw_exchange_on, raw_post_request, tool_present, Gateway, TempDir,
-    STEP,
+    connect_many, get, post_json, raw_exchange_on, raw_post_request, tool_present, Gateway,
+    TempDir, STEP,
 };
 use tokio::io::AsyncWriteExt as _;
 
@@ -147,6 +147,16 @@ impl Etcd {
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+
+    /// Restarts etcd empty, as after losing its disk: every lease, slot
+    /// and high-water mark is gone.
+    async fn wipe(&mut self) {
+        self.stop();
+        let data = self.data.path().join("data");
+        std::fs::remove_dir_all(&data)
+            .unwrap_or_else(|e| panic!("removing {}: {e}", data.display()));
+        self.launch().await;
     }
 
     /// Stops etcd (SIGKILL) and waits until it is gone.
@@ -681,6 +691,14 @@ async fn a_replica_stops_promptly_while_etcd_does_not_answer() {
     let Some(binary) = etcd_binary() else { return };
     let etcd = Etcd::start(binary).await;
     let url = etcd.url();
+    // Slot 0 was held before, to the last second: a slot without a mark
+    // would be waited for a TTL (see the etcd-lost test below).
+    let mark = (now_millis() - 1000).to_string();
+    etcd.client()
+        .await
+        .put("/snowgate/trtllm-v1/high-water/0", mark, None)
+        .await
+        .expect("write a mark");
     // A long TTL: etcd calls would otherwise wait up to a third of it.
     let r = Gateway::start(&["--etcd", url.as_str(), "--machine-id-ttl", "60"]).await;
     assert_eq!(leased_id(&r).await, 0);
@@ -694,4 +712,86 @@ async fn a_replica_stops_promptly_while_etcd_does_not_answer() {
         "{}",
         r.stderr_text()
     );
+}
+
+/// etcd restarted empty (its disk lost) forgets every lease and mark, but a
+/// replica that held a slot does not know yet and may go on stamping until
+/// its next renewal, at most until its lease deadline. Its id clock is never
+/// more than 9 s (`MAX_LEAD`) ahead of its wall clock. So a new holder of a
+/// slot with no mark must start past the old holder's wall clock plus 9 s,
+/// as of when the old holder must stop.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_slot_whose_mark_etcd_lost_is_taken_over_past_every_id_its_holder_could_issue() {
+    let Some(binary) = etcd_binary() else { return };
+    let mut etcd = Etcd::start(binary).await;
+    let old = replica(&etcd, &[]).await;
+    assert_eq!(leased_id(&old).await, 0);
+    let old_ids = stamp_many(&old, 2, 1000).await;
+    // Frozen, the old holder issues nothing later than this, plus 9 s.
+    old.signal("STOP");
+    let frozen_at = now_millis();
+    etcd.wipe().await;
+
+    let new = replica(&etcd, &[]).await;
+    // It holds the slot, and waits a TTL and a second before its first id:
+    // not ready meanwhile.
+    let waiting = get(new.admin, "/readyz").await;
+    assert_eq!(waiting.status, 503, "{}", waiting.text());
+    assert!(
+        waiting.text().starts_with("not ready: "),
+        "{}",
+        waiting.text()
+    );
+    assert_eq!(leased_id(&new).await, 0, "the new replica takes slot 0");
+    let ready = get(new.admin, "/readyz").await;
+    assert_eq!(ready.status, 200, "{}", ready.text());
+    let new_ids = stamp_many(&new, 2, 1000).await;
+    for id in &new_ids {
+        let millis = SnowflakeLayout::TrtllmV1.decode(*id).expect("an id").millis;
+        assert!(
+            millis > frozen_at + 9_000,
+            "id {id} (ms {millis}) is within 9 s of the old holder's clock when it stopped \
+             ({frozen_at}): it may repeat one of the old holder's"
+        );
+        assert!(!old_ids.contains(id), "id {id} issued twice");
+    }
+    old.signal("CONT");
+}
+
+/// Milliseconds since the Unix epoch, by this host's clock.
+fn now_millis() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("after 1970")
+        .as_millis() as u64
+}
+
+/// A replica whose lease etcd lost with its data stops stamping at its next
+/// renewal, when etcd answers that the lease is unknown, rather than only
+/// at its deadline: another replica may hold its slot by then.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replica_whose_lease_etcd_lost_stops_at_its_next_renewal() {
+    let Some(binary) = etcd_binary() else { return };
+    let mut etcd = Etcd::start(binary).await;
+    let url = etcd.url();
+    // A long TTL: the deadline (9 s after the last renewal) is well after
+    // the next renewal (every 3.3 s) that reaches the restarted etcd.
+    let r = Gateway::start(&["--etcd", url.as_str(), "--machine-id-ttl", "10"]).await;
+    assert_eq!(leased_id(&r).await, 0);
+    etcd.wipe().await;
+    r.wait_log("machine id lease lost").await;
+    let log = r.stderr_text();
+    assert!(
+        log.contains("etcd no longer knows the lease"),
+        "the lease was lost for another reason, or late: {log}"
+    );
+    // It claims again, and stamps.
+    let status = r
+        .wait_status("the lease to be held again", STEP, |s| {
+            s["lease"]["state"] == "held"
+        })
+        .await;
+    assert!(status["machine_id"].is_u64());
+    let reply = post_json(r.addr, "/v1/completions", batch(1)).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
 }

@@ -1,4 +1,4 @@
-//! The admin listener: `/status`, `/reload`, `/healthz`, `/metrics`.
+//! The admin listener: `/status`, `/reload`, `/healthz`, `/readyz`, `/metrics`.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -103,6 +103,17 @@ impl Admin {
         }
         match (request.method(), request.uri().path()) {
             (&Method::GET, "/healthz") => text(StatusCode::OK, "text/plain", "ok\n".to_string()),
+            // Ready while requests that need an id can get one: for a
+            // readiness probe, so that no traffic comes while the machine
+            // id is being leased, waited for, or was lost.
+            (&Method::GET, "/readyz") => match self.services.identity.grant() {
+                Ok(_) => text(StatusCode::OK, "text/plain", "ready\n".to_string()),
+                Err(reason) => text(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "text/plain",
+                    format!("not ready: {reason}\n"),
+                ),
+            },
             (&Method::GET, "/status") => text(
                 StatusCode::OK,
                 "application/json",
@@ -129,7 +140,7 @@ impl Admin {
                     responses::error(StatusCode::UNPROCESSABLE_ENTITY, "reload_failed", &message)
                 }
             },
-            (_, "/healthz" | "/status" | "/metrics" | "/reload") => responses::error(
+            (_, "/healthz" | "/readyz" | "/status" | "/metrics" | "/reload") => responses::error(
                 StatusCode::METHOD_NOT_ALLOWED,
                 "method_not_allowed",
                 "wrong method for this endpoint",
@@ -137,7 +148,9 @@ impl Admin {
             (_, path) => responses::error(
                 StatusCode::NOT_FOUND,
                 "not_found",
-                &format!("no admin endpoint {path}; try /status, /reload, /healthz or /metrics"),
+                &format!(
+                    "no admin endpoint {path}; try /status, /reload, /healthz, /readyz or /metrics"
+                ),
             ),
         }
     }

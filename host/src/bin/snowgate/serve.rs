@@ -49,7 +49,7 @@ pub struct ServeArgs {
     /// load].
     #[arg(long, value_name = "DIR")]
     plugin_cache_dir: Option<PathBuf>,
-    /// Address of the admin endpoints (/status, /reload, /healthz, /metrics)
+    /// Address of the admin endpoints (/status, /reload, /healthz, /readyz, /metrics)
     /// [default: 127.0.0.1:9901].
     #[arg(long, value_name = "ADDR")]
     admin_listen: Option<SocketAddr>,
