@@ -34,7 +34,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::Context as _;
-use etcd_client::{Client, Compare, CompareOp, ConnectOptions, GetOptions, PutOptions, Txn, TxnOp};
+use etcd_client::{
+    Client, Compare, CompareOp, ConnectOptions, GetOptions, LeaseKeepAliveStream, LeaseKeeper,
+    PutOptions, Txn, TxnOp,
+};
 use snowgate_plugin::SnowflakeLayout;
 use tokio::sync::watch;
 
@@ -219,6 +222,7 @@ pub fn start(
         status: status.clone(),
         stop: stop_rx,
         reported: HashMap::new(),
+        next_endpoint: 0,
     };
     let task = tokio::spawn(keeper.run());
     Ok((
@@ -291,6 +295,14 @@ fn quoted(value: &[u8]) -> String {
     format!("{shown:?}{more}")
 }
 
+/// Why a keep-alive stream could not be reopened.
+enum Reopen {
+    /// etcd answered that the lease does not exist.
+    Gone,
+    /// No endpoint answered; why.
+    Failed(String),
+}
+
 /// What ended a period of holding an id.
 enum Ended {
     Stopped,
@@ -304,6 +316,8 @@ struct Keeper {
     stop: watch::Receiver<Stop>,
     /// Bad high-water marks already logged as errors: the value, by id.
     reported: HashMap<u32, String>,
+    /// The endpoint [`Keeper::connect`] tries first.
+    next_endpoint: usize,
 }
 
 /// The slots a claim may try, from one read.
@@ -503,15 +517,7 @@ impl Keeper {
     /// When no slot is free, no lease is granted: a replica waiting for
     /// one only reads.
     async fn claim(&mut self) -> anyhow::Result<Claim> {
-        let timeout = self.config.ttl / RENEWALS_PER_TTL;
-        let options = ConnectOptions::new()
-            .with_connect_timeout(timeout)
-            .with_timeout(timeout);
-        let mut client = Client::connect(&self.config.endpoints, Some(options))
-            .await
-            .with_context(|| {
-                format!("connecting to etcd at {}", self.config.endpoints.join(","))
-            })?;
+        let mut client = self.connect().await?;
         let mut candidates = self.candidates(&mut client).await?;
         if candidates.free.is_empty() {
             return Err(self.none_free(candidates));
@@ -539,6 +545,41 @@ impl Keeper {
                 Err(e)
             }
         }
+    }
+
+    /// A client of one etcd endpoint that answers: the endpoints are tried
+    /// in turn, from the one after the last that failed. One endpoint at a
+    /// time, because etcd-client's balanced channel over several goes on
+    /// sending requests to one that is down, so that with one member of
+    /// three down, most claims failed and the rest were lost at once. Any
+    /// member serves every call (leases are the cluster's).
+    async fn connect(&mut self) -> anyhow::Result<Client> {
+        let timeout = self.config.ttl / RENEWALS_PER_TTL;
+        let options = ConnectOptions::new()
+            .with_connect_timeout(timeout)
+            .with_timeout(timeout);
+        let endpoints = &self.config.endpoints;
+        let mut failures = Vec::new();
+        for _ in 0..endpoints.len() {
+            let index = self.next_endpoint % endpoints.len();
+            let endpoint = &endpoints[index];
+            let attempt = async {
+                let mut client = Client::connect([endpoint], Some(options.clone())).await?;
+                // Connecting is lazy: one call shows the endpoint answers.
+                client.status().await?;
+                Ok::<_, etcd_client::Error>(client)
+            };
+            match tokio::time::timeout(timeout, attempt).await {
+                Ok(Ok(client)) => return Ok(client),
+                Ok(Err(e)) => failures.push(format!("{endpoint}: {e}")),
+                Err(_) => failures.push(format!(
+                    "{endpoint}: no answer within {} ms",
+                    timeout.as_millis()
+                )),
+            }
+            self.next_endpoint = index + 1;
+        }
+        anyhow::bail!("no etcd endpoint answered ({})", failures.join("; "))
     }
 
     /// The slots a claim may try, from one read of the claimed slots and
@@ -928,24 +969,34 @@ impl Keeper {
         // claim's end, which can be a while later).
         let mut confirmed_at = alive_since.at;
         // Opening the stream renews once and waits for etcd to confirm it.
-        let opened = Sent::now();
-        let open_within = (confirmed_at + ttl - SAFETY_MARGIN).saturating_duration_since(opened.at);
-        let opening = tokio::time::timeout(open_within, client.lease_keep_alive(lease_id));
-        let Some(opened_stream) = unless_stopped(&mut stop, opening).await else {
-            return Ended::Stopped;
-        };
-        let (mut keeper, mut responses) = match opened_stream {
-            Ok(Ok(pair)) => {
-                confirmed_at = self.renewed(opened);
-                pair
-            }
-            Ok(Err(e)) if lease_not_found(&e) => return Ended::Lost(LEASE_NOT_FOUND.to_string()),
-            Ok(Err(e)) => return Ended::Lost(format!("etcd keep-alive stream failed: {e}")),
-            Err(_) => {
-                return Ended::Lost(format!(
-                    "no renewal confirmed by etcd within {} s",
-                    ttl.as_secs()
-                ))
+        // Retried until the deadline, through the next endpoint when one
+        // fails (the member may have gone since the claim).
+        let (mut keeper, mut responses) = loop {
+            let attempt = Sent::now();
+            let within = (confirmed_at + ttl - SAFETY_MARGIN).saturating_duration_since(attempt.at);
+            let opening = tokio::time::timeout(within, self.reopen(client, lease_id));
+            let Some(opened_stream) = unless_stopped(&mut stop, opening).await else {
+                return Ended::Stopped;
+            };
+            match opened_stream {
+                Ok(Ok(pair)) => {
+                    confirmed_at = self.renewed(attempt);
+                    break pair;
+                }
+                Ok(Err(Reopen::Gone)) => return Ended::Lost(LEASE_NOT_FOUND.to_string()),
+                Ok(Err(Reopen::Failed(e))) => {
+                    tracing::warn!(error = %e, "opening the keep-alive stream failed; retrying until the deadline");
+                    let pause = tokio::time::sleep(RETRY_PAUSE.min(within));
+                    if unless_stopped(&mut stop, pause).await.is_none() {
+                        return Ended::Stopped;
+                    }
+                }
+                Err(_) => {
+                    return Ended::Lost(format!(
+                        "no renewal confirmed by etcd within {} s",
+                        ttl.as_secs()
+                    ))
+                }
             }
         };
         // Whether a request for a higher mark is answered before the next
@@ -974,56 +1025,55 @@ impl Keeper {
             if renew {
                 let sent = Sent::now();
                 renew_at = sent.at + every;
-                let renewal =
-                    tokio::time::timeout(deadline.saturating_duration_since(sent.at), async {
-                        keeper.keep_alive().await?;
-                        responses.message().await
-                    });
+                // Waits no longer than until the next renewal is due, so
+                // that a member that stopped answering leaves time to renew
+                // through another before the deadline.
+                let wait = deadline.saturating_duration_since(sent.at).min(every);
+                let renewal = tokio::time::timeout(wait, async {
+                    keeper.keep_alive().await?;
+                    responses.message().await
+                });
                 let Some(renewed) = unless_stopped(&mut stop, renewal).await else {
                     return Ended::Stopped;
                 };
-                match renewed {
+                let failure = match renewed {
                     Ok(Ok(Some(response))) if response.ttl() > 0 => {
                         confirmed_at = self.renewed(sent);
                         self.status
                             .update(|s| s.last_renewed = Some(SystemTime::now()));
+                        None
                     }
                     Ok(Ok(Some(_))) => {
                         return Ended::Lost(
                             "etcd says the lease expired or was revoked".to_string(),
                         )
                     }
-                    Ok(Ok(None)) => {
-                        return Ended::Lost("etcd closed the keep-alive stream".to_string())
-                    }
-                    Ok(Err(e)) => {
-                        tracing::warn!(error = %e, "renewing the lease failed; retrying until the deadline");
-                        // Reopening renews once and waits for etcd to
-                        // confirm it.
-                        let reopened = Sent::now();
-                        let within = deadline.saturating_duration_since(reopened.at);
-                        let reopening =
-                            tokio::time::timeout(within, client.lease_keep_alive(lease_id));
-                        let Some(reopening) = unless_stopped(&mut stop, reopening).await else {
-                            return Ended::Stopped;
-                        };
-                        match reopening {
-                            Ok(Ok(pair)) => {
-                                (keeper, responses) = pair;
-                                confirmed_at = self.renewed(reopened);
-                            }
-                            // etcd answered, and no longer knows the lease.
-                            Ok(Err(e)) if lease_not_found(&e) => {
-                                return Ended::Lost(LEASE_NOT_FOUND.to_string())
-                            }
-                            Ok(Err(e)) => {
-                                tracing::warn!(error = %e, "reopening the keep-alive stream failed")
-                            }
-                            Err(_timeout) => {}
+                    Ok(Ok(None)) => Some("etcd closed the keep-alive stream".to_string()),
+                    Ok(Err(e)) => Some(e.to_string()),
+                    Err(_) => Some(format!("no answer within {} ms", wait.as_millis())),
+                };
+                if let Some(failure) = failure {
+                    tracing::warn!(error = %failure, "renewing the lease failed; retrying until the deadline");
+                    // Reopening renews once and waits for etcd to confirm
+                    // it, through another endpoint if this one fails.
+                    let reopened = Sent::now();
+                    let within = deadline.saturating_duration_since(reopened.at);
+                    let reopening = tokio::time::timeout(within, self.reopen(client, lease_id));
+                    let Some(reopening) = unless_stopped(&mut stop, reopening).await else {
+                        return Ended::Stopped;
+                    };
+                    match reopening {
+                        Ok(Ok(pair)) => {
+                            (keeper, responses) = pair;
+                            confirmed_at = self.renewed(reopened);
                         }
-                        continue;
+                        Ok(Err(Reopen::Gone)) => return Ended::Lost(LEASE_NOT_FOUND.to_string()),
+                        Ok(Err(Reopen::Failed(e))) => {
+                            tracing::warn!(error = %e, "reopening the keep-alive stream failed")
+                        }
+                        Err(_timeout) => {}
                     }
-                    Err(_timeout) => continue,
+                    continue;
                 }
             }
             // After a confirmed renewal, or when ids came near the mark:
@@ -1039,6 +1089,37 @@ impl Keeper {
                 Raise::Failed => false,
                 Raise::Lost(lost) => return lost,
             };
+        }
+    }
+
+    /// Reopens the keep-alive stream for `lease_id` (which renews it once):
+    /// through `client`, or, when its endpoint fails, through the next
+    /// endpoint that answers, which then replaces `client`.
+    async fn reopen(
+        &mut self,
+        client: &mut Client,
+        lease_id: i64,
+    ) -> Result<(LeaseKeeper, LeaseKeepAliveStream), Reopen> {
+        let first = match client.lease_keep_alive(lease_id).await {
+            Ok(pair) => return Ok(pair),
+            Err(e) if lease_not_found(&e) => return Err(Reopen::Gone),
+            Err(e) => e,
+        };
+        if self.config.endpoints.len() < 2 {
+            return Err(Reopen::Failed(first.to_string()));
+        }
+        self.next_endpoint += 1;
+        let mut other = self
+            .connect()
+            .await
+            .map_err(|e| Reopen::Failed(format!("{first}; then {e:#}")))?;
+        match other.lease_keep_alive(lease_id).await {
+            Ok(pair) => {
+                *client = other;
+                Ok(pair)
+            }
+            Err(e) if lease_not_found(&e) => Err(Reopen::Gone),
+            Err(e) => Err(Reopen::Failed(format!("{first}; then {e}"))),
         }
     }
 

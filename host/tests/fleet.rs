@@ -795,3 +795,122 @@ async fn a_replica_whose_lease_etcd_lost_stops_at_its_next_renewal() {
     let reply = post_json(r.addr, "/v1/completions", batch(1)).await;
     assert_eq!(reply.status, 200, "{}", reply.text());
 }
+
+/// An etcd endpoint that refuses connections and one that accepts them but
+/// never answers (a hung member), listed next to a live one in any order:
+/// the replica leases an id, keeps it through renewals, and stamps.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replica_leases_and_keeps_an_id_while_other_etcd_endpoints_are_down() {
+    let Some(binary) = etcd_binary() else { return };
+    let etcd = Etcd::start(binary).await;
+    let live = etcd.url();
+    let refused = format!("http://127.0.0.1:{}", free_port());
+    // Bound but never accepted: the kernel completes the handshake, and
+    // nothing ever answers.
+    let hung_member = StdTcpListener::bind("127.0.0.1:0").expect("bind");
+    let hung = format!("http://{}", hung_member.local_addr().expect("address"));
+    for endpoints in [
+        [&refused, &hung, &live],
+        [&live, &refused, &hung],
+        [&hung, &live, &refused],
+    ] {
+        let endpoints = endpoints.map(String::as_str).join(",");
+        let ttl = TTL_SECS.to_string();
+        let r = Gateway::start(&["--etcd", &endpoints, "--machine-id-ttl", &ttl]).await;
+        assert_eq!(leased_id(&r).await, 0, "with {endpoints}");
+        // Two TTLs of renewals, stamping all along.
+        let until = Instant::now() + Duration::from_secs(2 * TTL_SECS);
+        let mut stamped = 0;
+        while Instant::now() < until {
+            let reply = post_json(r.addr, "/v1/completions", batch(10)).await;
+            assert_eq!(reply.status, 200, "with {endpoints}: {}", reply.text());
+            stamped += 1;
+        }
+        assert!(stamped > 0);
+        let metrics = r.metrics().await;
+        assert!(
+            metrics.contains("snowgate_lease_losses_total 0\n"),
+            "with {endpoints}: the lease was lost\n{metrics}"
+        );
+        // A clean stop frees the slot (and leaves its exact mark) for the
+        // next round.
+        r.stop().await;
+    }
+}
+
+/// A TCP proxy to etcd on loopback, which a test can take down: its
+/// listener closes and every connection through it is cut.
+struct EtcdProxy {
+    url: String,
+    tasks: tokio::task::JoinSet<()>,
+}
+
+impl EtcdProxy {
+    async fn start(etcd: &Etcd) -> EtcdProxy {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind the proxy");
+        let url = format!("http://{}", listener.local_addr().expect("address"));
+        let target = format!("127.0.0.1:{}", etcd.client_port);
+        let mut tasks = tokio::task::JoinSet::new();
+        tasks.spawn(async move {
+            let mut connections = tokio::task::JoinSet::new();
+            while let Ok((mut client, _)) = listener.accept().await {
+                let target = target.clone();
+                connections.spawn(async move {
+                    if let Ok(mut server) = tokio::net::TcpStream::connect(&target).await {
+                        let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                    }
+                });
+            }
+        });
+        EtcdProxy { url, tasks }
+    }
+
+    /// Closes the listener and cuts every connection.
+    fn take_down(&mut self) {
+        self.tasks.abort_all();
+    }
+}
+
+/// The etcd member a replica talks to goes away while it holds its id (a
+/// member lost): it renews through another endpoint and keeps its id.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replica_keeps_its_id_when_its_etcd_member_goes_away() {
+    let Some(binary) = etcd_binary() else { return };
+    let etcd = Etcd::start(binary).await;
+    let mut member = EtcdProxy::start(&etcd).await;
+    // The proxy first, so that the replica connects through it.
+    let endpoints = format!("{},{}", member.url, etcd.url());
+    let ttl = TTL_SECS.to_string();
+    let r = Gateway::start(&["--etcd", &endpoints, "--machine-id-ttl", &ttl]).await;
+    assert_eq!(leased_id(&r).await, 0);
+    let held = r.status().await;
+    let before = held["lease"]["lease_id"].clone();
+    // Once a renewal went through the member, its keep-alive stream is open.
+    r.wait_status("a renewal", STEP, |s| {
+        s["lease"]["last_renewed"] != held["lease"]["last_renewed"]
+    })
+    .await;
+    member.take_down();
+    // Two TTLs of renewals after the member went, stamping all along.
+    let until = Instant::now() + Duration::from_secs(2 * TTL_SECS);
+    while Instant::now() < until {
+        let reply = post_json(r.addr, "/v1/completions", batch(10)).await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+    }
+    // The renewal through the member failed, and went through the other.
+    r.wait_log("renewing the lease failed").await;
+    let status = r.status().await;
+    assert_eq!(
+        status["lease"]["lease_id"], before,
+        "the same lease: {status}"
+    );
+    assert_eq!(status["machine_id"], 0, "{status}");
+    let metrics = r.metrics().await;
+    assert!(
+        metrics.contains("snowgate_lease_losses_total 0\n"),
+        "the lease was lost\n{metrics}\n{}",
+        r.stderr_text()
+    );
+}

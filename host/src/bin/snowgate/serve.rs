@@ -135,7 +135,8 @@ pub struct ServeArgs {
     workers: Option<usize>,
     /// Lease this replica's machine id from etcd instead of --machine-id:
     /// the lowest free id of the layout, held by an etcd lease, unique in
-    /// the fleet by construction. Comma-separated endpoint URLs.
+    /// the fleet by construction. Comma-separated endpoint URLs of one
+    /// cluster, used one at a time: the next that answers when one fails.
     #[arg(long, value_name = "URL[,URL...]")]
     etcd: Option<String>,
     /// Time to live of the machine id lease, in seconds; a replica that
