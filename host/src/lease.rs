@@ -605,7 +605,17 @@ impl Keeper {
                     .ok()
             })
             .collect();
-        let bad_marks = self.bad_marks(client).await?;
+        // Only a shortcut: each claimed slot's mark is read on its own too.
+        // So a read of every mark that fails (etcd answers, but the answer
+        // is over the client's 4 MiB message limit: values of 1.5 MiB,
+        // etcd's largest, under three keys) does not stop every claim.
+        let bad_marks = match self.bad_marks(client).await {
+            Ok(bad) => bad,
+            Err(e) => {
+                tracing::warn!(error = %format!("{e:#}"), "reading every high-water mark at once failed; checking each slot's on its own");
+                HashMap::new()
+            }
+        };
         let mut candidates = Candidates::default();
         for id in (0..=self.layout().max_machine_id()).filter(|id| !taken.contains(id)) {
             match bad_marks.get(&id) {

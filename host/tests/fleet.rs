@@ -914,3 +914,30 @@ async fn a_replica_keeps_its_id_when_its_etcd_member_goes_away() {
         r.stderr_text()
     );
 }
+
+/// Large values under the high-water prefix (three of 1.4 MB: together
+/// over the client's 4 MiB message limit) do not stop claims: each claimed
+/// slot's mark is read on its own.
+#[tokio::test(flavor = "multi_thread")]
+async fn large_junk_under_the_high_water_prefix_does_not_stop_claims() {
+    let Some(binary) = etcd_binary() else { return };
+    let etcd = Etcd::start(binary).await;
+    let mut client = etcd.client().await;
+    let junk = "x".repeat(1_400_000);
+    for id in [1000, 1001, 1002] {
+        client
+            .put(
+                format!("/snowgate/trtllm-v1/high-water/{id}"),
+                junk.as_str(),
+                None,
+            )
+            .await
+            .expect("write a large value");
+    }
+    let r = replica(&etcd, &[]).await;
+    assert_eq!(leased_id(&r).await, 0);
+    let reply = post_json(r.addr, "/v1/completions", batch(3)).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    r.wait_log("reading every high-water mark at once failed")
+        .await;
+}
