@@ -223,6 +223,7 @@ pub fn start(
         stop: stop_rx,
         reported: HashMap::new(),
         next_endpoint: 0,
+        granted: None,
     };
     let task = tokio::spawn(keeper.run());
     Ok((
@@ -318,6 +319,9 @@ struct Keeper {
     reported: HashMap<u32, String>,
     /// The endpoint [`Keeper::connect`] tries first.
     next_endpoint: usize,
+    /// The lease of a claim under way, and a client to revoke it with if
+    /// the gateway stops before the claim ends.
+    granted: Option<(Client, i64)>,
 }
 
 /// The slots a claim may try, from one read.
@@ -453,11 +457,17 @@ impl Keeper {
     async fn run(mut self) {
         let mut stop = self.stop.clone();
         while !self.stopping() {
-            // A stop does not wait for a claim that waits on etcd (a lease
-            // granted meanwhile runs out after its TTL).
+            // A stop does not wait for a claim that waits on etcd; a lease
+            // it was granted is revoked if etcd answers within a second (or
+            // runs out after its TTL), which frees a slot claimed under it.
             let Some(claimed) = unless_stopped(&mut stop, self.claim()).await else {
+                if let Some((mut client, lease_id)) = self.granted.take() {
+                    let revoke = client.lease_revoke(lease_id);
+                    let _ = tokio::time::timeout(RELEASE_WAIT, revoke).await;
+                }
                 break;
             };
+            self.granted = None;
             let Claim {
                 mut client,
                 lease_id,
@@ -528,6 +538,7 @@ impl Keeper {
             .await
             .context("granting an etcd lease")?;
         let lease_id = lease.id();
+        self.granted = Some((client.clone(), lease_id));
         match self
             .claim_under(&mut client, lease_id, &mut alive_since, &mut candidates)
             .await

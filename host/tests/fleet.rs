@@ -941,3 +941,24 @@ async fn large_junk_under_the_high_water_prefix_does_not_stop_claims() {
     r.wait_log("reading every high-water mark at once failed")
         .await;
 }
+
+/// A replica stopped while its claim is under way (here: holding a slot
+/// with no mark, waiting a TTL before its first id) revokes the lease it
+/// was granted, so the slot is free at once, not after the TTL.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replica_stopped_during_its_claim_frees_the_slot_at_once() {
+    let Some(binary) = etcd_binary() else { return };
+    let etcd = Etcd::start(binary).await;
+    let r = replica(&etcd, &[]).await;
+    let deadline = Instant::now() + STEP;
+    while !etcd.claimed().await.contains(&0) {
+        assert!(Instant::now() < deadline, "slot 0 was never claimed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(r.status().await["lease"]["state"], "acquiring");
+    r.stop().await;
+    assert!(
+        !etcd.claimed().await.contains(&0),
+        "slot 0 is still claimed after the replica stopped"
+    );
+}
