@@ -5,7 +5,9 @@
 //! slots with a high-water mark no holder could have written skipped, no
 //! id with the old machine id from a replica frozen past its lease, a
 //! prompt stop while etcd does not answer, a replica waiting for a free
-//! slot that only reads, and no repeated id when etcd loses its data.
+//! slot that only reads, no repeated id when etcd loses its data, dead,
+//! hung and vanishing endpoints among several, large junk among the marks,
+//! and a stop in the middle of a claim.
 //!
 //! etcd comes from Debian's `etcd-server` package (`.ci/run` installs it);
 //! each test starts its own on loopback with a temporary data directory.
