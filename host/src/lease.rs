@@ -711,7 +711,8 @@ impl Keeper {
             {
                 continue; // another replica took it first
             }
-            let high_water = match self.read_high_water(client, id).await? {
+            let read = self.read_high_water(client, id).await?;
+            let high_water = match read.and_then(|mark| self.within_reach(mark)) {
                 Ok(mark) => mark,
                 Err((value, problem)) => {
                     // Without a mark it can trust, the slot's previous ids
@@ -784,6 +785,34 @@ impl Keeper {
         Err(self.none_free(std::mem::take(candidates)))
     }
 
+    /// `mark`, unless it is further ahead of this host's clock than any
+    /// takeover waits for (see [`Keeper::wait_for_the_floor`]): a mark a
+    /// holder set is at most a TTL and a second plus [`MAX_LEAD`] ahead of
+    /// that holder's clock, so a mark further ahead (allowing [`MAX_LEAD`]
+    /// again for clocks that disagree) means this host's clock is behind
+    /// the fleet's, or the mark was set by hand. Holding the slot until
+    /// this clock caught up would keep it and this replica out of service
+    /// that long: the slot is skipped instead, as for a bad mark.
+    fn within_reach(&self, mark: Option<u64>) -> Result<Option<u64>, (String, String)> {
+        let Some(ms) = mark else { return Ok(None) };
+        let now = millis_of(SystemTime::now());
+        let reach = self.mark_ahead() + 2 * MAX_LEAD.as_millis() as u64;
+        if ms <= now.saturating_add(reach) {
+            return Ok(Some(ms));
+        }
+        Err((
+            quoted(ms.to_string().as_bytes()),
+            format!(
+                "high-water mark {} is {} s ahead of this host's clock, more than a takeover \
+                 waits for ({} s): this host's clock is behind the fleet's, or the mark was set \
+                 by hand",
+                format_millis(ms),
+                (ms - now) / 1000,
+                reach / 1000
+            ),
+        ))
+    }
+
     /// Waits, keeping the lease alive, until the id clock can tick past
     /// `floor`: it issues no tick more than [`MAX_LEAD`] ahead of the wall
     /// clock, so a slot whose floor is further ahead would have every
@@ -846,8 +875,10 @@ impl Keeper {
             .filter_map(|kv| {
                 let key = kv.key_str().ok()?;
                 let id = key.strip_prefix(prefix.as_str())?.parse().ok()?;
-                let problem = parse_high_water(key, kv.value(), furthest).err()?;
-                Some((id, (quoted(kv.value()), problem)))
+                match parse_high_water(key, kv.value(), furthest) {
+                    Err(problem) => Some((id, (quoted(kv.value()), problem))),
+                    Ok(ms) => self.within_reach(Some(ms)).err().map(|bad| (id, bad)),
+                }
             })
             .collect())
     }

@@ -964,3 +964,24 @@ async fn a_replica_stopped_during_its_claim_frees_the_slot_at_once() {
         "slot 0 is still claimed after the replica stopped"
     );
 }
+
+/// A mark further ahead of this host's clock than any takeover waits for
+/// (here a minute: this host's clock behind the fleet's, or a mark set by
+/// hand) is skipped like a bad one, rather than held while the clock
+/// catches up.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_slot_whose_mark_is_a_minute_ahead_is_skipped_not_waited_for() {
+    let Some(binary) = etcd_binary() else { return };
+    let etcd = Etcd::start(binary).await;
+    let ahead = (now_millis() + 60_000).to_string();
+    etcd.client()
+        .await
+        .put("/snowgate/trtllm-v1/high-water/0", ahead, None)
+        .await
+        .expect("write a mark");
+    let r = replica(&etcd, &[]).await;
+    assert_eq!(leased_id(&r).await, 1, "slot 0 is skipped");
+    r.wait_log("ahead of this host's clock").await;
+    let reply = post_json(r.addr, "/v1/completions", batch(3)).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+}
