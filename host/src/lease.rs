@@ -223,6 +223,7 @@ pub fn start(
         stop: stop_rx,
         reported: HashMap::new(),
         next_endpoint: 0,
+        current_endpoint: 0,
         granted: None,
     };
     let task = tokio::spawn(keeper.run());
@@ -319,6 +320,8 @@ struct Keeper {
     reported: HashMap<u32, String>,
     /// The endpoint [`Keeper::connect`] tries first.
     next_endpoint: usize,
+    /// The endpoint of the client [`Keeper::connect`] gave last.
+    current_endpoint: usize,
     /// The lease of a claim under way, and a client to revoke it with if
     /// the gateway stops before the claim ends.
     granted: Option<(Client, i64)>,
@@ -581,7 +584,11 @@ impl Keeper {
                 Ok::<_, etcd_client::Error>(client)
             };
             match tokio::time::timeout(timeout, attempt).await {
-                Ok(Ok(client)) => return Ok(client),
+                Ok(Ok(client)) => {
+                    self.current_endpoint = index;
+                    self.next_endpoint = index;
+                    return Ok(client);
+                }
                 Ok(Err(e)) => failures.push(format!("{endpoint}: {e}")),
                 Err(_) => failures.push(format!(
                     "{endpoint}: no answer within {} ms",
@@ -747,6 +754,11 @@ impl Keeper {
                     .saturating_add(self.mark_ahead())
                     .saturating_add(MAX_LEAD.as_millis() as u64),
             };
+            // The clock and the mark are moved only once the slot is about
+            // to be used: a wait abandoned (a stop, a lost lease) leaves
+            // neither ahead for a slot this replica never used.
+            self.wait_for_the_floor(client, lease_id, alive_since, id, floor)
+                .await?;
             self.services.clock.advance_past(floor);
             let ceiling = match self.reserve(client, id, lease_id).await? {
                 Reserved::Raised(mark) => mark,
@@ -754,8 +766,6 @@ impl Keeper {
                     "the lease expired while claiming machine id {id}: its key is no longer ours"
                 ),
             };
-            self.wait_for_the_floor(client, lease_id, alive_since, id, floor)
-                .await?;
             // A confirmed renewal now proves the lease, and so the slot,
             // never lapsed during the claim, and starts the hold afresh.
             *alive_since = renew_once(client, lease_id, renew_every).await?;
@@ -1023,10 +1033,23 @@ impl Keeper {
         // Opening the stream renews once and waits for etcd to confirm it.
         // Retried until the deadline, through the next endpoint when one
         // fails (the member may have gone since the claim).
+        let mut first = true;
         let (mut keeper, mut responses) = loop {
             let attempt = Sent::now();
             let within = (confirmed_at + ttl - SAFETY_MARGIN).saturating_duration_since(attempt.at);
-            let opening = tokio::time::timeout(within, self.reopen(client, lease_id));
+            // First through the endpoint the claim just used.
+            let opening = tokio::time::timeout(within, async {
+                if std::mem::take(&mut first) {
+                    return client.lease_keep_alive(lease_id).await.map_err(|e| {
+                        if lease_not_found(&e) {
+                            Reopen::Gone
+                        } else {
+                            Reopen::Failed(e.to_string())
+                        }
+                    });
+                }
+                self.reopen(client, lease_id).await
+            });
             let Some(opened_stream) = unless_stopped(&mut stop, opening).await else {
                 return Ended::Stopped;
             };
@@ -1077,10 +1100,11 @@ impl Keeper {
             if renew {
                 let sent = Sent::now();
                 renew_at = sent.at + every;
-                // Waits no longer than until the next renewal is due, so
-                // that a member that stopped answering leaves time to renew
-                // through another before the deadline.
-                let wait = deadline.saturating_duration_since(sent.at).min(every);
+                // Waits half the time between renewals at most, so that a
+                // member that stopped answering leaves time to renew through
+                // another before the deadline (with the shortest TTL, 3 s,
+                // the deadline is a second after the next renewal is due).
+                let wait = deadline.saturating_duration_since(sent.at).min(every / 2);
                 let renewal = tokio::time::timeout(wait, async {
                     keeper.keep_alive().await?;
                     responses.message().await
@@ -1144,34 +1168,36 @@ impl Keeper {
         }
     }
 
-    /// Reopens the keep-alive stream for `lease_id` (which renews it once):
-    /// through `client`, or, when its endpoint fails, through the next
-    /// endpoint that answers, which then replaces `client`.
+    /// Reopens the keep-alive stream for `lease_id` (which renews it once).
+    /// With one endpoint, through `client`. With several, through the first
+    /// that answers, the others before the current one (which just failed,
+    /// and may hang rather than refuse: a call on it would wait for its
+    /// timeout, and the deadline would come before another was tried); the
+    /// new client replaces `client`.
     async fn reopen(
         &mut self,
         client: &mut Client,
         lease_id: i64,
     ) -> Result<(LeaseKeeper, LeaseKeepAliveStream), Reopen> {
-        let first = match client.lease_keep_alive(lease_id).await {
-            Ok(pair) => return Ok(pair),
-            Err(e) if lease_not_found(&e) => return Err(Reopen::Gone),
-            Err(e) => e,
-        };
         if self.config.endpoints.len() < 2 {
-            return Err(Reopen::Failed(first.to_string()));
+            return match client.lease_keep_alive(lease_id).await {
+                Ok(pair) => Ok(pair),
+                Err(e) if lease_not_found(&e) => Err(Reopen::Gone),
+                Err(e) => Err(Reopen::Failed(e.to_string())),
+            };
         }
-        self.next_endpoint += 1;
+        self.next_endpoint = self.current_endpoint + 1;
         let mut other = self
             .connect()
             .await
-            .map_err(|e| Reopen::Failed(format!("{first}; then {e:#}")))?;
+            .map_err(|e| Reopen::Failed(format!("{e:#}")))?;
         match other.lease_keep_alive(lease_id).await {
             Ok(pair) => {
                 *client = other;
                 Ok(pair)
             }
             Err(e) if lease_not_found(&e) => Err(Reopen::Gone),
-            Err(e) => Err(Reopen::Failed(format!("{first}; then {e}"))),
+            Err(e) => Err(Reopen::Failed(e.to_string())),
         }
     }
 

@@ -840,11 +840,14 @@ async fn a_replica_leases_and_keeps_an_id_while_other_etcd_endpoints_are_down() 
     }
 }
 
-/// A TCP proxy to etcd on loopback, which a test can take down: its
-/// listener closes and every connection through it is cut.
+/// A TCP proxy to etcd on loopback, which a test can take down (its
+/// listener closes and every connection through it is cut) or hang (its
+/// connections stay open and nothing more goes through, as with a member
+/// that stopped answering or a network that drops its packets).
 struct EtcdProxy {
     url: String,
     tasks: tokio::task::JoinSet<()>,
+    hung: tokio::sync::watch::Sender<bool>,
 }
 
 impl EtcdProxy {
@@ -854,37 +857,68 @@ impl EtcdProxy {
             .expect("bind the proxy");
         let url = format!("http://{}", listener.local_addr().expect("address"));
         let target = format!("127.0.0.1:{}", etcd.client_port);
+        let (hung, hang) = tokio::sync::watch::channel(false);
         let mut tasks = tokio::task::JoinSet::new();
         tasks.spawn(async move {
             let mut connections = tokio::task::JoinSet::new();
             while let Ok((mut client, _)) = listener.accept().await {
                 let target = target.clone();
+                let mut hang = hang.clone();
                 connections.spawn(async move {
-                    if let Ok(mut server) = tokio::net::TcpStream::connect(&target).await {
-                        let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                    let Ok(mut server) = tokio::net::TcpStream::connect(&target).await else {
+                        return;
+                    };
+                    let hung = tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => false,
+                        _ = hang.wait_for(|&hung| hung) => true,
+                    };
+                    if hung {
+                        // Both sockets stay open, and silent.
+                        std::future::pending::<()>().await
                     }
                 });
             }
         });
-        EtcdProxy { url, tasks }
+        EtcdProxy { url, tasks, hung }
     }
 
     /// Closes the listener and cuts every connection.
     fn take_down(&mut self) {
         self.tasks.abort_all();
     }
+
+    /// Stops forwarding: connections, old and new, stay open and silent.
+    fn hang(&self) {
+        self.hung.send_replace(true);
+    }
 }
 
-/// The etcd member a replica talks to goes away while it holds its id (a
-/// member lost): it renews through another endpoint and keeps its id.
-#[tokio::test(flavor = "multi_thread")]
-async fn a_replica_keeps_its_id_when_its_etcd_member_goes_away() {
+/// How the etcd member a replica talks to fails while the replica holds
+/// its id.
+#[derive(Debug, Clone, Copy)]
+enum MemberFailure {
+    /// Its connections are cut and new ones refused.
+    GoesAway,
+    /// Its connections stay open and nothing is answered.
+    Hangs,
+}
+
+/// The etcd member a replica talks to fails while it holds its id: the
+/// replica renews through another endpoint and keeps its id.
+async fn keeps_its_id_when_its_etcd_member(failure: MemberFailure) {
     let Some(binary) = etcd_binary() else { return };
     let etcd = Etcd::start(binary).await;
     let mut member = EtcdProxy::start(&etcd).await;
     // The proxy first, so that the replica connects through it.
     let endpoints = format!("{},{}", member.url, etcd.url());
-    let ttl = TTL_SECS.to_string();
+    // A hung member costs half the time between renewals before the next
+    // is tried: a longer TTL than the shortest, so that a loaded machine
+    // still renews with seconds to spare.
+    let ttl_secs = match failure {
+        MemberFailure::GoesAway => TTL_SECS,
+        MemberFailure::Hangs => 2 * TTL_SECS,
+    };
+    let ttl = ttl_secs.to_string();
     let r = Gateway::start(&["--etcd", &endpoints, "--machine-id-ttl", &ttl]).await;
     assert_eq!(leased_id(&r).await, 0);
     let held = r.status().await;
@@ -894,27 +928,42 @@ async fn a_replica_keeps_its_id_when_its_etcd_member_goes_away() {
         s["lease"]["last_renewed"] != held["lease"]["last_renewed"]
     })
     .await;
-    member.take_down();
-    // Two TTLs of renewals after the member went, stamping all along.
-    let until = Instant::now() + Duration::from_secs(2 * TTL_SECS);
+    match failure {
+        MemberFailure::GoesAway => member.take_down(),
+        MemberFailure::Hangs => member.hang(),
+    }
+    // Two TTLs of renewals after the member failed, stamping all along.
+    let until = Instant::now() + Duration::from_secs(2 * ttl_secs);
     while Instant::now() < until {
         let reply = post_json(r.addr, "/v1/completions", batch(10)).await;
-        assert_eq!(reply.status, 200, "{}", reply.text());
+        assert_eq!(reply.status, 200, "{failure:?}: {}", reply.text());
     }
     // The renewal through the member failed, and went through the other.
     r.wait_log("renewing the lease failed").await;
     let status = r.status().await;
     assert_eq!(
         status["lease"]["lease_id"], before,
-        "the same lease: {status}"
+        "{failure:?}: the same lease: {status}"
     );
     assert_eq!(status["machine_id"], 0, "{status}");
     let metrics = r.metrics().await;
     assert!(
         metrics.contains("snowgate_lease_losses_total 0\n"),
-        "the lease was lost\n{metrics}\n{}",
+        "{failure:?}: the lease was lost\n{metrics}\n{}",
         r.stderr_text()
     );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replica_keeps_its_id_when_its_etcd_member_goes_away() {
+    keeps_its_id_when_its_etcd_member(MemberFailure::GoesAway).await;
+}
+
+/// A hung member is the harder case: a call on it waits for its timeout,
+/// so the renewal must not be retried there before another is tried.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replica_keeps_its_id_when_its_etcd_member_hangs() {
+    keeps_its_id_when_its_etcd_member(MemberFailure::Hangs).await;
 }
 
 /// Large values under the high-water prefix (three of 1.4 MB: together
@@ -984,4 +1033,49 @@ async fn a_slot_whose_mark_is_a_minute_ahead_is_skipped_not_waited_for() {
     r.wait_log("ahead of this host's clock").await;
     let reply = post_json(r.addr, "/v1/completions", batch(3)).await;
     assert_eq!(reply.status, 200, "{}", reply.text());
+}
+
+/// A replica that loses its lease while it waits for a slot's floor never
+/// used that slot: its id clock must not be left at that floor. Here the
+/// first claim waits for a mark 20 s ahead; the lease is revoked and the
+/// mark deleted meanwhile; the replica claims again, and stamps once that
+/// claim's own wait is over.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_claim_abandoned_while_waiting_leaves_the_id_clock_alone() {
+    let Some(binary) = etcd_binary() else { return };
+    let etcd = Etcd::start(binary).await;
+    let mut client = etcd.client().await;
+    let mark_key = "/snowgate/trtllm-v1/high-water/0";
+    let ahead = (now_millis() + 20_000).to_string();
+    client
+        .put(mark_key, ahead, None)
+        .await
+        .expect("write a mark");
+    let r = replica(&etcd, &[]).await;
+    r.wait_status("the wait for the mark", STEP, |s| {
+        s["lease"]["last_error"]
+            .as_str()
+            .is_some_and(|e| e.starts_with("holding machine id 0, waiting"))
+    })
+    .await;
+    let slot = client
+        .get("/snowgate/trtllm-v1/slots/0", None)
+        .await
+        .expect("read the slot");
+    let lease = slot.kvs().first().expect("slot 0 is claimed").lease();
+    client
+        .delete(mark_key, None)
+        .await
+        .expect("delete the mark");
+    client.lease_revoke(lease).await.expect("revoke the lease");
+
+    assert_eq!(leased_id(&r).await, 0, "slot 0 claimed again");
+    let reply = post_json(r.addr, "/v1/completions", batch(3)).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    let id = batch_ids(&reply.json())[0];
+    let millis = SnowflakeLayout::TrtllmV1.decode(id).expect("an id").millis;
+    assert!(
+        millis <= now_millis() + 9_000,
+        "id {id} is more than 9 s ahead"
+    );
 }
