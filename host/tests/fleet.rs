@@ -161,6 +161,16 @@ impl Etcd {
         self.launch().await;
     }
 
+    /// Sets slot `id`'s trtllm-v1 high-water mark to `millis`.
+    async fn put_mark(&self, id: u32, millis: u64) {
+        let key = format!("/snowgate/trtllm-v1/high-water/{id}");
+        self.client()
+            .await
+            .put(key, millis.to_string(), None)
+            .await
+            .expect("write a mark");
+    }
+
     /// Stops etcd (SIGKILL) and waits until it is gone.
     fn stop(&mut self) {
         if let Some(mut child) = self.child.take() {
@@ -695,12 +705,7 @@ async fn a_replica_stops_promptly_while_etcd_does_not_answer() {
     let url = etcd.url();
     // Slot 0 was held before, to the last second: a slot without a mark
     // would be waited for a TTL (see the etcd-lost test below).
-    let mark = (now_millis() - 1000).to_string();
-    etcd.client()
-        .await
-        .put("/snowgate/trtllm-v1/high-water/0", mark, None)
-        .await
-        .expect("write a mark");
+    etcd.put_mark(0, now_millis() - 1000).await;
     // A long TTL: etcd calls would otherwise wait up to a third of it.
     let r = Gateway::start(&["--etcd", url.as_str(), "--machine-id-ttl", "60"]).await;
     assert_eq!(leased_id(&r).await, 0);
@@ -1022,12 +1027,7 @@ async fn a_replica_stopped_during_its_claim_frees_the_slot_at_once() {
 async fn a_slot_whose_mark_is_a_minute_ahead_is_skipped_not_waited_for() {
     let Some(binary) = etcd_binary() else { return };
     let etcd = Etcd::start(binary).await;
-    let ahead = (now_millis() + 60_000).to_string();
-    etcd.client()
-        .await
-        .put("/snowgate/trtllm-v1/high-water/0", ahead, None)
-        .await
-        .expect("write a mark");
+    etcd.put_mark(0, now_millis() + 60_000).await;
     let r = replica(&etcd, &[]).await;
     assert_eq!(leased_id(&r).await, 1, "slot 0 is skipped");
     r.wait_log("ahead of this host's clock").await;
@@ -1044,13 +1044,8 @@ async fn a_slot_whose_mark_is_a_minute_ahead_is_skipped_not_waited_for() {
 async fn a_claim_abandoned_while_waiting_leaves_the_id_clock_alone() {
     let Some(binary) = etcd_binary() else { return };
     let etcd = Etcd::start(binary).await;
+    etcd.put_mark(0, now_millis() + 20_000).await;
     let mut client = etcd.client().await;
-    let mark_key = "/snowgate/trtllm-v1/high-water/0";
-    let ahead = (now_millis() + 20_000).to_string();
-    client
-        .put(mark_key, ahead, None)
-        .await
-        .expect("write a mark");
     let r = replica(&etcd, &[]).await;
     r.wait_status("the wait for the mark", STEP, |s| {
         s["lease"]["last_error"]
@@ -1064,7 +1059,7 @@ async fn a_claim_abandoned_while_waiting_leaves_the_id_clock_alone() {
         .expect("read the slot");
     let lease = slot.kvs().first().expect("slot 0 is claimed").lease();
     client
-        .delete(mark_key, None)
+        .delete("/snowgate/trtllm-v1/high-water/0", None)
         .await
         .expect("delete the mark");
     client.lease_revoke(lease).await.expect("revoke the lease");
