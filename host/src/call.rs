@@ -511,8 +511,12 @@ mod tests {
     use crate::limits::PluginLimits;
 
     fn plugin(limits: PluginLimits) -> Plugin {
+        plugin_on(IdClock::new(FixedClock(1_764_000_000_000)), limits)
+    }
+
+    fn plugin_on(clock: IdClock, limits: PluginLimits) -> Plugin {
         let services = HostServices {
-            clock: Arc::new(IdClock::new(FixedClock(1_764_000_000_000))),
+            clock: Arc::new(clock),
             identity: Arc::new(
                 MachineIdentity::fixed(SnowflakeLayout::TrtllmV1, 7).expect("in range"),
             ),
@@ -634,6 +638,39 @@ mod tests {
 
     fn withheld(action: &Action) -> bool {
         matches!(action, Action::Reject(r) if r.status == 503 && r.code == "no_machine_id")
+    }
+
+    /// A wall clock the test moves.
+    struct Hand(Arc<std::sync::atomic::AtomicU64>);
+
+    impl crate::clock::WallClock for Hand {
+        fn now_millis(&self) -> u64 {
+            self.0.load(std::sync::atomic::Ordering::SeqCst)
+        }
+    }
+
+    /// Once the clock refuses a call a tick, the call takes no more, even
+    /// after the wall clock moved on and freed some: they are for the other
+    /// requests (under a flood of large batches, a refused batch that went
+    /// on taking them left none for any other, and every batch failed).
+    #[test]
+    fn a_call_refused_a_tick_takes_no_more() {
+        let wall = Arc::new(std::sync::atomic::AtomicU64::new(1_000));
+        let clock = IdClock::new(Hand(wall.clone())).with_max_lead(Duration::from_millis(1));
+        let plugin = plugin_on(clock, PluginLimits::default());
+        let clock = &plugin.engine.services.clock;
+        let mut store = plugin.new_store();
+        // Milliseconds 1000 and 1001; 1002 is past the bound.
+        while store.data().issued.refused.is_none() {
+            take_tick(&mut store);
+        }
+        assert_eq!(clock.issued(), 2 * 4096);
+        wall.store(1_005, std::sync::atomic::Ordering::SeqCst);
+        for _ in 0..10 {
+            take_tick(&mut store);
+        }
+        assert_eq!(clock.issued(), 2 * 4096, "ticks taken after the refusal");
+        assert!(clock.next_tick(4096).is_ok(), "another call gets one");
     }
 
     #[test]

@@ -196,16 +196,23 @@ impl types::Host for HostState {}
 impl clock::Host for HostState {
     fn next_tick(&mut self, sequence_space: u32) -> clock::Tick {
         // A clock that refuses gives a tick it may have given before, and
-        // the call's ids are withheld (see `Call::fence`).
-        let tick = match self.services.clock.next_tick(sequence_space) {
-            Ok(tick) => tick,
-            Err(refused) => {
-                self.issued.refused = Some(refused);
-                crate::clock::Tick {
-                    millis: u64::MAX,
-                    sequence: 0,
+        // the call's ids are withheld (see `Call::fence`). After a refusal
+        // the call takes no more ticks: those it would take as the wall
+        // clock moves on are the ones other requests need, and under a
+        // flood of large batches every batch would be refused.
+        let refused_tick = crate::clock::Tick {
+            millis: u64::MAX,
+            sequence: 0,
+        };
+        let tick = match self.issued.refused {
+            Some(_) => refused_tick,
+            None => match self.services.clock.next_tick(sequence_space) {
+                Ok(tick) => tick,
+                Err(refused) => {
+                    self.issued.refused = Some(refused);
+                    refused_tick
                 }
-            }
+            },
         };
         self.issued.last_millis = Some(tick.millis);
         clock::Tick {
