@@ -1684,8 +1684,9 @@ async fn metrics_count_requests_by_outcome() {
 // Shutdown
 // ---------------------------------------------------------------------------
 
-/// SIGTERM: the listener closes at once (new connections are refused), the
-/// request in flight finishes with 200, then the process exits 0.
+/// SIGTERM: the listener closes at once (new connections are refused),
+/// `/readyz` says not ready, the request in flight finishes with 200, then
+/// the process exits 0.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_stops_accepting_and_drains_in_flight_requests() {
     let upstream = TestUpstream::start().await;
@@ -1701,12 +1702,17 @@ async fn sigterm_stops_accepting_and_drains_in_flight_requests() {
     )
     .await;
 
+    assert_eq!(get(gateway.admin, "/readyz").await.status, StatusCode::OK);
     gateway.signal("TERM");
     wait_refused(gateway.addr, Duration::from_secs(10)).await;
     assert!(
         gateway.exited().is_none(),
         "the gateway exited with a request in flight"
     );
+    // Draining: not ready, so that a load balancer sends nothing more.
+    let readiness = get(gateway.admin, "/readyz").await;
+    assert_eq!(readiness.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(readiness.text(), "not ready: the gateway is stopping\n");
 
     upstream.state.release.notify_one();
     let reply = bounded("the in-flight request", STEP, in_flight)

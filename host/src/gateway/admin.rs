@@ -1,6 +1,7 @@
 //! The admin listener: `/status`, `/reload`, `/healthz`, `/readyz`, `/metrics`.
 
 use std::convert::Infallible;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -33,6 +34,8 @@ pub struct Admin {
     pub token: Option<String>,
     /// The etcd lease of the machine id, when there is one.
     pub lease: Option<Arc<LeaseStatus>>,
+    /// Set once the gateway has been told to stop (it then drains).
+    pub stopping: Arc<AtomicBool>,
     /// How long a connection may take to send its first byte, and then
     /// each request head (the gateway's `--header-read-timeout-ms`).
     pub header_read_timeout: Duration,
@@ -48,6 +51,18 @@ pub const MAX_ADMIN_CONNECTIONS: usize = 64;
 pub const ADMIN_FIRST_BYTE_TIMEOUT: Duration = Duration::from_secs(1);
 
 impl Admin {
+    /// Whether a request that needs an id can get one now: the gateway is
+    /// not stopping, holds a machine id (with a live lease, if leased), and
+    /// the next id would be within the slot's confirmed high-water mark.
+    fn readiness(&self) -> Result<(), String> {
+        if self.stopping.load(Ordering::Relaxed) {
+            return Err("the gateway is stopping".to_string());
+        }
+        let now = crate::utc::millis_of(std::time::SystemTime::now());
+        let last = self.services.clock.last_tick().map_or(0, |t| t.millis);
+        self.services.identity.confirm(None, now.max(last))
+    }
+
     /// Serves admin requests on `listener` until the task is dropped: at
     /// most [`MAX_ADMIN_CONNECTIONS`] at once, each closed if it sends
     /// nothing within [`ADMIN_FIRST_BYTE_TIMEOUT`], or not a whole request
@@ -106,8 +121,8 @@ impl Admin {
             // Ready while requests that need an id can get one: for a
             // readiness probe, so that no traffic comes while the machine
             // id is being leased, waited for, or was lost.
-            (&Method::GET, "/readyz") => match self.services.identity.grant() {
-                Ok(_) => text(StatusCode::OK, "text/plain", "ready\n".to_string()),
+            (&Method::GET, "/readyz") => match self.readiness() {
+                Ok(()) => text(StatusCode::OK, "text/plain", "ready\n".to_string()),
                 Err(reason) => text(
                     StatusCode::SERVICE_UNAVAILABLE,
                     "text/plain",

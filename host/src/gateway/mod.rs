@@ -26,6 +26,7 @@ pub mod workers;
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use anyhow::Context as _;
@@ -154,12 +155,22 @@ impl Gateway {
             Some(config) => Some(lease::start(config.clone(), self.services.clone())?),
             None => None,
         };
+        // Readiness ends as soon as the stop begins, before the drain.
+        let stopping = Arc::new(AtomicBool::new(false));
+        let shutdown = {
+            let stopping = stopping.clone();
+            async move {
+                shutdown.await;
+                stopping.store(true, Ordering::Relaxed);
+            }
+        };
         let admin = Arc::new(admin::Admin {
             slot: self.slot.clone(),
             services: self.services.clone(),
             upstream: self.upstream.describe(),
             token: self.config.admin_token.clone(),
             lease: lease.as_ref().map(|(status, _)| status.clone()),
+            stopping: stopping.clone(),
             header_read_timeout: self.config.connections.header_read_timeout,
             failure_policy: match self.config.failure_policy {
                 FailurePolicy::FailClosed => "fail-closed",
