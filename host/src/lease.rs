@@ -480,6 +480,10 @@ impl Keeper {
                 Ok(claim) => claim,
                 Err(_) if self.stopping() => break,
                 Err(e) => {
+                    // The endpoint may be what failed (it can hang after
+                    // answering the connect): the next claim tries the
+                    // others first.
+                    self.next_endpoint = self.current_endpoint + 1;
                     let message = format!("{e:#}");
                     // Retried twice a second: a failure is logged as a
                     // warning when it is new, and at debug level after.
@@ -754,13 +758,13 @@ impl Keeper {
                     .saturating_add(self.mark_ahead())
                     .saturating_add(MAX_LEAD.as_millis() as u64),
             };
-            // The clock and the mark are moved only once the slot is about
-            // to be used: a wait abandoned (a stop, a lost lease) leaves
-            // neither ahead for a slot this replica never used.
+            // The mark is moved only once the wait is over, and the clock
+            // only once nothing can fail before the slot is used: a claim
+            // abandoned (a stop, a lost lease, a failed write) leaves the
+            // clock where it was, for the next slot this replica takes.
             self.wait_for_the_floor(client, lease_id, alive_since, id, floor)
                 .await?;
-            self.services.clock.advance_past(floor);
-            let ceiling = match self.reserve(client, id, lease_id).await? {
+            let ceiling = match self.reserve(client, id, lease_id, floor).await? {
                 Reserved::Raised(mark) => mark,
                 Reserved::NotOurs => anyhow::bail!(
                     "the lease expired while claiming machine id {id}: its key is no longer ours"
@@ -769,6 +773,7 @@ impl Keeper {
             // A confirmed renewal now proves the lease, and so the slot,
             // never lapsed during the claim, and starts the hold afresh.
             *alive_since = renew_once(client, lease_id, renew_every).await?;
+            self.services.clock.advance_past(floor);
             self.services
                 .identity
                 .assign_leased(
@@ -956,17 +961,24 @@ impl Keeper {
     }
 
     /// Raises the slot's high-water mark past every millisecond this holder
-    /// may use before its lease could expire, and returns it; only while
-    /// the slot's key is bound to `lease_id`, so that a holder whose lease
-    /// ran out cannot lower a successor's mark.
+    /// may use before its lease could expire (its ids start after `floor`
+    /// at the earliest), and returns it; only while the slot's key is bound
+    /// to `lease_id`, so that a holder whose lease ran out cannot lower a
+    /// successor's mark.
     async fn reserve(
         &self,
         client: &mut Client,
         id: u32,
         lease_id: i64,
+        floor: u64,
     ) -> anyhow::Result<Reserved> {
         let now = millis_of(SystemTime::now());
-        let last = self.services.clock.last_tick().map_or(0, |t| t.millis);
+        let last = self
+            .services
+            .clock
+            .last_tick()
+            .map_or(0, |t| t.millis)
+            .max(floor);
         // Never below the mark already confirmed (the wall clock may have
         // stepped back): ids up to that one may have left already.
         let confirmed = self.services.identity.ceiling().unwrap_or(0);
@@ -1081,6 +1093,14 @@ impl Keeper {
         // When to renew next: moved only by a renewal attempt, so that
         // requests to raise the mark cannot put renewals off.
         let mut renew_at = confirmed_at + every;
+        // Whether the keep-alive stream is open, as far as is known. It is
+        // watched between renewals too: etcd going away (a restart, maybe
+        // with its data lost) breaks it, and the lease is then checked at
+        // once and every half second, not only at the next renewal. With
+        // a long TTL, a holder whose lease went with etcd's data would
+        // otherwise go on stamping for up to a third of it, while a
+        // replica with a shorter TTL may already hold its slot.
+        let mut stream_open = true;
         loop {
             let deadline = confirmed_at + ttl - SAFETY_MARGIN;
             let next = renew_at.min(deadline);
@@ -1090,6 +1110,16 @@ impl Keeper {
                 // Ids came near the mark before the next renewal would
                 // raise it (a burst ran the id clock ahead): raise it now.
                 () = identity.ceiling_near(), if raise_on_request => false,
+                // Nothing is asked between renewals: an answer now is a
+                // late one to a renewal given up on (not counted), and
+                // an end or an error is the stream breaking.
+                message = responses.message(), if stream_open => match message {
+                    Ok(Some(_late)) => continue,
+                    Ok(None) | Err(_) => {
+                        stream_open = false;
+                        true
+                    }
+                },
             };
             if Instant::now() >= deadline {
                 return Ended::Lost(format!(
@@ -1130,6 +1160,9 @@ impl Keeper {
                 };
                 if let Some(failure) = failure {
                     tracing::warn!(error = %failure, "renewing the lease failed; retrying until the deadline");
+                    stream_open = false;
+                    // Tried again soon, not a third of the TTL later.
+                    renew_at = Instant::now() + RETRY_PAUSE;
                     // Reopening renews once and waits for etcd to confirm
                     // it, through another endpoint if this one fails.
                     let reopened = Sent::now();
@@ -1141,7 +1174,9 @@ impl Keeper {
                     match reopening {
                         Ok(Ok(pair)) => {
                             (keeper, responses) = pair;
+                            stream_open = true;
                             confirmed_at = self.renewed(reopened);
+                            renew_at = reopened.at + every;
                         }
                         Ok(Err(Reopen::Gone)) => return Ended::Lost(LEASE_NOT_FOUND.to_string()),
                         Ok(Err(Reopen::Failed(e))) => {
@@ -1223,7 +1258,7 @@ impl Keeper {
         deadline: Instant,
     ) -> Raise {
         let within = deadline.saturating_duration_since(Instant::now());
-        match tokio::time::timeout(within, self.reserve(client, id, lease_id)).await {
+        match tokio::time::timeout(within, self.reserve(client, id, lease_id, 0)).await {
             Ok(Ok(Reserved::Raised(mark))) => {
                 self.services
                     .identity

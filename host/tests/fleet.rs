@@ -1074,3 +1074,51 @@ async fn a_claim_abandoned_while_waiting_leaves_the_id_clock_alone() {
         "id {id} is more than 9 s ahead"
     );
 }
+
+/// Posts batches of 10 to `replica` until `until`; the ids of the batches
+/// that were stamped (others, refused while no id could be issued, are
+/// left out).
+async fn stamp_until(replica: &Gateway, until: Instant) -> Vec<u64> {
+    let mut ids = Vec::new();
+    while Instant::now() < until {
+        let reply = post_json(replica.addr, "/v1/completions", batch(10)).await;
+        if reply.status == 200 {
+            ids.extend(batch_ids(&reply.json()));
+        }
+    }
+    ids
+}
+
+/// etcd restarted empty under a replica with a long TTL (60 s, so 20 s
+/// between renewals), with a replica with the shortest TTL started right
+/// after: that one takes the slot with no mark and stamps from 3 + 1 + 9 s
+/// ahead, 4.2 s later; the long-TTL holder must not go on stamping until
+/// its next renewal, when its clock reaches those ids. It notices when the
+/// restart breaks its keep-alive stream.
+#[tokio::test(flavor = "multi_thread")]
+async fn replicas_with_different_ttls_repeat_no_id_when_etcd_loses_its_data() {
+    let Some(binary) = etcd_binary() else { return };
+    let mut etcd = Etcd::start(binary).await;
+    etcd.put_mark(0, now_millis() - 1000).await;
+    let url = etcd.url();
+    let long = Gateway::start(&["--etcd", url.as_str(), "--machine-id-ttl", "60"]).await;
+    assert_eq!(leased_id(&long).await, 0);
+    etcd.wipe().await;
+    let short = replica(&etcd, &[]).await;
+    // Past the new replica's floor, before the long one's next renewal.
+    let until = Instant::now() + Duration::from_secs(18);
+    let (long_ids, short_ids) = tokio::join!(stamp_until(&long, until), stamp_until(&short, until));
+    assert!(!short_ids.is_empty(), "the new replica never stamped");
+    let long_ids: HashSet<u64> = long_ids.into_iter().collect();
+    let repeated: Vec<u64> = short_ids
+        .into_iter()
+        .filter(|id| long_ids.contains(id))
+        .collect();
+    assert!(
+        repeated.is_empty(),
+        "{} ids issued by both, e.g. {:?}",
+        repeated.len(),
+        &repeated[..repeated.len().min(3)]
+    );
+    long.wait_log("etcd no longer knows the lease").await;
+}
