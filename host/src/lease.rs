@@ -1279,32 +1279,61 @@ impl Keeper {
         }
     }
 
-    /// Clean stop: withdraw, record the exact high-water mark, revoke.
-    async fn release(&self, client: &mut Client, lease_id: i64, id: u32) {
+    /// Clean stop: withdraw, record the exact high-water mark, revoke;
+    /// through another endpoint if the current one fails.
+    async fn release(&mut self, client: &mut Client, lease_id: i64, id: u32) {
         self.services.identity.withdraw("the gateway is stopping");
-        if *self.stop.borrow() == Stop::Drained {
-            if let Some(last) = self.services.clock.last_tick() {
-                // Only while the slot is still ours (see `put_mark`); if not,
-                // or etcd does not answer, the reserved mark stays.
-                let exact = self.put_mark(client, id, lease_id, last.millis);
-                let _ = tokio::time::timeout(RELEASE_WAIT, exact).await;
+        let exact = match *self.stop.borrow() {
+            Stop::Drained => self.services.clock.last_tick().map(|last| last.millis),
+            _ => None,
+        };
+        if !self.give_up(client, lease_id, id, exact).await && self.config.endpoints.len() > 1 {
+            // The member may hang: once more through the others, within a
+            // bounded time too.
+            self.next_endpoint = self.current_endpoint + 1;
+            if let Ok(Ok(mut other)) = tokio::time::timeout(RELEASE_WAIT, self.connect()).await {
+                self.give_up(&mut other, lease_id, id, exact).await;
             }
-        }
-        match tokio::time::timeout(RELEASE_WAIT, client.lease_revoke(lease_id)).await {
-            Ok(Ok(_)) => tracing::info!(machine_id = id, "machine id lease revoked"),
-            Ok(Err(e)) => {
-                tracing::warn!(error = %e, "revoking the lease failed; it expires after its TTL")
-            }
-            Err(_) => tracing::warn!(
-                "revoking the lease failed: etcd did not answer within {} s; it expires after its TTL",
-                RELEASE_WAIT.as_secs()
-            ),
         }
         self.status.update(|s| {
             s.state = LeaseState::Released;
             s.machine_id = None;
             s.lease_id = None;
         });
+    }
+
+    /// Writes the exact mark `exact` (when the stop drained: only while
+    /// the slot is still ours, see `put_mark`; if not, or etcd does not
+    /// answer, the reserved mark stays) and revokes the lease, waiting at
+    /// most [`RELEASE_WAIT`] for each. Whether the revocation went through.
+    async fn give_up(
+        &self,
+        client: &mut Client,
+        lease_id: i64,
+        id: u32,
+        exact: Option<u64>,
+    ) -> bool {
+        if let Some(millis) = exact {
+            let write = self.put_mark(client, id, lease_id, millis);
+            let _ = tokio::time::timeout(RELEASE_WAIT, write).await;
+        }
+        match tokio::time::timeout(RELEASE_WAIT, client.lease_revoke(lease_id)).await {
+            Ok(Ok(_)) => {
+                tracing::info!(machine_id = id, "machine id lease revoked");
+                true
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "revoking the lease failed; it expires after its TTL");
+                false
+            }
+            Err(_) => {
+                tracing::warn!(
+                    "revoking the lease failed: etcd did not answer within {} s; it expires after its TTL",
+                    RELEASE_WAIT.as_secs()
+                );
+                false
+            }
+        }
     }
 }
 

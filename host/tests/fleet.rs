@@ -1122,3 +1122,27 @@ async fn replicas_with_different_ttls_repeat_no_id_when_etcd_loses_its_data() {
     );
     long.wait_log("etcd no longer knows the lease").await;
 }
+
+/// A replica stopped while the etcd member it talks to hangs records its
+/// last mark and revokes its lease through another member: the slot is
+/// free at once, and a replica restarted at once takes it again.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replica_stopped_while_its_member_hangs_frees_its_slot_through_another() {
+    let Some(binary) = etcd_binary() else { return };
+    let etcd = Etcd::start(binary).await;
+    etcd.put_mark(0, now_millis() - 1000).await;
+    let member = EtcdProxy::start(&etcd).await;
+    let endpoints = format!("{},{}", member.url, etcd.url());
+    let ttl = TTL_SECS.to_string();
+    let r = Gateway::start(&["--etcd", &endpoints, "--machine-id-ttl", &ttl]).await;
+    assert_eq!(leased_id(&r).await, 0);
+    let reply = post_json(r.addr, "/v1/completions", batch(3)).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    member.hang();
+    r.stop().await;
+    assert!(
+        !etcd.claimed().await.contains(&0),
+        "slot 0 is still claimed after a clean stop\n{}",
+        r.stderr_text()
+    );
+}
