@@ -1101,6 +1101,8 @@ impl Keeper {
         // otherwise go on stamping for up to a third of it, while a
         // replica with a shorter TTL may already hold its slot.
         let mut stream_open = true;
+        // Whether renewals are failing (warned once per episode).
+        let mut failing = false;
         loop {
             let deadline = confirmed_at + ttl - SAFETY_MARGIN;
             let next = renew_at.min(deadline);
@@ -1135,7 +1137,13 @@ impl Keeper {
                 // another before the deadline (with the shortest TTL, 3 s,
                 // the deadline is a second after the next renewal is due).
                 let wait = deadline.saturating_duration_since(sent.at).min(every / 2);
+                // A stream that broke or went unanswered is not used again:
+                // an answer still queued on it belongs to an earlier renewal
+                // and would be counted for this one. It is reopened instead.
                 let renewal = tokio::time::timeout(wait, async {
+                    if !stream_open {
+                        return Ok(None);
+                    }
                     keeper.keep_alive().await?;
                     responses.message().await
                 });
@@ -1144,6 +1152,7 @@ impl Keeper {
                 };
                 let failure = match renewed {
                     Ok(Ok(Some(response))) if response.ttl() > 0 => {
+                        failing = false;
                         confirmed_at = self.renewed(sent);
                         self.status
                             .update(|s| s.last_renewed = Some(SystemTime::now()));
@@ -1154,12 +1163,19 @@ impl Keeper {
                             "etcd says the lease expired or was revoked".to_string(),
                         )
                     }
+                    Ok(Ok(None)) if !stream_open => Some("the keep-alive stream broke".to_string()),
                     Ok(Ok(None)) => Some("etcd closed the keep-alive stream".to_string()),
                     Ok(Err(e)) => Some(e.to_string()),
                     Err(_) => Some(format!("no answer within {} ms", wait.as_millis())),
                 };
                 if let Some(failure) = failure {
-                    tracing::warn!(error = %failure, "renewing the lease failed; retrying until the deadline");
+                    // Retried every half second while etcd is away: one
+                    // warning when it starts, the rest at debug level.
+                    if std::mem::replace(&mut failing, true) {
+                        tracing::debug!(error = %failure, "renewing the lease failed again; retrying until the deadline");
+                    } else {
+                        tracing::warn!(error = %failure, "renewing the lease failed; retrying until the deadline");
+                    }
                     stream_open = false;
                     // Tried again soon, not a third of the TTL later.
                     renew_at = Instant::now() + RETRY_PAUSE;
@@ -1175,12 +1191,13 @@ impl Keeper {
                         Ok(Ok(pair)) => {
                             (keeper, responses) = pair;
                             stream_open = true;
+                            failing = false;
                             confirmed_at = self.renewed(reopened);
                             renew_at = reopened.at + every;
                         }
                         Ok(Err(Reopen::Gone)) => return Ended::Lost(LEASE_NOT_FOUND.to_string()),
                         Ok(Err(Reopen::Failed(e))) => {
-                            tracing::warn!(error = %e, "reopening the keep-alive stream failed")
+                            tracing::debug!(error = %e, "reopening the keep-alive stream failed")
                         }
                         Err(_timeout) => {}
                     }
