@@ -848,11 +848,34 @@ async fn a_replica_leases_and_keeps_an_id_while_other_etcd_endpoints_are_down() 
 /// A TCP proxy to etcd on loopback, which a test can take down (its
 /// listener closes and every connection through it is cut) or hang (its
 /// connections stay open and nothing more goes through, as with a member
-/// that stopped answering or a network that drops its packets).
+/// that stopped answering or a network that drops its packets), and then
+/// resume (what was held back goes through).
 struct EtcdProxy {
     url: String,
     tasks: tokio::task::JoinSet<()>,
     hung: tokio::sync::watch::Sender<bool>,
+}
+
+/// Copies `from` to `to`, holding each read back while `hung` is set.
+async fn relay(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    mut hung: tokio::sync::watch::Receiver<bool>,
+) {
+    use tokio::io::AsyncReadExt as _;
+    let mut buffer = vec![0; 16 * 1024];
+    loop {
+        let read = match from.read(&mut buffer).await {
+            Ok(0) | Err(_) => return,
+            Ok(read) => read,
+        };
+        if hung.wait_for(|&hung| !hung).await.is_err() {
+            return;
+        }
+        if to.write_all(&buffer[..read]).await.is_err() {
+            return;
+        }
+    }
 }
 
 impl EtcdProxy {
@@ -866,21 +889,19 @@ impl EtcdProxy {
         let mut tasks = tokio::task::JoinSet::new();
         tasks.spawn(async move {
             let mut connections = tokio::task::JoinSet::new();
-            while let Ok((mut client, _)) = listener.accept().await {
+            while let Ok((client, _)) = listener.accept().await {
                 let target = target.clone();
-                let mut hang = hang.clone();
+                let hang = hang.clone();
                 connections.spawn(async move {
-                    let Ok(mut server) = tokio::net::TcpStream::connect(&target).await else {
+                    let Ok(server) = tokio::net::TcpStream::connect(&target).await else {
                         return;
                     };
-                    let hung = tokio::select! {
-                        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => false,
-                        _ = hang.wait_for(|&hung| hung) => true,
-                    };
-                    if hung {
-                        // Both sockets stay open, and silent.
-                        std::future::pending::<()>().await
-                    }
+                    let (client_in, client_out) = client.into_split();
+                    let (server_in, server_out) = server.into_split();
+                    tokio::join!(
+                        relay(client_in, server_out, hang.clone()),
+                        relay(server_in, client_out, hang),
+                    );
                 });
             }
         });
@@ -895,6 +916,11 @@ impl EtcdProxy {
     /// Stops forwarding: connections, old and new, stay open and silent.
     fn hang(&self) {
         self.hung.send_replace(true);
+    }
+
+    /// Forwards again, what was held back first.
+    fn resume(&self) {
+        self.hung.send_replace(false);
     }
 }
 
@@ -1145,4 +1171,57 @@ async fn a_replica_stopped_while_its_member_hangs_frees_its_slot_through_another
         "slot 0 is still claimed after a clean stop\n{}",
         r.stderr_text()
     );
+}
+
+/// A member that answers nothing for most of a TTL and then comes back: a
+/// renewal goes unanswered and so does the reopen, then the member answers
+/// again. The replica keeps its lease, and still notices at once when etcd
+/// later goes away, rather than at its next renewal (a renewal on the
+/// stream that failed used to read the answer queued for an earlier one,
+/// and left the stream unwatched).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replica_still_notices_etcd_going_away_after_a_slow_spell() {
+    let Some(binary) = etcd_binary() else { return };
+    let mut etcd = Etcd::start(binary).await;
+    etcd.put_mark(0, now_millis() - 1000).await;
+    let member = EtcdProxy::start(&etcd).await;
+    // 30 s: renewals every 10 s, each waited for 5 s, the reopen's call
+    // for 10 s, the deadline 29 s after the last renewal.
+    let r = Gateway::start(&["--etcd", &member.url, "--machine-id-ttl", "30"]).await;
+    assert_eq!(leased_id(&r).await, 0);
+    let held = r.status().await;
+    r.wait_status("a renewal", STEP, |s| {
+        s["lease"]["last_renewed"] != held["lease"]["last_renewed"]
+    })
+    .await;
+    let renewed = Instant::now();
+    // The member is silent for 26.5 s: the next renewal (at 10 s) and its
+    // reopen (15 s to 25 s) go unanswered; the deadline is at 29 s.
+    member.hang();
+    r.wait_log("renewing the lease failed").await;
+    tokio::time::sleep_until((renewed + Duration::from_millis(26_500)).into()).await;
+    let before = r.status().await["lease"]["last_renewed"].clone();
+    member.resume();
+    r.wait_status("a renewal after the slow spell", STEP, |s| {
+        s["lease"]["last_renewed"] != before
+    })
+    .await;
+    assert!(
+        r.metrics()
+            .await
+            .contains("snowgate_lease_losses_total 0\n"),
+        "{}",
+        r.stderr_text()
+    );
+
+    etcd.stop();
+    let stopped = Instant::now();
+    while r.stderr_text().matches("renewing the lease failed").count() < 2 {
+        assert!(
+            stopped.elapsed() < Duration::from_secs(3),
+            "etcd going away was not noticed within 3 s:\n{}",
+            r.stderr_text()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
