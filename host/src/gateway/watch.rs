@@ -102,8 +102,13 @@ pub fn watch_plugin_file(
     let poll_tried = tried.clone();
     let poll_look = look.clone();
     tokio::spawn(async move {
+        // The first look is not taken as the file already loaded: the file
+        // may have been replaced between the load and this look, with the
+        // directory's events going to a watch set up too late (or to the
+        // old directory, when the directory itself was replaced; seen on a
+        // loaded machine). Until a reload has read the file, the file is
+        // due: the first one compares contents and finds it unchanged.
         let Ok(first) = poll_look().await else { return };
-        lock(&poll_tried).get_or_insert(Tried::succeeded(first.clone()));
         let mut previous = first;
         loop {
             tokio::time::sleep(POLL_INTERVAL).await;
@@ -180,15 +185,6 @@ const RETRY_PAUSE: Duration = Duration::from_secs(15);
 const MAX_RETRY_PAUSE: Duration = Duration::from_secs(300);
 
 impl Tried {
-    fn succeeded(fingerprint: Fingerprint) -> Tried {
-        Tried {
-            fingerprint,
-            failures: 0,
-            at: tokio::time::Instant::now(),
-            reloading: false,
-        }
-    }
-
     fn reloading(fingerprint: Fingerprint, failures: u32) -> Tried {
         Tried {
             fingerprint,
