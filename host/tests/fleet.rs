@@ -72,6 +72,9 @@ struct Etcd {
 }
 
 impl Etcd {
+    /// Starts etcd on free ports. A port found free can be taken by
+    /// another test's listener before etcd binds it (the tests run in
+    /// parallel); etcd then exits at once, and is started on other ports.
     async fn start(binary: PathBuf) -> Etcd {
         let mut etcd = Etcd {
             binary,
@@ -80,15 +83,31 @@ impl Etcd {
             peer_port: free_port(),
             child: None,
         };
-        etcd.launch().await;
-        etcd
+        for _ in 0..5 {
+            if etcd.try_launch().await {
+                return etcd;
+            }
+            etcd.client_port = free_port();
+            etcd.peer_port = free_port();
+        }
+        panic!("etcd exited at once five times, on five pairs of ports");
     }
 
     fn url(&self) -> String {
         format!("http://127.0.0.1:{}", self.client_port)
     }
 
+    /// Starts etcd again on its ports, with its data directory.
     async fn launch(&mut self) {
+        assert!(
+            self.try_launch().await,
+            "etcd exited at once on {}",
+            self.url()
+        );
+    }
+
+    /// Starts etcd and waits until it serves; false if it exited first.
+    async fn try_launch(&mut self) -> bool {
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
         let child = Command::new(&self.binary)
             .args(["--name", "snowgate-test", "--data-dir"])
@@ -117,8 +136,16 @@ impl Etcd {
         loop {
             if let Ok(mut client) = Client::connect([self.url()], None).await {
                 if client.put("/snowgate-test/ready", "1", None).await.is_ok() {
-                    return;
+                    return true;
                 }
+            }
+            let exited = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten());
+            if exited.is_some() {
+                self.child = None;
+                return false;
             }
             assert!(
                 Instant::now() < deadline,
@@ -811,7 +838,9 @@ async fn a_replica_leases_and_keeps_an_id_while_other_etcd_endpoints_are_down() 
     let Some(binary) = etcd_binary() else { return };
     let etcd = Etcd::start(binary).await;
     let live = etcd.url();
-    let refused = format!("http://127.0.0.1:{}", free_port());
+    // Port 1: privileged, so no test listens there (a port found free
+    // could become another test's etcd).
+    let refused = "http://127.0.0.1:1".to_string();
     // Bound but never accepted: the kernel completes the handshake, and
     // nothing ever answers.
     let hung_member = StdTcpListener::bind("127.0.0.1:0").expect("bind");
