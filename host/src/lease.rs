@@ -305,6 +305,16 @@ enum Reopen {
     Failed(String),
 }
 
+impl From<etcd_client::Error> for Reopen {
+    fn from(error: etcd_client::Error) -> Reopen {
+        if lease_not_found(&error) {
+            Reopen::Gone
+        } else {
+            Reopen::Failed(error.to_string())
+        }
+    }
+}
+
 /// What ended a period of holding an id.
 enum Ended {
     Stopped,
@@ -483,7 +493,7 @@ impl Keeper {
                     // The endpoint may be what failed (it can hang after
                     // answering the connect): the next claim tries the
                     // others first.
-                    self.next_endpoint = self.current_endpoint + 1;
+                    self.try_others_first();
                     let message = format!("{e:#}");
                     // Retried twice a second: a failure is logged as a
                     // warning when it is new, and at debug level after.
@@ -602,6 +612,12 @@ impl Keeper {
             self.next_endpoint = index + 1;
         }
         anyhow::bail!("no etcd endpoint answered ({})", failures.join("; "))
+    }
+
+    /// Makes the next [`Keeper::connect`] try the current endpoint last:
+    /// it failed, and may hang rather than refuse.
+    fn try_others_first(&mut self) {
+        self.next_endpoint = self.current_endpoint + 1;
     }
 
     /// The slots a claim may try, from one read of the claimed slots and
@@ -1052,13 +1068,10 @@ impl Keeper {
             // First through the endpoint the claim just used.
             let opening = tokio::time::timeout(within, async {
                 if std::mem::take(&mut first) {
-                    return client.lease_keep_alive(lease_id).await.map_err(|e| {
-                        if lease_not_found(&e) {
-                            Reopen::Gone
-                        } else {
-                            Reopen::Failed(e.to_string())
-                        }
-                    });
+                    return client
+                        .lease_keep_alive(lease_id)
+                        .await
+                        .map_err(Reopen::from);
                 }
                 self.reopen(client, lease_id).await
             });
@@ -1232,25 +1245,19 @@ impl Keeper {
         lease_id: i64,
     ) -> Result<(LeaseKeeper, LeaseKeepAliveStream), Reopen> {
         if self.config.endpoints.len() < 2 {
-            return match client.lease_keep_alive(lease_id).await {
-                Ok(pair) => Ok(pair),
-                Err(e) if lease_not_found(&e) => Err(Reopen::Gone),
-                Err(e) => Err(Reopen::Failed(e.to_string())),
-            };
+            return client
+                .lease_keep_alive(lease_id)
+                .await
+                .map_err(Reopen::from);
         }
-        self.next_endpoint = self.current_endpoint + 1;
+        self.try_others_first();
         let mut other = self
             .connect()
             .await
             .map_err(|e| Reopen::Failed(format!("{e:#}")))?;
-        match other.lease_keep_alive(lease_id).await {
-            Ok(pair) => {
-                *client = other;
-                Ok(pair)
-            }
-            Err(e) if lease_not_found(&e) => Err(Reopen::Gone),
-            Err(e) => Err(Reopen::Failed(e.to_string())),
-        }
+        let pair = other.lease_keep_alive(lease_id).await?;
+        *client = other;
+        Ok(pair)
     }
 
     /// A renewal etcd confirmed, sent at `sent`: the request path may use
@@ -1307,7 +1314,7 @@ impl Keeper {
         if !self.give_up(client, lease_id, id, exact).await && self.config.endpoints.len() > 1 {
             // The member may hang: once more through the others, within a
             // bounded time too.
-            self.next_endpoint = self.current_endpoint + 1;
+            self.try_others_first();
             if let Ok(Ok(mut other)) = tokio::time::timeout(RELEASE_WAIT, self.connect()).await {
                 self.give_up(&mut other, lease_id, id, exact).await;
             }
