@@ -640,23 +640,14 @@ mod tests {
         matches!(action, Action::Reject(r) if r.status == 503 && r.code == "no_machine_id")
     }
 
-    /// A wall clock the test moves.
-    struct Hand(Arc<std::sync::atomic::AtomicU64>);
-
-    impl crate::clock::WallClock for Hand {
-        fn now_millis(&self) -> u64 {
-            self.0.load(std::sync::atomic::Ordering::SeqCst)
-        }
-    }
-
     /// Once the clock refuses a call a tick, the call takes no more, even
     /// after the wall clock moved on and freed some: they are for the other
     /// requests (under a flood of large batches, a refused batch that went
     /// on taking them left none for any other, and every batch failed).
     #[test]
     fn a_call_refused_a_tick_takes_no_more() {
-        let wall = Arc::new(std::sync::atomic::AtomicU64::new(1_000));
-        let clock = IdClock::new(Hand(wall.clone())).with_max_lead(Duration::from_millis(1));
+        let (clock, wall) = crate::clock::tests::hand_clock(1_000);
+        let clock = clock.with_max_lead(Duration::from_millis(1));
         let plugin = plugin_on(clock, PluginLimits::default());
         let clock = &plugin.engine.services.clock;
         let mut store = plugin.new_store();

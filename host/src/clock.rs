@@ -297,7 +297,7 @@ impl std::fmt::Debug for IdClock {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use std::collections::HashSet;
     use std::sync::atomic::{AtomicU64, Ordering};
@@ -312,7 +312,9 @@ mod tests {
         }
     }
 
-    fn hand_clock(start: u64) -> (IdClock, Arc<AtomicU64>) {
+    /// An unbounded id clock on a wall clock that reads `start` until the
+    /// returned handle moves it.
+    pub(crate) fn hand_clock(start: u64) -> (IdClock, Arc<AtomicU64>) {
         let now = Arc::new(AtomicU64::new(start));
         (IdClock::new(HandClock(now.clone())), now)
     }

@@ -7,7 +7,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 /// Lets one warning through per second.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct LogThrottle {
     /// The millisecond (of the process's monotonic time, plus one) before
     /// which warnings are held back; 0 until one is written.
