@@ -261,6 +261,14 @@ async fn leased_id(replica: &Gateway) -> u32 {
     status["machine_id"].as_u64().expect("machine_id") as u32
 }
 
+/// Waits until the replica's `/status` shows a lease renewal later than
+/// `last_renewed` (a `lease.last_renewed` value read before).
+async fn wait_renewed_since(replica: &Gateway, last_renewed: &Value, what: &str) {
+    replica
+        .wait_status(what, STEP, |s| s["lease"]["last_renewed"] != *last_renewed)
+        .await;
+}
+
 /// Writes `value` under `prefix` + every trtllm-v1 machine id, with
 /// `options`: 128 writes per transaction, etcd's default limit.
 async fn put_for_every_id(
@@ -984,10 +992,7 @@ async fn keeps_its_id_when_its_etcd_member(failure: MemberFailure) {
     let held = r.status().await;
     let before = held["lease"]["lease_id"].clone();
     // Once a renewal went through the member, its keep-alive stream is open.
-    r.wait_status("a renewal", STEP, |s| {
-        s["lease"]["last_renewed"] != held["lease"]["last_renewed"]
-    })
-    .await;
+    wait_renewed_since(&r, &held["lease"]["last_renewed"], "a renewal").await;
     match failure {
         MemberFailure::GoesAway => member.take_down(),
         MemberFailure::Hangs => member.hang(),
@@ -1219,10 +1224,7 @@ async fn a_replica_still_notices_etcd_going_away_after_a_slow_spell() {
     let r = Gateway::start(&["--etcd", &member.url, "--machine-id-ttl", "30"]).await;
     assert_eq!(leased_id(&r).await, 0);
     let held = r.status().await;
-    r.wait_status("a renewal", STEP, |s| {
-        s["lease"]["last_renewed"] != held["lease"]["last_renewed"]
-    })
-    .await;
+    wait_renewed_since(&r, &held["lease"]["last_renewed"], "a renewal").await;
     let renewed = Instant::now();
     // The member is silent for 26.5 s: the next renewal (at 10 s) and its
     // reopen (15 s to 25 s) go unanswered; the deadline is at 29 s.
@@ -1231,10 +1233,7 @@ async fn a_replica_still_notices_etcd_going_away_after_a_slow_spell() {
     tokio::time::sleep_until((renewed + Duration::from_millis(26_500)).into()).await;
     let before = r.status().await["lease"]["last_renewed"].clone();
     member.resume();
-    r.wait_status("a renewal after the slow spell", STEP, |s| {
-        s["lease"]["last_renewed"] != before
-    })
-    .await;
+    wait_renewed_since(&r, &before, "a renewal after the slow spell").await;
     assert!(
         r.metrics()
             .await
