@@ -7,7 +7,7 @@
 //! prompt stop while etcd does not answer, a replica waiting for a free
 //! slot that only reads, no repeated id when etcd loses its data, dead,
 //! hung and vanishing endpoints among several, large junk among the marks,
-//! and a stop in the middle of a claim.
+//! a stop in the middle of a claim, and etcd out of space.
 //!
 //! etcd comes from Debian's `etcd-server` package (`.ci/run` installs it);
 //! each test starts its own on loopback with a temporary data directory.
@@ -65,6 +65,8 @@ fn free_port() -> u16 {
 /// One etcd server on loopback with its own data directory.
 struct Etcd {
     binary: PathBuf,
+    /// Flags added to every launch (for example a space quota).
+    flags: Vec<String>,
     data: TempDir,
     client_port: u16,
     peer_port: u16,
@@ -76,8 +78,14 @@ impl Etcd {
     /// another test's listener before etcd binds it (the tests run in
     /// parallel); etcd then exits at once, and is started on other ports.
     async fn start(binary: PathBuf) -> Etcd {
+        Etcd::start_with(binary, &[]).await
+    }
+
+    /// [`Etcd::start`] with `flags` added to etcd's command line.
+    async fn start_with(binary: PathBuf, flags: &[&str]) -> Etcd {
         let mut etcd = Etcd {
             binary,
+            flags: flags.iter().map(|f| f.to_string()).collect(),
             data: TempDir::new("etcd"),
             client_port: free_port(),
             peer_port: free_port(),
@@ -125,6 +133,7 @@ impl Etcd {
                 &peer,
             ])
             .args(["--initial-cluster", &format!("snowgate-test={peer}")])
+            .args(&self.flags)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -1252,4 +1261,129 @@ async fn a_replica_still_notices_etcd_going_away_after_a_slow_spell() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// Polls `/readyz` (every 20 ms, at most `bound`) until it answers
+/// `status`; returns that reply.
+async fn wait_readiness(replica: &Gateway, status: u16, bound: Duration) -> support::Reply {
+    let deadline = Instant::now() + bound;
+    loop {
+        let reply = get(replica.admin, "/readyz").await;
+        if reply.status == status {
+            return reply;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "/readyz did not answer {status} within {bound:?}; last: {} {}\nstderr:\n{}",
+            reply.status,
+            reply.text(),
+            replica.stderr_text()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// etcd out of space (its NOSPACE alarm) refuses every write, so the
+/// replica cannot raise its slot's high-water mark; its lease lives on,
+/// as renewals are not writes. Its ids run into the old mark: requests get
+/// 503 and `/readyz` says not ready, naming the mark, instead of ids
+/// leaving past a mark etcd never stored. Once an operator frees space
+/// (delete, compact, defragment, disarm the alarm), both recover.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replica_whose_etcd_is_out_of_space_is_not_ready_until_space_is_freed() {
+    let Some(binary) = etcd_binary() else { return };
+    // 1 MiB: a few large values fill it.
+    let etcd = Etcd::start_with(binary, &["--quota-backend-bytes", "1048576"]).await;
+    etcd.put_mark(0, now_millis() - 1000).await;
+    let r = replica(&etcd, &[]).await;
+    assert_eq!(leased_id(&r).await, 0);
+    wait_readiness(&r, 200, STEP).await;
+    let before = post_json(r.addr, "/v1/completions", batch(3)).await;
+    assert_eq!(before.status, 200, "{}", before.text());
+    let ids_before = batch_ids(&before.json());
+
+    let mut client = etcd.client().await;
+    let junk = "x".repeat(300_000);
+    // etcd checks the quota against its database file, which grows when
+    // its batch commits (every 100 ms): some writes past the quota land.
+    let mut written = 0;
+    let deadline = Instant::now() + STEP;
+    let full = loop {
+        match client
+            .put(format!("/junk/{written}"), junk.as_str(), None)
+            .await
+        {
+            Ok(_) => written += 1,
+            Err(e) => break e.to_string(),
+        }
+        assert!(
+            Instant::now() < deadline,
+            "etcd still took writes after {written} of 300 kB under a 1 MiB quota"
+        );
+    };
+    assert!(full.contains("database space exceeded"), "{full}");
+
+    // The mark is TTL + 1 s ahead: within that, ids reach it.
+    let not_ready = wait_readiness(&r, 503, Duration::from_secs(TTL_SECS + 1) + STEP).await;
+    assert!(
+        not_ready.text().contains("high-water mark"),
+        "{}",
+        not_ready.text()
+    );
+    let refused = post_json(r.addr, "/v1/completions", batch(3)).await;
+    assert_eq!(refused.status, 503, "{}", refused.text());
+    assert!(
+        refused.text().contains("high-water mark"),
+        "{}",
+        refused.text()
+    );
+    r.wait_log("database space exceeded").await;
+    assert_eq!(r.status().await["lease"]["state"], "held");
+
+    // The operator's remedy, as `etcdctl` does it.
+    let deleted = client
+        .delete(
+            "/junk/",
+            Some(etcd_client::DeleteOptions::new().with_prefix()),
+        )
+        .await
+        .expect("delete the junk");
+    let revision = deleted.header().expect("a header").revision();
+    client.compact(revision, None).await.expect("compact");
+    client.defragment().await.expect("defragment");
+    let alarms = client
+        .alarm(
+            etcd_client::AlarmAction::Get,
+            etcd_client::AlarmType::None,
+            None,
+        )
+        .await
+        .expect("list alarms");
+    for alarm in alarms.alarms() {
+        let mut options = etcd_client::AlarmOptions::new();
+        options.with_member(alarm.member_id());
+        client
+            .alarm(
+                etcd_client::AlarmAction::Deactivate,
+                alarm.alarm(),
+                Some(options),
+            )
+            .await
+            .expect("disarm the alarm");
+    }
+
+    // The next renewal raises the mark again.
+    wait_readiness(&r, 200, STEP).await;
+    let after = post_json(r.addr, "/v1/completions", batch(3)).await;
+    assert_eq!(after.status, 200, "{}", after.text());
+    let millis = |ids: Vec<u64>| -> Vec<u64> {
+        ids.into_iter()
+            .map(|id| SnowflakeLayout::TrtllmV1.decode(id).expect("an id").millis)
+            .collect()
+    };
+    let (before, after) = (millis(ids_before), millis(batch_ids(&after.json())));
+    assert!(
+        after.iter().min() > before.iter().max(),
+        "ids after recovery (ms {after:?}) are not all later than those before (ms {before:?})"
+    );
 }
