@@ -860,6 +860,24 @@ async fn with_a_token_every_admin_request_must_carry_it() {
 /// context-only request the plugin would stamp.
 #[tokio::test(flavor = "multi_thread")]
 async fn an_http2_body_reset_before_its_declared_length_is_not_forwarded() {
+    let sent = CONTEXT_ONLY.as_bytes();
+    http2_body_reset_with_no_error(Some(2 * sent.len()), sent, "client_error").await;
+}
+
+/// The same without a content-length (a streamed upload): the gateway
+/// cannot tell the reset from the end, but what came is not a whole JSON
+/// value, so the plugin refuses it and nothing goes upstream.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_http2_json_body_reset_without_a_declared_length_is_not_forwarded() {
+    let sent = CONTEXT_ONLY.as_bytes();
+    http2_body_reset_with_no_error(None, &sent[..sent.len() / 2], "rejected").await;
+}
+
+/// Over HTTP/2, sends one whole context-only request, then a second whose
+/// body is `part` (under a content-length of `declared`, if any) followed
+/// by a reset with NO_ERROR; asserts that the second counts as `outcome`
+/// and that only the first reached the upstream.
+async fn http2_body_reset_with_no_error(declared: Option<usize>, part: &[u8], outcome: &str) {
     let upstream = TestUpstream::start().await;
     let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
     let stream = TcpStream::connect(gateway.addr).await.expect("connect");
@@ -873,18 +891,19 @@ async fn an_http2_body_reset_before_its_declared_length_is_not_forwarded() {
 
     // One whole request first, so that the gateway has an upstream
     // connection at hand for the next one.
-    let sent = CONTEXT_ONLY.as_bytes();
-    let request = |length: usize| {
-        http::Request::post(format!("http://{}/v1/completions", gateway.addr))
-            .header("content-type", "application/json")
-            .header("content-length", length)
-            .body(())
-            .expect("a request")
+    let whole = CONTEXT_ONLY.as_bytes();
+    let request = |length: Option<usize>| {
+        let mut request = http::Request::post(format!("http://{}/v1/completions", gateway.addr))
+            .header("content-type", "application/json");
+        if let Some(length) = length {
+            request = request.header("content-length", length);
+        }
+        request.body(()).expect("a request")
     };
     let (response, mut body) = client
-        .send_request(request(sent.len()), false)
+        .send_request(request(Some(whole.len())), false)
         .expect("send");
-    body.send_data(bytes::Bytes::from_static(sent), true)
+    body.send_data(bytes::Bytes::from_static(whole), true)
         .expect("the body");
     let response = bounded("the whole request's answer", STEP, response)
         .await
@@ -894,17 +913,14 @@ async fn an_http2_body_reset_before_its_declared_length_is_not_forwarded() {
         .await
         .expect("ready");
 
-    // Then the same JSON as the start of a body declared twice as long,
-    // and a reset with NO_ERROR.
-    let (_response, mut body) = client
-        .send_request(request(2 * sent.len()), false)
-        .expect("send");
-    body.send_data(bytes::Bytes::from_static(sent), false)
+    // Then the part, and a reset with NO_ERROR.
+    let (_response, mut body) = client.send_request(request(declared), false).expect("send");
+    body.send_data(bytes::Bytes::copy_from_slice(part), false)
         .expect("the body");
     body.send_reset(h2::Reason::NO_ERROR);
 
     // Wait for the second request's outcome, whatever it is.
-    let outcomes = ["rewritten", "client_error"]
+    let outcomes = ["rewritten", "client_error", "rejected"]
         .map(|outcome| format!("snowgate_requests_total{{outcome=\"{outcome}\"}}"));
     let deadline = Instant::now() + STEP;
     let metrics = loop {
@@ -919,9 +935,12 @@ async fn an_http2_body_reset_before_its_declared_length_is_not_forwarded() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     assert_eq!(
-        metric(&metrics, &outcomes[1]),
+        metric(
+            &metrics,
+            &format!("snowgate_requests_total{{outcome=\"{outcome}\"}}")
+        ),
         1.0,
-        "the abandoned request is the client's error: {metrics}\nupstream saw {:#?}",
+        "the abandoned request counts as {outcome}: {metrics}\nupstream saw {:#?}",
         upstream.seen()
     );
     assert_eq!(
