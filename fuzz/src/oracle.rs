@@ -19,6 +19,9 @@
 //!   limit disabled (safe: only bodies whose brackets nest at most 128 deep
 //!   are parsed); with the default parser, a body nested exactly 128 deep
 //!   gets every check but the comparison with serde_json.
+//! - integers of more than 4300 digits: snowgate refuses them, as Python's
+//!   `json.loads` does; serde_json reads them. Bodies with a run of more
+//!   than 4300 digits anywhere are not given to the oracle.
 //!
 //! One quirk of the oracle itself is avoided: with `arbitrary_precision`,
 //! serde_json reads an object whose first key is
@@ -186,7 +189,7 @@ fn oracle(body: &[u8], parse: Parse) -> Verdict {
     if depth > DOCUMENTED_DEPTH {
         return Verdict::Invalid(format!("brackets nest {depth} deep"));
     }
-    if mentions_serde_number_token(body) {
+    if mentions_serde_number_token(body) || has_a_run_of_digits_longer_than_python_reads(body) {
         return Verdict::Unknown;
     }
     let Some(mapped) = map_lone_surrogates(body) else {
@@ -511,6 +514,13 @@ pub fn map_lone_surrogates(body: &[u8]) -> Option<Cow<'_, [u8]>> {
         Some(out) => Cow::Owned(out),
         None => Cow::Borrowed(body),
     })
+}
+
+/// Whether `body` holds more than 4300 digits in a row: perhaps an integer
+/// Python refuses (and snowgate with it), perhaps text in a string.
+fn has_a_run_of_digits_longer_than_python_reads(body: &[u8]) -> bool {
+    body.split(|b| !b.is_ascii_digit())
+        .any(|run| run.len() > 4300)
 }
 
 /// Whether serde_json's private number token may appear in a string of

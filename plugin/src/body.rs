@@ -11,6 +11,11 @@ use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::fmt;
 
+/// The most digits an integer may have: Python refuses to convert longer
+/// decimal strings to `int` (since 3.11, 3.10.7 and 3.9.14, against
+/// CVE-2020-10735), so `json.loads` refuses such a body.
+const MAX_INTEGER_DIGITS: usize = 4300;
+
 /// The deepest nesting of arrays and objects a body may have (serde_json's
 /// default stops one level earlier); requests nest a handful of levels.
 pub const MAX_NESTING_DEPTH: usize = 128;
@@ -315,10 +320,11 @@ impl<'a> Walk<'a> {
     }
 
     fn number(&mut self) -> Result<(), BodyError> {
+        let start = self.pos;
         if self.peek() == Some(b'-') {
             self.pos += 1;
         }
-        match self.peek() {
+        let integer_digits = match self.peek() {
             Some(b'0') => {
                 self.pos += 1;
                 if let Some(b'0'..=b'9') = self.peek() {
@@ -326,19 +332,21 @@ impl<'a> Walk<'a> {
                         self.syntax("a number has a leading zero, which JSON does not allow")
                     );
                 }
+                1
             }
-            Some(b'1'..=b'9') => {
-                self.digits();
-            }
+            Some(b'1'..=b'9') => self.digits(),
             _ => return Err(self.syntax("expected a digit in a number")),
-        }
+        };
+        let mut integer = true;
         if self.peek() == Some(b'.') {
+            integer = false;
             self.pos += 1;
             if self.digits() == 0 {
                 return Err(self.syntax("expected a digit after the decimal point"));
             }
         }
         if let Some(b'e' | b'E') = self.peek() {
+            integer = false;
             self.pos += 1;
             if let Some(b'+' | b'-') = self.peek() {
                 self.pos += 1;
@@ -346,6 +354,13 @@ impl<'a> Walk<'a> {
             if self.digits() == 0 {
                 return Err(self.syntax("expected a digit in the exponent"));
             }
+        }
+        if integer && integer_digits > MAX_INTEGER_DIGITS {
+            self.pos = start;
+            return Err(self.syntax(
+                "an integer has more than 4300 digits, which Python's json module refuses \
+                 (sys.int_info.default_max_str_digits)",
+            ));
         }
         Ok(())
     }

@@ -90,6 +90,9 @@ pub fn find_msgpack_edits(body: &[u8]) -> Result<Vec<MsgpackEdit>, MsgpackError>
         edits: Vec::new(),
         live: Vec::new(),
         in_key: 0,
+        tuple_depth: 0,
+        tuple: Vec::new(),
+        tuple_has_nan: false,
     };
     walk.value(false)?;
     if walk.pos != body.len() {
@@ -202,16 +205,115 @@ enum Value {
     Other,
 }
 
-/// A map key, as far as telling duplicates apart goes: strings and
-/// byte strings by their bytes, integers by their value. Other keys are
-/// never taken for duplicates (a missed duplicate only stamps a map that
-/// the worker then drops). Borrowed from the body: reading a string or
-/// byte string value copies nothing.
+/// A map key as Python compares dict keys once msgspec has decoded them,
+/// so that of duplicate keys the last one wins as it does in Python:
+/// strings and byte strings by their bytes (a string never equals a byte
+/// string); integers, booleans and floats by their value (`1`, `1.0` and
+/// `True` are one key); nil equals nil; arrays (tuples in Python) item by
+/// item; timestamps (datetimes) to the microsecond msgspec rounds them
+/// to. A NaN equals nothing, not even another NaN, and neither does a
+/// tuple that holds one: such keys are `None` where keys are read.
+/// Strings and byte strings are borrowed from the body.
 #[derive(Clone, PartialEq, Eq, PartialOrd, Ord)]
 enum Key<'a> {
     Str(&'a [u8]),
     Bin(&'a [u8]),
+    /// An integer, a boolean, or a float with an integral value of less
+    /// than 2^127 in magnitude.
     Int(i128),
+    /// Any other float but a NaN, by the bits of its `f64` value.
+    Float(u64),
+    Nil,
+    /// Seconds and microseconds since the Unix epoch.
+    Time(i64, u32),
+    /// A tuple, by the canonical encoding of its items (see [`Key::encode`]).
+    Tuple(Vec<u8>),
+}
+
+/// Canonical encoding tags of [`Key::encode`].
+const TAG_STR: u8 = 1;
+const TAG_BIN: u8 = 2;
+const TAG_INT: u8 = 3;
+const TAG_FLOAT: u8 = 4;
+const TAG_NIL: u8 = 5;
+const TAG_TIME: u8 = 6;
+const TAG_TUPLE_START: u8 = 7;
+const TAG_TUPLE_END: u8 = 8;
+
+impl Key<'_> {
+    /// The key of a float: by value, so that an integral one is the
+    /// integer (`-0.0` is `0`); none for a NaN.
+    fn float(v: f64) -> Option<Key<'static>> {
+        if v.is_nan() {
+            None
+        } else if v.fract() == 0.0 && v.abs() < 2f64.powi(127) {
+            Some(Key::Int(v as i128))
+        } else {
+            Some(Key::Float(v.to_bits()))
+        }
+    }
+
+    /// Appends a self-delimiting encoding of the key to `out`, one per key
+    /// value: two keys are equal exactly when their encodings are, so a
+    /// tuple is compared by the concatenation of its items' encodings.
+    fn encode(&self, out: &mut Vec<u8>) {
+        match self {
+            Key::Str(bytes) | Key::Bin(bytes) => {
+                out.push(if matches!(self, Key::Str(_)) {
+                    TAG_STR
+                } else {
+                    TAG_BIN
+                });
+                push_varint(out, bytes.len() as u128);
+                out.extend_from_slice(bytes);
+            }
+            Key::Int(v) => {
+                out.push(TAG_INT);
+                push_varint(out, zigzag(*v));
+            }
+            Key::Float(bits) => {
+                out.push(TAG_FLOAT);
+                out.extend_from_slice(&bits.to_be_bytes());
+            }
+            Key::Nil => out.push(TAG_NIL),
+            Key::Time(secs, micros) => {
+                out.push(TAG_TIME);
+                push_varint(out, zigzag(i128::from(*secs)));
+                push_varint(out, u128::from(*micros));
+            }
+            Key::Tuple(items) => {
+                out.push(TAG_TUPLE_START);
+                out.extend_from_slice(items);
+                out.push(TAG_TUPLE_END);
+            }
+        }
+    }
+}
+
+/// Appends `v` in LEB128: seven bits a byte, low bits first.
+fn push_varint(out: &mut Vec<u8>, mut v: u128) {
+    while v >= 0x80 {
+        out.push(v as u8 | 0x80);
+        v >>= 7;
+    }
+    out.push(v as u8);
+}
+
+/// Maps a signed integer to an unsigned one, small magnitudes to small.
+fn zigzag(v: i128) -> u128 {
+    ((v << 1) ^ (v >> 127)) as u128
+}
+
+/// The MessagePack extension type of timestamps.
+const TIMESTAMP: i8 = -1;
+
+/// The seconds of 0001-01-01T00:00:00Z and 9999-12-31T23:59:59Z: the
+/// range of Python's `datetime`, which msgspec decodes timestamps to.
+const DATETIME_SECONDS: std::ops::RangeInclusive<i64> = -62_135_596_800..=253_402_300_799;
+
+/// A big-endian unsigned integer of up to 8 bytes.
+fn big_endian(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0u64, |n, &b| (n << 8) | u64::from(b))
 }
 
 /// The state of a `disaggregated_params` map while it is read.
@@ -233,6 +335,13 @@ struct Walk<'a> {
     /// How many map keys are being read around `pos`: a map inside a key
     /// is refused, as msgspec refuses it (a dict is not hashable).
     in_key: usize,
+    /// How many arrays inside a map key are being read around `pos`.
+    tuple_depth: usize,
+    /// The canonical encoding of the array key being read (see
+    /// [`Key::encode`]).
+    tuple: Vec<u8>,
+    /// Whether that array key holds a NaN, and so equals nothing.
+    tuple_has_nan: bool,
 }
 
 impl<'a> Walk<'a> {
@@ -267,9 +376,26 @@ impl<'a> Walk<'a> {
         self.value_and_key(params).map(|(value, _)| value)
     }
 
-    /// Reads one value and, when it can be a map key that duplicates
-    /// matter for, that key.
+    /// Reads one value and, when it can be a map key, that key (none for a
+    /// key that equals nothing, and for maps and extension values, which
+    /// cannot be keys).
     fn value_and_key(&mut self, params: bool) -> Result<(Value, Option<Key<'a>>), MsgpackError> {
+        let at = self.pos;
+        let (value, key) = self.read(params)?;
+        // An item of an array key: its encoding goes into the tuple's (an
+        // array item has put its own there already).
+        let array = matches!(self.bytes[at], 0x90..=0x9f | 0xdc | 0xdd);
+        if self.tuple_depth > 0 && !array {
+            match &key {
+                Some(key) => key.encode(&mut self.tuple),
+                None => self.tuple_has_nan = true,
+            }
+        }
+        Ok((value, key))
+    }
+
+    /// [`Walk::value_and_key`] but for array keys.
+    fn read(&mut self, params: bool) -> Result<(Value, Option<Key<'a>>), MsgpackError> {
         let at = self.pos;
         let marker = *self
             .bytes
@@ -286,11 +412,11 @@ impl<'a> Walk<'a> {
                 let count = self.length(2 << (marker - 0xde))?;
                 self.map(at, count, params)
             }
-            0x90..=0x9f => self.array(usize::from(marker & 0x0f)),
+            0x90..=0x9f => self.array(at, usize::from(marker & 0x0f)),
             // array 16, array 32.
             0xdc | 0xdd => {
                 let count = self.length(2 << (marker - 0xdc))?;
-                self.array(count)
+                self.array(at, count)
             }
             0xa0..=0xbf => self.str(usize::from(marker & 0x1f)),
             // str 8, str 16, str 32: a 1-, 2- or 4-byte length.
@@ -303,38 +429,90 @@ impl<'a> Walk<'a> {
                 let bytes = self.take(len)?;
                 Ok((Value::Other, Some(Key::Bin(bytes))))
             }
-            0xc0 => Ok((Value::Nil { at }, None)),
-            0xc2 | 0xc3 => Ok((Value::Other, None)),
-            0xca => self.take(4).map(|_| (Value::Other, None)),
-            0xcb => self.take(8).map(|_| (Value::Other, None)),
+            0xc0 => Ok((Value::Nil { at }, Some(Key::Nil))),
+            0xc2 | 0xc3 => int(i128::from(marker == 0xc3)),
+            0xca => {
+                let bits = big_endian(self.take(4)?) as u32;
+                Ok((Value::Other, Key::float(f64::from(f32::from_bits(bits)))))
+            }
+            0xcb => {
+                let bits = big_endian(self.take(8)?);
+                Ok((Value::Other, Key::float(f64::from_bits(bits))))
+            }
             0xcc..=0xcf => {
-                let bytes = self.take(1 << (marker - 0xcc))?;
-                let v = bytes.iter().fold(0u64, |n, &b| (n << 8) | u64::from(b));
+                let v = big_endian(self.take(1 << (marker - 0xcc))?);
                 int(i128::from(v))
             }
             0xd0..=0xd3 => {
                 let width = 1 << (marker - 0xd0);
-                let bytes = self.take(width)?;
-                let unsigned = bytes.iter().fold(0u64, |n, &b| (n << 8) | u64::from(b));
+                let unsigned = big_endian(self.take(width)?);
                 let shift = 64 - 8 * width as u32;
                 int(i128::from(((unsigned << shift) as i64) >> shift))
             }
             // fixext 1, 2, 4, 8, 16: a type byte and the data.
-            0xd4..=0xd8 => self
-                .take(1 + (1 << (marker - 0xd4)))
-                .map(|_| (Value::Other, None)),
+            0xd4..=0xd8 => self.ext(at, 1 << (marker - 0xd4)),
             0xc7..=0xc9 => {
                 let len = self.length(1 << (marker - 0xc7))?;
-                // The type byte, then the data: two takes, as `1 + len`
-                // overflows a 32-bit usize for a 4 GiB length.
-                self.take(1)?;
-                self.take(len).map(|_| (Value::Other, None))
+                self.ext(at, len)
             }
             0xc1 => {
                 self.pos = at;
                 Err(self.error("0xc1 is never used in MessagePack"))
             }
         }
+    }
+
+    /// Reads an extension value of `len` data bytes after its type byte;
+    /// its header is at `at`. A timestamp must be one Python's datetime
+    /// can hold, as msgspec decodes it to one; any other extension value
+    /// (a `msgspec.msgpack.Ext`, not hashable) cannot be a map key.
+    fn ext(&mut self, at: usize, len: usize) -> Result<(Value, Option<Key<'a>>), MsgpackError> {
+        let kind = self.take(1)?[0] as i8;
+        // Separate from the type byte: `1 + len` overflows a 32-bit usize
+        // for a 4 GiB length.
+        let data = self.take(len)?;
+        let refuse = |problem| {
+            Err(MsgpackError {
+                offset: at,
+                problem,
+            })
+        };
+        if kind != TIMESTAMP {
+            if self.in_key > 0 {
+                return refuse(
+                    "a map key is or holds an extension value, which msgspec refuses as a dict key",
+                );
+            }
+            return Ok((Value::Other, None));
+        }
+        let (secs, nanos) = match len {
+            4 => (big_endian(data) as i64, 0),
+            8 => {
+                let v = big_endian(data);
+                ((v & ((1 << 34) - 1)) as i64, v >> 34)
+            }
+            12 => (big_endian(&data[4..]) as i64, big_endian(&data[..4])),
+            _ => return refuse("a timestamp (extension type -1) is not 4, 8 or 12 bytes long"),
+        };
+        if nanos >= 1_000_000_000 {
+            return refuse("a timestamp's nanoseconds are 1,000,000,000 or more");
+        }
+        const OUT_OF_RANGE: &str =
+            "a timestamp is outside the years 1 to 9999, which Python's datetime holds";
+        if !DATETIME_SECONDS.contains(&secs) {
+            return refuse(OUT_OF_RANGE);
+        }
+        // msgspec rounds to the microsecond, half up.
+        let micros = (nanos + 500) / 1000;
+        let (secs, micros) = if micros == 1_000_000 {
+            (secs + 1, 0)
+        } else {
+            (secs, micros as u32)
+        };
+        if !DATETIME_SECONDS.contains(&secs) {
+            return refuse(OUT_OF_RANGE);
+        }
+        Ok((Value::Other, Some(Key::Time(secs, micros))))
     }
 
     fn str(&mut self, len: usize) -> Result<(Value, Option<Key<'a>>), MsgpackError> {
@@ -364,13 +542,36 @@ impl<'a> Walk<'a> {
         Ok(())
     }
 
-    fn array(&mut self, count: usize) -> Result<(Value, Option<Key<'a>>), MsgpackError> {
-        self.enter(self.pos)?;
+    /// Reads an array of `count` items whose header is at `at`. Inside a
+    /// map key it is a tuple, whose key is the encoding of its items.
+    fn array(&mut self, at: usize, count: usize) -> Result<(Value, Option<Key<'a>>), MsgpackError> {
+        self.enter(at)?;
+        if self.in_key == 0 {
+            for _ in 0..count {
+                self.value(false)?;
+            }
+            self.depth -= 1;
+            return Ok((Value::Other, None));
+        }
+        // The outermost tuple's key holds its items' encodings; one inside
+        // it adds its own, wrapped as `Key::encode` wraps them.
+        let outermost = self.tuple_depth == 0;
+        self.tuple_depth += 1;
+        if !outermost {
+            self.tuple.push(TAG_TUPLE_START);
+        }
         for _ in 0..count {
             self.value(false)?;
         }
+        self.tuple_depth -= 1;
         self.depth -= 1;
-        Ok((Value::Other, None))
+        if !outermost {
+            self.tuple.push(TAG_TUPLE_END);
+            return Ok((Value::Other, None));
+        }
+        let items = std::mem::take(&mut self.tuple);
+        let comparable = !std::mem::replace(&mut self.tuple_has_nan, false);
+        Ok((Value::Other, comparable.then_some(Key::Tuple(items))))
     }
 
     /// Reads a map of `count` pairs whose header is at `header`. When
@@ -394,8 +595,8 @@ impl<'a> Walk<'a> {
         let mut context_only = false;
         let mut id = IdMember::Missing;
         for _ in 0..count {
-            // An array key is a tuple in Python, and is read (and never
-            // taken for a duplicate); a map in a key is refused above.
+            // An array key is a tuple in Python; a map or an extension
+            // value in a key is refused where it is read.
             self.in_key += 1;
             let read_key = self.value_and_key(false);
             self.in_key -= 1;
@@ -517,6 +718,154 @@ mod tests {
             let body = [&[0x81][..], key, &[0x01]].concat();
             let error = find_msgpack_edits(&body).unwrap_err();
             assert!(error.problem.contains("map key"), "{error}");
+        }
+    }
+
+    /// `{KEY: {"disaggregated_params": {"request_type": "context_only"}},
+    /// OTHER: 0}`: how many ids it gets, 1 when the two keys differ in
+    /// Python and 0 when the second overrides the first.
+    fn ids_with_keys(key: &[u8], other: &[u8]) -> usize {
+        let mut body = vec![0x82];
+        body.extend_from_slice(key);
+        body.extend_from_slice(&[0x81, 0xb4]);
+        body.extend_from_slice(PARAMS_KEY);
+        body.extend_from_slice(&[0x81, 0xac]);
+        body.extend_from_slice(REQUEST_TYPE_KEY);
+        body.push(0xac);
+        body.extend_from_slice(CONTEXT_ONLY);
+        body.extend_from_slice(other);
+        body.push(0x00);
+        find_msgpack_edits(&body)
+            .unwrap_or_else(|e| panic!("{e}"))
+            .len()
+    }
+
+    /// Keys are compared as Python compares the dict keys msgspec decodes
+    /// them to (checked against msgspec 0.23): the last of equal keys wins.
+    #[test]
+    fn duplicate_keys_are_equal_keys_in_python() {
+        let f32 = |v: f32| [&[0xca][..], &v.to_bits().to_be_bytes()].concat();
+        let f64 = |v: f64| [&[0xcb][..], &v.to_bits().to_be_bytes()].concat();
+        let ts32 = |s: u32| [&[0xd6, 0xff][..], &s.to_be_bytes()].concat();
+        let ts96 =
+            |s: i64, n: u32| [&[0xc7, 12, 0xff][..], &n.to_be_bytes(), &s.to_be_bytes()].concat();
+        let nan = f64(f64::NAN);
+        let same = [
+            // 1 == 1.0 == True, 0 == -0.0 == False, in every width.
+            (vec![0x01], vec![0xc3]),
+            (vec![0xcd, 0, 1], f64(1.0)),
+            (f32(1.0), vec![0xd0, 1]),
+            (vec![0xc2], f64(-0.0)),
+            (
+                vec![0xd3, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff],
+                f32(-1.0),
+            ),
+            (f32(1.5), f64(1.5)),
+            (f64(f64::INFINITY), f32(f32::INFINITY)),
+            (vec![0xc0], vec![0xc0]),
+            // Tuples item by item, nested ones too.
+            (
+                vec![0x92, 0x01, 0xa1, b'a'],
+                vec![0x92, 0xc3, 0xd9, 1, b'a'],
+            ),
+            (
+                vec![0x91, 0x91, 0x01],
+                vec![0xdc, 0, 1, 0x91, 0xcb, 0x3f, 0xf0, 0, 0, 0, 0, 0, 0],
+            ),
+            (vec![0x90], vec![0xdd, 0, 0, 0, 0]),
+            // Timestamps to the microsecond, rounded half up.
+            (ts32(7), ts96(7, 0)),
+            (ts32(7), [&[0xd7, 0xff][..], &7u64.to_be_bytes()].concat()),
+            (ts96(7, 1_000), ts96(7, 1_499)),
+            (ts96(7, 999_999_500), ts32(8)),
+            (ts96(-1, 999_999_500), ts32(0)),
+        ];
+        for (key, other) in &same {
+            assert_eq!(ids_with_keys(key, other), 0, "{key:02x?} then {other:02x?}");
+        }
+        let different = [
+            (vec![0x01], vec![0x02]),
+            (vec![0xa1, b'a'], vec![0xc4, 1, b'a']),
+            (f32(1.1), f64(1.1)),
+            (nan.clone(), nan.clone()),
+            ([&[0x91][..], &nan].concat(), [&[0x91][..], &nan].concat()),
+            (vec![0x91, 0x01], vec![0x01]),
+            (vec![0x92, 0x91, 0x01, 0x02], vec![0x92, 0x01, 0x91, 0x02]),
+            (vec![0x91, 0x90], vec![0x90]),
+            (vec![0xc0], vec![0x00]),
+            (ts96(7, 1_000), ts96(7, 1_500)),
+            (ts32(1), vec![0x01]),
+        ];
+        for (key, other) in &different {
+            assert_eq!(ids_with_keys(key, other), 1, "{key:02x?} then {other:02x?}");
+        }
+    }
+
+    /// msgspec decodes an extension value to an unhashable `Ext`, so it
+    /// refuses one as a map key or inside one; a timestamp is a datetime.
+    #[test]
+    fn extension_keys_are_refused_but_timestamps_read() {
+        // The offset is the extension value's.
+        for (key, at) in [
+            (&[0xd4, 0x05, 0x01][..], 1),
+            (&[0x91, 0xc7, 1, 0x05, 0x01], 2),
+        ] {
+            let body = [&[0x81][..], key, &[0x01]].concat();
+            let error = find_msgpack_edits(&body).unwrap_err();
+            assert!(error.problem.contains("extension value"), "{error}");
+            assert_eq!(error.offset, at, "{error}");
+        }
+        assert!(find_msgpack_edits(&[0x81, 0xd6, 0xff, 0, 0, 0, 1, 0x01]).is_ok());
+        assert!(find_msgpack_edits(&[0x91, 0xd4, 0x05, 0x01]).is_ok());
+    }
+
+    /// msgspec refuses a timestamp that is not 4, 8 or 12 bytes, that has
+    /// a billion nanoseconds or more, or that Python's datetime cannot
+    /// hold (years 1 to 9999, after rounding to the microsecond), anywhere.
+    #[test]
+    fn invalid_timestamps_are_refused_anywhere() {
+        let ts96 = |s: i64, n: u32| {
+            [
+                &[0x91, 0xc7, 12, 0xff][..],
+                &n.to_be_bytes(),
+                &s.to_be_bytes(),
+            ]
+            .concat()
+        };
+        let bad = [
+            (vec![0x91, 0xd4, 0xff, 0x00], "4, 8 or 12"),
+            (vec![0x91, 0xc7, 0, 0xff], "4, 8 or 12"),
+            (
+                [
+                    &[0x91, 0xd7, 0xff][..],
+                    &((1_000_000_000u64 << 34) | 5).to_be_bytes(),
+                ]
+                .concat(),
+                "nanoseconds",
+            ),
+            (ts96(0, 1_000_000_000), "nanoseconds"),
+            (ts96(-62_135_596_801, 999_999_500), "years 1 to 9999"),
+            (ts96(253_402_300_800, 0), "years 1 to 9999"),
+            (ts96(253_402_300_799, 999_999_500), "years 1 to 9999"),
+        ];
+        for (body, problem) in &bad {
+            let error = find_msgpack_edits(body).unwrap_err();
+            assert!(error.problem.contains(problem), "{body:02x?}: {error}");
+            assert_eq!(error.offset, 1, "{body:02x?}: {error}");
+        }
+        for good in [ts96(-62_135_596_800, 0), ts96(253_402_300_799, 999_999_499)] {
+            assert!(find_msgpack_edits(&good).is_ok(), "{good:02x?}");
+        }
+    }
+
+    /// Too deep: the offset is the opening header's, for arrays as for maps.
+    #[test]
+    fn too_deep_names_the_header_that_went_too_deep() {
+        for deepest in [&[0x91, 0x00][..], &[0xdc, 0, 1, 0x00], &[0x81, 0x00, 0x00]] {
+            let body = [&[0x91; MAX_NESTING_DEPTH][..], deepest].concat();
+            let error = find_msgpack_edits(&body).unwrap_err();
+            assert_eq!(error.offset, MAX_NESTING_DEPTH, "{error}");
+            assert!(error.problem.contains("deeper"), "{error}");
         }
     }
 

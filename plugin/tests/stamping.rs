@@ -888,6 +888,32 @@ fn rejects_bad_input_with_a_message_naming_the_problem() {
     }
 }
 
+/// Python's `json.loads` refuses an integer of more than 4300 digits
+/// (CPython's limit on converting decimal strings to `int`), so such a
+/// body is refused as Python would; a float has no such limit, nor does
+/// the sign count.
+#[test]
+fn refuses_integers_longer_than_python_reads() {
+    let body = |number: &str| {
+        format!(r#"{{"n":{number},"disaggregated_params":{{"request_type":"context_only"}}}}"#)
+    };
+    let digits = |n: usize| "7".repeat(n);
+    for fine in [
+        digits(4300),
+        format!("-{}", digits(4300)),
+        format!("{}.0", digits(5000)),
+        format!("{}e1", digits(5000)),
+    ] {
+        assert_eq!(stamp(body(&fine)).1.len(), 1, "{} characters", fine.len());
+    }
+    for refused in [digits(4301), format!("-{}", digits(4301))] {
+        let r = rejection(body(&refused));
+        assert_eq!(r.code, "invalid_json", "{r:?}");
+        assert!(r.message.contains("4300 digits"), "{r:?}");
+        assert!(r.message.contains("(byte 5)"), "the number's start: {r:?}");
+    }
+}
+
 #[test]
 fn names_where_the_problem_is() {
     let r = rejection("{\n  \"a\": 1,\n  \"b\": tru\n}");
