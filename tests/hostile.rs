@@ -370,6 +370,63 @@ fn a_wasm_trap_is_a_trap() {
     assert_next_request_is_stamped(&plugin);
 }
 
+/// The longest text the host keeps of a plugin's reject message or error
+/// message: 4 KiB, then a note of how much was cut.
+const KEPT_TEXT: usize = 4096 + "... (1048576 more bytes cut)".len();
+
+/// A reject message goes to the client: a 1 MiB one (of control
+/// characters, six bytes each once escaped in JSON) is cut to 4 KiB.
+#[test]
+fn a_huge_reject_message_is_cut() {
+    let plugin = hostile_plugin(PluginLimits::default());
+    match plugin.handle(&request(Some("huge-reject"), &[])) {
+        Ok(Action::Reject(r)) => {
+            assert_eq!((r.status, r.code.as_str()), (400, "huge"));
+            assert!(r.message.len() <= KEPT_TEXT, "{} bytes", r.message.len());
+            assert!(
+                r.message
+                    .ends_with(&format!("... ({} more bytes cut)", (1 << 20) - 4096)),
+                "{:?}",
+                &r.message[4000..]
+            );
+        }
+        other => panic!("expected the rejection, got {}", describe(&other)),
+    }
+    assert_next_request_is_stamped(&plugin);
+}
+
+/// A reject code is a short name: a 1 KiB one makes the answer unusable.
+#[test]
+fn a_reject_code_over_64_bytes_is_an_unusable_answer() {
+    let plugin = hostile_plugin(PluginLimits::default());
+    let (error, _) = misbehave(&plugin, "huge-code");
+    assert_eq!(
+        error,
+        CallError::InvalidAnswer("a 1024 byte reject code is over the 64 byte limit".to_string())
+    );
+    assert_next_request_is_stamped(&plugin);
+}
+
+/// A plugin's error message goes to the gateway's log: a 1 MiB one is cut
+/// to 4 KiB.
+#[test]
+fn a_huge_plugin_error_message_is_cut() {
+    let plugin = hostile_plugin(PluginLimits::default());
+    let (error, _) = misbehave(&plugin, "huge-error");
+    match &error {
+        CallError::PluginError(message) => {
+            assert!(message.len() <= KEPT_TEXT, "{} bytes", message.len());
+            assert!(
+                message.ends_with("more bytes cut)"),
+                "{:?}",
+                &message[4000..]
+            );
+        }
+        other => panic!("expected a plugin error, got {other:?}"),
+    }
+    assert_next_request_is_stamped(&plugin);
+}
+
 #[test]
 fn a_100_mib_answer_over_the_answer_limit_is_refused() {
     // Memory enough to build the answer, so that the answer limit (the

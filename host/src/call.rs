@@ -20,6 +20,7 @@ use crate::identity::GRANT_CHANGED;
 use crate::log_throttle::LogThrottle;
 use crate::plugin::Plugin;
 use crate::state::HostState;
+use crate::text_limits::{cut, MAX_PLUGIN_TEXT, MAX_REJECT_CODE};
 
 /// The typed `handle` export of one instance.
 type HandleFunc = TypedFunc<(&'static Request,), (Result<Action, PluginError>,)>;
@@ -142,17 +143,15 @@ impl Plugin {
         let configured = handler.call_configure(&mut store, &self.settings);
         match configured {
             Ok(Ok(())) => {}
-            Ok(Err(refusal)) => {
-                return Err(CallError::PluginError(format!("configure: {refusal}")))
-            }
+            Ok(Err(refusal)) => return Err(plugin_error(format!("configure: {refusal}"))),
             Err(e) => return Err(self.classify(e, &store)),
         }
         let answer = match handler.call_handle(&mut store, request) {
             Ok(answer) => answer,
             Err(e) => return Err(self.classify(e, &store)),
         };
-        let action = answer.map_err(|e| CallError::PluginError(e.message))?;
-        self.check(&action)?;
+        let action = answer.map_err(|e| plugin_error(e.message))?;
+        let action = self.check(action)?;
         Ok(self.fence(action, &store))
     }
 
@@ -188,9 +187,9 @@ impl Plugin {
         };
         let checked = match answer {
             Ok(action) => self
-                .check(&action)
-                .map(|()| self.fence(action, &held.store)),
-            Err(e) => Err(CallError::PluginError(e.message)),
+                .check(action)
+                .map(|action| self.fence(action, &held.store)),
+            Err(e) => Err(plugin_error(e.message)),
         };
         if !matches!(checked, Err(CallError::InvalidAnswer(_))) {
             self.give_back(held);
@@ -304,7 +303,7 @@ impl Plugin {
             &self.exports.configure,
         )?;
         if let (Err(refusal),) = configure.call_async(&mut *store, (&self.settings,)).await? {
-            return Ok(Err(CallError::PluginError(format!("configure: {refusal}"))));
+            return Ok(Err(plugin_error(format!("configure: {refusal}"))));
         }
         let handle = instance.get_typed_func(&mut *store, self.exports.handle)?;
         Ok(Ok(handle))
@@ -477,9 +476,11 @@ impl Plugin {
         }
     }
 
-    fn check(&self, action: &Action) -> Result<(), CallError> {
+    /// Refuses an answer the host cannot use (a body over the limit, a
+    /// status that is not an error, a code that is not a short name), and
+    /// cuts a reject message to [`MAX_PLUGIN_TEXT`].
+    fn check(&self, action: Action) -> Result<Action, CallError> {
         match action {
-            Action::Forward => Ok(()),
             Action::ForwardWithBody(body)
                 if body.len() > self.engine.limits.max_output_body_bytes =>
             {
@@ -489,13 +490,28 @@ impl Plugin {
                     self.engine.limits.max_output_body_bytes
                 )))
             }
-            Action::ForwardWithBody(_) => Ok(()),
             Action::Reject(r) if !(400..=599).contains(&r.status) => Err(CallError::InvalidAnswer(
                 format!("reject status {} is not in 400..=599", r.status),
             )),
-            Action::Reject(_) => Ok(()),
+            Action::Reject(r) if r.code.len() > MAX_REJECT_CODE => {
+                Err(CallError::InvalidAnswer(format!(
+                    "a {} byte reject code is over the {MAX_REJECT_CODE} byte limit",
+                    r.code.len()
+                )))
+            }
+            // The message goes to the client: bounded, whatever its size.
+            Action::Reject(mut r) => {
+                r.message = cut(r.message, MAX_PLUGIN_TEXT);
+                Ok(Action::Reject(r))
+            }
+            action => Ok(action),
         }
     }
+}
+
+/// A plugin's own failure, its message bounded: it goes to the log.
+fn plugin_error(message: String) -> CallError {
+    CallError::PluginError(cut(message, MAX_PLUGIN_TEXT))
 }
 
 #[cfg(test)]

@@ -50,6 +50,7 @@ mod log_throttle;
 pub mod plugin;
 mod sleeps;
 mod state;
+mod text_limits;
 pub mod utc;
 
 pub use bindings::exports::snowgate::middleware::handler::{Action, Rejection, Request};

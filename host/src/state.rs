@@ -12,10 +12,8 @@ use crate::bindings::snowgate::middleware::{clock, identity, log, types};
 use crate::call_clock::{CallClock, OnTick};
 use crate::clock::NoTick;
 use crate::engine::{HostServices, MAX_TABLE_ELEMENTS};
+use crate::text_limits::{cut, MAX_LOG_LINES_PER_CALL, MAX_PLUGIN_TEXT};
 use snowgate_plugin::SnowflakeLayout;
-
-/// The longest log line a plugin may write; longer ones are cut.
-const MAX_LOG_LINE: usize = 4096;
 
 /// How much of a failing plugin's stderr (a panic message) is kept.
 const STDERR_CAPTURE: usize = 4096;
@@ -42,6 +40,8 @@ pub struct HostState {
     /// that kept a machine id from an earlier call has one of this grant
     /// at the latest (instances of an older grant are not reused).
     pub(crate) created_under: u64,
+    /// How many log lines the current call wrote.
+    log_lines: u32,
 }
 
 /// What one call took from the id services.
@@ -101,6 +101,7 @@ impl HostState {
             clock: Arc::default(),
             issued: Issued::default(),
             created_under,
+            log_lines: 0,
         }
     }
 
@@ -115,6 +116,7 @@ impl HostState {
         self.clock
             .begin(std::time::Instant::now(), deadline, yield_after);
         self.issued = Issued::default();
+        self.log_lines = 0;
     }
 
     /// The resource table the plugin's WASI resources live in.
@@ -242,16 +244,23 @@ impl identity::Host for HostState {
 }
 
 impl log::Host for HostState {
-    fn write(&mut self, level: types::LogLevel, mut message: String) {
-        if message.len() > MAX_LOG_LINE {
-            let mut cut = MAX_LOG_LINE;
-            while !message.is_char_boundary(cut) {
-                cut -= 1;
-            }
-            message.truncate(cut);
-            message.push_str("...");
-        }
+    fn write(&mut self, level: types::LogLevel, message: String) {
         let plugin = &*self.plugin_name;
+        // A plugin that logs in a loop must not flood the gateway's log
+        // from one request.
+        self.log_lines = self.log_lines.saturating_add(1);
+        if self.log_lines > MAX_LOG_LINES_PER_CALL {
+            if self.log_lines == MAX_LOG_LINES_PER_CALL + 1 {
+                tracing::warn!(
+                    target: "snowgate::plugin",
+                    plugin,
+                    "the plugin wrote more than {MAX_LOG_LINES_PER_CALL} log lines in one call; \
+                     the rest of this call's lines are dropped"
+                );
+            }
+            return;
+        }
+        let message = cut(message, MAX_PLUGIN_TEXT);
         match level {
             types::LogLevel::Debug => {
                 tracing::debug!(target: "snowgate::plugin", plugin, "{message}")

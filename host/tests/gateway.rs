@@ -1990,3 +1990,50 @@ async fn head_is_answered_without_a_body() {
     assert_eq!(status, StatusCode::BAD_GATEWAY);
     assert!(body.is_empty(), "{body:?}");
 }
+
+/// A plugin that logs in a loop (10,000 lines of 5 KiB from one call)
+/// writes at most 64 lines of at most 4 KiB per call into the gateway's
+/// log, and one warning that the rest were dropped; the request itself is
+/// served. A reject message of 1 MiB reaches the client cut to 4 KiB.
+#[tokio::test]
+async fn a_plugin_cannot_flood_the_log_or_the_client_with_text() {
+    let dir = TempDir::new("flood");
+    let path = dir.path().join("plugin.wasm");
+    std::fs::write(&path, snowgate_test_fixtures::HOSTILE_WASM).unwrap();
+    let gateway = Gateway::start(&["--plugin", path.to_str().unwrap()]).await;
+    let line = "l".repeat(4096);
+    for call in 1..=2 {
+        let mut client = Client::connect(gateway.addr).await;
+        let request = client
+            .builder(Method::POST, "/v1/completions")
+            .header("content-type", "application/json")
+            .header("x-hostile", "log-flood")
+            .body(Full::new(Bytes::from_static(CONTEXT_ONLY.as_bytes())))
+            .unwrap();
+        let reply = client.send(request).await;
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+        gateway
+            .wait_log_times("the rest of this call's lines are dropped", call)
+            .await;
+        let log = gateway.stderr_text();
+        assert_eq!(log.matches(line.as_str()).count(), 64 * call, "lines kept");
+        assert!(!log.contains(&format!("{line}l")), "a line over 4 KiB");
+    }
+
+    let mut client = Client::connect(gateway.addr).await;
+    let request = client
+        .builder(Method::POST, "/v1/completions")
+        .header("content-type", "application/json")
+        .header("x-hostile", "huge-reject")
+        .body(Full::new(Bytes::from_static(CONTEXT_ONLY.as_bytes())))
+        .unwrap();
+    let reply = client.send(request).await;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST);
+    let message = reply.json()["error"]["message"]
+        .as_str()
+        .expect("a message")
+        .to_string();
+    assert!(message.len() < 4200, "{} bytes", message.len());
+    assert!(reply.body.len() < 30 << 10, "{} bytes", reply.body.len());
+    gateway.stop().await;
+}

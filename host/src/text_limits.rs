@@ -1,0 +1,45 @@
+//! How much text a plugin may hand the host: its log lines, its error
+//! messages and its rejections reach the gateway's log and its clients, so
+//! each is bounded, whatever the plugin sends.
+
+/// The most bytes kept of one log line, error message or reject message;
+/// the rest is cut.
+pub(crate) const MAX_PLUGIN_TEXT: usize = 4096;
+
+/// The longest reject code: a machine-readable name, such as
+/// `invalid_json`. A longer one makes the answer unusable.
+pub(crate) const MAX_REJECT_CODE: usize = 64;
+
+/// The most log lines one call may write; the rest are dropped.
+pub(crate) const MAX_LOG_LINES_PER_CALL: u32 = 64;
+
+/// `text` cut to at most `max` bytes (at a character boundary), saying how
+/// much was cut; unchanged when it fits.
+pub(crate) fn cut(mut text: String, max: usize) -> String {
+    if text.len() <= max {
+        return text;
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    let cut = text.len() - end;
+    text.truncate(end);
+    let unit = if cut == 1 { "byte" } else { "bytes" };
+    text.push_str(&format!("... ({cut} more {unit} cut)"));
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn text_that_fits_is_kept_and_longer_text_is_cut_at_a_character_boundary() {
+        assert_eq!(cut("abc".into(), 3), "abc");
+        assert_eq!(cut("abcd".into(), 3), "abc... (1 more byte cut)");
+        // "é" is two bytes: a cut inside it keeps it out whole.
+        assert_eq!(cut("aé".into(), 2), "a... (2 more bytes cut)");
+        assert_eq!(cut(String::new(), 0), "");
+    }
+}
