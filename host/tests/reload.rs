@@ -268,6 +268,35 @@ async fn sighup_reloads_the_plugin() {
     assert_stamps(&gateway).await;
 }
 
+/// A SIGHUP that comes while the gateway is still loading its plugin (a
+/// deploy script racing a restart, a plugin whose runtime takes seconds to
+/// start) does not end the process, whose default action it would be: the
+/// gateway starts, then reloads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sighup_while_the_plugin_loads_does_not_end_the_gateway() {
+    let dir = TempDir::new("sighup-at-start");
+    let path = dir.path().join("plugin.wasm");
+    std::fs::write(&path, snowgate_test_fixtures::HOSTILE_WASM).unwrap();
+    let gateway = Gateway::start_signalled_on_log(
+        &[
+            "--plugin",
+            arg(&path),
+            "--plugin-setting",
+            "hostile-configure=slow",
+            "--plugin-deadline-ms",
+            "10000",
+        ],
+        // Logged at the start of the load's first configure, which then
+        // takes a second.
+        "the hostile fixture starts a slow configure",
+        "HUP",
+    )
+    .await;
+    gateway.wait_log("SIGHUP: reloading the plugin").await;
+    assert!(gateway.exited().is_none(), "{}", gateway.stderr_text());
+    gateway.stop().await;
+}
+
 /// `POST /reload` answers `swapped` with the new SHA-256 when the file
 /// changed, `unchanged` when it did not, and 422 with the reason when the
 /// file is bad (the old build keeps serving); once the file is good again,

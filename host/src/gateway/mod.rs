@@ -60,6 +60,7 @@ pub struct Gateway {
 impl Gateway {
     /// Checks the configuration, loads the plugin and binds both listeners.
     pub async fn bind(config: GatewayConfig) -> anyhow::Result<Gateway> {
+        let hangups = watch::catch_sighup()?;
         ConfigFile::check(&config)?;
         let machine_id = match (&config.lease, config.machine_id) {
             // Only for the plugin's self-check at load, whose ids never
@@ -110,7 +111,7 @@ impl Gateway {
             .with_context(|| format!("listening for admin requests on {}", config.admin_listen))?;
         // Reload triggers are in place before anyone learns the gateway is up.
         let _watcher = watch::watch_plugin_file(slot.clone(), config.reload_debounce)?;
-        watch::reload_on_sighup(slot.clone())?;
+        watch::reload_on_sighup(hangups, slot.clone());
         Ok(Gateway {
             config,
             listener,

@@ -17,6 +17,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use notify::event::{AccessKind, AccessMode, ModifyKind};
 use notify::{EventKind, RecommendedWatcher, RecursiveMode, Watcher};
+use tokio::signal::unix::Signal;
 use tokio::sync::mpsc;
 
 use crate::gateway::plugin_file::Fingerprint;
@@ -222,17 +223,25 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// Reloads the plugin on every SIGHUP.
-pub fn reload_on_sighup(slot: Arc<PluginSlot>) -> anyhow::Result<()> {
-    let mut hangups = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
-        .context("listening for SIGHUP")?;
+/// Starts catching SIGHUP, whose default action would end the process:
+/// from now on a hangup is held for [`reload_on_sighup`]. Called before the
+/// plugin is loaded (which can take seconds), so that a hangup sent while
+/// the gateway starts reloads the plugin once it is up instead of killing
+/// the process.
+pub fn catch_sighup() -> anyhow::Result<Signal> {
+    tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+        .context("listening for SIGHUP")
+}
+
+/// Reloads the plugin on every SIGHUP caught by `hangups` (from
+/// [`catch_sighup`]), including one that came before this call.
+pub fn reload_on_sighup(mut hangups: Signal, slot: Arc<PluginSlot>) {
     tokio::spawn(async move {
         while hangups.recv().await.is_some() {
             tracing::info!("SIGHUP: reloading the plugin");
             let _ = slot.reload().await;
         }
     });
-    Ok(())
 }
 
 #[cfg(test)]

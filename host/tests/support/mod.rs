@@ -132,6 +132,20 @@ impl Gateway {
 
     /// [`Gateway::start`], with `filter` as the log filter (`SNOWGATE_LOG`).
     pub async fn start_logging(args: &[&str], filter: &str) -> Gateway {
+        Gateway::start_signalled(args, filter, None).await
+    }
+
+    /// [`Gateway::start`], sending the process `signal` as soon as its log
+    /// shows `needle`, while it starts.
+    pub async fn start_signalled_on_log(args: &[&str], needle: &str, signal: &str) -> Gateway {
+        Gateway::start_signalled(args, "info", Some((needle, signal))).await
+    }
+
+    async fn start_signalled(
+        args: &[&str],
+        filter: &str,
+        signal_on_log: Option<(&str, &str)>,
+    ) -> Gateway {
         let mut command = Command::new(env!("CARGO_BIN_EXE_snowgate"));
         command
             .args([
@@ -171,6 +185,22 @@ impl Gateway {
                 sink.grew.notify_all();
             }
         });
+
+        if let Some((needle, signal)) = signal_on_log {
+            let (log, needle, signal) = (stderr.clone(), needle.to_string(), signal.to_string());
+            std::thread::spawn(move || {
+                let text = log.text.lock().unwrap_or_else(|p| p.into_inner());
+                let (text, _) = log
+                    .grew
+                    .wait_timeout_while(text, START_TIMEOUT, |t| !t.contains(&needle))
+                    .unwrap_or_else(|p| p.into_inner());
+                if text.contains(&needle) {
+                    let _ = Command::new("kill")
+                        .args([format!("-{signal}"), pid.to_string()])
+                        .status();
+                }
+            });
+        }
 
         // Reap the child on a thread, so that waiting for its exit is an
         // event, not a poll. The exit is announced only once its whole
