@@ -9,6 +9,13 @@
 //! one worker: 14 of 16 got 503). Each wait after a yield, from the yield
 //! to the first poll after it, moves the deadline on by its length. Time
 //! the plugin spends in a WASI wait of its own still counts (see `sleeps`).
+//!
+//! Waits are not free, though: a call holds one of the engine's instance
+//! slots while it waits, and other requests queue for those. So a call
+//! ends at the latest [`WALL_FACTOR`] deadlines after it began, waits
+//! included: a plugin that runs to its deadline on every slot at once
+//! (a loop that some requests trigger) holds each slot that long at most,
+//! not a deadline for every call sharing its thread.
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -24,6 +31,9 @@ pub(crate) struct CallClock {
     origin: Instant,
     /// When the call must end ([`NONE`] before any call began).
     deadline: AtomicU64,
+    /// The latest the deadline may move to: [`WALL_FACTOR`] deadlines
+    /// after the call began.
+    latest: AtomicU64,
     /// From when an async call yields at every epoch tick ([`NONE`]:
     /// never).
     yield_from: AtomicU64,
@@ -35,11 +45,15 @@ pub(crate) struct CallClock {
 /// No time: the atomics' "none".
 const NONE: u64 = u64::MAX;
 
+/// How many deadlines of wall time a call may take in all, waits included.
+pub(crate) const WALL_FACTOR: u32 = 4;
+
 impl Default for CallClock {
     fn default() -> Self {
         CallClock {
             origin: Instant::now(),
             deadline: AtomicU64::new(NONE),
+            latest: AtomicU64::new(NONE),
             yield_from: AtomicU64::new(NONE),
             yielded_at: AtomicU64::new(NONE),
         }
@@ -69,11 +83,15 @@ impl CallClock {
     }
 
     /// Starts a call at `now`: it ends `deadline` later (plus the time it
-    /// waits after yielding), and yields from `yield_after` on
-    /// (`Duration::MAX`: never).
+    /// waits after yielding, up to [`WALL_FACTOR`] deadlines in all), and
+    /// yields from `yield_after` on (`Duration::MAX`: never).
     pub(crate) fn begin(&self, now: Instant, deadline: Duration, yield_after: Duration) {
         self.deadline
             .store(self.nanos_after(now, deadline), Ordering::Relaxed);
+        self.latest.store(
+            self.nanos_after(now, deadline.saturating_mul(WALL_FACTOR)),
+            Ordering::Relaxed,
+        );
         self.yield_from
             .store(self.nanos_after(now, yield_after), Ordering::Relaxed);
         self.yielded_at.store(NONE, Ordering::Relaxed);
@@ -115,8 +133,9 @@ impl CallClock {
         let waited = self.nanos(now()).saturating_sub(yielded_at);
         let deadline = self.deadline.load(Ordering::Relaxed);
         if deadline != NONE {
+            let latest = self.latest.load(Ordering::Relaxed).min(NONE - 1);
             self.deadline.store(
-                deadline.saturating_add(waited).min(NONE - 1),
+                deadline.saturating_add(waited).min(latest),
                 Ordering::Relaxed,
             );
         }
@@ -147,15 +166,37 @@ mod tests {
         clock.begin(t0, 100 * MS, 2 * MS);
         assert_eq!(clock.on_tick(t0 + MS), OnTick::Continue);
         assert_eq!(clock.on_tick(t0 + 3 * MS), OnTick::Yield);
+        // Another request held the thread for 200 ms.
+        clock.resumed(|| t0 + 203 * MS);
+        assert_eq!(clock.deadline(), Some(t0 + 300 * MS));
+        assert_eq!(clock.on_tick(t0 + 204 * MS), OnTick::Yield);
+        clock.resumed(|| t0 + 204 * MS);
+        // 99 ms of running time later it is over.
+        assert_eq!(clock.on_tick(t0 + 299 * MS), OnTick::Yield);
+        clock.resumed(|| t0 + 299 * MS);
+        assert_eq!(clock.on_tick(t0 + 300 * MS), OnTick::Interrupt);
+    }
+
+    /// Waits move the deadline on, but never past four deadlines after
+    /// the call began: a call cannot hold its instance slot for longer.
+    #[test]
+    fn waits_move_the_deadline_at_most_to_four_deadlines_in_all() {
+        let clock = CallClock::default();
+        let t0 = Instant::now();
+        clock.begin(t0, 100 * MS, 2 * MS);
+        assert_eq!(clock.on_tick(t0 + 3 * MS), OnTick::Yield);
         // Another request held the thread for a second.
         clock.resumed(|| t0 + 1003 * MS);
-        assert_eq!(clock.deadline(), Some(t0 + 1100 * MS));
-        assert_eq!(clock.on_tick(t0 + 1004 * MS), OnTick::Yield);
-        clock.resumed(|| t0 + 1004 * MS);
-        // 99 ms of running time later it is over.
-        assert_eq!(clock.on_tick(t0 + 1099 * MS), OnTick::Yield);
-        clock.resumed(|| t0 + 1099 * MS);
-        assert_eq!(clock.on_tick(t0 + 1100 * MS), OnTick::Interrupt);
+        assert_eq!(clock.deadline(), Some(t0 + 400 * MS));
+        assert_eq!(clock.on_tick(t0 + 1004 * MS), OnTick::Interrupt);
+        // The longest deadline (a day, `MAX_DEADLINE`) works alike.
+        let day = Duration::from_secs(24 * 60 * 60);
+        clock.begin(t0, day, 2 * MS);
+        assert_eq!(clock.on_tick(t0 + 3 * MS), OnTick::Yield);
+        clock.resumed(|| t0 + 3 * day);
+        assert_eq!(clock.deadline(), Some(t0 + 4 * day - 3 * MS));
+        clock.resumed(|| t0 + 5 * day);
+        assert_eq!(clock.on_tick(t0 + 5 * day), OnTick::Interrupt);
     }
 
     #[test]

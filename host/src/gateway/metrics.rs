@@ -169,7 +169,7 @@ impl Metrics {
             );
         }
         out.push_str(
-            "# HELP snowgate_ids_stamped_total Request ids the plugin took from the clock.\n",
+            "# HELP snowgate_ids_stamped_total Request ids the plugin took from the clock, one per loaded build's self-check included (that id never leaves the process).\n",
         );
         out.push_str("# TYPE snowgate_ids_stamped_total counter\n");
         let _ = writeln!(out, "snowgate_ids_stamped_total {ids_issued}");
