@@ -92,7 +92,7 @@ pub fn find_msgpack_edits(body: &[u8]) -> Result<Vec<MsgpackEdit>, MsgpackError>
         in_key: 0,
         tuple_depth: 0,
         tuple: Vec::new(),
-        tuple_has_nan: false,
+        tuple_incomparable: false,
     };
     walk.value(false)?;
     if walk.pos != body.len() {
@@ -212,7 +212,8 @@ enum Value {
 /// `True` are one key); nil equals nil; arrays (tuples in Python) item by
 /// item; timestamps (datetimes) to the microsecond msgspec rounds them
 /// to. A NaN equals nothing, not even another NaN, and neither does a
-/// tuple that holds one: such keys are `None` where keys are read.
+/// tuple that holds one, or one too long to compare ([`MAX_TUPLE_KEY`]):
+/// such keys are `None` where keys are read.
 /// Strings and byte strings are borrowed from the body.
 #[derive(Clone, PartialEq, Eq, PartialOrd, Ord)]
 enum Key<'a> {
@@ -229,6 +230,13 @@ enum Key<'a> {
     /// A tuple, by the canonical encoding of its items (see [`Key::encode`]).
     Tuple(Vec<u8>),
 }
+
+/// The most bytes a tuple key's encoding may take. A longer key is taken
+/// as equal to no other: its encoding can be a few times the body's bytes
+/// (a one-byte integer is three), which a body of many megabytes could
+/// push past the plugin's memory; and a missed duplicate only stamps a
+/// map Python then drops.
+const MAX_TUPLE_KEY: usize = 64 << 10;
 
 /// Canonical encoding tags of [`Key::encode`].
 const TAG_STR: u8 = 1;
@@ -340,8 +348,9 @@ struct Walk<'a> {
     /// The canonical encoding of the array key being read (see
     /// [`Key::encode`]).
     tuple: Vec<u8>,
-    /// Whether that array key holds a NaN, and so equals nothing.
-    tuple_has_nan: bool,
+    /// Whether that array key equals nothing: it holds a NaN, or its
+    /// encoding outgrew [`MAX_TUPLE_KEY`] (and was dropped).
+    tuple_incomparable: bool,
 }
 
 impl<'a> Walk<'a> {
@@ -385,13 +394,26 @@ impl<'a> Walk<'a> {
         // An item of an array key: its encoding goes into the tuple's (an
         // array item has put its own there already).
         let array = matches!(self.bytes[at], 0x90..=0x9f | 0xdc | 0xdd);
-        if self.tuple_depth > 0 && !array {
+        if self.tuple_depth > 0 && !array && !self.tuple_incomparable {
             match &key {
                 Some(key) => key.encode(&mut self.tuple),
-                None => self.tuple_has_nan = true,
+                None => self.tuple_incomparable = true,
             }
+            self.check_tuple_length();
         }
         Ok((value, key))
+    }
+
+    /// Gives up the array key being read as equal to nothing once its
+    /// encoding outgrows [`MAX_TUPLE_KEY`] (or it holds a NaN), and frees
+    /// the encoding.
+    fn check_tuple_length(&mut self) {
+        if self.tuple.len() > MAX_TUPLE_KEY {
+            self.tuple_incomparable = true;
+        }
+        if self.tuple_incomparable {
+            self.tuple = Vec::new();
+        }
     }
 
     /// [`Walk::value_and_key`] but for array keys.
@@ -557,7 +579,7 @@ impl<'a> Walk<'a> {
         // it adds its own, wrapped as `Key::encode` wraps them.
         let outermost = self.tuple_depth == 0;
         self.tuple_depth += 1;
-        if !outermost {
+        if !outermost && !self.tuple_incomparable {
             self.tuple.push(TAG_TUPLE_START);
         }
         for _ in 0..count {
@@ -566,11 +588,14 @@ impl<'a> Walk<'a> {
         self.tuple_depth -= 1;
         self.depth -= 1;
         if !outermost {
-            self.tuple.push(TAG_TUPLE_END);
+            if !self.tuple_incomparable {
+                self.tuple.push(TAG_TUPLE_END);
+                self.check_tuple_length();
+            }
             return Ok((Value::Other, None));
         }
         let items = std::mem::take(&mut self.tuple);
-        let comparable = !std::mem::replace(&mut self.tuple_has_nan, false);
+        let comparable = !std::mem::replace(&mut self.tuple_incomparable, false);
         Ok((Value::Other, comparable.then_some(Key::Tuple(items))))
     }
 
@@ -799,6 +824,31 @@ mod tests {
         for (key, other) in &different {
             assert_eq!(ids_with_keys(key, other), 1, "{key:02x?} then {other:02x?}");
         }
+    }
+
+    /// A tuple key of a million items is read without its encoding
+    /// growing past the cap, and taken as equal to nothing.
+    #[test]
+    fn a_huge_tuple_key_equals_nothing() {
+        let items = 1_000_000u32;
+        let huge = [
+            &[0xdd][..],
+            &items.to_be_bytes(),
+            &vec![0x7f; items as usize],
+        ]
+        .concat();
+        assert_eq!(ids_with_keys(&huge, &huge), 1);
+        // Empty tuples in a tuple add to the encoding too.
+        let empties = [
+            &[0xdd][..],
+            &items.to_be_bytes(),
+            &vec![0x90; items as usize],
+        ]
+        .concat();
+        assert_eq!(ids_with_keys(&empties, &empties), 1);
+        // Just under the cap, equal tuples are still one key.
+        let small = [&[0xdc][..], &1000u16.to_be_bytes(), &[0x7f; 1000]].concat();
+        assert_eq!(ids_with_keys(&small, &small), 0);
     }
 
     /// msgspec decodes an extension value to an unhashable `Ext`, so it
