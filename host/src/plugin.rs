@@ -14,6 +14,7 @@ use crate::bindings::MiddlewarePre;
 use crate::compile_cache::{is_over_the_limits, Compiled};
 use crate::engine::PluginEngine;
 use crate::state::HostState;
+use crate::text_limits::{cut, MAX_PLUGIN_NAME, MAX_PLUGIN_TEXT};
 
 /// What is known about a loaded plugin.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -188,8 +189,12 @@ impl Plugin {
         handler
             .call_configure(&mut store, &self.settings)
             .context("calling the plugin's configure export")?
-            .map_err(|refusal| anyhow::Error::new(ConfigurationRefused(refusal.to_string())))?;
-        Ok((name, version))
+            .map_err(|refusal| {
+                anyhow::Error::new(ConfigurationRefused(cut(refusal, MAX_PLUGIN_TEXT)))
+            })?;
+        // Both go on every log line of the plugin's, on /status and the
+        // metrics: bounded.
+        Ok((cut(name, MAX_PLUGIN_NAME), cut(version, MAX_PLUGIN_NAME)))
     }
 }
 

@@ -6,6 +6,10 @@
 /// the rest is cut.
 pub(crate) const MAX_PLUGIN_TEXT: usize = 4096;
 
+/// The most bytes kept of a plugin's name or version, which go on every
+/// one of its log lines, on `/status` and in the metrics.
+pub(crate) const MAX_PLUGIN_NAME: usize = 128;
+
 /// The longest reject code: a machine-readable name, such as
 /// `invalid_json`. A longer one makes the answer unusable.
 pub(crate) const MAX_REJECT_CODE: usize = 64;
