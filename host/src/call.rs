@@ -176,6 +176,7 @@ impl Plugin {
         };
         let answer = excluding_waits(
             &held.clock,
+            &self.engine.queued_calls,
             held.handle.call_async(&mut held.store, (request,)),
         )
         .await;
@@ -273,12 +274,18 @@ impl Plugin {
         store.epoch_deadline_callback(|store| Ok(store.data().on_epoch_tick()));
         self.start_async_call(&mut store);
         let clock = store.data().clock.clone();
-        let instance =
-            match excluding_waits(&clock, self.pre_async.instantiate_async(&mut store)).await {
-                Ok(instance) => instance,
-                Err(e) => return Err(self.classify(e, &store)),
-            };
-        match excluding_waits(&clock, self.configure_async(&mut store, instance)).await {
+        let instance = match excluding_waits(
+            &clock,
+            &self.engine.queued_calls,
+            self.pre_async.instantiate_async(&mut store),
+        )
+        .await
+        {
+            Ok(instance) => instance,
+            Err(e) => return Err(self.classify(e, &store)),
+        };
+        let configuring = self.configure_async(&mut store, instance);
+        match excluding_waits(&clock, &self.engine.queued_calls, configuring).await {
             Ok(Ok(handle)) => Ok(Reusable {
                 configured_memory: store.data().memory.peak,
                 clock,

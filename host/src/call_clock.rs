@@ -10,15 +10,15 @@
 //! to the first poll after it, moves the deadline on by its length. Time
 //! the plugin spends in a WASI wait of its own still counts (see `sleeps`).
 //!
-//! Waits are not free, though: a call holds one of the engine's instance
-//! slots while it waits, and other requests queue for those. So a call
-//! ends at the latest [`WALL_FACTOR`] deadlines after it began, waits
-//! included: a plugin that runs to its deadline on every slot at once
-//! (a loop that some requests trigger) holds each slot that long at most,
-//! not a deadline for every call sharing its thread.
+//! Waits are not free, though, when other requests queue for a call slot,
+//! which a waiting call holds. While any do, a call ends at the latest
+//! [`WALL_FACTOR`] deadlines after it began, waits included: a plugin that
+//! runs to its deadline on every slot at once (a loop that some requests
+//! trigger) holds each slot that long at most, not a deadline for every
+//! call sharing its thread. Without a queue, a burst is only slowed.
 
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 /// The clock of the current call in one store, shared between the store's
@@ -31,8 +31,8 @@ pub(crate) struct CallClock {
     origin: Instant,
     /// When the call must end ([`NONE`] before any call began).
     deadline: AtomicU64,
-    /// The latest the deadline may move to: [`WALL_FACTOR`] deadlines
-    /// after the call began.
+    /// The latest the deadline may move to while other requests queue for
+    /// a call slot: [`WALL_FACTOR`] deadlines after the call began.
     latest: AtomicU64,
     /// From when an async call yields at every epoch tick ([`NONE`]:
     /// never).
@@ -83,8 +83,9 @@ impl CallClock {
     }
 
     /// Starts a call at `now`: it ends `deadline` later (plus the time it
-    /// waits after yielding, up to [`WALL_FACTOR`] deadlines in all), and
-    /// yields from `yield_after` on (`Duration::MAX`: never).
+    /// waits after yielding; while requests queue for a call slot, up to
+    /// [`WALL_FACTOR`] deadlines in all), and yields from `yield_after` on
+    /// (`Duration::MAX`: never).
     pub(crate) fn begin(&self, now: Instant, deadline: Duration, yield_after: Duration) {
         self.deadline
             .store(self.nanos_after(now, deadline), Ordering::Relaxed);
@@ -121,8 +122,11 @@ impl CallClock {
 
     /// The call's future is being polled: if the call had yielded, the
     /// wait since then (to `now()`) is not the plugin's, and the deadline
-    /// moves on. Reads the time only after a yield.
-    pub(crate) fn resumed(&self, now: impl FnOnce() -> Instant) {
+    /// moves on; if `queued()`, requests wait for a call slot, and it moves
+    /// no further than [`WALL_FACTOR`] deadlines after the call began (back
+    /// to there, if earlier waits took it further). Reads the time and the
+    /// queue only after a yield.
+    pub(crate) fn resumed(&self, now: impl FnOnce() -> Instant, queued: impl FnOnce() -> bool) {
         // A plain load first: the usual poll, of a call that has not
         // yielded, writes nothing.
         let yielded_at = self.yielded_at.load(Ordering::Relaxed);
@@ -133,21 +137,26 @@ impl CallClock {
         let waited = self.nanos(now()).saturating_sub(yielded_at);
         let deadline = self.deadline.load(Ordering::Relaxed);
         if deadline != NONE {
-            let latest = self.latest.load(Ordering::Relaxed).min(NONE - 1);
-            self.deadline.store(
-                deadline.saturating_add(waited).min(latest),
-                Ordering::Relaxed,
-            );
+            let mut moved = deadline.saturating_add(waited).min(NONE - 1);
+            if queued() {
+                moved = moved.min(self.latest.load(Ordering::Relaxed));
+            }
+            self.deadline.store(moved, Ordering::Relaxed);
         }
     }
 }
 
 /// Drives `future`, a call in the store that owns `clock`, telling the
-/// clock whenever it is polled.
-pub(crate) async fn excluding_waits<F: Future>(clock: &CallClock, future: F) -> F::Output {
+/// clock whenever it is polled; `queued` counts the requests waiting for a
+/// call slot.
+pub(crate) async fn excluding_waits<F: Future>(
+    clock: &CallClock,
+    queued: &AtomicUsize,
+    future: F,
+) -> F::Output {
     let mut future = std::pin::pin!(future);
     std::future::poll_fn(|cx| {
-        clock.resumed(Instant::now);
+        clock.resumed(Instant::now, || queued.load(Ordering::Relaxed) > 0);
         future.as_mut().poll(cx)
     })
     .await
@@ -167,35 +176,50 @@ mod tests {
         assert_eq!(clock.on_tick(t0 + MS), OnTick::Continue);
         assert_eq!(clock.on_tick(t0 + 3 * MS), OnTick::Yield);
         // Another request held the thread for 200 ms.
-        clock.resumed(|| t0 + 203 * MS);
+        clock.resumed(|| t0 + 203 * MS, || false);
         assert_eq!(clock.deadline(), Some(t0 + 300 * MS));
         assert_eq!(clock.on_tick(t0 + 204 * MS), OnTick::Yield);
-        clock.resumed(|| t0 + 204 * MS);
+        clock.resumed(|| t0 + 204 * MS, || false);
         // 99 ms of running time later it is over.
         assert_eq!(clock.on_tick(t0 + 299 * MS), OnTick::Yield);
-        clock.resumed(|| t0 + 299 * MS);
+        clock.resumed(|| t0 + 299 * MS, || false);
         assert_eq!(clock.on_tick(t0 + 300 * MS), OnTick::Interrupt);
     }
 
-    /// Waits move the deadline on, but never past four deadlines after
-    /// the call began: a call cannot hold its instance slot for longer.
+    /// While requests queue for a call slot, waits move the deadline on
+    /// no further than four deadlines after the call began: a call cannot
+    /// hold its slot for longer. Without a queue they move it freely.
     #[test]
-    fn waits_move_the_deadline_at_most_to_four_deadlines_in_all() {
+    fn while_requests_queue_waits_move_the_deadline_at_most_to_four_deadlines() {
         let clock = CallClock::default();
         let t0 = Instant::now();
         clock.begin(t0, 100 * MS, 2 * MS);
         assert_eq!(clock.on_tick(t0 + 3 * MS), OnTick::Yield);
-        // Another request held the thread for a second.
-        clock.resumed(|| t0 + 1003 * MS);
+        // Another request held the thread for a second; nobody queued.
+        clock.resumed(|| t0 + 1003 * MS, || false);
+        assert_eq!(clock.deadline(), Some(t0 + 1100 * MS));
+        assert_eq!(clock.on_tick(t0 + 1004 * MS), OnTick::Yield);
+        // Then requests queue: the deadline comes back to the cap.
+        clock.resumed(|| t0 + 1005 * MS, || true);
         assert_eq!(clock.deadline(), Some(t0 + 400 * MS));
-        assert_eq!(clock.on_tick(t0 + 1004 * MS), OnTick::Interrupt);
+        assert_eq!(clock.on_tick(t0 + 1006 * MS), OnTick::Interrupt);
+
+        // Queued from the start: capped at once.
+        clock.begin(t0, 100 * MS, 2 * MS);
+        assert_eq!(clock.on_tick(t0 + 3 * MS), OnTick::Yield);
+        clock.resumed(|| t0 + 203 * MS, || true);
+        assert_eq!(clock.deadline(), Some(t0 + 300 * MS));
+        assert_eq!(clock.on_tick(t0 + 204 * MS), OnTick::Yield);
+        clock.resumed(|| t0 + 704 * MS, || true);
+        assert_eq!(clock.deadline(), Some(t0 + 400 * MS));
+        assert_eq!(clock.on_tick(t0 + 705 * MS), OnTick::Interrupt);
+
         // The longest deadline (a day, `MAX_DEADLINE`) works alike.
         let day = Duration::from_secs(24 * 60 * 60);
         clock.begin(t0, day, 2 * MS);
         assert_eq!(clock.on_tick(t0 + 3 * MS), OnTick::Yield);
-        clock.resumed(|| t0 + 3 * day);
-        assert_eq!(clock.deadline(), Some(t0 + 4 * day - 3 * MS));
-        clock.resumed(|| t0 + 5 * day);
+        clock.resumed(|| t0 + 5 * day, || true);
+        assert_eq!(clock.deadline(), Some(t0 + 4 * day));
         assert_eq!(clock.on_tick(t0 + 5 * day), OnTick::Interrupt);
     }
 
@@ -206,8 +230,8 @@ mod tests {
         let clock = CallClock::default();
         let t0 = Instant::now();
         clock.begin(t0, 100 * MS, 2 * MS);
-        clock.resumed(|| t0 + 50 * MS);
-        clock.resumed(|| t0 + 99 * MS);
+        clock.resumed(|| t0 + 50 * MS, || false);
+        clock.resumed(|| t0 + 99 * MS, || false);
         assert_eq!(clock.deadline(), Some(t0 + 100 * MS));
         assert_eq!(clock.on_tick(t0 + 100 * MS), OnTick::Interrupt);
     }
@@ -218,9 +242,9 @@ mod tests {
         let t0 = Instant::now();
         clock.begin(t0, 100 * MS, Duration::ZERO);
         assert_eq!(clock.on_tick(t0 + 10 * MS), OnTick::Yield);
-        clock.resumed(|| t0 + 20 * MS);
+        clock.resumed(|| t0 + 20 * MS, || false);
         // Then a WASI wait of 30 ms, ended by another poll: it counts.
-        clock.resumed(|| t0 + 50 * MS);
+        clock.resumed(|| t0 + 50 * MS, || false);
         assert_eq!(clock.deadline(), Some(t0 + 110 * MS));
     }
 

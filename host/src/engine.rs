@@ -1,6 +1,7 @@
 //! The one wasmtime engine of the process, its epoch ticker, and the linker
 //! that gives plugins the host's imports and nothing else of use.
 
+use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
 use std::thread;
 use std::time::Duration;
@@ -74,6 +75,10 @@ pub struct PluginEngine {
     pub(crate) limits: PluginLimits,
     /// Where compiled plugins are kept between loads, if anywhere.
     pub(crate) compile_cache: Option<Arc<CompileCache>>,
+    /// How many requests wait for a free call slot (the gateway counts
+    /// them): while any do, a call's waits for its turn are bounded (see
+    /// `call_clock`).
+    pub(crate) queued_calls: Arc<AtomicUsize>,
 }
 
 /// The id services shared by every plugin instance in the process.
@@ -160,6 +165,7 @@ impl PluginEngine {
             services,
             limits,
             compile_cache: None,
+            queued_calls: Arc::default(),
         })
     }
 

@@ -44,6 +44,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Instant;
@@ -86,6 +87,9 @@ struct Shared {
     /// and a reload ([`PluginLimits::concurrent_calls`](crate::PluginLimits::concurrent_calls)):
     /// a burst of requests queues here instead of failing with `Busy`.
     calls: Arc<Semaphore>,
+    /// How many requests wait in that queue: the engine's count, which
+    /// bounds the waits of the calls running meanwhile.
+    queued: Arc<AtomicUsize>,
 }
 
 impl SnowgateLayer {
@@ -98,7 +102,8 @@ impl SnowgateLayer {
         policy: FailurePolicy,
         max_body_bytes: usize,
     ) -> Self {
-        let calls = slot.current().engine().limits().concurrent_calls() as usize;
+        let engine = slot.current().engine().clone();
+        let calls = engine.limits().concurrent_calls() as usize;
         SnowgateLayer {
             shared: Arc::new(Shared {
                 slot,
@@ -106,6 +111,7 @@ impl SnowgateLayer {
                 policy,
                 max_body_bytes,
                 calls: Arc::new(Semaphore::new(calls)),
+                queued: engine.queued_calls.clone(),
             }),
         }
     }
@@ -278,8 +284,15 @@ impl Shared {
             // one unshared buffer); the original comes back out below.
             body: Vec::from(bytes),
         };
-        // Wait for a free instance slot (never closed, so this cannot fail).
-        let permit = self.calls.acquire().await.ok();
+        // Wait for a free instance slot (never closed, so this cannot fail),
+        // counted as queued while it waits.
+        let permit = match self.calls.try_acquire() {
+            Ok(permit) => Some(permit),
+            Err(_) => {
+                let _queued = Queued::join(&self.queued);
+                self.calls.acquire().await.ok()
+            }
+        };
         let plugin = self.slot.current();
         let started = Instant::now();
         // Runs on this worker thread; a call that runs long yields back at
@@ -449,6 +462,23 @@ fn is_json(headers: &HeaderMap, has_body: bool) -> bool {
     match media_type(headers).as_deref() {
         None | Some("" | "application/x-www-form-urlencoded") => true,
         Some(_) => declares_json(headers),
+    }
+}
+
+/// One request waiting for a call slot, counted in the engine's queue
+/// until dropped (when it gets one, or its client goes away).
+struct Queued<'a>(&'a AtomicUsize);
+
+impl<'a> Queued<'a> {
+    fn join(queue: &'a AtomicUsize) -> Queued<'a> {
+        queue.fetch_add(1, Ordering::Relaxed);
+        Queued(queue)
+    }
+}
+
+impl Drop for Queued<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }
 

@@ -63,7 +63,7 @@ pub struct ServeArgs {
     /// Memory limit of one plugin call, in MiB [default: 256].
     #[arg(long, value_name = "MIB")]
     plugin_memory_mib: Option<usize>,
-    /// CPU deadline of one plugin call, in milliseconds [default: 1000]. Time a long call waits for its turn on a busy worker does not count, up to four deadlines in all.
+    /// CPU deadline of one plugin call, in milliseconds [default: 1000]. Time a long call waits for its turn on a busy worker does not count, but while requests queue for a call slot a call ends within four deadlines in all.
     #[arg(long, value_name = "MS")]
     plugin_deadline_ms: Option<u64>,
     /// Requests one plugin instance may serve before a fresh one replaces
