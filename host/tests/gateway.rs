@@ -2001,16 +2001,21 @@ async fn a_plugin_cannot_flood_the_log_or_the_client_with_text() {
     let path = dir.path().join("plugin.wasm");
     std::fs::write(&path, snowgate_test_fixtures::HOSTILE_WASM).unwrap();
     let gateway = Gateway::start(&["--plugin", path.to_str().unwrap()]).await;
-    let line = "l".repeat(4096);
-    for call in 1..=2 {
-        let mut client = Client::connect(gateway.addr).await;
+    // The hostile fixture's `behaviour` on a context-only request.
+    let addr = gateway.addr;
+    let misbehave = |behaviour: &'static str| async move {
+        let mut client = Client::connect(addr).await;
         let request = client
             .builder(Method::POST, "/v1/completions")
             .header("content-type", "application/json")
-            .header("x-hostile", "log-flood")
+            .header("x-hostile", behaviour)
             .body(Full::new(Bytes::from_static(CONTEXT_ONLY.as_bytes())))
             .unwrap();
-        let reply = client.send(request).await;
+        client.send(request).await
+    };
+    let line = "l".repeat(4096);
+    for call in 1..=2 {
+        let reply = misbehave("log-flood").await;
         assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
         gateway
             .wait_log_times("the rest of this call's lines are dropped", call)
@@ -2020,14 +2025,7 @@ async fn a_plugin_cannot_flood_the_log_or_the_client_with_text() {
         assert!(!log.contains(&format!("{line}l")), "a line over 4 KiB");
     }
 
-    let mut client = Client::connect(gateway.addr).await;
-    let request = client
-        .builder(Method::POST, "/v1/completions")
-        .header("content-type", "application/json")
-        .header("x-hostile", "huge-reject")
-        .body(Full::new(Bytes::from_static(CONTEXT_ONLY.as_bytes())))
-        .unwrap();
-    let reply = client.send(request).await;
+    let reply = misbehave("huge-reject").await;
     assert_eq!(reply.status, StatusCode::BAD_REQUEST);
     let message = reply.json()["error"]["message"]
         .as_str()

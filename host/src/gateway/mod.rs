@@ -59,6 +59,12 @@ pub struct Gateway {
 
 impl Gateway {
     /// Checks the configuration, loads the plugin and binds both listeners.
+    ///
+    /// From its first step the process catches SIGHUP (and reloads the
+    /// plugin on it once bound), so a hangup while the plugin loads does
+    /// not end it. tokio never gives the signal its default action back:
+    /// if `bind` fails, SIGHUP stays ignored in the process; with two
+    /// gateways in one process, one SIGHUP reloads both.
     pub async fn bind(config: GatewayConfig) -> anyhow::Result<Gateway> {
         let hangups = watch::catch_sighup()?;
         ConfigFile::check(&config)?;
