@@ -830,21 +830,19 @@ mod tests {
     /// growing past the cap, and taken as equal to nothing.
     #[test]
     fn a_huge_tuple_key_equals_nothing() {
-        let items = 1_000_000u32;
-        let huge = [
-            &[0xdd][..],
-            &items.to_be_bytes(),
-            &vec![0x7f; items as usize],
-        ]
-        .concat();
+        // An array 32 of a million copies of the one-byte value `item`.
+        let million = |item: u8| {
+            [
+                &[0xdd][..],
+                &1_000_000u32.to_be_bytes(),
+                &vec![item; 1_000_000],
+            ]
+            .concat()
+        };
+        let huge = million(0x7f);
         assert_eq!(ids_with_keys(&huge, &huge), 1);
         // Empty tuples in a tuple add to the encoding too.
-        let empties = [
-            &[0xdd][..],
-            &items.to_be_bytes(),
-            &vec![0x90; items as usize],
-        ]
-        .concat();
+        let empties = million(0x90);
         assert_eq!(ids_with_keys(&empties, &empties), 1);
         // Just under the cap, equal tuples are still one key.
         let small = [&[0xdc][..], &1000u16.to_be_bytes(), &[0x7f; 1000]].concat();
