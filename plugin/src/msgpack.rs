@@ -393,8 +393,10 @@ impl<'a> Walk<'a> {
         let (value, key) = self.read(params)?;
         // An item of an array key: its encoding goes into the tuple's (an
         // array item has put its own there already).
-        let array = matches!(self.bytes[at], 0x90..=0x9f | 0xdc | 0xdd);
-        if self.tuple_depth > 0 && !array && !self.tuple_incomparable {
+        if self.tuple_depth > 0
+            && !self.tuple_incomparable
+            && !matches!(self.bytes[at], 0x90..=0x9f | 0xdc | 0xdd)
+        {
             match &key {
                 Some(key) => key.encode(&mut self.tuple),
                 None => self.tuple_incomparable = true,
