@@ -337,16 +337,14 @@ impl<'a> Walk<'a> {
             Some(b'1'..=b'9') => self.digits(),
             _ => return Err(self.syntax("expected a digit in a number")),
         };
-        let mut integer = true;
+        let integer_end = self.pos;
         if self.peek() == Some(b'.') {
-            integer = false;
             self.pos += 1;
             if self.digits() == 0 {
                 return Err(self.syntax("expected a digit after the decimal point"));
             }
         }
         if let Some(b'e' | b'E') = self.peek() {
-            integer = false;
             self.pos += 1;
             if let Some(b'+' | b'-') = self.peek() {
                 self.pos += 1;
@@ -355,7 +353,8 @@ impl<'a> Walk<'a> {
                 return Err(self.syntax("expected a digit in the exponent"));
             }
         }
-        if integer && integer_digits > MAX_INTEGER_DIGITS {
+        // An integer: no fraction, no exponent.
+        if self.pos == integer_end && integer_digits > MAX_INTEGER_DIGITS {
             self.pos = start;
             return Err(self.syntax(
                 "an integer has more than 4300 digits, which Python's json module refuses \
