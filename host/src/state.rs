@@ -15,9 +15,6 @@ use crate::engine::{HostServices, MAX_TABLE_ELEMENTS};
 use crate::text_limits::{cut, MAX_LOG_LINES_PER_CALL, MAX_PLUGIN_TEXT};
 use snowgate_plugin::SnowflakeLayout;
 
-/// How much of a failing plugin's stderr (a panic message) is kept.
-const STDERR_CAPTURE: usize = 4096;
-
 /// Everything one `Store` (one plugin call) holds.
 pub struct HostState {
     /// The WASI context, built on the plugin's first WASI call: most calls
@@ -66,7 +63,7 @@ struct Wasi {
 
 impl Wasi {
     fn new() -> Wasi {
-        let stderr = MemoryOutputPipe::new(STDERR_CAPTURE);
+        let stderr = MemoryOutputPipe::new(MAX_PLUGIN_TEXT);
         let ctx = WasiCtx::builder()
             .allow_tcp(false)
             .allow_udp(false)

@@ -2,8 +2,9 @@
 //! messages and its rejections reach the gateway's log and its clients, so
 //! each is bounded, whatever the plugin sends.
 
-/// The most bytes kept of one log line, error message or reject message;
-/// the rest is cut.
+/// The most bytes kept of one log line, error message or reject message
+/// (the rest is cut), and of what a call writes to stderr (a panic
+/// message, quoted when the call traps).
 pub(crate) const MAX_PLUGIN_TEXT: usize = 4096;
 
 /// The most bytes kept of a plugin's name or version, which go on every
