@@ -102,8 +102,9 @@ impl SnowgateLayer {
         policy: FailurePolicy,
         max_body_bytes: usize,
     ) -> Self {
-        let engine = slot.current().engine().clone();
-        let calls = engine.limits().concurrent_calls() as usize;
+        let plugin = slot.current();
+        let calls = plugin.engine().limits().concurrent_calls() as usize;
+        let queued = plugin.engine().queued_calls.clone();
         SnowgateLayer {
             shared: Arc::new(Shared {
                 slot,
@@ -111,7 +112,7 @@ impl SnowgateLayer {
                 policy,
                 max_body_bytes,
                 calls: Arc::new(Semaphore::new(calls)),
-                queued: engine.queued_calls.clone(),
+                queued,
             }),
         }
     }
