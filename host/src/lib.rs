@@ -35,6 +35,9 @@
 //! # Ok::<(), anyhow::Error>(())
 //! ```
 
+// Every public item is documented: the docs are the API.
+#![deny(missing_docs)]
+
 mod bindings;
 pub mod boot_clock;
 pub mod call;

@@ -38,6 +38,9 @@
 //! );
 //! ```
 
+// Every public item is documented: the docs are the API.
+#![deny(missing_docs)]
+
 pub mod body;
 pub mod handler;
 pub mod layout;

@@ -78,10 +78,16 @@ fn kind(metadata: &Metadata) -> &'static str {
 pub enum Fingerprint {
     /// The file's identity and state.
     File {
+        /// The device the file is on.
         dev: u64,
+        /// The file's inode number on that device.
         ino: u64,
+        /// Its size in bytes.
         size: u64,
+        /// Its last modification, in nanoseconds since the Unix epoch.
         mtime_ns: i128,
+        /// Its last status change (a rename or `chmod` too), in
+        /// nanoseconds since the Unix epoch.
         ctime_ns: i128,
     },
     /// No file could be looked at (missing, no permission, ...).

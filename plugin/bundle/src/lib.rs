@@ -5,6 +5,9 @@
 //! Building this crate also leaves the component at
 //! `target/wasm32-wasip2/release/snowgate_plugin.wasm`.
 
+// Every public item is documented: the docs are the API.
+#![deny(missing_docs)]
+
 /// The bundled plugin component (a WebAssembly component binary).
 pub static PLUGIN_WASM: &[u8] = include_bytes!(env!("SNOWGATE_PLUGIN_WASM"));
 

@@ -5,6 +5,9 @@
 //! on the outer target directory would wait forever on the outer build's
 //! lock. The outer build's flags are for the host, so they are removed.
 
+// Every public item is documented: the docs are the API.
+#![deny(missing_docs)]
+
 use std::env;
 use std::fs;
 use std::path::{Path, PathBuf};
