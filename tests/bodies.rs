@@ -11,7 +11,7 @@ mod common;
 
 use std::sync::OnceLock;
 
-use common::{json_request, match_template, reject, START_MILLIS};
+use common::{json_request, match_template, reject, with_header, START_MILLIS};
 use snowgate_host::{Action, Plugin};
 use snowgate_plugin::{SnowflakeLayout, MAX_NESTING_DEPTH};
 
@@ -380,10 +380,7 @@ fn msgpack_context_only() -> Vec<u8> {
 #[test]
 fn a_messagepack_body_is_stamped_in_messagepack() {
     let body = msgpack_context_only();
-    let mut request = json_request(body.clone());
-    request
-        .headers
-        .push(("x-trtllm-msgpack".into(), b" 1 ".to_vec()));
+    let request = with_header(json_request(body.clone()), "x-trtllm-msgpack", b" 1 ");
     let Ok(Action::ForwardWithBody(out)) = plugin().handle(&request) else {
         panic!("expected a stamped body");
     };
@@ -403,10 +400,11 @@ fn a_messagepack_body_is_stamped_in_messagepack() {
     assert_next_request_works();
 
     // Bad MessagePack is refused by name.
-    let mut request = json_request(&body[..body.len() - 1]);
-    request
-        .headers
-        .push(("x-trtllm-msgpack".into(), b"1".to_vec()));
+    let request = with_header(
+        json_request(&body[..body.len() - 1]),
+        "x-trtllm-msgpack",
+        b"1",
+    );
     let rejection = reject(plugin(), &request);
     assert_eq!(rejection.status, 400, "{rejection:?}");
     assert!(
@@ -419,18 +417,16 @@ fn a_messagepack_body_is_stamped_in_messagepack() {
     // the 32-bit guest `1 + len` wrapped to 0, so the map was read and
     // stamped, into a body msgspec refuses.
     // body[11..] is `"disaggregated_params": {...}`; 0x81 makes it a map.
-    let mut request = json_request([&b"\x92\xc9\xff\xff\xff\xff\x81"[..], &body[11..]].concat());
-    request
-        .headers
-        .push(("x-trtllm-msgpack".into(), b"1".to_vec()));
+    let request = with_header(
+        json_request([&b"\x92\xc9\xff\xff\xff\xff\x81"[..], &body[11..]].concat()),
+        "x-trtllm-msgpack",
+        b"1",
+    );
     let rejection = reject(plugin(), &request);
     assert_eq!(rejection.status, 400, "{rejection:?}");
 
     // A header that is present but not `1` is not MessagePack.
-    let mut request = json_request(common::CONTEXT_ONLY);
-    request
-        .headers
-        .push(("x-trtllm-msgpack".into(), b"0".to_vec()));
+    let request = with_header(json_request(common::CONTEXT_ONLY), "x-trtllm-msgpack", b"0");
     assert!(matches!(
         plugin().handle(&request),
         Ok(Action::ForwardWithBody(_))

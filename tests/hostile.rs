@@ -5,7 +5,7 @@
 //! real plugin (so it passes the gateway's load-time self-check) until a
 //! request carries `x-hostile: BEHAVIOUR`: `loop`, `memory-bomb`, `panic`,
 //! `trap`, `escape` or `huge-body`. `WRONG_WORLD_WASM` is built for an
-//! incompatible contract, `snowgate:middleware@0.2.0`.
+//! incompatible contract, `snowgate:middleware@0.1.0`.
 //!
 //! Two levels:
 //! - the library: `Plugin::handle` gives the right `CallError` for each
@@ -116,7 +116,7 @@ fn request(behaviour: Option<&str>, extra: &[(&str, &str)]) -> Request {
     Request {
         method: "POST".into(),
         path: "/v1/completions".into(),
-        headers,
+        headers: headers.into(),
         body: CONTEXT_ONLY.as_bytes().to_vec(),
     }
 }
@@ -658,13 +658,14 @@ fn a_plugin_for_another_contract_version_is_refused_at_load() {
     let message = format!("{error:#}");
     assert_eq!(
         message,
-        "the plugin does not export the snowgate:middleware/handler@0.1.0 interface: \
-         no exported instance named `snowgate:middleware/handler@0.1.0`"
+        "the plugin was built for snowgate:middleware@0.1.0 (it exports \
+         `snowgate:middleware/handler@0.1.0`), but this host implements \
+         snowgate:middleware@0.2.0: rebuild it against this snowgate's wit/middleware.wit"
     );
 }
 
 /// A component of the right interface names whose `handle` has another
-/// signature (the wrong-world fixture relabelled from @0.2.0 to @0.1.0:
+/// signature (the wrong-world fixture relabelled from @0.1.0 to @0.2.0:
 /// its `handle` takes an extra argument) is refused naming the function and the type
 /// the world wants, not as a trap.
 #[test]
@@ -672,8 +673,8 @@ fn an_export_of_another_type_is_refused_naming_the_function() {
     let mut bytes = WRONG_WORLD_WASM.to_vec();
     let mut relabelled = 0;
     for at in 0..bytes.len() - 6 {
-        if &bytes[at..at + 6] == b"@0.2.0" {
-            bytes[at..at + 6].copy_from_slice(b"@0.1.0");
+        if &bytes[at..at + 6] == b"@0.1.0" {
+            bytes[at..at + 6].copy_from_slice(b"@0.2.0");
             relabelled += 1;
         }
     }
@@ -684,7 +685,7 @@ fn an_export_of_another_type_is_refused_naming_the_function() {
     assert!(
         message.contains(
             "the plugin's handle export has another type than the \
-                          snowgate:middleware@0.1.0 world's \
+                          snowgate:middleware@0.2.0 world's \
                           `handle: func(request: request) -> result<action, plugin-error>`"
         ),
         "{message}"
@@ -1393,8 +1394,9 @@ async fn a_wrong_world_plugin_keeps_the_gateway_from_starting() {
     assert_eq!(
         format!("{error:#}"),
         format!(
-            "loading the plugin {}: the plugin does not export the snowgate:middleware/handler@0.1.0 interface: \
-             no exported instance named `snowgate:middleware/handler@0.1.0`",
+            "loading the plugin {}: the plugin was built for snowgate:middleware@0.1.0 (it exports \
+             `snowgate:middleware/handler@0.1.0`), but this host implements \
+             snowgate:middleware@0.2.0: rebuild it against this snowgate's wit/middleware.wit",
             path.display()
         )
     );
@@ -1436,8 +1438,9 @@ async fn a_hostile_plugin_swapped_in_live_is_contained_and_a_wrong_world_one_is_
     assert_eq!(
         message,
         format!(
-            "loading the plugin {}: the plugin does not export the snowgate:middleware/handler@0.1.0 interface: \
-             no exported instance named `snowgate:middleware/handler@0.1.0`",
+            "loading the plugin {}: the plugin was built for snowgate:middleware@0.1.0 (it exports \
+             `snowgate:middleware/handler@0.1.0`), but this host implements \
+             snowgate:middleware@0.2.0: rebuild it against this snowgate's wit/middleware.wit",
             gateway.plugin_path.display()
         )
     );

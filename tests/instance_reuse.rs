@@ -11,7 +11,9 @@ mod common;
 
 use std::time::Duration;
 
-use common::{describe, engine_with, json_request, load_bundled, CONTEXT_ONLY, START_MILLIS};
+use common::{
+    describe, engine_with, json_request, load_bundled, with_header, CONTEXT_ONLY, START_MILLIS,
+};
 use proptest::prelude::*;
 use snowgate_host::{Action, CallError, FixedClock, Plugin, PluginLimits, Request};
 use snowgate_plugin::SnowflakeLayout;
@@ -36,11 +38,11 @@ fn runtime() -> tokio::runtime::Runtime {
 }
 
 fn behaving(behaviour: &str) -> Request {
-    let mut request = json_request(CONTEXT_ONLY);
-    request
-        .headers
-        .push(("x-hostile".into(), behaviour.as_bytes().to_vec()));
-    request
+    with_header(
+        json_request(CONTEXT_ONLY),
+        "x-hostile",
+        behaviour.as_bytes(),
+    )
 }
 
 /// How many requests the instance that served this one has handled.
@@ -218,7 +220,7 @@ fn varied_bodies() -> Vec<Request> {
     requests.push(json_request(vec![b'['; 1000]));
     requests.push(json_request(b"{\"a\":\"\xff\"}".to_vec()));
     let mut msgpack = json_request(vec![0x81, 0xa1, b'a', 0x01]);
-    msgpack.headers[0].1 = b"application/msgpack".to_vec();
+    msgpack.headers = vec![("content-type".into(), b"application/msgpack".to_vec())].into();
     requests.push(msgpack);
     let mut large = br#"{"prompt_token_ids":["#.to_vec();
     for i in 0..50_000 {

@@ -92,32 +92,48 @@ fn an_empty_component_is_refused_for_not_exporting_the_handler() {
     let message = load_error(b"\0asm\x0d\0\x01\0");
     assert_mentions(
         &message,
-        &["does not export", "snowgate:middleware/handler@0.1.0"],
+        &["does not export", "snowgate:middleware/handler@0.2.0"],
     );
 }
 
 #[test]
-fn a_component_exporting_another_handler_version_is_refused() {
+fn a_component_exporting_another_handler_version_is_refused_naming_both_versions() {
     let bytes = renamed(
-        "snowgate:middleware/handler@0.1.0",
+        "snowgate:middleware/handler@0.2.0",
         "snowgate:middleware/handler@9.9.9",
     );
     let message = load_error(&bytes);
-    assert!(
-        !message.contains("not a valid WebAssembly component"),
-        "the renamed copy should still be a valid component: {message}"
+    assert_eq!(
+        message,
+        "the plugin was built for snowgate:middleware@9.9.9 (it exports \
+         `snowgate:middleware/handler@9.9.9`), but this host implements \
+         snowgate:middleware@0.2.0: rebuild it against this snowgate's wit/middleware.wit"
     );
-    assert_mentions(
-        &message,
-        &["does not export", "snowgate:middleware/handler@0.1.0"],
+}
+
+/// A plugin built for the contract before this one (0.1.0, whose request
+/// record carried the headers) imports its interfaces at that version: the
+/// message names it, rather than an import the host lacks.
+#[test]
+fn a_component_importing_the_previous_contract_version_is_refused_naming_both_versions() {
+    let bytes = renamed(
+        "snowgate:middleware/clock@0.2.0",
+        "snowgate:middleware/clock@0.1.0",
+    );
+    let message = load_error(&bytes);
+    assert_eq!(
+        message,
+        "the plugin was built for snowgate:middleware@0.1.0 (it imports \
+         `snowgate:middleware/clock@0.1.0`), but this host implements \
+         snowgate:middleware@0.2.0: rebuild it against this snowgate's wit/middleware.wit"
     );
 }
 
 #[test]
 fn a_component_importing_an_interface_the_host_lacks_is_refused() {
     let bytes = renamed(
-        "snowgate:middleware/clock@0.1.0",
-        "snowgate:middleware/clock@9.9.9",
+        "snowgate:middleware/clock@0.2.0",
+        "snowgate:middleware/clack@0.2.0",
     );
     let message = load_error(&bytes);
     assert!(
@@ -128,7 +144,7 @@ fn a_component_importing_an_interface_the_host_lacks_is_refused() {
         &message,
         &[
             "imports something the host does not provide",
-            "snowgate:middleware/clock@9.9.9",
+            "snowgate:middleware/clack@0.2.0",
         ],
     );
 }

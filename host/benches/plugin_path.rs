@@ -27,6 +27,11 @@
 //! plugin additionally pays for instantiation and for copying the request in
 //! and the answer out of linear memory, which is the overhead measured here.
 //!
+//! Bodies: a 1 KiB chat request, twice: with two headers, and with the 17
+//! that OpenAI's Python client sends (`chat_1KiB_openai_headers`), which
+//! shows what headers cost a call; a 64 KiB multi-turn chat; a 1 MiB
+//! `prompt_token_ids` completion.
+//!
 //! Run with `cargo bench -p snowgate-host --bench plugin_path`.
 
 use std::hint::black_box;
@@ -142,7 +147,8 @@ fn request(path: &str, body: Vec<u8>) -> Request {
         headers: vec![
             ("content-type".into(), b"application/json".to_vec()),
             ("accept".into(), b"application/json".to_vec()),
-        ],
+        ]
+        .into(),
         body,
     }
 }
@@ -176,8 +182,37 @@ fn bench_plugin_path(c: &mut Criterion) {
         .build()
         .expect("a current-thread runtime");
 
+    // The headers OpenAI's Python client (1.57) sends with a chat request,
+    // as the gateway hands them to the plugin.
+    let mut openai = request("/v1/chat/completions", chat_body());
+    openai.headers = [
+        ("host", "127.0.0.1:8080"),
+        ("accept-encoding", "gzip, deflate"),
+        ("connection", "keep-alive"),
+        ("accept", "application/json"),
+        ("content-type", "application/json"),
+        ("user-agent", "OpenAI/Python 1.57.0"),
+        ("x-stainless-lang", "python"),
+        ("x-stainless-package-version", "1.57.0"),
+        ("x-stainless-os", "Linux"),
+        ("x-stainless-arch", "x64"),
+        ("x-stainless-runtime", "CPython"),
+        ("x-stainless-runtime-version", "3.12.3"),
+        (
+            "authorization",
+            "Bearer sk-0123456789abcdef0123456789abcdef",
+        ),
+        ("x-stainless-async", "false"),
+        ("x-stainless-retry-count", "0"),
+        ("x-stainless-read-timeout", "600"),
+        ("content-length", "1065"),
+    ]
+    .map(|(n, v)| (n.to_string(), v.as_bytes().to_vec()))
+    .to_vec()
+    .into();
     let cases = [
         ("chat_1KiB", request("/v1/chat/completions", chat_body())),
+        ("chat_1KiB_openai_headers", openai),
         (
             "chat_64KiB",
             request("/v1/chat/completions", long_chat_body()),

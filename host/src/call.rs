@@ -9,7 +9,7 @@ use wasmtime::component::{Instance, TypedFunc};
 use wasmtime::{PoolConcurrencyLimitError, Store, Trap};
 
 use crate::bindings::exports::snowgate::middleware::handler::{
-    Action, PluginError, Rejection, Request, Setting,
+    Action, PluginError, Rejection, Setting,
 };
 use crate::bindings::Middleware;
 use crate::call_clock::{excluding_waits, CallClock};
@@ -19,11 +19,12 @@ use crate::identity::MachineIdentity;
 use crate::identity::GRANT_CHANGED;
 use crate::log_throttle::LogThrottle;
 use crate::plugin::Plugin;
+use crate::request::{Request, RequestRecord};
 use crate::state::HostState;
 use crate::text_limits::{cut, MAX_PLUGIN_TEXT, MAX_REJECT_CODE};
 
 /// The typed `handle` export of one instance.
-type HandleFunc = TypedFunc<(&'static Request,), (Result<Action, PluginError>,)>;
+type HandleFunc = TypedFunc<(RequestRecord<'static>,), (Result<Action, PluginError>,)>;
 
 /// An instance that may serve more than one request, one at a time.
 pub(crate) struct Reusable {
@@ -139,15 +140,14 @@ impl Plugin {
     /// [`Plugin::handle_async`].
     pub fn handle(&self, request: &Request) -> Result<Action, CallError> {
         let (mut store, instance) = self.instantiate()?;
-        let handler = instance.snowgate_middleware_handler();
-        let configured = handler.call_configure(&mut store, &self.settings);
-        match configured {
-            Ok(Ok(())) => {}
-            Ok(Err(refusal)) => return Err(plugin_error(format!("configure: {refusal}"))),
+        let handle = match self.configure(&mut store, instance) {
+            Ok(Ok(handle)) => handle,
+            Ok(Err(e)) => return Err(e),
             Err(e) => return Err(self.classify(e, &store)),
-        }
-        let answer = match handler.call_handle(&mut store, request) {
-            Ok(answer) => answer,
+        };
+        store.data_mut().lend_headers(&request.headers);
+        let answer = match handle.call(&mut store, (RequestRecord::of(request),)) {
+            Ok((answer,)) => answer,
             Err(e) => return Err(self.classify(e, &store)),
         };
         let action = answer.map_err(|e| plugin_error(e.message))?;
@@ -174,12 +174,15 @@ impl Plugin {
             // instantiation, `configure` and this first call.
             None => self.new_reusable().await?,
         };
+        held.store.data_mut().lend_headers(&request.headers);
         let answer = excluding_waits(
             &held.clock,
             &self.engine.queued_calls,
-            held.handle.call_async(&mut held.store, (request,)),
+            held.handle
+                .call_async(&mut held.store, (RequestRecord::of(request),)),
         )
         .await;
+        held.store.data_mut().take_back_headers();
         held.calls += 1;
         let answer = match answer {
             Ok((answer,)) => answer,
@@ -316,6 +319,24 @@ impl Plugin {
         Ok(Ok(handle))
     }
 
+    /// `configure` on a new instance made by `pre`; then the typed `handle`
+    /// export for its request.
+    fn configure(
+        &self,
+        store: &mut Store<HostState>,
+        instance: Instance,
+    ) -> wasmtime::Result<Result<HandleFunc, CallError>> {
+        let configure = instance.get_typed_func::<(&[Setting],), (Result<(), String>,)>(
+            &mut *store,
+            &self.exports.configure,
+        )?;
+        if let (Err(refusal),) = configure.call(&mut *store, (&self.settings,))? {
+            return Ok(Err(plugin_error(format!("configure: {refusal}"))));
+        }
+        let handle = instance.get_typed_func(&mut *store, self.exports.handle)?;
+        Ok(Ok(handle))
+    }
+
     /// A fresh store under the memory limit, with no deadline set yet.
     fn new_store(&self) -> Store<HostState> {
         let state = HostState::new(
@@ -346,9 +367,9 @@ impl Plugin {
     }
 
     /// A fresh store under the limits, and the plugin instantiated in it.
-    pub(crate) fn instantiate(&self) -> Result<(Store<HostState>, Middleware), CallError> {
+    pub(crate) fn instantiate(&self) -> Result<(Store<HostState>, Instance), CallError> {
         let mut store = self.new_sync_store();
-        match self.pre.instantiate(&mut store) {
+        match self.pre.instance_pre().instantiate(&mut store) {
             Ok(instance) => Ok((store, instance)),
             Err(e) => Err(self.classify(e, &store)),
         }
@@ -370,7 +391,7 @@ impl Plugin {
             function: &'static str,
             signature: &'static str,
         ) -> impl FnOnce(wasmtime::Error) -> anyhow::Error {
-            let world = "snowgate:middleware@0.1.0";
+            let world = crate::plugin::WORLD;
             move |e: wasmtime::Error| {
                 anyhow::anyhow!(
                     "the plugin's {function} export has another type than the {world} world's \
@@ -392,7 +413,7 @@ impl Plugin {
                 "func(settings: list<setting>) -> result<_, string>",
             ))?;
         instance
-            .get_typed_func::<(&Request,), (Result<Action, PluginError>,)>(
+            .get_typed_func::<(RequestRecord,), (Result<Action, PluginError>,)>(
                 &mut store,
                 &exports.handle,
             )
@@ -556,7 +577,7 @@ mod tests {
         Request {
             method: "POST".into(),
             path: "/v1/completions".into(),
-            headers: vec![("content-type".into(), b"application/json".to_vec())],
+            headers: vec![("content-type".into(), b"application/json".to_vec())].into(),
             body,
         }
     }

@@ -27,7 +27,7 @@
 //! let request = Request {
 //!     method: "POST".into(),
 //!     path: "/v1/completions".into(),
-//!     headers: vec![("content-type".into(), b"application/json".to_vec())],
+//!     headers: vec![("content-type".into(), b"application/json".to_vec())].into(),
 //!     body: br#"{"prompt":"hi","disaggregated_params":{"request_type":"context_only"}}"#.to_vec(),
 //! };
 //! let Action::ForwardWithBody(body) = plugin.handle(&request)? else { panic!("expected a stamp") };
@@ -51,12 +51,13 @@ pub mod lease;
 pub mod limits;
 mod log_throttle;
 pub mod plugin;
+pub mod request;
 mod sleeps;
 mod state;
 mod text_limits;
 pub mod utc;
 
-pub use bindings::exports::snowgate::middleware::handler::{Action, Rejection, Request};
+pub use bindings::exports::snowgate::middleware::handler::{Action, Rejection};
 pub use call::{CallError, YIELD_AFTER};
 pub use clock::{FixedClock, IdClock, NoTick, SystemClock, Tick, WallClock};
 pub use compile_cache::{CompileCache, Compiled};
@@ -64,3 +65,4 @@ pub use engine::{HostServices, PluginEngine};
 pub use identity::MachineIdentity;
 pub use limits::PluginLimits;
 pub use plugin::{ConfigurationRefused, Plugin, PluginInfo};
+pub use request::{Headers, Request};

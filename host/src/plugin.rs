@@ -16,6 +16,14 @@ use crate::engine::PluginEngine;
 use crate::state::HostState;
 use crate::text_limits::{cut, MAX_PLUGIN_NAME, MAX_PLUGIN_TEXT};
 
+/// The version of the `snowgate:middleware` contract (`wit/middleware.wit`)
+/// this host implements. Plugins built against another version are refused
+/// at load time, naming both.
+pub const CONTRACT_VERSION: &str = "0.2.0";
+
+/// The world a plugin must implement, with its version.
+pub const WORLD: &str = "snowgate:middleware@0.2.0";
+
 /// What is known about a loaded plugin.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PluginInfo {
@@ -96,12 +104,15 @@ impl Plugin {
             Some(component) => (component, Compiled::FromCache),
             None => (compile(engine, bytes)?, Compiled::Now),
         };
-        let instance_pre = engine.linker.instantiate_pre(&component).context(
-            "the plugin imports something the host does not provide (the host provides the \
-             snowgate:middleware@0.1.0 world's clock, identity and log, and WASI 0.2's cli, \
-             clocks, filesystem, io, random and sockets, with nothing behind them; not \
-             wasi:http)",
-        )?;
+        check_contract_version(engine, &component)?;
+        let instance_pre = engine.linker.instantiate_pre(&component).with_context(|| {
+            format!(
+                "the plugin imports something the host does not provide (the host provides the \
+                 {WORLD} world's clock, identity, log and request-headers, and WASI 0.2's cli, \
+                 clocks, filesystem, io, random and sockets, with nothing behind them; not \
+                 wasi:http)"
+            )
+        })?;
         let pre = MiddlewarePre::new(instance_pre).with_context(|| {
             format!(
                 "the plugin does not export the {} interface",
@@ -223,6 +234,37 @@ fn refused(engine: &PluginEngine, e: wasmtime::Error) -> anyhow::Error {
     anyhow::Error::from(e)
 }
 
+/// Refuses a component that imports or exports an interface of another
+/// version of the `snowgate:middleware` contract, naming both versions: the
+/// plain "does not provide" or "does not export" that would follow says
+/// less about what to do (rebuild against this host's WIT).
+fn check_contract_version(engine: &PluginEngine, component: &Component) -> anyhow::Result<()> {
+    let ty = component.component_type();
+    let imports = ty
+        .imports(&engine.engine)
+        .map(|(name, _)| ("imports", name));
+    let exports = ty
+        .exports(&engine.engine)
+        .map(|(name, _)| ("exports", name));
+    for (direction, name) in imports.chain(exports) {
+        let Some(interface) = name.strip_prefix("snowgate:middleware/") else {
+            continue;
+        };
+        let version = interface.rsplit_once('@').map_or("", |(_, v)| v);
+        anyhow::ensure!(
+            version == CONTRACT_VERSION,
+            "the plugin was built for {} (it {direction} `{name}`), but this host implements \
+             {WORLD}: rebuild it against this snowgate's wit/middleware.wit",
+            if version.is_empty() {
+                "an unversioned snowgate:middleware".to_string()
+            } else {
+                format!("snowgate:middleware@{version}")
+            },
+        );
+    }
+    Ok(())
+}
+
 /// The export indices of the handler functions a request call uses, found
 /// once at load time.
 pub(crate) struct HandlerExports {
@@ -233,7 +275,7 @@ pub(crate) struct HandlerExports {
 }
 
 impl HandlerExports {
-    const INTERFACE: &'static str = "snowgate:middleware/handler@0.1.0";
+    const INTERFACE: &'static str = "snowgate:middleware/handler@0.2.0";
 
     fn find(component: &Component) -> anyhow::Result<HandlerExports> {
         let interface = component
@@ -259,4 +301,26 @@ pub fn hex_sha256(bytes: &[u8]) -> String {
         .iter()
         .map(|b| format!("{b:02x}"))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The names the host checks plugins against are those of the WIT the
+    /// host's bindings are generated from.
+    #[test]
+    fn the_contract_names_are_those_of_the_wit() {
+        let wit = include_str!("../../wit/middleware.wit");
+        let package = wit
+            .lines()
+            .find_map(|line| line.strip_prefix("package "))
+            .expect("the WIT names its package");
+        assert_eq!(package, format!("{WORLD};"));
+        assert_eq!(WORLD, format!("snowgate:middleware@{CONTRACT_VERSION}"));
+        assert_eq!(
+            HandlerExports::INTERFACE,
+            format!("snowgate:middleware/handler@{CONTRACT_VERSION}")
+        );
+    }
 }

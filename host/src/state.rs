@@ -12,6 +12,7 @@ use crate::bindings::snowgate::middleware::{clock, identity, log, types};
 use crate::call_clock::{CallClock, OnTick};
 use crate::clock::NoTick;
 use crate::engine::{HostServices, MAX_TABLE_ELEMENTS};
+use crate::request::Headers;
 use crate::text_limits::{cut, MAX_LOG_LINES_PER_CALL, MAX_PLUGIN_TEXT};
 use snowgate_plugin::SnowflakeLayout;
 
@@ -39,6 +40,9 @@ pub struct HostState {
     pub(crate) created_under: u64,
     /// How many log lines the current call wrote.
     log_lines: u32,
+    /// The headers of the request being handled, for the
+    /// `request-headers` import; `None` outside `handle`.
+    headers: Option<Headers>,
 }
 
 /// What one call took from the id services.
@@ -99,6 +103,7 @@ impl HostState {
             issued: Issued::default(),
             created_under,
             log_lines: 0,
+            headers: None,
         }
     }
 
@@ -114,6 +119,24 @@ impl HostState {
             .begin(std::time::Instant::now(), deadline, yield_after);
         self.issued = Issued::default();
         self.log_lines = 0;
+    }
+
+    /// Makes `headers` what the `request-headers` import reads, for the
+    /// `handle` call about to start.
+    pub(crate) fn lend_headers(&mut self, headers: &Headers) {
+        self.headers = Some(headers.clone());
+    }
+
+    /// Ends what [`HostState::lend_headers`] began: the import reads no
+    /// headers until the next `handle`, and the request's are not kept.
+    pub(crate) fn take_back_headers(&mut self) {
+        self.headers = None;
+    }
+
+    /// The headers the `request-headers` import reads, if a `handle`
+    /// call is running.
+    pub(crate) fn request_headers(&self) -> Option<&[(String, Vec<u8>)]> {
+        self.headers.as_deref()
     }
 
     /// The resource table the plugin's WASI resources live in.

@@ -14,7 +14,7 @@ wit_bindgen::generate!({
 use exports::snowgate::middleware::handler::{
     Action, Guest, PluginError, Rejection, Request, Setting,
 };
-use snowgate::middleware::{clock, identity, types::IdLayout};
+use snowgate::middleware::{clock, identity, request_headers, types::IdLayout};
 
 /// The configuration `configure` was given; an instance serves one request.
 static CONFIG: Mutex<Config> = Mutex::new(Config {
@@ -74,11 +74,12 @@ impl Guest for Plugin {
     }
 
     fn handle(request: Request) -> Result<Action, PluginError> {
+        // Only the one header the decision needs is copied in.
+        let values = request_headers::get(handler::MSGPACK_HEADER);
         let msgpack = handler::is_msgpack(
-            request
-                .headers
+            values
                 .iter()
-                .map(|(n, v)| (n.as_str(), v.as_slice())),
+                .map(|value| (handler::MSGPACK_HEADER, value.as_slice())),
         );
         match handler::decide(&config(), msgpack, &request.body, &mut HostIds) {
             Ok(Decision::Forward) => Ok(Action::Forward),

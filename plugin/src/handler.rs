@@ -132,11 +132,14 @@ impl From<MsgpackError> for Rejection {
     }
 }
 
+/// The header that says a body is MessagePack, in lower case.
+pub const MSGPACK_HEADER: &str = "x-trtllm-msgpack";
+
 /// Whether the headers say the body is MessagePack (TensorRT-LLM's
 /// `X-TRTLLM-Msgpack: 1`, sent with `Content-Type: application/json`).
 pub fn is_msgpack<'h>(mut headers: impl Iterator<Item = (&'h str, &'h [u8])>) -> bool {
     headers.any(|(name, value)| {
-        name.eq_ignore_ascii_case("x-trtllm-msgpack") && value.trim_ascii() == b"1"
+        name.eq_ignore_ascii_case(MSGPACK_HEADER) && value.trim_ascii() == b"1"
     })
 }
 

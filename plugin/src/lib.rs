@@ -53,7 +53,7 @@ mod guest;
 pub use body::{find_edits, BodyError, Edit, MAX_NESTING_DEPTH};
 pub use handler::{
     decide, is_msgpack, Config, Decision, IdSource, MachineId, PluginFailure, Rejection, Tick,
-    PLUGIN_NAME, PLUGIN_VERSION,
+    MSGPACK_HEADER, PLUGIN_NAME, PLUGIN_VERSION,
 };
 pub use layout::{IdParts, LayoutError, SnowflakeLayout};
 pub use msgpack::{find_msgpack_edits, MsgpackEdit, MsgpackError};

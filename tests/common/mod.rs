@@ -106,9 +106,17 @@ pub fn json_request(body: impl Into<Vec<u8>>) -> Request {
     Request {
         method: "POST".into(),
         path: "/v1/completions".into(),
-        headers: vec![("content-type".into(), b"application/json".to_vec())],
+        headers: vec![("content-type".into(), b"application/json".to_vec())].into(),
         body: body.into(),
     }
+}
+
+/// `request` with the header `name: value` added after the others.
+pub fn with_header(mut request: Request, name: &str, value: &[u8]) -> Request {
+    let mut headers = request.headers.to_vec();
+    headers.push((name.to_string(), value.to_vec()));
+    request.headers = headers.into();
+    request
 }
 
 /// Runs `body` through `plugin` and returns the stamped body; panics on any

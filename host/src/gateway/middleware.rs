@@ -57,13 +57,17 @@ use tokio::sync::Semaphore;
 use tower_layer::Layer;
 use tower_service::Service;
 
-use crate::bindings::exports::snowgate::middleware::handler::{Action, Request as PluginRequest};
+use crate::bindings::exports::snowgate::middleware::handler::Action;
 use crate::gateway::client_body::{BodyProgress, ClientFault};
 use crate::gateway::config::FailurePolicy;
 use crate::gateway::metrics::{Metrics, Outcome};
 use crate::gateway::read_body::{read_limited, ReadBodyError};
 use crate::gateway::responses;
 use crate::gateway::slot::PluginSlot;
+use crate::request::Request as PluginRequest;
+// The header that has TensorRT-LLM decode a body as MessagePack, whatever
+// its content type says.
+use snowgate_plugin::MSGPACK_HEADER;
 
 /// The body type the inner service receives: the (possibly rewritten) body
 /// in memory, or the original body streaming through.
@@ -422,10 +426,6 @@ fn content_coding(headers: &HeaderMap) -> Option<String> {
         .any(|coding| !coding.trim().is_empty() && !coding.trim().eq_ignore_ascii_case("identity"));
     encoded.then(|| codings.join(", "))
 }
-
-/// The header that has TensorRT-LLM decode a body as MessagePack, whatever
-/// its content type says.
-const MSGPACK_HEADER: &str = "x-trtllm-msgpack";
 
 /// The body's media type, lower case, without parameters. The header is
 /// read as Latin-1, as Python servers read header bytes, so that a stray

@@ -8,11 +8,12 @@ use std::time::SystemTime;
 use anyhow::Context as _;
 use arc_swap::ArcSwap;
 
-use crate::bindings::exports::snowgate::middleware::handler::{Action, Request};
+use crate::bindings::exports::snowgate::middleware::handler::Action;
 use crate::engine::PluginEngine;
 use crate::gateway::metrics::Metrics;
 use crate::gateway::plugin_file::read_plugin_file;
 use crate::plugin::{hex_sha256, Plugin};
+use crate::request::Request;
 
 /// The body of the canned request every new build must stamp before it
 /// may serve.
@@ -204,7 +205,7 @@ pub fn load_checked(
     let request = Request {
         method: "POST".into(),
         path: "/v1/completions".into(),
-        headers: vec![("content-type".into(), b"application/json".to_vec())],
+        headers: vec![("content-type".into(), b"application/json".to_vec())].into(),
         body: SELF_CHECK_BODY.to_vec(),
     };
     let action = plugin

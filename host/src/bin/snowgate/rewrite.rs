@@ -13,7 +13,7 @@ use snowgate_host::{
     Action, CompileCache, FixedClock, HostServices, IdClock, MachineIdentity, Plugin, PluginEngine,
     PluginLimits, Request,
 };
-use snowgate_plugin::SnowflakeLayout;
+use snowgate_plugin::{SnowflakeLayout, MSGPACK_HEADER};
 
 use crate::Failure;
 
@@ -110,14 +110,14 @@ pub fn run(args: RewriteArgs) -> Result<(), Failure> {
     std::io::stdin()
         .read_to_end(&mut body)
         .context("reading the body from stdin")?;
-    let mut headers = vec![("content-type".into(), b"application/json".to_vec())];
+    let mut headers = vec![("content-type".to_string(), b"application/json".to_vec())];
     if args.msgpack {
-        headers.push(("x-trtllm-msgpack".into(), b"1".to_vec()));
+        headers.push((MSGPACK_HEADER.to_string(), b"1".to_vec()));
     }
     let request = Request {
         method: "POST".into(),
         path: "/".into(),
-        headers,
+        headers: headers.into(),
         body,
     };
     let answer = plugin.handle(&request);
