@@ -246,6 +246,36 @@ async fn idle_http2_connections_and_half_sent_prefaces_are_closed() {
         .expect("a clean end");
 }
 
+/// A stopping gateway does not wait out its grace period (30 s) for an idle
+/// HTTP/2 connection whose client never answers the GOAWAY's ping, as a
+/// pooled client that reads only while it has a request out does not: once
+/// nothing has been in flight on it for a second it is closed, and the
+/// gateway exits. Before, the stop waited for the connection's own idle
+/// timeouts (10 s, then 10 s more) or the grace period.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stopping_gateway_closes_idle_http2_connections_that_ignore_its_goaway() {
+    let gateway = Gateway::start(&[]).await;
+    let mut idle = TcpStream::connect(gateway.addr).await.expect("connect");
+    idle.write_all(&[PREFACE, SETTINGS].concat())
+        .await
+        .expect("preface");
+    // The gateway's SETTINGS: the connection is served as HTTP/2. From
+    // here on the client reads nothing and answers nothing.
+    let mut first = [0u8; 9];
+    bounded("the gateway's SETTINGS", STEP, idle.read_exact(&mut first))
+        .await
+        .expect("a frame header");
+    assert_eq!(first[3], 0x4, "a SETTINGS frame first: {first:?}");
+    let stopped = Instant::now();
+    gateway.signal("TERM");
+    let status = gateway.wait_exit(Duration::from_secs(8)).await;
+    assert_eq!(status.code(), Some(0), "exit status {status:?}");
+    let stderr = gateway.stderr_text();
+    assert!(stderr.contains("all connections closed"), "{stderr}");
+    assert!(!stderr.contains("after the grace period"), "{stderr}");
+    assert!(stopped.elapsed() < Duration::from_secs(8));
+}
+
 /// The idle timeout counts from when the gateway has handed over the last
 /// of a response, which a slow reader may still be receiving: a reader
 /// that stops for longer than the idle timeout between windows still gets

@@ -1757,7 +1757,7 @@ async fn sigterm_gives_up_on_stuck_requests_after_the_grace_period() {
     assert_eq!(status.code(), Some(0), "exit status {status:?}");
     assert!(gateway
         .stderr_text()
-        .contains("still running after the grace period"));
+        .contains("still open after the grace period"));
     assert!(bounded("the client to see the close", STEP, stuck)
         .await
         .unwrap());

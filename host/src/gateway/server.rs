@@ -185,12 +185,18 @@ pub async fn serve(
             // itself comes through `stopping` (see `serve_until_stopped`).
             let idle = activity.idle_for(idle_timeout);
             let idle_again = activity.idle_for(idle_timeout);
+            let idle_after_stop = activity.idle_for(STOP_IDLE);
             let stalled = async {
                 activity.stalled_for(send_timeout).await;
                 let ms = send_timeout.as_millis();
                 tracing::debug!(%peer, "closed an HTTP/2 connection: its client took none of a response for {ms} ms (--send-timeout-ms)");
             };
-            let ended = serve_until_stopped(connection, stopping, idle, idle_again, stalled);
+            let idles = Idles {
+                idle,
+                idle_again,
+                idle_after_stop,
+            };
+            let ended = serve_until_stopped(connection, stopping, idles, stalled);
             if let Err(e) = ended.await {
                 // hyper's own words ("error writing a body to connection")
                 // do not say why: its causes do (a send timeout, a reset).
@@ -210,7 +216,12 @@ pub async fn serve(
             true
         }
         () = tokio::time::sleep(grace) => {
-            tracing::warn!(grace_secs = grace.as_secs(), "in-flight requests still running after the grace period");
+            let open = limits.max_connections - slots.available_permits();
+            tracing::warn!(
+                grace_secs = grace.as_secs(),
+                "{open} connection(s) still open after the grace period, with requests \
+                 still running or responses not yet taken by their clients: closing them"
+            );
             false
         }
     };
@@ -264,7 +275,8 @@ pub(crate) async fn pause_after_accept_error(error: &std::io::Error, what: &str)
 /// (no request in flight for the idle timeout). After an idle shutdown, a
 /// connection that has not ended is dropped once `idle_again` resolves:
 /// requests its client started as the shutdown began are answered first,
-/// but pings, window updates or a trickle of bytes do not keep it. Whenever
+/// but pings, window updates or a trickle of bytes do not keep it; after
+/// a stop, likewise once `idle_after_stop` resolves. Whenever
 /// `stalled` resolves (the client takes none of its responses), the
 /// connection is dropped at once.
 ///
@@ -275,13 +287,22 @@ pub(crate) async fn pause_after_accept_error(error: &std::io::Error, what: &str)
 /// (One case still closes unanswered: a first read that holds only part of
 /// what tells HTTP/1 from HTTP/2, such as a lone `P`; the client had not
 /// yet sent a request line.)
-async fn serve_until_stopped<C: GracefulConnection>(
+async fn serve_until_stopped<C: GracefulConnection, I, J, K>(
     connection: C,
     mut stopping: tokio::sync::watch::Receiver<bool>,
-    idle: impl Future<Output = ()>,
-    idle_again: impl Future<Output = ()>,
+    idles: Idles<I, J, K>,
     stalled: impl Future<Output = ()>,
-) -> Result<(), C::Error> {
+) -> Result<(), C::Error>
+where
+    I: Future<Output = ()>,
+    J: Future<Output = ()>,
+    K: Future<Output = ()>,
+{
+    let Idles {
+        idle,
+        idle_again,
+        idle_after_stop,
+    } = idles;
     tokio::pin!(connection);
     tokio::pin!(stalled);
     let idle = tokio::select! {
@@ -293,10 +314,16 @@ async fn serve_until_stopped<C: GracefulConnection>(
     };
     connection.as_mut().graceful_shutdown();
     if !idle {
+        // The gateway is stopping: an HTTP/2 client that does not answer
+        // the GOAWAY's ping (a pooled client reads only while it has a
+        // request out) would hold the drain for the whole grace period.
+        // Requests in flight are answered; once none has been for
+        // `STOP_IDLE`, the connection is dropped, acknowledged or not.
         return tokio::select! {
             biased;
             done = connection => done,
             () = stalled => Ok(()),
+            () = idle_after_stop => Ok(()),
         };
     }
     // HTTP/2 says GOAWAY and ends once the client acknowledges it and
@@ -311,6 +338,23 @@ async fn serve_until_stopped<C: GracefulConnection>(
         () = stalled => Ok(()),
         () = idle_again => Ok(()),
     }
+}
+
+/// How long a stopping gateway keeps an HTTP/2 connection with nothing in
+/// flight: time for requests the client sent before it read the GOAWAY to
+/// arrive (a round trip), not for a client that never acknowledges it.
+const STOP_IDLE: Duration = Duration::from_secs(1);
+
+/// What ends a connection for want of requests (see `serve_until_stopped`):
+/// each resolves once no request has been in flight for a while (never
+/// for HTTP/1, which hyper closes itself).
+struct Idles<I, J, K> {
+    /// For the header read timeout: the connection is shut down gracefully.
+    idle: I,
+    /// For another such timeout after that: it is dropped.
+    idle_again: J,
+    /// For [`STOP_IDLE`] once the gateway is stopping: it is dropped.
+    idle_after_stop: K,
 }
 
 /// Keeps a timer pending on this worker that always fires before any
@@ -446,7 +490,12 @@ mod tests {
         let builder = auto::Builder::new(TokioExecutor::new());
         let connection = builder.serve_connection(TokioIo::new(server), service);
         let never = || std::future::pending();
-        serve_until_stopped(connection, stopping, never(), never(), never())
+        let idles = Idles {
+            idle: never(),
+            idle_again: never(),
+            idle_after_stop: never(),
+        };
+        serve_until_stopped(connection, stopping, idles, never())
             .await
             .expect("the connection ends cleanly");
 
