@@ -272,6 +272,11 @@ async fn a_stopping_gateway_closes_idle_http2_connections_that_ignore_its_goaway
     assert_eq!(status.code(), Some(0), "exit status {status:?}");
     let stderr = gateway.stderr_text();
     assert!(stderr.contains("all connections closed"), "{stderr}");
+    // Started without --upstream: the echo upstream is no silent default.
+    assert!(
+        stderr.contains("WARN") && stderr.contains("no --upstream given"),
+        "{stderr}"
+    );
     assert!(!stderr.contains("after the grace period"), "{stderr}");
     assert!(stopped.elapsed() < Duration::from_secs(8));
 }

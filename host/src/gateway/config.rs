@@ -25,8 +25,8 @@ const MIN_MACHINE_ID_TTL_SECS: u64 = 3;
 /// replica's machine id stays taken for that long.
 const MAX_MACHINE_ID_TTL_SECS: u64 = 86_400;
 
-/// The longest upstream or body read timeout a configuration may set: a day.
-const MAX_UPSTREAM_TIMEOUT_MS: u64 = 86_400_000;
+/// The longest timeout (or reload quiet time) a configuration may set: a day.
+const MAX_TIMEOUT_MS: u64 = 86_400_000;
 
 /// What the gateway does when the plugin errs, traps or hits a limit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
@@ -344,22 +344,35 @@ impl ConfigFile {
             config.shutdown_grace = Duration::from_secs(secs);
         }
         if let Some(ms) = self.reload_debounce_ms {
+            // The watcher adds ten quiet times to the clock: beyond a day
+            // that could overflow it, and no rollout waits that long.
+            anyhow::ensure!(
+                ms <= MAX_TIMEOUT_MS,
+                "reload-debounce-ms must be at most {MAX_TIMEOUT_MS} (a day), not {ms}"
+            );
             config.reload_debounce = Duration::from_millis(ms);
         }
         if let Some(ms) = self.header_read_timeout_ms {
+            // 0 would close every keep-alive connection after its response
+            // and drop a request head split across two reads; a day is
+            // beyond any slow-loris protection.
+            anyhow::ensure!(
+                (1..=MAX_TIMEOUT_MS).contains(&ms),
+                "header-read-timeout-ms must be between 1 and {MAX_TIMEOUT_MS} (a day), not {ms}"
+            );
             config.connections.header_read_timeout = Duration::from_millis(ms);
         }
         if let Some(ms) = self.body_read_timeout_ms {
             anyhow::ensure!(
-                (1..=MAX_UPSTREAM_TIMEOUT_MS).contains(&ms),
-                "body-read-timeout-ms must be between 1 and {MAX_UPSTREAM_TIMEOUT_MS} (a day), not {ms}"
+                (1..=MAX_TIMEOUT_MS).contains(&ms),
+                "body-read-timeout-ms must be between 1 and {MAX_TIMEOUT_MS} (a day), not {ms}"
             );
             config.connections.body_read_timeout = Duration::from_millis(ms);
         }
         if let Some(ms) = self.send_timeout_ms {
             anyhow::ensure!(
-                (1..=MAX_UPSTREAM_TIMEOUT_MS).contains(&ms),
-                "send-timeout-ms must be between 1 and {MAX_UPSTREAM_TIMEOUT_MS} (a day), not {ms}"
+                (1..=MAX_TIMEOUT_MS).contains(&ms),
+                "send-timeout-ms must be between 1 and {MAX_TIMEOUT_MS} (a day), not {ms}"
             );
             config.connections.send_timeout = Duration::from_millis(ms);
         }
@@ -402,8 +415,8 @@ impl ConfigFile {
         ] {
             if let Some(ms) = ms {
                 anyhow::ensure!(
-                    (1..=MAX_UPSTREAM_TIMEOUT_MS).contains(&ms),
-                    "{name} must be between 1 and {MAX_UPSTREAM_TIMEOUT_MS} (a day), not {ms}"
+                    (1..=MAX_TIMEOUT_MS).contains(&ms),
+                    "{name} must be between 1 and {MAX_TIMEOUT_MS} (a day), not {ms}"
                 );
                 *field = Duration::from_millis(ms);
             }
@@ -581,6 +594,18 @@ mod tests {
             (
                 "send-timeout-ms = 0",
                 "send-timeout-ms must be between 1 and 86400000 (a day), not 0",
+            ),
+            (
+                "reload-debounce-ms = 18446744073709551615",
+                "reload-debounce-ms must be at most 86400000 (a day), not 18446744073709551615",
+            ),
+            (
+                "header-read-timeout-ms = 0",
+                "header-read-timeout-ms must be between 1 and 86400000 (a day), not 0",
+            ),
+            (
+                "header-read-timeout-ms = 99999999999999",
+                "header-read-timeout-ms must be between 1 and 86400000 (a day), not 99999999999999",
             ),
             (
                 "body-read-timeout-ms = 86400001",

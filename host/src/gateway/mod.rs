@@ -107,7 +107,10 @@ impl Gateway {
         let slot = Arc::new(slot);
         let upstream = match &config.upstream {
             Some(url) => Upstream::http(url, config.upstream_timeouts, metrics.clone())?,
-            None => Upstream::Echo,
+            None => {
+                tracing::warn!("no --upstream given: the built-in echo upstream answers every request with the request itself, headers included; give --upstream URL to proxy to a server");
+                Upstream::Echo
+            }
         };
         let listener = TcpListener::bind(config.listen)
             .await
