@@ -944,6 +944,60 @@ async fn an_upstream_that_stops_mid_body_is_cut_off_after_the_read_timeout() {
     assert_eq!(metric(&metrics, "snowgate_upstream_errors_total"), 0.0);
 }
 
+/// An upstream whose connection fails within a response body (a worker
+/// that crashed mid-stream): the client sees the response end short, and
+/// the gateway logs it as a warning naming the path and counts it as a
+/// cut-off, where it used to leave no trace at its default log level.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_that_fails_mid_body_is_logged_and_counted() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind a raw upstream");
+    let url = format!("http://{}", listener.local_addr().expect("its address"));
+    let upstream = tokio::spawn(async move {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let (mut stream, _) = listener.accept().await.expect("the gateway connects");
+        let mut head = Vec::new();
+        let mut buf = [0u8; 4096];
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+            let n = stream.read(&mut buf).await.expect("reading the request");
+            assert!(n > 0, "the request ended early");
+            head.extend_from_slice(&buf[..n]);
+        }
+        // A promised 100 bytes, then 10 of them, then the connection ends.
+        stream
+            .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\ndata: one\n")
+            .await
+            .expect("writing the first part");
+    });
+    let gateway = Gateway::start(&["--upstream", &url]).await;
+    let mut client = Client::connect(gateway.addr).await;
+    let request = client
+        .builder(Method::GET, "/v1/stream")
+        .body(Full::new(Bytes::new()))
+        .expect("a request");
+    let response = client.send_streaming(request).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    bounded("the raw upstream", STEP, upstream)
+        .await
+        .expect("the raw upstream task");
+    let rest = bounded("the body to end", STEP, response.into_body().collect()).await;
+    assert!(rest.is_err(), "the body ended cleanly: {rest:?}");
+    gateway
+        .wait_log("cut off a response: its upstream failed within the body")
+        .await;
+    let log = gateway.stderr_text();
+    let line = log
+        .lines()
+        .find(|l| l.contains("its upstream failed within the body"))
+        .expect("logged");
+    assert!(line.contains("WARN"), "{line}");
+    assert!(line.contains("/v1/stream"), "names the path: {line}");
+    let metrics = gateway.metrics().await;
+    assert_eq!(metric(&metrics, "snowgate_upstream_cut_offs_total"), 1.0);
+    assert_eq!(metric(&metrics, "snowgate_upstream_errors_total"), 0.0);
+}
+
 /// An upstream response with both `Transfer-Encoding: chunked` and a
 /// `Content-Length` is chunked (RFC 9112 section 6.3): the client gets the
 /// whole body, not the first `Content-Length` bytes of it.

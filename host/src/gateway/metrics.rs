@@ -98,8 +98,9 @@ impl Metrics {
         self.upstream_errors.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Counts a response cut off because its upstream paused longer than
-    /// the upstream read timeout.
+    /// Counts a response cut off after its headers because of its
+    /// upstream: it paused longer than the upstream read timeout, or its
+    /// connection failed within the body.
     pub fn upstream_cut_off(&self) {
         self.upstream_cut_offs.fetch_add(1, Ordering::Relaxed);
     }
@@ -183,7 +184,7 @@ impl Metrics {
             load(&self.upstream_errors)
         );
         out.push_str(
-            "# HELP snowgate_upstream_cut_offs_total Responses cut off because the upstream paused within the body longer than --upstream-read-timeout-ms.\n",
+            "# HELP snowgate_upstream_cut_offs_total Responses cut off after their headers because of the upstream: it paused within the body longer than --upstream-read-timeout-ms, or its connection failed within the body.\n",
         );
         out.push_str("# TYPE snowgate_upstream_cut_offs_total counter\n");
         let _ = writeln!(

@@ -1,7 +1,9 @@
 //! The upstream's response body on its way to the client: how long the
 //! upstream may pause within it, so that an upstream that hangs after its
 //! headers (a stuck worker mid-stream) costs the client a response that
-//! ends, not one that never does.
+//! ends, not one that never does; and an upstream whose connection fails
+//! within it (a worker that crashed mid-stream) is logged and counted, not
+//! only seen by the client.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -66,6 +68,14 @@ where
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = self.get_mut();
         match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(Some(Err(e))) => {
+                let e: BoxError = e.into();
+                let path = this.path.as_ref().map_or("", PathAndQuery::as_str);
+                let problem = crate::gateway::error_chain::describe(&*e);
+                tracing::warn!(path, %problem, "cut off a response: its upstream failed within the body");
+                this.metrics.upstream_cut_off();
+                Poll::Ready(Some(Err(e)))
+            }
             Poll::Ready(frame) => {
                 this.timer.progressed();
                 Poll::Ready(frame.map(|frame| frame.map_err(Into::into)))
