@@ -211,7 +211,43 @@ impl Plugin {
 
 /// Compiles `bytes`.
 fn compile(engine: &PluginEngine, bytes: &[u8]) -> anyhow::Result<Component> {
+    if let Some(what) = not_a_component(bytes) {
+        anyhow::bail!("the plugin is not a valid WebAssembly component for this host: {what}");
+    }
     Component::new(&engine.engine, bytes).map_err(|e| refused(engine, e))
+}
+
+/// What a file that cannot be a component is, in one line, when its first
+/// eight bytes tell: wasmtime would say it in a multi-line dump.
+fn not_a_component(bytes: &[u8]) -> Option<String> {
+    const MAGIC: &[u8] = b"\0asm";
+    const CORE_MODULE: &[u8] = &[1, 0, 0, 0];
+    if !bytes.starts_with(MAGIC) {
+        if bytes.is_empty() {
+            return Some("the file is empty".to_string());
+        }
+        let head = &bytes[..bytes.len().min(8)];
+        let hex: Vec<String> = head.iter().map(|b| format!("{b:02x}")).collect();
+        let text: String = head
+            .iter()
+            .map(|&b| {
+                if b.is_ascii_graphic() || b == b' ' {
+                    b as char
+                } else {
+                    '.'
+                }
+            })
+            .collect();
+        return Some(format!(
+            "no WebAssembly magic header (\\0asm): the file starts with {} ({text:?})",
+            hex.join(" ")
+        ));
+    }
+    (bytes.get(4..8) == Some(CORE_MODULE)).then(|| {
+        "it is a core WebAssembly module, not a component: build it for wasm32-wasip2, or \
+         make it a component with `wasm-tools component new`"
+            .to_string()
+    })
 }
 
 /// Why the engine refused a component: a memory that starts larger than the
