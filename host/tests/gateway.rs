@@ -1654,12 +1654,17 @@ async fn admin_endpoints_describe_the_serving_plugin() {
     assert_openai_error(&missing.json(), "not_found", "invalid_request_error");
 }
 
-/// /metrics counts every request by how it ended, as the test sent them.
+/// /metrics counts every request by how it ended and every response by its
+/// status class and time, as the test sent them; the access log, when on,
+/// has a line for each.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_count_requests_by_outcome() {
     let upstream = TestUpstream::start().await;
-    let gateway =
-        Gateway::start(&["--upstream", &upstream.url(), "--max-body-bytes", "4096"]).await;
+    let gateway = Gateway::start_logging(
+        &["--upstream", &upstream.url(), "--max-body-bytes", "4096"],
+        "info,snowgate::access=debug",
+    )
+    .await;
 
     let mut client = Client::connect(gateway.addr).await;
     for _ in 0..3 {
@@ -1714,6 +1719,52 @@ async fn metrics_count_requests_by_outcome() {
             "{outcome}:\n{metrics}"
         );
     }
+    for (class, count) in [
+        ("1xx", 0.0),
+        ("2xx", 6.0),
+        ("3xx", 0.0),
+        ("4xx", 2.0),
+        ("5xx", 0.0),
+    ] {
+        assert_eq!(
+            metric(
+                &metrics,
+                &format!("snowgate_responses_total{{code=\"{class}\"}}")
+            ),
+            count,
+            "{class}:\n{metrics}"
+        );
+    }
+    assert_eq!(
+        metric(&metrics, "snowgate_response_headers_seconds_count"),
+        8.0
+    );
+    assert_eq!(
+        metric(
+            &metrics,
+            r#"snowgate_response_headers_seconds_bucket{le="+Inf"}"#
+        ),
+        8.0
+    );
+    gateway.wait_log("status=413").await;
+    let log = gateway.stderr_text();
+    let access: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("snowgate::access"))
+        .collect();
+    assert_eq!(access.len(), 8, "{log}");
+    assert!(
+        access.iter().any(|l| l.contains("method=GET")
+            && l.contains("path=\"/v1/models\"")
+            && l.contains("status=200")),
+        "{log}"
+    );
+    assert!(
+        access
+            .iter()
+            .any(|l| l.contains("method=POST") && l.contains("status=400")),
+        "{log}"
+    );
     // Five plugin calls: three stamps, one forward, one rejection.
     assert_eq!(metric(&metrics, "snowgate_plugin_call_seconds_count"), 5.0);
     assert_eq!(

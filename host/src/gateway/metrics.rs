@@ -1,4 +1,5 @@
-//! Counters and the plugin-call latency histogram, in Prometheus text format.
+//! Counters and latency histograms (plugin calls, responses), in Prometheus
+//! text format.
 
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -70,8 +71,66 @@ const LATENCY_BUCKETS: [f64; 19] = [
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0,
 ];
 
-/// The gateway's metrics. Lock-free: every update is one atomic add.
-#[derive(Debug, Default)]
+/// Upper bounds of the response-headers latency buckets, in seconds: from
+/// a proxied request's fraction of a millisecond to a non-streaming
+/// completion's minutes.
+const RESPONSE_BUCKETS: [f64; 19] = [
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    60.0, 120.0, 300.0, 600.0,
+];
+
+/// Response status classes, `1xx` to `5xx`.
+const STATUS_CLASSES: [&str; 5] = ["1xx", "2xx", "3xx", "4xx", "5xx"];
+
+/// A latency histogram with fixed buckets. Lock-free: a record is three
+/// atomic adds.
+#[derive(Debug)]
+struct Histogram {
+    bounds: &'static [f64],
+    buckets: Box<[AtomicU64]>,
+    count: AtomicU64,
+    nanos: AtomicU64,
+}
+
+impl Histogram {
+    fn new(bounds: &'static [f64]) -> Histogram {
+        Histogram {
+            bounds,
+            buckets: bounds.iter().map(|_| AtomicU64::new(0)).collect(),
+            count: AtomicU64::new(0),
+            nanos: AtomicU64::new(0),
+        }
+    }
+
+    fn record(&self, took: Duration) {
+        let seconds = took.as_secs_f64();
+        if let Some(i) = self.bounds.iter().position(|&le| seconds <= le) {
+            self.buckets[i].fetch_add(1, Ordering::Relaxed);
+        }
+        self.count.fetch_add(1, Ordering::Relaxed);
+        let nanos = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
+        self.nanos.fetch_add(nanos, Ordering::Relaxed);
+    }
+
+    /// Appends the histogram as `name`, cumulative, to `out`.
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}");
+        let _ = writeln!(out, "# TYPE {name} histogram");
+        let mut cumulative = 0;
+        for (le, counter) in self.bounds.iter().zip(self.buckets.iter()) {
+            cumulative += counter.load(Ordering::Relaxed);
+            let _ = writeln!(out, "{name}_bucket{{le=\"{le}\"}} {cumulative}");
+        }
+        let count = self.count.load(Ordering::Relaxed);
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {count}");
+        let sum = self.nanos.load(Ordering::Relaxed) as f64 / 1e9;
+        let _ = writeln!(out, "{name}_sum {sum}");
+        let _ = writeln!(out, "{name}_count {count}");
+    }
+}
+
+/// The gateway's metrics. Lock-free: every update is an atomic add or a few.
+#[derive(Debug)]
 pub struct Metrics {
     requests: [AtomicU64; Outcome::ALL.len()],
     upstream_errors: AtomicU64,
@@ -82,9 +141,26 @@ pub struct Metrics {
     /// the compile cache.
     loads: [AtomicU64; 2],
     plugin_failures: [AtomicU64; FAILURE_KINDS.len()],
-    call_buckets: [AtomicU64; LATENCY_BUCKETS.len()],
-    call_count: AtomicU64,
-    call_nanos: AtomicU64,
+    plugin_calls: Histogram,
+    responses: [AtomicU64; STATUS_CLASSES.len()],
+    response_headers: Histogram,
+}
+
+impl Default for Metrics {
+    fn default() -> Metrics {
+        Metrics {
+            requests: Default::default(),
+            upstream_errors: AtomicU64::new(0),
+            upstream_cut_offs: AtomicU64::new(0),
+            reloads_succeeded: AtomicU64::new(0),
+            reloads_failed: AtomicU64::new(0),
+            loads: Default::default(),
+            plugin_failures: Default::default(),
+            plugin_calls: Histogram::new(&LATENCY_BUCKETS),
+            responses: Default::default(),
+            response_headers: Histogram::new(&RESPONSE_BUCKETS),
+        }
+    }
 }
 
 impl Metrics {
@@ -130,13 +206,15 @@ impl Metrics {
 
     /// Records the duration of one plugin call.
     pub fn plugin_call(&self, took: Duration) {
-        let seconds = took.as_secs_f64();
-        if let Some(i) = LATENCY_BUCKETS.iter().position(|&le| seconds <= le) {
-            self.call_buckets[i].fetch_add(1, Ordering::Relaxed);
-        }
-        self.call_count.fetch_add(1, Ordering::Relaxed);
-        self.call_nanos
-            .fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
+        self.plugin_calls.record(took);
+    }
+
+    /// Counts a response by its status class, and records how long after
+    /// its request arrived its headers were ready.
+    pub fn response(&self, status: http::StatusCode, took: Duration) {
+        let class = usize::from(status.as_u16() / 100).clamp(1, 5) - 1;
+        self.responses[class].fetch_add(1, Ordering::Relaxed);
+        self.response_headers.record(took);
     }
 
     /// The number of requests that ended with `outcome`.
@@ -218,27 +296,25 @@ impl Metrics {
                 load(counter)
             );
         }
-        out.push_str("# HELP snowgate_plugin_call_seconds Time of one plugin call, instantiation included.\n");
-        out.push_str("# TYPE snowgate_plugin_call_seconds histogram\n");
-        let mut cumulative = 0;
-        for (le, counter) in LATENCY_BUCKETS.iter().zip(&self.call_buckets) {
-            cumulative += load(counter);
+        self.plugin_calls.render(
+            &mut out,
+            "snowgate_plugin_call_seconds",
+            "Time of one plugin call, instantiation included.",
+        );
+        out.push_str("# HELP snowgate_responses_total Responses to clients, by status class: the upstream's, and the gateway's own (400, 413, 502, 503, ...).\n");
+        out.push_str("# TYPE snowgate_responses_total counter\n");
+        for (class, counter) in STATUS_CLASSES.iter().zip(&self.responses) {
             let _ = writeln!(
                 out,
-                "snowgate_plugin_call_seconds_bucket{{le=\"{le}\"}} {cumulative}"
+                "snowgate_responses_total{{code=\"{class}\"}} {}",
+                load(counter)
             );
         }
-        let count = load(&self.call_count);
-        let _ = writeln!(
-            out,
-            "snowgate_plugin_call_seconds_bucket{{le=\"+Inf\"}} {count}"
+        self.response_headers.render(
+            &mut out,
+            "snowgate_response_headers_seconds",
+            "Time from a request's arrival to its response's headers (a streamed body goes on after), plugin and upstream included.",
         );
-        let _ = writeln!(
-            out,
-            "snowgate_plugin_call_seconds_sum {}",
-            load(&self.call_nanos) as f64 / 1e9
-        );
-        let _ = writeln!(out, "snowgate_plugin_call_seconds_count {count}");
         out
     }
 }
@@ -255,6 +331,12 @@ mod tests {
         metrics.plugin_failure("deadline");
         metrics.plugin_call(Duration::from_micros(30));
         metrics.plugin_call(Duration::from_millis(2));
+        metrics.response(http::StatusCode::OK, Duration::from_millis(3));
+        metrics.response(
+            http::StatusCode::SERVICE_UNAVAILABLE,
+            Duration::from_secs(20),
+        );
+        metrics.response(http::StatusCode::CREATED, Duration::from_secs(700));
         let text = metrics.render(3);
         assert!(
             text.contains("snowgate_requests_total{outcome=\"rewritten\"} 2\n"),
@@ -265,5 +347,27 @@ mod tests {
         assert!(text.contains("snowgate_plugin_call_seconds_bucket{le=\"0.00005\"} 1\n"));
         assert!(text.contains("snowgate_plugin_call_seconds_bucket{le=\"0.0025\"} 2\n"));
         assert!(text.contains("snowgate_plugin_call_seconds_count 2\n"));
+        assert!(
+            text.contains("snowgate_plugin_call_seconds_sum 0.00203\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("snowgate_responses_total{code=\"2xx\"} 2\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("snowgate_responses_total{code=\"5xx\"} 1\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("snowgate_responses_total{code=\"4xx\"} 0\n"),
+            "{text}"
+        );
+        assert!(text.contains("snowgate_response_headers_seconds_bucket{le=\"0.0025\"} 0\n"));
+        assert!(text.contains("snowgate_response_headers_seconds_bucket{le=\"0.005\"} 1\n"));
+        assert!(text.contains("snowgate_response_headers_seconds_bucket{le=\"30\"} 2\n"));
+        assert!(text.contains("snowgate_response_headers_seconds_bucket{le=\"600\"} 2\n"));
+        assert!(text.contains("snowgate_response_headers_seconds_bucket{le=\"+Inf\"} 3\n"));
+        assert!(text.contains("snowgate_response_headers_seconds_count 3\n"));
     }
 }

@@ -120,6 +120,11 @@ impl SnowgateLayer {
             }),
         }
     }
+
+    /// The metrics the layer counts requests in.
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.shared.metrics
+    }
 }
 
 impl<S> Layer<S> for SnowgateLayer {

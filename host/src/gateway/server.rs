@@ -4,7 +4,7 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::header::{HeaderName, HeaderValue};
@@ -123,10 +123,20 @@ pub async fn serve(
         let service = services[worker % services.len()].clone();
         let activity = Activity::default();
         let requests = activity.clone();
+        let metrics = layer.metrics().clone();
         let per_request = hyper::service::service_fn(move |mut request: Request<Incoming>| {
+            let arrived = Instant::now();
             // In flight until hyper has taken its whole response body (or
             // dropped it).
             let in_flight = requests.begin(request.version());
+            // What the access log names, taken only when it is on.
+            let access = tracing::enabled!(target: ACCESS_LOG, tracing::Level::DEBUG).then(|| {
+                let path = request
+                    .uri()
+                    .path_and_query()
+                    .map(|p| p.as_str().to_owned());
+                (request.method().clone(), path.unwrap_or_default())
+            });
             // First, so that a client cannot name the gateway's own
             // `X-Forwarded-For` in its `Connection` header to have it removed.
             strip_hop_by_hop(request.headers_mut());
@@ -141,8 +151,16 @@ pub async fn serve(
             let request = request.map(|body| ClientBody::new(body, pause, progress));
             let is_head = request.method() == http::Method::HEAD;
             let mut service = service.clone();
+            let metrics = metrics.clone();
             async move {
                 let response = service.call(request).await?;
+                let took = arrived.elapsed();
+                metrics.response(response.status(), took);
+                if let Some((method, path)) = access {
+                    let status = response.status().as_u16();
+                    let ms = format!("{:.3}", took.as_secs_f64() * 1e3);
+                    tracing::debug!(target: ACCESS_LOG, %peer, %method, path, status, %ms, "answered");
+                }
                 Ok::<_, std::convert::Infallible>(response.map(|body| {
                     // A HEAD answer has a GET's headers and no body. hyper
                     // drops the body for HTTP/1 clients but sends it over
@@ -339,6 +357,11 @@ where
         () = idle_again => Ok(()),
     }
 }
+
+/// The log target of the access log: a line per request at debug level
+/// (`SNOWGATE_LOG=info,snowgate::access=debug`), when its response's
+/// headers are ready.
+const ACCESS_LOG: &str = "snowgate::access";
 
 /// How long a stopping gateway keeps an HTTP/2 connection with nothing in
 /// flight: time for requests the client sent before it read the GOAWAY to
