@@ -5,15 +5,107 @@
 
 use std::sync::Arc;
 
+use http::HeaderMap;
 use wasmtime::component::{ComponentType, Lower};
 
 use crate::bindings::snowgate::middleware::request_headers;
 use crate::state::HostState;
 
 /// A request's headers: names in lower case and raw values, in the order
-/// received. Shared, not copied, with the plugin call that reads them
-/// (`vec![...].into()` makes one).
-pub type Headers = Arc<[(String, Vec<u8>)]>;
+/// received. Shared, not copied, with the plugin call that reads them.
+/// Made from a list (`vec![...].into()`) or from an `http::HeaderMap`,
+/// which the gateway lends to the call and takes back after it
+/// ([`Headers::into_map`]): a request's headers are never copied but for
+/// those the plugin asks for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Headers(Arc<Source>);
+
+#[derive(Debug, PartialEq, Eq)]
+enum Source {
+    List(Vec<(String, Vec<u8>)>),
+    Map(HeaderMap),
+}
+
+impl Headers {
+    /// Every header, in order: name and raw value.
+    pub fn iter(&self) -> Box<dyn Iterator<Item = (&str, &[u8])> + '_> {
+        match &*self.0 {
+            Source::List(list) => Box::new(list.iter().map(|(n, v)| (n.as_str(), v.as_slice()))),
+            Source::Map(map) => Box::new(map.iter().map(|(n, v)| (n.as_str(), v.as_bytes()))),
+        }
+    }
+
+    /// Every header, copied: name and raw value.
+    pub fn to_vec(&self) -> Vec<(String, Vec<u8>)> {
+        self.iter()
+            .map(|(name, value)| (name.to_string(), value.to_vec()))
+            .collect()
+    }
+
+    /// The values of the header `name` (ASCII case ignored), in order,
+    /// copied.
+    pub fn values(&self, name: &str) -> Vec<Vec<u8>> {
+        match &*self.0 {
+            Source::List(list) => list
+                .iter()
+                .filter(|(n, _)| n.eq_ignore_ascii_case(name))
+                .map(|(_, v)| v.clone())
+                .collect(),
+            // The map finds a name in any case; a name that is not a valid
+            // header name has no values.
+            Source::Map(map) => map
+                .get_all(name)
+                .iter()
+                .map(|v| v.as_bytes().to_vec())
+                .collect(),
+        }
+    }
+
+    /// The `HeaderMap` these headers were made from, without a copy when
+    /// nothing else holds them any more (a plugin call gives its share back
+    /// when it ends); otherwise, or for a list, a map built from them
+    /// (entries that are not valid HTTP headers are left out).
+    pub fn into_map(self) -> HeaderMap {
+        match Arc::try_unwrap(self.0) {
+            Ok(Source::Map(map)) => map,
+            Ok(Source::List(list)) => list_to_map(&list),
+            Err(shared) => match &*shared {
+                Source::Map(map) => map.clone(),
+                Source::List(list) => list_to_map(list),
+            },
+        }
+    }
+}
+
+fn list_to_map(list: &[(String, Vec<u8>)]) -> HeaderMap {
+    let mut map = HeaderMap::with_capacity(list.len());
+    for (name, value) in list {
+        let name = http::HeaderName::from_bytes(name.as_bytes());
+        let value = http::HeaderValue::from_bytes(value);
+        if let (Ok(name), Ok(value)) = (name, value) {
+            map.append(name, value);
+        }
+    }
+    map
+}
+
+impl Default for Headers {
+    fn default() -> Headers {
+        Headers(Arc::new(Source::List(Vec::new())))
+    }
+}
+
+impl From<Vec<(String, Vec<u8>)>> for Headers {
+    fn from(list: Vec<(String, Vec<u8>)>) -> Headers {
+        Headers(Arc::new(Source::List(list)))
+    }
+}
+
+impl From<HeaderMap> for Headers {
+    fn from(map: HeaderMap) -> Headers {
+        Headers(Arc::new(Source::Map(map)))
+    }
+}
 
 /// One HTTP request, as a plugin sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -49,24 +141,15 @@ impl<'r> RequestRecord<'r> {
     }
 }
 
-/// The values of the header `name` (ASCII case ignored), in order.
-fn values(headers: &[(String, Vec<u8>)], name: &str) -> Vec<Vec<u8>> {
-    headers
-        .iter()
-        .filter(|(n, _)| n.eq_ignore_ascii_case(name))
-        .map(|(_, v)| v.clone())
-        .collect()
-}
-
 impl request_headers::Host for HostState {
     fn get(&mut self, name: String) -> Vec<Vec<u8>> {
         self.request_headers()
-            .map_or_else(Vec::new, |headers| values(headers, &name))
+            .map_or_else(Vec::new, |headers| headers.values(&name))
     }
 
     fn entries(&mut self) -> Vec<(String, Vec<u8>)> {
         self.request_headers()
-            .map_or_else(Vec::new, |headers| headers.to_vec())
+            .map_or_else(Vec::new, Headers::to_vec)
     }
 }
 
@@ -74,21 +157,45 @@ impl request_headers::Host for HostState {
 mod tests {
     use super::*;
 
-    #[test]
-    fn values_match_names_ignoring_ascii_case_and_keep_their_order() {
-        let headers: Headers = vec![
+    fn list() -> Vec<(String, Vec<u8>)> {
+        vec![
             ("accept".to_string(), b"a".to_vec()),
             ("x-trtllm-msgpack".to_string(), b"1".to_vec()),
             ("accept".to_string(), b"b".to_vec()),
         ]
-        .into();
-        assert_eq!(
-            values(&headers, "Accept"),
-            vec![b"a".to_vec(), b"b".to_vec()]
-        );
-        assert_eq!(values(&headers, "X-TRTLLM-Msgpack"), vec![b"1".to_vec()]);
-        assert!(values(&headers, "content-type").is_empty());
-        // Not a prefix or a substring match.
-        assert!(values(&headers, "accep").is_empty());
+    }
+
+    /// A list and a map answer alike.
+    #[test]
+    fn values_match_names_ignoring_ascii_case_and_keep_their_order() {
+        let from_list = Headers::from(list());
+        let from_map = Headers::from(Headers::from(list()).into_map());
+        for headers in [from_list, from_map] {
+            let values = |name| headers.values(name);
+            assert_eq!(values("Accept"), vec![b"a".to_vec(), b"b".to_vec()]);
+            assert_eq!(values("X-TRTLLM-Msgpack"), vec![b"1".to_vec()]);
+            assert!(values("content-type").is_empty());
+            // Not a prefix or a substring match, and no panic on a name
+            // that is not a header name.
+            assert!(values("accep").is_empty());
+            assert!(values("not a name").is_empty());
+            assert!(values("").is_empty());
+            assert!(values(&"x".repeat(100_000)).is_empty());
+        }
+    }
+
+    /// The map a call gave back is the one lent, not a copy; a shared one
+    /// is copied.
+    #[test]
+    fn into_map_gives_back_the_lent_map() {
+        let mut map = HeaderMap::new();
+        map.append("accept", http::HeaderValue::from_static("a"));
+        map.append("accept", http::HeaderValue::from_static("b"));
+        let headers = Headers::from(map.clone());
+        drop(headers.clone());
+        assert_eq!(headers.into_map(), map);
+        let headers = Headers::from(map.clone());
+        let _kept = headers.clone();
+        assert_eq!(headers.into_map(), map);
     }
 }

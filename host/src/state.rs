@@ -135,8 +135,8 @@ impl HostState {
 
     /// The headers the `request-headers` import reads, if a `handle`
     /// call is running.
-    pub(crate) fn request_headers(&self) -> Option<&[(String, Vec<u8>)]> {
-        self.headers.as_deref()
+    pub(crate) fn request_headers(&self) -> Option<&Headers> {
+        self.headers.as_ref()
     }
 
     /// The resource table the plugin's WASI resources live in.

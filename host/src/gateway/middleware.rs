@@ -285,11 +285,9 @@ impl Shared {
                 .path_and_query()
                 .map_or("/", |p| p.as_str())
                 .to_string(),
-            headers: parts
-                .headers
-                .iter()
-                .map(|(n, v)| (n.as_str().to_string(), v.as_bytes().to_vec()))
-                .collect(),
+            // Lent to the call, not copied: the plugin copies in only the
+            // headers it asks for, and the map comes back below.
+            headers: std::mem::take(&mut parts.headers).into(),
             // No copy when the body was read in several chunks (it is then
             // one unshared buffer); the original comes back out below.
             body: Vec::from(bytes),
@@ -314,11 +312,13 @@ impl Shared {
         drop(plugin);
         drop(permit);
         self.metrics.plugin_call(started.elapsed());
+        let PluginRequest { headers, body, .. } = plugin_request;
+        parts.headers = headers.into_map();
 
         let forward_body = match answer {
             Ok(Action::Forward) => {
                 self.metrics.request(Outcome::Forwarded);
-                Bytes::from(plugin_request.body)
+                Bytes::from(body)
             }
             Ok(Action::ForwardWithBody(new_body)) => {
                 self.metrics.request(Outcome::Rewritten);
@@ -353,7 +353,7 @@ impl Shared {
                     FailurePolicy::FailOpen => {
                         tracing::warn!(error = %failure, "plugin failed; request forwarded unchanged (fail-open)");
                         self.metrics.request(Outcome::FailedOpen);
-                        Bytes::from(plugin_request.body)
+                        Bytes::from(body)
                     }
                 }
             }
