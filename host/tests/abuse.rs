@@ -337,6 +337,62 @@ async fn a_slow_reader_gets_a_whole_http2_response_past_the_idle_timeout() {
     assert!(received > sent.len(), "received {received} bytes");
 }
 
+/// A stopping gateway sends all of a response to an HTTP/2 client that
+/// reads it slowly, however little of it was left: the response counts as
+/// in flight until its last byte has gone out, not until its last piece is
+/// in hyper's send buffer. The client's stream window (40,000 bytes) takes
+/// the first two 16 KiB pieces and part of the third, the echo's answer
+/// to a 42,000-byte body is a little longer than that; the client reads
+/// nothing until well after the stop began. Before, the gateway dropped
+/// the connection a second into the stop, with the last 2 KiB unsent.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stopping_gateway_sends_the_last_bytes_of_a_response_to_a_slow_http2_reader() {
+    // The built-in echo upstream answers with the request, body included,
+    // in one piece of JSON.
+    let gateway = Gateway::start(&[]).await;
+    let stream = TcpStream::connect(gateway.addr).await.expect("connect");
+    let (mut sender, connection) =
+        hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+            .initial_stream_window_size(40_000)
+            .handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .expect("an HTTP/2 handshake");
+    tokio::spawn(connection);
+    let sent = vec![b'x'; 42_000];
+    let request = http::Request::post(format!("http://{}/upload", gateway.addr))
+        .header("content-type", "text/plain")
+        .body(http_body_util::Full::new(bytes::Bytes::from(sent)))
+        .expect("a request");
+    let response = bounded("a response head", STEP, sender.send_request(request))
+        .await
+        .expect("a response");
+    assert_eq!(response.status(), 200);
+    let declared: usize = response.headers()["content-length"]
+        .to_str()
+        .expect("a length")
+        .parse()
+        .expect("a number");
+    assert!(
+        (40_000..49_152).contains(&declared),
+        "the answer ends within the third piece: {declared} bytes"
+    );
+    gateway.signal("TERM");
+    // The time under test: the client reads nothing for longer than a
+    // stopping gateway keeps a connection with nothing in flight (1 s).
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let body = bounded(
+        "the rest of the body",
+        STEP,
+        http_body_util::BodyExt::collect(response.into_body()),
+    )
+    .await
+    .expect("the whole body, not cut off")
+    .to_bytes();
+    assert_eq!(body.len(), declared);
+    let status = gateway.wait_exit(STEP).await;
+    assert_eq!(status.code(), Some(0), "exit status {status:?}");
+}
+
 /// An upstream that answers every request with a chunked body of 64 KiB
 /// chunks, `chunks` of them or endless; it tells when the gateway stops
 /// taking one (drops the upstream connection mid-body).

@@ -36,6 +36,8 @@ pub struct Activity {
     /// Whether a write to the client's socket waits for room (set by
     /// [`SendTimeout`](crate::gateway::send_timeout::SendTimeout)).
     socket_full: Arc<AtomicBool>,
+    /// Bytes read from the client so far (counted by `SendTimeout`).
+    bytes_in: Arc<AtomicU64>,
 }
 
 /// How a connection's HTTP/2 response bodies are being taken by hyper,
@@ -60,6 +62,7 @@ impl Default for Activity {
             http1: Arc::new(AtomicBool::new(false)),
             taking: Arc::default(),
             socket_full: Arc::default(),
+            bytes_in: Arc::default(),
         }
     }
 }
@@ -103,6 +106,30 @@ impl Activity {
                 }
             }
         }
+    }
+
+    /// Resolves once, after a stop began (when this is first polled),
+    /// nothing has been in flight for `timeout` and the client has sent
+    /// nothing at all: it did not answer the GOAWAY's ping. A pooled
+    /// HTTP/2 client reads its socket only while it has a request out, so
+    /// it never answers, and hyper would wait for it until the grace
+    /// period ends. A client that answers is left to hyper's graceful
+    /// shutdown, which ends the connection once its streams have gone out
+    /// (the last bytes of a response may wait for the client's window
+    /// after hyper has taken them from its body). Never for HTTP/1.
+    pub async fn unanswered_after_stop(&self, timeout: Duration) {
+        let at_stop = self.bytes_in.load(Ordering::Relaxed);
+        self.idle_for(timeout).await;
+        if self.bytes_in.load(Ordering::Relaxed) != at_stop {
+            std::future::pending::<()>().await;
+        }
+    }
+
+    /// The counter the connection's socket counts the bytes it reads
+    /// from the client in, to give to its
+    /// [`SendTimeout`](crate::gateway::send_timeout::SendTimeout).
+    pub fn bytes_in(&self) -> Arc<AtomicU64> {
+        self.bytes_in.clone()
     }
 
     /// The flag the connection's socket sets while a write to it waits
@@ -185,7 +212,10 @@ impl Drop for InFlight {
 /// the last of it. Over HTTP/2 it is handed over in pieces of at most
 /// `HTTP2_PIECE` (16 KiB): hyper would take a whole body at once into the
 /// connection's send buffer, and the request would then no longer count
-/// as in flight while a slow reader is still receiving it.
+/// as in flight while a slow reader is still receiving it. (hyper takes
+/// the next piece once the one before fits the client's flow-control
+/// window, and ends the body right after its last piece: up to a piece
+/// may still wait for window after that.)
 pub struct ActiveBody<B> {
     inner: B,
     /// The rest of a data frame larger than a piece.
@@ -288,6 +318,26 @@ mod tests {
         drop(activity.begin(Version::HTTP_11));
         let idle = tokio::time::timeout(Duration::from_secs(3600), activity.idle_for(TIMEOUT));
         assert!(idle.await.is_err(), "an HTTP/1 connection was idle");
+    }
+
+    /// After a stop, a connection is given up a timeout after its last
+    /// request only if its client has sent nothing since the stop began.
+    #[tokio::test(start_paused = true)]
+    async fn only_a_client_that_sends_nothing_after_the_stop_is_given_up() {
+        let activity = Activity::default();
+        drop(activity.begin(Version::HTTP_2));
+        activity.bytes_in().fetch_add(100, Ordering::Relaxed);
+        let started = Instant::now();
+        activity.unanswered_after_stop(TIMEOUT).await;
+        assert_eq!(started.elapsed(), TIMEOUT);
+
+        let answering = activity.unanswered_after_stop(TIMEOUT);
+        tokio::pin!(answering);
+        assert!(!ready(answering.as_mut()).await);
+        // The client acknowledges the GOAWAY's ping.
+        activity.bytes_in().fetch_add(17, Ordering::Relaxed);
+        tokio::time::advance(TIMEOUT * 100).await;
+        assert!(!ready(answering.as_mut()).await);
     }
 
     /// Polls `future` once: whether it is ready.

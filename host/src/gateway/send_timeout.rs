@@ -8,7 +8,7 @@
 
 use std::io;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -36,6 +36,8 @@ pub struct SendTimeout<S> {
     queued: Option<Option<usize>>,
     /// Set while a write waits, for whoever else judges the client.
     full: Arc<AtomicBool>,
+    /// Where to count the bytes read from the client, if anywhere.
+    read: Option<Arc<AtomicU64>>,
 }
 
 /// A connection that can tell how much of what was written to it its
@@ -86,6 +88,15 @@ impl<S: SendQueue> SendTimeout<S> {
             ),
             queued: None,
             full,
+            read: None,
+        }
+    }
+
+    /// Counts every byte read from the client in `read`.
+    pub fn counting_reads_in(self, read: Arc<AtomicU64>) -> SendTimeout<S> {
+        SendTimeout {
+            read: Some(read),
+            ..self
         }
     }
 
@@ -134,7 +145,14 @@ impl<S: AsyncRead + SendQueue + Unpin> AsyncRead for SendTimeout<S> {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_read(cx, buf)
+        let this = self.get_mut();
+        let before = buf.filled().len();
+        let result = Pin::new(&mut this.inner).poll_read(cx, buf);
+        if let (Some(read), Poll::Ready(Ok(()))) = (&this.read, &result) {
+            let n = (buf.filled().len() - before) as u64;
+            read.fetch_add(n, Ordering::Relaxed);
+        }
+        result
     }
 }
 

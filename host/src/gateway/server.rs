@@ -195,7 +195,8 @@ pub async fn serve(
                 tracing::debug!(%peer, "closed a connection that sent nothing");
                 return;
             }
-            let stream = SendTimeout::new(stream, send_timeout, activity.socket_full());
+            let stream = SendTimeout::new(stream, send_timeout, activity.socket_full())
+                .counting_reads_in(activity.bytes_in());
             let connection = builder
                 .serve_connection(TokioIo::new(stream), per_request)
                 .into_owned();
@@ -203,7 +204,7 @@ pub async fn serve(
             // itself comes through `stopping` (see `serve_until_stopped`).
             let idle = activity.idle_for(idle_timeout);
             let idle_again = activity.idle_for(idle_timeout);
-            let idle_after_stop = activity.idle_for(STOP_IDLE);
+            let idle_after_stop = activity.unanswered_after_stop(STOP_IDLE);
             let stalled = async {
                 activity.stalled_for(send_timeout).await;
                 let ms = send_timeout.as_millis();
@@ -347,14 +348,19 @@ where
     // HTTP/2 says GOAWAY and ends once the client acknowledges it and
     // every stream it started meanwhile is answered. A client that does
     // not acknowledge it is dropped once nothing has been in flight for
-    // another timeout: what is left of a response then is at most a piece
-    // or two (see `ActiveBody`) that the client has not read for that
-    // long.
+    // another timeout (a response is in flight until its last byte has
+    // gone out, see `ActiveBody`), or for `STOP_IDLE` if the gateway
+    // begins to stop meanwhile.
+    let stopped_and_idle = async {
+        let _ = stopping.wait_for(|stopping| *stopping).await;
+        idle_after_stop.await;
+    };
     tokio::select! {
         biased;
         done = connection => done,
         () = stalled => Ok(()),
         () = idle_again => Ok(()),
+        () = stopped_and_idle => Ok(()),
     }
 }
 
