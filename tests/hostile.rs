@@ -1376,6 +1376,55 @@ async fn a_100_mib_answer_is_refused_by_the_gateway() {
     gateway.stop().await;
 }
 
+/// Through the gateway, a plugin reads the client's headers (the
+/// gateway's own `x-forwarded-for` included) through the
+/// `request-headers` import: the values of one name together, in the
+/// order the client sent them, and `get` by any case. What it answers is
+/// what the upstream receives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_plugin_reads_the_clients_headers_through_the_gateway() {
+    let gateway = start_gateway(HOSTILE_WASM, FailurePolicy::FailClosed, gateway_limits()).await;
+    let reply = post(
+        gateway.addr,
+        &[
+            ("accept", "text/a"),
+            ("x-hostile", "headers"),
+            ("x-hostile-get", "ACCEPT"),
+            ("accept", "text/b"),
+        ],
+    )
+    .await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    let report = String::from_utf8(gateway.upstream.last().body.to_vec()).expect("UTF-8");
+    let entries = report
+        .lines()
+        .find_map(|l| l.strip_prefix("entries="))
+        .expect("the entries");
+    let accept = entries
+        .find(r#"("accept", "text/a"), ("accept", "text/b")"#)
+        .expect("both accept values, together and in order");
+    let marker = entries
+        .find(r#"("x-hostile", "headers")"#)
+        .expect("the marker header");
+    assert!(
+        accept < marker,
+        "names in the order they first came: {entries}"
+    );
+    assert!(
+        entries.contains(r#"("x-forwarded-for", "127.0.0.1")"#),
+        "{entries}"
+    );
+    assert!(
+        report.contains("\nget=[\"text/a\", \"text/b\"]\n"),
+        "{report}"
+    );
+    assert!(
+        report.ends_with("configure-entries=0\nconfigure-get=0"),
+        "{report}"
+    );
+    gateway.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_wrong_world_plugin_keeps_the_gateway_from_starting() {
     let dir = TempDir::new("wrong-world");

@@ -67,6 +67,8 @@ fn a_header_the_request_lacks_has_no_values() {
 
 /// A reused instance reads each request's own headers: nothing of the
 /// request before, and `configure` (run once, for the first) saw none.
+/// The call gives the headers back when it ends: a map lent to it comes
+/// back itself, not a copy.
 #[test]
 fn a_reused_instance_reads_the_headers_of_the_request_it_handles() {
     let plugin = hostile();
@@ -75,12 +77,27 @@ fn a_reused_instance_reads_the_headers_of_the_request_it_handles() {
         .build()
         .expect("a current-thread runtime");
     let first = reporting(&[("x-hostile-get", "x-only-first"), ("x-only-first", "1")]);
-    let second = reporting(&[("x-hostile-get", "x-only-first"), ("x-only-second", "2")]);
-    let (a, b) = runtime.block_on(async {
+    let count = with_header(json_request(CONTEXT_ONLY), "x-hostile", b"count");
+    let mut second = reporting(&[("x-hostile-get", "x-only-first"), ("x-only-second", "2")]);
+    let map = second.headers.clone().into_map();
+    let lent_at = map.get("x-only-second").map(std::ptr::from_ref);
+    second.headers = map.into();
+    let (a, handled, b) = runtime.block_on(async {
         let a = report(plugin.handle_async(&first).await);
+        let handled = match plugin.handle_async(&count).await {
+            Ok(Action::Reject(r)) if r.status == 418 => r.message,
+            other => panic!("expected a count, got {}", describe(&other)),
+        };
         let b = report(plugin.handle_async(&second).await);
-        (a, b)
+        (a, handled, b)
     });
+    assert_eq!(handled, "2", "one instance served all three");
+    let back = second.headers.into_map();
+    assert_eq!(
+        back.get("x-only-second").map(std::ptr::from_ref),
+        lent_at,
+        "the call kept a share of the headers"
+    );
     assert!(a.contains("(\"x-only-first\", \"1\")"), "{a}");
     assert!(a.contains("\nget=[\"1\"]\n"), "{a}");
     assert!(b.contains("(\"x-only-second\", \"2\")"), "{b}");

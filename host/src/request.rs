@@ -12,15 +12,16 @@ use crate::bindings::snowgate::middleware::request_headers;
 use crate::state::HostState;
 
 /// A request's headers: names in lower case and raw values, in the order
-/// received. Shared, not copied, with the plugin call that reads them.
+/// received (from a map: grouped by name, names in the order they first
+/// came). Shared, not copied, with the plugin call that reads them.
 /// Made from a list (`vec![...].into()`) or from an `http::HeaderMap`,
 /// which the gateway lends to the call and takes back after it
 /// ([`Headers::into_map`]): a request's headers are never copied but for
 /// those the plugin asks for.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct Headers(Arc<Source>);
 
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Debug)]
 enum Source {
     List(Vec<(String, Vec<u8>)>),
     Map(HeaderMap),
@@ -95,8 +96,22 @@ impl Default for Headers {
     }
 }
 
+/// Equal when they hold the same headers in the same order, whatever
+/// they were made from.
+impl PartialEq for Headers {
+    fn eq(&self, other: &Headers) -> bool {
+        self.iter().eq(other.iter())
+    }
+}
+
+impl Eq for Headers {}
+
+/// Names are lowered (ASCII), as the contract promises plugins.
 impl From<Vec<(String, Vec<u8>)>> for Headers {
-    fn from(list: Vec<(String, Vec<u8>)>) -> Headers {
+    fn from(mut list: Vec<(String, Vec<u8>)>) -> Headers {
+        for (name, _) in &mut list {
+            name.make_ascii_lowercase();
+        }
         Headers(Arc::new(Source::List(list)))
     }
 }
@@ -184,18 +199,39 @@ mod tests {
         }
     }
 
-    /// The map a call gave back is the one lent, not a copy; a shared one
-    /// is copied.
+    /// The map a call gave back is the one lent, not a copy (a copy keeps
+    /// its entries elsewhere); a shared one is copied.
     #[test]
     fn into_map_gives_back_the_lent_map() {
         let mut map = HeaderMap::new();
         map.append("accept", http::HeaderValue::from_static("a"));
         map.append("accept", http::HeaderValue::from_static("b"));
-        let headers = Headers::from(map.clone());
+        let entries = |map: &HeaderMap| map.get("accept").map(std::ptr::from_ref);
+        let expected = map.clone();
+        assert_ne!(entries(&expected), entries(&map), "a copy would pass");
+        let lent_at = entries(&map);
+        let headers = Headers::from(map);
         drop(headers.clone());
-        assert_eq!(headers.into_map(), map);
+        let back = headers.into_map();
+        assert_eq!(back, expected);
+        assert_eq!(entries(&back), lent_at);
+        let map = back;
         let headers = Headers::from(map.clone());
         let _kept = headers.clone();
         assert_eq!(headers.into_map(), map);
+    }
+
+    /// Names from a list are lowered; a list and a map of the same
+    /// headers are equal.
+    #[test]
+    fn list_names_are_lowered_and_lists_equal_maps() {
+        let headers = Headers::from(vec![("Accept".to_string(), b"a".to_vec())]);
+        assert_eq!(
+            headers.to_vec(),
+            vec![("accept".to_string(), b"a".to_vec())]
+        );
+        let mut map = HeaderMap::new();
+        map.append("accept", http::HeaderValue::from_static("a"));
+        assert_eq!(headers, Headers::from(map));
     }
 }

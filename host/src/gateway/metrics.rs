@@ -209,11 +209,14 @@ impl Metrics {
         self.plugin_calls.record(took);
     }
 
-    /// Counts a response by its status class, and records how long after
-    /// its request arrived its headers were ready.
+    /// Counts a response by its status class (600 and up, which HTTP does
+    /// not define but an upstream may send, in none), and records how
+    /// long after its request arrived its headers were ready.
     pub fn response(&self, status: http::StatusCode, took: Duration) {
-        let class = usize::from(status.as_u16() / 100).clamp(1, 5) - 1;
-        self.responses[class].fetch_add(1, Ordering::Relaxed);
+        let class = usize::from(status.as_u16() / 100);
+        if let Some(counter) = class.checked_sub(1).and_then(|i| self.responses.get(i)) {
+            counter.fetch_add(1, Ordering::Relaxed);
+        }
         self.response_headers.record(took);
     }
 
@@ -337,6 +340,8 @@ mod tests {
             Duration::from_secs(20),
         );
         metrics.response(http::StatusCode::CREATED, Duration::from_secs(700));
+        let unassigned = http::StatusCode::from_u16(799).expect("a status http allows");
+        metrics.response(unassigned, Duration::from_millis(1));
         let text = metrics.render(3);
         assert!(
             text.contains("snowgate_requests_total{outcome=\"rewritten\"} 2\n"),
@@ -363,11 +368,17 @@ mod tests {
             text.contains("snowgate_responses_total{code=\"4xx\"} 0\n"),
             "{text}"
         );
-        assert!(text.contains("snowgate_response_headers_seconds_bucket{le=\"0.0025\"} 0\n"));
-        assert!(text.contains("snowgate_response_headers_seconds_bucket{le=\"0.005\"} 1\n"));
-        assert!(text.contains("snowgate_response_headers_seconds_bucket{le=\"30\"} 2\n"));
-        assert!(text.contains("snowgate_response_headers_seconds_bucket{le=\"600\"} 2\n"));
-        assert!(text.contains("snowgate_response_headers_seconds_bucket{le=\"+Inf\"} 3\n"));
-        assert!(text.contains("snowgate_response_headers_seconds_count 3\n"));
+        // A 799 is in no class, but timed.
+        for class in ["1xx", "3xx"] {
+            let line = format!("snowgate_responses_total{{code=\"{class}\"}} 0\n");
+            assert!(text.contains(&line), "{text}");
+        }
+        assert!(text.contains("snowgate_response_headers_seconds_bucket{le=\"0.0005\"} 0\n"));
+        assert!(text.contains("snowgate_response_headers_seconds_bucket{le=\"0.001\"} 1\n"));
+        assert!(text.contains("snowgate_response_headers_seconds_bucket{le=\"0.005\"} 2\n"));
+        assert!(text.contains("snowgate_response_headers_seconds_bucket{le=\"30\"} 3\n"));
+        assert!(text.contains("snowgate_response_headers_seconds_bucket{le=\"600\"} 3\n"));
+        assert!(text.contains("snowgate_response_headers_seconds_bucket{le=\"+Inf\"} 4\n"));
+        assert!(text.contains("snowgate_response_headers_seconds_count 4\n"));
     }
 }
