@@ -26,6 +26,9 @@ use crate::text_limits::{cut, MAX_PLUGIN_TEXT, MAX_REJECT_CODE};
 /// The typed `handle` export of one instance.
 type HandleFunc = TypedFunc<(RequestRecord<'static>,), (Result<Action, PluginError>,)>;
 
+/// The typed `configure` export of one instance.
+type ConfigureFunc = TypedFunc<(&'static [Setting],), (Result<(), String>,)>;
+
 /// An instance that may serve more than one request, one at a time.
 pub(crate) struct Reusable {
     store: Store<HostState>,
@@ -308,15 +311,9 @@ impl Plugin {
         store: &mut Store<HostState>,
         instance: Instance,
     ) -> wasmtime::Result<Result<HandleFunc, CallError>> {
-        let configure = instance.get_typed_func::<(&[Setting],), (Result<(), String>,)>(
-            &mut *store,
-            &self.exports.configure,
-        )?;
-        if let (Err(refusal),) = configure.call_async(&mut *store, (&self.settings,)).await? {
-            return Ok(Err(plugin_error(format!("configure: {refusal}"))));
-        }
-        let handle = instance.get_typed_func(&mut *store, self.exports.handle)?;
-        Ok(Ok(handle))
+        let configure = self.configure_export(store, instance)?;
+        let (answer,) = configure.call_async(&mut *store, (&self.settings,)).await?;
+        self.handle_export(store, instance, answer)
     }
 
     /// `configure` on a new instance made by `pre`; then the typed `handle`
@@ -326,11 +323,29 @@ impl Plugin {
         store: &mut Store<HostState>,
         instance: Instance,
     ) -> wasmtime::Result<Result<HandleFunc, CallError>> {
-        let configure = instance.get_typed_func::<(&[Setting],), (Result<(), String>,)>(
-            &mut *store,
-            &self.exports.configure,
-        )?;
-        if let (Err(refusal),) = configure.call(&mut *store, (&self.settings,))? {
+        let configure = self.configure_export(store, instance)?;
+        let (answer,) = configure.call(&mut *store, (&self.settings,))?;
+        self.handle_export(store, instance, answer)
+    }
+
+    /// The typed `configure` export of `instance`.
+    fn configure_export(
+        &self,
+        store: &mut Store<HostState>,
+        instance: Instance,
+    ) -> wasmtime::Result<ConfigureFunc> {
+        instance.get_typed_func(&mut *store, self.exports.configure)
+    }
+
+    /// After `configure` answered `answer`: its refusal as a plugin error,
+    /// or the typed `handle` export of `instance`.
+    fn handle_export(
+        &self,
+        store: &mut Store<HostState>,
+        instance: Instance,
+        answer: Result<(), String>,
+    ) -> wasmtime::Result<Result<HandleFunc, CallError>> {
+        if let Err(refusal) = answer {
             return Ok(Err(plugin_error(format!("configure: {refusal}"))));
         }
         let handle = instance.get_typed_func(&mut *store, self.exports.handle)?;
