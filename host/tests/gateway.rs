@@ -759,6 +759,49 @@ async fn answers_502_when_the_upstream_is_down() {
     let metrics = gateway.metrics().await;
     assert_eq!(metric(&metrics, "snowgate_upstream_errors_total"), 2.0);
     assert_eq!(get(gateway.admin, "/healthz").await.status, StatusCode::OK);
+
+    // An outage is not a warning per request: one a second, then one
+    // that counts the rest.
+    let warned = |log: &str| {
+        log.lines()
+            .filter(|l| l.contains("upstream request failed"))
+            .count()
+    };
+    let started = Instant::now();
+    let mut sent = 2;
+    let summary = loop {
+        let reply = get(gateway.addr, "/v1/models").await;
+        assert_eq!(reply.status, StatusCode::BAD_GATEWAY);
+        sent += 1;
+        let log = gateway.stderr_text();
+        let summary = log
+            .lines()
+            .find(|l| l.contains("upstream request failed (") && !l.contains("(0 more"))
+            .map(str::to_string);
+        if let Some(summary) = summary {
+            break summary;
+        }
+        assert!(started.elapsed() < STEP, "no summary line:\n{log}");
+    };
+    let held_back: usize = summary
+        .split("upstream request failed (")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .expect("a count");
+    let log = gateway.stderr_text();
+    assert!(held_back >= 1, "{summary}");
+    assert_eq!(warned(&log) + held_back, sent, "{log}");
+    assert!(
+        warned(&log) <= 3,
+        "{sent} requests, {} warnings",
+        warned(&log)
+    );
+    let metrics = gateway.metrics().await;
+    assert_eq!(
+        metric(&metrics, "snowgate_upstream_errors_total"),
+        sent as f64
+    );
 }
 
 /// The 502 says why the upstream could not be reached, not only that it

@@ -64,6 +64,7 @@ use crate::gateway::metrics::{Metrics, Outcome};
 use crate::gateway::read_body::{read_limited, ReadBodyError};
 use crate::gateway::responses;
 use crate::gateway::slot::PluginSlot;
+use crate::log_throttle::LogThrottle;
 use crate::request::Request as PluginRequest;
 // The header that has TensorRT-LLM decode a body as MessagePack, whatever
 // its content type says.
@@ -338,7 +339,14 @@ impl Shared {
                 self.metrics.plugin_failure(failure.kind());
                 match self.policy {
                     FailurePolicy::FailClosed => {
-                        tracing::warn!(error = %failure, "plugin failed; request refused (fail-closed)");
+                        static REFUSED: LogThrottle = LogThrottle::new();
+                        if let Some(held_back) = REFUSED.admit() {
+                            tracing::warn!(
+                                error = %failure,
+                                "plugin failed; request refused (fail-closed) \
+                                 ({held_back} more since the last such warning)"
+                            );
+                        }
                         self.metrics.request(Outcome::FailedClosed);
                         let message = format!(
                             "the plugin failed, so the request was not forwarded: {}",
@@ -351,7 +359,14 @@ impl Shared {
                         ));
                     }
                     FailurePolicy::FailOpen => {
-                        tracing::warn!(error = %failure, "plugin failed; request forwarded unchanged (fail-open)");
+                        static FORWARDED: LogThrottle = LogThrottle::new();
+                        if let Some(held_back) = FORWARDED.admit() {
+                            tracing::warn!(
+                                error = %failure,
+                                "plugin failed; request forwarded unchanged (fail-open) \
+                                 ({held_back} more since the last such warning)"
+                            );
+                        }
                         self.metrics.request(Outcome::FailedOpen);
                         Bytes::from(body)
                     }

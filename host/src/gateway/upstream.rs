@@ -26,6 +26,7 @@ use crate::gateway::metrics::Metrics;
 use crate::gateway::read_body::read_limited;
 use crate::gateway::responses;
 use crate::gateway::upstream_read_timeout::UpstreamReadTimeout;
+use crate::log_throttle::LogThrottle;
 
 /// Any error a body may carry.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -262,14 +263,37 @@ impl HttpUpstream {
             )),
         };
         self.metrics.upstream_error();
-        let (status, code, problem) = match failure {
-            UpstreamFailure::Unreachable(why) => {
-                (StatusCode::BAD_GATEWAY, "upstream_unreachable", why)
+        // While the upstream is down every request fails alike: one
+        // warning a second for each kind of failure, with a count of the
+        // rest, not one per request (a soak test logged 10 MB a minute).
+        static UNREACHABLE: LogThrottle = LogThrottle::new();
+        static FAILED: LogThrottle = LogThrottle::new();
+        static TOO_SLOW: LogThrottle = LogThrottle::new();
+        let (status, code, problem, throttle) = match failure {
+            UpstreamFailure::Unreachable(why) => (
+                StatusCode::BAD_GATEWAY,
+                "upstream_unreachable",
+                why,
+                &UNREACHABLE,
+            ),
+            UpstreamFailure::Failed(why) => {
+                (StatusCode::BAD_GATEWAY, "upstream_failed", why, &FAILED)
             }
-            UpstreamFailure::Failed(why) => (StatusCode::BAD_GATEWAY, "upstream_failed", why),
-            UpstreamFailure::TooSlow(why) => (StatusCode::GATEWAY_TIMEOUT, "upstream_timeout", why),
+            UpstreamFailure::TooSlow(why) => (
+                StatusCode::GATEWAY_TIMEOUT,
+                "upstream_timeout",
+                why,
+                &TOO_SLOW,
+            ),
         };
-        tracing::warn!(upstream = %self.base, code, problem, "upstream request failed");
+        if let Some(held_back) = throttle.admit() {
+            tracing::warn!(
+                upstream = %self.base,
+                code,
+                problem,
+                "upstream request failed ({held_back} more since the last such warning)"
+            );
+        }
         let message = format!("the upstream {} {problem}", self.base);
         own(responses::error(status, code, &message))
     }

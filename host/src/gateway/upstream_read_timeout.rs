@@ -17,6 +17,7 @@ use http_body::{Body, Frame, SizeHint};
 use crate::gateway::client_body::BoxError;
 use crate::gateway::metrics::Metrics;
 use crate::gateway::wait_timer::WaitTimer;
+use crate::log_throttle::LogThrottle;
 
 /// A response body that fails with a
 /// [`WaitedTooLong`](crate::gateway::wait_timer::WaitedTooLong) when the upstream
@@ -72,7 +73,15 @@ where
                 let e: BoxError = e.into();
                 let path = this.path.as_ref().map_or("", PathAndQuery::as_str);
                 let problem = crate::gateway::error_chain::describe(&*e);
-                tracing::warn!(path, %problem, "cut off a response: its upstream failed within the body");
+                static FAILED: LogThrottle = LogThrottle::new();
+                if let Some(held_back) = FAILED.admit() {
+                    tracing::warn!(
+                        path,
+                        %problem,
+                        "cut off a response: its upstream failed within the body \
+                         ({held_back} more since the last such warning)"
+                    );
+                }
                 this.metrics.upstream_cut_off();
                 Poll::Ready(Some(Err(e)))
             }
@@ -84,7 +93,15 @@ where
             Poll::Pending => {
                 let paused = this.timer.error();
                 let path = this.path.as_ref().map_or("", PathAndQuery::as_str);
-                tracing::warn!(path, problem = %paused, "cut off a response: its upstream stopped sending");
+                static PAUSED: LogThrottle = LogThrottle::new();
+                if let Some(held_back) = PAUSED.admit() {
+                    tracing::warn!(
+                        path,
+                        problem = %paused,
+                        "cut off a response: its upstream stopped sending \
+                         ({held_back} more since the last such warning)"
+                    );
+                }
                 this.metrics.upstream_cut_off();
                 Poll::Ready(Some(Err(Box::new(paused))))
             }
