@@ -506,8 +506,7 @@ impl Plugin {
                     tracing::warn!(
                         plugin = %self.name,
                         reason = %reason,
-                        "ids withheld, request answered 503 {code} \
-                         ({held_back} more since the last such warning)"
+                        "ids withheld, request answered 503 {code} {held_back}"
                     );
                 }
                 Action::Reject(Rejection {

@@ -16,6 +16,17 @@ pub(crate) struct LogThrottle {
     held_back: AtomicU64,
 }
 
+/// How many warnings were held back before one that is written; shown as
+/// `(N more since the last such warning)`, the end of its message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct HeldBack(u64);
+
+impl std::fmt::Display for HeldBack {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "({} more since the last such warning)", self.0)
+    }
+}
+
 /// How often a throttled warning is written.
 const EVERY: Duration = Duration::from_secs(1);
 
@@ -29,10 +40,11 @@ impl LogThrottle {
     }
 
     /// Whether to write this warning now; if so, how many were held back
-    /// since the last one written.
-    pub(crate) fn admit(&self) -> Option<u64> {
+    /// since the last one written, to end its message with.
+    pub(crate) fn admit(&self) -> Option<HeldBack> {
         static START: OnceLock<Instant> = OnceLock::new();
         self.admit_at(START.get_or_init(Instant::now).elapsed())
+            .map(HeldBack)
     }
 
     fn admit_at(&self, now: Duration) -> Option<u64> {
@@ -72,5 +84,9 @@ mod tests {
         assert_eq!(throttle.admit_at(at(9_000)), Some(0));
         // The very first moment of the clock counts too.
         assert_eq!(LogThrottle::new().admit_at(at(0)), Some(0));
+        assert_eq!(
+            HeldBack(3).to_string(),
+            "(3 more since the last such warning)"
+        );
     }
 }

@@ -343,8 +343,7 @@ impl Shared {
                         if let Some(held_back) = REFUSED.admit() {
                             tracing::warn!(
                                 error = %failure,
-                                "plugin failed; request refused (fail-closed) \
-                                 ({held_back} more since the last such warning)"
+                                "plugin failed; request refused (fail-closed) {held_back}"
                             );
                         }
                         self.metrics.request(Outcome::FailedClosed);
@@ -363,8 +362,7 @@ impl Shared {
                         if let Some(held_back) = FORWARDED.admit() {
                             tracing::warn!(
                                 error = %failure,
-                                "plugin failed; request forwarded unchanged (fail-open) \
-                                 ({held_back} more since the last such warning)"
+                                "plugin failed; request forwarded unchanged (fail-open) {held_back}"
                             );
                         }
                         self.metrics.request(Outcome::FailedOpen);

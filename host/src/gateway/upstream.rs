@@ -291,7 +291,7 @@ impl HttpUpstream {
                 upstream = %self.base,
                 code,
                 problem,
-                "upstream request failed ({held_back} more since the last such warning)"
+                "upstream request failed {held_back}"
             );
         }
         let message = format!("the upstream {} {problem}", self.base);

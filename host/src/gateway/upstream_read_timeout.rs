@@ -78,8 +78,7 @@ where
                     tracing::warn!(
                         path,
                         %problem,
-                        "cut off a response: its upstream failed within the body \
-                         ({held_back} more since the last such warning)"
+                        "cut off a response: its upstream failed within the body {held_back}"
                     );
                 }
                 this.metrics.upstream_cut_off();
@@ -98,8 +97,7 @@ where
                     tracing::warn!(
                         path,
                         problem = %paused,
-                        "cut off a response: its upstream stopped sending \
-                         ({held_back} more since the last such warning)"
+                        "cut off a response: its upstream stopped sending {held_back}"
                     );
                 }
                 this.metrics.upstream_cut_off();
