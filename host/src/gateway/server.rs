@@ -336,8 +336,9 @@ where
         // The gateway is stopping: an HTTP/2 client that does not answer
         // the GOAWAY's ping (a pooled client reads only while it has a
         // request out) would hold the drain for the whole grace period.
-        // Requests in flight are answered; once none has been for
-        // `STOP_IDLE`, the connection is dropped, acknowledged or not.
+        // Requests in flight are answered; if the client has sent nothing
+        // since the stop began, the connection is dropped once none has
+        // been in flight for `STOP_IDLE` (see `unanswered_after_stop`).
         return tokio::select! {
             biased;
             done = connection => done,
@@ -348,9 +349,10 @@ where
     // HTTP/2 says GOAWAY and ends once the client acknowledges it and
     // every stream it started meanwhile is answered. A client that does
     // not acknowledge it is dropped once nothing has been in flight for
-    // another timeout (a response is in flight until its last byte has
-    // gone out, see `ActiveBody`), or for `STOP_IDLE` if the gateway
-    // begins to stop meanwhile.
+    // another timeout: what is left of a response then is at most a piece
+    // or two (see `ActiveBody`) that the client has not read for that
+    // long. If the gateway begins to stop meanwhile, a client that has
+    // sent nothing since is dropped after `STOP_IDLE` instead.
     let stopped_and_idle = async {
         let _ = stopping.wait_for(|stopping| *stopping).await;
         idle_after_stop.await;
