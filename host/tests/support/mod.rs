@@ -325,26 +325,34 @@ impl Gateway {
     /// Waits (at most [`STEP`]) until the gateway's log contains `needle`
     /// at least `times` times.
     pub async fn wait_log_times(&self, needle: &str, times: usize) {
-        let log = self.stderr.clone();
         let wanted = needle.to_string();
+        self.wait_log_until(&format!("{needle:?} {times} times"), move |text| {
+            text.matches(&wanted).count() >= times
+        })
+        .await
+    }
+
+    /// Waits (at most [`STEP`]) until `done` holds for the gateway's log
+    /// so far; `what` names the wait in the failure message.
+    pub async fn wait_log_until(&self, what: &str, done: impl Fn(&str) -> bool + Send + 'static) {
+        let log = self.stderr.clone();
         let found = tokio::task::spawn_blocking(move || {
             let text = log.text.lock().unwrap_or_else(|p| p.into_inner());
             let (text, _) = log
                 .grew
-                .wait_timeout_while(text, STEP, |t| t.matches(&wanted).count() < times)
+                .wait_timeout_while(text, STEP, |t| !done(t))
                 .unwrap_or_else(|p| p.into_inner());
-            text.matches(&wanted).count() >= times
+            done(&text)
         })
         .await
         .expect("the log waiter");
         assert!(
             found,
-            "the gateway never logged {needle:?} {times} times; stderr:\n{}",
+            "the gateway never logged {what}; stderr:\n{}",
             self.stderr_text()
         );
     }
 
-    /// `GET /status` on the admin listener, parsed.
     pub async fn status(&self) -> Value {
         let reply = get(self.admin, "/status").await;
         assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
