@@ -2203,3 +2203,55 @@ async fn a_plugin_cannot_flood_the_log_or_the_client_with_text() {
     assert!(reply.body.len() < 30 << 10, "{} bytes", reply.body.len());
     gateway.stop().await;
 }
+
+/// A plugin call that runs for seconds shares its worker thread: while it
+/// loops, the worker's other connections are still read and answered.
+/// With one worker and a 4 s deadline, 200 requests on another connection
+/// finish before the looping call ends. Before the call yielded through
+/// `tokio::task::yield_now`, the worker read its sockets only every 61
+/// slices of the loop, and each of those requests took 30 to 80 ms.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_looping_plugin_call_leaves_its_worker_serving_other_connections() {
+    let dir = TempDir::new("loop");
+    let path = dir.path().join("plugin.wasm");
+    std::fs::write(&path, snowgate_test_fixtures::HOSTILE_WASM).unwrap();
+    let gateway = Gateway::start(&[
+        "--plugin",
+        path.to_str().unwrap(),
+        "--workers",
+        "1",
+        "--plugin-deadline-ms",
+        "4000",
+    ])
+    .await;
+    let addr = gateway.addr;
+    let mut looping = tokio::spawn(async move {
+        let mut client = Client::connect(addr).await;
+        let request = client
+            .builder(Method::POST, "/v1/completions")
+            .header("content-type", "application/json")
+            .header("x-hostile", "loop")
+            .body(Full::new(Bytes::from_static(CONTEXT_ONLY.as_bytes())))
+            .unwrap();
+        client.send(request).await
+    });
+    gateway.wait_log("the hostile fixture starts to loop").await;
+
+    let mut client = Client::connect(addr).await;
+    for served in 0..200 {
+        let reply = client.get("/v1/models").await;
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+        assert!(
+            !looping.is_finished(),
+            "the looping call ended before {served} other requests were served"
+        );
+    }
+    let reply = (&mut looping).await.expect("the looping request");
+    assert_eq!(
+        reply.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        reply.text()
+    );
+    assert!(reply.text().contains("deadline"), "{}", reply.text());
+}
