@@ -2255,3 +2255,99 @@ async fn a_looping_plugin_call_leaves_its_worker_serving_other_connections() {
     );
     assert!(reply.text().contains("deadline"), "{}", reply.text());
 }
+
+/// `/metrics` shows what is in use now: open client connections against
+/// `--max-connections`, and plugin calls running and waiting for a slot
+/// against the calls the gateway runs at once. Here two call slots (three
+/// instances, none kept), three looping calls: two run, one waits; once
+/// their deadlines have passed, none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_show_connections_and_plugin_calls_in_use() {
+    let dir = TempDir::new("in-use");
+    let path = dir.path().join("plugin.wasm");
+    std::fs::write(&path, snowgate_test_fixtures::HOSTILE_WASM).unwrap();
+    let mut config = GatewayConfig {
+        listen: ([127, 0, 0, 1], 0).into(),
+        admin_listen: ([127, 0, 0, 1], 0).into(),
+        machine_id: Some(MACHINE_ID),
+        plugin: Some(path),
+        ..Default::default()
+    };
+    config.connections.max_connections = 64;
+    config.plugin_limits.max_instances = 3;
+    config.plugin_limits.calls_per_instance = 1;
+    config.plugin_limits.deadline = Duration::from_millis(1500);
+    let gateway = LibraryGateway::bind(config)
+        .await
+        .unwrap_or_else(|e| panic!("starting the gateway: {e:#}"));
+    let addr = gateway.local_addr().expect("the gateway's address");
+    let admin = gateway.admin_addr().expect("the admin address");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let served = tokio::spawn(gateway.serve(async move {
+        let _ = stopped.await;
+    }));
+    // Waits (at most `STEP`) until every sample has its value.
+    let wait_for = |wanted: Vec<(&'static str, f64)>| async move {
+        let started = Instant::now();
+        loop {
+            let text = get(admin, "/metrics").await.text().to_string();
+            if wanted
+                .iter()
+                .all(|(name, value)| metric(&text, name) == *value)
+            {
+                return text;
+            }
+            assert!(started.elapsed() < STEP, "never {wanted:?}:\n{text}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    let text = wait_for(vec![
+        ("snowgate_connections_open", 0.0),
+        ("snowgate_plugin_calls_running", 0.0),
+        ("snowgate_plugin_calls_waiting", 0.0),
+    ])
+    .await;
+    assert_eq!(metric(&text, "snowgate_connections_max"), 64.0);
+    assert_eq!(metric(&text, "snowgate_plugin_calls_max"), 2.0);
+
+    let idle = connect_many(addr, 5).await;
+    wait_for(vec![("snowgate_connections_open", 5.0)]).await;
+    let loops: Vec<_> = (0..3)
+        .map(|_| {
+            tokio::spawn(async move {
+                let mut client = Client::connect(addr).await;
+                let request = client
+                    .builder(Method::POST, "/v1/completions")
+                    .header("content-type", "application/json")
+                    .header("x-hostile", "loop")
+                    .body(Full::new(Bytes::from_static(CONTEXT_ONLY.as_bytes())))
+                    .unwrap();
+                client.send(request).await
+            })
+        })
+        .collect();
+    wait_for(vec![
+        ("snowgate_connections_open", 8.0),
+        ("snowgate_plugin_calls_running", 2.0),
+        ("snowgate_plugin_calls_waiting", 1.0),
+    ])
+    .await;
+    for looping in loops {
+        let reply = looping.await.expect("a looping request");
+        assert_eq!(
+            reply.status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{}",
+            reply.text()
+        );
+    }
+    drop(idle);
+    wait_for(vec![
+        ("snowgate_connections_open", 0.0),
+        ("snowgate_plugin_calls_running", 0.0),
+        ("snowgate_plugin_calls_waiting", 0.0),
+    ])
+    .await;
+    let _ = stop.send(());
+    served.await.expect("the serving task").expect("served");
+}

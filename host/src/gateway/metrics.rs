@@ -2,8 +2,11 @@
 //! text format.
 
 use std::fmt::Write as _;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
+
+use tokio::sync::Semaphore;
 
 use crate::compile_cache::Compiled;
 
@@ -129,6 +132,31 @@ impl Histogram {
     }
 }
 
+/// How much of a bounded resource is in use, read from the semaphore that
+/// bounds it when `/metrics` is scraped: the request path counts nothing
+/// more for it.
+#[derive(Debug)]
+struct InUse {
+    permits: Arc<Semaphore>,
+    total: usize,
+}
+
+impl InUse {
+    fn now(&self) -> usize {
+        self.total.saturating_sub(self.permits.available_permits())
+    }
+}
+
+/// A client connection counted as open; dropping it counts it closed.
+#[derive(Debug)]
+pub(crate) struct OpenConnection(Arc<AtomicUsize>);
+
+impl Drop for OpenConnection {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 /// The gateway's metrics. Lock-free: every update is an atomic add or a few.
 #[derive(Debug)]
 pub struct Metrics {
@@ -144,6 +172,13 @@ pub struct Metrics {
     plugin_calls: Histogram,
     responses: [AtomicU64; STATUS_CLASSES.len()],
     response_headers: Histogram,
+    /// Client connections open now.
+    connections_open: Arc<AtomicUsize>,
+    /// The server's connection limit, once it serves.
+    connections_max: OnceLock<usize>,
+    /// Plugin call slots, and the requests waiting for one, once the
+    /// middleware has them.
+    plugin_calls_in_use: OnceLock<(InUse, Arc<AtomicUsize>)>,
 }
 
 impl Default for Metrics {
@@ -159,6 +194,9 @@ impl Default for Metrics {
             plugin_calls: Histogram::new(&LATENCY_BUCKETS),
             responses: Default::default(),
             response_headers: Histogram::new(&RESPONSE_BUCKETS),
+            connections_open: Arc::default(),
+            connections_max: OnceLock::new(),
+            plugin_calls_in_use: OnceLock::new(),
         }
     }
 }
@@ -167,6 +205,32 @@ impl Metrics {
     /// Counts one request by how it ended.
     pub fn request(&self, outcome: Outcome) {
         self.requests[outcome as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Sets the connection limit `/metrics` reports (the first call
+    /// counts; later ones are ignored).
+    pub(crate) fn gauge_connections(&self, max: usize) {
+        let _ = self.connections_max.set(max);
+    }
+
+    /// Counts a client connection as open until the guard is dropped.
+    pub(crate) fn connection_opened(&self) -> OpenConnection {
+        self.connections_open.fetch_add(1, Ordering::Relaxed);
+        OpenConnection(self.connections_open.clone())
+    }
+
+    /// Reports running plugin calls from the middleware's call slots
+    /// (`total` permits of `permits`, one held per call) and the requests
+    /// `waiting` for one. The first call counts; later ones are ignored.
+    pub(crate) fn gauge_plugin_calls(
+        &self,
+        permits: Arc<Semaphore>,
+        total: usize,
+        waiting: Arc<AtomicUsize>,
+    ) {
+        let _ = self
+            .plugin_calls_in_use
+            .set((InUse { permits, total }, waiting));
     }
 
     /// Counts a request that got no upstream response (answered 502 or 504).
@@ -318,8 +382,49 @@ impl Metrics {
             "snowgate_response_headers_seconds",
             "Time from a request's arrival to its response's headers (a streamed body goes on after), plugin and upstream included.",
         );
+        if let Some(&max) = self.connections_max.get() {
+            gauge(
+                &mut out,
+                "snowgate_connections_open",
+                "Client connections open now (an HTTP/2 connection counts once).",
+                self.connections_open.load(Ordering::Relaxed),
+            );
+            gauge(
+                &mut out,
+                "snowgate_connections_max",
+                "Client connections served at once (--max-connections); more wait in the listen backlog.",
+                max,
+            );
+        }
+        if let Some((calls, waiting)) = self.plugin_calls_in_use.get() {
+            gauge(
+                &mut out,
+                "snowgate_plugin_calls_running",
+                "Plugin calls running now, a call that gave its thread back to other requests included.",
+                calls.now(),
+            );
+            gauge(
+                &mut out,
+                "snowgate_plugin_calls_max",
+                "Plugin calls the gateway runs at once; more wait for a turn.",
+                calls.total,
+            );
+            gauge(
+                &mut out,
+                "snowgate_plugin_calls_waiting",
+                "Requests with a body read, waiting for a plugin call slot.",
+                waiting.load(Ordering::Relaxed),
+            );
+        }
         out
     }
+}
+
+/// One gauge with its help and type lines.
+fn gauge(out: &mut String, name: &str, help: &str, value: usize) {
+    let _ = writeln!(out, "# HELP {name} {help}");
+    let _ = writeln!(out, "# TYPE {name} gauge");
+    let _ = writeln!(out, "{name} {value}");
 }
 
 #[cfg(test)]

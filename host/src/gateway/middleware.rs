@@ -110,13 +110,15 @@ impl SnowgateLayer {
         let plugin = slot.current();
         let calls = plugin.engine().limits().concurrent_calls() as usize;
         let queued = plugin.engine().queued_calls.clone();
+        let calls = Arc::new(Semaphore::new(calls));
+        metrics.gauge_plugin_calls(calls.clone(), calls.available_permits(), queued.clone());
         SnowgateLayer {
             shared: Arc::new(Shared {
                 slot,
                 metrics,
                 policy,
                 max_body_bytes,
-                calls: Arc::new(Semaphore::new(calls)),
+                calls,
                 queued,
             }),
         }

@@ -82,6 +82,7 @@ pub async fn serve(
         .initial_connection_window_size(HTTP2_CONNECTION_WINDOW)
         .max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX));
     let slots = Arc::new(Semaphore::new(limits.max_connections));
+    layer.metrics().gauge_connections(limits.max_connections);
     let graceful = GracefulShutdown::new();
     // Tells connections still waiting for their first byte to give up on
     // shutdown: they hold a graceful watcher, but no request.
@@ -124,6 +125,7 @@ pub async fn serve(
         let activity = Activity::default();
         let requests = activity.clone();
         let metrics = layer.metrics().clone();
+        let open = metrics.connection_opened();
         let per_request = hyper::service::service_fn(move |mut request: Request<Incoming>| {
             let arrived = Instant::now();
             // In flight until hyper has taken its whole response body (or
@@ -223,6 +225,7 @@ pub async fn serve(
                 tracing::debug!(%peer, error = %why, "client connection ended with an error");
             }
             drop(watcher);
+            drop(open);
             drop(permit);
         });
     }
