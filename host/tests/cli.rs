@@ -290,6 +290,20 @@ fn serve_on_any_port(flags: &[&str]) -> Output {
     snowgate(&[&["serve"][..], &any_port, flags].concat(), b"")
 }
 
+/// A listen address that is not an IP address and a port stops `serve`
+/// with status 2 and what to write instead; a host name is not resolved.
+#[test]
+fn serve_refuses_a_listen_address_without_an_ip_saying_what_to_write() {
+    let output = snowgate(&["serve", "--listen", "localhost:8080"], b"");
+    failure(
+        &output,
+        2,
+        &["--listen", "host names are not resolved", "127.0.0.1:8080"],
+    );
+    let output = snowgate(&["serve", "--admin-listen", ":9901"], b"");
+    failure(&output, 2, &["--admin-listen", "0.0.0.0:9901"]);
+}
+
 /// A plugin setting the plugin refuses stops `serve` before it listens,
 /// with status 2 and the plugin's reason, as `rewrite` does.
 #[test]

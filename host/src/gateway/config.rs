@@ -1,7 +1,7 @@
 //! The gateway's settings: built-in defaults, a TOML file, then flags.
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -195,11 +195,60 @@ impl Default for GatewayConfig {
     }
 }
 
+/// Reads a listen address: an IP address and a port, as `127.0.0.1:8080`
+/// or `[::1]:8080`. Host names are not resolved (one name can stand for
+/// several addresses), and an address left out is not taken to mean every
+/// interface: the error says what to write instead.
+pub fn parse_listen_address(text: &str) -> Result<SocketAddr, String> {
+    if let Ok(address) = text.parse() {
+        return Ok(address);
+    }
+    let example = |port: u16| {
+        format!("write 127.0.0.1:{port} for this host only, or 0.0.0.0:{port} for every interface")
+    };
+    if let Ok(ip) = text.parse::<IpAddr>() {
+        let with_port = SocketAddr::new(ip, 8080);
+        return Err(format!(
+            "{text:?} is an address without a port: write {with_port}, say"
+        ));
+    }
+    let problem = match text.rsplit_once(':') {
+        None => match text.parse::<u16>() {
+            Ok(port) => format!("is a port without an address: {}", example(port)),
+            Err(_) => "is not an IP address and a port, e.g. 127.0.0.1:8080".to_string(),
+        },
+        Some((host, port)) => match (host, port.parse::<u16>()) {
+            (_, Err(_)) => format!("has no port from 0 to 65535 after its last ':' ({port:?})"),
+            ("", Ok(port)) => format!("has no address before the port: {}", example(port)),
+            (host, Ok(port)) if host.parse::<IpAddr>().is_ok() => {
+                format!("is an IPv6 address with a port outside brackets: write [{host}]:{port}")
+            }
+            (host, Ok(port)) if !host.starts_with('[') => format!(
+                "names a host, and host names are not resolved: {}",
+                example(port)
+            ),
+            _ => "is not an IP address and a port, e.g. [::1]:8080".to_string(),
+        },
+    };
+    Err(format!("{text:?} {problem}"))
+}
+
+/// [`parse_listen_address`] for the config file.
+fn listen_address<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<SocketAddr>, D::Error> {
+    let text = String::deserialize(deserializer)?;
+    parse_listen_address(&text)
+        .map(Some)
+        .map_err(serde::de::Error::custom)
+}
+
 /// The TOML file: every key optional.
 #[derive(Debug, Default, Deserialize)]
 #[serde(rename_all = "kebab-case", deny_unknown_fields)]
 pub struct ConfigFile {
     /// See [`GatewayConfig::listen`].
+    #[serde(default, deserialize_with = "listen_address")]
     pub listen: Option<SocketAddr>,
     /// See [`GatewayConfig::upstream`].
     pub upstream: Option<String>,
@@ -214,6 +263,7 @@ pub struct ConfigFile {
     /// See [`GatewayConfig::plugin_cache_dir`].
     pub plugin_cache_dir: Option<PathBuf>,
     /// See [`GatewayConfig::admin_listen`].
+    #[serde(default, deserialize_with = "listen_address")]
     pub admin_listen: Option<SocketAddr>,
     /// See [`GatewayConfig::max_body_bytes`].
     pub max_body_bytes: Option<usize>,
@@ -631,6 +681,51 @@ mod tests {
         assert_eq!(
             GatewayConfig::default().plugin_limits.calls_per_instance,
             1000
+        );
+    }
+
+    #[test]
+    fn listen_addresses_are_an_ip_and_a_port_and_the_error_says_what_to_write() {
+        for good in ["127.0.0.1:8080", "0.0.0.0:0", "[::1]:8080", "[::]:443"] {
+            assert_eq!(
+                parse_listen_address(good),
+                Ok(good.parse().unwrap()),
+                "{good}"
+            );
+        }
+        for (bad, says) in [
+            (
+                "localhost:8080",
+                "host names are not resolved: write 127.0.0.1:8080",
+            ),
+            (":8080", "no address before the port: write 127.0.0.1:8080"),
+            ("8080", "a port without an address: write 127.0.0.1:8080"),
+            ("127.0.0.1:65536", "no port from 0 to 65535"),
+            (
+                "127.0.0.1",
+                "an address without a port: write 127.0.0.1:8080",
+            ),
+            ("::1", "an address without a port: write [::1]:8080"),
+            ("::1:8080", "without a port: write [::1:8080]:8080"),
+            ("1:2:3:4:5:6:7:8:80", "write [1:2:3:4:5:6:7:8]:80"),
+            ("[zz]:80", "not an IP address and a port"),
+            ("", "not an IP address and a port"),
+        ] {
+            let err = parse_listen_address(bad).unwrap_err();
+            assert!(err.contains(says), "{bad:?}: {err}");
+            assert!(err.starts_with(&format!("{bad:?}")), "{bad:?}: {err}");
+        }
+        // The config file reads them the same way, and names the key.
+        let file: ConfigFile = toml::from_str("listen = \"[::1]:8000\"").expect("parses");
+        assert_eq!(file.listen, Some("[::1]:8000".parse().unwrap()));
+        let err = toml::from_str::<ConfigFile>("admin-listen = \"localhost:9901\"")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("admin-listen"), "{err}");
+        assert!(err.contains("write 127.0.0.1:9901"), "{err}");
+        assert_eq!(
+            toml::from_str::<ConfigFile>("").expect("parses").listen,
+            None
         );
     }
 

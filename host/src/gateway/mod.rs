@@ -32,7 +32,10 @@ use std::sync::Arc;
 use anyhow::Context as _;
 use tokio::net::TcpListener;
 
-pub use config::{ConfigFile, ConnectionLimits, FailurePolicy, GatewayConfig, UpstreamTimeouts};
+pub use config::{
+    parse_listen_address, ConfigFile, ConnectionLimits, FailurePolicy, GatewayConfig,
+    UpstreamTimeouts,
+};
 pub use metrics::{Metrics, Outcome};
 pub use middleware::{Snowgate, SnowgateLayer};
 pub use slot::{PluginSlot, ReloadError, Reloaded};

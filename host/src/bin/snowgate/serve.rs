@@ -5,7 +5,9 @@ use std::path::PathBuf;
 
 use anyhow::Context as _;
 use clap::Args;
-use snowgate_host::gateway::{ConfigFile, FailurePolicy, Gateway, GatewayConfig};
+use snowgate_host::gateway::{
+    parse_listen_address, ConfigFile, FailurePolicy, Gateway, GatewayConfig,
+};
 use snowgate_plugin::SnowflakeLayout;
 
 use crate::Failure;
@@ -18,7 +20,7 @@ pub struct ServeArgs {
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
     /// Address clients connect to [default: 127.0.0.1:8080].
-    #[arg(long, value_name = "ADDR")]
+    #[arg(long, value_name = "ADDR", value_parser = parse_listen_address)]
     listen: Option<SocketAddr>,
     /// Base URL of the OpenAI-compatible server behind the gateway, e.g.
     /// http://127.0.0.1:8000. Without it a built-in echo upstream answers
@@ -51,7 +53,7 @@ pub struct ServeArgs {
     plugin_cache_dir: Option<PathBuf>,
     /// Address of the admin endpoints (/status, /reload, /healthz, /readyz, /metrics)
     /// [default: 127.0.0.1:9901].
-    #[arg(long, value_name = "ADDR")]
+    #[arg(long, value_name = "ADDR", value_parser = parse_listen_address)]
     admin_listen: Option<SocketAddr>,
     /// Largest request body accepted; larger ones get 413 [default: 33554432].
     #[arg(long, value_name = "BYTES")]
