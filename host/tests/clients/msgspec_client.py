@@ -7,9 +7,10 @@ msgspec-encoded requests, and checks what the upstream decoded. Exits 0
 when everything holds; otherwise prints what did not and exits 1.
 """
 import http.server
-import socket
+import re
 import subprocess
 import sys
+import tempfile
 import threading
 import urllib.error
 import urllib.request
@@ -34,10 +35,12 @@ class Upstream(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def ready_port(gateway):
+    """The client port from the gateway's ready line, or None if it stopped
+    before it was ready ("snowgate listening on http://127.0.0.1:PORT ...")."""
+    line = gateway.stdout.readline().decode()
+    match = re.match(r"snowgate listening on http://127\.0\.0\.1:(\d+) ", line)
+    return int(match.group(1)) if match else None
 
 
 def post(port, body):
@@ -56,13 +59,21 @@ def post(port, body):
 def main(binary):
     upstream = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
     threading.Thread(target=upstream.serve_forever, daemon=True).start()
-    port = free_port()
+    log = tempfile.TemporaryFile()
+    # Ports the kernel picks, read back from the ready line: a port picked
+    # here and freed could be taken by another test before snowgate binds.
     gateway = subprocess.Popen(
-        [binary, "serve", "--listen", f"127.0.0.1:{port}", "--machine-id", "5",
+        [binary, "serve", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0",
+         "--machine-id", "5",
          "--upstream", f"http://127.0.0.1:{upstream.server_address[1]}"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        stdout=subprocess.PIPE, stderr=log)
     try:
-        gateway.stdout.readline()  # the ready line
+        port = ready_port(gateway)
+        if port is None:
+            gateway.wait(timeout=30)
+            log.seek(0)
+            print("snowgate did not start:", log.read().decode())
+            return 1
         context_only = {
             "model": "m", "prompt": "Hello", "max_tokens": 16, "stream": False,
             "disaggregated_params": {"request_type": "context_only",
