@@ -587,19 +587,7 @@ async fn a_burst_of_long_calls_is_not_refused_for_waiting_its_turn() {
     .await;
     let started = Instant::now();
     let replies: Vec<_> = (0..BURST)
-        .map(|_| {
-            let addr = gateway.addr;
-            tokio::spawn(async move {
-                let mut client = Client::connect(addr).await;
-                let request = client
-                    .builder(Method::POST, "/v1/completions")
-                    .header("content-type", "application/json")
-                    .header("x-hostile", "spin")
-                    .body(Full::new(Bytes::from_static(CONTEXT_ONLY.as_bytes())))
-                    .unwrap();
-                client.send(request).await
-            })
-        })
+        .map(|_| tokio::spawn(misbehaving(gateway.addr, "spin")))
         .collect();
     for reply in replies {
         let reply = reply.await.expect("the request task");
@@ -2190,18 +2178,8 @@ async fn a_plugin_cannot_flood_the_log_or_the_client_with_text() {
     let path = dir.path().join("plugin.wasm");
     std::fs::write(&path, snowgate_test_fixtures::HOSTILE_WASM).unwrap();
     let gateway = Gateway::start(&["--plugin", path.to_str().unwrap()]).await;
-    // The hostile fixture's `behaviour` on a context-only request.
     let addr = gateway.addr;
-    let misbehave = |behaviour: &'static str| async move {
-        let mut client = Client::connect(addr).await;
-        let request = client
-            .builder(Method::POST, "/v1/completions")
-            .header("content-type", "application/json")
-            .header("x-hostile", behaviour)
-            .body(Full::new(Bytes::from_static(CONTEXT_ONLY.as_bytes())))
-            .unwrap();
-        client.send(request).await
-    };
+    let misbehave = |behaviour: &'static str| misbehaving(addr, behaviour);
     let line = "l".repeat(4096);
     for call in 1..=2 {
         let reply = misbehave("log-flood").await;
@@ -2246,16 +2224,7 @@ async fn a_looping_plugin_call_leaves_its_worker_serving_other_connections() {
     ])
     .await;
     let addr = gateway.addr;
-    let mut looping = tokio::spawn(async move {
-        let mut client = Client::connect(addr).await;
-        let request = client
-            .builder(Method::POST, "/v1/completions")
-            .header("content-type", "application/json")
-            .header("x-hostile", "loop")
-            .body(Full::new(Bytes::from_static(CONTEXT_ONLY.as_bytes())))
-            .unwrap();
-        client.send(request).await
-    });
+    let mut looping = tokio::spawn(misbehaving(addr, "loop"));
     gateway.wait_log("the hostile fixture starts to loop").await;
 
     let mut client = Client::connect(addr).await;
@@ -2334,18 +2303,7 @@ async fn metrics_show_connections_and_plugin_calls_in_use() {
     let idle = connect_many(addr, 5).await;
     wait_for(vec![("snowgate_connections_open", 5.0)]).await;
     let loops: Vec<_> = (0..3)
-        .map(|_| {
-            tokio::spawn(async move {
-                let mut client = Client::connect(addr).await;
-                let request = client
-                    .builder(Method::POST, "/v1/completions")
-                    .header("content-type", "application/json")
-                    .header("x-hostile", "loop")
-                    .body(Full::new(Bytes::from_static(CONTEXT_ONLY.as_bytes())))
-                    .unwrap();
-                client.send(request).await
-            })
-        })
+        .map(|_| tokio::spawn(misbehaving(addr, "loop")))
         .collect();
     wait_for(vec![
         ("snowgate_connections_open", 8.0),
@@ -2371,4 +2329,17 @@ async fn metrics_show_connections_and_plugin_calls_in_use() {
     .await;
     let _ = stop.send(());
     served.await.expect("the serving task").expect("served");
+}
+
+/// Sends [`CONTEXT_ONLY`] on a new connection with `x-hostile: behaviour`,
+/// for the hostile fixture to misbehave on.
+async fn misbehaving(addr: SocketAddr, behaviour: &'static str) -> Reply {
+    let mut client = Client::connect(addr).await;
+    let request = client
+        .builder(Method::POST, "/v1/completions")
+        .header("content-type", "application/json")
+        .header("x-hostile", behaviour)
+        .body(Full::new(Bytes::from_static(CONTEXT_ONLY.as_bytes())))
+        .unwrap();
+    client.send(request).await
 }
