@@ -206,10 +206,18 @@ pub fn parse_listen_address(text: &str) -> Result<SocketAddr, String> {
     let example = |port: u16| {
         format!("write 127.0.0.1:{port} for this host only, or 0.0.0.0:{port} for every interface")
     };
-    if let Ok(ip) = text.parse::<IpAddr>() {
-        let with_port = SocketAddr::new(ip, 8080);
+    // An address alone, IPv6 in brackets or not.
+    let bare = text
+        .strip_prefix('[')
+        .and_then(|t| t.strip_suffix(']'))
+        .unwrap_or(text);
+    if let Ok(ip) = bare.parse::<IpAddr>() {
+        let with_port = match ip {
+            IpAddr::V4(ip) => format!("{ip}:PORT"),
+            IpAddr::V6(ip) => format!("[{ip}]:PORT"),
+        };
         return Err(format!(
-            "{text:?} is an address without a port: write {with_port}, say"
+            "{text:?} is an address without a port: write {with_port}"
         ));
     }
     let problem = match text.rsplit_once(':') {
@@ -233,11 +241,21 @@ pub fn parse_listen_address(text: &str) -> Result<SocketAddr, String> {
     Err(format!("{text:?} {problem}"))
 }
 
-/// [`parse_listen_address`] for the config file.
+/// [`parse_listen_address`] for the config file; a bare number is taken
+/// as the text it is written as (a port without an address).
 fn listen_address<'de, D: serde::Deserializer<'de>>(
     deserializer: D,
 ) -> Result<Option<SocketAddr>, D::Error> {
-    let text = String::deserialize(deserializer)?;
+    let text = match toml::Value::deserialize(deserializer)? {
+        toml::Value::String(text) => text,
+        toml::Value::Integer(n) => n.to_string(),
+        other => {
+            return Err(serde::de::Error::custom(format!(
+                "a {} is not an address: write a string such as \"127.0.0.1:8080\"",
+                other.type_str()
+            )))
+        }
+    };
     parse_listen_address(&text)
         .map(Some)
         .map_err(serde::de::Error::custom)
@@ -703,10 +721,11 @@ mod tests {
             ("127.0.0.1:65536", "no port from 0 to 65535"),
             (
                 "127.0.0.1",
-                "an address without a port: write 127.0.0.1:8080",
+                "an address without a port: write 127.0.0.1:PORT",
             ),
-            ("::1", "an address without a port: write [::1]:8080"),
-            ("::1:8080", "without a port: write [::1:8080]:8080"),
+            ("::1", "an address without a port: write [::1]:PORT"),
+            ("[::1]", "an address without a port: write [::1]:PORT"),
+            ("::1:8080", "without a port: write [::1:8080]:PORT"),
             ("1:2:3:4:5:6:7:8:80", "write [1:2:3:4:5:6:7:8]:80"),
             ("[zz]:80", "not an IP address and a port"),
             ("", "not an IP address and a port"),
@@ -723,6 +742,14 @@ mod tests {
             .to_string();
         assert!(err.contains("admin-listen"), "{err}");
         assert!(err.contains("write 127.0.0.1:9901"), "{err}");
+        let err = toml::from_str::<ConfigFile>("listen = 8080")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("a port without an address"), "{err}");
+        let err = toml::from_str::<ConfigFile>("listen = true")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("write a string such as"), "{err}");
         assert_eq!(
             toml::from_str::<ConfigFile>("").expect("parses").listen,
             None
