@@ -167,6 +167,14 @@ impl Plugin {
     /// thread back to the executor at every epoch tick (1 ms), so a slow or
     /// runaway plugin delays other requests by at most that much each time,
     /// until its deadline ends it.
+    ///
+    /// It gives the thread back with `tokio::task::yield_now`, which on a
+    /// tokio runtime wakes the call only after the runtime has polled its
+    /// sockets and timers. Poll the returned future from a tokio task, or
+    /// from a thread that runs no tokio runtime at all; not from another
+    /// executor nested inside a tokio task (`futures::executor::block_on`
+    /// there), where a long call would wait for a wake that comes only
+    /// once that tokio worker parks.
     pub async fn handle_async(&self, request: &Request) -> Result<Action, CallError> {
         let mut held = match self.take_idle() {
             Some(mut held) => {

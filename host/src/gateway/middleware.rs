@@ -101,6 +101,9 @@ impl SnowgateLayer {
     /// A layer that runs `slot`'s plugin on JSON requests, refuses bodies
     /// over `max_body_bytes` with 413, and applies `policy` when the plugin
     /// fails.
+    ///
+    /// The plugin-call gauges of `metrics` report the first layer made
+    /// with it: give each layer its own [`Metrics`].
     pub fn new(
         slot: Arc<PluginSlot>,
         metrics: Arc<Metrics>,
