@@ -727,10 +727,33 @@ pub async fn connect_many(addr: SocketAddr, count: usize) -> Vec<TcpStream> {
     streams
 }
 
-/// An address nothing listens on (bound, then released).
-pub async fn dead_address() -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    listener.local_addr().expect("address")
+/// An address nothing listens on, which nothing else can take while this
+/// lives: a socket bound to it that never listens, so a connection to it
+/// is refused. An address bound and released could be taken by another
+/// test's server, which then answered in its place.
+pub struct DeadAddress {
+    addr: SocketAddr,
+    _held: tokio::net::TcpSocket,
+}
+
+impl std::fmt::Display for DeadAddress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.addr.fmt(f)
+    }
+}
+
+/// See [`DeadAddress`].
+pub async fn dead_address() -> DeadAddress {
+    // Without SO_REUSEADDR, which every listener sets: none can share it.
+    let socket = tokio::net::TcpSocket::new_v4().expect("a socket");
+    socket.set_reuseaddr(false).expect("SO_REUSEADDR off");
+    socket
+        .bind(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .expect("bind");
+    DeadAddress {
+        addr: socket.local_addr().expect("address"),
+        _held: socket,
+    }
 }
 
 // ---------------------------------------------------------------------------
