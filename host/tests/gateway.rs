@@ -2008,31 +2008,45 @@ async fn sigterm_does_not_wait_for_connections_that_sent_nothing() {
 // Restarts
 // ---------------------------------------------------------------------------
 
-/// Serves the library gateway with the bundled plugin, the built-in echo and
-/// [`MACHINE_ID`]; returns its address, its id clock, the stop trigger and
-/// the serving task.
-async fn serve_library_gateway() -> (
-    SocketAddr,
-    Arc<IdClock>,
-    tokio::sync::oneshot::Sender<()>,
-    tokio::task::JoinHandle<anyhow::Result<()>>,
-) {
-    let config = GatewayConfig {
+/// The library gateway's settings for these tests: the bundled plugin, the
+/// built-in echo and [`MACHINE_ID`], on free ports.
+fn library_config() -> GatewayConfig {
+    GatewayConfig {
         listen: ([127, 0, 0, 1], 0).into(),
         admin_listen: ([127, 0, 0, 1], 0).into(),
         machine_id: Some(MACHINE_ID),
         ..Default::default()
-    };
+    }
+}
+
+/// A library gateway being served, and how to stop it.
+struct LibraryServing {
+    addr: SocketAddr,
+    admin: SocketAddr,
+    clock: Arc<IdClock>,
+    stop: tokio::sync::oneshot::Sender<()>,
+    served: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+/// Binds the library gateway with `config` and serves it until `stop`.
+async fn serve_library_gateway(config: GatewayConfig) -> LibraryServing {
     let gateway = LibraryGateway::bind(config)
         .await
         .unwrap_or_else(|e| panic!("starting the gateway: {e:#}"));
     let addr = gateway.local_addr().expect("the gateway's address");
+    let admin = gateway.admin_addr().expect("the admin address");
     let clock = gateway.clock().clone();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let served = tokio::spawn(gateway.serve(async move {
         let _ = stopped.await;
     }));
-    (addr, clock, stop, served)
+    LibraryServing {
+        addr,
+        admin,
+        clock,
+        stop,
+        served,
+    }
 }
 
 /// The id the echo shows the plugin stamped into [`CONTEXT_ONLY`].
@@ -2050,7 +2064,13 @@ async fn echoed_id(addr: SocketAddr) -> u64 {
 /// until the wall clock has passed its last id.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_on_the_same_machine_id_starts_after_the_last_id() {
-    let (addr, clock, stop, served) = serve_library_gateway().await;
+    let LibraryServing {
+        addr,
+        clock,
+        stop,
+        served,
+        ..
+    } = serve_library_gateway(library_config()).await;
     // What a burst of about 1.6 million trtllm-v1 ids does to the clock;
     // a real one takes too long in a debug build to outrun the wall clock.
     let lead = Duration::from_millis(400);
@@ -2084,7 +2104,9 @@ async fn a_restart_on_the_same_machine_id_starts_after_the_last_id() {
         stopping.elapsed()
     );
 
-    let (addr, _, stop, served) = serve_library_gateway().await;
+    let LibraryServing {
+        addr, stop, served, ..
+    } = serve_library_gateway(library_config()).await;
     let first = SnowflakeLayout::TrtllmV1
         .decode(echoed_id(addr).await)
         .expect("a trtllm-v1 id");
@@ -2279,25 +2301,20 @@ async fn metrics_show_connections_and_plugin_calls_in_use() {
     let path = dir.path().join("plugin.wasm");
     std::fs::write(&path, snowgate_test_fixtures::HOSTILE_WASM).unwrap();
     let mut config = GatewayConfig {
-        listen: ([127, 0, 0, 1], 0).into(),
-        admin_listen: ([127, 0, 0, 1], 0).into(),
-        machine_id: Some(MACHINE_ID),
         plugin: Some(path),
-        ..Default::default()
+        ..library_config()
     };
     config.connections.max_connections = 64;
     config.plugin_limits.max_instances = 3;
     config.plugin_limits.calls_per_instance = 1;
     config.plugin_limits.deadline = Duration::from_millis(1500);
-    let gateway = LibraryGateway::bind(config)
-        .await
-        .unwrap_or_else(|e| panic!("starting the gateway: {e:#}"));
-    let addr = gateway.local_addr().expect("the gateway's address");
-    let admin = gateway.admin_addr().expect("the admin address");
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let served = tokio::spawn(gateway.serve(async move {
-        let _ = stopped.await;
-    }));
+    let LibraryServing {
+        addr,
+        admin,
+        stop,
+        served,
+        ..
+    } = serve_library_gateway(config).await;
     // Waits (at most `STEP`) until every sample has its value.
     let wait_for = |wanted: Vec<(&'static str, f64)>| async move {
         let started = Instant::now();
