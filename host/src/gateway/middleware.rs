@@ -111,10 +111,10 @@ impl SnowgateLayer {
         max_body_bytes: usize,
     ) -> Self {
         let plugin = slot.current();
-        let calls = plugin.engine().limits().concurrent_calls() as usize;
+        let slots = plugin.engine().limits().concurrent_calls() as usize;
         let queued = plugin.engine().queued_calls.clone();
-        let calls = Arc::new(Semaphore::new(calls));
-        metrics.gauge_plugin_calls(calls.clone(), calls.available_permits(), queued.clone());
+        let calls = Arc::new(Semaphore::new(slots));
+        metrics.gauge_plugin_calls(calls.clone(), slots, queued.clone());
         SnowgateLayer {
             shared: Arc::new(Shared {
                 slot,
