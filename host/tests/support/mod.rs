@@ -353,6 +353,7 @@ impl Gateway {
         );
     }
 
+    /// `GET /status` on the admin listener, parsed.
     pub async fn status(&self) -> Value {
         let reply = get(self.admin, "/status").await;
         assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
