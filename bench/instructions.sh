@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Instructions per call of each plugin path, counted by callgrind: the
+# repeatable counterpart of `plugin_path`'s times (see
+# host/benches/instructions.rs). Each path runs twice, N and 2N
+# iterations; the difference over N is one iteration, without set-up.
+#
+#   cargo bench -p snowgate-host --bench instructions --no-run
+#   bench/instructions.sh target/release/deps/instructions-<hash> [MORE_BINARIES...]
+#
+# With several binaries (builds of different commits, copied aside), each
+# row has a column per binary. Environment: N (2000), PATHS
+# ('native plugin_reused floor_echo'), CASES ('chat_1KiB chat_64KiB').
+# Needs valgrind (Debian's package).
+set -euo pipefail
+if [ $# -lt 1 ]; then
+    echo "usage: $0 INSTRUCTIONS_BINARY [MORE_BINARIES...]" >&2
+    exit 2
+fi
+command -v valgrind >/dev/null || { echo "$0: needs valgrind (apt-get install valgrind)" >&2; exit 2; }
+n=${N:-2000}
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+count() { # BINARY PATH CASE ITERATIONS -> total instructions
+    valgrind --tool=callgrind --callgrind-out-file="$out/cg.out" "$1" "$2" "$3" "$4" \
+        >"$out/log" 2>&1 || { cat "$out/log" >&2; exit 1; }
+    sed -n 's/^summary: //p' "$out/cg.out"
+}
+printf '%-14s %-12s' case path
+for binary in "$@"; do printf ' %16s' "$(basename "$binary" | cut -c1-16)"; done
+printf '   (instructions per call, N=%s)\n' "$n"
+for case in ${CASES:-chat_1KiB chat_64KiB}; do
+    for path in ${PATHS:-native plugin_reused floor_echo}; do
+        printf '%-14s %-12s' "$case" "$path"
+        for binary in "$@"; do
+            one=$(count "$binary" "$path" "$case" "$n")
+            two=$(count "$binary" "$path" "$case" $((2 * n)))
+            printf ' %16s' $(((two - one) / n))
+        done
+        printf '\n'
+    done
+done
