@@ -374,6 +374,10 @@ impl<'a> Walk<'a> {
     }
 
     /// Reads a string; returns its content range and whether it has escapes.
+    /// Inlined into its two callers (values and keys): in wasm a call costs
+    /// a stack-limit and an epoch check, and a chat request has a string
+    /// every few bytes.
+    #[inline(always)]
     fn string(&mut self) -> Result<(usize, usize, bool), BodyError> {
         self.pos += 1; // the opening quote
         let start = self.pos;
