@@ -2,12 +2,14 @@
 # Where one proxied request's CPU goes, plugin path against pass-through.
 #
 #   bench/cpu_split.sh [SNOWGATE] [ROUNDS]
+#   SIZE=64KiB bench/cpu_split.sh ...   # bench/load.py's 64 KiB body instead
 #
 # Starts nginx answering `return 200` as the upstream and one snowgate with
 # one worker thread (`--workers 1`), drives it with `wrk -t1 -c16` until that
 # worker is the bottleneck, and samples it with `perf record` for 4 s, in
-# turns: the 1 KiB chat request of bench/load.py as JSON (through the
-# plugin) and the same bytes as text/plain (streamed through without it).
+# turns: the 1 KiB chat request of bench/load.py (or the body SIZE names)
+# as JSON (through the plugin) and the same bytes as text/plain (streamed
+# through without it).
 # For each run it prints the worker's CPU per request (perf's task-clock
 # over the requests counted in /metrics) and how that splits between the
 # kernel, snowgate's own code (hyper, tokio, wasmtime, the host), the
@@ -16,6 +18,7 @@
 set -euo pipefail
 BIN=${1:-target/release/snowgate}
 ROUNDS=${2:-3}
+SIZE=${SIZE:-1KiB}
 BIN=$(realpath "$BIN")
 HERE=$(cd "$(dirname "$0")" && pwd)
 DIR=$(mktemp -d)
@@ -23,11 +26,14 @@ trap 'kill $(cat "$DIR/nginx.pid" 2>/dev/null) 2>/dev/null || true; kill "${SG:-
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 UP=$(free_port); PORT=$(free_port); ADMIN=$(free_port)
 
-python3 - "$HERE" "$DIR" <<'PY'
+python3 - "$HERE" "$DIR" "$SIZE" <<'PY'
 import sys
 sys.path.insert(0, sys.argv[1])
 import load
-open(sys.argv[2] + "/1k.json", "wb").write(load.make_bodies()["1KiB"])
+bodies = load.make_bodies()
+if sys.argv[3] not in bodies:
+    sys.exit(f"SIZE must be one of {', '.join(bodies)}, not {sys.argv[3]!r}")
+open(sys.argv[2] + "/body.json", "wb").write(bodies[sys.argv[3]])
 PY
 cat > "$DIR/nginx.conf" <<EOF
 worker_processes 1;
@@ -60,7 +66,7 @@ one_run() { # $1: content type
         --upstream "http://127.0.0.1:$UP" --machine-id 1 --workers 1 > "$DIR/snowgate.log" 2>&1 &
     SG=$!
     for _ in $(seq 200); do curl -sf -o /dev/null "127.0.0.1:$ADMIN/readyz" && break; sleep 0.05; done
-    export BODY="$DIR/1k.json" CTYPE="$1"
+    export BODY="$DIR/body.json" CTYPE="$1"
     wrk -t1 -c16 -d7s -s "$DIR/post.lua" "http://127.0.0.1:$PORT/v1/chat/completions" > "$DIR/wrk.txt" &
     local wrk=$!
     # Past wrk's connection set-up and the first instances.
