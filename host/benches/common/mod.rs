@@ -1,5 +1,5 @@
-//! What the plugin-path benchmarks share: the requests they send and the
-//! native path's id source.
+//! What the plugin-path benchmarks share: the requests they send, the
+//! engine and plugins they call, and the native path's id source.
 
 // Each bench target uses part of this module.
 #![allow(dead_code)]
