@@ -39,20 +39,16 @@ use std::time::{Duration, Instant};
 
 mod common;
 
-use common::{cases, floor, HostClockIds, MACHINE_ID};
+use common::{cases, floor, HostClockIds};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use snowgate_host::{Action, Plugin, PluginLimits};
-use snowgate_plugin::{decide, Config, Decision, MachineId};
+use snowgate_plugin::{decide, Config, Decision};
 
 fn bench_plugin_path(c: &mut Criterion) {
     let (clock, engine) = common::engine(PluginLimits::default());
     let plugin = common::bundled(&engine);
     let (floor_forward, floor_echo) = (floor(&engine, "forward"), floor(&engine, "echo"));
     let config = Config::default();
-    let machine = MachineId {
-        value: MACHINE_ID,
-        layout: config.layout,
-    };
 
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -62,10 +58,7 @@ fn bench_plugin_path(c: &mut Criterion) {
     let cases = cases();
     for (name, request) in &cases {
         let body = request.body.as_slice();
-        let mut ids = HostClockIds {
-            clock: &clock,
-            machine,
-        };
+        let mut ids = HostClockIds::new(&clock, config.layout);
 
         // Each iteration must really stamp, on both paths.
         println!("{name}: {} byte body", body.len());

@@ -47,9 +47,22 @@ pub fn floor(engine: &PluginEngine, answer: &str) -> Plugin {
 /// `clock` import is, and a fixed machine id.
 pub struct HostClockIds<'c> {
     /// The host's process clock.
-    pub clock: &'c IdClock,
+    clock: &'c IdClock,
     /// The machine id stamped.
-    pub machine: MachineId,
+    machine: MachineId,
+}
+
+impl<'c> HostClockIds<'c> {
+    /// Ids from `clock` with machine id [`MACHINE_ID`], for `layout`.
+    pub fn new(clock: &'c IdClock, layout: SnowflakeLayout) -> HostClockIds<'c> {
+        HostClockIds {
+            clock,
+            machine: MachineId {
+                value: MACHINE_ID,
+                layout,
+            },
+        }
+    }
 }
 
 impl IdSource for HostClockIds<'_> {
