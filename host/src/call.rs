@@ -672,6 +672,54 @@ mod tests {
         }
     }
 
+    /// The kept instance's calls so far and the largest its memory grew.
+    fn kept_instance(plugin: &Plugin, after: &str) -> (u32, usize) {
+        let idle = plugin.idle.lock().expect("idle list");
+        let kept = idle.as_ref().and_then(|kept| kept.last());
+        let kept = kept.unwrap_or_else(|| {
+            panic!("{after}: no instance kept: the last one grew its memory too much or failed")
+        });
+        (kept.calls, kept.store.data().memory.peak)
+    }
+
+    /// The bundled plugin frees everything it allocates in a call, so its
+    /// allocator (plugin/src/arena.rs) serves every call of a reused
+    /// instance from the same pages: its memory stops growing after the
+    /// first call of each size, and the instance is reused to the end of
+    /// its share instead of being dropped for growing.
+    #[test]
+    fn the_bundled_plugin_serves_a_reused_instance_from_the_same_memory() {
+        let plugin = plugin(PluginLimits::default());
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a runtime");
+        let sizes = [100, 1 << 10, 64 << 10, 1 << 20];
+        let call = |size: usize| {
+            let answer = runtime.block_on(plugin.handle_async(&request(size)));
+            assert!(
+                matches!(answer, Ok(Action::ForwardWithBody(_))),
+                "{size} bytes: {answer:?}"
+            );
+        };
+        for size in sizes {
+            call(size);
+        }
+        let (calls, peak) = kept_instance(&plugin, "the first round");
+        assert_eq!(calls, 4);
+        for round in 0..200 {
+            for size in sizes {
+                call(size);
+            }
+            let (calls, now) = kept_instance(&plugin, &format!("round {round}"));
+            assert_eq!(calls, 4 * (round + 2), "the same instance, reused");
+            assert_eq!(
+                now, peak,
+                "round {round}: the memory grew from {peak} to {now} bytes"
+            );
+        }
+    }
+
     fn idle_count(plugin: &Plugin) -> usize {
         plugin
             .idle

@@ -41,6 +41,12 @@
 // Every public item is documented: the docs are the API.
 #![deny(missing_docs)]
 
+// The component's allocator; natively only its tests use it.
+#[cfg_attr(
+    not(all(target_arch = "wasm32", feature = "component")),
+    allow(dead_code)
+)]
+mod arena;
 pub mod body;
 pub mod handler;
 pub mod layout;

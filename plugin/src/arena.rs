@@ -1,0 +1,466 @@
+//! The component's memory allocator: a bump arena that starts over whenever
+//! nothing is allocated.
+//!
+//! A call allocates a few blocks (the request the host lowers into the
+//! instance, the walk's edit lists, the new body) and frees every one of
+//! them by the time the host has read the answer (`post-return`). So the
+//! allocator needs no free lists: it hands out memory from the top of one
+//! region, takes back the topmost block when that is freed (a `Vec` growing
+//! at the top grows in place), and when the last live block is freed it
+//! starts again from the bottom. A reused instance therefore serves each
+//! request from the same pages, and an allocation is a few instructions
+//! where the C library's `dlmalloc` took a few hundred (about 3,500 of a
+//! 1 KiB call's 30,000, counted by `bench/jit_split.py`).
+//!
+//! What it gives up: memory freed below the top is not reused until every
+//! block is free. The plugin frees everything at the end of each call, so
+//! that waste lasts one call at most; a `Vec` that doubles while another
+//! sits above it leaves less behind than its final size.
+//!
+//! The region grows with `memory.grow`. Pages that do not follow it (only
+//! possible if other code in the instance grew memory in between) start a
+//! new region, and the rest of the old one is given up for good.
+//!
+//! [`Arena`] is plain address arithmetic over a [`Pages`] source, so the
+//! tests run it natively over a buffer; [`wasm`] is the global allocator
+//! the component uses.
+
+/// The size of a wasm page, the unit memory grows by.
+pub(crate) const PAGE: usize = 64 * 1024;
+
+/// Where an [`Arena`] gets memory from.
+pub(crate) trait Pages {
+    /// Adds `count` pages of [`PAGE`] bytes and gives the address of the
+    /// first, or `None` when the memory cannot grow that much.
+    fn grow(&mut self, count: usize) -> Option<usize>;
+}
+
+/// Bump allocation over one region of pages, reset when nothing is live.
+pub(crate) struct Arena<P> {
+    pages: P,
+    /// The first byte of the region.
+    start: usize,
+    /// The first free byte.
+    top: usize,
+    /// One past the last byte of the region.
+    end: usize,
+    /// Blocks handed out and not yet freed.
+    live: usize,
+}
+
+/// How many times [`Arena::room`] grows memory before it gives up: the
+/// second growth only follows a first that started a new region too small
+/// for a block aligned beyond a page, and a third is for a new region that
+/// did not follow either (impossible in a one-threaded instance).
+const GROWTHS: usize = 3;
+
+impl<P: Pages> Arena<P> {
+    /// An arena that has not grown yet.
+    pub(crate) const fn new(pages: P) -> Self {
+        Arena {
+            pages,
+            start: 0,
+            top: 0,
+            end: 0,
+            live: 0,
+        }
+    }
+
+    /// The address of `size` free bytes aligned to `align` (a power of
+    /// two), or `None` when memory cannot grow enough.
+    // Never inlined, like every entry point: inlined into the JSON walk's
+    // `Vec` pushes, it made the walk's hot loop slower (4 % at 64 KiB).
+    #[inline(never)]
+    pub(crate) fn alloc(&mut self, size: usize, align: usize) -> Option<usize> {
+        let at = self.room(size, align)?;
+        self.top = at + size;
+        self.live += 1;
+        Some(at)
+    }
+
+    /// Frees the block of `size` bytes at `at`.
+    #[inline(never)]
+    pub(crate) fn dealloc(&mut self, at: usize, size: usize) {
+        self.live = self.live.saturating_sub(1);
+        if self.live == 0 {
+            self.top = self.start;
+        } else if at.wrapping_add(size) == self.top {
+            self.top = at;
+        }
+    }
+
+    /// Moves the block of `old` bytes at `at` (aligned to `align`) to one
+    /// of `new` bytes, keeping its first `min(old, new)` bytes: in place when
+    /// it is the topmost block. `None` (the block untouched) when memory
+    /// cannot grow enough.
+    ///
+    /// # Safety
+    /// `at` must be a live block of `old` bytes from this arena, and the
+    /// arena's pages must be memory the caller may read and write.
+    #[inline(never)]
+    pub(crate) unsafe fn realloc(
+        &mut self,
+        at: usize,
+        old: usize,
+        align: usize,
+        new: usize,
+    ) -> Option<usize> {
+        if at + old == self.top {
+            let stop = at.checked_add(new)?;
+            if stop <= self.end {
+                self.top = stop;
+                return Some(at);
+            }
+            // Grow the region under the block; if the new pages follow it,
+            // the block grows in place.
+            self.grow_to(stop)?;
+            if at + old == self.top && stop <= self.end {
+                self.top = stop;
+                return Some(at);
+            }
+        }
+        let to = self.alloc(new, align)?;
+        // SAFETY: both blocks are in the arena's memory (the caller's
+        // promise for `at`, `alloc`'s for `to`) and do not overlap: `to` was
+        // free space above the top, or a new region.
+        unsafe { std::ptr::copy_nonoverlapping(at as *const u8, to as *mut u8, old.min(new)) };
+        self.dealloc(at, old);
+        Some(to)
+    }
+
+    /// Where a block of `size` bytes aligned to `align` fits, growing the
+    /// region when it does not.
+    fn room(&mut self, size: usize, align: usize) -> Option<usize> {
+        for _ in 0..GROWTHS {
+            let at = align_up(self.top, align)?;
+            let stop = at.checked_add(size)?;
+            if stop <= self.end {
+                return Some(at);
+            }
+            self.grow_to(stop)?;
+        }
+        let at = align_up(self.top, align)?;
+        (at.checked_add(size)? <= self.end).then_some(at)
+    }
+
+    /// Grows memory by the pages the region needs to reach `stop` (past its
+    /// end). Pages that do not follow the region start a new one.
+    fn grow_to(&mut self, stop: usize) -> Option<()> {
+        let count = (stop - self.end).div_ceil(PAGE);
+        let bytes = count.checked_mul(PAGE)?;
+        let base = self.pages.grow(count)?;
+        if base != self.end {
+            self.start = base;
+            self.top = base;
+        }
+        self.end = base.checked_add(bytes)?;
+        Some(())
+    }
+}
+
+/// `at` rounded up to a multiple of `align` (a power of two), or `None` on
+/// overflow.
+fn align_up(at: usize, align: usize) -> Option<usize> {
+    Some(at.checked_add(align - 1)? & !(align - 1))
+}
+
+/// The component's global allocator: an [`Arena`] over the instance's
+/// linear memory.
+#[cfg(all(target_arch = "wasm32", feature = "component"))]
+pub(crate) mod wasm {
+    use std::alloc::{GlobalAlloc, Layout};
+    use std::cell::UnsafeCell;
+
+    use super::{Arena, Pages};
+
+    // The arena has no lock: a component instance runs one thread.
+    #[cfg(target_feature = "atomics")]
+    compile_error!("the arena allocator assumes a one-threaded instance (no wasm atomics)");
+
+    /// Linear memory 0, grown with `memory.grow`.
+    struct LinearMemory;
+
+    impl Pages for LinearMemory {
+        fn grow(&mut self, count: usize) -> Option<usize> {
+            let previous = core::arch::wasm32::memory_grow::<0>(count);
+            (previous != usize::MAX).then(|| previous * super::PAGE)
+        }
+    }
+
+    /// The allocator the component links as `#[global_allocator]`.
+    struct Global(UnsafeCell<Arena<LinearMemory>>);
+
+    // SAFETY: an instance has one thread (see the `compile_error!` above),
+    // so the arena is never used from two threads at once.
+    unsafe impl Sync for Global {}
+
+    #[global_allocator]
+    static GLOBAL: Global = Global(UnsafeCell::new(Arena::new(LinearMemory)));
+
+    impl Global {
+        #[allow(clippy::mut_from_ref)]
+        fn arena(&self) -> &mut Arena<LinearMemory> {
+            // SAFETY: one thread, and no method of the arena calls back into
+            // the allocator, so this is the only reference while it lives.
+            unsafe { &mut *self.0.get() }
+        }
+    }
+
+    // SAFETY: the arena hands out disjoint blocks of the requested size and
+    // alignment from memory only it grows, and null when it cannot.
+    unsafe impl GlobalAlloc for Global {
+        unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+            match self.arena().alloc(layout.size(), layout.align()) {
+                Some(at) => at as *mut u8,
+                None => std::ptr::null_mut(),
+            }
+        }
+
+        unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+            self.arena().dealloc(ptr as usize, layout.size());
+        }
+
+        unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+            // SAFETY: `ptr` is a live block of `layout.size()` bytes from
+            // this arena (GlobalAlloc's contract), in linear memory.
+            match unsafe {
+                self.arena()
+                    .realloc(ptr as usize, layout.size(), layout.align(), new_size)
+            } {
+                Some(at) => at as *mut u8,
+                None => std::ptr::null_mut(),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    /// Pages from a reserved buffer, handed out in order; `gap` pages are
+    /// skipped before the next growth, as if other code had grown memory.
+    struct Buffer {
+        base: usize,
+        used: usize,
+        capacity: usize,
+        gap: usize,
+        growths: usize,
+    }
+
+    const BUFFER_PAGES: usize = 256;
+
+    impl Buffer {
+        fn new() -> (Buffer, Vec<u8>) {
+            // Over-allocate by a page so that the pages can start aligned.
+            let memory = vec![0u8; (BUFFER_PAGES + 1) * PAGE];
+            let base = align_up(memory.as_ptr() as usize, PAGE).unwrap();
+            let buffer = Buffer {
+                base,
+                used: 0,
+                capacity: BUFFER_PAGES,
+                gap: 0,
+                growths: 0,
+            };
+            (buffer, memory)
+        }
+    }
+
+    impl Pages for Buffer {
+        fn grow(&mut self, count: usize) -> Option<usize> {
+            let first = self.used + std::mem::take(&mut self.gap);
+            if first + count > self.capacity {
+                return None;
+            }
+            self.used = first + count;
+            self.growths += 1;
+            Some(self.base + first * PAGE)
+        }
+    }
+
+    #[test]
+    fn a_vec_growing_at_the_top_grows_in_place() {
+        let (buffer, _memory) = Buffer::new();
+        let mut arena = Arena::new(buffer);
+        let below = arena.alloc(10, 1).unwrap();
+        let block = arena.alloc(8, 8).unwrap();
+        assert_eq!(block % 8, 0);
+        assert!(block >= below + 10);
+        let grown = unsafe { arena.realloc(block, 8, 8, 3 * PAGE) }.unwrap();
+        assert_eq!(grown, block, "the topmost block grows where it is");
+        let shrunk = unsafe { arena.realloc(grown, 3 * PAGE, 8, 16) }.unwrap();
+        assert_eq!(shrunk, block);
+        assert_eq!(arena.top, block + 16);
+    }
+
+    #[test]
+    fn freeing_every_block_starts_over_from_the_bottom() {
+        let (buffer, _memory) = Buffer::new();
+        let mut arena = Arena::new(buffer);
+        let first = arena.alloc(100, 4).unwrap();
+        let second = arena.alloc(PAGE, 4).unwrap();
+        let third = arena.alloc(100, 4).unwrap();
+        // The middle block freed first: nothing moves back yet.
+        arena.dealloc(second, PAGE);
+        assert_eq!(arena.top, third + 100);
+        // The topmost freed: the top moves back to it.
+        arena.dealloc(third, 100);
+        assert_eq!(arena.top, third);
+        // The last: the region starts over.
+        arena.dealloc(first, 100);
+        assert_eq!(arena.top, arena.start);
+        // A call's worth of blocks, over and over: the same pages each time.
+        let call = |arena: &mut Arena<Buffer>| {
+            let input = arena.alloc(3 * PAGE, 1).unwrap();
+            let a = arena.alloc(PAGE, 8).unwrap();
+            let b = unsafe { arena.realloc(a, PAGE, 8, 2 * PAGE) }.unwrap();
+            let output = arena.alloc(3 * PAGE, 1).unwrap();
+            arena.dealloc(input, 3 * PAGE);
+            arena.dealloc(b, 2 * PAGE);
+            arena.dealloc(output, 3 * PAGE);
+            input
+        };
+        let bottom = call(&mut arena);
+        assert_eq!(bottom, arena.start);
+        let growths = arena.pages.growths;
+        for _ in 0..1000 {
+            assert_eq!(call(&mut arena), bottom);
+        }
+        assert_eq!(
+            arena.pages.growths, growths,
+            "no growth after the first call"
+        );
+    }
+
+    #[test]
+    fn pages_that_do_not_follow_the_region_start_a_new_one() {
+        let (buffer, _memory) = Buffer::new();
+        let mut arena = Arena::new(buffer);
+        let first = arena.alloc(PAGE - 8, 8).unwrap();
+        arena.pages.gap = 3;
+        let second = arena.alloc(64, 8).unwrap();
+        assert_eq!(second, arena.pages.base + 4 * PAGE, "after the gap");
+        assert_eq!(arena.start, second);
+        // A block of the old region grows by moving, with its bytes.
+        unsafe { std::ptr::write_bytes(first as *mut u8, 7, PAGE - 8) };
+        let moved = unsafe { arena.realloc(first, PAGE - 8, 8, PAGE) }.unwrap();
+        assert!(moved > second);
+        let bytes = unsafe { std::slice::from_raw_parts(moved as *const u8, PAGE - 8) };
+        assert!(bytes.iter().all(|&b| b == 7));
+    }
+
+    #[test]
+    fn alignment_beyond_a_page_is_honoured() {
+        let (buffer, _memory) = Buffer::new();
+        let mut arena = Arena::new(buffer);
+        arena.alloc(1, 1).unwrap();
+        let big = arena.alloc(10, 4 * PAGE).unwrap();
+        assert_eq!(big % (4 * PAGE), 0);
+    }
+
+    #[test]
+    fn memory_that_cannot_grow_is_none_and_keeps_the_block() {
+        let (buffer, _memory) = Buffer::new();
+        let mut arena = Arena::new(buffer);
+        assert_eq!(arena.alloc((BUFFER_PAGES + 1) * PAGE, 1), None);
+        assert_eq!(arena.alloc(usize::MAX - 3, 1), None, "no overflow");
+        let block = arena.alloc(16, 8).unwrap();
+        unsafe { std::ptr::write_bytes(block as *mut u8, 9, 16) };
+        let too_big = (BUFFER_PAGES + 1) * PAGE;
+        assert_eq!(unsafe { arena.realloc(block, 16, 8, too_big) }, None);
+        let bytes = unsafe { std::slice::from_raw_parts(block as *const u8, 16) };
+        assert!(bytes.iter().all(|&b| b == 9), "the block is untouched");
+        arena.dealloc(block, 16);
+        assert_eq!(arena.live, 0);
+    }
+
+    /// One step of a random allocation sequence.
+    #[derive(Debug, Clone)]
+    enum Step {
+        Alloc { size: usize, align_log2: u32 },
+        Free(usize),
+        Realloc(usize, usize),
+        OtherCodeGrows,
+    }
+
+    fn step() -> impl Strategy<Value = Step> {
+        prop_oneof![
+            4 => (0usize..3000, 0u32..7).prop_map(|(size, align_log2)| Step::Alloc { size, align_log2 }),
+            1 => (PAGE / 2..3 * PAGE).prop_map(|size| Step::Alloc { size, align_log2: 3 }),
+            3 => any::<usize>().prop_map(Step::Free),
+            3 => (any::<usize>(), 0usize..5000).prop_map(|(i, size)| Step::Realloc(i, size)),
+            1 => Just(Step::OtherCodeGrows),
+        ]
+    }
+
+    proptest! {
+        /// Against a model of live blocks, each filled with its own byte:
+        /// blocks are aligned, never overlap, keep their bytes through
+        /// every other step and through their own moves, and a run that
+        /// frees everything leaves the arena empty, its next block at the
+        /// bottom of the region.
+        #[test]
+        fn blocks_are_disjoint_aligned_and_keep_their_bytes(steps in proptest::collection::vec(step(), 1..200)) {
+            let (buffer, _memory) = Buffer::new();
+            let mut arena = Arena::new(buffer);
+            // (address, size, align, fill byte)
+            let mut live: Vec<(usize, usize, usize, u8)> = Vec::new();
+            let mut fill = 0u8;
+            // Every byte of every block at the end; after each step, the
+            // ends of each block (overlaps are checked exactly).
+            let check = |live: &[(usize, usize, usize, u8)], whole: bool| -> Result<(), TestCaseError> {
+                for (i, &(at, size, align, byte)) in live.iter().enumerate() {
+                    prop_assert_eq!(at % align, 0);
+                    let bytes = unsafe { std::slice::from_raw_parts(at as *const u8, size) };
+                    let ends = bytes.first().into_iter().chain(bytes.last());
+                    if whole {
+                        prop_assert!(bytes.iter().all(|&b| b == byte), "block {} lost its bytes", i);
+                    } else {
+                        prop_assert!(ends.into_iter().all(|&b| b == byte), "block {} lost its bytes", i);
+                    }
+                    for &(other, other_size, _, _) in &live[i + 1..] {
+                        prop_assert!(at + size <= other || other + other_size <= at, "overlap");
+                    }
+                }
+                Ok(())
+            };
+            for step in steps {
+                match step {
+                    Step::Alloc { size, align_log2 } => {
+                        let align = 1 << align_log2;
+                        if let Some(at) = arena.alloc(size, align) {
+                            fill = fill.wrapping_add(1);
+                            unsafe { std::ptr::write_bytes(at as *mut u8, fill, size) };
+                            live.push((at, size, align, fill));
+                        }
+                    }
+                    Step::Free(i) if !live.is_empty() => {
+                        let (at, size, _, _) = live.swap_remove(i % live.len());
+                        arena.dealloc(at, size);
+                    }
+                    Step::Realloc(i, new) if !live.is_empty() => {
+                        let i = i % live.len();
+                        let (at, old, align, byte) = live[i];
+                        if let Some(to) = unsafe { arena.realloc(at, old, align, new) } {
+                            let kept = unsafe { std::slice::from_raw_parts(to as *const u8, old.min(new)) };
+                            prop_assert!(kept.iter().all(|&b| b == byte), "a move lost bytes");
+                            unsafe { std::ptr::write_bytes(to as *mut u8, byte, new) };
+                            live[i] = (to, new, align, byte);
+                        }
+                    }
+                    Step::OtherCodeGrows => arena.pages.gap = 1,
+                    _ => {}
+                }
+                check(&live, false)?;
+            }
+            check(&live, true)?;
+            for (at, size, _, _) in live.drain(..) {
+                arena.dealloc(at, size);
+            }
+            prop_assert_eq!(arena.live, 0);
+            prop_assert_eq!(arena.top, arena.start);
+        }
+    }
+}
