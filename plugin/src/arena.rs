@@ -48,7 +48,7 @@ pub(crate) struct Arena<P> {
     live: usize,
 }
 
-/// How many times [`Arena::room`] grows memory before it gives up: the
+/// How many times [`Arena::grow_for`] grows memory before it gives up: the
 /// second growth only follows a first that started a new region too small
 /// for a block aligned beyond a page, and a third is for a new region that
 /// did not follow either (impossible in a one-threaded instance).
@@ -68,9 +68,6 @@ impl<P: Pages> Arena<P> {
 
     /// The address of `size` free bytes aligned to `align` (a power of
     /// two), or `None` when memory cannot grow enough.
-    // Never inlined, like every entry point: inlined into the JSON walk's
-    // `Vec` pushes, it made the walk's hot loop slower (4 % at 64 KiB).
-    #[inline(never)]
     pub(crate) fn alloc(&mut self, size: usize, align: usize) -> Option<usize> {
         let at = self.room(size, align)?;
         self.top = at + size;
@@ -79,7 +76,6 @@ impl<P: Pages> Arena<P> {
     }
 
     /// Frees the block of `size` bytes at `at`.
-    #[inline(never)]
     pub(crate) fn dealloc(&mut self, at: usize, size: usize) {
         self.live = self.live.saturating_sub(1);
         if self.live == 0 {
@@ -97,7 +93,6 @@ impl<P: Pages> Arena<P> {
     /// # Safety
     /// `at` must be a live block of `old` bytes from this arena, and the
     /// arena's pages must be memory the caller may read and write.
-    #[inline(never)]
     pub(crate) unsafe fn realloc(
         &mut self,
         at: usize,
@@ -130,17 +125,34 @@ impl<P: Pages> Arena<P> {
 
     /// Where a block of `size` bytes aligned to `align` fits, growing the
     /// region when it does not.
+    #[inline(always)]
     fn room(&mut self, size: usize, align: usize) -> Option<usize> {
-        for _ in 0..GROWTHS {
-            let at = align_up(self.top, align)?;
-            let stop = at.checked_add(size)?;
-            if stop <= self.end {
-                return Some(at);
-            }
-            self.grow_to(stop)?;
+        match self.fit(size, align) {
+            Some(at) => Some(at),
+            None => self.grow_for(size, align),
         }
+    }
+
+    /// Where a block of `size` bytes aligned to `align` fits in the region
+    /// as it is.
+    #[inline(always)]
+    fn fit(&self, size: usize, align: usize) -> Option<usize> {
         let at = align_up(self.top, align)?;
         (at.checked_add(size)? <= self.end).then_some(at)
+    }
+
+    /// [`Arena::room`] when the block does not fit: grows the region until
+    /// it does.
+    #[cold]
+    #[inline(never)]
+    fn grow_for(&mut self, size: usize, align: usize) -> Option<usize> {
+        for _ in 0..GROWTHS {
+            self.grow_to(align_up(self.top, align)?.checked_add(size)?)?;
+            if let Some(at) = self.fit(size, align) {
+                return Some(at);
+            }
+        }
+        None
     }
 
     /// Grows memory by the pages the region needs to reach `stop` (past its
