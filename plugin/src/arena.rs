@@ -55,12 +55,15 @@ pub(crate) struct Arena<P> {
 const GROWTHS: usize = 3;
 
 impl<P: Pages> Arena<P> {
-    /// An arena that has not grown yet.
+    /// An arena that has not grown yet. Its empty region sits at address 1,
+    /// past its end, so that even a zero-sized block is never at address 0
+    /// (null, which an allocator returns for failure): the first block of
+    /// any size grows memory.
     pub(crate) const fn new(pages: P) -> Self {
         Arena {
             pages,
-            start: 0,
-            top: 0,
+            start: 1,
+            top: 1,
             end: 0,
             live: 0,
         }
@@ -361,6 +364,17 @@ mod tests {
         assert!(moved > second);
         let bytes = unsafe { std::slice::from_raw_parts(moved as *const u8, PAGE - 8) };
         assert!(bytes.iter().all(|&b| b == 7));
+    }
+
+    #[test]
+    fn no_block_is_at_address_zero() {
+        let (buffer, _memory) = Buffer::new();
+        let mut arena = Arena::new(buffer);
+        let empty = arena.alloc(0, 1).unwrap();
+        assert_ne!(empty, 0);
+        assert_eq!(empty, arena.pages.base, "the first block grew memory");
+        arena.dealloc(empty, 0);
+        assert_ne!(arena.alloc(0, 8).unwrap(), 0);
     }
 
     #[test]
