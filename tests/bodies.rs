@@ -144,11 +144,12 @@ fn json_inside_strings_is_left_alone() {
     assert_forwarded(format!(r#"{{"prompt":"{looks_like_params}"}}"#).as_bytes());
 }
 
-/// The walk skips plain string content a word (8 bytes) at a time, and the
-/// guest's words are 32-bit: its build is held to the native core here. A
-/// quote, a backslash, a control byte, a non-ASCII character or an invalid
-/// UTF-8 byte at every position of six words of a string gets the native
-/// core's answer, stamped or refused, from the plugin in the host.
+/// The walk skips plain string content 16 bytes at a time, with SIMD that
+/// differs between wasm and the native core, and the guest's words are
+/// 32-bit: its build is held to the native core here. A quote, a
+/// backslash, a control byte, a non-ASCII character or an invalid UTF-8
+/// byte at every position of five 16-byte blocks of a string gets the
+/// native core's answer, stamped or refused, from the plugin in the host.
 #[test]
 fn special_bytes_anywhere_in_a_long_string_are_read_as_the_native_core_reads_them() {
     let pieces: [&[u8]; 9] = [
@@ -162,10 +163,12 @@ fn special_bytes_anywhere_in_a_long_string_are_read_as_the_native_core_reads_the
         b"\x7f",
         b"\xff",
     ];
+    // Offsets over five 16-byte blocks: the plugin's scan reads blocks.
+    const AT: usize = 80;
     let (mut stamped, mut refused) = (0, 0);
     for piece in pieces {
-        for at in 0..48 {
-            let mut content = vec![b'a'; 64];
+        for at in 0..AT {
+            let mut content = vec![b'a'; 96];
             content.splice(at..at, piece.iter().copied());
             let body = [
                 &br#"{"messages":[{"content":""#[..],
@@ -206,7 +209,7 @@ fn special_bytes_anywhere_in_a_long_string_are_read_as_the_native_core_reads_the
     }
     // Four kinds of piece are fine JSON, four are not, and one (0x7f) is
     // an ordinary byte.
-    assert_eq!((stamped, refused), (5 * 48, 4 * 48));
+    assert_eq!((stamped, refused), (5 * AT, 4 * AT));
 }
 
 #[test]

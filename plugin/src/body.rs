@@ -11,6 +11,9 @@ use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::fmt;
 
+mod scan;
+use scan::skip_plain_words;
+
 /// The most digits an integer may have: Python refuses to convert longer
 /// decimal strings to `int` (since 3.11, 3.10.7 and 3.9.14, against
 /// CVE-2020-10735), so `json.loads` refuses such a body.
@@ -119,103 +122,6 @@ impl fmt::Display for BodyError {
 }
 
 impl std::error::Error for BodyError {}
-
-/// From `pos`, skips string content that needs no attention: no quote, no
-/// backslash, no control character, reading 8-byte words. Returns where the
-/// scan must go on: at the first such special byte when a whole word from
-/// `pos` holds it, or else where fewer than 8 bytes are left (for the
-/// byte-by-byte scan); and whether a skipped byte was outside ASCII (whose
-/// UTF-8 the string must then have checked).
-///
-/// Each test is the classic "has a zero byte" word trick: a byte is
-/// flagged when subtracting sets its top bit and it had none. A borrow can
-/// flag a byte falsely only above a true hit in the same word, and the
-/// lowest flag of a little-endian word is below every borrow it causes, so
-/// the lowest flagged byte is always a special byte and none is ever
-/// skipped. Stopping right at it, rather than at the start of its word,
-/// saves the byte-by-byte scan up to it, which in wasm costs an epoch
-/// check per byte.
-///
-/// The first word is tested inline, in the string reader: most strings of a
-/// chat request (keys, roles, short values) end inside it. A longer string
-/// goes on in [`skip_plain_words_loop`], out of line, where the loop keeps
-/// its values in registers of its own: inlined into the walk's large
-/// function, the same loop took 24 machine instructions a word instead of
-/// 22 after an unrelated change elsewhere in the walk.
-#[inline(always)]
-fn skip_plain_words(bytes: &[u8], pos: usize) -> (usize, bool) {
-    let Some(word) = word_at(bytes, pos) else {
-        return (pos, false);
-    };
-    match specials(word) {
-        0 => skip_plain_words_loop(bytes, pos + 8, word),
-        special => stop_in(word, special, pos, 0),
-    }
-}
-
-/// [`skip_plain_words`] from `pos`, after plain bytes `seen` (ORed
-/// together): the loop over the words of a longer string, two words a
-/// turn, which halves the loop's own work (in wasm, an epoch check and a
-/// bounds check a turn) per byte of a long prompt.
-#[inline(never)]
-fn skip_plain_words_loop(bytes: &[u8], mut pos: usize, mut seen: u64) -> (usize, bool) {
-    while let (Some(first), Some(second)) = (word_at(bytes, pos), word_at(bytes, pos + 8)) {
-        let (in_first, in_second) = (specials(first), specials(second));
-        if in_first | in_second != 0 {
-            return match in_first {
-                0 => stop_in(second, in_second, pos + 8, seen | first),
-                _ => stop_in(first, in_first, pos, seen),
-            };
-        }
-        seen |= first | second;
-        pos += 16;
-    }
-    if let Some(word) = word_at(bytes, pos) {
-        match specials(word) {
-            0 => {
-                seen |= word;
-                pos += 8;
-            }
-            special => return stop_in(word, special, pos, seen),
-        }
-    }
-    (pos, seen & TOPS != 0)
-}
-
-/// Every byte's top bit.
-const TOPS: u64 = 0x8080_8080_8080_8080;
-
-/// The 8 bytes at `pos` as a little-endian word, if there are 8.
-#[inline(always)]
-fn word_at(bytes: &[u8], pos: usize) -> Option<u64> {
-    let word = bytes.get(pos..pos + 8)?;
-    Some(u64::from_le_bytes([
-        word[0], word[1], word[2], word[3], word[4], word[5], word[6], word[7],
-    ]))
-}
-
-/// The flags of `word`'s special bytes (quote, backslash, control), as top
-/// bits: see [`skip_plain_words`] for which flags are exact.
-#[inline(always)]
-fn specials(word: u64) -> u64 {
-    const ONES: u64 = 0x0101_0101_0101_0101;
-    let quote = word ^ (ONES * u64::from(b'"'));
-    let backslash = word ^ (ONES * u64::from(b'\\'));
-    let special = (quote.wrapping_sub(ONES) & !quote)
-        | (backslash.wrapping_sub(ONES) & !backslash)
-        | (word.wrapping_sub(ONES * 0x20) & !word);
-    special & TOPS
-}
-
-/// Where the scan stops in `word` (at `pos`, with flags `special`, not 0):
-/// at its lowest flagged byte; and whether that byte's plain bytes below
-/// it, or `seen`, hold a byte outside ASCII.
-#[inline(always)]
-fn stop_in(word: u64, special: u64, pos: usize, seen: u64) -> (usize, bool) {
-    let plain = special.trailing_zeros() / 8;
-    let below = word & !(u64::MAX << (plain * 8));
-    (pos + plain as usize, (seen | below) & TOPS != 0)
-}
 
 /// Validates `body` as one JSON value and returns, in byte order, the edits
 /// that give every effective context-only `disaggregated_params` object
@@ -685,90 +591,5 @@ fn push_wtf8(out: &mut Vec<u8>, code: u32) {
             0x80 | ((code >> 6) & 0x3f) as u8,
             0x80 | (code & 0x3f) as u8,
         ]),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::skip_plain_words;
-
-    fn special(b: u8) -> bool {
-        b == b'"' || b == b'\\' || b < 0x20
-    }
-
-    /// Every special byte, at every offset of five words, after every
-    /// kind of ordinary byte (ASCII and UTF-8 continuation bytes alike),
-    /// with a second special byte or none after it: the skip stops right
-    /// at it when a whole word from the start holds it, and otherwise
-    /// skips whole plain words up to the last 7 bytes.
-    #[test]
-    fn word_skipping_stops_at_a_quote_a_backslash_or_a_control_byte() {
-        const LEN: usize = 40;
-        for filler in [b'a', b' ', 0x7f, 0x80, 0xbf, 0xe2, 0xff, b'!', b'#', b'['] {
-            for hit in (0u8..0x20).chain([b'"', b'\\']) {
-                for at in 0..LEN {
-                    for second in [None, Some(0u8), Some(b'"'), Some(0x1f)] {
-                        let mut bytes = vec![filler; LEN];
-                        if let Some(second) = second.filter(|_| at + 1 < LEN) {
-                            bytes[at + 1] = second;
-                        }
-                        bytes[at] = hit;
-                        for start in 0..=at {
-                            let (stop, _) = skip_plain_words(&bytes, start);
-                            let word_start = start + (at - start) / 8 * 8;
-                            let expected = if word_start + 8 <= LEN {
-                                at
-                            } else {
-                                word_start
-                            };
-                            assert_eq!(
-                                stop, expected,
-                                "filler {filler:#x} hit {hit:#x} at {at}, then {second:?}, start {start}"
-                            );
-                        }
-                    }
-                }
-            }
-        }
-        let plain = vec![b'x'; 64];
-        assert_eq!(skip_plain_words(&plain, 0), (64, false));
-        assert_eq!(skip_plain_words(&plain, 3), (59, false));
-    }
-
-    /// Against the plain byte scan, on pseudo-random bytes.
-    #[test]
-    fn word_skipping_agrees_with_a_byte_scan() {
-        let mut state: u64 = 0x9e37_79b9_7f4a_7c15;
-        for _ in 0..20_000 {
-            let len = (state % 72) as usize;
-            let bytes: Vec<u8> = (0..len)
-                .map(|_| {
-                    state ^= state << 13;
-                    state ^= state >> 7;
-                    state ^= state << 17;
-                    // Mostly ordinary bytes, now and then a special one.
-                    match state % 50 {
-                        0 => b'"',
-                        1 => b'\\',
-                        2 => (state >> 8) as u8 % 0x20,
-                        _ => 0x20 + ((state >> 8) as u8 % 0xdf),
-                    }
-                })
-                .collect();
-            for start in 0..=len {
-                let (stop, non_ascii) = skip_plain_words(&bytes, start);
-                let first_special = (start..len).find(|&i| special(bytes[i])).unwrap_or(len);
-                assert_eq!(
-                    non_ascii,
-                    !bytes[start..stop].is_ascii(),
-                    "{bytes:?} from {start}: non-ASCII in what was skipped"
-                );
-                assert!(stop <= first_special, "{bytes:?} from {start}");
-                assert!(
-                    stop == first_special || (len - stop < 8 && (stop - start) % 8 == 0),
-                    "{bytes:?} from {start}: stopped at {stop}, first special at {first_special}"
-                );
-            }
-        }
     }
 }
