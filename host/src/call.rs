@@ -672,6 +672,14 @@ mod tests {
         }
     }
 
+    /// A one-threaded runtime for `handle_async`, as a gateway worker runs.
+    fn current_thread_runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a runtime")
+    }
+
     /// The kept instance's calls so far and the largest its memory grew.
     fn kept_instance(plugin: &Plugin, after: &str) -> (u32, usize) {
         let idle = plugin.idle.lock().expect("idle list");
@@ -690,10 +698,7 @@ mod tests {
     #[test]
     fn the_bundled_plugin_serves_a_reused_instance_from_the_same_memory() {
         let plugin = plugin(PluginLimits::default());
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("a runtime");
+        let runtime = current_thread_runtime();
         let sizes = [100, 1 << 10, 64 << 10, 1 << 20];
         let call = |size: usize| {
             let answer = runtime.block_on(plugin.handle_async(&request(size)));
@@ -834,10 +839,7 @@ mod tests {
     #[test]
     fn an_instance_made_under_an_earlier_machine_id_grant_is_not_reused() {
         let plugin = plugin(PluginLimits::default());
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("a runtime");
+        let runtime = current_thread_runtime();
         let call = |plugin: &Plugin| {
             runtime
                 .block_on(plugin.handle_async(&request(100)))
