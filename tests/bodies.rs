@@ -334,6 +334,16 @@ fn nesting_deeper_than_the_limit_is_rejected_with_400() {
         &nested(MAX_NESTING_DEPTH - 1, params),
         &nested(MAX_NESTING_DEPTH - 1, stamped),
     );
+    // Objects to the limit as well: each level is a call of the walk's
+    // object reader, whose frame is larger than an array's.
+    let in_objects = |params: &str| {
+        format!(
+            r#"{}{{"disaggregated_params":{params}}}{}"#,
+            r#"{"a":"#.repeat(MAX_NESTING_DEPTH - 2),
+            "}".repeat(MAX_NESTING_DEPTH - 2)
+        )
+    };
+    assert_stamped_as(&in_objects(params), &in_objects(stamped));
     // One level more is refused.
     assert_rejected(
         nested(MAX_NESTING_DEPTH, params).as_bytes(),

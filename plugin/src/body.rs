@@ -252,6 +252,11 @@ impl<'a> Walk<'a> {
 
     /// Reads one value at `pos` (whitespace already skipped). `params` says
     /// the value belongs to a `disaggregated_params` key.
+    ///
+    /// Inlined into its callers, so that only objects and arrays are calls
+    /// of their own: in wasm every call of the walk's large functions pays
+    /// a prologue of some 70 instructions, and most values are strings.
+    #[inline(always)]
     fn value(&mut self, params: bool) -> Result<Value, BodyError> {
         match self.peek() {
             Some(b'{') => self.object(params).map(|()| Value::Other),
@@ -401,6 +406,7 @@ impl<'a> Walk<'a> {
         Ok(())
     }
 
+    #[inline(never)]
     fn array(&mut self) -> Result<(), BodyError> {
         self.enter()?;
         self.skip_whitespace();
@@ -428,6 +434,7 @@ impl<'a> Walk<'a> {
 
     /// Reads an object. When `params` is set, it is a `disaggregated_params`
     /// value: decide from its effective members whether it needs an id.
+    #[inline(never)]
     fn object(&mut self, params: bool) -> Result<(), BodyError> {
         let open = self.pos;
         self.enter()?;
