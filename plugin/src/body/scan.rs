@@ -1,10 +1,10 @@
 //! The string scan's fast part: skipping string content that needs no
-//! attention, a word or a 16-byte block at a time.
+//! attention, a word or 16-byte blocks at a time.
 //!
-//! Blocks are tested with SIMD where the target has it as a baseline:
-//! `simd128` in wasm (which wasmtime compiles to SSE on x86-64), SSE2 on
-//! x86-64, so that the native core the plugin is measured against does the
-//! same work; elsewhere two words a turn. [`blocks`] picks one; every one
+//! Blocks are tested with SIMD where the target has it as a baseline, two
+//! blocks a turn: `simd128` in wasm (which wasmtime compiles to SSE on
+//! x86-64), SSE2 on x86-64, so that the native core the plugin is measured
+//! against does the same work; elsewhere two words a turn. [`blocks`] picks one; every one
 //! that compiles natively is tested against the same exact stops.
 
 /// From `pos`, skips string content that needs no attention: no quote, no
@@ -42,7 +42,7 @@ pub(super) fn skip_plain_words(bytes: &[u8], pos: usize) -> (usize, bool) {
 }
 
 /// [`skip_plain_words`] from `pos`, after plain bytes `seen` (ORed
-/// together): a longer string, 16 bytes a turn and then a word.
+/// together): a longer string, in 16-byte blocks and then a word.
 #[inline(never)]
 // In wasm, the function the block scan is inlined into has the SIMD feature.
 #[cfg_attr(target_arch = "wasm32", target_feature(enable = "simd128"))]
