@@ -304,6 +304,70 @@ fn serve_refuses_a_listen_address_without_an_ip_saying_what_to_write() {
     failure(&output, 2, &["--admin-listen", "0.0.0.0:9901"]);
 }
 
+/// `snowgate serve` on free ports with `flags`, its address space limited
+/// to `bytes` (what `ulimit -v` sets), stdout and stderr piped.
+#[cfg(unix)]
+fn serve_in_address_space(bytes: u64, flags: &[&str]) -> Command {
+    use std::os::unix::process::CommandExt;
+    let mut command = Command::new(env!("CARGO_BIN_EXE_snowgate"));
+    command
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+        ])
+        .args(["--machine-id", "7"])
+        .args(flags);
+    let limit = libc::rlimit {
+        rlim_cur: bytes,
+        rlim_max: bytes,
+    };
+    // SAFETY: between fork and exec the closure only calls setrlimit, which
+    // is async-signal-safe, and touches no memory but its own copy of
+    // `limit`.
+    unsafe {
+        command.pre_exec(move || {
+            if libc::setrlimit(libc::RLIMIT_AS, &limit) == 0 {
+                Ok(())
+            } else {
+                Err(std::io::Error::last_os_error())
+            }
+        });
+    }
+    command
+}
+
+/// Where address space is limited (`ulimit -v`) below what the default 64
+/// plugin instance slots reserve (about 4 GiB each), `serve` stops with a
+/// message that names `--plugin-instances`; with fewer slots it starts.
+#[cfg(unix)]
+#[test]
+fn serve_fits_a_limited_address_space_with_fewer_plugin_instances() {
+    use std::io::{BufRead, BufReader};
+    const LIMIT: u64 = 64 << 30;
+    let output = run(serve_in_address_space(LIMIT, &[]), b"");
+    failure(&output, 1, &["64 instance slots", "--plugin-instances"]);
+
+    let mut child = serve_in_address_space(LIMIT, &["--plugin-instances", "4"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting snowgate");
+    let mut ready = String::new();
+    // Its ready line, or end of file if it stopped.
+    let read = BufReader::new(child.stdout.take().expect("piped stdout")).read_line(&mut ready);
+    let _ = child.kill();
+    let output = child.wait_with_output().expect("waiting for snowgate");
+    assert!(
+        read.is_ok() && ready.starts_with("snowgate listening on "),
+        "no ready line ({ready:?}); stderr: {}",
+        text(&output.stderr)
+    );
+}
+
 /// A plugin setting the plugin refuses stops `serve` before it listens,
 /// with status 2 and the plugin's reason, as `rewrite` does.
 #[test]

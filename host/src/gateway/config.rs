@@ -15,6 +15,11 @@ use crate::limits::PluginLimits;
 /// The longest plugin call deadline a configuration may set: an hour.
 const MAX_PLUGIN_DEADLINE_MS: u64 = 3_600_000;
 
+/// The most plugin instance slots a configuration may ask for: each
+/// reserves about 4 GiB of address space, and 4096 take an eighth of
+/// x86-64's 128 TiB.
+const MAX_PLUGIN_INSTANCES: u32 = 4096;
+
 /// The most client connections a configuration may allow at once.
 const MAX_CONNECTIONS: usize = 1 << 20;
 
@@ -293,6 +298,8 @@ pub struct ConfigFile {
     pub plugin_deadline_ms: Option<u64>,
     /// See [`PluginLimits::calls_per_instance`].
     pub plugin_calls_per_instance: Option<u32>,
+    /// See [`PluginLimits::max_instances`].
+    pub plugin_instances: Option<u32>,
     /// Shutdown grace period in seconds.
     pub shutdown_grace_secs: Option<u64>,
     /// Reload debounce in milliseconds.
@@ -407,6 +414,13 @@ impl ConfigFile {
         if let Some(n) = self.plugin_calls_per_instance {
             anyhow::ensure!(n > 0, "plugin-calls-per-instance must be at least 1");
             config.plugin_limits.calls_per_instance = n;
+        }
+        if let Some(n) = self.plugin_instances {
+            anyhow::ensure!(
+                (1..=MAX_PLUGIN_INSTANCES).contains(&n),
+                "plugin-instances must be between 1 and {MAX_PLUGIN_INSTANCES}, not {n}"
+            );
+            config.plugin_limits.max_instances = n;
         }
         if let Some(secs) = self.shutdown_grace_secs {
             config.shutdown_grace = Duration::from_secs(secs);
@@ -560,6 +574,7 @@ mod tests {
             plugin-memory-mib = 64
             plugin-deadline-ms = 50
             plugin-calls-per-instance = 1
+            plugin-instances = 8
             workers = 3
             upstream-response-timeout-ms = 30000
             upstream-idle-timeout-ms = 1500
@@ -580,6 +595,7 @@ mod tests {
         assert_eq!(config.plugin_limits.memory_bytes, 64 << 20);
         assert_eq!(config.plugin_limits.deadline, Duration::from_millis(50));
         assert_eq!(config.plugin_limits.calls_per_instance, 1);
+        assert_eq!(config.plugin_limits.max_instances, 8);
         assert_eq!(config.workers, Some(3));
         assert_eq!(config.connections.send_timeout, Duration::from_millis(2500));
         assert_eq!(
@@ -626,6 +642,14 @@ mod tests {
             (
                 "plugin-calls-per-instance = 0",
                 "plugin-calls-per-instance must be at least 1",
+            ),
+            (
+                "plugin-instances = 0",
+                "plugin-instances must be between 1 and 4096, not 0",
+            ),
+            (
+                "plugin-instances = 5000",
+                "plugin-instances must be between 1 and 4096, not 5000",
             ),
             (
                 "plugin-deadline-ms = 0",

@@ -87,7 +87,15 @@ impl Gateway {
             clock: Arc::new(IdClock::system()),
             identity: Arc::new(identity),
         };
-        let mut engine = PluginEngine::new(services.clone(), config.plugin_limits)?;
+        let slots = config.plugin_limits.max_instances;
+        let mut engine =
+            PluginEngine::new(services.clone(), config.plugin_limits).with_context(|| {
+                format!(
+                    "starting the plugin engine with {slots} instance slots, each reserving about \
+                     4 GiB of address space: where that is limited (ulimit -v), lower \
+                     --plugin-instances"
+                )
+            })?;
         if let Some(dir) = &config.plugin_cache_dir {
             let cache = CompileCache::open(dir).context("--plugin-cache-dir")?;
             engine = engine.with_compile_cache(cache);

@@ -74,6 +74,15 @@ pub struct ServeArgs {
     /// call failed is never reused [default: 1000].
     #[arg(long, value_name = "N")]
     plugin_calls_per_instance: Option<u32>,
+    /// Plugin instances alive at once, 1 to 4096 [default: 64]: the slots
+    /// of the instance pool. Calls in flight, kept idle instances and a
+    /// reload's check share them (with 64, 47 calls run at once and more
+    /// wait their turn). Each slot reserves about 4 GiB of virtual address
+    /// space (not memory), so lower it where address space is limited
+    /// (`ulimit -v`, valgrind); plugin memory in use is at most this many
+    /// times --plugin-memory-mib.
+    #[arg(long, value_name = "N")]
+    plugin_instances: Option<u32>,
     /// How long in-flight requests may finish after SIGTERM, in seconds
     /// [default: 30]. Without --etcd, the stop may then take up to 10 s
     /// more, after a burst of ids, until the wall clock has passed the last
@@ -187,6 +196,7 @@ impl ServeArgs {
             plugin_memory_mib: self.plugin_memory_mib,
             plugin_deadline_ms: self.plugin_deadline_ms,
             plugin_calls_per_instance: self.plugin_calls_per_instance,
+            plugin_instances: self.plugin_instances,
             shutdown_grace_secs: self.shutdown_grace_secs,
             reload_debounce_ms: self.reload_debounce_ms,
             header_read_timeout_ms: self.header_read_timeout_ms,
