@@ -2,6 +2,7 @@
 //! keep-alive client, or the built-in echo upstream.
 
 use std::convert::Infallible;
+use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -10,6 +11,7 @@ use std::task::{Context, Poll};
 use anyhow::Context as _;
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName};
+use http::uri::{PathAndQuery, Scheme};
 use http::{Request, Response, StatusCode, Uri};
 use http_body::Body;
 use http_body_util::combinators::BoxBody;
@@ -41,7 +43,7 @@ const ECHO_MAX_BODY: usize = 64 << 20;
 /// forward them (RFC 9110 section 7.6.1). `Trailer` is not one of them: it
 /// names the trailer fields that end a chunked message, and without it
 /// hyper does not send them on.
-const HOP_BY_HOP: [HeaderName; 7] = [
+const HOP_BY_HOP: [HeaderName; HOP_BY_HOP_COUNT] = [
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
     HeaderName::from_static("proxy-connection"),
@@ -50,6 +52,13 @@ const HOP_BY_HOP: [HeaderName; 7] = [
     header::TE,
     header::TRANSFER_ENCODING,
 ];
+
+/// How many names [`HOP_BY_HOP`] holds.
+const HOP_BY_HOP_COUNT: usize = 7;
+
+/// Where `Connection` and `TE` are in [`HOP_BY_HOP`].
+const HOP_BY_HOP_CONNECTION: usize = 0;
+const HOP_BY_HOP_TE: usize = 5;
 
 /// The service behind the middleware.
 #[derive(Clone)]
@@ -301,13 +310,23 @@ impl HttpUpstream {
     /// The upstream URL for a request's path and query.
     fn target(&self, uri: &Uri) -> Result<Uri, String> {
         let prefix = self.base.path().trim_end_matches('/');
-        let path_and_query = uri.path_and_query().map_or("/", |p| p.as_str());
-        Uri::builder()
-            .scheme(self.base.scheme_str().unwrap_or("http"))
-            .authority(self.base.authority().map_or("", |a| a.as_str()))
-            .path_and_query(format!("{prefix}{path_and_query}"))
-            .build()
-            .map_err(|e| format!("the request path {path_and_query:?} cannot be forwarded: {e}"))
+        let unusable = |path: &str, e: &dyn fmt::Display| {
+            format!("the request path {path:?} cannot be forwarded: {e}")
+        };
+        let path_and_query = match uri.path_and_query() {
+            // Without a prefix, the request's own, shared rather than
+            // written out and parsed again: this runs on every request.
+            Some(own) if prefix.is_empty() => own.clone(),
+            own => {
+                let own = own.map_or("/", |p| p.as_str());
+                PathAndQuery::try_from(format!("{prefix}{own}")).map_err(|e| unusable(own, &e))?
+            }
+        };
+        let mut parts = http::uri::Parts::default();
+        parts.scheme = Some(self.base.scheme().cloned().unwrap_or(Scheme::HTTP));
+        parts.authority = self.base.authority().cloned();
+        parts.path_and_query = Some(path_and_query);
+        Uri::from_parts(parts).map_err(|e| unusable(uri.path(), &e))
     }
 }
 
@@ -377,29 +396,55 @@ const NEVER_CONNECTION_OPTIONS: [HeaderName; 4] = [
 /// which a sender must not name there). A `TE` that accepts trailers
 /// becomes `TE: trailers`: the gateway passes trailers on, so the next hop
 /// may send them.
+///
+/// It runs on every request and response, most of which carry none of
+/// these headers: one pass over the names present finds those to remove,
+/// and only they are looked up (a removal of an absent name hashes it all
+/// the same).
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    let accepts_trailers = headers
-        .get_all(header::TE)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .any(|coding| {
-            let name = coding.split(';').next().unwrap_or_default();
-            name.trim().eq_ignore_ascii_case("trailers")
-        });
-    let named: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
-        .filter(|name| !NEVER_CONNECTION_OPTIONS.contains(name))
-        .collect();
-    for name in named.iter().chain(HOP_BY_HOP.iter()) {
+    let mut present = [false; HOP_BY_HOP_COUNT];
+    let mut upgrade = false;
+    for name in headers.keys() {
+        match HOP_BY_HOP.iter().position(|hop| hop == name) {
+            Some(i) => present[i] = true,
+            None => upgrade |= name == header::UPGRADE,
+        }
+    }
+    if !upgrade && !present.contains(&true) {
+        return;
+    }
+    let accepts_trailers = present[HOP_BY_HOP_TE]
+        && headers
+            .get_all(header::TE)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .any(|coding| {
+                let name = coding.split(';').next().unwrap_or_default();
+                name.trim().eq_ignore_ascii_case("trailers")
+            });
+    let named: Vec<HeaderName> = if present[HOP_BY_HOP_CONNECTION] {
+        headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+            .filter(|name| !NEVER_CONNECTION_OPTIONS.contains(name))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    for name in &named {
+        headers.remove(name);
+    }
+    for (name, _) in HOP_BY_HOP.iter().zip(present).filter(|(_, here)| *here) {
         headers.remove(name);
     }
     // `Upgrade` goes only with a `Connection: upgrade`, which was just removed.
-    headers.remove(header::UPGRADE);
+    if upgrade {
+        headers.remove(header::UPGRADE);
+    }
     if accepts_trailers {
         headers.insert(header::TE, header::HeaderValue::from_static("trailers"));
     }
@@ -517,6 +562,94 @@ mod tests {
     }
 
     #[test]
+    fn the_indices_of_connection_and_te_are_theirs() {
+        assert_eq!(HOP_BY_HOP[HOP_BY_HOP_CONNECTION], header::CONNECTION);
+        assert_eq!(HOP_BY_HOP[HOP_BY_HOP_TE], header::TE);
+    }
+
+    /// What `strip_hop_by_hop` did before it looked at the names present
+    /// first: every name looked up and removed.
+    fn strip_every_name(headers: &mut HeaderMap) {
+        let accepts_trailers = headers
+            .get_all(header::TE)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .any(|coding| {
+                let name = coding.split(';').next().unwrap_or_default();
+                name.trim().eq_ignore_ascii_case("trailers")
+            });
+        let named: Vec<HeaderName> = headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+            .filter(|name| !NEVER_CONNECTION_OPTIONS.contains(name))
+            .collect();
+        for name in named.iter().chain(HOP_BY_HOP.iter()) {
+            headers.remove(name);
+        }
+        headers.remove(header::UPGRADE);
+        if accepts_trailers {
+            headers.insert(header::TE, header::HeaderValue::from_static("trailers"));
+        }
+    }
+
+    /// Random sets of hop-by-hop, end-to-end and `Connection`-named
+    /// headers come out of both alike, down to the order of what is left.
+    #[test]
+    fn strips_what_looking_up_every_name_strips() {
+        const HEADERS: [(&str, &[&str]); 12] = [
+            (
+                "connection",
+                &[
+                    "keep-alive",
+                    "x-secret, Upgrade",
+                    "TE",
+                    "content-type, close",
+                    " , x-a",
+                ],
+            ),
+            ("keep-alive", &["timeout=5"]),
+            ("proxy-connection", &["keep-alive"]),
+            ("proxy-authorization", &["Basic e30="]),
+            ("te", &["trailers", "gzip", "deflate, trailers;q=0.5"]),
+            ("transfer-encoding", &["chunked"]),
+            ("upgrade", &["h2c", "websocket"]),
+            ("x-secret", &["1"]),
+            ("x-a", &["2"]),
+            ("content-type", &["application/json"]),
+            ("authorization", &["Bearer t"]),
+            ("trailer", &["x-checksum"]),
+        ];
+        let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut next = |below: usize| {
+            seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+            (seed >> 33) as usize % below
+        };
+        let listed = |headers: &HeaderMap| -> Vec<(String, String)> {
+            headers
+                .iter()
+                .map(|(n, v)| (n.to_string(), v.to_str().unwrap().to_string()))
+                .collect()
+        };
+        for _ in 0..5_000 {
+            let mut headers = HeaderMap::new();
+            for _ in 0..next(6) {
+                let (name, values) = HEADERS[next(HEADERS.len())];
+                let value = values[next(values.len())];
+                headers.append(name, value.parse().unwrap());
+            }
+            let given = listed(&headers);
+            let mut expected = headers.clone();
+            strip_every_name(&mut expected);
+            strip_hop_by_hop(&mut headers);
+            assert_eq!(listed(&headers), listed(&expected), "from {given:?}");
+        }
+    }
+
+    #[test]
     fn a_te_that_accepts_trailers_becomes_te_trailers() {
         for (te, kept) in [
             ("trailers", Some("trailers")),
@@ -550,6 +683,32 @@ mod tests {
             uri.to_string(),
             "http://127.0.0.1:9000/api/v1/completions?x=1"
         );
+    }
+
+    /// Without a prefix the request's path and query go as they came, an
+    /// absolute-form request's own scheme and host replaced.
+    #[test]
+    fn the_request_path_goes_as_it_came_without_a_prefix() {
+        for base in ["http://127.0.0.1:9000", "http://127.0.0.1:9000/"] {
+            let Ok(Upstream::Http(http)) =
+                Upstream::http(base, Default::default(), Default::default())
+            else {
+                panic!("a valid upstream URL")
+            };
+            for (request, forwarded) in [
+                (
+                    "/v1/completions?x=1&y=%20",
+                    "http://127.0.0.1:9000/v1/completions?x=1&y=%20",
+                ),
+                (
+                    "http://elsewhere.test/a//b?q",
+                    "http://127.0.0.1:9000/a//b?q",
+                ),
+            ] {
+                let uri = http.target(&request.parse().unwrap()).unwrap();
+                assert_eq!(uri.to_string(), forwarded, "{base} {request}");
+            }
+        }
     }
 
     #[test]
