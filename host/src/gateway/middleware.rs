@@ -450,24 +450,37 @@ fn content_coding(headers: &HeaderMap) -> Option<String> {
     encoded.then(|| codings.join(", "))
 }
 
-/// The body's media type, lower case, without parameters. The header is
-/// read as Latin-1, as Python servers read header bytes, so that a stray
-/// non-ASCII byte in a parameter does not hide `application/json`.
-fn media_type(headers: &HeaderMap) -> Option<String> {
-    let value = headers.get(header::CONTENT_TYPE)?;
-    let text: String = value.as_bytes().iter().map(|&b| char::from(b)).collect();
-    Some(
-        text.split(';')
-            .next()
-            .unwrap_or("")
-            .trim()
-            .to_ascii_lowercase(),
-    )
+/// The body's media type: the `Content-Type` value before any parameters,
+/// without the whitespace around it, to be compared ignoring ASCII case.
+/// The header is read as Latin-1, as Python servers read header bytes, so
+/// that a stray non-ASCII byte in a parameter does not hide
+/// `application/json`, and the Latin-1 spaces `\x85` and `\xA0` are
+/// whitespace too, as `str.strip` takes them in Rust and Python. Read in
+/// place: it runs on every request.
+fn media_type(headers: &HeaderMap) -> Option<&[u8]> {
+    let value = headers.get(header::CONTENT_TYPE)?.as_bytes();
+    let end = value.iter().position(|&b| b == b';').unwrap_or(value.len());
+    let mime = &value[..end];
+    let space = |b: &u8| matches!(b, b'\t'..=b'\r' | b' ' | 0x85 | 0xA0);
+    let start = mime.iter().position(|b| !space(b)).unwrap_or(mime.len());
+    let stop = mime
+        .iter()
+        .rposition(|b| !space(b))
+        .map_or(start, |i| i + 1);
+    Some(&mime[start..stop])
+}
+
+/// Whether a media type is JSON's (`application/json`, `…+json`).
+fn is_json_media(mime: &[u8]) -> bool {
+    const SUFFIX: &[u8] = b"+json";
+    mime.eq_ignore_ascii_case(b"application/json")
+        || (mime.len() >= SUFFIX.len()
+            && mime[mime.len() - SUFFIX.len()..].eq_ignore_ascii_case(SUFFIX))
 }
 
 /// Whether the content type says JSON (`application/json`, `…+json`).
 fn declares_json(headers: &HeaderMap) -> bool {
-    media_type(headers).is_some_and(|mime| mime == "application/json" || mime.ends_with("+json"))
+    media_type(headers).is_some_and(is_json_media)
 }
 
 /// Whether the plugin should see this request: it has a body, and the body
@@ -483,9 +496,13 @@ fn is_json(headers: &HeaderMap, has_body: bool) -> bool {
     if headers.contains_key(MSGPACK_HEADER) {
         return true;
     }
-    match media_type(headers).as_deref() {
-        None | Some("" | "application/x-www-form-urlencoded") => true,
-        Some(_) => declares_json(headers),
+    match media_type(headers) {
+        None => true,
+        Some(mime) => {
+            mime.is_empty()
+                || mime.eq_ignore_ascii_case(b"application/x-www-form-urlencoded")
+                || is_json_media(mime)
+        }
     }
 }
 
@@ -538,6 +555,64 @@ mod tests {
             "a zero byte after the first two"
         );
         assert!(!could_be_json(b""));
+    }
+
+    /// What `media_type` was before it read the bytes in place: a String
+    /// of the value read as Latin-1, cut, trimmed and lowered.
+    fn media_type_as_text(headers: &HeaderMap) -> Option<String> {
+        let value = headers.get(header::CONTENT_TYPE)?;
+        let text: String = value.as_bytes().iter().map(|&b| char::from(b)).collect();
+        Some(
+            text.split(';')
+                .next()
+                .unwrap_or("")
+                .trim()
+                .to_ascii_lowercase(),
+        )
+    }
+
+    /// Random content types, Latin-1 spaces and odd bytes among them, are
+    /// sorted as the String-based reading sorted them.
+    #[test]
+    fn content_types_read_in_place_sort_as_read_as_text() {
+        const PIECES: [&[u8]; 16] = [
+            b"application/json",
+            b"APPLICATION/Json",
+            b"application/x-www-form-urlencoded",
+            b"text/plain",
+            b"+json",
+            b"+JSON",
+            b"json",
+            b";",
+            b" ",
+            b"\t",
+            b"\x85",
+            b"\xA0",
+            b"\x1C",
+            b"\xFF",
+            b"charset=utf-8",
+            b"/",
+        ];
+        let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+        let mut next = |below: usize| {
+            seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+            (seed >> 33) as usize % below
+        };
+        for _ in 0..20_000 {
+            let value: Vec<u8> = (0..next(5))
+                .flat_map(|_| PIECES[next(PIECES.len())].to_vec())
+                .collect();
+            let Ok(value) = header::HeaderValue::from_bytes(&value) else {
+                continue;
+            };
+            let mut typed = HeaderMap::new();
+            typed.insert(header::CONTENT_TYPE, value.clone());
+            let text = media_type_as_text(&typed).expect("a content type");
+            let was_json = text == "application/json" || text.ends_with("+json");
+            let was_loose = text.is_empty() || text == "application/x-www-form-urlencoded";
+            assert_eq!(declares_json(&typed), was_json, "{value:?}");
+            assert_eq!(is_json(&typed, true), was_json || was_loose, "{value:?}");
+        }
     }
 
     #[test]
