@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http::header::{HeaderName, HeaderValue};
+use http::header::{Entry, HeaderName, HeaderValue};
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Either, Empty};
 use hyper::body::Incoming;
@@ -126,6 +126,7 @@ pub async fn serve(
         let requests = activity.clone();
         let metrics = layer.metrics().clone();
         let open = metrics.connection_opened();
+        let forwarded_for = forwarded_for_value(peer);
         let per_request = hyper::service::service_fn(move |mut request: Request<Incoming>| {
             let arrived = Instant::now();
             // In flight until hyper has taken its whole response body (or
@@ -142,7 +143,7 @@ pub async fn serve(
             // First, so that a client cannot name the gateway's own
             // `X-Forwarded-For` in its `Connection` header to have it removed.
             strip_hop_by_hop(request.headers_mut());
-            append_forwarded_for(&mut request, peer);
+            append_forwarded_for(&mut request, &forwarded_for);
             // An HTTP/1 body may pause at most the body read timeout (see
             // `ClientBody` for HTTP/2); how it ends travels with the
             // request, for whoever reads it.
@@ -422,22 +423,37 @@ impl std::error::Error for BodyError {}
 /// The response body a connection writes.
 pub type ResponseBody = BoxBody<Bytes, BodyError>;
 
-/// Adds the client's address to `X-Forwarded-For`, as one line after the
-/// addresses of every line the client sent (RFC 9110 section 5.3: they
-/// read as one comma-separated list). A line that is not text is dropped.
-fn append_forwarded_for<B>(request: &mut Request<B>, peer: SocketAddr) {
-    let mut value = String::new();
-    for line in request.headers().get_all(&X_FORWARDED_FOR) {
-        if let Ok(line) = line.to_str() {
-            value.push_str(line);
-            value.push_str(", ");
+/// The client's address as `X-Forwarded-For` gets it, made once per
+/// connection: an IPv4 client of a dual-stack listener as `127.0.0.1`, not
+/// `::ffff:127.0.0.1`.
+fn forwarded_for_value(peer: SocketAddr) -> HeaderValue {
+    let address = peer.ip().to_canonical().to_string();
+    // An address is digits, hex letters, dots and colons: always a value.
+    HeaderValue::from_str(&address).unwrap_or_else(|_| HeaderValue::from_static("unknown"))
+}
+
+/// Adds the client's address (`peer`, from [`forwarded_for_value`]) to
+/// `X-Forwarded-For`, as one line after the addresses of every line the
+/// client sent (RFC 9110 section 5.3: they read as one comma-separated
+/// list). A line that is not text is dropped.
+fn append_forwarded_for<B>(request: &mut Request<B>, peer: &HeaderValue) {
+    let mut entry = match request.headers_mut().entry(X_FORWARDED_FOR) {
+        Entry::Vacant(entry) => {
+            entry.insert(peer.clone());
+            return;
+        }
+        Entry::Occupied(entry) => entry,
+    };
+    let mut value = Vec::new();
+    for line in entry.iter() {
+        if line.to_str().is_ok() {
+            value.extend_from_slice(line.as_bytes());
+            value.extend_from_slice(b", ");
         }
     }
-    // An IPv4 client of a dual-stack listener as `127.0.0.1`, not
-    // `::ffff:127.0.0.1`.
-    value.push_str(&peer.ip().to_canonical().to_string());
-    if let Ok(value) = HeaderValue::from_str(&value) {
-        request.headers_mut().insert(X_FORWARDED_FOR, value);
+    value.extend_from_slice(peer.as_bytes());
+    if let Ok(value) = HeaderValue::from_bytes(&value) {
+        entry.insert(value);
     }
 }
 
@@ -451,6 +467,31 @@ mod tests {
 
     use super::*;
 
+    /// The client's address goes after every line the client sent, in
+    /// order, as one line; a line that is not text is dropped; without a
+    /// line the address is the value.
+    #[test]
+    fn the_client_address_follows_every_text_line_of_x_forwarded_for() {
+        let peer = forwarded_for_value("192.0.2.9:1".parse().expect("an address"));
+        let mut request = Request::new(());
+        append_forwarded_for(&mut request, &peer);
+        assert_eq!(request.headers()[&X_FORWARDED_FOR], "192.0.2.9");
+        let mut request = Request::new(());
+        let headers = request.headers_mut();
+        headers.append(
+            X_FORWARDED_FOR,
+            HeaderValue::from_static("10.0.0.1, 10.0.0.2"),
+        );
+        headers.append(
+            X_FORWARDED_FOR,
+            HeaderValue::from_bytes(b"10.0.0.\xff").unwrap(),
+        );
+        headers.append(X_FORWARDED_FOR, HeaderValue::from_static("10.0.0.3"));
+        append_forwarded_for(&mut request, &peer);
+        let lines: Vec<_> = request.headers().get_all(&X_FORWARDED_FOR).iter().collect();
+        assert_eq!(lines, ["10.0.0.1, 10.0.0.2, 10.0.0.3, 192.0.2.9"]);
+    }
+
     /// An IPv4 client of a dual-stack (`[::]`) listener is appended to
     /// `X-Forwarded-For` as the IPv4 address it is.
     #[test]
@@ -461,7 +502,8 @@ mod tests {
             ("192.0.2.8:5000", "192.0.2.8"),
         ] {
             let mut request = Request::new(());
-            append_forwarded_for(&mut request, peer.parse().expect("an address"));
+            let value = forwarded_for_value(peer.parse().expect("an address"));
+            append_forwarded_for(&mut request, &value);
             assert_eq!(request.headers()[&X_FORWARDED_FOR], expected, "{peer}");
         }
     }
