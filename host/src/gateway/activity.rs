@@ -73,12 +73,17 @@ impl Activity {
     /// of it; see [`ActiveBody`]).
     pub fn begin(&self, version: http::Version) -> InFlight {
         let http2 = version >= http::Version::HTTP_2;
-        if !http2 {
-            self.http1.store(true, Ordering::Relaxed);
-        }
-        self.in_flight.send_modify(|n| *n += 1);
+        // Over HTTP/1 only the connection's first request is counted. It
+        // wakes the waiters, which then see an HTTP/1 connection and wait
+        // for nothing more (hyper closes those itself); counting every
+        // request would wake each of them twice a request for nothing.
+        let counted = http2 || !self.http1.swap(true, Ordering::Relaxed);
+        let in_flight = counted.then(|| {
+            self.in_flight.send_modify(|n| *n += 1);
+            self.in_flight.clone()
+        });
         InFlight {
-            in_flight: self.in_flight.clone(),
+            in_flight,
             taking: http2.then(|| self.taking.clone()),
             owed_in: None,
         }
@@ -175,7 +180,9 @@ impl Activity {
 
 /// One request in flight (see [`Activity::begin`]).
 pub struct InFlight {
-    in_flight: watch::Sender<usize>,
+    /// The connection's count, if this request is counted in it (see
+    /// [`Activity::begin`]).
+    in_flight: Option<watch::Sender<usize>>,
     /// Over HTTP/2: how the connection's bodies are being taken.
     taking: Option<Arc<Taking>>,
     /// The slot of the epoch this request's body handed hyper a piece in,
@@ -204,7 +211,9 @@ impl InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.asked();
-        self.in_flight.send_modify(|n| *n -= 1);
+        if let Some(in_flight) = &self.in_flight {
+            in_flight.send_modify(|n| *n -= 1);
+        }
     }
 }
 
@@ -318,6 +327,34 @@ mod tests {
         drop(activity.begin(Version::HTTP_11));
         let idle = tokio::time::timeout(Duration::from_secs(3600), activity.idle_for(TIMEOUT));
         assert!(idle.await.is_err(), "an HTTP/1 connection was idle");
+    }
+
+    /// The waiters of an HTTP/1 connection, already waiting when its first
+    /// request comes, never resolve: not while requests come and go, nor
+    /// long after the last one (hyper closes the connection itself).
+    #[tokio::test(start_paused = true)]
+    async fn an_http1_connection_is_never_idle_nor_stalled_after_its_first_request() {
+        let activity = Activity::default();
+        let (a, b, c) = (activity.clone(), activity.clone(), activity.clone());
+        let idle = tokio::spawn(async move { a.idle_for(TIMEOUT).await });
+        let stalled = tokio::spawn(async move { b.stalled_for(TIMEOUT).await });
+        let after_stop = tokio::spawn(async move { c.unanswered_after_stop(TIMEOUT).await });
+        tokio::time::sleep(TIMEOUT / 2).await;
+        for _ in 0..3 {
+            let request = activity.begin(Version::HTTP_11);
+            tokio::time::sleep(TIMEOUT * 2).await;
+            drop(request);
+            tokio::time::sleep(TIMEOUT * 2).await;
+        }
+        tokio::time::sleep(Duration::from_secs(3600)).await;
+        for (name, task) in [
+            ("idle", idle),
+            ("stalled", stalled),
+            ("given up", after_stop),
+        ] {
+            assert!(!task.is_finished(), "an HTTP/1 connection was {name}");
+            task.abort();
+        }
     }
 
     /// After a stop, a connection is given up a timeout after its last
