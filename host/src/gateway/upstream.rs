@@ -42,8 +42,9 @@ const ECHO_MAX_BODY: usize = 64 << 20;
 /// Headers that describe one connection, not the message: a proxy must not
 /// forward them (RFC 9110 section 7.6.1). `Trailer` is not one of them: it
 /// names the trailer fields that end a chunked message, and without it
-/// hyper does not send them on.
-const HOP_BY_HOP: [HeaderName; HOP_BY_HOP_COUNT] = [
+/// hyper does not send them on. A static: a const would be built and
+/// dropped wherever it is used, on every request.
+static HOP_BY_HOP: [HeaderName; HOP_BY_HOP_COUNT] = [
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
     HeaderName::from_static("proxy-connection"),
