@@ -73,6 +73,10 @@ pub enum Upstream {
 /// A real upstream: base URL and a keep-alive connection pool.
 pub struct HttpUpstream {
     base: Uri,
+    /// The `Host` header every request gets: the base URL's host, and its
+    /// port unless it is 80. Made once; hyper's client would format it
+    /// for every request.
+    host: header::HeaderValue,
     timeouts: UpstreamTimeouts,
     metrics: Arc<Metrics>,
     client: Client<HttpConnector, BoxBody<Bytes, BoxError>>,
@@ -113,8 +117,11 @@ impl Upstream {
             base.query().is_none(),
             "--upstream {url:?}: a query is not supported; give the upstream's base URL"
         );
+        let host = host_header(&base)
+            .with_context(|| format!("--upstream {url:?}: its host cannot be a Host header"))?;
         Ok(Upstream::Http(Arc::new(HttpUpstream {
             base,
+            host,
             timeouts,
             metrics,
             client: pooled_client(timeouts),
@@ -128,6 +135,7 @@ impl Upstream {
         match self {
             Upstream::Http(http) => Upstream::Http(Arc::new(HttpUpstream {
                 base: http.base.clone(),
+                host: http.host.clone(),
                 timeouts: http.timeouts,
                 metrics: http.metrics.clone(),
                 client: pooled_client(http.timeouts),
@@ -147,6 +155,19 @@ impl Upstream {
 
 /// A keep-alive HTTP/1.1 client with Nagle off, the connect timeout, and
 /// idle connections closed after the idle timeout.
+/// The `Host` header for requests to `base`, as hyper's client would make
+/// it: the host, then `:port` unless the port is http's default.
+fn host_header(base: &Uri) -> anyhow::Result<header::HeaderValue> {
+    let host = base.host().context("no host")?;
+    let value = match base.port_u16() {
+        Some(port) if port != 80 => format!("{host}:{port}"),
+        _ => host.to_string(),
+    };
+    Ok(header::HeaderValue::try_from(value)?)
+}
+
+/// The keep-alive client of one upstream. It leaves `Host` alone: the
+/// upstream sets it (see [`HttpUpstream::host`]).
 fn pooled_client(timeouts: UpstreamTimeouts) -> Client<HttpConnector, BoxBody<Bytes, BoxError>> {
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
@@ -154,6 +175,7 @@ fn pooled_client(timeouts: UpstreamTimeouts) -> Client<HttpConnector, BoxBody<By
     Client::builder(TokioExecutor::new())
         .pool_timer(TokioTimer::new())
         .pool_idle_timeout(timeouts.idle)
+        .set_host(false)
         .build(connector)
 }
 
@@ -198,8 +220,8 @@ impl HttpUpstream {
         // trailers; hyper sends them to HTTP/2 clients in any case.
         let client_takes_trailers =
             parts.version >= http::Version::HTTP_2 || parts.headers.contains_key(header::TE);
-        // The client sets Host from the upstream URL, as proxies usually do.
-        parts.headers.remove(header::HOST);
+        // Host names the upstream, as proxies usually do.
+        parts.headers.insert(header::HOST, self.host.clone());
         parts.version = http::Version::HTTP_11;
         // A body of unknown length goes on chunked. hyper's client does that
         // by itself except for GET, HEAD and CONNECT, whose bodies it would
@@ -709,6 +731,21 @@ mod tests {
                 let uri = http.target(&request.parse().unwrap()).unwrap();
                 assert_eq!(uri.to_string(), forwarded, "{base} {request}");
             }
+        }
+    }
+
+    /// `Host` is the upstream's host, with its port unless that is 80.
+    #[test]
+    fn the_host_header_names_the_upstream_as_hypers_client_would() {
+        for (base, host) in [
+            ("http://127.0.0.1:9000/api/", "127.0.0.1:9000"),
+            ("http://upstream.test", "upstream.test"),
+            ("http://upstream.test:80/v1", "upstream.test"),
+            ("http://[::1]:8000", "[::1]:8000"),
+            ("http://[::1]", "[::1]"),
+        ] {
+            let value = host_header(&base.parse().unwrap()).unwrap();
+            assert_eq!(value, host, "{base}");
         }
     }
 
