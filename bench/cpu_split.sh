@@ -23,36 +23,11 @@ BIN=$(realpath "$BIN")
 HERE=$(cd "$(dirname "$0")" && pwd)
 DIR=$(mktemp -d)
 trap 'kill $(cat "$DIR/nginx.pid" 2>/dev/null) 2>/dev/null || true; kill "${SG:-}" 2>/dev/null || true; rm -rf "$DIR"' EXIT
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+. "$HERE/upstream.sh"
 UP=$(free_port); PORT=$(free_port); ADMIN=$(free_port)
 
-python3 - "$HERE" "$DIR" "$SIZE" <<'PY'
-import sys
-sys.path.insert(0, sys.argv[1])
-import load
-bodies = load.make_bodies()
-if sys.argv[3] not in bodies:
-    sys.exit(f"SIZE must be one of {', '.join(bodies)}, not {sys.argv[3]!r}")
-open(sys.argv[2] + "/body.json", "wb").write(bodies[sys.argv[3]])
-PY
-cat > "$DIR/nginx.conf" <<EOF
-worker_processes 1;
-pid $DIR/nginx.pid;
-error_log $DIR/error.log warn;
-daemon on;
-events { worker_connections 1024; }
-http {
-    access_log off;
-    keepalive_requests 1000000;
-    client_body_temp_path $DIR/body;
-    proxy_temp_path $DIR/proxy;
-    fastcgi_temp_path $DIR/fastcgi;
-    uwsgi_temp_path $DIR/uwsgi;
-    scgi_temp_path $DIR/scgi;
-    server { listen 127.0.0.1:$UP; location / { return 200 '{"ok":true}\n'; } }
-}
-EOF
-nginx -c "$DIR/nginx.conf" -p "$DIR"
+write_body "$DIR" "$SIZE"
+start_upstream "$DIR" "$UP"
 cat > "$DIR/post.lua" <<'EOF'
 local f = io.open(os.getenv("BODY"), "rb"); local body = f:read("*a"); f:close()
 wrk.method = "POST"; wrk.body = body

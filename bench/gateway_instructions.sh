@@ -32,33 +32,11 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 DIR=$(mktemp -d)
 SG=
 trap 'kill $(cat "$DIR/nginx.pid" 2>/dev/null) 2>/dev/null || true; [ -n "$SG" ] && kill "$SG" 2>/dev/null; rm -rf "$DIR"' EXIT
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+. "$HERE/upstream.sh"
 UP=$(free_port)
 
-python3 - "$HERE" "$DIR" <<'PY'
-import sys
-sys.path.insert(0, sys.argv[1])
-import load
-open(sys.argv[2] + "/body.json", "wb").write(load.make_bodies()["1KiB"])
-PY
-cat > "$DIR/nginx.conf" <<EOF
-worker_processes 1;
-pid $DIR/nginx.pid;
-error_log $DIR/error.log warn;
-daemon on;
-events { worker_connections 1024; }
-http {
-    access_log off;
-    keepalive_requests 1000000;
-    client_body_temp_path $DIR/body;
-    proxy_temp_path $DIR/proxy;
-    fastcgi_temp_path $DIR/fastcgi;
-    uwsgi_temp_path $DIR/uwsgi;
-    scgi_temp_path $DIR/scgi;
-    server { listen 127.0.0.1:$UP; location / { return 200 '{"ok":true}\n'; } }
-}
-EOF
-nginx -c "$DIR/nginx.conf" -p "$DIR"
+write_body "$DIR" 1KiB
+start_upstream "$DIR" "$UP"
 
 send() { # PORT CTYPE COUNT: COUNT requests, all of which must be answered 200
     local out
