@@ -286,9 +286,11 @@ fn output_that_cannot_be_written_is_an_error_not_a_panic() {
 /// `snowgate serve` on free ports with `flags`, for flags that must stop it
 /// before it serves (it would otherwise run until killed).
 fn serve_on_any_port(flags: &[&str]) -> Output {
-    let any_port = ["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"];
-    snowgate(&[&["serve"][..], &any_port, flags].concat(), b"")
+    snowgate(&[&["serve"][..], &ANY_PORT, flags].concat(), b"")
 }
+
+/// `serve`'s listeners on ports the system picks.
+const ANY_PORT: [&str; 4] = ["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"];
 
 /// A listen address that is not an IP address and a port stops `serve`
 /// with status 2 and what to write instead; a host name is not resolved.
@@ -311,13 +313,8 @@ fn serve_in_address_space(bytes: u64, flags: &[&str]) -> Command {
     use std::os::unix::process::CommandExt;
     let mut command = Command::new(env!("CARGO_BIN_EXE_snowgate"));
     command
-        .args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-        ])
+        .arg("serve")
+        .args(ANY_PORT)
         .args(["--machine-id", "7"])
         .args(flags);
     let limit = libc::rlimit {
