@@ -388,6 +388,53 @@ async fn streams_server_sent_events_as_they_arrive() {
     );
 }
 
+/// One worker keeps its upstream connection open across requests, and
+/// lends it to no other request while a response streams on it: a request
+/// sent meanwhile gets a connection of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_connections_are_reused_but_not_while_a_response_streams() {
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start(&["--upstream", &upstream.url(), "--workers", "1"]).await;
+    let opened = || {
+        upstream
+            .state
+            .accepted
+            .load(std::sync::atomic::Ordering::SeqCst)
+    };
+    for _ in 0..3 {
+        let reply = post_json(gateway.addr, "/v1/completions", CONTEXT_ONLY).await;
+        assert_eq!(reply.status, StatusCode::OK);
+        assert_eq!(get(gateway.addr, "/v1/models").await.status, StatusCode::OK);
+    }
+    assert_eq!(opened(), 1);
+
+    let mut client = Client::connect(gateway.addr).await;
+    let request = client
+        .builder(Method::GET, "/sse/v1/completions")
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let mut body = client.send_streaming(request).await.into_body();
+    let first = bounded("the first event", STEP, body.frame()).await;
+    let first = first.expect("a frame").expect("data").into_data().unwrap();
+    assert!(String::from_utf8_lossy(&first).contains("event 1"));
+    let reply = bounded(
+        "a request while a response streams",
+        STEP,
+        get(gateway.addr, "/v1/models"),
+    )
+    .await;
+    assert_eq!(reply.status, StatusCode::OK);
+    assert_eq!(opened(), 2);
+
+    let rest = release_the_rest_of_the_events(&upstream.state, body).await;
+    assert!(String::from_utf8_lossy(&rest).ends_with("data: [DONE]\n\n"));
+    // Both connections are idle again, and serve what comes next.
+    for _ in 0..3 {
+        assert_eq!(get(gateway.addr, "/v1/models").await.status, StatusCode::OK);
+    }
+    assert_eq!(opened(), 2);
+}
+
 // ---------------------------------------------------------------------------
 // Refusals
 // ---------------------------------------------------------------------------

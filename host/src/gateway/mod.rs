@@ -19,6 +19,7 @@ pub mod send_timeout;
 pub mod server;
 pub mod slot;
 pub mod upstream;
+pub mod upstream_pool;
 pub mod upstream_read_timeout;
 pub mod wait_timer;
 pub mod watch;

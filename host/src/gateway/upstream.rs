@@ -1,5 +1,6 @@
-//! Where requests go after the middleware: a real upstream over a pooled
-//! keep-alive client, or the built-in echo upstream.
+//! Where requests go after the middleware: a real upstream over a pool of
+//! keep-alive connections ([`upstream_pool`](crate::gateway::upstream_pool)),
+//! or the built-in echo upstream.
 
 use std::convert::Infallible;
 use std::fmt;
@@ -11,14 +12,11 @@ use std::task::{Context, Poll};
 use anyhow::Context as _;
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName};
-use http::uri::{PathAndQuery, Scheme};
+use http::uri::PathAndQuery;
 use http::{Request, Response, StatusCode, Uri};
 use http_body::Body;
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioTimer};
 use tower_service::Service;
 
 use crate::gateway::client_body::{BodyProgress, ClientFault};
@@ -27,6 +25,7 @@ use crate::gateway::error_chain;
 use crate::gateway::metrics::Metrics;
 use crate::gateway::read_body::read_limited;
 use crate::gateway::responses;
+use crate::gateway::upstream_pool::{ConnectionPool, SendError};
 use crate::gateway::upstream_read_timeout::UpstreamReadTimeout;
 use crate::log_throttle::LogThrottle;
 
@@ -74,12 +73,11 @@ pub enum Upstream {
 pub struct HttpUpstream {
     base: Uri,
     /// The `Host` header every request gets: the base URL's host, and its
-    /// port unless it is 80. Made once; hyper's client would format it
-    /// for every request.
+    /// port unless it is 80. Made once, not for every request.
     host: header::HeaderValue,
     timeouts: UpstreamTimeouts,
     metrics: Arc<Metrics>,
-    client: Client<HttpConnector, BoxBody<Bytes, BoxError>>,
+    pool: ConnectionPool,
 }
 
 impl Upstream {
@@ -119,12 +117,13 @@ impl Upstream {
         );
         let host = host_header(&base)
             .with_context(|| format!("--upstream {url:?}: its host cannot be a Host header"))?;
+        let pool = connection_pool(&base, timeouts);
         Ok(Upstream::Http(Arc::new(HttpUpstream {
             base,
             host,
             timeouts,
             metrics,
-            client: pooled_client(timeouts),
+            pool,
         })))
     }
 
@@ -138,7 +137,7 @@ impl Upstream {
                 host: http.host.clone(),
                 timeouts: http.timeouts,
                 metrics: http.metrics.clone(),
-                client: pooled_client(http.timeouts),
+                pool: connection_pool(&http.base, http.timeouts),
             })),
             Upstream::Echo => Upstream::Echo,
         }
@@ -153,8 +152,6 @@ impl Upstream {
     }
 }
 
-/// A keep-alive HTTP/1.1 client with Nagle off, the connect timeout, and
-/// idle connections closed after the idle timeout.
 /// The `Host` header for requests to `base`, as hyper's client would make
 /// it: the host, then `:port` unless the port is http's default.
 fn host_header(base: &Uri) -> anyhow::Result<header::HeaderValue> {
@@ -166,17 +163,16 @@ fn host_header(base: &Uri) -> anyhow::Result<header::HeaderValue> {
     Ok(header::HeaderValue::try_from(value)?)
 }
 
-/// The keep-alive client of one upstream. It leaves `Host` alone: the
-/// upstream sets it (see [`HttpUpstream::host`]).
-fn pooled_client(timeouts: UpstreamTimeouts) -> Client<HttpConnector, BoxBody<Bytes, BoxError>> {
-    let mut connector = HttpConnector::new();
-    connector.set_nodelay(true);
-    connector.set_connect_timeout(Some(timeouts.connect));
-    Client::builder(TokioExecutor::new())
-        .pool_timer(TokioTimer::new())
-        .pool_idle_timeout(timeouts.idle)
-        .set_host(false)
-        .build(connector)
+/// An empty pool of connections to `base`'s host and port (80 when it
+/// names none), opened within the connect timeout and closed when idle for
+/// the idle timeout.
+fn connection_pool(base: &Uri, timeouts: UpstreamTimeouts) -> ConnectionPool {
+    ConnectionPool::new(
+        base.host().unwrap_or_default(),
+        base.port_u16().unwrap_or(80),
+        timeouts.connect,
+        timeouts.idle,
+    )
 }
 
 impl<B> Service<Request<B>> for Upstream
@@ -208,8 +204,9 @@ where
 impl HttpUpstream {
     async fn forward(&self, request: Request<UpstreamBody>) -> Response<UpstreamBody> {
         let (mut parts, body) = request.into_parts();
+        // Origin form: the connection is to the upstream itself.
         parts.uri = match self.target(&parts.uri) {
-            Ok(uri) => uri,
+            Ok(path_and_query) => Uri::from(path_and_query),
             Err(e) => return own(responses::error(StatusCode::BAD_REQUEST, "bad_path", &e)),
         };
         strip_hop_by_hop(&mut parts.headers);
@@ -243,7 +240,7 @@ impl HttpUpstream {
         let request = Request::from_parts(parts, body);
         // Connecting and sending the request body count too: the timeout is
         // for the whole wait for a response head, not for the body after it.
-        let answer = tokio::time::timeout(self.timeouts.response, self.client.request(request));
+        let answer = tokio::time::timeout(self.timeouts.response, self.pool.send(request));
         let failure = match answer.await {
             Ok(Ok(response)) => {
                 let (mut parts, body) = response.into_parts();
@@ -277,7 +274,7 @@ impl HttpUpstream {
                     let why = UpstreamFailure::innermost_cause(&e);
                     return client_fault(fault, &format!("the request body could not be read: {why}"));
                 }
-                UpstreamFailure::from_client_error(&e, self.timeouts.connect)
+                UpstreamFailure::from_send_error(&e)
             }
             Err(_elapsed) if progress.as_ref().is_some_and(|p| p.waiting_on_client()) => {
                 return client_fault(
@@ -330,8 +327,9 @@ impl HttpUpstream {
         own(responses::error(status, code, &message))
     }
 
-    /// The upstream URL for a request's path and query.
-    fn target(&self, uri: &Uri) -> Result<Uri, String> {
+    /// The path and query to ask the upstream for: the base URL's path
+    /// prefix, then the request's own path and query.
+    fn target(&self, uri: &Uri) -> Result<PathAndQuery, String> {
         let prefix = self.base.path().trim_end_matches('/');
         let unusable = |path: &str, e: &dyn fmt::Display| {
             format!("the request path {path:?} cannot be forwarded: {e}")
@@ -345,11 +343,7 @@ impl HttpUpstream {
                 PathAndQuery::try_from(format!("{prefix}{own}")).map_err(|e| unusable(own, &e))?
             }
         };
-        let mut parts = http::uri::Parts::default();
-        parts.scheme = Some(self.base.scheme().cloned().unwrap_or(Scheme::HTTP));
-        parts.authority = self.base.authority().cloned();
-        parts.path_and_query = Some(path_and_query);
-        Uri::from_parts(parts).map_err(|e| unusable(uri.path(), &e))
+        Ok(path_and_query)
     }
 }
 
@@ -375,30 +369,30 @@ enum UpstreamFailure {
 
 impl UpstreamFailure {
     /// The last cause in `error`'s chain.
-    fn innermost_cause(error: &hyper_util::client::legacy::Error) -> String {
+    fn innermost_cause(error: &SendError) -> String {
         let innermost = error_chain::causes(error).last();
         innermost.map_or_else(|| error.to_string(), ToString::to_string)
     }
 
-    /// Sorts a client error, and words it with every cause in its chain
-    /// (the client error's own text only says "client error (Connect)").
-    fn from_client_error(
-        error: &hyper_util::client::legacy::Error,
-        connect_timeout: std::time::Duration,
-    ) -> UpstreamFailure {
-        let timed_out = error_chain::causes(error).any(|cause| {
-            cause
-                .downcast_ref::<std::io::Error>()
-                .is_some_and(|e| e.kind() == std::io::ErrorKind::TimedOut)
-        });
-        let why = error_chain::describe(error);
-        match (error.is_connect(), timed_out) {
-            (true, true) => UpstreamFailure::TooSlow(format!(
-                "could not be connected to within {} ms (--upstream-connect-timeout-ms): {why}",
-                connect_timeout.as_millis()
+    /// Sorts a failure to get a response, and words it with every cause in
+    /// its chain (hyper's own text only says what failed, not why).
+    fn from_send_error(error: &SendError) -> UpstreamFailure {
+        match error {
+            SendError::ConnectTimedOut(after) => UpstreamFailure::TooSlow(format!(
+                "could not be connected to within {} ms (--upstream-connect-timeout-ms)",
+                after.as_millis()
             )),
-            (true, false) => UpstreamFailure::Unreachable(format!("could not be reached: {why}")),
-            (false, _) => UpstreamFailure::Failed(format!("failed to answer the request: {why}")),
+            // The kernel's own limit on connecting ran out first.
+            SendError::Connect(e) if e.kind() == std::io::ErrorKind::TimedOut => {
+                UpstreamFailure::TooSlow(format!("could not be connected to: {e}"))
+            }
+            SendError::Connect(e) => {
+                UpstreamFailure::Unreachable(format!("could not be reached: {e}"))
+            }
+            SendError::Request(e) => UpstreamFailure::Failed(format!(
+                "failed to answer the request: {}",
+                error_chain::describe(e)
+            )),
         }
     }
 }
@@ -719,14 +713,11 @@ mod tests {
         let uri = http
             .target(&"/v1/completions?x=1".parse().unwrap())
             .unwrap();
-        assert_eq!(
-            uri.to_string(),
-            "http://127.0.0.1:9000/api/v1/completions?x=1"
-        );
+        assert_eq!(uri.as_str(), "/api/v1/completions?x=1");
     }
 
     /// Without a prefix the request's path and query go as they came, an
-    /// absolute-form request's own scheme and host replaced.
+    /// absolute-form request's own scheme and host left out.
     #[test]
     fn the_request_path_goes_as_it_came_without_a_prefix() {
         for base in ["http://127.0.0.1:9000", "http://127.0.0.1:9000/"] {
@@ -736,17 +727,12 @@ mod tests {
                 panic!("a valid upstream URL")
             };
             for (request, forwarded) in [
-                (
-                    "/v1/completions?x=1&y=%20",
-                    "http://127.0.0.1:9000/v1/completions?x=1&y=%20",
-                ),
-                (
-                    "http://elsewhere.test/a//b?q",
-                    "http://127.0.0.1:9000/a//b?q",
-                ),
+                ("/v1/completions?x=1&y=%20", "/v1/completions?x=1&y=%20"),
+                ("http://elsewhere.test/a//b?q", "/a//b?q"),
+                ("http://elsewhere.test", "/"),
             ] {
                 let uri = http.target(&request.parse().unwrap()).unwrap();
-                assert_eq!(uri.to_string(), forwarded, "{base} {request}");
+                assert_eq!(uri.as_str(), forwarded, "{base} {request}");
             }
         }
     }

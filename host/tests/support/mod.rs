@@ -465,6 +465,8 @@ pub struct UpstreamState {
     pub release: Notify,
     /// Lets a `/sse` stream send its second event.
     pub sse_release: Notify,
+    /// Connections the gateway has opened so far.
+    pub accepted: AtomicU64,
     /// Connections the gateway has closed so far.
     pub closed: AtomicU64,
     /// Signalled when the gateway closes a connection.
@@ -505,6 +507,7 @@ impl TestUpstream {
                     continue;
                 };
                 let state = shared.clone();
+                state.accepted.fetch_add(1, Ordering::SeqCst);
                 tokio::spawn(async move {
                     let per_request = state.clone();
                     let service = hyper::service::service_fn(move |request| {

@@ -1,0 +1,678 @@
+//! One worker thread's keep-alive HTTP/1.1 connections to one upstream.
+//!
+//! A connection is opened when no idle one is at hand, and goes back to
+//! the pool only once its response body has ended: a response that streams
+//! for minutes (server-sent events) keeps its connection to itself, and the
+//! requests meanwhile get others. The newest idle connection is reused
+//! first; one left idle for the idle timeout is closed. A request that a
+//! reused connection never sent (the upstream closed it just then) is sent
+//! again on another.
+//!
+//! It replaces hyper-util's general-purpose client, whose pool is shared
+//! between threads, hashes every request's scheme and authority to find
+//! its connections (SipHash), and waits for each connection's readiness in
+//! a future of its own: about 5,000 instructions a request spent on one
+//! upstream that this worker alone uses (BENCHMARKS.md).
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::task::{ready, Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body::{Body, Frame, SizeHint};
+use hyper::body::Incoming;
+use hyper::client::conn::http1::{self, SendRequest};
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+
+use crate::gateway::client_body::BoxError;
+use http_body_util::combinators::BoxBody;
+
+/// The request body every pooled connection sends.
+type RequestBody = BoxBody<Bytes, BoxError>;
+
+/// Keep-alive connections to the upstream at one host and port.
+pub struct ConnectionPool {
+    shared: Arc<Shared>,
+}
+
+/// What the pool and the response bodies it lends connections to share.
+struct Shared {
+    /// The host to connect to: a name or an IP address, without the
+    /// brackets of an IPv6 literal.
+    host: String,
+    port: u16,
+    connect_timeout: Duration,
+    idle_timeout: Duration,
+    idle: Mutex<Idle>,
+}
+
+/// The connections waiting for a request, oldest first.
+struct Idle {
+    connections: VecDeque<IdleConnection>,
+    /// Whether a task is on its way to close those idle too long.
+    reaper: bool,
+}
+
+/// A connection ready for its next request, and since when.
+struct IdleConnection {
+    sender: SendRequest<RequestBody>,
+    since: Instant,
+}
+
+/// Why a request got no response from the upstream.
+#[derive(Debug)]
+pub enum SendError {
+    /// No connection could be opened within the connect timeout.
+    ConnectTimedOut(Duration),
+    /// Opening a connection failed.
+    Connect(std::io::Error),
+    /// The connection failed before the response head arrived; the request
+    /// may have been sent.
+    Request(hyper::Error),
+}
+
+impl fmt::Display for SendError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SendError::ConnectTimedOut(after) => {
+                write!(f, "no connection within {} ms", after.as_millis())
+            }
+            SendError::Connect(e) => write!(f, "connecting failed: {e}"),
+            SendError::Request(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+impl std::error::Error for SendError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            SendError::ConnectTimedOut(_) => None,
+            SendError::Connect(e) => e.source(),
+            SendError::Request(e) => Some(e),
+        }
+    }
+}
+
+impl ConnectionPool {
+    /// An empty pool for `host` (brackets of an IPv6 literal allowed) and
+    /// `port`: a connection may take `connect_timeout` to open and is
+    /// closed once idle for `idle_timeout`.
+    pub fn new(
+        host: &str,
+        port: u16,
+        connect_timeout: Duration,
+        idle_timeout: Duration,
+    ) -> ConnectionPool {
+        let host = host
+            .strip_prefix('[')
+            .and_then(|h| h.strip_suffix(']'))
+            .unwrap_or(host);
+        ConnectionPool {
+            shared: Arc::new(Shared {
+                host: host.to_string(),
+                port,
+                connect_timeout,
+                idle_timeout,
+                idle: Mutex::new(Idle {
+                    connections: VecDeque::new(),
+                    reaper: false,
+                }),
+            }),
+        }
+    }
+
+    /// Sends `request`, whose URI must be in origin form (`/path?query`)
+    /// and which must carry its `Host` header, on an idle connection or a
+    /// new one; resolves with the response head. The connection goes back
+    /// to the pool when the response body has ended.
+    pub async fn send(
+        &self,
+        mut request: Request<RequestBody>,
+    ) -> Result<Response<PooledBody>, SendError> {
+        loop {
+            let (mut sender, reused) = match self.shared.checkout() {
+                Some(sender) => (sender, true),
+                None => (self.shared.connect().await?, false),
+            };
+            match sender.try_send_request(request).await {
+                Ok(response) => {
+                    let back = GiveBack {
+                        pool: self.shared.clone(),
+                        sender,
+                    };
+                    return Ok(response.map(|body| PooledBody::new(body, back)));
+                }
+                Err(mut failed) => match failed.take_message() {
+                    // Never written: the connection closed while idle. A new
+                    // connection that fails so is not tried again.
+                    Some(unsent) if reused => request = unsent,
+                    _ => return Err(SendError::Request(failed.into_error())),
+                },
+            }
+        }
+    }
+
+    /// How many connections wait idle (for tests and diagnostics).
+    pub fn idle_count(&self) -> usize {
+        self.shared.lock().connections.len()
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Idle> {
+        self.idle.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The newest idle connection that is still ready; those that closed
+    /// meanwhile are dropped.
+    fn checkout(&self) -> Option<SendRequest<RequestBody>> {
+        let mut idle = self.lock();
+        while let Some(connection) = idle.connections.pop_back() {
+            if connection.sender.is_ready() {
+                return Some(connection.sender);
+            }
+        }
+        None
+    }
+
+    /// Opens a connection, Nagle off, and leaves it to a task of this
+    /// thread's runtime.
+    async fn connect(&self) -> Result<SendRequest<RequestBody>, SendError> {
+        let connecting = TcpStream::connect((self.host.as_str(), self.port));
+        let stream = match tokio::time::timeout(self.connect_timeout, connecting).await {
+            Ok(Ok(stream)) => stream,
+            Ok(Err(e)) => return Err(SendError::Connect(e)),
+            Err(_elapsed) => return Err(SendError::ConnectTimedOut(self.connect_timeout)),
+        };
+        stream.set_nodelay(true).map_err(SendError::Connect)?;
+        let (sender, connection) = http1::Builder::new()
+            .handshake(TokioIo::new(stream))
+            .await
+            .map_err(SendError::Request)?;
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::debug!(
+                    problem = %crate::gateway::error_chain::describe(&e),
+                    "an upstream connection ended with an error"
+                );
+            }
+        });
+        Ok(sender)
+    }
+
+    /// Takes back a connection whose exchange has ended: into the pool
+    /// when it is ready for the next request, after a wait when it is not
+    /// yet (the request body is still being sent), not at all when it is
+    /// closed.
+    fn put(self: &Arc<Self>, sender: SendRequest<RequestBody>) {
+        if sender.is_ready() {
+            self.put_ready(sender);
+        } else if !sender.is_closed() {
+            let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+                return;
+            };
+            let pool = self.clone();
+            runtime.spawn(async move {
+                let mut sender = sender;
+                if sender.ready().await.is_ok() {
+                    pool.put_ready(sender);
+                }
+            });
+        }
+    }
+
+    fn put_ready(self: &Arc<Self>, sender: SendRequest<RequestBody>) {
+        let mut idle = self.lock();
+        idle.connections.push_back(IdleConnection {
+            sender,
+            since: Instant::now(),
+        });
+        if !idle.reaper {
+            // Outside a runtime (never so in the gateway) idle connections
+            // are left for the upstream to close.
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                idle.reaper = true;
+                runtime.spawn(reap(Arc::downgrade(self)));
+            }
+        }
+    }
+}
+
+/// Closes the pool's connections as their idle time runs out, then ends
+/// when none are left idle; the next one given back starts another.
+async fn reap(pool: Weak<Shared>) {
+    loop {
+        let next = {
+            let Some(pool) = pool.upgrade() else { return };
+            let mut idle = pool.lock();
+            let now = Instant::now();
+            let mut expired = Vec::new();
+            while let Some(oldest) = idle.connections.front() {
+                if now.duration_since(oldest.since) < pool.idle_timeout {
+                    break;
+                }
+                expired.extend(idle.connections.pop_front());
+            }
+            let next = idle
+                .connections
+                .front()
+                .map(|oldest| oldest.since + pool.idle_timeout);
+            if next.is_none() {
+                idle.reaper = false;
+            }
+            drop(idle);
+            // Dropping a sender closes its connection.
+            drop(expired);
+            next
+        };
+        match next {
+            Some(deadline) => tokio::time::sleep_until(deadline.into()).await,
+            None => return,
+        }
+    }
+}
+
+/// A connection lent to one response, to give back when its body ends.
+struct GiveBack {
+    pool: Arc<Shared>,
+    sender: SendRequest<RequestBody>,
+}
+
+/// The upstream's response body. When it has ended its connection goes
+/// back to the pool; a body dropped or failed before its end takes its
+/// connection with it (hyper closes a connection whose message was not
+/// read to the end).
+pub struct PooledBody {
+    body: Incoming,
+    give_back: Option<GiveBack>,
+}
+
+impl PooledBody {
+    fn new(body: Incoming, give_back: GiveBack) -> PooledBody {
+        let mut pooled = PooledBody {
+            body,
+            give_back: Some(give_back),
+        };
+        // A response without a body (HEAD, 204, `Content-Length: 0`) may
+        // never be polled.
+        if pooled.body.is_end_stream() {
+            pooled.ended();
+        }
+        pooled
+    }
+
+    fn ended(&mut self) {
+        if let Some(GiveBack { pool, sender }) = self.give_back.take() {
+            pool.put(sender);
+        }
+    }
+}
+
+impl Body for PooledBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let this = self.get_mut();
+        let frame = ready!(Pin::new(&mut this.body).poll_frame(cx));
+        match &frame {
+            None => this.ended(),
+            Some(Ok(_)) if this.body.is_end_stream() => this.ended(),
+            Some(Ok(_)) => {}
+            Some(Err(_)) => this.give_back = None,
+        }
+        Poll::Ready(frame)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::convert::Infallible;
+    use std::net::SocketAddr;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use http::StatusCode;
+    use http_body_util::{BodyExt, Empty, Full};
+    use hyper::service::service_fn;
+    use tokio::sync::{mpsc, Notify};
+
+    use super::*;
+
+    /// A body whose chunks the test sends as it goes; it ends when the
+    /// sender is dropped.
+    struct Chunks(mpsc::UnboundedReceiver<Bytes>);
+
+    impl Body for Chunks {
+        type Data = Bytes;
+        type Error = Infallible;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+            self.0
+                .poll_recv(cx)
+                .map(|chunk| chunk.map(|c| Ok(Frame::data(c))))
+        }
+    }
+
+    /// What the test upstream has seen.
+    #[derive(Default)]
+    struct Seen {
+        accepted: AtomicUsize,
+        closed: AtomicUsize,
+        closed_one: Notify,
+        /// The rest of the open `/stream` response.
+        stream: Mutex<Option<mpsc::UnboundedSender<Bytes>>>,
+    }
+
+    /// A real HTTP/1.1 upstream on loopback: `/fixed` answers `ok`,
+    /// `/close` the same with `Connection: close`, `/empty` 204, and
+    /// `/stream` one chunk, then whatever the test sends through
+    /// [`Seen::stream`] until it drops it.
+    async fn upstream() -> (SocketAddr, Arc<Seen>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let seen = Arc::new(Seen::default());
+        let state = seen.clone();
+        tokio::spawn(async move {
+            loop {
+                let (stream, _) = listener.accept().await.unwrap();
+                state.accepted.fetch_add(1, Ordering::SeqCst);
+                let state = state.clone();
+                tokio::spawn(async move {
+                    let per_request = state.clone();
+                    let service = service_fn(move |request: Request<Incoming>| {
+                        let state = per_request.clone();
+                        async move {
+                            let mut response = Response::new(match request.uri().path() {
+                                "/stream" => {
+                                    let (tx, rx) = mpsc::unbounded_channel();
+                                    tx.send(Bytes::from_static(b"first")).unwrap();
+                                    *state.stream.lock().unwrap() = Some(tx);
+                                    Chunks(rx).boxed()
+                                }
+                                "/empty" => Empty::new().boxed(),
+                                _ => Full::new(Bytes::from_static(b"ok")).boxed(),
+                            });
+                            match request.uri().path() {
+                                "/empty" => *response.status_mut() = StatusCode::NO_CONTENT,
+                                "/close" => {
+                                    response.headers_mut().insert(
+                                        http::header::CONNECTION,
+                                        http::HeaderValue::from_static("close"),
+                                    );
+                                }
+                                _ => {}
+                            }
+                            Ok::<_, Infallible>(response)
+                        }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                    state.closed.fetch_add(1, Ordering::SeqCst);
+                    state.closed_one.notify_one();
+                });
+            }
+        });
+        (addr, seen)
+    }
+
+    fn pool_for(addr: SocketAddr, idle: Duration) -> ConnectionPool {
+        ConnectionPool::new(
+            &addr.ip().to_string(),
+            addr.port(),
+            Duration::from_secs(5),
+            idle,
+        )
+    }
+
+    fn get(path: &str) -> Request<RequestBody> {
+        Request::get(path)
+            .header(http::header::HOST, "upstream.test")
+            .body(Empty::new().map_err(|never| match never {}).boxed())
+            .unwrap()
+    }
+
+    async fn read_to_end(response: Response<PooledBody>) -> Bytes {
+        response.into_body().collect().await.unwrap().to_bytes()
+    }
+
+    fn accepted(seen: &Seen) -> usize {
+        seen.accepted.load(Ordering::SeqCst)
+    }
+
+    #[tokio::test]
+    async fn requests_one_after_another_share_one_connection() {
+        let (addr, seen) = upstream().await;
+        let pool = pool_for(addr, Duration::from_secs(60));
+        for _ in 0..5 {
+            let response = pool.send(get("/fixed")).await.unwrap();
+            assert_eq!(read_to_end(response).await, "ok");
+            assert_eq!(pool.idle_count(), 1);
+        }
+        assert_eq!(accepted(&seen), 1);
+    }
+
+    /// Server-sent events must not hold up other requests: a connection
+    /// whose response still streams is not lent to another.
+    #[tokio::test]
+    async fn a_response_still_streaming_keeps_its_connection_to_itself() {
+        let (addr, seen) = upstream().await;
+        let pool = pool_for(addr, Duration::from_secs(60));
+        let mut streaming = pool.send(get("/stream")).await.unwrap().into_body();
+        let first = streaming
+            .frame()
+            .await
+            .unwrap()
+            .unwrap()
+            .into_data()
+            .unwrap();
+        assert_eq!(first, "first");
+        assert_eq!(pool.idle_count(), 0);
+
+        let response = pool.send(get("/fixed")).await.unwrap();
+        assert_eq!(read_to_end(response).await, "ok");
+        assert_eq!(
+            accepted(&seen),
+            2,
+            "the second request had a connection of its own"
+        );
+        assert_eq!(pool.idle_count(), 1);
+
+        // The stream ends: its connection is given back too.
+        let rest = seen.stream.lock().unwrap().take().unwrap();
+        rest.send(Bytes::from_static(b"last")).unwrap();
+        drop(rest);
+        let last = streaming.collect().await.unwrap().to_bytes();
+        assert_eq!(last, "last");
+        assert_eq!(pool.idle_count(), 2);
+        for _ in 0..2 {
+            let response = pool.send(get("/fixed")).await.unwrap();
+            assert_eq!(read_to_end(response).await, "ok");
+        }
+        assert_eq!(accepted(&seen), 2);
+    }
+
+    #[tokio::test]
+    async fn a_body_dropped_before_its_end_takes_its_connection_with_it() {
+        let (addr, seen) = upstream().await;
+        let pool = pool_for(addr, Duration::from_secs(60));
+        let mut streaming = pool.send(get("/stream")).await.unwrap().into_body();
+        streaming.frame().await.unwrap().unwrap();
+        drop(streaming);
+        bounded(seen.closed_one.notified()).await;
+        assert_eq!(pool.idle_count(), 0);
+        let response = pool.send(get("/fixed")).await.unwrap();
+        assert_eq!(read_to_end(response).await, "ok");
+        assert_eq!(accepted(&seen), 2);
+    }
+
+    #[tokio::test]
+    async fn a_connection_the_upstream_closes_after_its_answer_is_not_reused() {
+        let (addr, seen) = upstream().await;
+        let pool = pool_for(addr, Duration::from_secs(60));
+        for n in 1..=3 {
+            let response = pool.send(get("/close")).await.unwrap();
+            assert_eq!(read_to_end(response).await, "ok");
+            assert_eq!(accepted(&seen), n);
+        }
+    }
+
+    #[tokio::test]
+    async fn a_response_without_a_body_gives_its_connection_back_unread() {
+        let (addr, seen) = upstream().await;
+        let pool = pool_for(addr, Duration::from_secs(60));
+        let response = pool.send(get("/empty")).await.unwrap();
+        assert_eq!(response.status(), StatusCode::NO_CONTENT);
+        // Not read, not even dropped yet.
+        assert_eq!(pool.idle_count(), 1);
+        let again = pool.send(get("/fixed")).await.unwrap();
+        assert_eq!(read_to_end(again).await, "ok");
+        assert_eq!(accepted(&seen), 1);
+        drop(response);
+    }
+
+    #[tokio::test]
+    async fn connections_idle_for_the_idle_timeout_are_closed() {
+        let (addr, seen) = upstream().await;
+        let idle = Duration::from_millis(200);
+        let pool = pool_for(addr, idle);
+        let response = pool.send(get("/fixed")).await.unwrap();
+        read_to_end(response).await;
+        let given_back = Instant::now();
+        bounded(seen.closed_one.notified()).await;
+        assert!(
+            given_back.elapsed() >= idle,
+            "closed after {:?}",
+            given_back.elapsed()
+        );
+        assert_eq!(pool.idle_count(), 0);
+        // The next request opens a new one; the reaper starts again.
+        let response = pool.send(get("/fixed")).await.unwrap();
+        read_to_end(response).await;
+        assert_eq!(accepted(&seen), 2);
+        bounded(seen.closed_one.notified()).await;
+        assert_eq!(seen.closed.load(Ordering::SeqCst), 2);
+    }
+
+    /// An idle connection the upstream closed before the gateway noticed:
+    /// the request, never written, goes on a new connection.
+    #[tokio::test]
+    async fn a_request_a_reused_connection_never_sent_is_sent_on_a_new_one() {
+        let (addr, seen) = upstream().await;
+        let pool = pool_for(addr, Duration::from_secs(60));
+        // A connection to an in-memory peer, used once, then left ready in
+        // the pool; the peer then goes away. This thread runs the
+        // connection's task only once the request below is queued on it.
+        let (near, mut far) = tokio::io::duplex(4096);
+        let (mut sender, connection) = http1::handshake(TokioIo::new(near)).await.unwrap();
+        tokio::spawn(connection);
+        let peer = async {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let mut head = Vec::new();
+            while !head.ends_with(b"\r\n\r\n") {
+                head.push(far.read_u8().await.unwrap());
+            }
+            far.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\npeer")
+                .await
+                .unwrap();
+        };
+        let (response, ()) = tokio::join!(sender.send_request(get("/fixed")), peer);
+        let body = response.unwrap().into_body().collect().await.unwrap();
+        assert_eq!(body.to_bytes(), "peer");
+        sender.ready().await.unwrap();
+        // No await from here on: the connection's task cannot run.
+        drop(far);
+        assert!(
+            sender.is_ready(),
+            "the connection has not yet seen its peer go"
+        );
+        pool.shared.put_ready(sender);
+
+        let response = pool.send(get("/fixed")).await.unwrap();
+        assert_eq!(read_to_end(response).await, "ok");
+        assert_eq!(accepted(&seen), 1);
+    }
+
+    /// A connection given back before it is ready for another request
+    /// (its exchange still under way) joins the pool once it is.
+    #[tokio::test]
+    async fn a_connection_given_back_busy_joins_the_pool_when_ready() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (addr, seen) = upstream().await;
+        let pool = pool_for(addr, Duration::from_secs(60));
+        let (near, mut far) = tokio::io::duplex(4096);
+        let (mut sender, connection) = http1::handshake(TokioIo::new(near)).await.unwrap();
+        tokio::spawn(connection);
+        async fn read_head(far: &mut tokio::io::DuplexStream) {
+            let mut head = Vec::new();
+            while !head.ends_with(b"\r\n\r\n") {
+                head.push(far.read_u8().await.unwrap());
+            }
+        }
+        const ANSWER: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\npeer";
+        let answer = sender.send_request(get("/fixed"));
+        let (response, ()) = tokio::join!(
+            async {
+                // Given back while the request waits for its answer.
+                tokio::task::yield_now().await;
+                assert!(!sender.is_ready() && !sender.is_closed());
+                pool.shared.put(sender);
+                assert_eq!(pool.idle_count(), 0);
+                answer.await
+            },
+            async {
+                read_head(&mut far).await;
+                far.write_all(ANSWER).await.unwrap();
+            }
+        );
+        let body = response.unwrap().into_body().collect().await.unwrap();
+        assert_eq!(body.to_bytes(), "peer");
+        for _ in 0..1000 {
+            if pool.idle_count() == 1 {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(pool.idle_count(), 1);
+        // Reused: the in-memory peer answers, not the real upstream.
+        let (again, ()) = tokio::join!(pool.send(get("/fixed")), async {
+            read_head(&mut far).await;
+            far.write_all(ANSWER).await.unwrap();
+        });
+        assert_eq!(read_to_end(again.unwrap()).await, "peer");
+        assert_eq!(accepted(&seen), 0);
+    }
+
+    async fn bounded<F: std::future::Future>(wait: F) -> F::Output {
+        tokio::time::timeout(Duration::from_secs(10), wait)
+            .await
+            .expect("the upstream closed a connection within 10 s")
+    }
+
+    #[test]
+    fn an_ipv6_literal_is_connected_to_without_its_brackets() {
+        let pool = ConnectionPool::new("[::1]", 8000, Duration::ZERO, Duration::ZERO);
+        assert_eq!(pool.shared.host, "::1");
+        let pool = ConnectionPool::new("upstream.test", 80, Duration::ZERO, Duration::ZERO);
+        assert_eq!(pool.shared.host, "upstream.test");
+    }
+}
