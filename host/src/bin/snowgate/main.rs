@@ -1,5 +1,6 @@
 //! The `snowgate` command: runs the plugin on request bodies, and reads ids.
 
+mod allocator;
 mod decode;
 mod rewrite;
 mod serve;
@@ -12,7 +13,7 @@ use clap::{Parser, Subcommand};
 /// small allocations (headers, buffers, futures), and the profile of the
 /// gateway under load showed glibc's malloc and free at ~8 % of its CPU.
 #[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static ALLOCATOR: allocator::Mimalloc = allocator::Mimalloc;
 
 /// snowgate: request middleware that gives disaggregated LLM requests
 /// globally unique `disagg_request_id`s, in a WebAssembly plugin.
