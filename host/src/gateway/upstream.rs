@@ -60,6 +60,18 @@ const HOP_BY_HOP_COUNT: usize = 7;
 const HOP_BY_HOP_CONNECTION: usize = 0;
 const HOP_BY_HOP_TE: usize = 5;
 
+/// Bit n is set when a name in [`HOP_BY_HOP`], or `Upgrade`, is n bytes
+/// long (2, 7, 10, 16, 17, 18, 19). Most headers' names (`host`,
+/// `content-type`, `authorization`) are not, and are passed over on their
+/// length alone, not compared with eight names.
+const HOP_BY_HOP_LENGTHS: u32 = 1 << 2 | 1 << 7 | 1 << 10 | 1 << 16 | 1 << 17 | 1 << 18 | 1 << 19;
+
+/// Whether `name` has the length of a hop-by-hop name.
+fn may_be_hop_by_hop(name: &HeaderName) -> bool {
+    let length = name.as_str().len();
+    length < 32 && HOP_BY_HOP_LENGTHS & (1 << length) != 0
+}
+
 /// The service behind the middleware.
 #[derive(Clone)]
 pub enum Upstream {
@@ -421,7 +433,7 @@ const NEVER_CONNECTION_OPTIONS: [HeaderName; 4] = [
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     let mut present = [false; HOP_BY_HOP_COUNT];
     let mut upgrade = false;
-    for name in headers.keys() {
+    for name in headers.keys().filter(|name| may_be_hop_by_hop(name)) {
         match HOP_BY_HOP.iter().position(|hop| hop == name) {
             Some(i) => present[i] = true,
             None => upgrade |= name == header::UPGRADE,
@@ -588,6 +600,18 @@ mod tests {
     }
 
     #[test]
+    fn every_hop_by_hop_name_has_a_length_that_is_looked_at() {
+        for name in HOP_BY_HOP.iter().chain([&header::UPGRADE]) {
+            assert!(may_be_hop_by_hop(name), "{name}");
+        }
+        for name in [header::HOST, header::CONTENT_TYPE, header::CONTENT_LENGTH] {
+            assert!(!may_be_hop_by_hop(&name), "{name}");
+        }
+        let long = HeaderName::from_bytes(&[b'x'; 40]).unwrap();
+        assert!(!may_be_hop_by_hop(&long));
+    }
+
+    #[test]
     fn the_indices_of_connection_and_te_are_theirs() {
         assert_eq!(HOP_BY_HOP[HOP_BY_HOP_CONNECTION], header::CONNECTION);
         assert_eq!(HOP_BY_HOP[HOP_BY_HOP_TE], header::TE);
@@ -626,7 +650,7 @@ mod tests {
     /// headers come out of both alike, each name's values in their order.
     #[test]
     fn strips_what_looking_up_every_name_strips() {
-        const HEADERS: [(&str, &[&str]); 12] = [
+        const HEADERS: [(&str, &[&str]); 13] = [
             (
                 "connection",
                 &[
@@ -648,6 +672,8 @@ mod tests {
             ("content-type", &["application/json"]),
             ("authorization", &["Bearer t"]),
             ("trailer", &["x-checksum"]),
+            // As long as `connection`, and not hop-by-hop.
+            ("user-agent", &["OpenAI/Python"]),
         ];
         let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
         let mut next = |below: usize| {
