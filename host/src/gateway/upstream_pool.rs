@@ -25,13 +25,13 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http::{Request, Response};
 use http_body::{Body, Frame, SizeHint};
+use http_body_util::combinators::BoxBody;
 use hyper::body::Incoming;
 use hyper::client::conn::http1::{self, SendRequest};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 
 use crate::gateway::client_body::BoxError;
-use http_body_util::combinators::BoxBody;
 
 /// The request body every pooled connection sends.
 type RequestBody = BoxBody<Bytes, BoxError>;
