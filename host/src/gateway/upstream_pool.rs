@@ -613,20 +613,9 @@ mod tests {
         // A connection to an in-memory peer, used once, then left ready in
         // the pool; the peer then goes away. This thread runs the
         // connection's task only once the request below is queued on it.
-        let (near, mut far) = tokio::io::duplex(4096);
-        let (mut sender, connection) = http1::handshake(TokioIo::new(near)).await.unwrap();
-        tokio::spawn(connection);
-        let peer = async {
-            use tokio::io::{AsyncReadExt, AsyncWriteExt};
-            let mut head = Vec::new();
-            while !head.ends_with(b"\r\n\r\n") {
-                head.push(far.read_u8().await.unwrap());
-            }
-            far.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\npeer")
-                .await
-                .unwrap();
-        };
-        let (response, ()) = tokio::join!(sender.send_request(get("/fixed")), peer);
+        let (mut sender, mut far) = in_memory_connection().await;
+        let (response, ()) =
+            tokio::join!(sender.send_request(get("/fixed")), answer_as_peer(&mut far));
         let body = response.unwrap().into_body().collect().await.unwrap();
         assert_eq!(body.to_bytes(), "peer");
         sender.ready().await.unwrap();
@@ -647,19 +636,9 @@ mod tests {
     /// (its exchange still under way) joins the pool once it is.
     #[tokio::test]
     async fn a_connection_given_back_busy_joins_the_pool_when_ready() {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let (addr, seen) = upstream().await;
         let pool = pool_for(addr, Duration::from_secs(60));
-        let (near, mut far) = tokio::io::duplex(4096);
-        let (mut sender, connection) = http1::handshake(TokioIo::new(near)).await.unwrap();
-        tokio::spawn(connection);
-        async fn read_head(far: &mut tokio::io::DuplexStream) {
-            let mut head = Vec::new();
-            while !head.ends_with(b"\r\n\r\n") {
-                head.push(far.read_u8().await.unwrap());
-            }
-        }
-        const ANSWER: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\npeer";
+        let (mut sender, mut far) = in_memory_connection().await;
         let answer = sender.send_request(get("/fixed"));
         let (response, ()) = tokio::join!(
             async {
@@ -670,10 +649,7 @@ mod tests {
                 assert_eq!(pool.idle_count(), 0);
                 answer.await
             },
-            async {
-                read_head(&mut far).await;
-                far.write_all(ANSWER).await.unwrap();
-            }
+            answer_as_peer(&mut far)
         );
         let body = response.unwrap().into_body().collect().await.unwrap();
         assert_eq!(body.to_bytes(), "peer");
@@ -685,12 +661,31 @@ mod tests {
         }
         assert_eq!(pool.idle_count(), 1);
         // Reused: the in-memory peer answers, not the real upstream.
-        let (again, ()) = tokio::join!(pool.send(get("/fixed")), async {
-            read_head(&mut far).await;
-            far.write_all(ANSWER).await.unwrap();
-        });
+        let (again, ()) = tokio::join!(pool.send(get("/fixed")), answer_as_peer(&mut far));
         assert_eq!(read_to_end(again.unwrap()).await, "peer");
         assert_eq!(accepted(&seen), 0);
+    }
+
+    /// A connection to an in-memory peer, its task spawned on this
+    /// thread, and the peer's end, which [`answer_as_peer`] serves.
+    async fn in_memory_connection() -> (SendRequest<RequestBody>, tokio::io::DuplexStream) {
+        let (near, far) = tokio::io::duplex(4096);
+        let (sender, connection) = http1::handshake(TokioIo::new(near)).await.unwrap();
+        tokio::spawn(connection);
+        (sender, far)
+    }
+
+    /// Reads one request head (the tests' requests have no body) and
+    /// answers `200 peer`.
+    async fn answer_as_peer(far: &mut tokio::io::DuplexStream) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut head = Vec::new();
+        while !head.ends_with(b"\r\n\r\n") {
+            head.push(far.read_u8().await.unwrap());
+        }
+        far.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\npeer")
+            .await
+            .unwrap();
     }
 
     async fn bounded<F: std::future::Future>(wait: F) -> F::Output {
