@@ -29,10 +29,11 @@ use crate::gateway::upstream_pool::{ConnectionPool, SendError};
 use crate::gateway::upstream_read_timeout::UpstreamReadTimeout;
 use crate::log_throttle::LogThrottle;
 
-/// Any error a body may carry.
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+/// Any error a body may carry (defined with the client's body).
+pub use crate::gateway::client_body::BoxError;
 
-/// A response body: streamed from the upstream, or made here.
+/// A body on its way through the upstream: the request sent to it, or the
+/// response streamed from it or made here.
 pub type UpstreamBody = BoxBody<Bytes, BoxError>;
 
 /// The largest body the echo upstream reads back.

@@ -25,16 +25,12 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http::{Request, Response};
 use http_body::{Body, Frame, SizeHint};
-use http_body_util::combinators::BoxBody;
 use hyper::body::Incoming;
 use hyper::client::conn::http1::{self, SendRequest};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 
-use crate::gateway::client_body::BoxError;
-
-/// The request body every pooled connection sends.
-type RequestBody = BoxBody<Bytes, BoxError>;
+use crate::gateway::upstream::UpstreamBody as RequestBody;
 
 /// Keep-alive connections to the upstream at one host and port.
 pub struct ConnectionPool {
