@@ -50,7 +50,7 @@ use std::task::{Context, Poll};
 use std::time::Instant;
 
 use bytes::Bytes;
-use http::{header, HeaderMap, Method, Request, Response, StatusCode};
+use http::{header, HeaderMap, HeaderName, Method, Request, Response, StatusCode};
 use http_body::Body;
 use http_body_util::{Either, Full};
 use tokio::sync::Semaphore;
@@ -66,9 +66,11 @@ use crate::gateway::responses;
 use crate::gateway::slot::PluginSlot;
 use crate::log_throttle::LogThrottle;
 use crate::request::Request as PluginRequest;
-// The header that has TensorRT-LLM decode a body as MessagePack, whatever
-// its content type says.
 use snowgate_plugin::MSGPACK_HEADER;
+
+/// The header that has TensorRT-LLM decode a body as MessagePack, whatever
+/// its content type says; made once, not parsed from text per request.
+static MSGPACK: HeaderName = HeaderName::from_static(MSGPACK_HEADER);
 
 /// The body type the inner service receives: the (possibly rewritten) body
 /// in memory, or the original body streaming through.
@@ -211,7 +213,8 @@ impl Shared {
         // framed from the headers before any were removed, not from the
         // framing headers (`Transfer-Encoding` is hop-by-hop and gone).
         let has_body = !request.body().is_end_stream();
-        if !is_json(request.headers(), has_body) {
+        let label = body_label(request.headers(), has_body);
+        if label == BodyLabel::Other {
             // Counted when the answer comes, or when the client goes away
             // before it (the request is then dropped here).
             let mut counted = CountOnDrop {
@@ -271,9 +274,7 @@ impl Shared {
                 return own(response);
             }
         };
-        let loosely_typed_and_not_json = !declares_json(&parts.headers)
-            && !parts.headers.contains_key(MSGPACK_HEADER)
-            && !could_be_json(&bytes);
+        let loosely_typed_and_not_json = label == BodyLabel::Loose && !could_be_json(&bytes);
         if bytes.is_empty() || loosely_typed_and_not_json {
             // Nothing to stamp: an empty body (e.g. a GET that declares a
             // JSON type), or an untyped or form-typed body that is not JSON.
@@ -478,31 +479,39 @@ fn is_json_media(mime: &[u8]) -> bool {
             && mime[mime.len() - SUFFIX.len()..].eq_ignore_ascii_case(SUFFIX))
 }
 
-/// Whether the content type says JSON (`application/json`, `…+json`).
-fn declares_json(headers: &HeaderMap) -> bool {
-    media_type(headers).is_some_and(is_json_media)
+/// What a request's headers say its body is: read once per request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum BodyLabel {
+    /// Declared JSON (`application/json`, `…+json`), or MessagePack
+    /// (`X-TRTLLM-Msgpack`, which the plugin refuses): the plugin sees it.
+    Json,
+    /// No content type, an empty one (FastAPI parses both as JSON), or the
+    /// form type `curl -d` sends by default: the plugin sees it if the body,
+    /// once read, could be JSON.
+    Loose,
+    /// Any other type, or no body at all: it streams through.
+    Other,
 }
 
-/// Whether the plugin should see this request: it has a body, and the body
-/// is declared JSON or MessagePack (`X-TRTLLM-Msgpack`, which the plugin
-/// refuses), or has no or an empty content type (which FastAPI parses as
-/// JSON), or the form type `curl -d` sends by default (those three only if
-/// the body could be JSON, checked once read): an unstamped context-only
-/// request must not slip through on a label.
-fn is_json(headers: &HeaderMap, has_body: bool) -> bool {
+/// What the headers say the body is, for a request that `has_body`: an
+/// unstamped context-only request must not slip through on a label.
+fn body_label(headers: &HeaderMap, has_body: bool) -> BodyLabel {
     if !has_body {
-        return false;
+        return BodyLabel::Other;
     }
-    if headers.contains_key(MSGPACK_HEADER) {
-        return true;
+    if headers.contains_key(&MSGPACK) {
+        return BodyLabel::Json;
     }
     match media_type(headers) {
-        None => true,
-        Some(mime) => {
-            mime.is_empty()
-                || mime.eq_ignore_ascii_case(b"application/x-www-form-urlencoded")
-                || is_json_media(mime)
+        None => BodyLabel::Loose,
+        Some(mime) if is_json_media(mime) => BodyLabel::Json,
+        Some(mime)
+            if mime.is_empty()
+                || mime.eq_ignore_ascii_case(b"application/x-www-form-urlencoded") =>
+        {
+            BodyLabel::Loose
         }
+        Some(_) => BodyLabel::Other,
     }
 }
 
@@ -610,30 +619,54 @@ mod tests {
             let text = media_type_as_text(&typed).expect("a content type");
             let was_json = text == "application/json" || text.ends_with("+json");
             let was_loose = text.is_empty() || text == "application/x-www-form-urlencoded";
-            assert_eq!(declares_json(&typed), was_json, "{value:?}");
-            assert_eq!(is_json(&typed, true), was_json || was_loose, "{value:?}");
+            let expected = match (was_json, was_loose) {
+                (true, _) => BodyLabel::Json,
+                (false, true) => BodyLabel::Loose,
+                (false, false) => BodyLabel::Other,
+            };
+            assert_eq!(body_label(&typed, true), expected, "{value:?}");
         }
     }
 
     #[test]
     fn json_content_types_go_through_the_plugin() {
-        let json = |pairs| is_json(&headers(pairs), true);
-        assert!(json(&[("content-type", "application/json")]));
+        let label = |pairs| body_label(&headers(pairs), true);
+        let json = |pairs| label(pairs) != BodyLabel::Other;
+        assert_eq!(
+            label(&[("content-type", "application/json")]),
+            BodyLabel::Json
+        );
         assert!(json(&[("content-type", "Application/JSON; charset=utf-8")]));
-        assert!(json(&[("content-type", "application/vnd.api+json")]));
-        assert!(json(&[]), "an untyped body goes to the plugin");
-        assert!(json(&[("content-type", "")]), "FastAPI reads it as untyped");
+        assert_eq!(
+            label(&[("content-type", "application/vnd.api+json")]),
+            BodyLabel::Json
+        );
+        assert_eq!(
+            label(&[]),
+            BodyLabel::Loose,
+            "an untyped body goes to the plugin"
+        );
+        assert_eq!(
+            label(&[("content-type", "")]),
+            BodyLabel::Loose,
+            "FastAPI reads it as untyped"
+        );
         assert!(json(&[("content-type", " ; charset=utf-8")]));
-        assert!(json(&[
-            ("content-type", "text/plain"),
-            ("x-trtllm-msgpack", "1")
-        ]));
+        assert_eq!(
+            label(&[("content-type", "text/plain"), ("x-trtllm-msgpack", "1")]),
+            BodyLabel::Json,
+            "MessagePack, whatever the content type says"
+        );
         let mut odd = HeaderMap::new();
         odd.insert(
             header::CONTENT_TYPE,
             header::HeaderValue::from_bytes(b"application/json; x=\xff").unwrap(),
         );
-        assert!(declares_json(&odd), "read as Latin-1, as Python does");
+        assert_eq!(
+            body_label(&odd, true),
+            BodyLabel::Json,
+            "read as Latin-1, as Python does"
+        );
         assert!(json(&[(
             "content-type",
             "application/x-www-form-urlencoded"
@@ -643,8 +676,9 @@ mod tests {
             "content-type",
             "multipart/form-data; boundary=x"
         )]));
-        assert!(
-            !is_json(&headers(&[("content-type", "application/json")]), false),
+        assert_eq!(
+            body_label(&headers(&[("content-type", "application/json")]), false),
+            BodyLabel::Other,
             "a request without a body passes through"
         );
     }
