@@ -9,7 +9,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{fixed_plugin, identity_of, json_request, reject, START_MILLIS};
+use common::{clock_of, fixed_plugin, identity_of, json_request, reject, START_MILLIS};
 use snowgate_host::boot_clock::BootTime;
 use snowgate_host::identity::LeaseBounds;
 use snowgate_host::{Action, Plugin};
@@ -162,4 +162,79 @@ fn the_gateways_async_calls_are_bounded_the_same_way() {
         "{}",
         common::describe(&answer)
     );
+}
+
+/// The machine ids of the ids in a stamped answer.
+fn machine_ids(answer: &Result<Action, snowgate_host::CallError>) -> Vec<u32> {
+    let Ok(Action::ForwardWithBody(body)) = answer else {
+        panic!("expected a stamped body, got {}", common::describe(answer));
+    };
+    common::ids_in(body)
+        .into_iter()
+        .map(|id| {
+            SnowflakeLayout::TrtllmV1
+                .decode(id)
+                .expect("decodes")
+                .machine_id
+        })
+        .collect()
+}
+
+/// The gateway's calls reuse instances, and the bundled plugin keeps the
+/// machine id an instance was given. Every change of the machine id still
+/// reaches the next request, and a lease that stops covering the ids while
+/// an instance keeps its id gets those ids withheld.
+#[test]
+fn a_reused_instance_stamps_only_with_the_machine_id_held_now() {
+    let plugin = fixed_plugin(SnowflakeLayout::TrtllmV1, 7, START_MILLIS);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    let call = |body: &str| runtime.block_on(plugin.handle_async(&json_request(body)));
+
+    for _ in 0..3 {
+        assert_eq!(machine_ids(&call(common::CONTEXT_ONLY)), [7]);
+    }
+    identity_of(&plugin).assign(8).expect("in range");
+    for _ in 0..3 {
+        assert_eq!(machine_ids(&call(common::CONTEXT_ONLY)), [8]);
+    }
+    identity_of(&plugin).withdraw("the fleet lease for machine id 8 expired");
+    match call(common::CONTEXT_ONLY) {
+        Ok(Action::Reject(rejection)) => {
+            assert_eq!(rejection.status, 503, "{rejection:?}");
+            assert!(
+                rejection
+                    .message
+                    .contains("the fleet lease for machine id 8 expired"),
+                "{rejection:?}"
+            );
+        }
+        other => panic!("expected a 503, got {}", common::describe(&other)),
+    }
+
+    // Leased 9, with ids allowed up to START_MILLIS: the instance that
+    // stamps keeps 9, and then the clock passes the mark with no new
+    // grant.
+    lease(&plugin, Duration::from_secs(60), START_MILLIS);
+    for _ in 0..3 {
+        assert_eq!(machine_ids(&call(common::CONTEXT_ONLY)), [9]);
+    }
+    clock_of(&plugin).advance_past(START_MILLIS);
+    match call(common::CONTEXT_ONLY) {
+        Ok(Action::Reject(rejection)) => {
+            assert_eq!(rejection.status, 503, "{rejection:?}");
+            assert_eq!(rejection.code, "no_machine_id");
+            assert!(
+                rejection
+                    .message
+                    .contains("past the slot's high-water mark"),
+                "{rejection:?}"
+            );
+        }
+        other => panic!("expected a 503, got {}", common::describe(&other)),
+    }
+    identity_of(&plugin).ceiling_raised(START_MILLIS + 10, START_MILLIS + 5);
+    assert_eq!(machine_ids(&call(common::CONTEXT_ONLY)), [9]);
 }

@@ -21,6 +21,14 @@ static CONFIG: Mutex<Config> = Mutex::new(Config {
     layout: SnowflakeLayout::TrtllmV1,
 });
 
+/// The machine id this instance was given, kept for its later calls: the
+/// host starts no call on an instance once the machine id grant it was
+/// created under has been withdrawn or replaced, and it checks every answer
+/// that took ticks against that grant (see `current-machine-id` in the
+/// WIT). Kept, it costs one host call per instance instead of one per
+/// request. A refusal is not kept: the next call asks again.
+static MACHINE_ID: Mutex<Option<MachineId>> = Mutex::new(None);
+
 /// The component's export.
 struct Plugin;
 
@@ -29,15 +37,23 @@ struct HostIds;
 
 impl IdSource for HostIds {
     fn machine_id(&mut self) -> Result<MachineId, String> {
+        let mut kept = MACHINE_ID
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(id) = *kept {
+            return Ok(id);
+        }
         let id = identity::current_machine_id()?;
         let layout = match id.layout {
             IdLayout::TrtllmV1 => SnowflakeLayout::TrtllmV1,
             IdLayout::TrtllmV2 => SnowflakeLayout::TrtllmV2,
         };
-        Ok(MachineId {
+        let id = MachineId {
             value: id.value,
             layout,
-        })
+        };
+        *kept = Some(id);
+        Ok(id)
     }
 
     fn next_tick(&mut self, sequence_space: u32) -> Tick {
