@@ -9,7 +9,9 @@ mod common;
 
 use std::time::Duration;
 
-use common::{clock_of, fixed_plugin, identity_of, json_request, reject, START_MILLIS};
+use common::{
+    clock_of, fixed_plugin, identity_of, json_request, reject, rejection_in, START_MILLIS,
+};
 use snowgate_host::boot_clock::BootTime;
 use snowgate_host::identity::LeaseBounds;
 use snowgate_host::{Action, Plugin};
@@ -148,13 +150,9 @@ fn the_gateways_async_calls_are_bounded_the_same_way() {
         .build()
         .expect("a runtime");
     let answer = runtime.block_on(plugin.handle_async(&json_request(common::CONTEXT_ONLY)));
-    match answer {
-        Ok(Action::Reject(rejection)) => {
-            assert_eq!(rejection.status, 503, "{rejection:?}");
-            assert_eq!(rejection.code, "no_machine_id");
-        }
-        other => panic!("expected a 503, got {}", common::describe(&other)),
-    }
+    let rejection = rejection_in(answer);
+    assert_eq!(rejection.status, 503, "{rejection:?}");
+    assert_eq!(rejection.code, "no_machine_id");
     identity_of(&plugin).ceiling_raised(START_MILLIS + 10, START_MILLIS + 5);
     let answer = runtime.block_on(plugin.handle_async(&json_request(common::CONTEXT_ONLY)));
     assert!(
@@ -201,18 +199,14 @@ fn a_reused_instance_stamps_only_with_the_machine_id_held_now() {
         assert_eq!(machine_ids(&call(common::CONTEXT_ONLY)), [8]);
     }
     identity_of(&plugin).withdraw("the fleet lease for machine id 8 expired");
-    match call(common::CONTEXT_ONLY) {
-        Ok(Action::Reject(rejection)) => {
-            assert_eq!(rejection.status, 503, "{rejection:?}");
-            assert!(
-                rejection
-                    .message
-                    .contains("the fleet lease for machine id 8 expired"),
-                "{rejection:?}"
-            );
-        }
-        other => panic!("expected a 503, got {}", common::describe(&other)),
-    }
+    let rejection = rejection_in(call(common::CONTEXT_ONLY));
+    assert_eq!(rejection.status, 503, "{rejection:?}");
+    assert!(
+        rejection
+            .message
+            .contains("the fleet lease for machine id 8 expired"),
+        "{rejection:?}"
+    );
 
     // Leased 9, with ids allowed up to START_MILLIS: the instance that
     // stamps keeps 9, and then the clock passes the mark with no new
@@ -222,19 +216,15 @@ fn a_reused_instance_stamps_only_with_the_machine_id_held_now() {
         assert_eq!(machine_ids(&call(common::CONTEXT_ONLY)), [9]);
     }
     clock_of(&plugin).advance_past(START_MILLIS);
-    match call(common::CONTEXT_ONLY) {
-        Ok(Action::Reject(rejection)) => {
-            assert_eq!(rejection.status, 503, "{rejection:?}");
-            assert_eq!(rejection.code, "no_machine_id");
-            assert!(
-                rejection
-                    .message
-                    .contains("past the slot's high-water mark"),
-                "{rejection:?}"
-            );
-        }
-        other => panic!("expected a 503, got {}", common::describe(&other)),
-    }
+    let rejection = rejection_in(call(common::CONTEXT_ONLY));
+    assert_eq!(rejection.status, 503, "{rejection:?}");
+    assert_eq!(rejection.code, "no_machine_id");
+    assert!(
+        rejection
+            .message
+            .contains("past the slot's high-water mark"),
+        "{rejection:?}"
+    );
     identity_of(&plugin).ceiling_raised(START_MILLIS + 10, START_MILLIS + 5);
     assert_eq!(machine_ids(&call(common::CONTEXT_ONLY)), [9]);
 }

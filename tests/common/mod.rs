@@ -128,10 +128,15 @@ pub fn stamp(plugin: &Plugin, body: impl Into<Vec<u8>>) -> Vec<u8> {
     }
 }
 
-/// Runs `body` through `plugin` and returns the rejection; panics on any
-/// other answer.
+/// Runs `request` through `plugin` and returns the rejection; panics on
+/// any other answer.
 pub fn reject(plugin: &Plugin, request: &Request) -> Rejection {
-    match plugin.handle(request) {
+    rejection_in(plugin.handle(request))
+}
+
+/// The rejection `answer` holds; panics on any other answer.
+pub fn rejection_in(answer: Result<Action, snowgate_host::CallError>) -> Rejection {
+    match answer {
         Ok(Action::Reject(rejection)) => rejection,
         other => panic!("expected a rejection, got {}", describe(&other)),
     }
