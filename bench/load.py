@@ -183,13 +183,15 @@ def proc_cpu_ticks(pid: int) -> int:
         return 0
 
 
-def system_busy_ticks() -> tuple[int, int, int]:
-    """(busy, total, irq + softirq) ticks of all CPUs since boot, from /proc/stat."""
+def system_busy_ticks() -> tuple[int, int, int, int]:
+    """(busy, total, irq + softirq, steal) ticks of all CPUs since boot, from /proc/stat.
+    Steal is time the hypervisor ran something else while this VM wanted its CPUs: it comes
+    in bursts that stall every process here for milliseconds."""
     with open("/proc/stat") as f:
         vals = [int(v) for v in f.readline().split()[1:]]
     idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
     total = sum(vals[:8])
-    return total - idle, total, vals[5] + vals[6]
+    return total - idle, total, vals[5] + vals[6], vals[7] if len(vals) > 7 else 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -598,9 +600,12 @@ class Bench:
         irq = b["_system"][2] - a["_system"][2]
         # interrupt and softirq time: mostly the loopback TCP traffic of the run itself
         out["irq+softirq"] = round(100.0 * irq / self.ticks / wall, 1)
+        steal = b["_system"][3] - a["_system"][3]
+        # the host took the CPUs away: a run with much of it has the host's latency tail
+        out["steal"] = round(100.0 * steal / self.ticks / wall, 1)
         # other processes (other users' builds, kernel threads) and whatever the accounting
         # above missed
-        out["everything else"] = round(max(0.0, 100.0 * (busy - ours - tool_ticks - irq)
+        out["everything else"] = round(max(0.0, 100.0 * (busy - ours - tool_ticks - irq - steal)
                                            / self.ticks / wall), 1)
         out["machine busy"] = round(100.0 * busy / self.ticks / wall, 1)
         return out
@@ -828,12 +833,14 @@ class Bench:
                     entry["runs"].append(res)
                     print(f"  fixed {rate:7.0f}/s round {rnd} {body_name:6} {t:16}"
                           f" got {res['rps']:8.0f} req/s p50 {res['p50_us']:7.0f} us"
-                          f" p99 {res['p99_us']:7.0f} us")
+                          f" p99 {res['p99_us']:7.0f} us"
+                          f" steal {res['cpu_pct_of_one_core']['steal']:.1f} %")
             med = {}
             for t in usable:
                 rs = [r for r in entry["runs"] if r["target"] == t]
                 med[t] = {k: round(statistics.median(r[k] for r in rs), 1)
                           for k in ("rps", "p50_us", "p99_us")}
+                med[t]["steal_max_pct"] = max(r["cpu_pct_of_one_core"]["steal"] for r in rs)
             entry["median"] = med
             # A latency is only comparable at the rate asked for: wrk's delay() pacing (without
             # oha) can overshoot it many times over, and then says nothing about half load.
@@ -1057,7 +1064,7 @@ def markdown(result: dict) -> str:
         lines += [f"**{b} body** ({st['body_bytes'][b]} bytes)", "",
                   "| target | req/s | p50 | p99 | req/s in each round | server CPU per request "
                   "| CPU while driven, % of one core: server / upstream / wrk / irq+softirq / "
-                  "everything else |",
+                  "stolen by the host / everything else |",
                   "|---|---:|---:|---:|---|---:|---|"]
         for t in TARGETS:
             e = s[b][t]
@@ -1069,7 +1076,7 @@ def markdown(result: dict) -> str:
                 f" | {e.get('server_cpu_us_per_request', 0):,.0f} µs"
                 f" | {own:.0f} / {cpu['upstream'] if t != 'upstream' else 0:.0f} / "
                 f"{cpu['load tool']:.0f} / {cpu.get('irq+softirq', 0):.0f} / "
-                f"{cpu['everything else']:.0f} |")
+                f"{cpu.get('steal', 0):.0f} / {cpu['everything else']:.0f} |")
         lines.append("")
     lines += ["**Ratios** (snowgate + plugin / peer, from the medians; req/s ratio of each "
               "round in brackets)", "",
@@ -1085,15 +1092,17 @@ def markdown(result: dict) -> str:
         lines += ["**At a fixed rate** (half of snowgate + plugin's peak; "
                   f"{st['fixed_rate']['tool']}, -c {st['fixed_rate']['connections']}, "
                   f"{st['fixed_rate']['duration']} x {st['fixed_rate']['rounds']} rounds, median)",
-                  "", "| body | rate | target | achieved req/s | p50 | p99 |",
-                  "|---|---:|---|---:|---:|---:|"]
+                  "", "| body | rate | target | achieved req/s | p50 | p99 | "
+                  "stolen by the host, worst round (% of one core) |",
+                  "|---|---:|---|---:|---:|---:|---:|"]
         for b in fx:
             for t, m in fx[b].get("median", {}).items():
                 held = "" if m.get("rate_held", True) else " (rate not held: not comparable)"
                 lines.append(f"| {b} | {fx[b]['rate_rps']:,} | {LABELS[t]} | {m['rps']:,.0f}"
-                             f"{held} | {m['p50_us'] / 1000:.3f} ms | {m['p99_us'] / 1000:.3f} ms |")
+                             f"{held} | {m['p50_us'] / 1000:.3f} ms | {m['p99_us'] / 1000:.3f} ms |"
+                             f" {m.get('steal_max_pct', float('nan')):.1f} |")
             for t, why in fx[b].get("skipped", {}).items():
-                lines.append(f"| {b} | {fx[b]['rate_rps']:,} | {LABELS[t]} | not run: {why} | | |")
+                lines.append(f"| {b} | {fx[b]['rate_rps']:,} | {LABELS[t]} | not run: {why} | | | |")
         lines.append("")
         for b in fx:
             if "p99_added_by_plugin_us" in fx[b]:
