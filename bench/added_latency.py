@@ -11,23 +11,26 @@ deploying one:
 
   CPU 0   nginx (one worker), the upstream: it reads each request's whole body, then answers
           200 at once; and the load tool (oha)
-  CPU 1   one snowgate (`--workers 1`), alone
+  CPU 1   one snowgate (`--workers 1`), the only process of the run there (taskset pins
+          these processes; it keeps nothing else off CPU 1, so run this on an idle machine)
 
 and compares the two paths of that one gateway process under the same load at the same time:
 two oha processes run at once, one sending `application/json` bodies, which go through the
 plugin, the other the same bytes as `text/plain`, which stream through without it. Whatever
 stalls one stream (the load tool's own CPU, the host taking the VM's CPUs away) stalls the
 other too, so the difference between their latencies is what the plugin adds. Both run at the
-same fixed rate, chosen so that the gateway's core is about half busy: closed-loop runs first
-measure the core's time per request on each path, the rate is 0.5 / (their sum), and a short
-trial run at that rate scales it by 50 % / the core's busy share in the trial.
+same fixed rate, chosen so that CPU 1 is about half busy: closed-loop runs first measure the
+gateway's CPU time per request on each path, the rate is 0.5 / (their sum), and a short trial
+run at that rate scales it by 50 % / CPU 1's busy share in the trial (/proc/stat, softirq
+time included).
 
 Reports, per body and round, the p50 and p99 of each path (oha, open loop,
 `--latency-correction`), the p99 added by the plugin (plugin minus pass-through in the same
-round; the summary is the median over rounds), the plugin call's own p99 as the gateway times
-it (`snowgate_plugin_call_seconds`), and the steal time of each CPU (/proc/stat): a round in
-which the hypervisor took more than --max-steal % of a CPU is left out of the medians, as its
-tail is the host's. Writes bench/results/added-latency.{json,md}.
+round; the summary is the median over the quiet rounds), the plugin call's own p99 as the
+gateway times it (`snowgate_plugin_call_seconds`; the summary is the worst quiet round's bucket
+bound), and the steal time of each CPU (/proc/stat): a round in which the hypervisor took more
+than --max-steal % of a CPU is not quiet, as its tail is the host's, and is left out of the
+summary. Writes bench/results/added-latency.{json,md}.
 
 Needs nginx with the Lua module (the upstream of bench/load.py), oha (on PATH or /opt/oha/bin),
 taskset, at least 2 CPUs, and a built target/release/snowgate. Python standard library only.
@@ -56,6 +59,7 @@ ROOT = load.ROOT
 HOST = load.HOST
 GATEWAY_CPU = "1"
 OTHERS_CPU = "0"
+GATEWAY_CORE = "cpu" + GATEWAY_CPU  # its name in /proc/stat
 PATHS = {"plugin": "application/json", "pass-through": "text/plain"}
 READ_THEN_ANSWER = """location / {
             content_by_lua_block {
@@ -165,41 +169,57 @@ class Run:
         if rate is not None:
             cmd += ["-q", f"{rate:.0f}", "--latency-correction"]
         cmd.append(f"http://{HOST}:{self.port}{load.PATH}")
-        self.commands[f"oha {path} {'fixed rate' if rate else 'closed loop'}"] = load.sh_quote(
+        self.commands[f"oha {body} {path} {'fixed rate' if rate else 'closed loop'}"] = load.sh_quote(
             [c if c != self.body_files[body] else f"BODY-{body}.json" for c in cmd])
         return cmd
 
     def drive(self, cmds: dict[str, list[str]], seconds: float) -> dict:
         """Runs the oha commands at once; returns each one's latencies, and what the
-        gateway's core and the machine's CPUs did meanwhile."""
+        gateway's process and each CPU did meanwhile."""
         hist_before = self.histogram()
-        cpu_before, steal_before = load.proc_cpu_ticks(self.gateway.pid), cpu_ticks()
+        cpu_before, cpus_before = load.proc_cpu_ticks(self.gateway.pid), cpu_ticks()
         wall_before = time.monotonic()
-        procs = {k: subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True) for k, c in cmds.items()}
-        outs = {k: p.communicate(timeout=seconds + 60) for k, p in procs.items()}
+        procs = {}
+        try:
+            for k, c in cmds.items():
+                procs[k] = subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                            text=True, start_new_session=True)
+                load._started.append(procs[k])  # stopped on exit if the run is interrupted
+            outs = {k: p.communicate(timeout=seconds + 60) for k, p in procs.items()}
+        finally:
+            for p in procs.values():
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+                load._started.remove(p)
         wall = time.monotonic() - wall_before
         cpu = (load.proc_cpu_ticks(self.gateway.pid) - cpu_before) / self.ticks
-        after = cpu_ticks()
-        steal = {n: round(100.0 * (after[n][1] - steal_before[n][1])
-                          / max(1, after[n][0] - steal_before[n][0]), 1) for n in after}
+        cpus_after = cpu_ticks()
         res, answered = {}, 0
         for k, (stdout, stderr) in outs.items():
             if procs[k].returncode != 0:
                 sys.exit(f"{load.sh_quote(cmds[k])} failed ({procs[k].returncode}):\n{stderr}")
             data = json.loads(stdout[stdout.index("{"):])
-            pct, codes = data["latencyPercentiles"], data.get("statusCodeDistribution", {})
+            pct, codes = data.get("latencyPercentiles", {}), data.get("statusCodeDistribution", {})
             failed = (sum(codes.values()) - codes.get("200", 0)
                       + sum(data.get("errorDistribution", {}).values()))
             if failed:
                 sys.exit(f"{failed} requests failed or were not answered 200 in "
                          f"{load.sh_quote(cmds[k])}: {codes} {data.get('errorDistribution')}")
+            if any(pct.get(q) is None for q in ("p50", "p99", "p99.9")):
+                sys.exit(f"oha reported no latencies (no request answered?) in "
+                         f"{load.sh_quote(cmds[k])}:\n{stdout[-2000:]}")
             answered += sum(codes.values())
             res[k] = {"rps": data["summary"]["requestsPerSec"], "p50_us": pct["p50"] * 1e6,
                       "p99_us": pct["p99"] * 1e6, "p99_9_us": pct["p99.9"] * 1e6}
         res["gateway_cpu_us_per_request"] = 1e6 * cpu / answered
+        # the gateway's own user and system time; the CPUs' busy shares (from /proc/stat)
+        # also hold softirq time and anything else that ran there
         res["gateway_core_busy_pct"] = 100.0 * cpu / wall
-        res["steal_pct"] = steal
+        res["cpu_busy_pct"] = {n: share(cpus_before[n], cpus_after[n], "busy")
+                               for n in cpus_after}
+        res["steal_pct"] = {n: share(cpus_before[n], cpus_after[n], "steal")
+                            for n in cpus_after}
         res.update(load.Bench.histogram_quantiles(hist_before, self.histogram()))
         return res
 
@@ -212,13 +232,13 @@ class Run:
                                                        a.peak_connections)}, peak_seconds)
                   for path in PATHS}
         cost = sum(closed[p]["gateway_cpu_us_per_request"] for p in PATHS)
-        # both streams at this rate would keep the core half busy; at a fixed rate a request
+        # both streams at this rate would keep CPU 1 half busy; at a fixed rate a request
         # costs more than in a closed loop (fewer requests share each wake-up), so one short
         # run at that rate corrects it
         rate = 0.5 * 1e6 / cost
         trial = self.drive({p: self.oha_cmd(name, p, a.peak_duration, rate, a.connections)
                             for p in PATHS}, peak_seconds)
-        rate *= 50.0 / max(1.0, trial["gateway_core_busy_pct"])
+        rate *= 50.0 / max(1.0, trial["cpu_busy_pct"][GATEWAY_CORE])
         print(f"{name}: closed loop, µs of the gateway's core a request: "
               + ", ".join(f"{p} {closed[p]['gateway_cpu_us_per_request']:.1f} "
                           f"({closed[p][p]['rps']:,.0f} req/s)" for p in PATHS)
@@ -236,8 +256,10 @@ class Run:
                 f"{p} {r[p]['rps']:,.0f} req/s p50 {r[p]['p50_us']:,.0f} p99 "
                 f"{r[p]['p99_us']:,.0f} µs" for p in PATHS)
                 + f"; p99 added {r['p99_added_us']:,.0f} µs; core "
-                f"{r['gateway_core_busy_pct']:.0f} % busy; call p99 ≤ "
-                f"{r['plugin_call_p99_at_most_us']} µs; steal {r['steal_pct']}"
+                f"{r['cpu_busy_pct'][GATEWAY_CORE]:.0f} % busy "
+                f"({r['gateway_core_busy_pct']:.0f} % the gateway's own); call p99 ≤ "
+                f"{r['plugin_call_p99_at_most_us']} µs; steal "
+                + ", ".join(f"{n} {v:.1f} %" for n, v in r["steal_pct"].items())
                 + ("" if r["quiet"] else " (not quiet: left out of the medians)"))
         used = [r for r in rounds if r["quiet"]]
         out = {"closed_loop": closed, "trial_at_closed_loop_cost": trial,
@@ -249,29 +271,38 @@ class Run:
                              for p in PATHS}
             out["p99_added_by_plugin_us"] = statistics.median(r["p99_added_us"] for r in used)
             out["p50_added_by_plugin_us"] = statistics.median(r["p50_added_us"] for r in used)
-            bounds = [r["plugin_call_p99_at_most_us"] for r in used]
-            out["plugin_call_p99_at_most_us"] = "inf" if "inf" in bounds else max(bounds)
+            bounds = [r["plugin_call_p99_at_most_us"] for r in used
+                      if r["plugin_call_p99_at_most_us"] is not None]
+            out["plugin_call_p99_at_most_us"] = ("inf" if "inf" in bounds
+                                                 else max(bounds, default=None))
         return out
 
 
-def cpu_ticks() -> dict[str, tuple[int, int]]:
-    """(all ticks, steal ticks) of each CPU since boot. Steal is time the hypervisor ran
-    something else while this VM's CPU wanted to run: on a shared host it comes in bursts
-    that stall every process for milliseconds, whatever runs on the VM."""
+def cpu_ticks() -> dict[str, dict[str, int]]:
+    """Each CPU's ticks since boot: all, busy (neither idle nor stolen) and steal. Steal is
+    time the hypervisor ran something else while this VM's CPU wanted to run: on a shared host
+    it comes in bursts that stall every process for milliseconds, whatever runs on the VM."""
     out = {}
     with open("/proc/stat") as f:
         for line in f:
             if line.startswith("cpu") and line[3].isdigit():
                 name, *vals = line.split()
-                vals = [int(v) for v in vals]
-                out[name] = (sum(vals[:8]), vals[7] if len(vals) > 7 else 0)
+                vals = [int(v) for v in vals] + [0] * 8
+                total = sum(vals[:8])
+                out[name] = {"all": total, "steal": vals[7],
+                             "busy": total - vals[3] - vals[4] - vals[7]}
     return out
+
+
+def share(before: dict[str, int], after: dict[str, int], kind: str) -> float:
+    """The share of a CPU's ticks between two readings that were of `kind`, in %."""
+    return 100.0 * (after[kind] - before[kind]) / max(1, after["all"] - before["all"])
 
 
 def markdown(result: dict) -> str:
     s = result["settings"]
     lines = [f"Run {result['generated_at']}: `{result['command']}`; {result['machine']}. "
-             f"Gateway alone on CPU {GATEWAY_CPU} (`--workers 1`); upstream (nginx, 1 worker) and "
+             f"Gateway pinned to CPU {GATEWAY_CPU} (`--workers 1`); upstream (nginx, 1 worker) and "
              f"the two oha processes on CPU {OTHERS_CPU}. Each round drives both paths at once, "
              f"each at the same fixed rate (oha -c {s['connections']} --latency-correction, "
              f"{s['duration']}), {s['rounds']} rounds; a round with more than {s['max_steal']} % "
@@ -283,10 +314,11 @@ def markdown(result: dict) -> str:
                                  f"{'through the plugin' if p == 'plugin' else 'streamed through'}"
                                  for p in PATHS)
                   + f" (closed loop); fixed rate {b['rate_rps_each']:,.0f} req/s on each path, "
-                  "so that the core is about half busy (set from those costs, then corrected "
+                  "so that its CPU is about half busy (set from those costs, then corrected "
                   "by a trial run at that rate).", "",
                   "| round | plugin p50 | plugin p99 | pass-through p50 | pass-through p99 | "
-                  "p99 added | call p99 at most | core busy | steal (CPU 0, 1) |",
+                  "p99 added | call p99 at most | gateway's CPU busy (the gateway's own time) "
+                  "| steal (CPU 0, 1) |",
                   "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in b["rounds"]:
             pl, pt = r["plugin"], r["pass-through"]
@@ -294,7 +326,8 @@ def markdown(result: dict) -> str:
                          f" {pl['p50_us']:,.0f} µs | {pl['p99_us']:,.0f} µs |"
                          f" {pt['p50_us']:,.0f} µs | {pt['p99_us']:,.0f} µs |"
                          f" {r['p99_added_us']:,.0f} µs | {r['plugin_call_p99_at_most_us']} µs |"
-                         f" {r['gateway_core_busy_pct']:.0f} % |"
+                         f" {r['cpu_busy_pct'][GATEWAY_CORE]:.0f} %"
+                         f" ({r['gateway_core_busy_pct']:.0f} %) |"
                          f" {', '.join(f'{v:.1f} %' for v in r['steal_pct'].values())} |")
         lines.append("")
         if "p99_added_by_plugin_us" in b:
@@ -350,9 +383,10 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, load._on_signal)
     signal.signal(signal.SIGINT, load._on_signal)
-    atexit.register(load._stop_all)
     run = Run(args)
+    # atexit runs the last registered first: stop the processes, then remove their directory
     atexit.register(lambda: shutil.rmtree(run.tmp, ignore_errors=True))
+    atexit.register(load._stop_all)
     load_start = os.getloadavg()
     run.start()
     bodies = {name: run.body(name) for name in run.bodies}

@@ -1050,6 +1050,11 @@ def svg_plot(summary: dict, fixed: dict | None, meta: dict, path: str) -> None:
         f.write("\n".join(out) + "\n")
 
 
+def steal_text(median: dict) -> str:
+    """The worst round's steal of a fixed-rate target; a dash for a report from before it."""
+    return f"{median['steal_max_pct']:.1f}" if "steal_max_pct" in median else "–"
+
+
 def markdown(result: dict) -> str:
     """The tables of BENCHMARKS.md, from one run's results."""
     s, r, fx = result["summary"], result["ratios"], result["fixed_rate"]
@@ -1100,7 +1105,7 @@ def markdown(result: dict) -> str:
                 held = "" if m.get("rate_held", True) else " (rate not held: not comparable)"
                 lines.append(f"| {b} | {fx[b]['rate_rps']:,} | {LABELS[t]} | {m['rps']:,.0f}"
                              f"{held} | {m['p50_us'] / 1000:.3f} ms | {m['p99_us'] / 1000:.3f} ms |"
-                             f" {m.get('steal_max_pct', float('nan')):.1f} |")
+                             f" {steal_text(m)} |")
             for t, why in fx[b].get("skipped", {}).items():
                 lines.append(f"| {b} | {fx[b]['rate_rps']:,} | {LABELS[t]} | not run: {why} | | | |")
         lines.append("")
