@@ -77,14 +77,8 @@ class Run:
         self.ticks = os.sysconf("SC_CLK_TCK")
         self.bodies = {k: v for k, v in load.make_bodies().items()
                        if not args.body or k in args.body}
-        self.body_files = {}
-        for name, body in self.bodies.items():
-            path = os.path.join(self.tmp, f"body-{name}.json")
-            with open(path, "wb") as f:
-                f.write(body)
-            self.body_files[name] = path
-        self.snowgate = os.path.join(self.tmp, "snowgate")
-        shutil.copy2(args.snowgate, self.snowgate)
+        self.body_files = load.write_bodies(self.tmp, self.bodies)
+        self.snowgate = load.private_copy(args.snowgate, self.tmp)
         self.commands: dict[str, str] = {}
 
     def start(self) -> None:
@@ -365,15 +359,10 @@ def main() -> None:
         problems.append("needs at least 2 CPUs: one for the gateway, one for everything else")
     if not shutil.which("taskset"):
         problems.append("taskset is missing: apt-get install -y util-linux")
-    args.nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx")
-                                           else None)
-    args.nginx_modules = next((d for d in load.LUA_MODULE_DIRS
-                               if os.path.exists(f"{d}/ngx_http_lua_module.so")), None)
+    args.nginx, args.nginx_modules = load.find_nginx(), load.find_lua_modules()
     if not args.nginx or not args.nginx_modules:
         problems.append("apt-get install -y nginx libnginx-mod-http-lua")
-    args.oha = shutil.which("oha") or next(
-        (p for p in ("/opt/oha/bin/oha", os.path.expanduser("~/.cargo/bin/oha"))
-         if os.access(p, os.X_OK)), None)
+    args.oha = load.find_oha()
     if not args.oha:
         problems.append("oha is missing: cargo install oha --locked --root /opt/oha")
     if not os.access(args.snowgate, os.X_OK):
@@ -402,12 +391,9 @@ def main() -> None:
         "commands": run.commands,
         "bodies": bodies,
     }
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "added-latency.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    with open(os.path.join(args.out, "added-latency.md"), "w", encoding="utf-8") as f:
-        f.write(markdown(result))
-    print(markdown(result))
+    report = markdown(result)
+    load.write_report(args.out, "added-latency", result, report)
+    print(report)
 
 
 if __name__ == "__main__":

@@ -435,15 +435,8 @@ class Bench:
         self.configs: dict[str, str] = {}
         self.load_commands: dict[str, str] = {}
         self.bodies = make_bodies()
-        self.body_files = {}
-        for name, body in self.bodies.items():
-            path = os.path.join(self.tmp, f"body-{name}.json")
-            with open(path, "wb") as f:
-                f.write(body)
-            self.body_files[name] = path
-        # a private copy: other builds may replace target/release/snowgate during the run
-        self.snowgate = os.path.join(self.tmp, "snowgate")
-        shutil.copy2(args.snowgate, self.snowgate)
+        self.body_files = write_bodies(self.tmp, self.bodies)
+        self.snowgate = private_copy(args.snowgate, self.tmp)
         self.ticks = os.sysconf("SC_CLK_TCK")
 
     # -- start-up -------------------------------------------------------------------------
@@ -1134,17 +1127,59 @@ def markdown(result: dict) -> str:
 
 # ---------------------------------------------------------------------------------------------
 
+def find_nginx() -> str | None:
+    return shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx")
+                                     else None)
+
+
+def find_lua_modules() -> str | None:
+    """The directory of nginx's Lua module (libnginx-mod-http-lua), if installed."""
+    return next((d for d in LUA_MODULE_DIRS if os.path.exists(f"{d}/ngx_http_lua_module.so")),
+                None)
+
+
+def find_oha() -> str | None:
+    return shutil.which("oha") or next(
+        (p for p in ("/opt/oha/bin/oha", os.path.expanduser("~/.cargo/bin/oha"))
+         if os.access(p, os.X_OK)), None)
+
+
+def write_bodies(directory: str, bodies: dict[str, bytes]) -> dict[str, str]:
+    """Writes each body to DIRECTORY/body-NAME.json, for the load tools; returns the paths."""
+    paths = {}
+    for name, body in bodies.items():
+        paths[name] = os.path.join(directory, f"body-{name}.json")
+        with open(paths[name], "wb") as f:
+            f.write(body)
+    return paths
+
+
+def private_copy(snowgate: str, directory: str) -> str:
+    """A copy of the binary under test: other builds may replace target/release/snowgate
+    during the run."""
+    copy = os.path.join(directory, "snowgate")
+    shutil.copy2(snowgate, copy)
+    return copy
+
+
+def write_report(directory: str, stem: str, result: dict, text: str) -> None:
+    """Writes DIRECTORY/STEM.json (the whole result) and DIRECTORY/STEM.md (its report)."""
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, f"{stem}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(directory, f"{stem}.md"), "w", encoding="utf-8") as f:
+        f.write(text)
+
+
 def check_tools(args) -> None:
     missing_apt, problems = [], []
-    args.nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx")
-                                           else None)
+    args.nginx = find_nginx()
     if not args.nginx:
         missing_apt.append("nginx")
     args.wrk = shutil.which("wrk")
     if not args.wrk:
         missing_apt.append("wrk")
-    args.nginx_modules = next((d for d in LUA_MODULE_DIRS
-                               if os.path.exists(f"{d}/ngx_http_lua_module.so")), None)
+    args.nginx_modules = find_lua_modules()
     if not args.nginx_modules:
         missing_apt.append("libnginx-mod-http-lua")
     if not any(os.path.exists(f"{d}/cjson.so") for d in CJSON_DIRS):
@@ -1156,9 +1191,7 @@ def check_tools(args) -> None:
         missing_apt.append("linux-perf")
     if missing_apt:
         problems.append("apt-get update && apt-get install -y " + " ".join(missing_apt))
-    args.oha = None if args.no_oha else (shutil.which("oha") or next(
-        (p for p in ("/opt/oha/bin/oha", os.path.expanduser("~/.cargo/bin/oha"))
-         if os.access(p, os.X_OK)), None))
+    args.oha = None if args.no_oha else find_oha()
     if problems:
         sys.exit("missing tools; install them, then run this again:\n  " + "\n  ".join(problems))
     if not args.oha and not args.no_fixed_rate:
@@ -1303,11 +1336,7 @@ def main() -> None:
         "profiles": profiles,
         "runs": runs,
     }
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "latest.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    with open(os.path.join(args.out, "latest.md"), "w", encoding="utf-8") as f:
-        f.write(markdown(result))
+    write_report(args.out, "latest", result, markdown(result))
     svg_plot(summary, fixed, {
         "threads": args.threads, "connections": args.connections, "duration": args.duration,
         "rounds": args.rounds, "nproc": os.cpu_count(), "load_start": load_start[0],
