@@ -146,13 +146,7 @@ class Run:
                    if line.startswith(name + " ") or line.startswith(name + "{"))
 
     def histogram(self) -> list[tuple[float, float]]:
-        out = []
-        for line in self.metrics().splitlines():
-            if line.startswith('snowgate_plugin_call_seconds_bucket{le="'):
-                le = line.split('"')[1]
-                out.append((float("inf") if le == "+Inf" else float(le),
-                            float(line.split()[-1])))
-        return out
+        return load.plugin_call_histogram(self.metrics())
 
     def oha_cmd(self, body: str, path: str, duration: str, rate: float | None,
                 connections: int) -> list[str]:
@@ -273,18 +267,14 @@ class Run:
 
 
 def cpu_ticks() -> dict[str, dict[str, int]]:
-    """Each CPU's ticks since boot: all, busy (neither idle nor stolen) and steal. Steal is
-    time the hypervisor ran something else while this VM's CPU wanted to run: on a shared host
-    it comes in bursts that stall every process for milliseconds, whatever runs on the VM."""
+    """Each CPU's ticks since boot: all, busy (neither idle nor stolen) and steal (see
+    load.cpu_stat_ticks)."""
     out = {}
-    with open("/proc/stat") as f:
-        for line in f:
-            if line.startswith("cpu") and line[3].isdigit():
-                name, *vals = line.split()
-                vals = [int(v) for v in vals] + [0] * 8
-                total = sum(vals[:8])
-                out[name] = {"all": total, "steal": vals[7],
-                             "busy": total - vals[3] - vals[4] - vals[7]}
+    for name, vals in load.cpu_stat_ticks().items():
+        if name != "cpu":
+            total = sum(vals)
+            out[name] = {"all": total, "steal": vals[7],
+                         "busy": total - vals[3] - vals[4] - vals[7]}
     return out
 
 

@@ -183,15 +183,37 @@ def proc_cpu_ticks(pid: int) -> int:
         return 0
 
 
-def system_busy_ticks() -> tuple[int, int, int, int]:
-    """(busy, total, irq + softirq, steal) ticks of all CPUs since boot, from /proc/stat.
+def cpu_stat_ticks() -> dict[str, list[int]]:
+    """The first eight tick counters since boot (user, nice, system, idle, iowait, irq,
+    softirq, steal) of each `cpu` line of /proc/stat: "cpu" for all CPUs, "cpu0", "cpu1", ...
     Steal is time the hypervisor ran something else while this VM wanted its CPUs: it comes
     in bursts that stall every process here for milliseconds."""
+    out = {}
     with open("/proc/stat") as f:
-        vals = [int(v) for v in f.readline().split()[1:]]
-    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
-    total = sum(vals[:8])
-    return total - idle, total, vals[5] + vals[6], vals[7] if len(vals) > 7 else 0
+        for line in f:
+            if line.startswith("cpu"):
+                name, *vals = line.split()
+                out[name] = ([int(v) for v in vals] + [0] * 8)[:8]
+    return out
+
+
+def system_busy_ticks() -> tuple[int, int, int, int]:
+    """(busy, total, irq + softirq, steal) ticks of all CPUs since boot."""
+    vals = cpu_stat_ticks()["cpu"]
+    total = sum(vals)
+    return total - vals[3] - vals[4], total, vals[5] + vals[6], vals[7]
+
+
+def plugin_call_histogram(metrics: str) -> list[tuple[float, float]]:
+    """snowgate_plugin_call_seconds from a gateway's /metrics text, as (upper bound in
+    seconds, cumulative count) pairs."""
+    out = []
+    for line in metrics.splitlines():
+        m = re.match(r'snowgate_plugin_call_seconds_bucket\{le="([^"]+)"\} (\S+)', line)
+        if m:
+            le = float("inf") if m.group(1) == "+Inf" else float(m.group(1))
+            out.append((le, float(m.group(2))))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -743,13 +765,7 @@ class Bench:
     def call_histogram(self, target: str) -> list[tuple[float, float]]:
         """snowgate_plugin_call_seconds as (upper bound in seconds, cumulative count) pairs."""
         _, body = http("GET", f"http://{HOST}:{self.ports[target + '-admin']}/metrics")
-        out = []
-        for line in body.decode().splitlines():
-            m = re.match(r'snowgate_plugin_call_seconds_bucket\{le="([^"]+)"\} (\S+)', line)
-            if m:
-                le = float("inf") if m.group(1) == "+Inf" else float(m.group(1))
-                out.append((le, float(m.group(2))))
-        return out
+        return plugin_call_histogram(body.decode())
 
     @staticmethod
     def histogram_quantiles(before, after) -> dict:
