@@ -17,9 +17,10 @@
 //! A new holder of an id must not repeat an id its previous holder issued in
 //! the same millisecond. Each slot has a high-water key
 //! `<prefix>/<layout>/high-water/<id>` (not leased, so it outlives holders):
-//! while serving, the holder keeps it at least one TTL plus a margin ahead
-//! of any millisecond it may use before its lease could expire; on a clean
-//! stop it writes the exact last millisecond it used. A new holder starts
+//! while serving, the holder keeps it a TTL plus a margin ahead of its
+//! clock (but never more than 10 s plus the margin, whatever the TTL: see
+//! [`LONGEST_MARK_LEAD`]); on a clean stop it writes the exact last
+//! millisecond it used. A new holder starts
 //! its clock after that mark ([`IdClock::advance_past`](crate::IdClock::advance_past)) instead of waiting.
 //! No id past the mark etcd confirmed may leave the process (the request
 //! path checks that too), and marks are written only while the slot's key
@@ -60,12 +61,23 @@ const ROOM_FOR_BURSTS: Duration = Duration::from_millis(200);
 /// the revocation of its lease: a stop must not hang on an unreachable
 /// etcd (the lease then expires after its TTL).
 const RELEASE_WAIT: Duration = Duration::from_secs(1);
+/// A holder keeps its slot's high-water mark its TTL plus [`SAFETY_MARGIN`]
+/// ahead of its clock, but never more than this plus the margin: a holder
+/// with a longer TTL raises its mark more often than it renews. So how far
+/// ahead any holder's mark can be is one bound for the whole fleet, whatever
+/// TTL each replica was given. A replica that takes a slot whose mark etcd
+/// lost (restarted empty) must start past every id the slot's last holder
+/// may still issue, which its confirmed mark bounds; with marks a holder's
+/// own TTL ahead, a replica with a short TTL started inside the ids of one
+/// with a long TTL that had not noticed yet (a review measured 12,941
+/// shared ids, TTL 30 s against 3 s).
+const LONGEST_MARK_LEAD: Duration = Duration::from_secs(10);
 /// How much further than a holder sets it a slot's high-water mark may lie
-/// ahead of this host's wall clock. A holder keeps its mark a TTL plus
-/// [`SAFETY_MARGIN`] ahead of its clock, and bursts add seconds; a mark a
-/// day beyond that was not written by a holder whose clock agrees with this
-/// one, and ids that far ahead would leave the layout's timestamp range
-/// early. Such a slot is skipped.
+/// ahead of this host's wall clock. A holder keeps its mark at most
+/// [`LONGEST_MARK_LEAD`] plus [`SAFETY_MARGIN`] ahead of its clock, and
+/// bursts add seconds; a mark a day beyond that was not written by a holder
+/// whose clock agrees with this one, and ids that far ahead would leave the
+/// layout's timestamp range early. Such a slot is skipped.
 const MAX_MARK_AHEAD: Duration = Duration::from_secs(24 * 60 * 60);
 
 /// Where and how to lease machine ids.
@@ -767,11 +779,14 @@ impl Keeper {
                 // No mark: a slot never held, or one whose mark etcd lost
                 // with its data. In the second case its last holder may
                 // not know yet, and go on issuing ids until it does or its
-                // lease deadline comes: for at most a TTL from now, each at
-                // most `MAX_LEAD` ahead of its wall clock (its id clock
-                // refuses more). Start past them.
+                // lease deadline comes, but none past the mark etcd last
+                // confirmed to it: one it set at most a fleet's mark lead
+                // ahead of a millisecond its id clock had reached, which
+                // was at most `MAX_LEAD` ahead of its wall clock (its id
+                // clock refuses more). Start past them, whatever TTL that
+                // holder had.
                 None => millis_of(SystemTime::now())
-                    .saturating_add(self.mark_ahead())
+                    .saturating_add(fleet_mark_ahead())
                     .saturating_add(MAX_LEAD.as_millis() as u64),
             };
             // The mark is moved only once the wait is over, and the clock
@@ -818,7 +833,7 @@ impl Keeper {
 
     /// `mark`, unless it is further ahead of this host's clock than any
     /// takeover waits for (see [`Keeper::wait_for_the_floor`]): a mark a
-    /// holder set is at most a TTL and a second plus [`MAX_LEAD`] ahead of
+    /// holder set is at most [`fleet_mark_ahead`] plus [`MAX_LEAD`] ahead of
     /// that holder's clock, so a mark further ahead (allowing [`MAX_LEAD`]
     /// again for clocks that disagree) means this host's clock is behind
     /// the fleet's, or the mark was set by hand. Holding the slot until
@@ -827,7 +842,7 @@ impl Keeper {
     fn within_reach(&self, mark: Option<u64>) -> Result<Option<u64>, (String, String)> {
         let Some(ms) = mark else { return Ok(None) };
         let now = millis_of(SystemTime::now());
-        let reach = self.mark_ahead() + 2 * MAX_LEAD.as_millis() as u64;
+        let reach = fleet_mark_ahead() + 2 * MAX_LEAD.as_millis() as u64;
         if ms <= now.saturating_add(reach) {
             return Ok(Some(ms));
         }
@@ -847,8 +862,10 @@ impl Keeper {
     /// Waits, keeping the lease alive, until the id clock can tick past
     /// `floor`: it issues no tick more than [`MAX_LEAD`] ahead of the wall
     /// clock, so a slot whose floor is further ahead would have every
-    /// request refused. Taking over after a crash waits up to about a TTL;
-    /// a slot without a mark a TTL plus a second (see `claim_under`).
+    /// request refused. Taking over after a crash waits up to about the
+    /// last holder's mark lead (a TTL and a second, at most
+    /// [`fleet_mark_ahead`]); a slot without a mark [`fleet_mark_ahead`]
+    /// (see `claim_under`).
     async fn wait_for_the_floor(
         &mut self,
         client: &mut Client,
@@ -918,7 +935,8 @@ impl Keeper {
     /// host's clock, plus [`MAX_MARK_AHEAD`].
     fn furthest_mark(&self) -> u64 {
         millis_of(SystemTime::now())
-            .saturating_add((self.config.ttl + SAFETY_MARGIN + MAX_MARK_AHEAD).as_millis() as u64)
+            .saturating_add(fleet_mark_ahead())
+            .saturating_add(MAX_MARK_AHEAD.as_millis() as u64)
     }
 
     /// Logs a bad high-water mark as an error when it is new (a slot not
@@ -959,9 +977,10 @@ impl Keeper {
         })
     }
 
-    /// How far ahead of the clock a holder keeps its high-water mark.
+    /// How far ahead of the clock this holder keeps its high-water mark:
+    /// its TTL and [`SAFETY_MARGIN`], at most [`fleet_mark_ahead`].
     fn mark_ahead(&self) -> u64 {
-        (self.config.ttl + SAFETY_MARGIN).as_millis() as u64
+        (self.config.ttl.min(LONGEST_MARK_LEAD) + SAFETY_MARGIN).as_millis() as u64
     }
 
     /// Until when a lease renewed at `sent` is known alive, less the
@@ -1103,6 +1122,13 @@ impl Keeper {
         // renewal: not after a failed attempt, so that requests refused at
         // the mark while etcd refuses writes do not each cost a write.
         let mut raise_on_request = true;
+        // When to raise the mark even if nothing asks: half its lead after
+        // the last attempt. A renewal raises it too, and comes sooner with a
+        // TTL up to `LONGEST_MARK_LEAD`; with a longer one, renewals alone
+        // would let the wall clock reach the mark between them, and the
+        // first request after a quiet spell would be refused at it.
+        let raise_every = Duration::from_millis(self.mark_ahead() / 2);
+        let mut raise_at = Instant::now() + raise_every;
         // When to renew next: moved only by a renewal attempt, so that
         // requests to raise the mark cannot put renewals off.
         let mut renew_at = confirmed_at + every;
@@ -1122,6 +1148,7 @@ impl Keeper {
             let renew = tokio::select! {
                 _ = stop.changed() => return Ended::Stopped,
                 () = tokio::time::sleep_until(next.into()) => true,
+                () = tokio::time::sleep_until(raise_at.into()) => false,
                 // Ids came near the mark before the next renewal would
                 // raise it (a burst ran the id clock ahead): raise it now.
                 () = identity.ceiling_near(), if raise_on_request => false,
@@ -1225,6 +1252,7 @@ impl Keeper {
             let Some(raised) = unless_stopped(&mut stop, raising).await else {
                 return Ended::Stopped;
             };
+            raise_at = Instant::now() + raise_every;
             raise_on_request = match raised {
                 Raise::Done => true,
                 Raise::Failed => false,
@@ -1359,6 +1387,12 @@ impl Keeper {
             }
         }
     }
+}
+
+/// How far ahead of its clock any holder, whatever its TTL, keeps its
+/// slot's high-water mark: [`LONGEST_MARK_LEAD`] and [`SAFETY_MARGIN`].
+fn fleet_mark_ahead() -> u64 {
+    (LONGEST_MARK_LEAD + SAFETY_MARGIN).as_millis() as u64
 }
 
 /// Why a lease ended that etcd no longer knows.
