@@ -24,7 +24,8 @@
 //! its clock after that mark ([`IdClock::advance_past`](crate::IdClock::advance_past)) instead of waiting.
 //! No id past the mark etcd confirmed may leave the process (the request
 //! path checks that too), and marks are written only while the slot's key
-//! is bound to this holder's lease.
+//! is bound to this holder's lease, and only over the mark read just
+//! before (so a write that reaches etcd late cannot undo a later one).
 //! A mark no holder could have written (not a number, or more than a day
 //! past the furthest a holder sets it) makes a replica skip the slot (or
 //! give it back, if the mark changed after the claim) and take another.
@@ -37,7 +38,7 @@ use std::time::{Duration, Instant, SystemTime};
 use anyhow::Context as _;
 use etcd_client::{
     Client, Compare, CompareOp, ConnectOptions, GetOptions, LeaseKeepAliveStream, LeaseKeeper,
-    PutOptions, Txn, TxnOp,
+    PutOptions, Txn, TxnOp, TxnOpResponse,
 };
 use snowgate_plugin::SnowflakeLayout;
 use tokio::sync::watch;
@@ -72,6 +73,10 @@ const RELEASE_WAIT: Duration = Duration::from_secs(1);
 /// with a long TTL that had not noticed yet (a review measured 12,941
 /// shared ids, TTL 30 s against 3 s).
 const LONGEST_MARK_LEAD: Duration = Duration::from_secs(10);
+/// How many times a holder reads and writes its slot's high-water mark
+/// before it gives up on a write because the mark keeps changing in
+/// between (see `Keeper::put_mark`).
+const MARK_WRITE_ATTEMPTS: u32 = 3;
 /// How much further than a holder sets it a slot's high-water mark may lie
 /// ahead of this host's wall clock. A holder keeps its mark at most
 /// [`LONGEST_MARK_LEAD`] plus [`SAFETY_MARGIN`] ahead of its clock, and
@@ -1027,6 +1032,14 @@ impl Keeper {
 
     /// Writes `mark` as slot `id`'s high-water mark if the slot's key is
     /// bound to `lease_id`; whether it was.
+    ///
+    /// The write also requires the mark to be as it was read just before:
+    /// a write that reaches etcd late (sent to a member that froze, and
+    /// given up on) then finds a later one in its place and is refused,
+    /// instead of putting back a lower mark after a higher one had let ids
+    /// past it leave. When the mark did change in between, which only this
+    /// holder can have done (a write of its own that etcd took but never
+    /// confirmed), it is read again and written over.
     async fn put_mark(
         &self,
         client: &mut Client,
@@ -1035,22 +1048,40 @@ impl Keeper {
         mark: u64,
     ) -> anyhow::Result<bool> {
         let slot = format!("{}{id}", self.slots_prefix());
-        let txn = Txn::new()
-            .when(vec![Compare::lease(
-                slot.as_str(),
-                CompareOp::Equal,
-                lease_id,
-            )])
-            .and_then(vec![TxnOp::put(
-                self.high_water_key(id),
-                mark.to_string(),
-                None,
-            )]);
-        Ok(client
-            .txn(txn)
-            .await
-            .context("writing the slot's high-water mark")?
-            .succeeded())
+        let key = self.high_water_key(id);
+        for _ in 0..MARK_WRITE_ATTEMPTS {
+            let read = client
+                .get(key.as_str(), None)
+                .await
+                .context("reading the slot's high-water mark before writing it")?;
+            // A key that does not exist has revision 0, and compares so.
+            let revision = read.kvs().first().map_or(0, |kv| kv.mod_revision());
+            let txn = Txn::new()
+                .when(vec![
+                    Compare::lease(slot.as_str(), CompareOp::Equal, lease_id),
+                    Compare::mod_revision(key.as_str(), CompareOp::Equal, revision),
+                ])
+                .and_then(vec![TxnOp::put(key.as_str(), mark.to_string(), None)])
+                .or_else(vec![TxnOp::get(slot.as_str(), None)]);
+            let response = client
+                .txn(txn)
+                .await
+                .context("writing the slot's high-water mark")?;
+            if response.succeeded() {
+                return Ok(true);
+            }
+            let still_ours = response.op_responses().iter().any(|op| {
+                matches!(op, TxnOpResponse::Get(slot)
+                    if slot.kvs().first().is_some_and(|kv| kv.lease() == lease_id))
+            });
+            if !still_ours {
+                return Ok(false);
+            }
+        }
+        anyhow::bail!(
+            "the high-water mark {key} changed between reading and writing it {MARK_WRITE_ATTEMPTS} \
+             times in a row: something other than its holder is writing it"
+        )
     }
 
     /// Keeps the lease alive, and the slot's high-water mark ahead of the

@@ -208,6 +208,14 @@ impl Etcd {
             .expect("write a mark");
     }
 
+    /// Slot `id`'s trtllm-v1 high-water mark, if it has one.
+    async fn mark(&self, id: u32) -> Option<u64> {
+        let key = format!("/snowgate/trtllm-v1/high-water/{id}");
+        let response = self.client().await.get(key, None).await.expect("read a mark");
+        let kv = response.kvs().first()?;
+        Some(kv.value_str().expect("text").parse().expect("a number"))
+    }
+
     /// Stops etcd (SIGKILL) and waits until it is gone.
     fn stop(&mut self) {
         if let Some(mut child) = self.child.take() {
@@ -1272,6 +1280,50 @@ async fn a_replica_with_a_long_ttl_keeps_its_mark_ahead_through_a_quiet_spell() 
     tokio::time::sleep_until((leased_at + Duration::from_secs(13)).into()).await;
     let reply = post_json(r.addr, "/v1/completions", batch(10)).await;
     assert_eq!(reply.status, 200, "{}", reply.text());
+}
+
+/// The high-water mark changes under its holder between the holder's read
+/// and its write (as when etcd took a write of the holder's own but its
+/// answer never came; a holder writes only over the mark it read, so that
+/// a write reaching etcd late cannot undo a later one): the holder reads
+/// it again and writes over it, keeps its id, and stamps on.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_mark_changed_under_its_holder_is_written_over_and_stamping_goes_on() {
+    let Some(binary) = etcd_binary() else { return };
+    let etcd = Etcd::start(binary).await;
+    etcd.put_mark(0, now_millis() - 1000).await;
+    let r = replica(&etcd, &[]).await;
+    assert_eq!(leased_id(&r).await, 0);
+    let mut ids = stamp_many(&r, 1, 10).await;
+    // A lower mark in the holder's place.
+    let lowered = now_millis() - 1000;
+    etcd.put_mark(0, lowered).await;
+    // The holder raises its mark at every renewal (every second with this
+    // TTL), a TTL and a second ahead.
+    let deadline = Instant::now() + Duration::from_secs(TTL_SECS * 4);
+    loop {
+        if etcd.mark(0).await.is_some_and(|mark| mark > now_millis() + 1000) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the holder never wrote over the changed mark ({:?})\n{}",
+            etcd.mark(0).await,
+            r.stderr_text()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    ids.extend(stamp_many(&r, 3, 100).await);
+    let mark = etcd.mark(0).await.expect("a mark");
+    for &id in &ids {
+        let millis = SnowflakeLayout::TrtllmV1.decode(id).expect("an id").millis;
+        assert!(millis <= mark, "id {id} (ms {millis}) is past the mark {mark}");
+    }
+    let metrics = r.metrics().await;
+    assert!(
+        metrics.contains("snowgate_lease_losses_total 0\n"),
+        "the lease was lost\n{metrics}"
+    );
 }
 
 /// A replica stopped while the etcd member it talks to hangs records its
