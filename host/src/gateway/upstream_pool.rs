@@ -6,7 +6,13 @@
 //! requests meanwhile get others. The newest idle connection is reused
 //! first; one left idle for the idle timeout is closed. A request that a
 //! reused connection never sent (the upstream closed it just then) is sent
-//! again on another.
+//! again on another. A connection whose exchange is abandoned before its
+//! response head (the response timeout ran out, or the client went away)
+//! is closed, and so is one whose request body the upstream is still not
+//! taking an idle timeout after its response ended: hyper would otherwise
+//! go on trying to write the body to an upstream that does not read it,
+//! and hold the body, the connection and, for a streamed body, the
+//! client's connection, for good.
 //!
 //! It replaces hyper-util's general-purpose client, whose pool is shared
 //! between threads, hashes every request's scheme and authority to find
@@ -29,6 +35,7 @@ use hyper::body::Incoming;
 use hyper::client::conn::http1::{self, SendRequest};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
+use tokio::task::AbortHandle;
 
 use crate::gateway::upstream::UpstreamBody as RequestBody;
 
@@ -55,9 +62,34 @@ struct Idle {
     reaper: bool,
 }
 
+/// One connection: what sends requests on it, and the task that drives it
+/// (aborting the task closes the connection).
+struct Connection {
+    sender: SendRequest<RequestBody>,
+    task: AbortHandle,
+}
+
+/// Aborts a connection's task when dropped, unless disarmed first.
+struct CloseOnDrop(Option<AbortHandle>);
+
+impl CloseOnDrop {
+    /// Keeps the connection open; returns its task.
+    fn disarm(mut self) -> AbortHandle {
+        self.0.take().expect("armed until disarmed")
+    }
+}
+
+impl Drop for CloseOnDrop {
+    fn drop(&mut self) {
+        if let Some(task) = self.0.take() {
+            task.abort();
+        }
+    }
+}
+
 /// A connection ready for its next request, and since when.
 struct IdleConnection {
-    sender: SendRequest<RequestBody>,
+    connection: Connection,
     since: Instant,
 }
 
@@ -132,15 +164,22 @@ impl ConnectionPool {
         mut request: Request<RequestBody>,
     ) -> Result<Response<PooledBody>, SendError> {
         loop {
-            let (mut sender, reused) = match self.shared.checkout() {
-                Some(sender) => (sender, true),
+            let (connection, reused) = match self.shared.checkout() {
+                Some(connection) => (connection, true),
                 None => (self.shared.connect().await?, false),
             };
+            let Connection { mut sender, task } = connection;
+            // Until the response head arrives, dropping this future (the
+            // response timeout, a client gone) closes the connection.
+            let abandoned = CloseOnDrop(Some(task));
             match sender.try_send_request(request).await {
                 Ok(response) => {
                     let back = GiveBack {
                         pool: self.shared.clone(),
-                        sender,
+                        connection: Connection {
+                            sender,
+                            task: abandoned.disarm(),
+                        },
                     };
                     return Ok(response.map(|body| PooledBody::new(body, back)));
                 }
@@ -167,11 +206,11 @@ impl Shared {
 
     /// The newest idle connection that is still ready; those that closed
     /// meanwhile are dropped.
-    fn checkout(&self) -> Option<SendRequest<RequestBody>> {
+    fn checkout(&self) -> Option<Connection> {
         let mut idle = self.lock();
-        while let Some(connection) = idle.connections.pop_back() {
-            if connection.sender.is_ready() {
-                return Some(connection.sender);
+        while let Some(idle) = idle.connections.pop_back() {
+            if idle.connection.sender.is_ready() {
+                return Some(idle.connection);
             }
         }
         None
@@ -179,7 +218,7 @@ impl Shared {
 
     /// Opens a connection, Nagle off, and leaves it to a task of this
     /// thread's runtime.
-    async fn connect(&self) -> Result<SendRequest<RequestBody>, SendError> {
+    async fn connect(&self) -> Result<Connection, SendError> {
         let deadline = tokio::time::Instant::now() + self.connect_timeout;
         let timed_out = || SendError::ConnectTimedOut(self.connect_timeout);
         let lookup = tokio::net::lookup_host((self.host.as_str(), self.port));
@@ -196,7 +235,7 @@ impl Shared {
             .handshake(TokioIo::new(stream))
             .await
             .map_err(SendError::Request)?;
-        tokio::spawn(async move {
+        let task = tokio::spawn(async move {
             if let Err(e) = connection.await {
                 tracing::debug!(
                     problem = %crate::gateway::error_chain::describe(&e),
@@ -204,34 +243,41 @@ impl Shared {
                 );
             }
         });
-        Ok(sender)
+        Ok(Connection {
+            sender,
+            task: task.abort_handle(),
+        })
     }
 
-    /// Takes back a connection whose exchange has ended: into the pool
-    /// when it is ready for the next request, after a wait when it is not
-    /// yet (the request body is still being sent), not at all when it is
-    /// closed.
-    fn put(self: &Arc<Self>, sender: SendRequest<RequestBody>) {
-        if sender.is_ready() {
-            self.put_ready(sender);
-        } else if !sender.is_closed() {
+    /// Takes back a connection whose response has ended: into the pool
+    /// when it is ready for the next request; when it is not yet (the
+    /// upstream answered before it took the whole request body), once it
+    /// is, within the idle timeout, and closed if it is not by then; not at
+    /// all when it is closed.
+    fn put(self: &Arc<Self>, connection: Connection) {
+        if connection.sender.is_ready() {
+            self.put_ready(connection);
+        } else if !connection.sender.is_closed() {
             let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+                connection.task.abort();
                 return;
             };
             let pool = self.clone();
             runtime.spawn(async move {
-                let mut sender = sender;
-                if sender.ready().await.is_ok() {
-                    pool.put_ready(sender);
+                let Connection { mut sender, task } = connection;
+                match tokio::time::timeout(pool.idle_timeout, sender.ready()).await {
+                    Ok(Ok(())) => pool.put_ready(Connection { sender, task }),
+                    Ok(Err(_closed)) => {}
+                    Err(_still_sending) => task.abort(),
                 }
             });
         }
     }
 
-    fn put_ready(self: &Arc<Self>, sender: SendRequest<RequestBody>) {
+    fn put_ready(self: &Arc<Self>, connection: Connection) {
         let mut idle = self.lock();
         idle.connections.push_back(IdleConnection {
-            sender,
+            connection,
             since: Instant::now(),
         });
         if !idle.reaper {
@@ -307,13 +353,12 @@ async fn reap(pool: Weak<Shared>) {
 /// A connection lent to one response, to give back when its body ends.
 struct GiveBack {
     pool: Arc<Shared>,
-    sender: SendRequest<RequestBody>,
+    connection: Connection,
 }
 
 /// The upstream's response body. When it has ended its connection goes
-/// back to the pool; a body dropped or failed before its end takes its
-/// connection with it (hyper closes a connection whose message was not
-/// read to the end).
+/// back to the pool; a body dropped or failed before its end closes its
+/// connection (which may still be sending the request body).
 pub struct PooledBody {
     body: Incoming,
     give_back: Option<GiveBack>,
@@ -334,9 +379,22 @@ impl PooledBody {
     }
 
     fn ended(&mut self) {
-        if let Some(GiveBack { pool, sender }) = self.give_back.take() {
-            pool.put(sender);
+        if let Some(GiveBack { pool, connection }) = self.give_back.take() {
+            pool.put(connection);
         }
+    }
+
+    /// Closes the connection of a body that will not end.
+    fn abandon(&mut self) {
+        if let Some(back) = self.give_back.take() {
+            back.connection.task.abort();
+        }
+    }
+}
+
+impl Drop for PooledBody {
+    fn drop(&mut self) {
+        self.abandon();
     }
 }
 
@@ -354,7 +412,7 @@ impl Body for PooledBody {
             None => this.ended(),
             Some(Ok(_)) if this.body.is_end_stream() => this.ended(),
             Some(Ok(_)) => {}
-            Some(Err(_)) => this.give_back = None,
+            Some(Err(_)) => this.abandon(),
         }
         Poll::Ready(frame)
     }
@@ -609,7 +667,7 @@ mod tests {
         // A connection to an in-memory peer, used once, then left ready in
         // the pool; the peer then goes away. This thread runs the
         // connection's task only once the request below is queued on it.
-        let (mut sender, mut far) = in_memory_connection().await;
+        let (mut sender, task, mut far) = in_memory_connection().await;
         let (response, ()) =
             tokio::join!(sender.send_request(get("/fixed")), answer_as_peer(&mut far));
         let body = response.unwrap().into_body().collect().await.unwrap();
@@ -621,7 +679,7 @@ mod tests {
             sender.is_ready(),
             "the connection has not yet seen its peer go"
         );
-        pool.shared.put_ready(sender);
+        pool.shared.put_ready(Connection { sender, task });
 
         let response = pool.send(get("/fixed")).await.unwrap();
         assert_eq!(read_to_end(response).await, "ok");
@@ -634,14 +692,14 @@ mod tests {
     async fn a_connection_given_back_busy_joins_the_pool_when_ready() {
         let (addr, seen) = upstream().await;
         let pool = pool_for(addr, Duration::from_secs(60));
-        let (mut sender, mut far) = in_memory_connection().await;
+        let (mut sender, task, mut far) = in_memory_connection().await;
         let answer = sender.send_request(get("/fixed"));
         let (response, ()) = tokio::join!(
             async {
                 // Given back while the request waits for its answer.
                 tokio::task::yield_now().await;
                 assert!(!sender.is_ready() && !sender.is_closed());
-                pool.shared.put(sender);
+                pool.shared.put(Connection { sender, task });
                 assert_eq!(pool.idle_count(), 0);
                 answer.await
             },
@@ -662,13 +720,102 @@ mod tests {
         assert_eq!(accepted(&seen), 0);
     }
 
+    /// An upstream that takes connections and reads nothing from them, or
+    /// (with `answer`) reads one request head and answers `200 ok` without
+    /// reading the body; each accepted connection is sent on the channel.
+    async fn deaf_upstream(answer: bool) -> (SocketAddr, mpsc::UnboundedReceiver<TcpStream>) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (accepted, connections) = mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                if answer {
+                    let mut head = Vec::new();
+                    while !head.ends_with(b"\r\n\r\n") {
+                        head.push(stream.read_u8().await.unwrap());
+                    }
+                    stream
+                        .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                        .await
+                        .unwrap();
+                }
+                let _ = accepted.send(stream);
+            }
+        });
+        (addr, connections)
+    }
+
+    /// A POST whose body is what the test sends on the returned sender,
+    /// 16 MiB of it already queued: more than loopback's buffers hold, so
+    /// that a connection to an upstream that does not read stays busy.
+    fn endless_post() -> (Request<RequestBody>, mpsc::UnboundedSender<Bytes>) {
+        let (more, chunks) = mpsc::unbounded_channel();
+        for _ in 0..256 {
+            more.send(Bytes::from(vec![b'x'; 64 << 10])).unwrap();
+        }
+        let request = Request::post("/upload")
+            .header(http::header::HOST, "upstream.test")
+            .body(Chunks(chunks).map_err(|never| match never {}).boxed())
+            .unwrap();
+        (request, more)
+    }
+
+    /// Reads `stream` to its end: the gateway side closed it.
+    async fn read_until_closed(mut stream: TcpStream) {
+        use tokio::io::AsyncReadExt;
+        let mut sink = vec![0; 64 << 10];
+        while !matches!(stream.read(&mut sink).await, Ok(0) | Err(_)) {}
+    }
+
+    /// The response timeout runs out (or the client goes away) while the
+    /// request body is still being written to an upstream that reads
+    /// nothing: dropping the exchange closes its connection and frees its
+    /// body, rather than leave hyper writing it for good.
+    #[tokio::test]
+    async fn an_exchange_abandoned_before_its_answer_closes_its_connection() {
+        let (addr, mut connections) = deaf_upstream(false).await;
+        let pool = pool_for(addr, Duration::from_secs(60));
+        let (request, more) = endless_post();
+        let sent = tokio::time::timeout(Duration::from_millis(300), pool.send(request)).await;
+        assert!(sent.is_err(), "the deaf upstream answered");
+        let connection = connections.recv().await.unwrap();
+        bounded(more.closed()).await;
+        bounded(read_until_closed(connection)).await;
+        assert_eq!(pool.idle_count(), 0);
+    }
+
+    /// The upstream answers without taking the whole request body, and
+    /// then takes no more of it: once the response has ended, the
+    /// connection gets the idle timeout to finish sending, and is closed
+    /// when it has not.
+    #[tokio::test]
+    async fn a_connection_still_sending_an_idle_timeout_after_its_answer_is_closed() {
+        let (addr, mut connections) = deaf_upstream(true).await;
+        let idle = Duration::from_millis(200);
+        let pool = pool_for(addr, idle);
+        let (request, more) = endless_post();
+        let response = pool.send(request).await.unwrap();
+        assert_eq!(read_to_end(response).await, "ok");
+        let ended = Instant::now();
+        let connection = connections.recv().await.unwrap();
+        bounded(more.closed()).await;
+        assert!(ended.elapsed() >= idle, "closed after {:?}", ended.elapsed());
+        bounded(read_until_closed(connection)).await;
+        assert_eq!(pool.idle_count(), 0);
+    }
+
     /// A connection to an in-memory peer, its task spawned on this
     /// thread, and the peer's end, which [`answer_as_peer`] serves.
-    async fn in_memory_connection() -> (SendRequest<RequestBody>, tokio::io::DuplexStream) {
+    async fn in_memory_connection() -> (
+        SendRequest<RequestBody>,
+        AbortHandle,
+        tokio::io::DuplexStream,
+    ) {
         let (near, far) = tokio::io::duplex(4096);
         let (sender, connection) = http1::handshake(TokioIo::new(near)).await.unwrap();
-        tokio::spawn(connection);
-        (sender, far)
+        let task = tokio::spawn(connection).abort_handle();
+        (sender, task, far)
     }
 
     /// Reads one request head (the tests' requests have no body) and
