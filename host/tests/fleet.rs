@@ -211,7 +211,12 @@ impl Etcd {
     /// Slot `id`'s trtllm-v1 high-water mark, if it has one.
     async fn mark(&self, id: u32) -> Option<u64> {
         let key = format!("/snowgate/trtllm-v1/high-water/{id}");
-        let response = self.client().await.get(key, None).await.expect("read a mark");
+        let response = self
+            .client()
+            .await
+            .get(key, None)
+            .await
+            .expect("read a mark");
         let kv = response.kvs().first()?;
         Some(kv.value_str().expect("text").parse().expect("a number"))
     }
@@ -1244,7 +1249,10 @@ async fn replicas_with_different_ttls_share_no_id_when_etcd_loses_its_data_behin
         stamp_many(&new, 2, 1000).await
     };
     let (old_ids, new_ids) = tokio::join!(old_stamps, new_stamps);
-    assert!(!old_ids.is_empty(), "the old holder stamped nothing after the wipe");
+    assert!(
+        !old_ids.is_empty(),
+        "the old holder stamped nothing after the wipe"
+    );
     let old_ids: HashSet<u64> = old_ids.into_iter().collect();
     let millis = |id: u64| SnowflakeLayout::TrtllmV1.decode(id).expect("an id").millis;
     let old_last = old_ids.iter().map(|&id| millis(id)).max().expect("ids");
@@ -1302,7 +1310,11 @@ async fn a_mark_changed_under_its_holder_is_written_over_and_stamping_goes_on() 
     // TTL), a TTL and a second ahead.
     let deadline = Instant::now() + Duration::from_secs(TTL_SECS * 4);
     loop {
-        if etcd.mark(0).await.is_some_and(|mark| mark > now_millis() + 1000) {
+        if etcd
+            .mark(0)
+            .await
+            .is_some_and(|mark| mark > now_millis() + 1000)
+        {
             break;
         }
         assert!(
@@ -1317,7 +1329,10 @@ async fn a_mark_changed_under_its_holder_is_written_over_and_stamping_goes_on() 
     let mark = etcd.mark(0).await.expect("a mark");
     for &id in &ids {
         let millis = SnowflakeLayout::TrtllmV1.decode(id).expect("an id").millis;
-        assert!(millis <= mark, "id {id} (ms {millis}) is past the mark {mark}");
+        assert!(
+            millis <= mark,
+            "id {id} (ms {millis}) is past the mark {mark}"
+        );
     }
     let metrics = r.metrics().await;
     assert!(

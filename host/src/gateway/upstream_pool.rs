@@ -800,7 +800,11 @@ mod tests {
         let ended = Instant::now();
         let connection = connections.recv().await.unwrap();
         bounded(more.closed()).await;
-        assert!(ended.elapsed() >= idle, "closed after {:?}", ended.elapsed());
+        assert!(
+            ended.elapsed() >= idle,
+            "closed after {:?}",
+            ended.elapsed()
+        );
         bounded(read_until_closed(connection)).await;
         assert_eq!(pool.idle_count(), 0);
     }
