@@ -511,6 +511,52 @@ async fn refuses_a_chunked_body_over_max_body_bytes_with_413() {
     assert_fresh_v1_id(stamped_id(&upstream.only_seen().body));
 }
 
+/// The same for a body streamed through to the upstream without the
+/// plugin (not JSON): one that declares no length is cut off and refused
+/// with 413 as soon as it passes `--max-body-bytes`, not forwarded whole;
+/// at the limit it goes through unchanged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refuses_a_chunked_body_streamed_through_over_max_body_bytes_with_413() {
+    let upstream = TestUpstream::start().await;
+    let gateway =
+        Gateway::start(&["--upstream", &upstream.url(), "--max-body-bytes", "1024"]).await;
+
+    let filler = vec![b'a'; 600];
+    let mut request = b"POST /upload HTTP/1.1\r\nHost: gw\r\nContent-Type: text/plain\r\nTransfer-Encoding: chunked\r\n\r\n".to_vec();
+    for part in [&filler, &filler] {
+        request.extend_from_slice(format!("{:x}\r\n", part.len()).as_bytes());
+        request.extend_from_slice(part);
+        request.extend_from_slice(b"\r\n");
+    }
+    // No last chunk: the body never ends, the gateway must not wait for it.
+    let raw = bounded(
+        "413 once the limit is passed",
+        Duration::from_secs(10),
+        raw_exchange(gateway.addr, &request),
+    )
+    .await;
+    assert_eq!(raw.status, 413, "{:?}", String::from_utf8_lossy(&raw.body));
+    let message = assert_openai_error(&raw.json(), "body_too_large", "invalid_request_error");
+    assert!(message.contains("1024"), "{message}");
+    let metrics = get(gateway.admin, "/metrics").await;
+    assert!(
+        metrics
+            .text()
+            .contains("snowgate_requests_total{outcome=\"too_large\"} 1\n"),
+        "{}",
+        metrics.text()
+    );
+
+    // Exactly at the limit, chunked: forwarded as it came.
+    let body = "c".repeat(1024);
+    let mut request = b"POST /upload HTTP/1.1\r\nHost: gw\r\nContent-Type: text/plain\r\nTransfer-Encoding: chunked\r\n\r\n".to_vec();
+    request.extend_from_slice(format!("{:x}\r\n{body}\r\n0\r\n\r\n", body.len()).as_bytes());
+    let raw = raw_exchange(gateway.addr, &request).await;
+    assert_eq!(raw.status, 200, "{:?}", String::from_utf8_lossy(&raw.body));
+    let forwarded = upstream.seen().into_iter().last().expect("forwarded");
+    assert_eq!(forwarded.body, body.as_bytes());
+}
+
 /// Malformed JSON gets 400 with an OpenAI-style error that says what is
 /// wrong and where; nothing goes upstream.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -41,6 +41,9 @@ pub enum ClientFault {
     Broken,
     /// It paused longer than the body read timeout (408).
     Stalled,
+    /// It sent more than the body limit without declaring its length
+    /// (413).
+    TooLarge,
 }
 
 impl ClientFault {
@@ -49,6 +52,7 @@ impl ClientFault {
         match self {
             ClientFault::Broken => (http::StatusCode::BAD_REQUEST, "body_read_error"),
             ClientFault::Stalled => (http::StatusCode::REQUEST_TIMEOUT, "body_timeout"),
+            ClientFault::TooLarge => (http::StatusCode::PAYLOAD_TOO_LARGE, "body_too_large"),
         }
     }
 }

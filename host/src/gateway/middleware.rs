@@ -58,7 +58,8 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 use crate::bindings::exports::snowgate::middleware::handler::Action;
-use crate::gateway::client_body::{BodyProgress, ClientFault};
+use crate::gateway::body_limit::Capped;
+use crate::gateway::client_body::{BodyProgress, BoxError, ClientFault};
 use crate::gateway::config::FailurePolicy;
 use crate::gateway::metrics::{Metrics, Outcome};
 use crate::gateway::read_body::{read_limited, ReadBodyError};
@@ -73,8 +74,9 @@ use snowgate_plugin::MSGPACK_HEADER;
 static MSGPACK: HeaderName = HeaderName::from_static(MSGPACK_HEADER);
 
 /// The body type the inner service receives: the (possibly rewritten) body
-/// in memory, or the original body streaming through.
-pub type ForwardBody<B> = Either<Full<Bytes>, B>;
+/// in memory, or the original body streaming through, cut off at the body
+/// limit.
+pub type ForwardBody<B> = Either<Full<Bytes>, Capped<B>>;
 
 /// The response body: the gateway's own answer, or the inner service's.
 pub type AnswerBody<B> = Either<Full<Bytes>, B>;
@@ -158,7 +160,7 @@ where
     S: Service<Request<ForwardBody<B>>, Response = Response<ResB>> + Clone + Send + 'static,
     S::Future: Send,
     B: Body<Data = Bytes> + Send + 'static,
-    B::Error: std::fmt::Display,
+    B::Error: Into<BoxError>,
 {
     type Response = Response<AnswerBody<ResB>>;
     type Error = S::Error;
@@ -186,7 +188,7 @@ impl Shared {
     where
         S: Service<Request<ForwardBody<B>>, Response = Response<ResB>>,
         B: Body<Data = Bytes>,
-        B::Error: std::fmt::Display,
+        B::Error: Into<BoxError>,
     {
         let own = |response: Response<Full<Bytes>>| Ok(response.map(Either::Left));
         // A reverse proxy for one upstream has no tunnels to open; refused
@@ -221,10 +223,16 @@ impl Shared {
                 metrics: &self.metrics,
                 outcome: Outcome::PassedThrough,
             };
-            let response = inner.call(request.map(Either::Right)).await?;
-            // A body the client stalled or broke off is the client's error.
-            if response.extensions().get::<ClientFault>().is_some() {
-                counted.outcome = Outcome::ClientError;
+            // A body without a declared length is cut off at the limit as
+            // it streams through.
+            let capped = request.map(|body| Either::Right(Capped::new(body, self.max_body_bytes)));
+            let response = inner.call(capped).await?;
+            // A body the client stalled, broke off or sent too much of is
+            // the client's error.
+            match response.extensions().get::<ClientFault>() {
+                Some(ClientFault::TooLarge) => counted.outcome = Outcome::TooLarge,
+                Some(_) => counted.outcome = Outcome::ClientError,
+                None => {}
             }
             return Ok(response.map(Either::Right));
         }

@@ -7,6 +7,7 @@
 
 pub mod activity;
 pub mod admin;
+pub mod body_limit;
 pub mod client_body;
 pub mod config;
 pub mod error_chain;

@@ -4,6 +4,9 @@ use bytes::{Bytes, BytesMut};
 use http_body::Body;
 use http_body_util::BodyExt;
 
+use crate::gateway::body_limit::BodyTooLarge;
+use crate::gateway::client_body::BoxError;
+
 /// Why a body could not be read.
 #[derive(Debug)]
 pub enum ReadBodyError {
@@ -14,17 +17,25 @@ pub enum ReadBodyError {
 }
 
 /// Reads `body` whole, stopping with [`ReadBodyError::TooLarge`] as soon as
-/// more than `limit` bytes have arrived.
+/// more than `limit` bytes have arrived, or when the body itself fails with
+/// [`BodyTooLarge`] (a smaller limit before this reader).
 pub async fn read_limited<B>(body: B, limit: usize) -> Result<Bytes, ReadBodyError>
 where
     B: Body<Data = Bytes>,
-    B::Error: std::fmt::Display,
+    B::Error: Into<BoxError>,
 {
     let mut body = std::pin::pin!(body);
     let mut first: Option<Bytes> = None;
     let mut buffer = BytesMut::new();
     while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| ReadBodyError::Failed(e.to_string()))?;
+        let frame = frame.map_err(|e| {
+            let e: BoxError = e.into();
+            if e.is::<BodyTooLarge>() {
+                ReadBodyError::TooLarge
+            } else {
+                ReadBodyError::Failed(e.to_string())
+            }
+        })?;
         let Ok(data) = frame.into_data() else {
             continue;
         }; // trailers

@@ -19,11 +19,12 @@ use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full};
 use tower_service::Service;
 
+use crate::gateway::body_limit::BodyTooLarge;
 use crate::gateway::client_body::{BodyProgress, ClientFault};
 use crate::gateway::config::UpstreamTimeouts;
 use crate::gateway::error_chain;
 use crate::gateway::metrics::Metrics;
-use crate::gateway::read_body::read_limited;
+use crate::gateway::read_body::{read_limited, ReadBodyError};
 use crate::gateway::responses;
 use crate::gateway::upstream_pool::{ConnectionPool, SendError};
 use crate::gateway::upstream_read_timeout::UpstreamReadTimeout;
@@ -280,7 +281,11 @@ impl HttpUpstream {
             }
             Ok(Err(e)) => {
                 // The request body is the client's: when reading it failed,
-                // the client is told, and the upstream is not blamed.
+                // or it passed the body limit, the client is told, and the
+                // upstream is not blamed.
+                if let Some(too_large) = error_chain::causes(&e).find_map(|c| c.downcast_ref::<BodyTooLarge>()) {
+                    return client_fault(ClientFault::TooLarge, &too_large.to_string());
+                }
                 if let Some(fault) = progress.as_ref().and_then(|p| p.fault()) {
                     // The innermost cause is the body's own error; the rest
                     // is the upstream client's wording around it.
@@ -500,6 +505,15 @@ async fn echo(request: Request<UpstreamBody>) -> Response<UpstreamBody> {
     let (parts, body) = request.into_parts();
     let body = match read_limited(body, ECHO_MAX_BODY).await {
         Ok(bytes) => bytes,
+        Err(ReadBodyError::TooLarge) => {
+            let message = "the request body is larger than the gateway's limit (--max-body-bytes) \
+                           or the echo upstream's (64 MiB)";
+            return own(responses::error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "body_too_large",
+                message,
+            ));
+        }
         Err(e) => {
             let message = format!("the echo upstream could not read the body: {e:?}");
             return own(responses::error(
