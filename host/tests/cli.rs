@@ -264,6 +264,23 @@ fn rewrite_refuses_a_plugin_path_that_is_not_a_regular_file() {
     failure(&output, 1, &["/dev/zero", "not a regular file"]);
 }
 
+/// A config file that is a device is refused with a message, instead of
+/// being read until memory runs out; so is one over the size limit.
+#[test]
+fn serve_refuses_a_config_file_that_is_a_device_or_too_large() {
+    let output = snowgate(&["serve", "--config", "/dev/zero"], b"");
+    failure(
+        &output,
+        2,
+        &["/dev/zero", "a character device, not a regular file"],
+    );
+    let big = std::env::temp_dir().join(format!("snowgate-cli-{}-big.toml", std::process::id()));
+    std::fs::write(&big, vec![b'#'; (1 << 20) + 1]).expect("write the file");
+    let output = snowgate(&["serve", "--config", big.to_str().unwrap()], b"");
+    let _ = std::fs::remove_file(&big);
+    failure(&output, 2, &["big.toml", "over its 1048576 byte limit"]);
+}
+
 /// Output that cannot be written is an error that says so, not a panic.
 #[test]
 fn output_that_cannot_be_written_is_an_error_not_a_panic() {

@@ -9,6 +9,7 @@ use anyhow::Context as _;
 use serde::Deserialize;
 use snowgate_plugin::SnowflakeLayout;
 
+use crate::gateway::plugin_file::read_regular_file;
 use crate::lease::LeaseConfig;
 use crate::limits::PluginLimits;
 
@@ -334,10 +335,16 @@ pub struct ConfigFile {
     pub etcd_prefix: Option<String>,
 }
 
+/// The largest config file read: settings take a few hundred bytes, and a
+/// device or a runaway file must not be read without end.
+pub const MAX_CONFIG_FILE_BYTES: u64 = 1 << 20;
+
 impl ConfigFile {
-    /// Reads and parses a TOML configuration file.
+    /// Reads and parses a TOML configuration file: a regular file of at
+    /// most [`MAX_CONFIG_FILE_BYTES`] in UTF-8.
     pub fn read(path: &Path) -> anyhow::Result<ConfigFile> {
-        let text = std::fs::read_to_string(path)
+        let bytes = read_regular_file(path, "the config file", MAX_CONFIG_FILE_BYTES)?;
+        let text = String::from_utf8(bytes)
             .with_context(|| format!("reading the config file {}", path.display()))?;
         toml::from_str(&text).with_context(|| format!("parsing the config file {}", path.display()))
     }

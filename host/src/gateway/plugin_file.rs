@@ -1,5 +1,6 @@
 //! The plugin file on disk: read safely (a regular file, within a size
-//! limit, without blocking on a FIFO), and fingerprinted, so that a change
+//! limit, without blocking on a FIFO, as the config file is too), and
+//! fingerprinted, so that a change
 //! is noticed however it was made (a rewrite, a rename, a symlink flipped,
 //! the directory replaced).
 
@@ -17,8 +18,16 @@ pub const MAX_PLUGIN_FILE_BYTES: u64 = 128 << 20;
 /// comes, a device could be endless) and anything over
 /// [`MAX_PLUGIN_FILE_BYTES`], with a message that names the path.
 pub fn read_plugin_file(path: &Path) -> anyhow::Result<Vec<u8>> {
+    read_regular_file(path, "the plugin", MAX_PLUGIN_FILE_BYTES)
+}
+
+/// Reads `path` (following symlinks), `what` it is in messages ("the
+/// plugin"): only a regular file (a FIFO would block the read until a
+/// writer comes, a device could be endless) of at most `limit` bytes,
+/// refused otherwise with a message that names the path.
+pub fn read_regular_file(path: &Path, what: &str, limit: u64) -> anyhow::Result<Vec<u8>> {
     let shown = path.display();
-    let failed = |e: std::io::Error| anyhow::anyhow!("reading the plugin {shown}: {e}");
+    let failed = |e: std::io::Error| anyhow::anyhow!("reading {what} {shown}: {e}");
     // Non-blocking: opening a FIFO for reading would wait for a writer.
     let file = OpenOptions::new()
         .read(true)
@@ -28,25 +37,22 @@ pub fn read_plugin_file(path: &Path) -> anyhow::Result<Vec<u8>> {
     let metadata = file.metadata().map_err(failed)?;
     if !metadata.is_file() {
         anyhow::bail!(
-            "reading the plugin {shown}: it is {}, not a regular file",
+            "reading {what} {shown}: it is {}, not a regular file",
             kind(&metadata)
         );
     }
     let too_big = |size: u64| {
-        anyhow::anyhow!(
-            "reading the plugin {shown}: it is {size} bytes, over the {MAX_PLUGIN_FILE_BYTES} \
-             byte limit for a plugin file"
-        )
+        anyhow::anyhow!("reading {what} {shown}: it is {size} bytes, over its {limit} byte limit")
     };
-    if metadata.len() > MAX_PLUGIN_FILE_BYTES {
+    if metadata.len() > limit {
         return Err(too_big(metadata.len()));
     }
     let mut bytes = Vec::with_capacity(metadata.len() as usize);
-    file.take(MAX_PLUGIN_FILE_BYTES + 1)
+    file.take(limit + 1)
         .read_to_end(&mut bytes)
         .map_err(failed)?;
     // It grew while it was read.
-    if bytes.len() as u64 > MAX_PLUGIN_FILE_BYTES {
+    if bytes.len() as u64 > limit {
         return Err(too_big(bytes.len() as u64));
     }
     Ok(bytes)
