@@ -278,7 +278,7 @@ fn serve_refuses_a_config_file_that_is_a_device_or_too_large() {
     std::fs::write(&big, vec![b'#'; (1 << 20) + 1]).expect("write the file");
     let output = snowgate(&["serve", "--config", big.to_str().unwrap()], b"");
     let _ = std::fs::remove_file(&big);
-    failure(&output, 2, &["big.toml", "over its 1048576 byte limit"]);
+    failure(&output, 2, &["big.toml", "over the 1048576 byte limit"]);
 }
 
 /// Output that cannot be written is an error that says so, not a panic.

@@ -42,7 +42,9 @@ pub fn read_regular_file(path: &Path, what: &str, limit: u64) -> anyhow::Result<
         );
     }
     let too_big = |size: u64| {
-        anyhow::anyhow!("reading {what} {shown}: it is {size} bytes, over its {limit} byte limit")
+        anyhow::anyhow!(
+            "reading {what} {shown}: it is {size} bytes, over the {limit} byte limit for {what}"
+        )
     };
     if metadata.len() > limit {
         return Err(too_big(metadata.len()));
