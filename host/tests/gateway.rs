@@ -1207,6 +1207,25 @@ async fn a_chunked_response_with_a_stale_content_length_reaches_the_client_whole
 }
 
 /// Trailer fields the upstream sends after a chunked body reach a client
+/// An upstream that answers 101 Switching Protocols to a request that asked
+/// for no upgrade (the gateway forwards none) is failing: the client gets
+/// 502, and its connection serves the next request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unasked_101_from_the_upstream_is_a_502() {
+    let upstream = RawUpstream::start(
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n",
+    )
+    .await;
+    let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
+    let mut client = Client::connect(gateway.addr).await;
+    for _ in 0..2 {
+        let reply = client.get("/socket").await;
+        assert_eq!(reply.status, StatusCode::BAD_GATEWAY, "{}", reply.text());
+        let message = assert_openai_error(&reply.json(), "upstream_failed", "server_error");
+        assert!(message.contains("101 Switching Protocols"), "{message}");
+    }
+}
+
 /// that accepts them (`TE: trailers`), with the `Trailer` header that
 /// names them; the upstream is told the gateway accepts them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

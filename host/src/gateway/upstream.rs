@@ -256,6 +256,15 @@ impl HttpUpstream {
         // for the whole wait for a response head, not for the body after it.
         let answer = tokio::time::timeout(self.timeouts.response, self.pool.send(request));
         let failure = match answer.await {
+            // The gateway forwards no `Upgrade` (it is hop-by-hop), so a 101
+            // answers nothing that was asked, and passed on it would end
+            // the client's connection (or, over HTTP/2, reset its stream).
+            Ok(Ok(response)) if response.status() == StatusCode::SWITCHING_PROTOCOLS => {
+                UpstreamFailure::Failed(
+                    "answered 101 Switching Protocols to a request that asked for no upgrade"
+                        .to_string(),
+                )
+            }
             Ok(Ok(response)) => {
                 let (mut parts, body) = response.into_parts();
                 // hyper reads a response with both as chunked (RFC 9112
