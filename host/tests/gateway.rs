@@ -557,6 +557,37 @@ async fn refuses_a_chunked_body_streamed_through_over_max_body_bytes_with_413() 
     assert_eq!(forwarded.body, body.as_bytes());
 }
 
+/// A request body sent with a transfer coding other than chunked (`gzip,
+/// chunked`, which hyper reads as chunked) gets 501, as RFC 9112 asks, and
+/// nothing goes upstream: forwarded, it would reach the upstream gzipped
+/// and unlabelled. `Chunked` in any case is read as usual.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refuses_a_transfer_coding_other_than_chunked_with_501() {
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
+    for content_type in ["text/plain", "application/json"] {
+        let request = format!(
+            "POST /upload HTTP/1.1\r\nHost: gw\r\nContent-Type: {content_type}\r\n\
+             Transfer-Encoding: gzip, chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n"
+        );
+        let raw = raw_exchange(gateway.addr, request.as_bytes()).await;
+        assert_eq!(raw.status, 501, "{:?}", String::from_utf8_lossy(&raw.body));
+        let message =
+            assert_openai_error(&raw.json(), "unsupported_transfer_encoding", "server_error");
+        assert!(message.contains("gzip, chunked"), "{message}");
+        assert_eq!(raw.header("connection"), Some("close"));
+    }
+    assert!(upstream.seen().is_empty(), "nothing went upstream");
+    let raw = raw_exchange(
+        gateway.addr,
+        b"POST /upload HTTP/1.1\r\nHost: gw\r\nContent-Type: text/plain\r\n\
+          Transfer-Encoding: Chunked\r\nConnection: close\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+    )
+    .await;
+    assert_eq!(raw.status, 200, "{:?}", String::from_utf8_lossy(&raw.body));
+    assert_eq!(upstream.only_seen().body, "abc");
+}
+
 /// Malformed JSON gets 400 with an OpenAI-style error that says what is
 /// wrong and where; nothing goes upstream.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

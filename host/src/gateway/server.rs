@@ -26,7 +26,9 @@ use crate::gateway::activity::{ActiveBody, Activity};
 use crate::gateway::client_body::{BodyProgress, ClientBody};
 use crate::gateway::config::ConnectionLimits;
 use crate::gateway::error_chain;
+use crate::gateway::metrics::Outcome;
 use crate::gateway::middleware::SnowgateLayer;
+use crate::gateway::responses;
 use crate::gateway::send_timeout::SendTimeout;
 use crate::gateway::upstream::{strip_hop_by_hop, Upstream};
 use crate::gateway::workers::Workers;
@@ -140,6 +142,14 @@ pub async fn serve(
                     .map(|p| p.as_str().to_owned());
                 (request.method().clone(), path.unwrap_or_default())
             });
+            // hyper decodes only chunked, and takes `gzip, chunked` as
+            // chunked: the rest of the coding would reach the upstream
+            // unlabelled. Looked at before the header goes with the other
+            // hop-by-hop ones.
+            let refusal = unsupported_transfer_coding(request.headers()).map(|coding| {
+                metrics.request(Outcome::ClientError);
+                not_implemented(&coding)
+            });
             // First, so that a client cannot name the gateway's own
             // `X-Forwarded-For` in its `Connection` header to have it removed.
             strip_hop_by_hop(request.headers_mut());
@@ -156,7 +166,10 @@ pub async fn serve(
             let mut service = service.clone();
             let metrics = metrics.clone();
             async move {
-                let response = service.call(request).await?;
+                let response = match refusal {
+                    Some(refusal) => refusal.map(Either::Left),
+                    None => service.call(request).await?,
+                };
                 let took = arrived.elapsed();
                 metrics.response(response.status(), took);
                 if let Some((method, path)) = access {
@@ -426,6 +439,47 @@ pub type ResponseBody = BoxBody<Bytes, BodyError>;
 /// The client's address as `X-Forwarded-For` gets it, made once per
 /// connection: an IPv4 client of a dual-stack listener as `127.0.0.1`, not
 /// `::ffff:127.0.0.1`.
+/// The request's `Transfer-Encoding`, when it names a coding other than
+/// `chunked` (RFC 9112 section 6.1: a server answers a coding it does not
+/// understand with 501).
+fn unsupported_transfer_coding(headers: &http::HeaderMap) -> Option<String> {
+    let values = headers.get_all(http::header::TRANSFER_ENCODING);
+    let understood = values.iter().all(|value| {
+        value.to_str().is_ok_and(|codings| {
+            codings
+                .split(',')
+                .map(str::trim)
+                .all(|coding| coding.is_empty() || coding.eq_ignore_ascii_case("chunked"))
+        })
+    });
+    if understood {
+        return None;
+    }
+    let named: Vec<String> = values
+        .iter()
+        .map(|value| String::from_utf8_lossy(value.as_bytes()).into_owned())
+        .collect();
+    Some(named.join(", "))
+}
+
+/// The answer to a request sent with a transfer coding the gateway does
+/// not decode; its connection ends, since its body is not read.
+fn not_implemented(coding: &str) -> http::Response<http_body_util::Full<Bytes>> {
+    let message = format!(
+        "the request has Transfer-Encoding {coding:?}; this gateway decodes only chunked: send \
+         the body without another transfer coding"
+    );
+    let mut response = responses::error(
+        http::StatusCode::NOT_IMPLEMENTED,
+        "unsupported_transfer_encoding",
+        &message,
+    );
+    response
+        .headers_mut()
+        .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
+    response
+}
+
 fn forwarded_for_value(peer: SocketAddr) -> HeaderValue {
     let address = peer.ip().to_canonical().to_string();
     // An address is digits, hex letters, dots and colons: always a value.
