@@ -738,6 +738,60 @@ async fn a_client_that_only_pings_loses_its_idle_http2_connection() {
     pinger.abort();
 }
 
+/// Over HTTP/2 too, a client that stalls a body the gateway reads whole
+/// for the plugin gets 408 at the body read timeout: otherwise one
+/// connection could hold many such bodies half sent, each up to the body
+/// limit, for as long as it liked (a review held 1.8 GB for minutes).
+#[tokio::test(flavor = "multi_thread")]
+async fn an_http2_client_that_stalls_a_json_body_gets_408() {
+    use http_body_util::BodyExt as _;
+    use support::ChannelBody;
+
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start(&[
+        "--upstream",
+        &upstream.url(),
+        "--body-read-timeout-ms",
+        "300",
+    ])
+    .await;
+    let stream = TcpStream::connect(gateway.addr).await.expect("connect");
+    let (mut sender, connection) =
+        hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+            .handshake::<_, ChannelBody>(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .expect("an HTTP/2 handshake");
+    tokio::spawn(connection);
+    let (body, chunks) = tokio::sync::mpsc::channel(1);
+    body.send(bytes::Bytes::from_static(b"{\"prompt\":"))
+        .await
+        .expect("the channel is open");
+    let request = http::Request::post(format!("http://{}/v1/completions", gateway.addr))
+        .header("content-type", "application/json")
+        .body(ChannelBody(chunks))
+        .expect("a request");
+    let response = bounded(
+        "408 at the body read timeout",
+        STEP,
+        sender.send_request(request),
+    )
+    .await
+    .expect("a response");
+    assert_eq!(response.status(), 408);
+    let answer = response
+        .into_body()
+        .collect()
+        .await
+        .expect("the body")
+        .to_bytes();
+    assert!(
+        String::from_utf8_lossy(&answer).contains("body_timeout"),
+        "{answer:?}"
+    );
+    drop(body);
+    assert!(upstream.seen().is_empty(), "nothing went upstream");
+}
+
 /// A client that sends its headers and then stalls its body gets 408 at
 /// the body read timeout, on the plugin path and on pass-through alike,
 /// and is counted as the client's error, not the upstream's. A stall that

@@ -3,7 +3,7 @@
 //! body is told so, and is not reported as a failure of the upstream.
 
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -21,6 +21,8 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 #[derive(Debug, Default)]
 pub struct BodyProgress {
     state: AtomicU8,
+    /// Whether the reader takes the whole body into memory as it comes.
+    read_whole: AtomicBool,
 }
 
 /// Frames are handed out as they come; the reader has not asked for more.
@@ -74,6 +76,13 @@ impl BodyProgress {
         self.state.load(Ordering::Acquire) == WAITING_ON_CLIENT
     }
 
+    /// The reader takes the whole body into memory (for the plugin),
+    /// taking every frame as soon as it comes: from now on its waits are
+    /// on the client whatever the HTTP version, and are timed.
+    pub fn reading_whole(&self) {
+        self.read_whole.store(true, Ordering::Release);
+    }
+
     fn set(&self, state: u8) {
         self.state.store(state, Ordering::Release);
     }
@@ -86,10 +95,14 @@ impl BodyProgress {
 /// counts: a reader that stops reading (an upstream not yet connected, or
 /// not taking more) does not make the client late.
 ///
-/// Without a `pause` (HTTP/2) waits are not timed, and not counted as the
-/// client's: an HTTP/2 stream's data also waits on the connection's flow
-/// control window, which other streams' unread bodies can use up, so a
-/// stream may wait on the gateway, not on its client.
+/// Over HTTP/2 waits are timed only once the reader takes the whole body
+/// into memory ([`BodyProgress::reading_whole`]), and not counted as the
+/// client's before: a stream streamed on to the upstream also waits on the
+/// connection's flow control window, which other streams' unread bodies
+/// can use up, so it may wait on the gateway, not on its client. A body
+/// read whole gives its window back as it comes, so its waits are the
+/// client's; untimed, a client could hold many such bodies half sent, each
+/// up to the body limit, for as long as it liked.
 ///
 /// A body that ends before the length it declared (its content-length)
 /// fails as broken. HTTP/1 framing already fails such a body; over HTTP/2
@@ -97,8 +110,10 @@ impl BodyProgress {
 /// were whole, and the client that did so has abandoned the request.
 pub struct ClientBody<B> {
     inner: B,
-    /// Times the waits on the client, if they are timed.
-    pause: Option<WaitTimer>,
+    /// Times the waits on the client.
+    pause: WaitTimer,
+    /// Whether waits are timed only once the body is read whole (HTTP/2).
+    timed_when_read_whole: bool,
     progress: Arc<BodyProgress>,
     /// The length the body declared, if it did.
     declared: Option<u64>,
@@ -129,17 +144,22 @@ impl std::fmt::Display for EndedShort {
 impl std::error::Error for EndedShort {}
 
 impl<B: Body> ClientBody<B> {
-    /// Wraps `inner`; its progress is recorded in `progress`. Its exact size
-    /// hint, if it has one, is the length it declared.
-    pub fn new(inner: B, pause: Option<Duration>, progress: Arc<BodyProgress>) -> ClientBody<B> {
+    /// Wraps `inner`, a body of an `http2` request or not, whose client may
+    /// pause at most `pause`; its progress is recorded in `progress`. Its
+    /// exact size hint, if it has one, is the length it declared.
+    pub fn new(
+        inner: B,
+        pause: Duration,
+        http2: bool,
+        progress: Arc<BodyProgress>,
+    ) -> ClientBody<B> {
+        let what = "the client sent no more of the request body";
         ClientBody {
             declared: inner.size_hint().exact(),
             received: 0,
             inner,
-            pause: pause.map(|pause| {
-                let what = "the client sent no more of the request body";
-                WaitTimer::new(pause, what, "--body-read-timeout-ms")
-            }),
+            pause: WaitTimer::new(pause, what, "--body-read-timeout-ms"),
+            timed_when_read_whole: http2,
             progress,
         }
     }
@@ -148,9 +168,7 @@ impl<B: Body> ClientBody<B> {
 impl<B> ClientBody<B> {
     /// The reader got something from the client (or its end).
     fn progressed(&mut self, state: u8) {
-        if let Some(timer) = &mut self.pause {
-            timer.progressed();
-        }
+        self.pause.progressed();
         self.progress.set(state);
     }
 }
@@ -192,15 +210,15 @@ where
                 }
             },
             Poll::Pending => {
-                let Some(timer) = &mut this.pause else {
+                if this.timed_when_read_whole && !this.progress.read_whole.load(Ordering::Acquire) {
                     return Poll::Pending;
-                };
+                }
                 this.progress.set(WAITING_ON_CLIENT);
-                if !timer.expired(cx) {
+                if !this.pause.expired(cx) {
                     return Poll::Pending;
                 }
                 this.progress.set(STALLED);
-                Poll::Ready(Some(Err(Box::new(timer.error()))))
+                Poll::Ready(Some(Err(Box::new(this.pause.error()))))
             }
         }
     }
@@ -241,7 +259,7 @@ mod tests {
         let (tx, rx) = mpsc::channel(4);
         let progress = Arc::new(BodyProgress::default());
         (
-            ClientBody::new(Channel(rx), Some(pause), progress.clone()),
+            ClientBody::new(Channel(rx), pause, false, progress.clone()),
             progress,
             tx,
         )
@@ -289,11 +307,14 @@ mod tests {
         assert!(!progress.waiting_on_client());
     }
 
+    /// Over HTTP/2, waits are neither timed nor the client's until the
+    /// reader reads the body whole; from then on they are.
     #[tokio::test(start_paused = true)]
-    async fn without_a_pause_limit_waits_are_neither_timed_nor_the_clients() {
+    async fn over_http2_waits_are_timed_once_the_body_is_read_whole() {
         let (tx, rx) = mpsc::channel(4);
         let progress = Arc::new(BodyProgress::default());
-        let mut body = ClientBody::new(Channel(rx), None, progress.clone());
+        let pause = Duration::from_secs(60);
+        let mut body = ClientBody::new(Channel(rx), pause, true, progress.clone());
         let sender = tx.clone();
         // An hour's wait: never cut off.
         tokio::spawn(async move {
@@ -312,6 +333,13 @@ mod tests {
         assert!(!ready);
         assert!(!progress.waiting_on_client());
         assert_eq!(progress.fault(), None);
+        drop(waiting);
+
+        progress.reading_whole();
+        let error = body.frame().await.expect("an end").expect_err("stalled");
+        assert!(error.to_string().contains("for 60000 ms"), "{error}");
+        assert_eq!(progress.fault(), Some(ClientFault::Stalled));
+        drop(tx);
     }
 
     /// A body with a declared length, as hyper's is with a content-length.
@@ -339,7 +367,13 @@ mod tests {
         ] {
             let (tx, rx) = mpsc::channel(4);
             let progress = Arc::new(BodyProgress::default());
-            let body = ClientBody::new(Declared(Channel(rx), declared), None, progress.clone());
+            let pause = Duration::from_secs(60);
+            let body = ClientBody::new(
+                Declared(Channel(rx), declared),
+                pause,
+                false,
+                progress.clone(),
+            );
             if !sent.is_empty() {
                 tx.send(Ok(Frame::data(Bytes::copy_from_slice(sent))))
                     .await

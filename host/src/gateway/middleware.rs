@@ -258,6 +258,10 @@ impl Shared {
         // The body is forwarded whole from memory, without the client's
         // trailers: no `Trailer` header may promise them.
         parts.headers.remove(header::TRAILER);
+        // Read whole, the body's waits are the client's, over HTTP/2 too.
+        if let Some(progress) = &progress {
+            progress.reading_whole();
+        }
         let bytes = match read_limited(body, self.max_body_bytes).await {
             Ok(bytes) => bytes,
             Err(ReadBodyError::TooLarge) => {

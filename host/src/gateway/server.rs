@@ -45,7 +45,10 @@ const HTTP2_STREAM_WINDOW: u32 = 1 << 20;
 /// upstream (a connection still being made, an upstream reading slowly)
 /// held up every other stream of the connection, even those the gateway
 /// answers itself; now that takes sixteen at once. It also bounds the
-/// waiting bodies a connection can make the gateway keep in memory.
+/// bodies waiting to be passed on that a connection can make the gateway
+/// keep in memory; not those read whole for the plugin, which give their
+/// window back as they come (each at most the body limit, and timed by the
+/// body read timeout, see `ClientBody`).
 const HTTP2_CONNECTION_WINDOW: u32 = 16 * HTTP2_STREAM_WINDOW;
 
 /// Serves clients on `listener` through `layer` in front of `upstream` until
@@ -154,14 +157,14 @@ pub async fn serve(
             // `X-Forwarded-For` in its `Connection` header to have it removed.
             strip_hop_by_hop(request.headers_mut());
             append_forwarded_for(&mut request, &forwarded_for);
-            // An HTTP/1 body may pause at most the body read timeout (see
+            // A body may pause at most the body read timeout (see
             // `ClientBody` for HTTP/2); how it ends travels with the
             // request, for whoever reads it.
             let progress = Arc::new(BodyProgress::default());
             request.extensions_mut().insert(progress.clone());
-            let pause =
-                (request.version() < http::Version::HTTP_2).then_some(limits.body_read_timeout);
-            let request = request.map(|body| ClientBody::new(body, pause, progress));
+            let http2 = request.version() >= http::Version::HTTP_2;
+            let pause = limits.body_read_timeout;
+            let request = request.map(|body| ClientBody::new(body, pause, http2, progress));
             let is_head = request.method() == http::Method::HEAD;
             let mut service = service.clone();
             let metrics = metrics.clone();
