@@ -420,6 +420,39 @@ fn rewrite_refuses_an_out_of_range_machine_id_naming_the_range() {
     );
 }
 
+/// `serve` refuses the same machine ids with the same status as
+/// `rewrite`, before it loads anything; and settings that are wrong
+/// together, as bad input too.
+#[test]
+fn serve_refuses_an_out_of_range_machine_id_and_clashing_settings_as_bad_input() {
+    let serve = |extra: &[&str]| {
+        let mut args = vec![
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+        ];
+        args.extend_from_slice(extra);
+        snowgate(&args, b"")
+    };
+    failure(
+        &serve(&["--machine-id", "1023"]),
+        2,
+        &["--machine-id", "1023", "0..=1022"],
+    );
+    failure(
+        &serve(&["--layout", "trtllm-v2", "--machine-id", "16384"]),
+        2,
+        &["--machine-id", "16384", "0..=16383"],
+    );
+    failure(
+        &serve(&["--machine-id", "3", "--etcd", "http://127.0.0.1:1"]),
+        2,
+        &["not both"],
+    );
+}
+
 #[test]
 fn rewrite_refuses_a_missing_or_garbage_plugin_file_clearly() {
     let missing = scratch("no-such-plugin.wasm");

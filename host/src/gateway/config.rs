@@ -349,9 +349,16 @@ impl ConfigFile {
         toml::from_str(&text).with_context(|| format!("parsing the config file {}", path.display()))
     }
 
-    /// Checks settings that only make sense together: an admin listener
-    /// reachable from other hosts must be protected by a token.
+    /// Checks settings that only make sense together: a fixed machine id
+    /// must fit the layout, and an admin listener reachable from other
+    /// hosts must be protected by a token.
     pub fn check(config: &GatewayConfig) -> anyhow::Result<()> {
+        if let Some(id) = config.machine_id {
+            config
+                .layout
+                .check_machine_id(id)
+                .map_err(|e| anyhow::anyhow!("--machine-id: {e}"))?;
+        }
         if let Some(lease) = &config.lease {
             anyhow::ensure!(
                 !lease.endpoints.is_empty(),

@@ -221,8 +221,11 @@ impl ServeArgs {
 }
 
 pub fn run(args: ServeArgs) -> Result<(), Failure> {
+    // Settings that are wrong together are bad input too (status 2), not
+    // a failure to start.
     let config = args
         .into_config()
+        .and_then(|config| ConfigFile::check(&config).map(|()| config))
         .map_err(|e| Failure::BadInput(format!("{e:#}")))?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
