@@ -365,6 +365,9 @@ impl HttpUpstream {
             // Without a prefix, the request's own, shared rather than
             // written out and parsed again: this runs on every request.
             Some(own) if prefix.is_empty() => own.clone(),
+            // `OPTIONS *` asks about the server, not a path under the
+            // prefix: `*` goes as it came, not as `/prefix*`.
+            Some(own) if own.as_str() == "*" => own.clone(),
             own => {
                 let own = own.map_or("/", |p| p.as_str());
                 PathAndQuery::try_from(format!("{prefix}{own}")).map_err(|e| unusable(own, &e))?
@@ -764,6 +767,9 @@ mod tests {
             .target(&"/v1/completions?x=1".parse().unwrap())
             .unwrap();
         assert_eq!(uri.as_str(), "/api/v1/completions?x=1");
+        // The asterisk form (`OPTIONS *`) names the server, not a path.
+        let uri = http.target(&"*".parse().unwrap()).unwrap();
+        assert_eq!(uri.as_str(), "*");
     }
 
     /// Without a prefix the request's path and query go as they came, an
