@@ -140,7 +140,8 @@ async fn stamps_context_only_requests_with_a_correct_content_length() {
 }
 
 /// A client that asks `Expect: 100-continue` (curl does for large bodies)
-/// gets the interim answer, sends its body, and has it stamped.
+/// gets the interim answer, sends its body, and has it stamped; the body
+/// goes upstream whole, without the `Expect` already answered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stamps_a_body_sent_after_100_continue() {
     let upstream = TestUpstream::start().await;
@@ -158,6 +159,7 @@ async fn stamps_a_body_sent_after_100_continue() {
         seen.header("content-length"),
         Some(seen.body.len().to_string().as_str())
     );
+    assert_eq!(seen.header("expect"), None);
 }
 
 /// A GET without a body goes upstream as it is, and the upstream's answer

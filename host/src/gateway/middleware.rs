@@ -258,6 +258,10 @@ impl Shared {
         // The body is forwarded whole from memory, without the client's
         // trailers: no `Trailer` header may promise them.
         parts.headers.remove(header::TRAILER);
+        // Nor may it ask the upstream to confirm it wants a body that is
+        // already here (hyper answered the client's `Expect` when the body
+        // was first read).
+        parts.headers.remove(header::EXPECT);
         // Read whole, the body's waits are the client's, over HTTP/2 too.
         if let Some(progress) = &progress {
             progress.reading_whole();
