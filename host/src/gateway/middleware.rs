@@ -8,7 +8,8 @@
 //! ```
 //! use std::sync::Arc;
 //! use bytes::Bytes;
-//! use http_body_util::{BodyExt, Either, Full};
+//! use http_body_util::{BodyExt, Full};
+//! use snowgate_host::gateway::middleware::ForwardBody;
 //! use snowgate_host::gateway::{FailurePolicy, Metrics, PluginSlot, SnowgateLayer};
 //! use snowgate_host::{HostServices, IdClock, MachineIdentity, PluginEngine, PluginLimits};
 //! use snowgate_plugin::SnowflakeLayout;
@@ -25,8 +26,9 @@
 //! let slot = Arc::new(PluginSlot::load(engine, None, Vec::new(), metrics.clone())?);
 //! let layer = SnowgateLayer::new(slot, metrics, FailurePolicy::FailClosed, 32 << 20);
 //!
-//! // Your service; here one that answers with the body it was given.
-//! let app = service_fn(|request: http::Request<Either<Full<Bytes>, Full<Bytes>>>| async move {
+//! // Your service; here one that answers with the body it was given (in
+//! // memory, or the original streaming through, cut off at the limit).
+//! let app = service_fn(|request: http::Request<ForwardBody<Full<Bytes>>>| async move {
 //!     let body = request.into_body().collect().await?.to_bytes();
 //!     Ok::<_, Box<dyn std::error::Error + Send + Sync>>(http::Response::new(Full::new(body)))
 //! });
