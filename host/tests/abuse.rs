@@ -576,13 +576,7 @@ async fn a_stream_whose_body_waits_does_not_hold_up_the_connections_other_stream
         "600000",
     ])
     .await;
-    let stream = TcpStream::connect(gateway.addr).await.expect("connect");
-    let (mut sender, connection) =
-        hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
-            .handshake::<_, ChannelBody>(hyper_util::rt::TokioIo::new(stream))
-            .await
-            .expect("an HTTP/2 handshake");
-    tokio::spawn(connection);
+    let mut sender = support::http2_to::<ChannelBody>(gateway.addr).await;
 
     // The waiting stream: a pass-through upload. The channel holds one
     // chunk, so each send returns only once the client took the one
@@ -755,13 +749,7 @@ async fn an_http2_client_that_stalls_a_json_body_gets_408() {
         "300",
     ])
     .await;
-    let stream = TcpStream::connect(gateway.addr).await.expect("connect");
-    let (mut sender, connection) =
-        hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
-            .handshake::<_, ChannelBody>(hyper_util::rt::TokioIo::new(stream))
-            .await
-            .expect("an HTTP/2 handshake");
-    tokio::spawn(connection);
+    let mut sender = support::http2_to::<ChannelBody>(gateway.addr).await;
     let (body, chunks) = tokio::sync::mpsc::channel(1);
     body.send(bytes::Bytes::from_static(b"{\"prompt\":"))
         .await

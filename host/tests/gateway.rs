@@ -2271,24 +2271,6 @@ async fn a_restart_on_the_same_machine_id_starts_after_the_last_id() {
     .expect("the second gateway");
 }
 
-/// An HTTP/2 connection to the gateway at `addr`.
-async fn http2_to<B>(addr: std::net::SocketAddr) -> hyper::client::conn::http2::SendRequest<B>
-where
-    B: http_body::Body + Unpin + Send + 'static,
-    B::Data: Send,
-    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-{
-    let stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    let (sender, connection) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        hyper_util::rt::TokioIo::new(stream),
-    )
-    .await
-    .expect("an HTTP/2 handshake");
-    tokio::spawn(connection);
-    sender
-}
-
 /// Sends a bodiless `method` request for `/v1/models` on `sender` and
 /// reads the whole answer; a reset stream fails the test.
 async fn bodiless(

@@ -90,34 +90,10 @@ where
 
 #[cfg(test)]
 mod tests {
-    use std::collections::VecDeque;
-
     use http_body_util::BodyExt;
 
     use super::*;
-
-    /// A body that yields the given chunks one frame at a time.
-    struct Chunks(VecDeque<&'static [u8]>);
-
-    impl Body for Chunks {
-        type Data = Bytes;
-        type Error = std::convert::Infallible;
-
-        fn poll_frame(
-            mut self: Pin<&mut Self>,
-            _: &mut Context<'_>,
-        ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-            Poll::Ready(
-                self.0
-                    .pop_front()
-                    .map(|c| Ok(Frame::data(Bytes::from_static(c)))),
-            )
-        }
-    }
-
-    fn chunks(parts: &[&'static [u8]]) -> Chunks {
-        Chunks(parts.iter().copied().collect())
-    }
+    use crate::gateway::read_body::tests::chunks;
 
     #[tokio::test]
     async fn passes_a_body_up_to_the_limit_and_fails_past_it() {

@@ -58,15 +58,16 @@ where
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use http_body_util::Full;
     use std::collections::VecDeque;
     use std::pin::Pin;
     use std::task::{Context, Poll};
 
-    /// A body that yields the given chunks one frame at a time.
-    struct Chunks(VecDeque<&'static [u8]>);
+    /// A body that yields the given chunks one frame at a time (also for
+    /// the body limit's tests).
+    pub(crate) struct Chunks(VecDeque<&'static [u8]>);
 
     impl Body for Chunks {
         type Data = Bytes;
@@ -84,7 +85,7 @@ mod tests {
         }
     }
 
-    fn chunks(parts: &[&'static [u8]]) -> Chunks {
+    pub(crate) fn chunks(parts: &[&'static [u8]]) -> Chunks {
         Chunks(parts.iter().copied().collect())
     }
 

@@ -637,6 +637,24 @@ fn full(body: impl Into<Bytes>) -> UpstreamBody {
     Full::new(body.into()).boxed()
 }
 
+/// An HTTP/2 connection to the gateway at `addr`.
+pub async fn http2_to<B>(addr: std::net::SocketAddr) -> hyper::client::conn::http2::SendRequest<B>
+where
+    B: http_body::Body + Unpin + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let (sender, connection) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(stream),
+    )
+    .await
+    .expect("an HTTP/2 handshake");
+    tokio::spawn(connection);
+    sender
+}
+
 /// A body fed chunk by chunk from a channel, of unknown length: a response
 /// body of the test upstream, or a request body a test streams.
 pub struct ChannelBody(pub mpsc::Receiver<Bytes>);
