@@ -439,9 +439,6 @@ impl std::error::Error for BodyError {}
 /// The response body a connection writes.
 pub type ResponseBody = BoxBody<Bytes, BodyError>;
 
-/// The client's address as `X-Forwarded-For` gets it, made once per
-/// connection: an IPv4 client of a dual-stack listener as `127.0.0.1`, not
-/// `::ffff:127.0.0.1`.
 /// The request's `Transfer-Encoding`, when it names a coding other than
 /// `chunked` (RFC 9112 section 6.1: a server answers a coding it does not
 /// understand with 501).
@@ -483,6 +480,9 @@ fn not_implemented(coding: &str) -> http::Response<http_body_util::Full<Bytes>> 
     response
 }
 
+/// The client's address as `X-Forwarded-For` gets it, made once per
+/// connection: an IPv4 client of a dual-stack listener as `127.0.0.1`, not
+/// `::ffff:127.0.0.1`.
 fn forwarded_for_value(peer: SocketAddr) -> HeaderValue {
     let address = peer.ip().to_canonical().to_string();
     // An address is digits, hex letters, dots and colons: always a value.
