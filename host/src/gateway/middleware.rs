@@ -60,7 +60,7 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 use crate::bindings::exports::snowgate::middleware::handler::Action;
-use crate::gateway::body_limit::Capped;
+use crate::gateway::body_limit::{BodyTooLarge, Capped};
 use crate::gateway::client_body::{BodyProgress, BoxError, ClientFault};
 use crate::gateway::config::FailurePolicy;
 use crate::gateway::metrics::{Metrics, Outcome};
@@ -405,11 +405,12 @@ impl Shared {
     }
 
     fn too_large(&self) -> Response<Full<Bytes>> {
-        let message = format!(
-            "the request body is larger than this gateway's limit of {} bytes",
-            self.max_body_bytes
-        );
-        responses::error(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", &message)
+        // Worded as when a streamed body passes the limit.
+        let message = BodyTooLarge {
+            limit: self.max_body_bytes as u64,
+        };
+        let (status, code) = ClientFault::TooLarge.answer();
+        responses::error(status, code, &message.to_string())
     }
 }
 
