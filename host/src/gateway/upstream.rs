@@ -292,7 +292,9 @@ impl HttpUpstream {
                 // The request body is the client's: when reading it failed,
                 // or it passed the body limit, the client is told, and the
                 // upstream is not blamed.
-                if let Some(too_large) = error_chain::causes(&e).find_map(|c| c.downcast_ref::<BodyTooLarge>()) {
+                let too_large =
+                    error_chain::causes(&e).find_map(|c| c.downcast_ref::<BodyTooLarge>());
+                if let Some(too_large) = too_large {
                     return client_fault(ClientFault::TooLarge, &too_large.to_string());
                 }
                 if let Some(fault) = progress.as_ref().and_then(|p| p.fault()) {

@@ -208,9 +208,9 @@ impl Shared {
     /// meanwhile are dropped.
     fn checkout(&self) -> Option<Connection> {
         let mut idle = self.lock();
-        while let Some(idle) = idle.connections.pop_back() {
-            if idle.connection.sender.is_ready() {
-                return Some(idle.connection);
+        while let Some(waiting) = idle.connections.pop_back() {
+            if waiting.connection.sender.is_ready() {
+                return Some(waiting.connection);
             }
         }
         None
