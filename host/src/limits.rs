@@ -17,7 +17,9 @@ pub struct PluginLimits {
     /// At most [`MAX_DEADLINE`](crate::engine::MAX_DEADLINE) (a day): the
     /// engine takes longer ones, `Duration::MAX` included, as that.
     pub deadline: Duration,
-    /// The largest body a plugin may answer with.
+    /// The largest body a plugin may answer with. The gateway and
+    /// `snowgate rewrite` raise it to twice the largest body they take (see
+    /// [`PluginLimits::answering_bodies_of`]).
     pub max_output_body_bytes: usize,
     /// How many plugin instances may be alive at once in one engine: the
     /// number of slots in the engine's pooling allocator. Every call holds
@@ -76,6 +78,19 @@ impl PluginLimits {
         (self.max_instances / 4).min(16)
     }
 
+    /// These limits with an answer limit of at least twice `body_bytes`,
+    /// so that a body that is accepted is never refused for the size of
+    /// its stamped answer: each id the bundled plugin stamps adds at most
+    /// 40 bytes (`,"disagg_request_id":` and 19 digits) to a params object
+    /// that takes at least 54 bytes of the body. The answer limit is never
+    /// lowered.
+    pub fn answering_bodies_of(self, body_bytes: usize) -> PluginLimits {
+        PluginLimits {
+            max_output_body_bytes: self.max_output_body_bytes.max(body_bytes.saturating_mul(2)),
+            ..self
+        }
+    }
+
     /// How many plugin calls the gateway runs at once (more wait their
     /// turn): the slots left when the serving plugin keeps its kept
     /// instances and a reload checks a new build in one more. Calls still
@@ -126,5 +141,34 @@ mod tests {
         }
         assert_eq!(PluginLimits::DEFAULT.kept_instances(), 16);
         assert_eq!(PluginLimits::DEFAULT.concurrent_calls(), 47);
+    }
+
+    #[test]
+    fn the_answer_limit_follows_the_body_limit_and_is_never_lowered() {
+        let limits = PluginLimits::default();
+        assert_eq!(
+            limits.answering_bodies_of(32 << 20).max_output_body_bytes,
+            64 << 20
+        );
+        assert_eq!(
+            limits.answering_bodies_of(1 << 10).max_output_body_bytes,
+            64 << 20
+        );
+        assert_eq!(
+            limits.answering_bodies_of(100 << 20).max_output_body_bytes,
+            200 << 20
+        );
+        assert_eq!(
+            limits.answering_bodies_of(usize::MAX).max_output_body_bytes,
+            usize::MAX
+        );
+        let raised = limits.answering_bodies_of(100 << 20);
+        assert_eq!(
+            raised,
+            PluginLimits {
+                max_output_body_bytes: 200 << 20,
+                ..limits
+            }
+        );
     }
 }

@@ -513,6 +513,35 @@ async fn refuses_a_chunked_body_over_max_body_bytes_with_413() {
     assert_fresh_v1_id(stamped_id(&upstream.only_seen().body));
 }
 
+/// A body limit the plugin's memory cannot stamp is named at start, with
+/// the flag to raise; a fitting pair is not. (The built-in echo upstream's
+/// warning is logged after the check: once it is in, so is the check's.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn warns_at_start_when_the_plugin_memory_cannot_hold_the_largest_body() {
+    let after_the_check = "no --upstream given";
+    let tight = Gateway::start(&["--max-body-bytes", "209715200"]).await;
+    tight.wait_log(after_the_check).await;
+    let log = tight.stderr_text();
+    assert!(
+        log.contains(
+            "--max-body-bytes 209715200 with a plugin memory limit of 256 MiB: the bundled plugin \
+             needs about 2.5 times a body in memory"
+        ),
+        "{log}"
+    );
+    assert!(log.contains("raise --plugin-memory-mib"), "{log}");
+    let roomy = Gateway::start(&[
+        "--max-body-bytes",
+        "209715200",
+        "--plugin-memory-mib",
+        "512",
+    ])
+    .await;
+    roomy.wait_log(after_the_check).await;
+    let log = roomy.stderr_text();
+    assert!(!log.contains("--plugin-memory-mib"), "{log}");
+}
+
 /// The same for a body streamed through to the upstream without the
 /// plugin (not JSON): one that declares no length is cut off and refused
 /// with 413 as soon as it passes `--max-body-bytes`, not forwarded whole;
@@ -2199,6 +2228,36 @@ async fn echoed_id(addr: SocketAddr) -> u64 {
     let reply = post_json(addr, "/v1/completions", CONTEXT_ONLY).await;
     assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
     stamped_id(&serde_json::to_vec(&reply.json()["body"]).expect("the echoed body"))
+}
+
+/// The plugin may answer with twice the largest body the gateway takes, so
+/// a body within `max_body_bytes` is never refused for the size of its
+/// stamped answer, whatever answer limit the plugin limits were given.
+/// Here the answer limit is 64 KiB and the body limit 128 KiB: a 100 KiB
+/// body is stamped, not failed as an unusable answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_within_max_body_bytes_is_stamped_whatever_the_answer_limit() {
+    let mut config = GatewayConfig {
+        max_body_bytes: 128 << 10,
+        ..library_config()
+    };
+    config.plugin_limits.max_output_body_bytes = 64 << 10;
+    let LibraryServing {
+        addr, stop, served, ..
+    } = serve_library_gateway(config).await;
+    let prompt = "a".repeat(100 << 10);
+    let body = format!(
+        r#"{{"disaggregated_params":{{"request_type":"context_only"}},"prompt":"{prompt}"}}"#
+    );
+    let reply = post_json(addr, "/v1/completions", body).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    let echoed = &reply.json()["body"];
+    assert_eq!(echoed["prompt"], prompt.as_str());
+    assert_fresh_v1_id(stamped_id(
+        &serde_json::to_vec(echoed).expect("the echoed body"),
+    ));
+    let _ = stop.send(());
+    served.await.expect("the serving task").expect("served");
 }
 
 /// Ids never repeat across a restart on one machine id. A process's id

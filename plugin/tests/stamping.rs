@@ -1464,6 +1464,52 @@ fn mp_expected(value: &mut rmpv::Value, params: bool, ids: &mut std::slice::Iter
     }
 }
 
+/// The host lets a plugin answer with twice the largest body it takes
+/// (`PluginLimits::answering_bodies_of`). Bodies made of nothing but the
+/// smallest params to stamp, each getting a 19-digit id, stay under that:
+/// a JSON batch, params nested in params to the depth limit, `null` ids,
+/// and a MessagePack batch.
+#[test]
+fn a_stamped_body_is_less_than_twice_its_size_however_densely_it_asks_for_ids() {
+    let params = r#"{"disaggregated_params":{"request_type":"context_only"}}"#;
+    let batch = format!("[{}]", vec![params; 5000].join(","));
+    let depth = MAX_NESTING_DEPTH / 2 - 1;
+    let nested = format!(
+        "{}0{}",
+        r#"{"disaggregated_params":{"request_type":"context_only","d":"#.repeat(depth),
+        "}}".repeat(depth)
+    );
+    let nulls = format!(
+        "[{}]",
+        vec![
+            r#"{"disaggregated_params":{"request_type":"context_only","disagg_request_id":null}}"#;
+            5000
+        ]
+        .join(",")
+    );
+    for (name, body) in [("batch", &batch), ("nested", &nested), ("nulls", &nulls)] {
+        let (out, ids) = stamp(body);
+        assert!(ids.iter().all(|id| id.to_string().len() == 19), "{name}");
+        assert!(!ids.is_empty(), "{name}");
+        assert!(
+            out.len() < 2 * body.len(),
+            "{name}: {} from {}",
+            out.len(),
+            body.len()
+        );
+    }
+    let item = mp_map(vec![("disaggregated_params", mp_context_only(vec![]))]);
+    let body = mp_encode(&rmpv::Value::Array(vec![item; 5000]));
+    let (out, ids) = stamp_msgpack(&body);
+    assert_eq!(ids.len(), 5000);
+    assert!(
+        out.len() < 2 * body.len(),
+        "msgpack: {} from {}",
+        out.len(),
+        body.len()
+    );
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(2000))]
 

@@ -89,15 +89,26 @@ impl Gateway {
             clock: Arc::new(IdClock::system()),
             identity: Arc::new(identity),
         };
-        let slots = config.plugin_limits.max_instances;
-        let mut engine =
-            PluginEngine::new(services.clone(), config.plugin_limits).with_context(|| {
-                format!(
-                    "starting the plugin engine with {slots} instance slots, each reserving about \
+        let limits = config
+            .plugin_limits
+            .answering_bodies_of(config.max_body_bytes);
+        if (limits.memory_bytes as u64) < (config.max_body_bytes as u64).saturating_mul(5) / 2 {
+            tracing::warn!(
+                "--max-body-bytes {} with a plugin memory limit of {} MiB: the bundled plugin needs \
+                 about 2.5 times a body in memory (the body and its stamped copy), so the largest \
+                 bodies will fail as memory_limit; raise --plugin-memory-mib",
+                config.max_body_bytes,
+                limits.memory_bytes >> 20
+            );
+        }
+        let slots = limits.max_instances;
+        let mut engine = PluginEngine::new(services.clone(), limits).with_context(|| {
+            format!(
+                "starting the plugin engine with {slots} instance slots, each reserving about \
                      4 GiB of address space: where that is limited (ulimit -v), lower \
                      --plugin-instances"
-                )
-            })?;
+            )
+        })?;
         if let Some(dir) = &config.plugin_cache_dir {
             let cache = CompileCache::open(dir).context("--plugin-cache-dir")?;
             engine = engine.with_compile_cache(cache);
