@@ -400,6 +400,84 @@ fn rewrite_refuses_bad_json_with_status_2_and_says_why() {
     failure(&rewrite_v1(""), 2, &["empty"]);
 }
 
+/// An 8 MiB context-only body.
+fn eight_mib_body() -> Vec<u8> {
+    let tail = br#"","disaggregated_params":{"request_type":"context_only"}}"#;
+    let mut body = br#"{"prompt":""#.to_vec();
+    body.resize((8 << 20) - tail.len(), b'x');
+    body.extend_from_slice(tail);
+    body
+}
+
+/// A body too large for the bundled plugin's memory is bad input (status
+/// 2, as for any refused body), and the message names the flag that
+/// raises the limit; a plugin file's may be its own fault (status 1).
+/// With more memory the same body is stamped.
+#[test]
+fn rewrite_refuses_a_body_too_large_for_the_plugins_memory_naming_the_flag() {
+    let body = eight_mib_body();
+    let millis = format!("fixed:{MILLIS}");
+    let rewrite = [
+        "rewrite",
+        "--machine-id",
+        "7",
+        "--clock",
+        &millis,
+        // Time enough for a debug build on a busy machine.
+        "--plugin-deadline-ms",
+        "30000",
+    ];
+    let small = [&rewrite[..], &["--plugin-memory-mib", "16"]].concat();
+    failure(
+        &snowgate(&small, &body),
+        2,
+        &[
+            "the 8388608 byte body is too large for the plugin's memory",
+            "16 MiB memory limit",
+            "--plugin-memory-mib",
+        ],
+    );
+    let path = operator_plugin_path();
+    let path = path.to_str().expect("a UTF-8 path");
+    let from_file = [&small[..], &["--plugin", path]].concat();
+    failure(
+        &snowgate(&from_file, &body),
+        1,
+        &["running the plugin", "16 MiB memory limit"],
+    );
+    let enough = [&rewrite[..], &["--plugin-memory-mib", "64"]].concat();
+    let out = snowgate(&enough, &body);
+    let out = success(&out);
+    assert_eq!(
+        out.len(),
+        body.len() + r#","disagg_request_id":"#.len() + 19
+    );
+    assert!(
+        out.ends_with(&format!(r#""disagg_request_id":{FIRST_ID_V1}}}}}"#)),
+        "{}",
+        &out[out.len() - 100..]
+    );
+}
+
+#[test]
+fn rewrite_refuses_plugin_limits_out_of_range_by_name() {
+    for (flag, value, says) in [
+        ("--plugin-memory-mib", "0", "between 1 and 4096, not 0"),
+        (
+            "--plugin-memory-mib",
+            "4097",
+            "between 1 and 4096, not 4097",
+        ),
+        ("--plugin-deadline-ms", "0", "between 1 and 3600000"),
+    ] {
+        let output = snowgate(
+            &["rewrite", "--machine-id", "7", flag, value],
+            CONTEXT_ONLY.as_bytes(),
+        );
+        failure(&output, 2, &[&flag[2..], says]);
+    }
+}
+
 #[test]
 fn rewrite_refuses_an_out_of_range_machine_id_naming_the_range() {
     failure(
@@ -564,6 +642,11 @@ fn rewrite_help_mentions_every_flag() {
     let out = success(&snowgate(&["rewrite", "--help"], b""));
     for flag in [
         "--plugin",
+        "--plugin-setting",
+        "--plugin-cache-dir",
+        "--plugin-memory-mib",
+        "--plugin-deadline-ms",
+        "--msgpack",
         "--layout",
         "--machine-id",
         "--clock",

@@ -339,6 +339,25 @@ pub struct ConfigFile {
 /// device or a runaway file must not be read without end.
 pub const MAX_CONFIG_FILE_BYTES: u64 = 1 << 20;
 
+/// The plugin memory limit `plugin-memory-mib` sets, in bytes: 1 to 4096
+/// MiB, as a wasm32 memory cannot be larger than 4 GiB.
+pub fn plugin_memory_bytes(mib: usize) -> anyhow::Result<usize> {
+    anyhow::ensure!(
+        (1..=4096).contains(&mib),
+        "plugin-memory-mib must be between 1 and 4096, not {mib}"
+    );
+    Ok(mib << 20)
+}
+
+/// The plugin call deadline `plugin-deadline-ms` sets: 1 ms to an hour.
+pub fn plugin_deadline(ms: u64) -> anyhow::Result<Duration> {
+    anyhow::ensure!(
+        (1..=MAX_PLUGIN_DEADLINE_MS).contains(&ms),
+        "plugin-deadline-ms must be between 1 and {MAX_PLUGIN_DEADLINE_MS} (an hour), not {ms}"
+    );
+    Ok(Duration::from_millis(ms))
+}
+
 impl ConfigFile {
     /// Reads and parses a TOML configuration file: a regular file of at
     /// most [`MAX_CONFIG_FILE_BYTES`] in UTF-8.
@@ -411,19 +430,10 @@ impl ConfigFile {
             config.layout = layout.parse().context("config key layout")?;
         }
         if let Some(mib) = self.plugin_memory_mib {
-            // A wasm32 memory cannot be larger than 4 GiB.
-            anyhow::ensure!(
-                (1..=4096).contains(&mib),
-                "plugin-memory-mib must be between 1 and 4096, not {mib}"
-            );
-            config.plugin_limits.memory_bytes = mib << 20;
+            config.plugin_limits.memory_bytes = plugin_memory_bytes(mib)?;
         }
         if let Some(ms) = self.plugin_deadline_ms {
-            anyhow::ensure!(
-                (1..=MAX_PLUGIN_DEADLINE_MS).contains(&ms),
-                "plugin-deadline-ms must be between 1 and {MAX_PLUGIN_DEADLINE_MS} (an hour), not {ms}"
-            );
-            config.plugin_limits.deadline = Duration::from_millis(ms);
+            config.plugin_limits.deadline = plugin_deadline(ms)?;
         }
         if let Some(n) = self.plugin_calls_per_instance {
             anyhow::ensure!(n > 0, "plugin-calls-per-instance must be at least 1");

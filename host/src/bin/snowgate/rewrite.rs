@@ -8,10 +8,11 @@ use std::sync::Arc;
 use anyhow::Context as _;
 use clap::Args;
 use snowgate_host::clock::MAX_CATCH_UP;
+use snowgate_host::gateway::config::{plugin_deadline, plugin_memory_bytes};
 use snowgate_host::gateway::plugin_file::read_plugin_file;
 use snowgate_host::{
-    Action, CompileCache, FixedClock, HostServices, IdClock, MachineIdentity, Plugin, PluginEngine,
-    PluginLimits, Request,
+    Action, CallError, CompileCache, FixedClock, HostServices, IdClock, MachineIdentity, Plugin,
+    PluginEngine, PluginLimits, Request,
 };
 use snowgate_plugin::{SnowflakeLayout, MSGPACK_HEADER};
 
@@ -49,6 +50,15 @@ pub struct RewriteArgs {
     /// `X-TRTLLM-Msgpack: 1`, instead of JSON.
     #[arg(long)]
     msgpack: bool,
+    /// Memory limit of the plugin call, in MiB: the body is copied in and
+    /// the answer built inside, so a body needs a few times its size
+    /// [default: 256].
+    #[arg(long, value_name = "MIB")]
+    plugin_memory_mib: Option<usize>,
+    /// CPU deadline of the plugin call, instantiation included, in
+    /// milliseconds [default: 1000].
+    #[arg(long, value_name = "MS")]
+    plugin_deadline_ms: Option<u64>,
 }
 
 /// The `--clock` flag.
@@ -85,7 +95,17 @@ pub fn run(args: RewriteArgs) -> Result<(), Failure> {
         clock: clock.clone(),
         identity: Arc::new(identity),
     };
-    let mut engine = PluginEngine::new(services, PluginLimits::default())?;
+    let mut limits = PluginLimits::default();
+    if let Some(mib) = args.plugin_memory_mib {
+        limits.memory_bytes = plugin_memory_bytes(mib).map_err(bad_flag)?;
+    }
+    if let Some(ms) = args.plugin_deadline_ms {
+        limits.deadline = plugin_deadline(ms).map_err(bad_flag)?;
+    }
+    // Nothing is forwarded here: the memory limit, which the answer is
+    // built within, bounds it well enough.
+    limits.max_output_body_bytes = limits.memory_bytes;
+    let mut engine = PluginEngine::new(services, limits)?;
     if let Some(dir) = &args.plugin_cache_dir {
         engine = engine.with_compile_cache(CompileCache::open(dir).context("--plugin-cache-dir")?);
     }
@@ -132,7 +152,7 @@ pub fn run(args: RewriteArgs) -> Result<(), Failure> {
             eprintln!("snowgate: warning: {too_far}");
         }
     }
-    let action = answer.context("running the plugin")?;
+    let action = answer.map_err(|e| call_failure(e, args.plugin.is_none(), request.body.len()))?;
     let out = match &action {
         Action::Forward => &request.body,
         Action::ForwardWithBody(body) => body,
@@ -145,4 +165,24 @@ pub fn run(args: RewriteArgs) -> Result<(), Failure> {
     };
     crate::write_stdout(out)?;
     Ok(())
+}
+
+/// A flag's value out of its range: bad input, exit status 2.
+fn bad_flag(e: anyhow::Error) -> Failure {
+    Failure::BadInput(format!("--{e:#}"))
+}
+
+/// How a failed plugin call ends `rewrite`. The bundled plugin's memory
+/// grows with the body it reads, so its running out is the body's doing:
+/// bad input (exit status 2), with the flag that raises the limit. Any
+/// other failure, and any failure of a `--plugin` file, which may be that
+/// plugin's own fault, is a failure (exit status 1).
+fn call_failure(error: CallError, bundled: bool, body_bytes: usize) -> Failure {
+    match error {
+        CallError::MemoryLimit(_) if bundled => Failure::BadInput(format!(
+            "the {body_bytes} byte body is too large for the plugin's memory: {error}; \
+             raise it with --plugin-memory-mib"
+        )),
+        error => Failure::Failed(anyhow::Error::new(error).context("running the plugin")),
+    }
 }
