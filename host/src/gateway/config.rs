@@ -440,9 +440,13 @@ impl ConfigFile {
             config.plugin_limits.calls_per_instance = n;
         }
         if let Some(n) = self.plugin_instances {
+            // With one slot a reload's check of a new build and a request's
+            // call cannot run at once: whichever came second would fail as
+            // busy, a client's 503 or a good build refused.
             anyhow::ensure!(
-                (1..=MAX_PLUGIN_INSTANCES).contains(&n),
-                "plugin-instances must be between 1 and {MAX_PLUGIN_INSTANCES}, not {n}"
+                (2..=MAX_PLUGIN_INSTANCES).contains(&n),
+                "plugin-instances must be between 2 and {MAX_PLUGIN_INSTANCES} (one slot is kept \
+                 for a reload's check of a new build), not {n}"
             );
             config.plugin_limits.max_instances = n;
         }
@@ -669,11 +673,18 @@ mod tests {
             ),
             (
                 "plugin-instances = 0",
-                "plugin-instances must be between 1 and 4096, not 0",
+                "plugin-instances must be between 2 and 4096 (one slot is kept for a reload's \
+                 check of a new build), not 0",
+            ),
+            (
+                "plugin-instances = 1",
+                "plugin-instances must be between 2 and 4096 (one slot is kept for a reload's \
+                 check of a new build), not 1",
             ),
             (
                 "plugin-instances = 5000",
-                "plugin-instances must be between 1 and 4096, not 5000",
+                "plugin-instances must be between 2 and 4096 (one slot is kept for a reload's \
+                 check of a new build), not 5000",
             ),
             (
                 "plugin-deadline-ms = 0",
