@@ -21,7 +21,7 @@ use crate::log_throttle::LogThrottle;
 use crate::plugin::Plugin;
 use crate::request::{Request, RequestRecord};
 use crate::state::HostState;
-use crate::text_limits::{cut, MAX_PLUGIN_TEXT, MAX_REJECT_CODE};
+use crate::text_limits::{cut, plugin_text, MAX_PLUGIN_TEXT, MAX_REJECT_CODE};
 
 /// The typed `handle` export of one instance.
 type HandleFunc = TypedFunc<(RequestRecord<'static>,), (Result<Action, PluginError>,)>;
@@ -76,15 +76,32 @@ pub enum CallError {
 }
 
 impl CallError {
+    /// Every [`CallError::kind`], in the order of
+    /// [`CallError::kind_index`].
+    pub const KINDS: [&'static str; 6] = [
+        "deadline",
+        "memory_limit",
+        "trap",
+        "plugin_error",
+        "invalid_answer",
+        "busy",
+    ];
+
     /// A short label for metrics and logs.
     pub fn kind(&self) -> &'static str {
+        CallError::KINDS[self.kind_index()]
+    }
+
+    /// Where this error's kind is in [`CallError::KINDS`]: for a counter
+    /// or a log throttle per kind.
+    pub fn kind_index(&self) -> usize {
         match self {
-            CallError::Deadline(_) => "deadline",
-            CallError::MemoryLimit(_) => "memory_limit",
-            CallError::Trap(_) => "trap",
-            CallError::PluginError(_) => "plugin_error",
-            CallError::InvalidAnswer(_) => "invalid_answer",
-            CallError::Busy(_) => "busy",
+            CallError::Deadline(_) => 0,
+            CallError::MemoryLimit(_) => 1,
+            CallError::Trap(_) => 2,
+            CallError::PluginError(_) => 3,
+            CallError::InvalidAnswer(_) => 4,
+            CallError::Busy(_) => 5,
         }
     }
 
@@ -460,8 +477,17 @@ impl Plugin {
             return CallError::Busy(self.engine.limits.max_instances.max(1));
         }
         // The full error (with the wasm backtrace and the plugin's symbol
-        // names) goes to the log; the caller gets the trap and the panic.
-        tracing::warn!(plugin = %self.name, error = ?error, "the plugin trapped");
+        // names, escaped) goes to the log; the caller gets the trap and the
+        // panic. A flood of requests can make a plugin trap on each: once a
+        // second.
+        static TRAPPED: LogThrottle = LogThrottle::new();
+        if let Some(held_back) = TRAPPED.admit() {
+            tracing::warn!(
+                plugin = %self.name,
+                error = %plugin_text(format!("{error:?}"), MAX_PLUGIN_TEXT),
+                "the plugin trapped {held_back}"
+            );
+        }
         let mut detail = match error.downcast_ref::<Trap>() {
             Some(trap) => trap.to_string(),
             None => error.root_cause().to_string(),
@@ -469,7 +495,7 @@ impl Plugin {
         let stderr = store.data().stderr_text();
         if !stderr.is_empty() {
             detail.push_str("; plugin stderr: ");
-            detail.push_str(stderr.trim_end());
+            detail.push_str(&plugin_text(stderr.trim_end().to_string(), MAX_PLUGIN_TEXT));
         }
         CallError::Trap(detail)
     }
@@ -559,9 +585,10 @@ impl Plugin {
     }
 }
 
-/// A plugin's own failure, its message bounded: it goes to the log.
+/// A plugin's own failure, its message bounded and escaped: it goes to the
+/// log.
 fn plugin_error(message: String) -> CallError {
-    CallError::PluginError(cut(message, MAX_PLUGIN_TEXT))
+    CallError::PluginError(plugin_text(message, MAX_PLUGIN_TEXT))
 }
 
 #[cfg(test)]

@@ -14,7 +14,7 @@ use crate::bindings::MiddlewarePre;
 use crate::compile_cache::{is_over_the_limits, Compiled};
 use crate::engine::PluginEngine;
 use crate::state::HostState;
-use crate::text_limits::{cut, MAX_PLUGIN_NAME, MAX_PLUGIN_TEXT};
+use crate::text_limits::{plugin_text, MAX_PLUGIN_NAME, MAX_PLUGIN_TEXT};
 
 /// The version of the `snowgate:middleware` contract (`wit/middleware.wit`)
 /// this host implements. Plugins built against another version are refused
@@ -201,11 +201,14 @@ impl Plugin {
             .call_configure(&mut store, &self.settings)
             .context("calling the plugin's configure export")?
             .map_err(|refusal| {
-                anyhow::Error::new(ConfigurationRefused(cut(refusal, MAX_PLUGIN_TEXT)))
+                anyhow::Error::new(ConfigurationRefused(plugin_text(refusal, MAX_PLUGIN_TEXT)))
             })?;
         // Both go on every log line of the plugin's, on /status and the
-        // metrics: bounded.
-        Ok((cut(name, MAX_PLUGIN_NAME), cut(version, MAX_PLUGIN_NAME)))
+        // metrics: bounded and escaped.
+        Ok((
+            plugin_text(name, MAX_PLUGIN_NAME),
+            plugin_text(version, MAX_PLUGIN_NAME),
+        ))
     }
 }
 

@@ -13,7 +13,7 @@ use crate::call_clock::{CallClock, OnTick};
 use crate::clock::NoTick;
 use crate::engine::{HostServices, MAX_TABLE_ELEMENTS};
 use crate::request::Headers;
-use crate::text_limits::{cut, MAX_LOG_LINES_PER_CALL, MAX_PLUGIN_TEXT};
+use crate::text_limits::{plugin_text, MAX_LOG_LINES_PER_CALL, MAX_PLUGIN_TEXT};
 use snowgate_plugin::SnowflakeLayout;
 
 /// Everything one `Store` (one plugin call) holds.
@@ -290,7 +290,7 @@ impl log::Host for HostState {
             }
             return;
         }
-        let message = cut(message, MAX_PLUGIN_TEXT);
+        let message = plugin_text(message, MAX_PLUGIN_TEXT);
         match level {
             types::LogLevel::Debug => {
                 tracing::debug!(target: "snowgate::plugin", plugin, "{message}")

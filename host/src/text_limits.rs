@@ -35,9 +35,44 @@ pub(crate) fn cut(mut text: String, max: usize) -> String {
     text
 }
 
+/// At most `max` bytes of a plugin's text (see [`cut`]), with every
+/// control character written as its Rust escape (`\n`, `\r`, `\u{1b}`):
+/// what a plugin says reaches the gateway's log, where a raw newline would
+/// let it forge a line of its own and a raw escape would reach the
+/// terminal. Other characters are kept as they are.
+pub(crate) fn plugin_text(text: String, max: usize) -> String {
+    let text = cut(text, max);
+    if !text.chars().any(char::is_control) {
+        return text;
+    }
+    let mut escaped = String::with_capacity(text.len() + 16);
+    for c in text.chars() {
+        if c.is_control() {
+            escaped.extend(c.escape_default());
+        } else {
+            escaped.push(c);
+        }
+    }
+    escaped
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn control_characters_in_plugin_text_are_escaped_and_the_rest_kept() {
+        assert_eq!(plugin_text("plain é \\ \"".into(), 100), "plain é \\ \"");
+        assert_eq!(
+            plugin_text("a\r\nERROR forged\u{1b}[31m\0\t\u{85}".into(), 100),
+            "a\\r\\nERROR forged\\u{1b}[31m\\u{0}\\t\\u{85}"
+        );
+        // Cut first, so the escaped text stays bounded.
+        assert_eq!(
+            plugin_text("\n\n\n".into(), 2),
+            "\\n\\n... (1 more byte cut)"
+        );
+    }
 
     #[test]
     fn text_that_fits_is_kept_and_longer_text_is_cut_at_a_character_boundary() {

@@ -783,6 +783,77 @@ async fn a_burst_of_long_calls_is_not_refused_for_waiting_its_turn() {
     );
 }
 
+/// What a plugin says reaches the log escaped: its log lines, its error
+/// message and its panic text cannot start a line of their own, return the
+/// carriage or colour a terminal. And a plugin failure of one kind does not
+/// hold back the next second's first failure of another: the panic right
+/// after a plugin error is logged too, where one throttle for all kinds
+/// kept it out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugin_cannot_forge_gateway_log_lines() {
+    const ESCAPED: &str =
+        r"forged\nERROR snowgate_host::gateway: FAKE reload succeeded\r\n\u{1b}[31mred\u{0}";
+    let dir = TempDir::new("forge");
+    let path = dir.path().join("plugin.wasm");
+    std::fs::write(&path, snowgate_test_fixtures::HOSTILE_WASM).unwrap();
+    let gateway = Gateway::start(&["--plugin", path.to_str().unwrap()]).await;
+    for behaviour in ["forge", "forge-panic"] {
+        let reply = misbehaving(gateway.addr, behaviour).await;
+        assert_eq!(
+            reply.status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{}",
+            reply.text()
+        );
+    }
+    // Its log line, the plugin error's line, and the panic's.
+    gateway.wait_log_times(ESCAPED, 3).await;
+    let log = gateway.stderr_text();
+    for raw in ['\r', '\u{1b}', '\0'] {
+        assert!(!log.contains(raw), "{raw:?} in the log:\n{log}");
+    }
+    for line in log
+        .lines()
+        .filter(|line| line.contains("FAKE reload succeeded"))
+    {
+        assert!(line.contains(ESCAPED), "a forged line: {line:?}");
+    }
+    assert!(log.contains("plugin failed; request refused"), "{log}");
+    assert!(log.contains("the plugin failed: forged"), "{log}");
+    assert!(log.contains("the plugin trapped: "), "{log}");
+}
+
+/// A plugin that traps on every request writes its backtrace to the log
+/// once a second, not once a request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugin_trapping_on_every_request_is_logged_once_a_second() {
+    const REQUESTS: u64 = 30;
+    let dir = TempDir::new("trap-flood");
+    let path = dir.path().join("plugin.wasm");
+    std::fs::write(&path, snowgate_test_fixtures::HOSTILE_WASM).unwrap();
+    let gateway = Gateway::start(&["--plugin", path.to_str().unwrap()]).await;
+    let started = Instant::now();
+    for _ in 0..REQUESTS {
+        let reply = misbehaving(gateway.addr, "trap").await;
+        assert_eq!(
+            reply.status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{}",
+            reply.text()
+        );
+    }
+    let seconds = started.elapsed().as_secs() + 1;
+    gateway
+        .wait_log("WARN snowgate_host::call: the plugin trapped")
+        .await;
+    let log = gateway.stderr_text();
+    let lines = log.matches("the plugin trapped (").count() as u64;
+    assert!(
+        (1..=seconds.min(REQUESTS - 1)).contains(&lines),
+        "{lines} backtraces for {REQUESTS} traps in {seconds} s:\n{log}"
+    );
+}
+
 /// A context-only request in MessagePack, as TensorRT-LLM's orchestrator
 /// sends it to workers with `TRTLLM_SERVE_ENABLE_MSGSPEC=1`, reaches the
 /// upstream stamped, still MessagePack, with its new length.

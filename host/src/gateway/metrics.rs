@@ -9,6 +9,7 @@ use std::time::Duration;
 use tokio::sync::Semaphore;
 
 use crate::compile_cache::Compiled;
+use crate::CallError;
 
 /// How a request through the gateway ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -56,16 +57,6 @@ impl Outcome {
         }
     }
 }
-
-/// Plugin failure kinds, as `CallError::kind` names them.
-const FAILURE_KINDS: [&str; 6] = [
-    "deadline",
-    "memory_limit",
-    "trap",
-    "plugin_error",
-    "invalid_answer",
-    "busy",
-];
 
 /// Upper bounds of the plugin-call latency buckets, in seconds: finest
 /// around 100 µs, where a call's added latency is judged.
@@ -168,7 +159,7 @@ pub struct Metrics {
     /// Builds loaded (at start and by reloads): compiled now, read from
     /// the compile cache.
     loads: [AtomicU64; 2],
-    plugin_failures: [AtomicU64; FAILURE_KINDS.len()],
+    plugin_failures: [AtomicU64; CallError::KINDS.len()],
     plugin_calls: Histogram,
     responses: [AtomicU64; STATUS_CLASSES.len()],
     response_headers: Histogram,
@@ -263,7 +254,7 @@ impl Metrics {
 
     /// Counts a plugin failure of `kind` (see `CallError::kind`).
     pub fn plugin_failure(&self, kind: &str) {
-        if let Some(i) = FAILURE_KINDS.iter().position(|k| *k == kind) {
+        if let Some(i) = CallError::KINDS.iter().position(|k| *k == kind) {
             self.plugin_failures[i].fetch_add(1, Ordering::Relaxed);
         }
     }
@@ -356,7 +347,7 @@ impl Metrics {
             "# HELP snowgate_plugin_failures_total Plugin calls that gave no answer, by kind.\n",
         );
         out.push_str("# TYPE snowgate_plugin_failures_total counter\n");
-        for (kind, counter) in FAILURE_KINDS.iter().zip(&self.plugin_failures) {
+        for (kind, counter) in CallError::KINDS.iter().zip(&self.plugin_failures) {
             let _ = writeln!(
                 out,
                 "snowgate_plugin_failures_total{{kind=\"{kind}\"}} {}",

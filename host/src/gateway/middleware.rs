@@ -69,6 +69,7 @@ use crate::gateway::responses;
 use crate::gateway::slot::PluginSlot;
 use crate::log_throttle::LogThrottle;
 use crate::request::Request as PluginRequest;
+use crate::CallError;
 use snowgate_plugin::MSGPACK_HEADER;
 
 /// The header that has TensorRT-LLM decode a body as MessagePack, whatever
@@ -363,8 +364,11 @@ impl Shared {
                 self.metrics.plugin_failure(failure.kind());
                 match self.policy {
                     FailurePolicy::FailClosed => {
-                        static REFUSED: LogThrottle = LogThrottle::new();
-                        if let Some(held_back) = REFUSED.admit() {
+                        // Once a second for each kind of failure, so that
+                        // one kind's flood does not hide another's.
+                        static REFUSED: [LogThrottle; CallError::KINDS.len()] =
+                            [const { LogThrottle::new() }; CallError::KINDS.len()];
+                        if let Some(held_back) = REFUSED[failure.kind_index()].admit() {
                             tracing::warn!(
                                 error = %failure,
                                 "plugin failed; request refused (fail-closed) {held_back}"
@@ -382,8 +386,9 @@ impl Shared {
                         ));
                     }
                     FailurePolicy::FailOpen => {
-                        static FORWARDED: LogThrottle = LogThrottle::new();
-                        if let Some(held_back) = FORWARDED.admit() {
+                        static FORWARDED: [LogThrottle; CallError::KINDS.len()] =
+                            [const { LogThrottle::new() }; CallError::KINDS.len()];
+                        if let Some(held_back) = FORWARDED[failure.kind_index()].admit() {
                             tracing::warn!(
                                 error = %failure,
                                 "plugin failed; request forwarded unchanged (fail-open) {held_back}"
