@@ -76,11 +76,11 @@ pub struct ServeArgs {
     plugin_calls_per_instance: Option<u32>,
     /// Plugin instances alive at once, 2 to 4096 [default: 64]: the slots
     /// of the instance pool. Calls in flight, kept idle instances and a
-    /// reload's check (which keeps one) share them (with 64, 47 calls run at once and more
-    /// wait their turn). Each slot reserves about 4 GiB of virtual address
-    /// space (not memory), so lower it where address space is limited
-    /// (`ulimit -v`, valgrind); plugin memory in use is at most this many
-    /// times --plugin-memory-mib.
+    /// reload's check (one slot is kept for it) share them (with 64, 47
+    /// calls run at once and more wait their turn). Each slot reserves
+    /// about 4 GiB of virtual address space (not memory), so lower it where
+    /// address space is limited (`ulimit -v`, valgrind); plugin memory in
+    /// use is at most this many times --plugin-memory-mib.
     #[arg(long, value_name = "N")]
     plugin_instances: Option<u32>,
     /// How long in-flight requests may finish after SIGTERM, in seconds
