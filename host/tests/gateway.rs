@@ -1339,7 +1339,6 @@ async fn a_chunked_response_with_a_stale_content_length_reaches_the_client_whole
     assert_eq!(raw.header("content-length"), None, "{:?}", raw.headers);
 }
 
-/// Trailer fields the upstream sends after a chunked body reach a client
 /// An upstream that answers 101 Switching Protocols to a request that asked
 /// for no upgrade (the gateway forwards none) is failing: the client gets
 /// 502, and its connection serves the next request.
@@ -1359,6 +1358,77 @@ async fn an_unasked_101_from_the_upstream_is_a_502() {
     }
 }
 
+/// An upstream response in a transfer coding other than chunked (`gzip,
+/// chunked`) is a 502: hyper takes it out of its chunks only, and passed on
+/// it would reach the client as gzip bytes with nothing saying so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_transfer_coding_other_than_chunked_is_a_502() {
+    let upstream = RawUpstream::start(
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nTransfer-Encoding: gzip, chunked\r\n\r\n\
+          5\r\nhello\r\n0\r\n\r\n",
+    )
+    .await;
+    let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
+    let reply = get(gateway.addr, "/coded").await;
+    assert_eq!(reply.status, StatusCode::BAD_GATEWAY, "{}", reply.text());
+    let message = assert_openai_error(&reply.json(), "upstream_failed", "server_error");
+    assert!(message.contains("\"gzip, chunked\""), "{message}");
+}
+
+/// `TE` is a request header: one an upstream sends back is not passed on
+/// to the client, with the other hop-by-hop headers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstreams_te_header_does_not_reach_the_client() {
+    let upstream = RawUpstream::start(
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nTE: trailers\r\nKeep-Alive: timeout=5\r\n\r\nok",
+    )
+    .await;
+    let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
+    let reply = get(gateway.addr, "/hop").await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    assert_eq!(reply.text(), "ok");
+    assert_eq!(reply.header("te"), None);
+    assert_eq!(reply.header("keep-alive"), None);
+}
+
+/// An upstream 204 with a `Content-Length` reaches an HTTP/2 client
+/// without it, as it reaches HTTP/1 ones (RFC 9110 section 8.6).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_204_reaches_an_http2_client_without_a_content_length() {
+    let upstream =
+        RawUpstream::start(b"HTTP/1.1 204 No Content\r\nContent-Length: 5\r\n\r\n").await;
+    let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
+    let mut sender = http2_to::<Full<Bytes>>(gateway.addr).await;
+    let request = http::Request::get(format!("http://{}/nothing", gateway.addr))
+        .version(http::Version::HTTP_2)
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let response = sender.send_request(request).await.expect("an answer");
+    assert_eq!(response.status(), StatusCode::NO_CONTENT);
+    assert_eq!(response.headers().get("content-length"), None);
+}
+
+/// An HTTP/2 client's cookies, one field each, reach the HTTP/1.1
+/// upstream as one `Cookie` line (RFC 9113 section 8.2.3).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_clients_cookies_reach_the_upstream_on_one_line() {
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
+    let mut sender = http2_to::<Full<Bytes>>(gateway.addr).await;
+    let request = http::Request::get(format!("http://{}/page", gateway.addr))
+        .header("cookie", "a=1")
+        .header("cookie", "b=2")
+        .version(http::Version::HTTP_2)
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let response = sender.send_request(request).await.expect("an answer");
+    assert_eq!(response.status(), StatusCode::OK);
+    let seen = upstream.only_seen();
+    let cookies: Vec<_> = seen.headers.get_all("cookie").iter().collect();
+    assert_eq!(cookies, ["a=1; b=2"]);
+}
+
+/// Trailer fields the upstream sends after a chunked body reach a client
 /// that accepts them (`TE: trailers`), with the `Trailer` header that
 /// names them; the upstream is told the gateway accepts them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -19,6 +19,7 @@ pub mod responses;
 pub mod send_timeout;
 pub mod server;
 pub mod slot;
+mod transfer_coding;
 pub mod upstream;
 pub mod upstream_pool;
 pub mod upstream_read_timeout;

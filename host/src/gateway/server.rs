@@ -30,6 +30,7 @@ use crate::gateway::metrics::Outcome;
 use crate::gateway::middleware::SnowgateLayer;
 use crate::gateway::responses;
 use crate::gateway::send_timeout::SendTimeout;
+use crate::gateway::transfer_coding;
 use crate::gateway::upstream::{strip_hop_by_hop, Upstream};
 use crate::gateway::workers::Workers;
 
@@ -149,7 +150,7 @@ pub async fn serve(
             // chunked: the rest of the coding would reach the upstream
             // unlabelled. Looked at before the header goes with the other
             // hop-by-hop ones.
-            let refusal = unsupported_transfer_coding(request.headers()).map(|coding| {
+            let refusal = transfer_coding::unsupported(request.headers()).map(|coding| {
                 metrics.request(Outcome::ClientError);
                 not_implemented(&coding)
             });
@@ -438,29 +439,6 @@ impl std::error::Error for BodyError {}
 
 /// The response body a connection writes.
 pub type ResponseBody = BoxBody<Bytes, BodyError>;
-
-/// The request's `Transfer-Encoding`, when it names a coding other than
-/// `chunked` (RFC 9112 section 6.1: a server answers a coding it does not
-/// understand with 501).
-fn unsupported_transfer_coding(headers: &http::HeaderMap) -> Option<String> {
-    let values = headers.get_all(http::header::TRANSFER_ENCODING);
-    let understood = values.iter().all(|value| {
-        value.to_str().is_ok_and(|codings| {
-            codings
-                .split(',')
-                .map(str::trim)
-                .all(|coding| coding.is_empty() || coding.eq_ignore_ascii_case("chunked"))
-        })
-    });
-    if understood {
-        return None;
-    }
-    let named: Vec<String> = values
-        .iter()
-        .map(|value| String::from_utf8_lossy(value.as_bytes()).into_owned())
-        .collect();
-    Some(named.join(", "))
-}
 
 /// The answer to a request sent with a transfer coding the gateway does
 /// not decode; its connection ends, since its body is not read.

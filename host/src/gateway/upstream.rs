@@ -26,6 +26,7 @@ use crate::gateway::error_chain;
 use crate::gateway::metrics::Metrics;
 use crate::gateway::read_body::{read_limited, ReadBodyError};
 use crate::gateway::responses;
+use crate::gateway::transfer_coding;
 use crate::gateway::upstream_pool::{ConnectionPool, SendError};
 use crate::gateway::upstream_read_timeout::UpstreamReadTimeout;
 use crate::log_throttle::LogThrottle;
@@ -233,6 +234,9 @@ impl HttpUpstream {
             parts.version >= http::Version::HTTP_2 || parts.headers.contains_key(header::TE);
         // Host names the upstream, as proxies usually do.
         parts.headers.insert(header::HOST, self.host.clone());
+        if parts.version >= http::Version::HTTP_2 {
+            join_cookies(&mut parts.headers);
+        }
         parts.version = http::Version::HTTP_11;
         // A body of unknown length goes on chunked. hyper's client does that
         // by itself except for GET, HEAD and CONNECT, whose bodies it would
@@ -265,6 +269,15 @@ impl HttpUpstream {
                         .to_string(),
                 )
             }
+            // hyper takes the body of `gzip, chunked` out of its chunks
+            // only: passed on, it would reach the client as gzip bytes with
+            // nothing saying so. nginx answers 502 too.
+            Ok(Ok(response)) if transfer_coding::unsupported(response.headers()).is_some() => {
+                let coding = transfer_coding::unsupported(response.headers()).unwrap_or_default();
+                UpstreamFailure::Failed(format!(
+                    "answered with Transfer-Encoding {coding:?}; the gateway decodes only chunked"
+                ))
+            }
             Ok(Ok(response)) => {
                 let (mut parts, body) = response.into_parts();
                 // hyper reads a response with both as chunked (RFC 9112
@@ -274,6 +287,15 @@ impl HttpUpstream {
                     parts.headers.remove(header::CONTENT_LENGTH);
                 }
                 strip_hop_by_hop(&mut parts.headers);
+                // `TE` is a request header: kept above for the next hop of a
+                // request, never passed back to a client.
+                parts.headers.remove(header::TE);
+                // A 204 has no body, so no length (RFC 9110 section 8.6):
+                // hyper drops it for HTTP/1 clients but would pass it to
+                // HTTP/2 ones.
+                if parts.status == StatusCode::NO_CONTENT {
+                    parts.headers.remove(header::CONTENT_LENGTH);
+                }
                 // The gateway speaks its own HTTP version to the client (RFC
                 // 9110 section 6.2): an HTTP/1.0 upstream must not turn off
                 // keep-alive and chunking for HTTP/1.1 clients.
@@ -439,6 +461,28 @@ const NEVER_CONNECTION_OPTIONS: [HeaderName; 4] = [
     header::CONTENT_ENCODING,
     header::HOST,
 ];
+
+/// Joins the `cookie` fields of an HTTP/2 request into one, `; ` between
+/// them, as RFC 9113 section 8.2.3 asks of a request going on over HTTP/1.1:
+/// HTTP/2 clients send each cookie as a field of its own, and HTTP/1
+/// servers read one `Cookie` line (some only the first).
+fn join_cookies(headers: &mut HeaderMap) {
+    let mut cookies = headers.get_all(header::COOKIE).iter();
+    if cookies.next().is_none() || cookies.next().is_none() {
+        return;
+    }
+    let mut joined = Vec::new();
+    for cookie in headers.get_all(header::COOKIE) {
+        if !joined.is_empty() {
+            joined.extend_from_slice(b"; ");
+        }
+        joined.extend_from_slice(cookie.as_bytes());
+    }
+    // Made of valid field values and "; ": valid too.
+    if let Ok(value) = header::HeaderValue::from_bytes(&joined) {
+        headers.insert(header::COOKIE, value);
+    }
+}
 
 /// Removes hop-by-hop headers, including those the `Connection` header names
 /// (except `Content-Length`, `Content-Type`, `Content-Encoding` and `Host`,

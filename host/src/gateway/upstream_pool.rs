@@ -411,6 +411,10 @@ impl Body for PooledBody {
         match &frame {
             None => this.ended(),
             Some(Ok(_)) if this.body.is_end_stream() => this.ended(),
+            // Trailers are a body's last frame, after which its reader
+            // (hyper) polls no more: the response has ended here, and the
+            // connection may serve another.
+            Some(Ok(frame)) if frame.is_trailers() => this.ended(),
             Some(Ok(_)) => {}
             Some(Err(_)) => this.abandon(),
         }
@@ -432,7 +436,7 @@ mod tests {
     use std::net::SocketAddr;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
-    use http::StatusCode;
+    use http::{HeaderMap, StatusCode};
     use http_body_util::{BodyExt, Empty, Full};
     use hyper::service::service_fn;
     use tokio::sync::{mpsc, Notify};
@@ -457,6 +461,25 @@ mod tests {
         }
     }
 
+    /// `data`, then trailers: a body's last frame.
+    struct WithTrailers(Option<Frame<Bytes>>, Option<HeaderMap>);
+
+    impl Body for WithTrailers {
+        type Data = Bytes;
+        type Error = Infallible;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+            let frame = match self.0.take() {
+                Some(data) => Some(data),
+                None => self.1.take().map(Frame::trailers),
+            };
+            Poll::Ready(frame.map(Ok))
+        }
+    }
+
     /// What the test upstream has seen.
     #[derive(Default)]
     struct Seen {
@@ -468,7 +491,8 @@ mod tests {
     }
 
     /// A real HTTP/1.1 upstream on loopback: `/fixed` answers `ok`,
-    /// `/close` the same with `Connection: close`, `/empty` 204, and
+    /// `/close` the same with `Connection: close`, `/empty` 204,
+    /// `/trailers` `ok` and an `x-checksum` trailer, and
     /// `/stream` one chunk, then whatever the test sends through
     /// [`Seen::stream`] until it drops it.
     async fn upstream() -> (SocketAddr, Arc<Seen>) {
@@ -494,10 +518,26 @@ mod tests {
                                     Chunks(rx).boxed()
                                 }
                                 "/empty" => Empty::new().boxed(),
+                                "/trailers" => {
+                                    let mut trailers = HeaderMap::new();
+                                    trailers.insert("x-checksum", "abc".parse().unwrap());
+                                    WithTrailers(
+                                        Some(Frame::data(Bytes::from_static(b"ok"))),
+                                        Some(trailers),
+                                    )
+                                    .boxed()
+                                }
                                 _ => Full::new(Bytes::from_static(b"ok")).boxed(),
                             });
                             match request.uri().path() {
                                 "/empty" => *response.status_mut() = StatusCode::NO_CONTENT,
+                                // hyper sends only the trailers it was told of.
+                                "/trailers" => {
+                                    response.headers_mut().insert(
+                                        http::header::TRAILER,
+                                        http::HeaderValue::from_static("x-checksum"),
+                                    );
+                                }
                                 "/close" => {
                                     response.headers_mut().insert(
                                         http::header::CONNECTION,
@@ -633,6 +673,28 @@ mod tests {
         assert_eq!(read_to_end(again).await, "ok");
         assert_eq!(accepted(&seen), 1);
         drop(response);
+    }
+
+    /// A reader that stops at the trailers, as hyper's server does, has
+    /// read the whole response: its connection serves the next request.
+    #[tokio::test]
+    async fn a_response_read_to_its_trailers_gives_its_connection_back() {
+        let (addr, seen) = upstream().await;
+        let pool = pool_for(addr, Duration::from_secs(60));
+        for _ in 0..3 {
+            let mut request = get("/trailers");
+            request
+                .headers_mut()
+                .insert(http::header::TE, http::HeaderValue::from_static("trailers"));
+            let mut body = pool.send(request).await.unwrap().into_body();
+            let data = body.frame().await.unwrap().unwrap();
+            assert_eq!(data.into_data().unwrap(), "ok");
+            let trailers = body.frame().await.unwrap().unwrap();
+            assert_eq!(trailers.trailers_ref().unwrap()["x-checksum"], "abc");
+            drop(body);
+            assert_eq!(pool.idle_count(), 1);
+        }
+        assert_eq!(accepted(&seen), 1);
     }
 
     #[tokio::test]
