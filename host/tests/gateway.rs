@@ -588,6 +588,31 @@ async fn refuses_a_chunked_body_streamed_through_over_max_body_bytes_with_413() 
     assert_eq!(forwarded.body, body.as_bytes());
 }
 
+/// HTTP/1.1 heads hyper lets through but RFC 9112 refuses get 400 and
+/// reach no upstream: no `Host`, two `Host`s, and a target in authority
+/// form on a method other than CONNECT (it went on as `/`). A TRACE gets
+/// 405: it would echo the request's cookies back. HTTP/1.0 needs no Host.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refuses_heads_without_one_host_or_with_an_authority_target_and_trace() {
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
+    for (request, status, says) in [
+        (&b"GET /x HTTP/1.1\r\n\r\n"[..], 400, "has 0"),
+        (b"GET /x HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", 400, "has 2"),
+        (b"GET evil.example:80 HTTP/1.1\r\nHost: evil.example\r\n\r\n", 400, "authority form"),
+        (b"TRACE /x HTTP/1.1\r\nHost: a\r\nCookie: s=1\r\n\r\n", 405, "TRACE"),
+    ] {
+        let raw = raw_exchange(gateway.addr, request).await;
+        let text = String::from_utf8_lossy(&raw.body).into_owned();
+        assert_eq!(raw.status, status, "{}: {text}", String::from_utf8_lossy(request));
+        assert!(text.contains(says), "{text}");
+    }
+    assert!(upstream.seen().is_empty(), "{:?}", upstream.seen());
+    let raw = raw_exchange(gateway.addr, b"GET /old HTTP/1.0\r\n\r\n").await;
+    assert_eq!(raw.status, 200);
+    assert_eq!(upstream.only_seen().path, "/old");
+}
+
 /// A request body sent with a transfer coding other than chunked (`gzip,
 /// chunked`, which hyper reads as chunked) gets 501, as RFC 9112 asks, and
 /// nothing goes upstream: forwarded, it would reach the upstream gzipped

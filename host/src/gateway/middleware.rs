@@ -194,15 +194,23 @@ impl Shared {
         B::Error: Into<BoxError>,
     {
         let own = |response: Response<Full<Bytes>>| Ok(response.map(Either::Left));
-        // A reverse proxy for one upstream has no tunnels to open; refused
+        // A reverse proxy for one upstream has no tunnels to open, and a
+        // TRACE would echo the request's cookies and credentials back to
+        // a script (cross-site tracing; nginx refuses it too). Refused
         // before any body is read or reaches the plugin.
-        if request.method() == Method::CONNECT {
+        let refused = match *request.method() {
+            Method::CONNECT => {
+                Some("CONNECT is not supported: this gateway is a reverse proxy for one upstream")
+            }
+            Method::TRACE => {
+                Some("TRACE is not forwarded: it would echo the request's credentials back")
+            }
+            _ => None,
+        };
+        if let Some(why) = refused {
             self.metrics.request(Outcome::ClientError);
-            let mut response = responses::error(
-                StatusCode::METHOD_NOT_ALLOWED,
-                "method_not_allowed",
-                "CONNECT is not supported: this gateway is a reverse proxy for one upstream",
-            );
+            let mut response =
+                responses::error(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", why);
             response.headers_mut().insert(
                 header::ALLOW,
                 header::HeaderValue::from_static("GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS"),

@@ -150,10 +150,12 @@ pub async fn serve(
             // chunked: the rest of the coding would reach the upstream
             // unlabelled. Looked at before the header goes with the other
             // hop-by-hop ones.
-            let refusal = transfer_coding::unsupported(request.headers()).map(|coding| {
+            let refusal = transfer_coding::unsupported(request.headers())
+                .map(|coding| not_implemented(&coding))
+                .or_else(|| malformed_head(&request).map(bad_head));
+            if refusal.is_some() {
                 metrics.request(Outcome::ClientError);
-                not_implemented(&coding)
-            });
+            }
             // First, so that a client cannot name the gateway's own
             // `X-Forwarded-For` in its `Connection` header to have it removed.
             strip_hop_by_hop(request.headers_mut());
@@ -451,6 +453,46 @@ fn not_implemented(coding: &str) -> http::Response<http_body_util::Full<Bytes>> 
         http::StatusCode::NOT_IMPLEMENTED,
         "unsupported_transfer_encoding",
         &message,
+    );
+    response
+        .headers_mut()
+        .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
+    response
+}
+
+/// What is wrong with an HTTP/1.1 request's head that hyper lets through:
+/// a `Host` missing or repeated (RFC 9112 section 3.2 answers both with
+/// 400, as nginx does), or a target in authority form (`host:port`), which
+/// only CONNECT may use and which would otherwise go on as `/`.
+fn malformed_head<B>(request: &Request<B>) -> Option<String> {
+    if request.version() != http::Version::HTTP_11 {
+        return None;
+    }
+    let hosts = request.headers().get_all(http::header::HOST).iter().count();
+    if hosts != 1 {
+        return Some(format!(
+            "an HTTP/1.1 request needs exactly one Host header, and this one has {hosts}"
+        ));
+    }
+    let uri = request.uri();
+    if request.method() != http::Method::CONNECT
+        && uri.scheme().is_none()
+        && uri.authority().is_some()
+    {
+        return Some(format!(
+            "the request target {uri} is in authority form, which only CONNECT uses: send a path"
+        ));
+    }
+    None
+}
+
+/// The answer to a request whose head [`malformed_head`] refuses; its
+/// connection ends, since its body is not read.
+fn bad_head(problem: String) -> http::Response<http_body_util::Full<Bytes>> {
+    let mut response = responses::error(
+        http::StatusCode::BAD_REQUEST,
+        "invalid_request_head",
+        &problem,
     );
     response
         .headers_mut()
