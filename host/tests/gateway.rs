@@ -598,13 +598,30 @@ async fn refuses_heads_without_one_host_or_with_an_authority_target_and_trace() 
     let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
     for (request, status, says) in [
         (&b"GET /x HTTP/1.1\r\n\r\n"[..], 400, "has 0"),
-        (b"GET /x HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", 400, "has 2"),
-        (b"GET evil.example:80 HTTP/1.1\r\nHost: evil.example\r\n\r\n", 400, "authority form"),
-        (b"TRACE /x HTTP/1.1\r\nHost: a\r\nCookie: s=1\r\n\r\n", 405, "TRACE"),
+        (
+            b"GET /x HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n",
+            400,
+            "has 2",
+        ),
+        (
+            b"GET evil.example:80 HTTP/1.1\r\nHost: evil.example\r\n\r\n",
+            400,
+            "authority form",
+        ),
+        (
+            b"TRACE /x HTTP/1.1\r\nHost: a\r\nCookie: s=1\r\n\r\n",
+            405,
+            "TRACE",
+        ),
     ] {
         let raw = raw_exchange(gateway.addr, request).await;
         let text = String::from_utf8_lossy(&raw.body).into_owned();
-        assert_eq!(raw.status, status, "{}: {text}", String::from_utf8_lossy(request));
+        assert_eq!(
+            raw.status,
+            status,
+            "{}: {text}",
+            String::from_utf8_lossy(request)
+        );
         assert!(text.contains(says), "{text}");
     }
     assert!(upstream.seen().is_empty(), "{:?}", upstream.seen());

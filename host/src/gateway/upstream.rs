@@ -286,10 +286,7 @@ impl HttpUpstream {
                 if parts.headers.contains_key(header::TRANSFER_ENCODING) {
                     parts.headers.remove(header::CONTENT_LENGTH);
                 }
-                strip_hop_by_hop(&mut parts.headers);
-                // `TE` is a request header: kept above for the next hop of a
-                // request, never passed back to a client.
-                parts.headers.remove(header::TE);
+                strip_response_hop_by_hop(&mut parts.headers);
                 // A 204 has no body, so no length (RFC 9110 section 8.6):
                 // hyper drops it for HTTP/1 clients but would pass it to
                 // HTTP/2 ones.
@@ -495,6 +492,18 @@ fn join_cookies(headers: &mut HeaderMap) {
 /// and only they are looked up (a removal of an absent name hashes it all
 /// the same).
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    strip(headers, true)
+}
+
+/// [`strip_hop_by_hop`] for a response: `TE` is a request header, so one an
+/// upstream sends goes too, whatever it accepts.
+pub fn strip_response_hop_by_hop(headers: &mut HeaderMap) {
+    strip(headers, false)
+}
+
+/// Removes hop-by-hop headers; with `keep_te`, a `TE` that accepts
+/// trailers becomes `TE: trailers`.
+fn strip(headers: &mut HeaderMap, keep_te: bool) {
     let mut present = [false; HOP_BY_HOP_COUNT];
     let mut upgrade = false;
     for name in headers.keys().filter(|name| may_be_hop_by_hop(name)) {
@@ -506,7 +515,8 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     if !upgrade && !present.contains(&true) {
         return;
     }
-    let accepts_trailers = present[HOP_BY_HOP_TE]
+    let accepts_trailers = keep_te
+        && present[HOP_BY_HOP_TE]
         && headers
             .get_all(header::TE)
             .iter()
