@@ -443,17 +443,28 @@ impl std::error::Error for BodyError {}
 pub type ResponseBody = BoxBody<Bytes, BodyError>;
 
 /// The answer to a request sent with a transfer coding the gateway does
-/// not decode; its connection ends, since its body is not read.
+/// not decode.
 fn not_implemented(coding: &str) -> http::Response<http_body_util::Full<Bytes>> {
     let message = format!(
         "the request has Transfer-Encoding {coding:?}; this gateway decodes only chunked: send \
          the body without another transfer coding"
     );
-    let mut response = responses::error(
+    refusal_before_the_body(
         http::StatusCode::NOT_IMPLEMENTED,
         "unsupported_transfer_encoding",
         &message,
-    );
+    )
+}
+
+/// An error answer to a request refused before its body is read: its
+/// connection ends, since the unread body would be read as the next
+/// request.
+fn refusal_before_the_body(
+    status: http::StatusCode,
+    code: &str,
+    message: &str,
+) -> http::Response<http_body_util::Full<Bytes>> {
+    let mut response = responses::error(status, code, message);
     response
         .headers_mut()
         .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
@@ -486,18 +497,13 @@ fn malformed_head<B>(request: &Request<B>) -> Option<String> {
     None
 }
 
-/// The answer to a request whose head [`malformed_head`] refuses; its
-/// connection ends, since its body is not read.
+/// The answer to a request whose head [`malformed_head`] refuses.
 fn bad_head(problem: String) -> http::Response<http_body_util::Full<Bytes>> {
-    let mut response = responses::error(
+    refusal_before_the_body(
         http::StatusCode::BAD_REQUEST,
         "invalid_request_head",
         &problem,
-    );
-    response
-        .headers_mut()
-        .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
-    response
+    )
 }
 
 /// The client's address as `X-Forwarded-For` gets it, made once per
