@@ -27,7 +27,7 @@ use crate::gateway::metrics::Metrics;
 use crate::gateway::read_body::{read_limited, ReadBodyError};
 use crate::gateway::responses;
 use crate::gateway::transfer_coding;
-use crate::gateway::upstream_pool::{ConnectionPool, SendError};
+use crate::gateway::upstream_pool::{ConnectionPool, PooledBody, SendError};
 use crate::gateway::upstream_read_timeout::UpstreamReadTimeout;
 use crate::log_throttle::LogThrottle;
 
@@ -260,53 +260,10 @@ impl HttpUpstream {
         // for the whole wait for a response head, not for the body after it.
         let answer = tokio::time::timeout(self.timeouts.response, self.pool.send(request));
         let failure = match answer.await {
-            // The gateway forwards no `Upgrade` (it is hop-by-hop), so a 101
-            // answers nothing that was asked, and passed on it would end
-            // the client's connection (or, over HTTP/2, reset its stream).
-            Ok(Ok(response)) if response.status() == StatusCode::SWITCHING_PROTOCOLS => {
-                UpstreamFailure::Failed(
-                    "answered 101 Switching Protocols to a request that asked for no upgrade"
-                        .to_string(),
-                )
-            }
-            // hyper takes the body of `gzip, chunked` out of its chunks
-            // only: passed on, it would reach the client as gzip bytes with
-            // nothing saying so. nginx answers 502 too.
-            Ok(Ok(response)) if transfer_coding::unsupported(response.headers()).is_some() => {
-                let coding = transfer_coding::unsupported(response.headers()).unwrap_or_default();
-                UpstreamFailure::Failed(format!(
-                    "answered with Transfer-Encoding {coding:?}; the gateway decodes only chunked"
-                ))
-            }
-            Ok(Ok(response)) => {
-                let (mut parts, body) = response.into_parts();
-                // hyper reads a response with both as chunked (RFC 9112
-                // section 6.3) but leaves the `Content-Length`, which would
-                // cut the chunked body short on the way to the client.
-                if parts.headers.contains_key(header::TRANSFER_ENCODING) {
-                    parts.headers.remove(header::CONTENT_LENGTH);
-                }
-                strip_response_hop_by_hop(&mut parts.headers);
-                // A 204 has no body, so no length (RFC 9110 section 8.6):
-                // hyper drops it for HTTP/1 clients but would pass it to
-                // HTTP/2 ones.
-                if parts.status == StatusCode::NO_CONTENT {
-                    parts.headers.remove(header::CONTENT_LENGTH);
-                }
-                // The gateway speaks its own HTTP version to the client (RFC
-                // 9110 section 6.2): an HTTP/1.0 upstream must not turn off
-                // keep-alive and chunking for HTTP/1.1 clients.
-                parts.version = http::Version::HTTP_11;
-                // hyper drops trailers an HTTP/1 client did not ask for: do
-                // not announce them either.
-                if !client_takes_trailers {
-                    parts.headers.remove(header::TRAILER);
-                }
-                // Streamed as it arrives: server-sent events are not buffered.
-                let body = UpstreamReadTimeout::new(body, self.timeouts.read, self.metrics.clone())
-                    .for_path(path);
-                return Response::from_parts(parts, body.boxed());
-            }
+            Ok(Ok(response)) => match unusable(&response) {
+                Some(why) => UpstreamFailure::Failed(why),
+                None => return self.pass_on(response, client_takes_trailers, path),
+            },
             Ok(Err(e)) => {
                 // The request body is the client's: when reading it failed,
                 // or it passed the body limit, the client is told, and the
@@ -373,6 +330,42 @@ impl HttpUpstream {
         }
         let message = format!("the upstream {} {problem}", self.base);
         own(responses::error(status, code, &message))
+    }
+
+    /// The upstream's `response` as the client gets it, its body streamed
+    /// as it arrives (server-sent events are not buffered) and timed by the
+    /// upstream read timeout; `path` names it in the log, should it be cut
+    /// off.
+    fn pass_on(
+        &self,
+        response: Response<PooledBody>,
+        client_takes_trailers: bool,
+        path: Option<PathAndQuery>,
+    ) -> Response<UpstreamBody> {
+        let (mut parts, body) = response.into_parts();
+        // hyper reads a response with both as chunked (RFC 9112 section 6.3)
+        // but leaves the `Content-Length`, which would cut the chunked body
+        // short on the way to the client. A 204 has no body, so no length
+        // (RFC 9110 section 8.6): hyper drops it for HTTP/1 clients but
+        // would pass it to HTTP/2 ones.
+        if parts.status == StatusCode::NO_CONTENT
+            || parts.headers.contains_key(header::TRANSFER_ENCODING)
+        {
+            parts.headers.remove(header::CONTENT_LENGTH);
+        }
+        strip_response_hop_by_hop(&mut parts.headers);
+        // The gateway speaks its own HTTP version to the client (RFC 9110
+        // section 6.2): an HTTP/1.0 upstream must not turn off keep-alive
+        // and chunking for HTTP/1.1 clients.
+        parts.version = http::Version::HTTP_11;
+        // hyper drops trailers an HTTP/1 client did not ask for: do not
+        // announce them either.
+        if !client_takes_trailers {
+            parts.headers.remove(header::TRAILER);
+        }
+        let body =
+            UpstreamReadTimeout::new(body, self.timeouts.read, self.metrics.clone()).for_path(path);
+        Response::from_parts(parts, body.boxed())
     }
 
     /// The path and query to ask the upstream for: the base URL's path
@@ -458,6 +451,25 @@ const NEVER_CONNECTION_OPTIONS: [HeaderName; 4] = [
     header::CONTENT_ENCODING,
     header::HOST,
 ];
+
+/// Why an upstream response cannot be passed on, if it cannot:
+/// - a 101: the gateway forwards no `Upgrade` (it is hop-by-hop), so it
+///   answers nothing that was asked, and passed on it would end the
+///   client's connection (or, over HTTP/2, reset its stream);
+/// - a transfer coding other than chunked: hyper takes the body of `gzip,
+///   chunked` out of its chunks only, so it would reach the client as gzip
+///   bytes with nothing saying so (nginx answers 502 too).
+fn unusable<B>(response: &Response<B>) -> Option<String> {
+    if response.status() == StatusCode::SWITCHING_PROTOCOLS {
+        return Some(
+            "answered 101 Switching Protocols to a request that asked for no upgrade".to_string(),
+        );
+    }
+    let coding = transfer_coding::unsupported(response.headers())?;
+    Some(format!(
+        "answered with Transfer-Encoding {coding:?}; the gateway decodes only chunked"
+    ))
+}
 
 /// Joins the `cookie` fields of an HTTP/2 request into one, `; ` between
 /// them, as RFC 9113 section 8.2.3 asks of a request going on over HTTP/1.1:
