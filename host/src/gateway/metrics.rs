@@ -252,11 +252,9 @@ impl Metrics {
         counter.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Counts a plugin failure of `kind` (see `CallError::kind`).
-    pub fn plugin_failure(&self, kind: &str) {
-        if let Some(i) = CallError::KINDS.iter().position(|k| *k == kind) {
-            self.plugin_failures[i].fetch_add(1, Ordering::Relaxed);
-        }
+    /// Counts a plugin failure, by its kind.
+    pub fn plugin_failure(&self, failure: &CallError) {
+        self.plugin_failures[failure.kind_index()].fetch_add(1, Ordering::Relaxed);
     }
 
     /// Records the duration of one plugin call.
@@ -427,7 +425,7 @@ mod tests {
         let metrics = Metrics::default();
         metrics.request(Outcome::Rewritten);
         metrics.request(Outcome::Rewritten);
-        metrics.plugin_failure("deadline");
+        metrics.plugin_failure(&CallError::Deadline(Duration::from_secs(1)));
         metrics.plugin_call(Duration::from_micros(30));
         metrics.plugin_call(Duration::from_millis(2));
         metrics.response(http::StatusCode::OK, Duration::from_millis(3));

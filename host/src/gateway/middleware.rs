@@ -369,7 +369,7 @@ impl Shared {
                 return own(responses::error(status, &r.code, &r.message));
             }
             Err(failure) => {
-                self.metrics.plugin_failure(failure.kind());
+                self.metrics.plugin_failure(&failure);
                 match self.policy {
                     FailurePolicy::FailClosed => {
                         // Once a second for each kind of failure, so that
