@@ -630,6 +630,42 @@ async fn refuses_heads_without_one_host_or_with_an_authority_target_and_trace() 
     assert_eq!(upstream.only_seen().path, "/old");
 }
 
+/// Under an upstream base path, a request whose `..` segments climb above
+/// its root gets 400 `bad_path` and nothing goes upstream: forwarded as
+/// `/api/../admin`, an upstream that resolves dot segments would serve
+/// `/admin`, outside the base path. Dot segments that stay within the
+/// request's own path go as they came, after the base path.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refuses_a_path_that_climbs_out_of_the_upstream_base_path() {
+    let upstream = TestUpstream::start().await;
+    let base = format!("{}/api", upstream.url());
+    let gateway = Gateway::start(&["--upstream", &base]).await;
+    for target in [
+        "/../admin",
+        "/v1/%2e%2e/..%2fadmin?q=1",
+        "/..;/admin",
+        "/v1\\..\\..\\admin",
+    ] {
+        let request = format!("GET {target} HTTP/1.1\r\nHost: a\r\n\r\n");
+        let raw = raw_exchange(gateway.addr, request.as_bytes()).await;
+        let text = String::from_utf8_lossy(&raw.body).into_owned();
+        assert_eq!(raw.status, 400, "{target}: {text}");
+        assert!(text.contains("bad_path"), "{target}: {text}");
+        assert!(
+            text.contains("climb above the upstream's base path"),
+            "{text}"
+        );
+    }
+    assert!(upstream.seen().is_empty(), "{:?}", upstream.seen());
+    let raw = raw_exchange(
+        gateway.addr,
+        b"GET /v1/x/../models?q=.. HTTP/1.1\r\nHost: a\r\n\r\n",
+    )
+    .await;
+    assert_eq!(raw.status, 200);
+    assert_eq!(upstream.only_seen().path, "/api/v1/x/../models?q=..");
+}
+
 /// A request body sent with a transfer coding other than chunked (`gzip,
 /// chunked`, which hyper reads as chunked) gets 501, as RFC 9112 asks, and
 /// nothing goes upstream: forwarded, it would reach the upstream gzipped

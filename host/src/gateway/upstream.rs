@@ -22,6 +22,7 @@ use tower_service::Service;
 use crate::gateway::body_limit::BodyTooLarge;
 use crate::gateway::client_body::{BodyProgress, ClientFault};
 use crate::gateway::config::UpstreamTimeouts;
+use crate::gateway::dot_segments;
 use crate::gateway::error_chain;
 use crate::gateway::metrics::Metrics;
 use crate::gateway::read_body::{read_limited, ReadBodyError};
@@ -382,6 +383,14 @@ impl HttpUpstream {
             // `OPTIONS *` asks about the server, not a path under the
             // prefix: `*` goes as it came, not as `/prefix*`.
             Some(own) if own.as_str() == "*" => own.clone(),
+            Some(own) if dot_segments::climbs_above_root(own.path()) => {
+                return Err(unusable(
+                    own.path(),
+                    &format_args!(
+                        "its `..` segments climb above the upstream's base path {prefix:?}"
+                    ),
+                ));
+            }
             own => {
                 let own = own.map_or("/", |p| p.as_str());
                 PathAndQuery::try_from(format!("{prefix}{own}")).map_err(|e| unusable(own, &e))?
@@ -838,6 +847,11 @@ mod tests {
         // The asterisk form (`OPTIONS *`) names the server, not a path.
         let uri = http.target(&"*".parse().unwrap()).unwrap();
         assert_eq!(uri.as_str(), "*");
+        // `..` that climbs above the request's root would leave the prefix.
+        let refused = http.target(&"/v1/../../admin?x".parse().unwrap());
+        let message = refused.expect_err("a path climbing out of the prefix");
+        assert!(message.contains("\"/v1/../../admin\""), "{message}");
+        assert!(message.contains("\"/api\""), "{message}");
     }
 
     /// Without a prefix the request's path and query go as they came, an
