@@ -186,14 +186,16 @@ pub fn decide(
         .check_machine_id(machine.value)
         .map_err(|e| PluginFailure(format!("the host's machine id is unusable: {e}")))?;
     let space = layout.sequence_space();
-    let stamped = (0..edits.len())
-        .map(|_| {
-            let tick = ids.next_tick(space);
-            layout
-                .compose(tick.millis, machine.value, tick.sequence)
-                .map_err(|e| PluginFailure(format!("the host's clock gave an unusable tick: {e}")))
-        })
-        .collect::<Result<Vec<u64>, _>>()?;
+    // Filled in place: collecting the fallible map would grow it by
+    // doubling, and leave the smaller copies behind in the arena.
+    let mut stamped = Vec::with_capacity(edits.len());
+    for _ in 0..edits.len() {
+        let tick = ids.next_tick(space);
+        let id = layout
+            .compose(tick.millis, machine.value, tick.sequence)
+            .map_err(|e| PluginFailure(format!("the host's clock gave an unusable tick: {e}")))?;
+        stamped.push(id);
+    }
     let body = match &edits {
         Edits::Json(edits) => stamp::apply(body, edits, &stamped),
         Edits::Msgpack(edits) => msgpack::apply(body, edits, &stamped),

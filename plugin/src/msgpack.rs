@@ -100,28 +100,34 @@ pub fn find_msgpack_edits(body: &[u8]) -> Result<Vec<MsgpackEdit>, MsgpackError>
     }
     let mut edits = live_edits(walk.edits, walk.live);
     // A map's own edit is recorded when it ends, after its children's.
-    edits.sort_by_key(|e| match *e {
-        MsgpackEdit::AppendPair { header, .. } => header,
-        MsgpackEdit::ReplaceNil { at } => at,
-    });
+    // Each starts at a byte of its own, so an unstable sort (which needs no
+    // scratch memory) gives the one order.
+    edits.sort_unstable_by_key(MsgpackEdit::start);
     Ok(edits)
 }
 
 /// Returns `body` with `ids[i]` written by `edits[i]`, as
 /// [`find_msgpack_edits`] returned them; `ids` must be as long as `edits`.
+///
+/// Beside the body and its copy it holds one small entry per splice (two
+/// for a map that gains a pair): a body that is nothing but params maps
+/// has an id every 50 bytes, so per-splice buffers would take more memory
+/// than the body itself.
 pub fn apply(body: &[u8], edits: &[MsgpackEdit], ids: &[u64]) -> Vec<u8> {
     debug_assert_eq!(edits.len(), ids.len());
-    /// One splice: at `at`, drop `remove` bytes and write `insert`.
+    /// One place the body changes: part of `edits[edit]`, at byte `at`.
     struct Splice {
         at: usize,
-        /// Among splices at one offset: insertions first, the innermost
-        /// map's (the latest header) first of all; then a replacement.
-        order: (u8, std::cmp::Reverse<usize>),
-        remove: usize,
-        insert: Vec<u8>,
+        /// Whether it replaces bytes (a map's header, the nil), and the
+        /// map's header or the nil's offset. Among splices at one offset:
+        /// insertions (`false`) first, the innermost map's (the latest
+        /// header) first of all; then a replacement.
+        order: (bool, std::cmp::Reverse<usize>),
+        edit: usize,
     }
     let mut splices = Vec::with_capacity(edits.len() * 2);
-    for (edit, &id) in edits.iter().zip(ids) {
+    let mut grown = 0;
+    for (index, edit) in edits.iter().enumerate() {
         match *edit {
             MsgpackEdit::AppendPair {
                 header,
@@ -131,62 +137,109 @@ pub fn apply(body: &[u8], edits: &[MsgpackEdit], ids: &[u64]) -> Vec<u8> {
             } => {
                 splices.push(Splice {
                     at: header,
-                    order: (1, std::cmp::Reverse(header)),
-                    remove: header_len,
-                    insert: map_header(body[header], count + 1),
+                    order: (true, std::cmp::Reverse(header)),
+                    edit: index,
                 });
-                let mut pair = Vec::with_capacity(1 + ID_KEY.len() + 9);
-                pair.push(ID_KEY_FIXSTR);
-                pair.extend_from_slice(ID_KEY);
-                push_id(&mut pair, id);
                 splices.push(Splice {
                     at: end,
-                    order: (0, std::cmp::Reverse(header)),
-                    remove: 0,
-                    insert: pair,
+                    order: (false, std::cmp::Reverse(header)),
+                    edit: index,
                 });
+                grown += map_header(body[header], count + 1).len() - header_len + ID_PAIR_LEN;
             }
             MsgpackEdit::ReplaceNil { at } => {
-                let mut value = Vec::with_capacity(9);
-                push_id(&mut value, id);
                 splices.push(Splice {
                     at,
-                    order: (1, std::cmp::Reverse(at)),
-                    remove: 1,
-                    insert: value,
+                    order: (true, std::cmp::Reverse(at)),
+                    edit: index,
                 });
+                grown += ID_VALUE_LEN - 1;
             }
         }
     }
-    splices.sort_by_key(|s| (s.at, s.order));
-    let grown: usize = splices.iter().map(|s| s.insert.len()).sum();
+    // No two splices share a key, so an unstable sort (which needs no
+    // scratch memory) gives the one order.
+    splices.sort_unstable_by_key(|s| (s.at, s.order));
     let mut out = Vec::with_capacity(body.len() + grown);
     let mut copied = 0;
     for splice in &splices {
         out.extend_from_slice(&body[copied..splice.at]);
-        out.extend_from_slice(&splice.insert);
-        copied = splice.at + splice.remove;
+        let id = ids[splice.edit];
+        copied = splice.at;
+        let (replaces, _) = splice.order;
+        match edits[splice.edit] {
+            MsgpackEdit::AppendPair { .. } if !replaces => {
+                out.push(ID_KEY_FIXSTR);
+                out.extend_from_slice(ID_KEY);
+                push_id(&mut out, id);
+            }
+            MsgpackEdit::AppendPair {
+                header_len, count, ..
+            } => {
+                out.extend_from_slice(&map_header(body[splice.at], count + 1));
+                copied += header_len;
+            }
+            MsgpackEdit::ReplaceNil { .. } => {
+                push_id(&mut out, id);
+                copied += 1;
+            }
+        }
     }
     out.extend_from_slice(&body[copied..]);
     out
 }
 
-/// A map header for `count` pairs in the format of the header that starts
-/// with `marker` when it still fits, else in the next larger one.
-fn map_header(marker: u8, count: u32) -> Vec<u8> {
-    match marker {
-        0x80..=0x8f if count <= 15 => vec![0x80 | count as u8],
-        0x80..=0x8f | 0xde if count <= u32::from(u16::MAX) => {
-            let mut header = vec![0xde];
-            header.extend_from_slice(&(count as u16).to_be_bytes());
-            header
-        }
-        _ => {
-            let mut header = vec![0xdf];
-            header.extend_from_slice(&count.to_be_bytes());
-            header
+/// The bytes of an appended `disagg_request_id: ID` pair.
+const ID_PAIR_LEN: usize = 1 + ID_KEY.len() + ID_VALUE_LEN;
+
+/// The bytes of an id: a uint 64.
+const ID_VALUE_LEN: usize = 9;
+
+impl MsgpackEdit {
+    /// Where the edit's first change is: a map's header, or the nil.
+    fn start(&self) -> usize {
+        match *self {
+            MsgpackEdit::AppendPair { header, .. } => header,
+            MsgpackEdit::ReplaceNil { at } => at,
         }
     }
+}
+
+/// A map's header for `count` pairs, in a buffer and its length.
+struct MapHeader {
+    bytes: [u8; 5],
+    len: usize,
+}
+
+impl std::ops::Deref for MapHeader {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        &self.bytes[..self.len]
+    }
+}
+
+/// A map header for `count` pairs in the format of the header that starts
+/// with `marker` when it still fits, else in the next larger one.
+fn map_header(marker: u8, count: u32) -> MapHeader {
+    let mut bytes = [0; 5];
+    let len = match marker {
+        0x80..=0x8f if count <= 15 => {
+            bytes[0] = 0x80 | count as u8;
+            1
+        }
+        0x80..=0x8f | 0xde if count <= u32::from(u16::MAX) => {
+            bytes[0] = 0xde;
+            bytes[1..3].copy_from_slice(&(count as u16).to_be_bytes());
+            3
+        }
+        _ => {
+            bytes[0] = 0xdf;
+            bytes[1..5].copy_from_slice(&count.to_be_bytes());
+            5
+        }
+    };
+    MapHeader { bytes, len }
 }
 
 fn push_id(out: &mut Vec<u8>, id: u64) {
@@ -692,11 +745,11 @@ mod tests {
 
     #[test]
     fn map_headers_keep_their_format_until_the_count_outgrows_it() {
-        assert_eq!(map_header(0x82, 3), [0x83]);
-        assert_eq!(map_header(0x8f, 16), [0xde, 0x00, 0x10]);
-        assert_eq!(map_header(0xde, 3), [0xde, 0x00, 0x03]);
-        assert_eq!(map_header(0xde, 65536), [0xdf, 0x00, 0x01, 0x00, 0x00]);
-        assert_eq!(map_header(0xdf, 2), [0xdf, 0, 0, 0, 2]);
+        assert_eq!(*map_header(0x82, 3), [0x83]);
+        assert_eq!(*map_header(0x8f, 16), [0xde, 0x00, 0x10]);
+        assert_eq!(*map_header(0xde, 3), [0xde, 0x00, 0x03]);
+        assert_eq!(*map_header(0xde, 65536), [0xdf, 0x00, 0x01, 0x00, 0x00]);
+        assert_eq!(*map_header(0xdf, 2), [0xdf, 0, 0, 0, 2]);
     }
 
     /// Every length format, in its widest form where a narrower one would
