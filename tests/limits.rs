@@ -7,8 +7,9 @@ mod common;
 use std::time::Duration;
 
 use common::{engine_with, load_bundled, START_MILLIS};
-use snowgate_host::{CallError, FixedClock, Plugin, PluginLimits};
+use snowgate_host::{Action, CallError, FixedClock, Plugin, PluginLimits};
 use snowgate_plugin::SnowflakeLayout;
+use snowgate_plugin_bundle::{memory_needed, IdDensity};
 
 /// A body of about `size` bytes that needs an id (the bulk is one long
 /// prompt string, which the plugin must still read to its end).
@@ -58,6 +59,80 @@ fn a_body_larger_than_the_memory_limit_is_a_memory_limit_error_not_a_crash() {
     assert!(message.contains("8 MiB memory limit"), "{message}");
 
     assert_next_small_request_works(&plugin);
+}
+
+/// The densest JSON body of about `size` bytes, and its number of ids: a
+/// batch of context-only params maps without ids, each needing one.
+fn densest_json(size: usize) -> (Vec<u8>, usize) {
+    let count = size / (common::CONTEXT_ONLY.len() + 1);
+    let body = format!("[{}]", vec![common::CONTEXT_ONLY; count].join(","));
+    (body.into_bytes(), count)
+}
+
+/// The densest MessagePack body of about `size` bytes, and its number of
+/// ids: an array 32 of `{"disaggregated_params": {"request_type":
+/// "context_only"}}` maps.
+fn densest_msgpack(size: usize) -> (Vec<u8>, usize) {
+    let mut element = vec![0x81, 0xa0 | 20];
+    element.extend_from_slice(b"disaggregated_params");
+    element.extend_from_slice(&[0x81, 0xa0 | 12]);
+    element.extend_from_slice(b"request_type");
+    element.push(0xa0 | 12);
+    element.extend_from_slice(b"context_only");
+    let count = size / element.len();
+    let mut body = vec![0xdd];
+    body.extend_from_slice(&(count as u32).to_be_bytes());
+    for _ in 0..count {
+        body.extend_from_slice(&element);
+    }
+    (body, count)
+}
+
+/// Runs `body` (MessagePack when `msgpack`) through a plugin with
+/// `memory_bytes` of memory: the ids in the answer, or the call's error.
+fn stamp_in(memory_bytes: u64, body: Vec<u8>, msgpack: bool) -> Result<usize, CallError> {
+    let plugin = plugin_with_limits(PluginLimits {
+        memory_bytes: memory_bytes as usize,
+        max_output_body_bytes: 2 * body.len(),
+        // The debug host lifts a large answer slowly: time is not tested.
+        deadline: Duration::from_secs(120),
+        ..PluginLimits::default()
+    });
+    let mut request = common::json_request(body);
+    if msgpack {
+        request = common::with_header(request, "x-trtllm-msgpack", b"1");
+    }
+    match plugin.handle(&request) {
+        Ok(Action::ForwardWithBody(out)) if msgpack => Ok(out
+            .windows(17)
+            .filter(|w| *w == b"disagg_request_id")
+            .count()),
+        Ok(Action::ForwardWithBody(out)) => Ok(common::ids_in(&out).len()),
+        Ok(other) => panic!("expected a stamped body, got {other:?}"),
+        Err(e) => Err(e),
+    }
+}
+
+/// The memory the bundled plugin says it needs (what the gateway's
+/// start-up warning and `rewrite`'s advice go by) stamps each kind of body
+/// in full: one with one id, and the densest JSON and MessagePack. And the
+/// figure for the densest is close: at 85 % of it the densest MessagePack
+/// does not fit, so the warning does not cry wolf by much.
+#[test]
+fn the_bundled_plugins_memory_figures_stamp_the_bodies_they_describe() {
+    let size = 8 << 20;
+    let few = memory_needed(size as u64, IdDensity::Few);
+    let densest = memory_needed(size as u64, IdDensity::Densest);
+    assert_eq!(stamp_in(few, big_body(size), false), Ok(1));
+    let (json, json_ids) = densest_json(size);
+    assert_eq!(stamp_in(densest, json, false), Ok(json_ids));
+    let (msgpack, msgpack_ids) = densest_msgpack(size);
+    assert_eq!(stamp_in(densest, msgpack.clone(), true), Ok(msgpack_ids));
+    let tight = densest * 85 / 100;
+    assert_eq!(
+        stamp_in(tight, msgpack, true),
+        Err(CallError::MemoryLimit(tight as usize))
+    );
 }
 
 #[test]

@@ -514,32 +514,40 @@ async fn refuses_a_chunked_body_over_max_body_bytes_with_413() {
 }
 
 /// A body limit the plugin's memory cannot stamp is named at start, with
-/// the flag to raise; a fitting pair is not. (The built-in echo upstream's
-/// warning is logged after the check: once it is in, so is the check's.)
+/// the flag to raise and what is needed; a memory that holds only bodies
+/// with few ids is named too; a fitting pair is not. (The built-in echo
+/// upstream's warning is logged after the check: once it is in, so is the
+/// check's.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn warns_at_start_when_the_plugin_memory_cannot_hold_the_largest_body() {
     let after_the_check = "no --upstream given";
-    let tight = Gateway::start(&["--max-body-bytes", "209715200"]).await;
-    tight.wait_log(after_the_check).await;
-    let log = tight.stderr_text();
-    assert!(
-        log.contains(
-            "--max-body-bytes 209715200 with a plugin memory limit of 256 MiB: the bundled plugin \
-             needs about 2.5 times a body in memory"
+    let body = "209715200";
+    let needs = "needs 422 MiB for a body of that size with few ids, and up to 962 MiB for one \
+                 dense with ids: raise --plugin-memory-mib";
+    for (memory, warning) in [
+        ("256", Some("fail as memory_limit even with one id")),
+        (
+            "512",
+            Some("fail as memory_limit when they are dense with ids"),
         ),
-        "{log}"
-    );
-    assert!(log.contains("raise --plugin-memory-mib"), "{log}");
-    let roomy = Gateway::start(&[
-        "--max-body-bytes",
-        "209715200",
-        "--plugin-memory-mib",
-        "512",
-    ])
-    .await;
-    roomy.wait_log(after_the_check).await;
-    let log = roomy.stderr_text();
-    assert!(!log.contains("--plugin-memory-mib"), "{log}");
+        ("962", None),
+    ] {
+        let gateway =
+            Gateway::start(&["--max-body-bytes", body, "--plugin-memory-mib", memory]).await;
+        gateway.wait_log(after_the_check).await;
+        let log = gateway.stderr_text();
+        match warning {
+            Some(warning) => {
+                let start = format!(
+                    "--max-body-bytes {body} with a plugin memory limit of {memory} MiB: the \
+                     largest bodies will {warning}"
+                );
+                assert!(log.contains(&start), "{log}");
+                assert!(log.contains(needs), "{log}");
+            }
+            None => assert!(!log.contains("--plugin-memory-mib"), "{log}"),
+        }
+    }
 }
 
 /// The same for a body streamed through to the upstream without the

@@ -34,6 +34,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use anyhow::Context as _;
+use snowgate_plugin_bundle::{memory_needed, IdDensity};
 use tokio::net::TcpListener;
 
 pub use config::{
@@ -94,15 +95,7 @@ impl Gateway {
         let limits = config
             .plugin_limits
             .answering_bodies_of(config.max_body_bytes);
-        if (limits.memory_bytes as u64) < (config.max_body_bytes as u64).saturating_mul(5) / 2 {
-            tracing::warn!(
-                "--max-body-bytes {} with a plugin memory limit of {} MiB: the bundled plugin needs \
-                 about 2.5 times a body in memory (the body and its stamped copy), so the largest \
-                 bodies will fail as memory_limit; raise --plugin-memory-mib",
-                config.max_body_bytes,
-                limits.memory_bytes >> 20
-            );
-        }
+        warn_unless_memory_holds(config.max_body_bytes, limits.memory_bytes);
         let slots = limits.max_instances;
         let mut engine = PluginEngine::new(services.clone(), limits).with_context(|| {
             format!(
@@ -270,4 +263,30 @@ async fn outlast_the_clock(services: &HostServices) {
         Ok(Err(too_far)) => tracing::warn!("{too_far}"),
         Err(e) => tracing::warn!(error = %e, "waiting for the wall clock failed"),
     }
+}
+
+/// Warns at start when a plugin instance's memory (`memory_bytes`) cannot
+/// hold what the bundled plugin needs to stamp the largest body the
+/// gateway takes (`max_body_bytes`): such bodies would fail as
+/// `memory_limit`, a 503 (or go through unstamped with fail-open).
+fn warn_unless_memory_holds(max_body_bytes: usize, memory_bytes: usize) {
+    let (body, memory) = (max_body_bytes as u64, memory_bytes as u64);
+    let few = memory_needed(body, IdDensity::Few);
+    let densest = memory_needed(body, IdDensity::Densest);
+    if memory >= densest {
+        return;
+    }
+    let which = if memory < few {
+        "even with one id"
+    } else {
+        "when they are dense with ids (a batch of bare context-only params)"
+    };
+    tracing::warn!(
+        "--max-body-bytes {body} with a plugin memory limit of {} MiB: the largest bodies will \
+         fail as memory_limit {which}; the bundled plugin needs {} MiB for a body of that size \
+         with few ids, and up to {} MiB for one dense with ids: raise --plugin-memory-mib",
+        memory >> 20,
+        few.div_ceil(1 << 20),
+        densest.div_ceil(1 << 20),
+    );
 }

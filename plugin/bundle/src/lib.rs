@@ -14,6 +14,39 @@ pub static PLUGIN_WASM: &[u8] = include_bytes!(env!("SNOWGATE_PLUGIN_WASM"));
 /// The file name the component is left under in the target directory.
 pub const PLUGIN_FILE_NAME: &str = "snowgate_plugin.wasm";
 
+/// How much linear memory the bundled plugin needs to stamp a body of
+/// `body_bytes`: the body, its stamped copy, and the walk's lists, which
+/// grow with the number of ids. Measured by `bench/plugin_memory.py`
+/// (the least `snowgate rewrite --plugin-memory-mib` that stamps a 32 MiB
+/// body): one id in a long string, 66 MiB (2.06 times); JSON that is
+/// nothing but context-only params maps (an id every 58 bytes), 110 MiB
+/// (3.44 times); MessagePack of the same (an id every 49 bytes), 150 MiB
+/// (4.69 times). The workspace test `limits` stamps each kind in the
+/// memory this gives, and checks that the densest does not fit in 85 % of
+/// it.
+pub fn memory_needed(body_bytes: u64, ids: IdDensity) -> u64 {
+    let tenths = match ids {
+        IdDensity::Few => 21,
+        IdDensity::Densest => 48,
+    };
+    body_bytes.saturating_mul(tenths) / 10 + MEMORY_BASE
+}
+
+/// What an instance takes before a body: its stack, data and first
+/// allocations.
+const MEMORY_BASE: u64 = 2 << 20;
+
+/// How many ids a body holds, for [`memory_needed`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IdDensity {
+    /// A few ids, the rest prompt text or token ids: a request, or a
+    /// small batch.
+    Few,
+    /// Nothing but context-only params maps without ids, each given one:
+    /// the most any body of that size needs.
+    Densest,
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

@@ -15,6 +15,7 @@ use snowgate_host::{
     PluginEngine, PluginLimits, Request,
 };
 use snowgate_plugin::{SnowflakeLayout, MSGPACK_HEADER};
+use snowgate_plugin_bundle::{memory_needed, IdDensity};
 
 use crate::Failure;
 
@@ -179,10 +180,17 @@ fn bad_flag(e: anyhow::Error) -> Failure {
 /// plugin's own fault, is a failure (exit status 1).
 fn call_failure(error: CallError, bundled: bool, body_bytes: usize) -> Failure {
     match error {
-        CallError::MemoryLimit(_) if bundled => Failure::BadInput(format!(
-            "the {body_bytes} byte body is too large for the plugin's memory: {error}; \
-             raise it with --plugin-memory-mib"
-        )),
+        CallError::MemoryLimit(_) if bundled => {
+            let body = body_bytes as u64;
+            let few = memory_needed(body, IdDensity::Few).div_ceil(1 << 20);
+            let densest = memory_needed(body, IdDensity::Densest).div_ceil(1 << 20);
+            Failure::BadInput(format!(
+                "the {body_bytes} byte body is too large for the plugin's memory: {error}; \
+                 raise it with --plugin-memory-mib (a body of this size needs about {few} MiB \
+                 with few ids, up to {densest} MiB when dense with ids)"
+            ))
+        }
+
         error => Failure::Failed(anyhow::Error::new(error).context("running the plugin")),
     }
 }
