@@ -37,11 +37,11 @@ enum Command {
     Rewrite(rewrite::RewriteArgs),
     /// Print the fields of an id: timestamp, machine id, sequence.
     ///
-    /// Exact for trtllm-v1 ids made before 2039-09-07 15:47 UTC, when the
-    /// 41-bit millisecond count runs out and TensorRT-LLM's rotation folds
-    /// later ids back into the range, where they read as other fields; and
-    /// for trtllm-v2 ids except in the last 2^40 values before its masked
-    /// 39-bit timestamp wraps.
+    /// Exact for trtllm-v1 ids made before 2039-09-07 15:30:06.976 UTC,
+    /// when the id passes 2^63 - 1 - 2^42 and TensorRT-LLM's rotation folds
+    /// later ids back to the bottom of the range, where they read as 1970
+    /// times; and for trtllm-v2 ids (their time modulo 2^39 ms) except in
+    /// the last 2^40 values before its masked 39-bit timestamp wraps.
     Decode(decode::DecodeArgs),
     /// Run the gateway: a reverse proxy that stamps ids into JSON requests
     /// on their way to the upstream, and reloads the plugin when it changes.

@@ -56,8 +56,8 @@ pub struct RewriteArgs {
     /// [default: 256].
     #[arg(long, value_name = "MIB")]
     plugin_memory_mib: Option<usize>,
-    /// CPU deadline of the plugin call, instantiation included, in
-    /// milliseconds [default: 1000].
+    /// Deadline of the plugin call, instantiation included, in
+    /// milliseconds of wall-clock running time [default: 1000].
     #[arg(long, value_name = "MS")]
     plugin_deadline_ms: Option<u64>,
 }
@@ -190,7 +190,6 @@ fn call_failure(error: CallError, bundled: bool, body_bytes: usize) -> Failure {
                  with few ids, up to {densest} MiB when dense with ids)"
             ))
         }
-
         error => Failure::Failed(anyhow::Error::new(error).context("running the plugin")),
     }
 }

@@ -65,7 +65,8 @@ pub struct ServeArgs {
     /// Memory limit of one plugin call, in MiB [default: 256].
     #[arg(long, value_name = "MIB")]
     plugin_memory_mib: Option<usize>,
-    /// CPU deadline of one plugin call, in milliseconds [default: 1000]. Time a long call waits for its turn on a busy worker does not count, but while requests queue for a call slot a call ends within four deadlines in all.
+    /// Deadline of one plugin call, in milliseconds of wall-clock running
+    /// time [default: 1000]. Time a long call waits for its turn on a busy worker does not count, but while requests queue for a call slot a call ends within four deadlines in all.
     #[arg(long, value_name = "MS")]
     plugin_deadline_ms: Option<u64>,
     /// Requests one plugin instance may serve before a fresh one replaces
@@ -122,8 +123,9 @@ pub struct ServeArgs {
     #[arg(long, value_name = "MS")]
     upstream_connect_timeout_ms: Option<u64>,
     /// How long the upstream may take to send its response headers, counted
-    /// from the request (connecting and sending the request body included),
-    /// in milliseconds; then the client gets 504. A non-streaming completion
+    /// from when the request goes upstream (connecting and sending a
+    /// streamed request body included; a body read whole for the plugin is
+    /// read before), in milliseconds; then the client gets 504. A non-streaming completion
     /// sends them only when generation ends; the body after them is
     /// limited by --upstream-read-timeout-ms [default: 600000, ten minutes].
     #[arg(long, value_name = "MS")]
