@@ -642,7 +642,9 @@ async fn refuses_heads_without_one_host_or_with_an_authority_target_and_trace() 
 /// its root gets 400 `bad_path` and nothing goes upstream: forwarded as
 /// `/api/../admin`, an upstream that resolves dot segments would serve
 /// `/admin`, outside the base path. Dot segments that stay within the
-/// request's own path go as they came, after the base path.
+/// request's own path go as they came, after the base path. The path is
+/// refused before the body is read: a context-only body sent there costs
+/// no plugin call, and so no ids.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refuses_a_path_that_climbs_out_of_the_upstream_base_path() {
     let upstream = TestUpstream::start().await;
@@ -664,7 +666,19 @@ async fn refuses_a_path_that_climbs_out_of_the_upstream_base_path() {
             "{text}"
         );
     }
+    let body = br#"{"disaggregated_params":{"request_type":"context_only"}}"#;
+    let request = format!(
+        "POST /v1/../../admin HTTP/1.1\r\nHost: a\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{}",
+        body.len(),
+        String::from_utf8_lossy(body)
+    );
+    let raw = raw_exchange(gateway.addr, request.as_bytes()).await;
+    assert_eq!(raw.status, 400, "{:?}", String::from_utf8_lossy(&raw.body));
+    assert!(String::from_utf8_lossy(&raw.body).contains("bad_path"));
     assert!(upstream.seen().is_empty(), "{:?}", upstream.seen());
+    let metrics = gateway.metrics().await;
+    assert_eq!(metric(&metrics, "snowgate_plugin_call_seconds_count"), 0.0);
     let raw = raw_exchange(
         gateway.addr,
         b"GET /v1/x/../models?q=.. HTTP/1.1\r\nHost: a\r\n\r\n",

@@ -128,6 +128,8 @@ pub async fn serve(
         let worker = next_worker;
         next_worker = next_worker.wrapping_add(1);
         let service = services[worker % services.len()].clone();
+        // For its path check, made before a request's body is read.
+        let upstream = upstream.clone();
         let activity = Activity::default();
         let requests = activity.clone();
         let metrics = layer.metrics().clone();
@@ -152,7 +154,8 @@ pub async fn serve(
             // hop-by-hop ones.
             let refusal = transfer_coding::unsupported(request.headers())
                 .map(|coding| not_implemented(&coding))
-                .or_else(|| malformed_head(&request).map(bad_head));
+                .or_else(|| malformed_head(&request).map(bad_head))
+                .or_else(|| upstream.path_problem(request.uri()).map(bad_path));
             if refusal.is_some() {
                 metrics.request(Outcome::ClientError);
             }
@@ -504,6 +507,12 @@ fn bad_head(problem: String) -> http::Response<http_body_util::Full<Bytes>> {
         "invalid_request_head",
         &problem,
     )
+}
+
+/// The answer to a request whose path [`Upstream::path_problem`] refuses:
+/// given before the body is read, so it costs no plugin call.
+fn bad_path(problem: String) -> http::Response<http_body_util::Full<Bytes>> {
+    refusal_before_the_body(http::StatusCode::BAD_REQUEST, "bad_path", &problem)
 }
 
 /// The client's address as `X-Forwarded-For` gets it, made once per

@@ -159,6 +159,18 @@ impl Upstream {
         }
     }
 
+    /// Why a request for `uri` cannot be forwarded, if it cannot: its `..`
+    /// segments climb above the base URL's path prefix. The gateway asks
+    /// before it reads the body, so a refused request costs no plugin call
+    /// and no ids; [`Service::call`] refuses it with 400 `bad_path` in any
+    /// case.
+    pub fn path_problem(&self, uri: &Uri) -> Option<String> {
+        match self {
+            Upstream::Http(http) => http.path_problem(uri),
+            Upstream::Echo => None,
+        }
+    }
+
     /// A short description for logs and `/status`.
     pub fn describe(&self) -> String {
         match self {
@@ -369,13 +381,30 @@ impl HttpUpstream {
         Response::from_parts(parts, body.boxed())
     }
 
+    /// The base URL's path prefix, without a trailing `/`: empty when the
+    /// base URL names no path.
+    fn prefix(&self) -> &str {
+        self.base.path().trim_end_matches('/')
+    }
+
+    /// See [`Upstream::path_problem`].
+    fn path_problem(&self, uri: &Uri) -> Option<String> {
+        let prefix = self.prefix();
+        let path = uri.path();
+        // `OPTIONS *` asks about the server and goes as it came.
+        if prefix.is_empty() || path == "*" || !dot_segments::climbs_above_root(path) {
+            return None;
+        }
+        Some(unforwardable(
+            path,
+            &format_args!("its `..` segments climb above the upstream's base path {prefix:?}"),
+        ))
+    }
+
     /// The path and query to ask the upstream for: the base URL's path
     /// prefix, then the request's own path and query.
     fn target(&self, uri: &Uri) -> Result<PathAndQuery, String> {
-        let prefix = self.base.path().trim_end_matches('/');
-        let unusable = |path: &str, e: &dyn fmt::Display| {
-            format!("the request path {path:?} cannot be forwarded: {e}")
-        };
+        let prefix = self.prefix();
         let path_and_query = match uri.path_and_query() {
             // Without a prefix, the request's own, shared rather than
             // written out and parsed again: this runs on every request.
@@ -383,21 +412,22 @@ impl HttpUpstream {
             // `OPTIONS *` asks about the server, not a path under the
             // prefix: `*` goes as it came, not as `/prefix*`.
             Some(own) if own.as_str() == "*" => own.clone(),
-            Some(own) if dot_segments::climbs_above_root(own.path()) => {
-                return Err(unusable(
-                    own.path(),
-                    &format_args!(
-                        "its `..` segments climb above the upstream's base path {prefix:?}"
-                    ),
-                ));
-            }
             own => {
+                if let Some(problem) = self.path_problem(uri) {
+                    return Err(problem);
+                }
                 let own = own.map_or("/", |p| p.as_str());
-                PathAndQuery::try_from(format!("{prefix}{own}")).map_err(|e| unusable(own, &e))?
+                PathAndQuery::try_from(format!("{prefix}{own}"))
+                    .map_err(|e| unforwardable(own, &e))?
             }
         };
         Ok(path_and_query)
     }
+}
+
+/// Why the request path `path` cannot be forwarded: `e`.
+fn unforwardable(path: &str, e: &dyn fmt::Display) -> String {
+    format!("the request path {path:?} cannot be forwarded: {e}")
 }
 
 /// The answer to a request whose body the client stalled or broke off:
