@@ -435,7 +435,7 @@ fn rewrite_refuses_a_body_too_large_for_the_plugins_memory_naming_the_flag() {
             "the 8388608 byte body is too large for the plugin's memory",
             "16 MiB memory limit",
             "raise it with --plugin-memory-mib (a body of this size needs about 19 MiB with few \
-             ids, up to 41 MiB when dense with ids)",
+             ids, up to 36 MiB when dense with ids)",
         ],
     );
     let path = operator_plugin_path();

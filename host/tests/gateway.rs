@@ -522,7 +522,7 @@ async fn refuses_a_chunked_body_over_max_body_bytes_with_413() {
 async fn warns_at_start_when_the_plugin_memory_cannot_hold_the_largest_body() {
     let after_the_check = "no --upstream given";
     let body = "209715200";
-    let needs = "needs 422 MiB for a body of that size with few ids, and up to 962 MiB for one \
+    let needs = "needs 422 MiB for a body of that size with few ids, and up to 842 MiB for one \
                  dense with ids: raise --plugin-memory-mib";
     for (memory, warning) in [
         ("256", Some("fail as memory_limit even with one id")),
@@ -530,7 +530,7 @@ async fn warns_at_start_when_the_plugin_memory_cannot_hold_the_largest_body() {
             "512",
             Some("fail as memory_limit when they are dense with ids"),
         ),
-        ("962", None),
+        ("842", None),
     ] {
         let gateway =
             Gateway::start(&["--max-body-bytes", body, "--plugin-memory-mib", memory]).await;

@@ -88,7 +88,6 @@ pub fn find_msgpack_edits(body: &[u8]) -> Result<Vec<MsgpackEdit>, MsgpackError>
         pos: 0,
         depth: 0,
         edits: Vec::new(),
-        live: Vec::new(),
         in_key: 0,
         tuple_depth: 0,
         tuple: Vec::new(),
@@ -98,7 +97,7 @@ pub fn find_msgpack_edits(body: &[u8]) -> Result<Vec<MsgpackEdit>, MsgpackError>
     if walk.pos != body.len() {
         return Err(walk.error("unexpected data after the MessagePack value"));
     }
-    let mut edits = live_edits(walk.edits, walk.live);
+    let mut edits = live_edits(walk.edits);
     // A map's own edit is recorded when it ends, after its children's.
     // Each starts at a byte of its own, so an unstable sort (which needs no
     // scratch memory) gives the one order.
@@ -388,11 +387,9 @@ struct Walk<'a> {
     bytes: &'a [u8],
     pos: usize,
     depth: usize,
-    /// Edits in the order found.
-    edits: Vec<MsgpackEdit>,
-    /// Parallel to `edits`: false once the edit sits under a key that a
-    /// later duplicate key overrides.
-    live: Vec<bool>,
+    /// Edits in the order found; `None` once the edit sits under a key
+    /// that a later duplicate key overrides.
+    edits: Vec<Option<MsgpackEdit>>,
     /// How many map keys are being read around `pos`: a map inside a key
     /// is refused, as msgspec refuses it (a dict is not hashable).
     in_key: usize,
@@ -684,7 +681,7 @@ impl<'a> Walk<'a> {
             let is = |name: &'a [u8]| key == Some(Key::Str(name));
             let (is_params, is_type, is_id) = (is(PARAMS_KEY), is(REQUEST_TYPE_KEY), is(ID_KEY));
             if let Some(range) = key.as_ref().and_then(|k| with_edits.remove(k)) {
-                self.live[range].iter_mut().for_each(|l| *l = false);
+                self.edits[range].iter_mut().for_each(|e| *e = None);
             }
             let first_edit = self.edits.len();
             let value = self.value(is_params)?;
@@ -731,8 +728,7 @@ impl<'a> Walk<'a> {
                 IdMember::Set => None,
             };
             if let Some(edit) = edit {
-                self.edits.push(edit);
-                self.live.push(true);
+                self.edits.push(Some(edit));
             }
         }
         Ok((Value::Other, None))

@@ -19,15 +19,15 @@ pub const PLUGIN_FILE_NAME: &str = "snowgate_plugin.wasm";
 /// grow with the number of ids. Measured by `bench/plugin_memory.py`
 /// (the least `snowgate rewrite --plugin-memory-mib` that stamps a 32 MiB
 /// body): one id in a long string, 66 MiB (2.06 times); JSON that is
-/// nothing but context-only params maps (an id every 58 bytes), 110 MiB
-/// (3.44 times); MessagePack of the same (an id every 49 bytes), 150 MiB
-/// (4.69 times). The workspace test `limits` stamps each kind in the
+/// nothing but context-only params maps (an id every 58 bytes), 101 MiB
+/// (3.16 times); MessagePack of the same (an id every 49 bytes), 129 MiB
+/// (4.03 times). The workspace test `limits` stamps each kind in the
 /// memory this gives, and checks that the densest does not fit in 85 % of
 /// it.
 pub fn memory_needed(body_bytes: u64, ids: IdDensity) -> u64 {
     let tenths = match ids {
         IdDensity::Few => 21,
-        IdDensity::Densest => 48,
+        IdDensity::Densest => 42,
     };
     body_bytes.saturating_mul(tenths) / 10 + MEMORY_BASE
 }
