@@ -2,6 +2,7 @@
 
 mod allocator;
 mod decode;
+mod huge_pages;
 mod rewrite;
 mod serve;
 
@@ -21,7 +22,9 @@ static ALLOCATOR: allocator::Mimalloc = allocator::Mimalloc;
 /// Logs go to stderr: `serve` logs at info, the other commands at warn.
 /// The environment variable SNOWGATE_LOG sets the level or a filter
 /// (`debug`, `snowgate_host=debug,info`); a plugin's own log lines are
-/// under the target `snowgate::plugin`.
+/// under the target `snowgate::plugin`. `serve` turns transparent huge
+/// pages off for itself, to keep its resident memory near its heap;
+/// MIMALLOC_ALLOW_THP=1 keeps them.
 #[derive(Parser)]
 #[command(name = "snowgate", version)]
 struct Cli {
