@@ -4,7 +4,7 @@
     python3 bench/huge_pages.py               # 5 rounds x 10 s per body and variant
     python3 bench/huge_pages.py --rounds 3
 
-`snowgate serve` turns THP off for itself unless MIMALLOC_ALLOW_THP is set
+snowgate turns THP off for itself unless MIMALLOC_ALLOW_THP is set
 (host/src/bin/snowgate/huge_pages.rs). This starts two gateways from the same binary behind
 one nginx `return 200` upstream, `thp-off` (the default) and `thp-on` (MIMALLOC_ALLOW_THP=1),
 and drives both at the same time, each with a wrk -t1 -c32 of its own, on load.py's 1 KiB and

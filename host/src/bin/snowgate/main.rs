@@ -22,9 +22,9 @@ static ALLOCATOR: allocator::Mimalloc = allocator::Mimalloc;
 /// Logs go to stderr: `serve` logs at info, the other commands at warn.
 /// The environment variable SNOWGATE_LOG sets the level or a filter
 /// (`debug`, `snowgate_host=debug,info`); a plugin's own log lines are
-/// under the target `snowgate::plugin`. `serve` turns transparent huge
-/// pages off for itself, to keep its resident memory near its heap;
-/// MIMALLOC_ALLOW_THP=1 keeps them.
+/// under the target `snowgate::plugin`. snowgate turns transparent huge
+/// pages off for itself, to keep the gateway's resident memory near its
+/// heap; MIMALLOC_ALLOW_THP=1 keeps them.
 #[derive(Parser)]
 #[command(name = "snowgate", version)]
 struct Cli {
@@ -86,6 +86,8 @@ impl From<anyhow::Error> for Failure {
 }
 
 fn main() -> ExitCode {
+    // First: every allocation from here on is in small pages.
+    let huge_pages = huge_pages::keep_to_small_pages();
     let cli = Cli::parse();
     let default_level = if matches!(cli.command, Command::Serve(_)) {
         "info"
@@ -100,6 +102,9 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level)),
         )
         .init();
+    if let Err(error) = huge_pages {
+        tracing::warn!(%error, "transparent huge pages could not be turned off; resident memory may be larger than the heap");
+    }
     let result = match cli.command {
         Command::Rewrite(args) => rewrite::run(args),
         Command::Decode(args) => decode::run(args),

@@ -229,8 +229,6 @@ pub fn run(args: ServeArgs) -> Result<(), Failure> {
         .into_config()
         .and_then(|config| ConfigFile::check(&config).map(|()| config))
         .map_err(|e| Failure::BadInput(format!("{e:#}")))?;
-    // Before the engine, the pools and the runtime take their memory.
-    crate::huge_pages::keep_to_small_pages();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("snowgate")
