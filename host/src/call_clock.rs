@@ -78,23 +78,25 @@ impl CallClock {
         u64::try_from(at.saturating_duration_since(self.origin).as_nanos()).unwrap_or(NONE)
     }
 
-    fn nanos_after(&self, at: Instant, after: Duration) -> u64 {
-        at.checked_add(after).map_or(NONE, |t| self.nanos(t))
-    }
-
     /// Starts a call at `now`: it ends `deadline` later (plus the time it
     /// waits after yielding; while requests queue for a call slot, up to
     /// [`WALL_FACTOR`] deadlines in all), and yields from `yield_after` on
     /// (`Duration::MAX`: never).
+    ///
+    /// Every call runs this: `now` is turned into nanoseconds once, and the
+    /// three times are sums of integers (a time past 584 years is
+    /// [`NONE`]), not three `Instant` sums and differences.
     pub(crate) fn begin(&self, now: Instant, deadline: Duration, yield_after: Duration) {
-        self.deadline
-            .store(self.nanos_after(now, deadline), Ordering::Relaxed);
+        let start = self.nanos(now);
+        let after = |span: Duration| {
+            u64::try_from(span.as_nanos()).map_or(NONE, |span| start.saturating_add(span))
+        };
+        self.deadline.store(after(deadline), Ordering::Relaxed);
         self.latest.store(
-            self.nanos_after(now, deadline.saturating_mul(WALL_FACTOR)),
+            after(deadline.saturating_mul(WALL_FACTOR)),
             Ordering::Relaxed,
         );
-        self.yield_from
-            .store(self.nanos_after(now, yield_after), Ordering::Relaxed);
+        self.yield_from.store(after(yield_after), Ordering::Relaxed);
         self.yielded_at.store(NONE, Ordering::Relaxed);
     }
 
@@ -246,6 +248,19 @@ mod tests {
         // Then a WASI wait of 30 ms, ended by another poll: it counts.
         clock.resumed(|| t0 + 50 * MS, || false);
         assert_eq!(clock.deadline(), Some(t0 + 110 * MS));
+    }
+
+    #[test]
+    fn a_sync_call_never_yields_and_still_ends_at_its_deadline() {
+        // Sync calls begin with `yield_after` = `Duration::MAX`, past what
+        // the nanosecond counts hold.
+        let clock = CallClock::default();
+        let t0 = Instant::now();
+        let day = Duration::from_secs(24 * 60 * 60);
+        clock.begin(t0 + day, 100 * MS, Duration::MAX);
+        assert_eq!(clock.on_tick(t0 + day + 99 * MS), OnTick::Continue);
+        assert_eq!(clock.deadline(), Some(t0 + day + 100 * MS));
+        assert_eq!(clock.on_tick(t0 + day + 100 * MS), OnTick::Interrupt);
     }
 
     #[test]
