@@ -20,10 +20,20 @@ command -v valgrind >/dev/null || { echo "$0: needs valgrind (apt-get install va
 n=${N:-2000}
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
+# Only inside the bench's `counted_*` loops, on the thread that runs them:
+# not compilation, and not the epoch ticker thread, whose share grew with
+# the run's wall time (the echo floor moved by up to 10 % between runs of
+# one build before this).
 count() { # BINARY PATH CASE ITERATIONS -> total instructions
-    valgrind --tool=callgrind --callgrind-out-file="$out/cg.out" "$1" "$2" "$3" "$4" \
+    valgrind --tool=callgrind --toggle-collect='instructions::counted_*' \
+        --callgrind-out-file="$out/cg.out" "$1" "$2" "$3" "$4" \
         >"$out/log" 2>&1 || { cat "$out/log" >&2; exit 1; }
-    sed -n 's/^summary: //p' "$out/cg.out"
+    total=$(sed -n 's/^summary: //p' "$out/cg.out")
+    if [ "${total:-0}" -eq 0 ]; then
+        echo "$0: $1 counted nothing: it has no instructions::counted_* loops, so it was built from a host/benches/instructions.rs older than this script; build it with this one" >&2
+        exit 1
+    fi
+    echo "$total"
 }
 printf '%-14s %-12s' case path
 for binary in "$@"; do printf ' %16s' "$(basename "$binary" | cut -c1-16)"; done
