@@ -206,6 +206,12 @@ impl Gateway {
                 FailurePolicy::FailOpen => "fail-open",
             },
         });
+        let workers = self.config.workers.unwrap_or_else(|| {
+            std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+        });
+        let workers = workers::Workers::start(workers)?;
+        // Served once the workers exist: an admin answer means the gateway
+        // is wholly set up (tests and probes count on it).
         let admin_task = tokio::spawn(admin.serve(self.admin_listener));
         let layer = SnowgateLayer::new(
             self.slot.clone(),
@@ -213,10 +219,6 @@ impl Gateway {
             self.config.failure_policy,
             self.config.max_body_bytes,
         );
-        let workers = self.config.workers.unwrap_or_else(|| {
-            std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
-        });
-        let workers = workers::Workers::start(workers)?;
         let drained = server::serve(
             self.listener,
             layer,

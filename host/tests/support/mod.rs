@@ -248,10 +248,11 @@ impl Gateway {
         gateway.admin = address_after(&line, "(admin http://");
         gateway.ready_line = line;
 
-        // The ready line is printed before `Gateway::serve` installs the
-        // file watcher and the SIGHUP handler (see the report): the admin
-        // listener is served only after both, so one answer from it means
-        // they are in place.
+        // The reload triggers (file watcher, SIGHUP) are in place before
+        // the ready line, from `Gateway::bind`; the worker event loops are
+        // made after it, in `Gateway::serve`, which serves the admin
+        // listener only once they exist. So one admin answer means the
+        // gateway is wholly set up.
         let health = get(gateway.admin, "/healthz").await;
         // With an admin token, an unauthenticated /healthz is 401: also up.
         assert!(
