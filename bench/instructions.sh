@@ -21,9 +21,10 @@ n=${N:-2000}
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 # Only inside the bench's `counted_*` loops, on the thread that runs them:
-# not compilation, and not the epoch ticker thread, whose share grew with
-# the run's wall time (the echo floor moved by up to 10 % between runs of
-# one build before this).
+# not the plugin's compilation on wasmtime's parallel threads (about 2
+# billion instructions a run, whose variation moved the per-call count by
+# hundreds either way: the echo floor read 7,485 to 8,451 for one build),
+# and not the epoch ticker thread.
 count() { # BINARY PATH CASE ITERATIONS -> total instructions
     valgrind --tool=callgrind --toggle-collect='instructions::counted_*' \
         --callgrind-out-file="$out/cg.out" "$1" "$2" "$3" "$4" \

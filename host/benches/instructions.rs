@@ -100,8 +100,9 @@ fn main() -> ExitCode {
 
 // The two loops below are what `bench/instructions.sh` counts: it has
 // callgrind collect only inside functions named `counted_*`, on the thread
-// that runs them. So neither compilation nor the epoch ticker thread,
-// whose share grew with the run's wall time, is in the count.
+// that runs them. So neither the plugin's compilation, on wasmtime's
+// parallel threads, whose variation between runs moved the per-call count
+// by hundreds of instructions, nor the epoch ticker thread is in it.
 
 /// `iterations` native calls of `decide` on `body`.
 #[inline(never)]
