@@ -82,7 +82,11 @@ impl Admin {
             };
             let admin = self.clone();
             tokio::spawn(async move {
+                // Bound after the permit, so dropped before it: the slot is
+                // given back only once this connection's socket is closed,
+                // and the cap counts open sockets, not tasks.
                 let _permit = permit;
+                let stream = stream;
                 let timeout = admin.header_read_timeout;
                 // A client that connects sends at once: a short wait for
                 // the first byte, so that silent connections cannot hold
