@@ -16,6 +16,8 @@ use snowgate_host::gateway::{Gateway as LibraryGateway, GatewayConfig};
 use snowgate_host::{IdClock, SystemClock, WallClock};
 use snowgate_plugin::SnowflakeLayout;
 use support::*;
+use tokio::io::{AsyncWriteExt, BufReader};
+use tokio::net::TcpStream;
 
 // ---------------------------------------------------------------------------
 // Stamping and pass-through
@@ -511,6 +513,305 @@ async fn refuses_a_chunked_body_over_max_body_bytes_with_413() {
     let reply = post_json(gateway.addr, "/v1/completions", body).await;
     assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
     assert_fresh_v1_id(stamped_id(&upstream.only_seen().body));
+}
+
+/// A context-only JSON body of exactly `size` bytes.
+fn context_only_of(size: usize) -> Vec<u8> {
+    let head = r#"{"disaggregated_params":{"request_type":"context_only"},"prompt":""#;
+    let mut body = head.as_bytes().to_vec();
+    body.resize(size - 2, b'p');
+    body.extend_from_slice(b"\"}");
+    body
+}
+
+/// A client that has sent the head of a context-only POST declaring
+/// `size` bytes, and the first KiB of its body: the gateway takes room for
+/// the whole body at once. Returns the connection and the rest of the body.
+async fn hold_body_memory(gateway: &Gateway, size: usize) -> (TcpStream, Vec<u8>) {
+    let mut stream = TcpStream::connect(gateway.addr).await.expect("connect");
+    let mut rest = context_only_of(size);
+    let first: Vec<u8> = rest.drain(..1024).collect();
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\nContent-Length: {size}\r\n\r\n"
+    );
+    stream
+        .write_all(head.as_bytes())
+        .await
+        .expect("write the head");
+    stream.write_all(&first).await.expect("write the first KiB");
+    gateway
+        .wait_metric("snowgate_body_memory_bytes", size as f64)
+        .await;
+    (stream, rest)
+}
+
+/// Bodies read whole for the plugin share `--body-memory-mib`: a request
+/// that finds no room waits, without reaching the plugin or the upstream,
+/// until a body that holds room has been sent upstream, and then goes
+/// through; every body's room is given back once it has gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_waits_for_room_in_the_body_memory_and_then_goes_through() {
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start(&[
+        "--upstream",
+        &upstream.url(),
+        "--max-body-bytes",
+        "1048576",
+        "--body-memory-mib",
+        "1",
+    ])
+    .await;
+    let metrics = gateway.metrics().await;
+    assert_eq!(
+        metric(&metrics, "snowgate_body_memory_max_bytes"),
+        1048576.0
+    );
+
+    let (mut holder, rest) = hold_body_memory(&gateway, 700 << 10).await;
+    let waiter = tokio::spawn(post_json(
+        gateway.addr,
+        "/v1/completions",
+        context_only_of(500 << 10),
+    ));
+    gateway
+        .wait_metric("snowgate_body_memory_waiting", 1.0)
+        .await;
+    assert!(upstream.seen().is_empty(), "nothing went upstream yet");
+    assert!(!waiter.is_finished());
+
+    holder.write_all(&rest).await.expect("write the rest");
+    let held = read_raw_response(&mut BufReader::new(holder)).await;
+    assert_eq!(
+        held.status,
+        200,
+        "{:?}",
+        String::from_utf8_lossy(&held.body)
+    );
+    let waited = bounded("the waiting request", STEP, waiter)
+        .await
+        .expect("joined");
+    assert_eq!(waited.status, StatusCode::OK, "{}", waited.text());
+
+    let seen = upstream.seen();
+    assert_eq!(seen.len(), 2);
+    let ids: Vec<u64> = seen.iter().map(|s| stamped_id(&s.body)).collect();
+    assert_unique(&ids);
+    // In either order: the waiter went on once the holder's body had been
+    // handed to the upstream connection, which may still be writing it.
+    let mut sizes: Vec<usize> = seen.iter().map(|s| s.body.len()).collect();
+    sizes.sort();
+    assert!(sizes[0] > 500 << 10 && sizes[1] > 700 << 10, "{sizes:?}");
+    gateway.wait_metric("snowgate_body_memory_bytes", 0.0).await;
+    let metrics = gateway
+        .wait_metric("snowgate_body_memory_waiting", 0.0)
+        .await;
+    assert_eq!(
+        metric(
+            &metrics,
+            "snowgate_requests_total{outcome=\"body_memory_full\"}"
+        ),
+        0.0
+    );
+}
+
+/// One HTTP/2 connection's streams share the body memory too. A body that
+/// declares no length (no `content-length`, sent as it is made) takes room
+/// for the whole body limit while it comes, so the streams after it wait,
+/// holding nothing, in the order they came; once its body is read it keeps
+/// only its size, and once sent, nothing. Then every one is stamped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_http2_connections_streams_share_the_body_memory() {
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start(&[
+        "--upstream",
+        &upstream.url(),
+        "--max-body-bytes",
+        "1048576",
+        "--body-memory-mib",
+        "1",
+    ])
+    .await;
+    let sender = http2_to(gateway.addr).await;
+    let url = format!("http://{}/v1/completions", gateway.addr);
+    let send = |request: http::Request<_>| {
+        let mut sender = sender.clone();
+        tokio::spawn(async move { sender.send_request(request).await })
+    };
+    let streamed = || {
+        let (chunks, channel) = tokio::sync::mpsc::channel(8);
+        let request = http::Request::post(&url)
+            .version(http::Version::HTTP_2)
+            .header("content-type", "application/json")
+            .body(ChannelBody(channel).boxed())
+            .expect("a request");
+        (chunks, send(request))
+    };
+
+    let body = context_only_of(401 << 10);
+    let (first, first_response) = streamed();
+    first
+        .send(Bytes::copy_from_slice(&body[..400 << 10]))
+        .await
+        .expect("most of the body");
+    gateway
+        .wait_metric("snowgate_body_memory_bytes", 1048576.0)
+        .await;
+    let declared = http::Request::post(&url)
+        .version(http::Version::HTTP_2)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(context_only_of(300 << 10))).boxed())
+        .expect("a request");
+    let declared_response = send(declared);
+    gateway
+        .wait_metric("snowgate_body_memory_waiting", 1.0)
+        .await;
+    let (third, third_response) = streamed();
+    gateway
+        .wait_metric("snowgate_body_memory_waiting", 2.0)
+        .await;
+    assert!(upstream.seen().is_empty(), "no body is whole yet");
+
+    first
+        .send(Bytes::copy_from_slice(&body[400 << 10..]))
+        .await
+        .expect("the rest");
+    drop(first);
+    third
+        .send(Bytes::from(context_only_of(200 << 10)))
+        .await
+        .expect("the third body");
+    drop(third);
+    for response in [first_response, declared_response, third_response] {
+        let response = bounded("a stream's answer", STEP, response)
+            .await
+            .expect("joined")
+            .expect("a response");
+        assert_eq!(response.status(), StatusCode::OK);
+    }
+    let mut sizes: Vec<usize> = upstream.seen().iter().map(|s| s.body.len()).collect();
+    sizes.sort();
+    assert!(
+        sizes.len() == 3 && sizes[0] > 200 << 10 && sizes[1] > 300 << 10 && sizes[2] > 401 << 10,
+        "{sizes:?}"
+    );
+    let ids: Vec<u64> = upstream
+        .seen()
+        .iter()
+        .map(|s| stamped_id(&s.body))
+        .collect();
+    assert_unique(&ids);
+    gateway.wait_metric("snowgate_body_memory_bytes", 0.0).await;
+}
+
+/// A request that finds no room within `--body-read-timeout-ms` gets 503
+/// `body_memory_full`, with `Retry-After`, naming the flag, and nothing of
+/// it reaches the plugin or the upstream; the body that held the room goes
+/// through as if nothing happened, and the next request finds room. A
+/// chunked body asks for room for the whole body limit, and is refused the
+/// same way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_that_finds_no_room_in_time_gets_503_body_memory_full() {
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start(&[
+        "--upstream",
+        &upstream.url(),
+        "--max-body-bytes",
+        "1048576",
+        "--body-memory-mib",
+        "1",
+        "--body-read-timeout-ms",
+        "2000",
+    ])
+    .await;
+    let (mut holder, mut rest) = hold_body_memory(&gateway, 700 << 10).await;
+
+    // The holder keeps its body coming, a byte every 100 ms, well within
+    // its own read timeout, while the others wait their 2 s for room.
+    async fn while_holding<F: std::future::Future>(
+        holder: &mut TcpStream,
+        rest: &mut Vec<u8>,
+        refused: F,
+    ) -> F::Output {
+        let mut refused = std::pin::pin!(refused);
+        let mut tick = tokio::time::interval(Duration::from_millis(100));
+        loop {
+            tokio::select! {
+                answer = &mut refused => return answer,
+                _ = tick.tick() => {
+                    let byte: Vec<u8> = rest.drain(..1).collect();
+                    holder.write_all(&byte).await.expect("a byte more");
+                }
+            }
+        }
+    }
+
+    let started = Instant::now();
+    let declared = raw_post_request(
+        "/v1/completions",
+        b"Content-Type: application/json\r\n",
+        &context_only_of(500 << 10),
+    );
+    let refused = while_holding(
+        &mut holder,
+        &mut rest,
+        raw_exchange(gateway.addr, &declared),
+    )
+    .await;
+    assert_eq!(
+        refused.status,
+        503,
+        "{:?}",
+        String::from_utf8_lossy(&refused.body)
+    );
+    assert!(started.elapsed() >= Duration::from_secs(2));
+    assert_eq!(refused.header("retry-after"), Some("1"));
+    let message = assert_openai_error(&refused.json(), "body_memory_full", "server_error");
+    assert!(message.contains("(1 MiB, --body-memory-mib)"), "{message}");
+    assert!(message.contains("within 2000 ms"), "{message}");
+
+    // Chunked, so of no declared length: room for the whole body limit,
+    // however small the body (1 KiB would fit beside the holder).
+    let mut chunked_request = b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n".to_vec();
+    chunked_request.extend_from_slice(&chunked(&[&context_only_of(1024)]));
+    let refused = while_holding(
+        &mut holder,
+        &mut rest,
+        raw_exchange(gateway.addr, &chunked_request),
+    )
+    .await;
+    assert_eq!(
+        refused.status,
+        503,
+        "{:?}",
+        String::from_utf8_lossy(&refused.body)
+    );
+    assert_openai_error(&refused.json(), "body_memory_full", "server_error");
+    assert!(
+        upstream.seen().is_empty(),
+        "nothing of either went upstream"
+    );
+
+    holder.write_all(&rest).await.expect("write the rest");
+    let held = read_raw_response(&mut BufReader::new(holder)).await;
+    assert_eq!(
+        held.status,
+        200,
+        "{:?}",
+        String::from_utf8_lossy(&held.body)
+    );
+    assert_fresh_v1_id(stamped_id(&upstream.only_seen().body));
+
+    let reply = post_json(gateway.addr, "/v1/completions", context_only_of(900 << 10)).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    let metrics = gateway.wait_metric("snowgate_body_memory_bytes", 0.0).await;
+    assert_eq!(
+        metric(
+            &metrics,
+            "snowgate_requests_total{outcome=\"body_memory_full\"}"
+        ),
+        2.0
+    );
+    assert_eq!(metric(&metrics, "snowgate_plugin_call_seconds_count"), 2.0);
 }
 
 /// A body limit the plugin's memory cannot stamp is named at start, with

@@ -9,6 +9,7 @@ use anyhow::Context as _;
 use serde::Deserialize;
 use snowgate_plugin::SnowflakeLayout;
 
+use crate::gateway::body_memory::default_limit;
 use crate::gateway::plugin_file::read_regular_file;
 use crate::lease::LeaseConfig;
 use crate::limits::PluginLimits;
@@ -20,6 +21,10 @@ const MAX_PLUGIN_DEADLINE_MS: u64 = 3_600_000;
 /// reserves about 4 GiB of address space, and 4096 take an eighth of
 /// x86-64's 128 TiB.
 const MAX_PLUGIN_INSTANCES: u32 = 4096;
+
+/// The most memory for request bodies a configuration may give, in MiB:
+/// 1 TiB.
+const MAX_BODY_MEMORY_MIB: usize = 1 << 20;
 
 /// The most client connections a configuration may allow at once.
 const MAX_CONNECTIONS: usize = 1 << 20;
@@ -84,6 +89,11 @@ pub struct GatewayConfig {
     pub admin_listen: SocketAddr,
     /// The largest request body accepted.
     pub max_body_bytes: usize,
+    /// The most memory the request bodies read whole (for the plugin) may
+    /// hold at once, in bytes (see
+    /// [`BodyMemory`](crate::gateway::body_memory::BodyMemory)); `None` is
+    /// [`default_limit`] of `max_body_bytes`.
+    pub body_memory: Option<usize>,
     /// What to do when the plugin fails.
     pub failure_policy: FailurePolicy,
     /// Limits of each plugin call.
@@ -188,6 +198,7 @@ impl Default for GatewayConfig {
             plugin_cache_dir: None,
             admin_listen: SocketAddr::from(([127, 0, 0, 1], 9901)),
             max_body_bytes: 32 << 20,
+            body_memory: None,
             failure_policy: FailurePolicy::FailClosed,
             plugin_limits: PluginLimits::default(),
             shutdown_grace: Duration::from_secs(30),
@@ -198,6 +209,15 @@ impl Default for GatewayConfig {
             lease: None,
             workers: None,
         }
+    }
+}
+
+impl GatewayConfig {
+    /// The most memory request bodies read whole may hold at once, in
+    /// bytes: the one given, or the default for the body limit.
+    pub fn body_memory_limit(&self) -> usize {
+        self.body_memory
+            .unwrap_or_else(|| default_limit(self.max_body_bytes))
     }
 }
 
@@ -291,6 +311,8 @@ pub struct ConfigFile {
     pub admin_listen: Option<SocketAddr>,
     /// See [`GatewayConfig::max_body_bytes`].
     pub max_body_bytes: Option<usize>,
+    /// See [`GatewayConfig::body_memory`], in MiB.
+    pub body_memory_mib: Option<usize>,
     /// See [`GatewayConfig::failure_policy`].
     pub failure_policy: Option<FailurePolicy>,
     /// Plugin memory limit in MiB.
@@ -388,6 +410,17 @@ impl ConfigFile {
                 "use either --machine-id (a fixed id) or --etcd (a leased id), not both"
             );
         }
+        if let Some(limit) = config.body_memory {
+            anyhow::ensure!(
+                limit >= config.max_body_bytes,
+                "--body-memory-mib {} cannot hold one body of --max-body-bytes {}, so such a body \
+                 could never be read: give at least {} MiB, or leave it out for the default \
+                 (1024 MiB, or the body limit where that is larger)",
+                limit >> 20,
+                config.max_body_bytes,
+                config.max_body_bytes.div_ceil(1 << 20)
+            );
+        }
         if !config.admin_listen.ip().is_loopback()
             && config.admin_token.as_deref().is_none_or(str::is_empty)
         {
@@ -428,6 +461,13 @@ impl ConfigFile {
         }
         if let Some(layout) = self.layout {
             config.layout = layout.parse().context("config key layout")?;
+        }
+        if let Some(mib) = self.body_memory_mib {
+            anyhow::ensure!(
+                (1..=MAX_BODY_MEMORY_MIB).contains(&mib),
+                "body-memory-mib must be between 1 and {MAX_BODY_MEMORY_MIB} (1 TiB), not {mib}"
+            );
+            config.body_memory = Some(mib << 20);
         }
         if let Some(mib) = self.plugin_memory_mib {
             config.plugin_limits.memory_bytes = plugin_memory_bytes(mib)?;
@@ -647,6 +687,34 @@ mod tests {
     }
 
     #[test]
+    fn the_body_memory_holds_the_largest_body_by_default_and_must_when_given() {
+        let config = GatewayConfig::default();
+        assert_eq!(config.body_memory_limit(), 1 << 30);
+        let large = GatewayConfig {
+            max_body_bytes: (3 << 30) + 1,
+            ..Default::default()
+        };
+        assert_eq!(large.body_memory_limit(), (3 << 30) + 1);
+        assert!(ConfigFile::check(&large).is_ok());
+
+        let mut config = GatewayConfig::default();
+        toml::from_str::<ConfigFile>("body-memory-mib = 64")
+            .unwrap()
+            .apply(&mut config)
+            .unwrap();
+        assert_eq!(config.body_memory_limit(), 64 << 20);
+        assert!(ConfigFile::check(&config).is_ok());
+        config.max_body_bytes = (64 << 20) + 1;
+        let err = ConfigFile::check(&config).unwrap_err().to_string();
+        assert_eq!(
+            err,
+            "--body-memory-mib 64 cannot hold one body of --max-body-bytes 67108865, so such a \
+             body could never be read: give at least 65 MiB, or leave it out for the default \
+             (1024 MiB, or the body limit where that is larger)"
+        );
+    }
+
+    #[test]
     fn an_exposed_admin_listener_needs_a_token() {
         let mut config = GatewayConfig {
             admin_listen: "0.0.0.0:9901".parse().unwrap(),
@@ -685,6 +753,14 @@ mod tests {
                 "plugin-instances = 5000",
                 "plugin-instances must be between 2 and 4096 (one slot is kept for a reload's \
                  check of a new build), not 5000",
+            ),
+            (
+                "body-memory-mib = 0",
+                "body-memory-mib must be between 1 and 1048576 (1 TiB), not 0",
+            ),
+            (
+                "body-memory-mib = 1048577",
+                "body-memory-mib must be between 1 and 1048576 (1 TiB), not 1048577",
             ),
             (
                 "plugin-deadline-ms = 0",

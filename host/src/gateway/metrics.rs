@@ -6,9 +6,11 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+use arc_swap::ArcSwapOption;
 use tokio::sync::Semaphore;
 
 use crate::compile_cache::Compiled;
+use crate::gateway::body_memory::BodyMemory;
 use crate::CallError;
 
 /// How a request through the gateway ended.
@@ -30,10 +32,13 @@ pub enum Outcome {
     FailedOpen,
     /// The body could not be read from the client.
     ClientError,
+    /// No room came free for the body in the gateway's body memory
+    /// (`--body-memory-mib`) in time: answered 503.
+    BodyMemoryFull,
 }
 
 impl Outcome {
-    const ALL: [Outcome; 8] = [
+    const ALL: [Outcome; 9] = [
         Outcome::PassedThrough,
         Outcome::Forwarded,
         Outcome::Rewritten,
@@ -42,6 +47,7 @@ impl Outcome {
         Outcome::FailedClosed,
         Outcome::FailedOpen,
         Outcome::ClientError,
+        Outcome::BodyMemoryFull,
     ];
 
     fn label(self) -> &'static str {
@@ -54,6 +60,7 @@ impl Outcome {
             Outcome::FailedClosed => "failed_closed",
             Outcome::FailedOpen => "failed_open",
             Outcome::ClientError => "client_error",
+            Outcome::BodyMemoryFull => "body_memory_full",
         }
     }
 }
@@ -170,6 +177,9 @@ pub struct Metrics {
     /// Plugin call slots, and the requests waiting for one, once the
     /// middleware has them.
     plugin_calls_in_use: OnceLock<(InUse, Arc<AtomicUsize>)>,
+    /// The memory bodies read whole hold, once the middleware has it (the
+    /// last one given).
+    body_memory: ArcSwapOption<BodyMemory>,
 }
 
 impl Default for Metrics {
@@ -188,6 +198,7 @@ impl Default for Metrics {
             connections_open: Arc::default(),
             connections_max: OnceLock::new(),
             plugin_calls_in_use: OnceLock::new(),
+            body_memory: ArcSwapOption::empty(),
         }
     }
 }
@@ -222,6 +233,12 @@ impl Metrics {
         let _ = self
             .plugin_calls_in_use
             .set((InUse { permits, total }, waiting));
+    }
+
+    /// Reports the memory bodies read whole hold from `memory`; a later
+    /// call replaces an earlier one.
+    pub(crate) fn gauge_body_memory(&self, memory: Arc<BodyMemory>) {
+        self.body_memory.store(Some(memory));
     }
 
     /// Counts a request that got no upstream response (answered 502 or 504).
@@ -403,6 +420,26 @@ impl Metrics {
                 "snowgate_plugin_calls_waiting",
                 "Requests with a body read, waiting for a plugin call slot.",
                 waiting.load(Ordering::Relaxed),
+            );
+        }
+        if let Some(memory) = &*self.body_memory.load() {
+            gauge(
+                &mut out,
+                "snowgate_body_memory_bytes",
+                "Memory held now by request bodies read whole (for the plugin) and not yet sent upstream, in whole KiB per body.",
+                memory.held(),
+            );
+            gauge(
+                &mut out,
+                "snowgate_body_memory_max_bytes",
+                "The most memory such bodies may hold at once (--body-memory-mib).",
+                memory.limit(),
+            );
+            gauge(
+                &mut out,
+                "snowgate_body_memory_waiting",
+                "Requests waiting for room for their body in that memory.",
+                memory.waiting(),
             );
         }
         out

@@ -49,7 +49,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::{header, HeaderMap, HeaderName, Method, Request, Response, StatusCode};
@@ -61,10 +61,11 @@ use tower_service::Service;
 
 use crate::bindings::exports::snowgate::middleware::handler::Action;
 use crate::gateway::body_limit::{BodyTooLarge, Capped};
+use crate::gateway::body_memory::{self, BodyMemory, NoRoom};
 use crate::gateway::client_body::{BodyProgress, BoxError, ClientFault};
 use crate::gateway::config::FailurePolicy;
 use crate::gateway::metrics::{Metrics, Outcome};
-use crate::gateway::read_body::{read_limited, ReadBodyError};
+use crate::gateway::read_body::{read_limited_in, ReadBodyError};
 use crate::gateway::responses;
 use crate::gateway::slot::PluginSlot;
 use crate::log_throttle::LogThrottle;
@@ -77,8 +78,9 @@ use snowgate_plugin::MSGPACK_HEADER;
 static MSGPACK: HeaderName = HeaderName::from_static(MSGPACK_HEADER);
 
 /// The body type the inner service receives: the (possibly rewritten) body
-/// in memory, or the original body streaming through, cut off at the body
-/// limit.
+/// in memory (its bytes hold their room in the layer's body memory until
+/// the last reference to them is gone), or the original body streaming
+/// through, cut off at the body limit.
 pub type ForwardBody<B> = Either<Full<Bytes>, Capped<B>>;
 
 /// The response body: the gateway's own answer, or the inner service's.
@@ -90,11 +92,14 @@ pub struct SnowgateLayer {
     shared: Arc<Shared>,
 }
 
+#[derive(Clone)]
 struct Shared {
     slot: Arc<PluginSlot>,
     metrics: Arc<Metrics>,
     policy: FailurePolicy,
     max_body_bytes: usize,
+    /// Room for the bodies read whole, each taken before it is read.
+    body_memory: Arc<BodyMemory>,
     /// One permit per call the pool has room for next to kept instances
     /// and a reload ([`PluginLimits::concurrent_calls`](crate::PluginLimits::concurrent_calls)):
     /// a burst of requests queues here instead of failing with `Busy`.
@@ -107,7 +112,11 @@ struct Shared {
 impl SnowgateLayer {
     /// A layer that runs `slot`'s plugin on JSON requests, refuses bodies
     /// over `max_body_bytes` with 413, and applies `policy` when the plugin
-    /// fails.
+    /// fails. The bodies it reads whole hold at most
+    /// [`body_memory::default_limit`] bytes at once (1 GiB, or
+    /// `max_body_bytes` where that is larger), and a request waits at most
+    /// [`body_memory::DEFAULT_WAIT`] for room: see
+    /// [`SnowgateLayer::with_body_memory`].
     ///
     /// The plugin-call gauges of `metrics` report the first layer made
     /// with it: give each layer its own [`Metrics`].
@@ -122,16 +131,41 @@ impl SnowgateLayer {
         let queued = plugin.engine().queued_calls.clone();
         let calls = Arc::new(Semaphore::new(slots));
         metrics.gauge_plugin_calls(calls.clone(), slots, queued.clone());
+        let body_memory = Arc::new(BodyMemory::new(
+            body_memory::default_limit(max_body_bytes),
+            body_memory::DEFAULT_WAIT,
+        ));
+        metrics.gauge_body_memory(body_memory.clone());
         SnowgateLayer {
             shared: Arc::new(Shared {
                 slot,
                 metrics,
                 policy,
                 max_body_bytes,
+                body_memory,
                 calls,
                 queued,
             }),
         }
+    }
+
+    /// Bounds the memory the bodies this layer reads whole (for the
+    /// plugin) hold at once, until each is sent upstream, at `limit`
+    /// bytes; a request that finds no room waits for it, in the order
+    /// requests came, at most `wait`, and is then answered 503
+    /// `body_memory_full`. Fails when `limit` is below the largest body
+    /// the layer takes, which could then never be read.
+    pub fn with_body_memory(mut self, limit: usize, wait: Duration) -> anyhow::Result<Self> {
+        let max_body_bytes = self.shared.max_body_bytes;
+        anyhow::ensure!(
+            limit >= max_body_bytes,
+            "the body memory ({limit} bytes) must hold at least the largest body taken \
+             ({max_body_bytes} bytes, --max-body-bytes), or such a body could never be read"
+        );
+        let memory = Arc::new(BodyMemory::new(limit, wait));
+        self.shared.metrics.gauge_body_memory(memory.clone());
+        Arc::make_mut(&mut self.shared).body_memory = memory;
+        Ok(self)
     }
 
     /// The metrics the layer counts requests in.
@@ -273,15 +307,38 @@ impl Shared {
         // already here (hyper answered the client's `Expect` when the body
         // was first read).
         parts.headers.remove(header::EXPECT);
+        // Room for the body before any of it is read: its declared length
+        // (never more than the limit, checked above), or the limit when it
+        // declares none, shrunk to the body once it is read. Nothing is
+        // held while it waits, so no two requests wait on each other.
+        let expected = declared.map_or(self.max_body_bytes, |len| len as usize);
+        let mut room = match self.body_memory.reserve(expected).await {
+            Ok(room) => room,
+            Err(no_room) => {
+                self.metrics.request(Outcome::BodyMemoryFull);
+                return own(body_memory_full(no_room));
+            }
+        };
         // Read whole, the body's waits are the client's, over HTTP/2 too.
         if let Some(progress) = &progress {
             progress.reading_whole();
         }
-        let bytes = match read_limited(body, self.max_body_bytes).await {
+        let read = read_limited_in(body, self.max_body_bytes, &self.body_memory, &mut room);
+        let bytes = match read.await {
             Ok(bytes) => bytes,
             Err(ReadBodyError::TooLarge) => {
                 self.metrics.request(Outcome::TooLarge);
                 return own(self.too_large());
+            }
+            Err(ReadBodyError::NoRoom(no_room)) => {
+                self.metrics.request(Outcome::BodyMemoryFull);
+                // The rest of the body is not read: the connection ends.
+                let mut response = body_memory_full(no_room);
+                response.headers_mut().insert(
+                    header::CONNECTION,
+                    header::HeaderValue::from_static("close"),
+                );
+                return own(response);
             }
             Err(ReadBodyError::Failed(e)) => {
                 self.metrics.request(Outcome::ClientError);
@@ -301,13 +358,15 @@ impl Shared {
                 return own(response);
             }
         };
+        room.shrink_to(bytes.len());
         let loosely_typed_and_not_json = label == BodyLabel::Loose && !could_be_json(&bytes);
         if bytes.is_empty() || loosely_typed_and_not_json {
             // Nothing to stamp: an empty body (e.g. a GET that declares a
             // JSON type), or an untyped or form-typed body that is not JSON.
             self.metrics.request(Outcome::PassedThrough);
+            let body = Full::new(body_memory::hold(bytes, room));
             let response = inner
-                .call(Request::from_parts(parts, Either::Left(Full::new(bytes))))
+                .call(Request::from_parts(parts, Either::Left(body)))
                 .await?;
             return Ok(response.map(Either::Right));
         }
@@ -408,10 +467,12 @@ impl Shared {
                 }
             }
         };
+        // The room taken for the body read is kept for the body sent: the
+        // same, or the plugin's answer, which replaced it.
         let response = inner
             .call(Request::from_parts(
                 parts,
-                Either::Left(Full::new(forward_body)),
+                Either::Left(Full::new(body_memory::hold(forward_body, room))),
             ))
             .await?;
         Ok(response.map(Either::Right))
@@ -425,6 +486,19 @@ impl Shared {
         let (status, code) = ClientFault::TooLarge.answer();
         responses::error(status, code, &message.to_string())
     }
+}
+
+/// The answer to a request that found no room for its body in time.
+fn body_memory_full(no_room: NoRoom) -> Response<Full<Bytes>> {
+    let mut response = responses::error(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "body_memory_full",
+        &no_room.to_string(),
+    );
+    response
+        .headers_mut()
+        .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+    response
 }
 
 /// Counts a request with `outcome` when dropped.

@@ -8,6 +8,7 @@
 pub mod activity;
 pub mod admin;
 pub mod body_limit;
+pub mod body_memory;
 pub mod client_body;
 pub mod config;
 mod dot_segments;
@@ -218,7 +219,11 @@ impl Gateway {
             self.metrics.clone(),
             self.config.failure_policy,
             self.config.max_body_bytes,
-        );
+        )
+        .with_body_memory(
+            self.config.body_memory_limit(),
+            self.config.connections.body_read_timeout,
+        )?;
         let drained = server::serve(
             self.listener,
             layer,

@@ -5,6 +5,7 @@ use http_body::Body;
 use http_body_util::BodyExt;
 
 use crate::gateway::body_limit::BodyTooLarge;
+use crate::gateway::body_memory::{BodyMemory, NoRoom, Room};
 use crate::gateway::client_body::BoxError;
 
 /// Why a body could not be read.
@@ -14,12 +15,44 @@ pub enum ReadBodyError {
     TooLarge,
     /// The body stream failed (client went away, bad chunking, ...).
     Failed(String),
+    /// The body outgrew the room it took in the gateway's body memory, and
+    /// no more was free; reading stopped there.
+    NoRoom(NoRoom),
 }
 
 /// Reads `body` whole, stopping with [`ReadBodyError::TooLarge`] as soon as
 /// more than `limit` bytes have arrived, or when the body itself fails with
 /// [`BodyTooLarge`] (a smaller limit before this reader).
 pub async fn read_limited<B>(body: B, limit: usize) -> Result<Bytes, ReadBodyError>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    read(body, limit, None).await
+}
+
+/// [`read_limited`], with room in `memory` for every byte: a byte past what
+/// `room` holds takes more room as it arrives where that is free at once
+/// ([`BodyMemory::grow_now`]), or the read stops with
+/// [`ReadBodyError::NoRoom`].
+pub async fn read_limited_in<B>(
+    body: B,
+    limit: usize,
+    memory: &BodyMemory,
+    room: &mut Room,
+) -> Result<Bytes, ReadBodyError>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    read(body, limit, Some((memory, room))).await
+}
+
+async fn read<B>(
+    body: B,
+    limit: usize,
+    mut memory: Option<(&BodyMemory, &mut Room)>,
+) -> Result<Bytes, ReadBodyError>
 where
     B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
@@ -40,8 +73,16 @@ where
             continue;
         }; // trailers
         let so_far = first.as_ref().map_or(0, Bytes::len) + buffer.len();
-        if so_far + data.len() > limit {
+        let needed = so_far + data.len();
+        if needed > limit {
             return Err(ReadBodyError::TooLarge);
+        }
+        if let Some((memory, room)) = &mut memory {
+            if needed > room.bytes() {
+                memory
+                    .grow_now(room, needed - room.bytes())
+                    .map_err(ReadBodyError::NoRoom)?;
+            }
         }
         // One chunk (the usual case for small bodies) needs no copy.
         match first.take() {
@@ -64,6 +105,7 @@ pub(crate) mod tests {
     use std::collections::VecDeque;
     use std::pin::Pin;
     use std::task::{Context, Poll};
+    use std::time::Duration;
 
     /// A body that yields the given chunks one frame at a time (also for
     /// the body limit's tests).
@@ -103,5 +145,34 @@ pub(crate) mod tests {
             .await
             .expect("one chunk");
         assert_eq!(&one[..], b"{}");
+    }
+
+    const KIB: &[u8] = &[b'x'; 1024];
+
+    #[tokio::test]
+    async fn takes_room_for_every_byte_past_what_it_held() {
+        let memory = BodyMemory::new(4 << 10, Duration::from_secs(1));
+        let mut room = memory.reserve(1024).await.expect("room");
+        let whole = read_limited_in(chunks(&[KIB, KIB, b"x"]), 8 << 10, &memory, &mut room)
+            .await
+            .expect("within the memory");
+        assert_eq!(whole.len(), 2049);
+        assert_eq!(room.bytes(), 3 << 10);
+        assert_eq!(memory.held(), 3 << 10);
+    }
+
+    #[tokio::test]
+    async fn stops_where_no_room_is_free_and_keeps_what_it_took() {
+        let memory = BodyMemory::new(2 << 10, Duration::from_secs(3600));
+        let mut room = Room::none();
+        let refused = read_limited_in(chunks(&[KIB, KIB, KIB]), 8 << 10, &memory, &mut room).await;
+        assert!(
+            matches!(
+                refused,
+                Err(ReadBodyError::NoRoom(NoRoom { limit: 2048, .. }))
+            ),
+            "{refused:?}"
+        );
+        assert_eq!(room.bytes(), 2 << 10);
     }
 }

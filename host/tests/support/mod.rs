@@ -391,6 +391,23 @@ impl Gateway {
         }
     }
 
+    /// Polls `/metrics` (every 20 ms, at most [`STEP`]) until the sample
+    /// `sample` reads `value`; returns that text.
+    pub async fn wait_metric(&self, sample: &str, value: f64) -> String {
+        let deadline = Instant::now() + STEP;
+        loop {
+            let text = self.metrics().await;
+            if metric(&text, sample) == value {
+                return text;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "timed out after {STEP:?} waiting for {sample} {value}; last /metrics:\n{text}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// The serving plugin's SHA-256, from `/status`.
     pub async fn plugin_sha(&self) -> String {
         self.status().await["plugin"]["sha256"]
@@ -1022,7 +1039,8 @@ pub async fn raw_expect_continue(addr: SocketAddr, head: &[u8], body: &[u8]) -> 
     .await
 }
 
-async fn read_raw_response(reader: &mut BufReader<TcpStream>) -> RawReply {
+/// Reads one response (head and body) off `reader`.
+pub async fn read_raw_response(reader: &mut BufReader<TcpStream>) -> RawReply {
     let mut line = String::new();
     reader.read_line(&mut line).await.expect("a status line");
     let status: u16 = line

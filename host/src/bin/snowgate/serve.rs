@@ -58,6 +58,16 @@ pub struct ServeArgs {
     /// Largest request body accepted; larger ones get 413 [default: 33554432].
     #[arg(long, value_name = "BYTES")]
     max_body_bytes: Option<usize>,
+    /// The most memory the request bodies read whole for the plugin may
+    /// hold at once, until each is sent upstream, in MiB; at least
+    /// --max-body-bytes. A body takes room for its declared length before
+    /// it is read (one that declares none, for --max-body-bytes until it is
+    /// read); a request that finds no room waits for it, in the order
+    /// requests came, at most --body-read-timeout-ms, and then gets 503
+    /// body_memory_full [default: 1024, or --max-body-bytes where that is
+    /// larger].
+    #[arg(long, value_name = "MIB")]
+    body_memory_mib: Option<usize>,
     /// When the plugin fails: fail-closed answers 503, fail-open forwards
     /// the request unchanged [default: fail-closed].
     #[arg(long, value_name = "POLICY")]
@@ -100,7 +110,8 @@ pub struct ServeArgs {
     #[arg(long, value_name = "MS")]
     header_read_timeout_ms: Option<u64>,
     /// The longest a client may pause while sending a request body, in
-    /// milliseconds; then it gets 408 [default: 60000].
+    /// milliseconds; then it gets 408. Also the longest a request waits for
+    /// room for its body (--body-memory-mib) [default: 60000].
     #[arg(long, value_name = "MS")]
     body_read_timeout_ms: Option<u64>,
     /// The longest a client may take none of a response the gateway has
@@ -194,6 +205,7 @@ impl ServeArgs {
             plugin_cache_dir: self.plugin_cache_dir,
             admin_listen: self.admin_listen,
             max_body_bytes: self.max_body_bytes,
+            body_memory_mib: self.body_memory_mib,
             failure_policy: self.failure_policy,
             plugin_memory_mib: self.plugin_memory_mib,
             plugin_deadline_ms: self.plugin_deadline_ms,

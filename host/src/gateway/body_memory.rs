@@ -1,0 +1,352 @@
+//! The memory that request bodies read whole may hold at once.
+//!
+//! A body for the plugin is read into memory before the call, and stays
+//! there until the upstream has taken it. Each is at most `--max-body-bytes`,
+//! but without a bound on them all together, a burst of long prompts (or
+//! one HTTP/2 connection's many streams) could take more memory than the
+//! machine has, and the gateway, killed for it, would drop every request
+//! in flight. So a body takes room here before any of it is read: its
+//! declared length, or the body limit when it declares none, giving back
+//! what it did not use once it is read. A request that finds no room waits
+//! for it in the order requests came, at most for a given time, and is then
+//! answered 503 `body_memory_full`.
+//!
+//! No request waits while it holds room, so requests cannot wait on each
+//! other for ever: a body that turns out longer than the room it took (its
+//! declared length was wrong, which hyper's framing does not let through)
+//! takes more only where it is free at once.
+//!
+//! Room is counted in KiB, rounded up, so that any body's size is a count
+//! the semaphore can hold.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+/// Room is counted in units of this many bytes.
+const UNIT: usize = 1024;
+
+/// The bound on all bodies when none is given: 1 GiB, or the largest body
+/// taken where that is larger.
+pub const DEFAULT_LIMIT: usize = 1 << 30;
+
+/// The longest a request waits for room when no wait is given: the body
+/// read timeout's default (a request waits for room as long as the gateway
+/// waits for a paused body).
+pub const DEFAULT_WAIT: Duration = Duration::from_secs(60);
+
+/// The bound on all bodies for a gateway that takes bodies of up to
+/// `max_body_bytes` and was given none.
+pub fn default_limit(max_body_bytes: usize) -> usize {
+    DEFAULT_LIMIT.max(max_body_bytes)
+}
+
+/// The memory request bodies read whole may hold at once, shared by every
+/// request of a gateway.
+#[derive(Debug)]
+pub struct BodyMemory {
+    units: Arc<Semaphore>,
+    /// All the units there are.
+    total: usize,
+    limit: usize,
+    wait: Duration,
+    waiting: AtomicUsize,
+}
+
+/// Room held for one body: given back when dropped.
+#[derive(Debug)]
+pub struct Room {
+    permit: Option<OwnedSemaphorePermit>,
+}
+
+/// No room came within the wait.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NoRoom {
+    /// The bound on all bodies, in bytes.
+    pub limit: usize,
+    /// How long the request waited.
+    pub waited: Duration,
+}
+
+impl std::fmt::Display for NoRoom {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "the gateway holds as many request bodies in memory as it may ({} MiB, \
+             --body-memory-mib), and no room for this one came free within {} ms: retry later",
+            self.limit >> 20,
+            self.waited.as_millis()
+        )
+    }
+}
+
+impl std::error::Error for NoRoom {}
+
+impl BodyMemory {
+    /// Room for `limit` bytes of bodies at once; a request waits at most
+    /// `wait` for room. `limit` must be at least the largest body taken,
+    /// or such a body could never be read.
+    pub fn new(limit: usize, wait: Duration) -> Self {
+        let total = limit.div_ceil(UNIT).min(Semaphore::MAX_PERMITS);
+        BodyMemory {
+            units: Arc::new(Semaphore::new(total)),
+            total,
+            limit,
+            wait,
+            waiting: AtomicUsize::new(0),
+        }
+    }
+
+    /// The bound on all bodies, in bytes.
+    pub fn limit(&self) -> usize {
+        self.limit
+    }
+
+    /// The bytes held now (in whole KiB per body).
+    pub fn held(&self) -> usize {
+        (self.total - self.units.available_permits()) * UNIT
+    }
+
+    /// How many requests wait for room now.
+    pub fn waiting(&self) -> usize {
+        self.waiting.load(Ordering::Relaxed)
+    }
+
+    /// Room for `bytes`, waiting for it (after the requests that came
+    /// earlier) at most for the wait this was made with. More than the
+    /// limit is refused at once.
+    pub async fn reserve(&self, bytes: usize) -> Result<Room, NoRoom> {
+        let units = bytes.div_ceil(UNIT);
+        if units == 0 {
+            return Ok(Room::none());
+        }
+        let units = self.units_within_limit(units, 0)?;
+        let permit = match self.units.clone().try_acquire_many_owned(units) {
+            Ok(permit) => permit,
+            Err(_) => {
+                self.waiting.fetch_add(1, Ordering::Relaxed);
+                let _done = Waited(&self.waiting);
+                let acquire = self.units.clone().acquire_many_owned(units);
+                match tokio::time::timeout(self.wait, acquire).await {
+                    Ok(Ok(permit)) => permit,
+                    // Never closed; and a wait that ran out is refused.
+                    Ok(Err(_)) | Err(_) => return Err(self.no_room(self.wait)),
+                }
+            }
+        };
+        Ok(Room {
+            permit: Some(permit),
+        })
+    }
+
+    /// Makes `room` hold `bytes` more if that much is free now, without
+    /// waiting (a request that holds room never waits for more); on
+    /// failure `room` keeps what it held.
+    pub fn grow_now(&self, room: &mut Room, bytes: usize) -> Result<(), NoRoom> {
+        let units = bytes.div_ceil(UNIT);
+        if units == 0 {
+            return Ok(());
+        }
+        let held = room
+            .permit
+            .as_ref()
+            .map_or(0, OwnedSemaphorePermit::num_permits);
+        let units = self.units_within_limit(units, held)?;
+        let more = self
+            .units
+            .clone()
+            .try_acquire_many_owned(units)
+            .map_err(|_| self.no_room(Duration::ZERO))?;
+        match &mut room.permit {
+            Some(permit) => permit.merge(more),
+            none => *none = Some(more),
+        }
+        Ok(())
+    }
+
+    /// `units` as a count to ask the semaphore for, if they and the
+    /// `held` ones are within the limit; more could never come.
+    fn units_within_limit(&self, units: usize, held: usize) -> Result<u32, NoRoom> {
+        match u32::try_from(units) {
+            Ok(n) if units.saturating_add(held) <= self.total => Ok(n),
+            _ => Err(self.no_room(Duration::ZERO)),
+        }
+    }
+
+    fn no_room(&self, waited: Duration) -> NoRoom {
+        NoRoom {
+            limit: self.limit,
+            waited,
+        }
+    }
+}
+
+/// Counts a request out of the waiting ones when it stops waiting.
+struct Waited<'a>(&'a AtomicUsize);
+
+impl Drop for Waited<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl Room {
+    /// Room that holds nothing.
+    pub fn none() -> Room {
+        Room { permit: None }
+    }
+
+    /// The bytes this room holds (in whole KiB).
+    pub fn bytes(&self) -> usize {
+        self.permit.as_ref().map_or(0, |p| p.num_permits() * UNIT)
+    }
+
+    /// Gives back what this room holds beyond `bytes`.
+    pub fn shrink_to(&mut self, bytes: usize) {
+        let keep = bytes.div_ceil(UNIT);
+        if let Some(permit) = &mut self.permit {
+            let surplus = permit.num_permits().saturating_sub(keep);
+            drop(permit.split(surplus));
+        }
+    }
+}
+
+/// `bytes`, holding `room` until the last reference to them is gone:
+/// for a body sent upstream, once the upstream client has written it out
+/// (or the request ended without sending it).
+pub fn hold(bytes: Bytes, room: Room) -> Bytes {
+    Bytes::from_owner(Held { bytes, _room: room })
+}
+
+/// The owner of the bytes [`hold`] gives out.
+struct Held {
+    bytes: Bytes,
+    _room: Room,
+}
+
+impl AsRef<[u8]> for Held {
+    fn as_ref(&self) -> &[u8] {
+        &self.bytes
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: usize = 1 << 20;
+
+    #[tokio::test]
+    async fn room_is_held_until_dropped_and_counted_in_whole_kib() {
+        let memory = BodyMemory::new(MIB, Duration::from_secs(1));
+        let room = memory.reserve(1).await.expect("room");
+        assert_eq!(room.bytes(), 1024);
+        assert_eq!(memory.held(), 1024);
+        let more = memory.reserve(MIB - 1024).await.expect("the rest");
+        assert_eq!(memory.held(), MIB);
+        drop(room);
+        assert_eq!(memory.held(), MIB - 1024);
+        drop(more);
+        assert_eq!(memory.held(), 0);
+        assert_eq!(memory.reserve(0).await.expect("nothing").bytes(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_without_room_waits_for_it_in_turn() {
+        let memory = Arc::new(BodyMemory::new(MIB, Duration::from_secs(60)));
+        let first = memory.reserve(MIB / 2 + 1024).await.expect("room");
+        let waiter = {
+            let memory = memory.clone();
+            tokio::spawn(async move { memory.reserve(MIB / 2).await.map(|r| r.bytes()) })
+        };
+        while memory.waiting() == 0 {
+            tokio::task::yield_now().await;
+        }
+        // Time passes (paused time moves on at once while every task
+        // waits), and the waiter stays queued until room is given back.
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        assert_eq!(memory.waiting(), 1);
+        assert!(!waiter.is_finished());
+        drop(first);
+        assert_eq!(waiter.await.expect("joined"), Ok(MIB / 2));
+        assert_eq!(memory.waiting(), 0);
+        assert_eq!(memory.held(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_wait_that_runs_out_is_refused_and_takes_nothing() {
+        let memory = BodyMemory::new(MIB, Duration::from_millis(500));
+        let _held = memory.reserve(MIB).await.expect("room");
+        let started = tokio::time::Instant::now();
+        let refused = memory.reserve(1).await.expect_err("no room");
+        assert_eq!(started.elapsed(), Duration::from_millis(500));
+        assert_eq!(
+            refused,
+            NoRoom {
+                limit: MIB,
+                waited: Duration::from_millis(500)
+            }
+        );
+        assert!(refused.to_string().contains("1 MiB, --body-memory-mib"));
+        assert_eq!(memory.waiting(), 0);
+        assert_eq!(memory.held(), MIB);
+    }
+
+    #[tokio::test]
+    async fn room_grows_only_where_it_is_free_at_once_and_shrinks_to_a_size() {
+        let memory = BodyMemory::new(MIB, Duration::from_secs(3600));
+        let mut room = memory.reserve(MIB / 4).await.expect("room");
+        memory.grow_now(&mut room, MIB / 2).expect("more");
+        assert_eq!(room.bytes(), MIB * 3 / 4);
+        let other = memory.reserve(MIB / 8).await.expect("room");
+        // Free but for the other's eighth: refused without waiting, and the
+        // room keeps what it held.
+        assert!(memory.grow_now(&mut room, MIB / 4).is_err());
+        assert_eq!(room.bytes(), MIB * 3 / 4);
+        assert_eq!(memory.waiting(), 0);
+        room.shrink_to(1000);
+        assert_eq!(room.bytes(), 1024);
+        assert_eq!(memory.held(), 1024 + MIB / 8);
+        room.shrink_to(1 << 40);
+        assert_eq!(room.bytes(), 1024);
+        drop((room, other));
+        assert_eq!(memory.held(), 0);
+        let mut none = Room::none();
+        none.shrink_to(0);
+        memory.grow_now(&mut none, 1).expect("from nothing");
+        assert_eq!(none.bytes(), 1024);
+    }
+
+    #[tokio::test]
+    async fn held_bytes_give_their_room_back_when_the_last_reference_goes() {
+        let memory = BodyMemory::new(MIB, Duration::from_secs(1));
+        let room = memory.reserve(4096).await.expect("room");
+        let held = hold(Bytes::from_static(b"{}"), room);
+        assert_eq!(&held[..], b"{}");
+        let written = held.clone();
+        drop(held);
+        assert_eq!(memory.held(), 4096, "a reference is still out");
+        drop(written);
+        assert_eq!(memory.held(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn more_than_there_is_is_refused_at_once() {
+        let memory = BodyMemory::new(MIB, Duration::from_secs(3600));
+        let started = tokio::time::Instant::now();
+        for bytes in [MIB + 1, 1 << 40, usize::MAX] {
+            let refused = memory
+                .reserve(bytes)
+                .await
+                .expect_err("more than the limit");
+            assert_eq!(refused.waited, Duration::ZERO, "{bytes} bytes");
+        }
+        let mut room = memory.reserve(MIB / 2).await.expect("room");
+        assert!(memory.grow_now(&mut room, MIB / 2 + 1).is_err());
+        assert_eq!(started.elapsed(), Duration::ZERO);
+        assert_eq!(memory.held(), MIB / 2);
+    }
+}
