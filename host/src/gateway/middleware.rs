@@ -414,6 +414,10 @@ impl Shared {
                 Bytes::from(body)
             }
             Ok(Action::ForwardWithBody(new_body)) => {
+                // The original is not sent: let it go now, not when the
+                // response comes (for a completion that is not streamed,
+                // when generation ends).
+                drop(body);
                 self.metrics.request(Outcome::Rewritten);
                 parts.headers.remove(header::TRANSFER_ENCODING);
                 parts.headers.insert(
