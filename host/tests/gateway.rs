@@ -703,58 +703,62 @@ async fn one_http2_connections_streams_share_the_body_memory() {
     gateway.wait_metric("snowgate_body_memory_bytes", 0.0).await;
 }
 
+/// The head of a POST that declares `length` bytes (or, without one, a
+/// chunked body) and waits for `100 Continue` before it sends any: the
+/// gateway answers without reading a byte of it.
+fn head_expecting_continue(length: Option<usize>) -> String {
+    let framing = match length {
+        Some(length) => format!("Content-Length: {length}"),
+        None => "Transfer-Encoding: chunked".to_string(),
+    };
+    format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n{framing}\r\nExpect: 100-continue\r\n\r\n"
+    )
+}
+
 /// A request that finds no room within `--body-read-timeout-ms` gets 503
-/// `body_memory_full`, with `Retry-After`, naming the flag, and nothing of
-/// it reaches the plugin or the upstream; the body that held the room goes
-/// through as if nothing happened, and the next request finds room. A
+/// `body_memory_full`, with `Retry-After`, naming the flag, and its
+/// connection closes; nothing of it reaches the plugin or the upstream. A
 /// chunked body asks for room for the whole body limit, and is refused the
-/// same way.
+/// same way. Here the room is held by a stamped body the upstream does not
+/// read: room is held until the body is written out, not just read.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_that_finds_no_room_in_time_gets_503_body_memory_full() {
-    let upstream = TestUpstream::start().await;
+    // An upstream that takes connections and reads nothing from them.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let upstream = format!("http://{}", silent.local_addr().expect("address"));
     let gateway = Gateway::start(&[
         "--upstream",
-        &upstream.url(),
+        &upstream,
         "--max-body-bytes",
-        "1048576",
+        "16777216",
         "--body-memory-mib",
-        "1",
+        "16",
         "--body-read-timeout-ms",
         "2000",
     ])
     .await;
-    let (mut holder, mut rest) = hold_body_memory(&gateway, 700 << 10).await;
-
-    // The holder keeps its body coming, a byte every 100 ms, well within
-    // its own read timeout, while the others wait their 2 s for room.
-    async fn while_holding<F: std::future::Future>(
-        holder: &mut TcpStream,
-        rest: &mut Vec<u8>,
-        refused: F,
-    ) -> F::Output {
-        let mut refused = std::pin::pin!(refused);
-        let mut tick = tokio::time::interval(Duration::from_millis(100));
-        loop {
-            tokio::select! {
-                answer = &mut refused => return answer,
-                _ = tick.tick() => {
-                    let byte: Vec<u8> = rest.drain(..1).collect();
-                    holder.write_all(&byte).await.expect("a byte more");
-                }
-            }
-        }
-    }
+    // 12 MiB: more than loopback's socket buffers take while nobody reads.
+    let holder = tokio::spawn(post_json(
+        gateway.addr,
+        "/v1/completions",
+        context_only_of(12 << 20),
+    ));
+    let (upstream_side, _) = bounded("the stamped body going upstream", STEP, silent.accept())
+        .await
+        .expect("a connection to the upstream");
+    let metrics = gateway.metrics().await;
+    assert!(
+        metric(&metrics, "snowgate_body_memory_bytes") > f64::from(12 << 20),
+        "the stamped body holds its room while it is written: {metrics}"
+    );
 
     let started = Instant::now();
-    let declared = raw_post_request(
-        "/v1/completions",
-        b"Content-Type: application/json\r\n",
-        &context_only_of(500 << 10),
-    );
-    let refused = while_holding(
-        &mut holder,
-        &mut rest,
-        raw_exchange(gateway.addr, &declared),
+    let refused = raw_exchange(
+        gateway.addr,
+        head_expecting_continue(Some(8 << 20)).as_bytes(),
     )
     .await;
     assert_eq!(
@@ -765,20 +769,14 @@ async fn a_request_that_finds_no_room_in_time_gets_503_body_memory_full() {
     );
     assert!(started.elapsed() >= Duration::from_secs(2));
     assert_eq!(refused.header("retry-after"), Some("1"));
+    assert_eq!(refused.header("connection"), Some("close"));
     let message = assert_openai_error(&refused.json(), "body_memory_full", "server_error");
-    assert!(message.contains("(1 MiB, --body-memory-mib)"), "{message}");
+    assert!(message.contains("(16 MiB, --body-memory-mib)"), "{message}");
     assert!(message.contains("within 2000 ms"), "{message}");
 
     // Chunked, so of no declared length: room for the whole body limit,
-    // however small the body (1 KiB would fit beside the holder).
-    let mut chunked_request = b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n".to_vec();
-    chunked_request.extend_from_slice(&chunked(&[&context_only_of(1024)]));
-    let refused = while_holding(
-        &mut holder,
-        &mut rest,
-        raw_exchange(gateway.addr, &chunked_request),
-    )
-    .await;
+    // however small the body would be (1 KiB would fit beside the holder).
+    let refused = raw_exchange(gateway.addr, head_expecting_continue(None).as_bytes()).await;
     assert_eq!(
         refused.status,
         503,
@@ -786,23 +784,14 @@ async fn a_request_that_finds_no_room_in_time_gets_503_body_memory_full() {
         String::from_utf8_lossy(&refused.body)
     );
     assert_openai_error(&refused.json(), "body_memory_full", "server_error");
-    assert!(
-        upstream.seen().is_empty(),
-        "nothing of either went upstream"
-    );
 
-    holder.write_all(&rest).await.expect("write the rest");
-    let held = read_raw_response(&mut BufReader::new(holder)).await;
-    assert_eq!(
-        held.status,
-        200,
-        "{:?}",
-        String::from_utf8_lossy(&held.body)
-    );
-    assert_fresh_v1_id(stamped_id(&upstream.only_seen().body));
-
-    let reply = post_json(gateway.addr, "/v1/completions", context_only_of(900 << 10)).await;
-    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    // The upstream goes away: the holder gets its 502, and its room is
+    // given back.
+    drop((upstream_side, silent));
+    let held = bounded("the holder's answer", STEP, holder)
+        .await
+        .expect("joined");
+    assert_eq!(held.status, StatusCode::BAD_GATEWAY, "{}", held.text());
     let metrics = gateway.wait_metric("snowgate_body_memory_bytes", 0.0).await;
     assert_eq!(
         metric(
@@ -811,7 +800,163 @@ async fn a_request_that_finds_no_room_in_time_gets_503_body_memory_full() {
         ),
         2.0
     );
-    assert_eq!(metric(&metrics, "snowgate_plugin_call_seconds_count"), 2.0);
+    assert_eq!(metric(&metrics, "snowgate_plugin_call_seconds_count"), 1.0);
+}
+
+/// Room is no place to rest: once a body has room, all of it must arrive
+/// within `--body-read-timeout-ms`, however it trickles in. A client that
+/// sends a byte every 100 ms (never pausing for the timeout) gets 408
+/// `body_timeout` when that time is up, and the request waiting behind it
+/// gets the room and goes through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_with_room_must_arrive_whole_within_the_body_read_timeout() {
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start(&[
+        "--upstream",
+        &upstream.url(),
+        "--max-body-bytes",
+        "1048576",
+        "--body-memory-mib",
+        "1",
+        "--body-read-timeout-ms",
+        "1500",
+    ])
+    .await;
+    let started = Instant::now();
+    let (mut holder, rest) = hold_body_memory(&gateway, 700 << 10).await;
+    let waiter = tokio::spawn(post_json(
+        gateway.addr,
+        "/v1/completions",
+        context_only_of(500 << 10),
+    ));
+    gateway
+        .wait_metric("snowgate_body_memory_waiting", 1.0)
+        .await;
+
+    let cut_off = gateway.wait_metric("snowgate_requests_total{outcome=\"client_error\"}", 1.0);
+    let mut cut_off = std::pin::pin!(cut_off);
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    let mut trickle = rest.iter();
+    loop {
+        tokio::select! {
+            _ = &mut cut_off => break,
+            _ = tick.tick() => {
+                // The gateway may have closed the connection already.
+                let byte = trickle.next().expect("the body outlasts the test");
+                let _ = holder.write_all(std::slice::from_ref(byte)).await;
+            }
+        }
+    }
+    assert!(started.elapsed() >= Duration::from_millis(1500));
+    let answer = read_raw_response(&mut BufReader::new(holder)).await;
+    assert_eq!(
+        answer.status,
+        408,
+        "{:?}",
+        String::from_utf8_lossy(&answer.body)
+    );
+    let message = assert_openai_error(&answer.json(), "body_timeout", "invalid_request_error");
+    assert!(message.contains("within 1500 ms"), "{message}");
+    assert!(message.contains("--body-read-timeout-ms"), "{message}");
+
+    let waited = bounded("the waiting request", STEP, waiter)
+        .await
+        .expect("joined");
+    assert_eq!(waited.status, StatusCode::OK, "{}", waited.text());
+    assert_fresh_v1_id(stamped_id(&upstream.only_seen().body));
+    gateway.wait_metric("snowgate_body_memory_bytes", 0.0).await;
+}
+
+/// At most 8 requests of one connection wait for room at once (an HTTP/2
+/// stream that waits does not read its body, and sixteen such would use up
+/// the connection's flow-control window, leaving none for the streams that
+/// hold room): the ninth is refused at once, naming the connection, while
+/// other connections' requests still wait their turn; then all that waited
+/// go through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_connection_has_at_most_8_requests_waiting_for_room() {
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start(&[
+        "--upstream",
+        &upstream.url(),
+        "--max-body-bytes",
+        "1048576",
+        "--body-memory-mib",
+        "1",
+    ])
+    .await;
+    let sender = http2_to(gateway.addr).await;
+    let url = format!("http://{}/v1/completions", gateway.addr);
+    let send = |body: http_body_util::combinators::BoxBody<Bytes, std::convert::Infallible>| {
+        let request = http::Request::post(&url)
+            .version(http::Version::HTTP_2)
+            .header("content-type", "application/json")
+            .body(body)
+            .expect("a request");
+        let mut sender = sender.clone();
+        tokio::spawn(async move { sender.send_request(request).await })
+    };
+    // A body of no declared length takes all the room while it comes.
+    let (chunks, channel) = tokio::sync::mpsc::channel(2);
+    let holder = send(ChannelBody(channel).boxed());
+    gateway
+        .wait_metric("snowgate_body_memory_bytes", 1048576.0)
+        .await;
+    let small = || Full::new(Bytes::from(CONTEXT_ONLY)).boxed();
+    let waiters: Vec<_> = (0..8).map(|_| send(small())).collect();
+    gateway
+        .wait_metric("snowgate_body_memory_waiting", 8.0)
+        .await;
+    let refused = bounded("the ninth, at once", STEP, send(small()))
+        .await
+        .expect("joined")
+        .expect("a response");
+    assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let body = refused
+        .into_body()
+        .collect()
+        .await
+        .expect("a body")
+        .to_bytes();
+    let body: Value = serde_json::from_slice(&body).expect("JSON");
+    let message = assert_openai_error(&body, "body_memory_full", "server_error");
+    assert!(
+        message.contains("8 other requests of this connection"),
+        "{message}"
+    );
+    let elsewhere = tokio::spawn(post_json(gateway.addr, "/v1/completions", CONTEXT_ONLY));
+    gateway
+        .wait_metric("snowgate_body_memory_waiting", 9.0)
+        .await;
+
+    chunks
+        .send(Bytes::from(CONTEXT_ONLY))
+        .await
+        .expect("the holder's body");
+    drop(chunks);
+    let held = bounded("the holder", STEP, holder)
+        .await
+        .expect("joined")
+        .expect("a response");
+    assert_eq!(held.status(), StatusCode::OK);
+    for waiter in waiters {
+        let response = bounded("a waiter", STEP, waiter)
+            .await
+            .expect("joined")
+            .expect("a response");
+        assert_eq!(response.status(), StatusCode::OK);
+    }
+    let reply = bounded("the other connection's", STEP, elsewhere)
+        .await
+        .expect("joined");
+    assert_eq!(reply.status, StatusCode::OK);
+    let ids: Vec<u64> = upstream
+        .seen()
+        .iter()
+        .map(|s| stamped_id(&s.body))
+        .collect();
+    assert_eq!(ids.len(), 10);
+    assert_unique(&ids);
 }
 
 /// A body limit the plugin's memory cannot stamp is named at start, with

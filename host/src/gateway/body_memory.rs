@@ -11,10 +11,21 @@
 //! for it in the order requests came, at most for a given time, and is then
 //! answered 503 `body_memory_full`.
 //!
-//! No request waits while it holds room, so requests cannot wait on each
-//! other for ever: a body that turns out longer than the room it took (its
-//! declared length was wrong, which hyper's framing does not let through)
-//! takes more only where it is free at once.
+//! No request waits for room while it holds room: a body that turns out
+//! longer than the room it took (its declared length was wrong, which
+//! hyper's framing does not let through) takes more only where it is free
+//! at once. Two more rules keep the requests that hold room moving, so
+//! that those waiting cannot hold them up:
+//! - Once it has room, a body must arrive whole within the same time a
+//!   request may wait for room (the caller bounds the read, see
+//!   [`BodyMemory::wait`]); otherwise a client could take room for a large
+//!   body by declaring it and keep it by sending a byte now and then.
+//! - A request waiting for room does not read its body, so over HTTP/2 its
+//!   stream's flow-control window (1 MiB) fills. Sixteen such streams would
+//!   use up their connection's window (16 MiB), and the streams of that
+//!   connection that hold room would then get no more of their bodies. So
+//!   at most [`MAX_WAITING_PER_CONNECTION`] requests of one connection wait
+//!   at once; more are refused at once.
 //!
 //! Room is counted in KiB, rounded up, so that any body's size is a count
 //! the semaphore can hold.
@@ -26,6 +37,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use crate::gateway::queued::Queued;
+
 /// Room is counted in units of this many bytes.
 const UNIT: usize = 1024;
 
@@ -33,10 +46,17 @@ const UNIT: usize = 1024;
 /// taken where that is larger.
 pub const DEFAULT_LIMIT: usize = 1 << 30;
 
-/// The longest a request waits for room when no wait is given: the body
-/// read timeout's default (a request waits for room as long as the gateway
-/// waits for a paused body).
-pub const DEFAULT_WAIT: Duration = Duration::from_secs(60);
+/// The most requests of one client connection that wait for room at once:
+/// half of an HTTP/2 connection's flow-control window, in stream windows
+/// (the gateway's are 16 and 1 MiB), so that the other half stays for the
+/// connection's streams that hold room.
+pub const MAX_WAITING_PER_CONNECTION: usize = 8;
+
+/// The requests of one client connection waiting for room now: one per
+/// connection, shared by its requests (the server puts it in each
+/// request's extensions).
+#[derive(Debug, Default)]
+pub struct ConnectionWaits(AtomicUsize);
 
 /// The bound on all bodies for a gateway that takes bodies of up to
 /// `max_body_bytes` and was given none.
@@ -62,13 +82,16 @@ pub struct Room {
     permit: Option<OwnedSemaphorePermit>,
 }
 
-/// No room came within the wait.
+/// No room for a body.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct NoRoom {
     /// The bound on all bodies, in bytes.
     pub limit: usize,
     /// How long the request waited.
     pub waited: Duration,
+    /// Whether it was refused without waiting because as many requests of
+    /// its connection as may already wait.
+    pub connection_full: bool,
 }
 
 impl std::fmt::Display for NoRoom {
@@ -76,10 +99,22 @@ impl std::fmt::Display for NoRoom {
         write!(
             f,
             "the gateway holds as many request bodies in memory as it may ({} MiB, \
-             --body-memory-mib), and no room for this one came free within {} ms: retry later",
+             --body-memory-mib), and ",
             self.limit >> 20,
-            self.waited.as_millis()
-        )
+        )?;
+        if self.connection_full {
+            write!(
+                f,
+                "{MAX_WAITING_PER_CONNECTION} other requests of this connection already wait \
+                 for room: retry later"
+            )
+        } else {
+            write!(
+                f,
+                "no room for this one came free within {} ms: retry later",
+                self.waited.as_millis()
+            )
+        }
     }
 }
 
@@ -105,7 +140,14 @@ impl BodyMemory {
         self.limit
     }
 
-    /// The bytes held now (in whole KiB per body).
+    /// How long a request waits for room at most; also how long a body
+    /// that has room may take to arrive whole.
+    pub fn wait(&self) -> Duration {
+        self.wait
+    }
+
+    /// The bytes taken now (in whole KiB per body), the room that the
+    /// request first in line has gathered towards its own included.
     pub fn held(&self) -> usize {
         (self.total - self.units.available_permits()) * UNIT
     }
@@ -117,8 +159,14 @@ impl BodyMemory {
 
     /// Room for `bytes`, waiting for it (after the requests that came
     /// earlier) at most for the wait this was made with. More than the
-    /// limit is refused at once.
-    pub async fn reserve(&self, bytes: usize) -> Result<Room, NoRoom> {
+    /// limit is refused at once, and so is a request of `connection` (its
+    /// client connection, where known) that would have to wait while
+    /// [`MAX_WAITING_PER_CONNECTION`] of its requests already do.
+    pub async fn reserve(
+        &self,
+        bytes: usize,
+        connection: Option<&ConnectionWaits>,
+    ) -> Result<Room, NoRoom> {
         let units = bytes.div_ceil(UNIT);
         if units == 0 {
             return Ok(Room::none());
@@ -127,8 +175,19 @@ impl BodyMemory {
         let permit = match self.units.clone().try_acquire_many_owned(units) {
             Ok(permit) => permit,
             Err(_) => {
-                self.waiting.fetch_add(1, Ordering::Relaxed);
-                let _done = Waited(&self.waiting);
+                let _in_connection = match connection {
+                    Some(ConnectionWaits(waits)) => {
+                        if waits.load(Ordering::Relaxed) >= MAX_WAITING_PER_CONNECTION {
+                            return Err(NoRoom {
+                                connection_full: true,
+                                ..self.no_room(Duration::ZERO)
+                            });
+                        }
+                        Some(Queued::join(waits))
+                    }
+                    None => None,
+                };
+                let _in_line = Queued::join(&self.waiting);
                 let acquire = self.units.clone().acquire_many_owned(units);
                 match tokio::time::timeout(self.wait, acquire).await {
                     Ok(Ok(permit)) => permit,
@@ -180,16 +239,8 @@ impl BodyMemory {
         NoRoom {
             limit: self.limit,
             waited,
+            connection_full: false,
         }
-    }
-}
-
-/// Counts a request out of the waiting ones when it stops waiting.
-struct Waited<'a>(&'a AtomicUsize);
-
-impl Drop for Waited<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -242,25 +293,25 @@ mod tests {
     #[tokio::test]
     async fn room_is_held_until_dropped_and_counted_in_whole_kib() {
         let memory = BodyMemory::new(MIB, Duration::from_secs(1));
-        let room = memory.reserve(1).await.expect("room");
+        let room = memory.reserve(1, None).await.expect("room");
         assert_eq!(room.bytes(), 1024);
         assert_eq!(memory.held(), 1024);
-        let more = memory.reserve(MIB - 1024).await.expect("the rest");
+        let more = memory.reserve(MIB - 1024, None).await.expect("the rest");
         assert_eq!(memory.held(), MIB);
         drop(room);
         assert_eq!(memory.held(), MIB - 1024);
         drop(more);
         assert_eq!(memory.held(), 0);
-        assert_eq!(memory.reserve(0).await.expect("nothing").bytes(), 0);
+        assert_eq!(memory.reserve(0, None).await.expect("nothing").bytes(), 0);
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_request_without_room_waits_for_it_in_turn() {
         let memory = Arc::new(BodyMemory::new(MIB, Duration::from_secs(60)));
-        let first = memory.reserve(MIB / 2 + 1024).await.expect("room");
+        let first = memory.reserve(MIB / 2 + 1024, None).await.expect("room");
         let waiter = {
             let memory = memory.clone();
-            tokio::spawn(async move { memory.reserve(MIB / 2).await.map(|r| r.bytes()) })
+            tokio::spawn(async move { memory.reserve(MIB / 2, None).await.map(|r| r.bytes()) })
         };
         while memory.waiting() == 0 {
             tokio::task::yield_now().await;
@@ -279,15 +330,16 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_wait_that_runs_out_is_refused_and_takes_nothing() {
         let memory = BodyMemory::new(MIB, Duration::from_millis(500));
-        let _held = memory.reserve(MIB).await.expect("room");
+        let _held = memory.reserve(MIB, None).await.expect("room");
         let started = tokio::time::Instant::now();
-        let refused = memory.reserve(1).await.expect_err("no room");
+        let refused = memory.reserve(1, None).await.expect_err("no room");
         assert_eq!(started.elapsed(), Duration::from_millis(500));
         assert_eq!(
             refused,
             NoRoom {
                 limit: MIB,
-                waited: Duration::from_millis(500)
+                waited: Duration::from_millis(500),
+                connection_full: false,
             }
         );
         assert!(refused.to_string().contains("1 MiB, --body-memory-mib"));
@@ -298,10 +350,10 @@ mod tests {
     #[tokio::test]
     async fn room_grows_only_where_it_is_free_at_once_and_shrinks_to_a_size() {
         let memory = BodyMemory::new(MIB, Duration::from_secs(3600));
-        let mut room = memory.reserve(MIB / 4).await.expect("room");
+        let mut room = memory.reserve(MIB / 4, None).await.expect("room");
         memory.grow_now(&mut room, MIB / 2).expect("more");
         assert_eq!(room.bytes(), MIB * 3 / 4);
-        let other = memory.reserve(MIB / 8).await.expect("room");
+        let other = memory.reserve(MIB / 8, None).await.expect("room");
         // Free but for the other's eighth: refused without waiting, and the
         // room keeps what it held.
         assert!(memory.grow_now(&mut room, MIB / 4).is_err());
@@ -321,9 +373,47 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_connection_has_at_most_its_share_of_requests_waiting() {
+        let memory = Arc::new(BodyMemory::new(MIB, Duration::from_secs(3600)));
+        let connection = Arc::new(ConnectionWaits::default());
+        let _held = memory.reserve(MIB, None).await.expect("room");
+        let waiters: Vec<_> = (0..MAX_WAITING_PER_CONNECTION)
+            .map(|_| {
+                let (memory, connection) = (memory.clone(), connection.clone());
+                tokio::spawn(async move { memory.reserve(1, Some(&connection)).await })
+            })
+            .collect();
+        while memory.waiting() < MAX_WAITING_PER_CONNECTION {
+            tokio::task::yield_now().await;
+        }
+        let refused = memory
+            .reserve(1, Some(&connection))
+            .await
+            .expect_err("one too many of the connection");
+        assert!(refused.connection_full);
+        assert!(
+            refused
+                .to_string()
+                .contains("8 other requests of this connection"),
+            "{refused}"
+        );
+        // Another connection's request still queues.
+        let other = ConnectionWaits::default();
+        let queued =
+            tokio::time::timeout(Duration::from_millis(50), memory.reserve(1, Some(&other)));
+        assert!(queued.await.is_err(), "it waited");
+        for waiter in waiters {
+            waiter.abort();
+            let _ = waiter.await;
+        }
+        assert_eq!(memory.waiting(), 0);
+        assert_eq!(connection.0.load(Ordering::Relaxed), 0);
+    }
+
+    #[tokio::test]
     async fn held_bytes_give_their_room_back_when_the_last_reference_goes() {
         let memory = BodyMemory::new(MIB, Duration::from_secs(1));
-        let room = memory.reserve(4096).await.expect("room");
+        let room = memory.reserve(4096, None).await.expect("room");
         let held = hold(Bytes::from_static(b"{}"), room);
         assert_eq!(&held[..], b"{}");
         let written = held.clone();
@@ -339,12 +429,12 @@ mod tests {
         let started = tokio::time::Instant::now();
         for bytes in [MIB + 1, 1 << 40, usize::MAX] {
             let refused = memory
-                .reserve(bytes)
+                .reserve(bytes, None)
                 .await
                 .expect_err("more than the limit");
             assert_eq!(refused.waited, Duration::ZERO, "{bytes} bytes");
         }
-        let mut room = memory.reserve(MIB / 2).await.expect("room");
+        let mut room = memory.reserve(MIB / 2, None).await.expect("room");
         assert!(memory.grow_now(&mut room, MIB / 2 + 1).is_err());
         assert_eq!(started.elapsed(), Duration::ZERO);
         assert_eq!(memory.held(), MIB / 2);

@@ -100,8 +100,9 @@ impl BodyProgress {
 /// client's before: a stream streamed on to the upstream also waits on the
 /// connection's flow control window, which other streams' unread bodies
 /// can use up, so it may wait on the gateway, not on its client. A body
-/// read whole gives its window back as it comes, so its waits are the
-/// client's; untimed, a client could hold many such bodies half sent, each
+/// read whole (once it has room in the body memory, see
+/// `gateway::body_memory`) gives its window back as it comes, so its waits
+/// are the client's; untimed, a client could hold many such bodies half sent, each
 /// up to the body limit, for as long as it liked.
 ///
 /// A body that ends before the length it declared (its content-length)

@@ -444,7 +444,16 @@ impl ConfigFile {
         }
         set!(listen);
         set!(admin_listen);
-        set!(max_body_bytes);
+        if let Some(bytes) = self.max_body_bytes {
+            // Room in the body memory is counted in KiB, at most `u32::MAX`
+            // of them for one body.
+            anyhow::ensure!(
+                bytes <= MAX_BODY_MEMORY_MIB << 20,
+                "max-body-bytes must be at most {} (1 TiB), not {bytes}",
+                MAX_BODY_MEMORY_MIB << 20
+            );
+            config.max_body_bytes = bytes;
+        }
         set!(failure_policy);
         set!(plugin_settings);
         if self.upstream.is_some() {
@@ -753,6 +762,10 @@ mod tests {
                 "plugin-instances = 5000",
                 "plugin-instances must be between 2 and 4096 (one slot is kept for a reload's \
                  check of a new build), not 5000",
+            ),
+            (
+                "max-body-bytes = 1099511627777",
+                "max-body-bytes must be at most 1099511627776 (1 TiB), not 1099511627777",
             ),
             (
                 "body-memory-mib = 0",

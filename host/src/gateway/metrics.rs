@@ -426,7 +426,7 @@ impl Metrics {
             gauge(
                 &mut out,
                 "snowgate_body_memory_bytes",
-                "Memory held now by request bodies read whole (for the plugin) and not yet sent upstream, in whole KiB per body.",
+                "Memory taken now in the body memory by request bodies read whole (for the plugin) and not yet sent upstream, in whole KiB per body: the room each took (its declared length, or --max-body-bytes while a body that declared none is read), and what the request first in line for room has gathered.",
                 memory.held(),
             );
             gauge(

@@ -46,7 +46,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -61,10 +61,11 @@ use tower_service::Service;
 
 use crate::bindings::exports::snowgate::middleware::handler::Action;
 use crate::gateway::body_limit::{BodyTooLarge, Capped};
-use crate::gateway::body_memory::{self, BodyMemory, NoRoom};
+use crate::gateway::body_memory::{self, BodyMemory, ConnectionWaits, NoRoom};
 use crate::gateway::client_body::{BodyProgress, BoxError, ClientFault};
-use crate::gateway::config::FailurePolicy;
+use crate::gateway::config::{ConnectionLimits, FailurePolicy};
 use crate::gateway::metrics::{Metrics, Outcome};
+use crate::gateway::queued::Queued;
 use crate::gateway::read_body::{read_limited_in, ReadBodyError};
 use crate::gateway::responses;
 use crate::gateway::slot::PluginSlot;
@@ -115,7 +116,7 @@ impl SnowgateLayer {
     /// fails. The bodies it reads whole hold at most
     /// [`body_memory::default_limit`] bytes at once (1 GiB, or
     /// `max_body_bytes` where that is larger), and a request waits at most
-    /// [`body_memory::DEFAULT_WAIT`] for room: see
+    /// the default body read timeout (60 s) for room: see
     /// [`SnowgateLayer::with_body_memory`].
     ///
     /// The plugin-call gauges of `metrics` report the first layer made
@@ -133,7 +134,7 @@ impl SnowgateLayer {
         metrics.gauge_plugin_calls(calls.clone(), slots, queued.clone());
         let body_memory = Arc::new(BodyMemory::new(
             body_memory::default_limit(max_body_bytes),
-            body_memory::DEFAULT_WAIT,
+            ConnectionLimits::default().body_read_timeout,
         ));
         metrics.gauge_body_memory(body_memory.clone());
         SnowgateLayer {
@@ -153,8 +154,13 @@ impl SnowgateLayer {
     /// plugin) hold at once, until each is sent upstream, at `limit`
     /// bytes; a request that finds no room waits for it, in the order
     /// requests came, at most `wait`, and is then answered 503
-    /// `body_memory_full`. Fails when `limit` is below the largest body
-    /// the layer takes, which could then never be read.
+    /// `body_memory_full`; a body given room must arrive whole within
+    /// `wait` too, or it is answered 408 `body_timeout`. Requests that carry
+    /// their connection's [`ConnectionWaits`] (the gateway's server puts it
+    /// in their extensions) wait at most
+    /// [`body_memory::MAX_WAITING_PER_CONNECTION`] at a time per
+    /// connection. Fails when `limit` is below the largest body the layer
+    /// takes, which could then never be read.
     pub fn with_body_memory(mut self, limit: usize, wait: Duration) -> anyhow::Result<Self> {
         let max_body_bytes = self.shared.max_body_bytes;
         anyhow::ensure!(
@@ -310,9 +316,14 @@ impl Shared {
         // Room for the body before any of it is read: its declared length
         // (never more than the limit, checked above), or the limit when it
         // declares none, shrunk to the body once it is read. Nothing is
-        // held while it waits, so no two requests wait on each other.
-        let expected = declared.map_or(self.max_body_bytes, |len| len as usize);
-        let mut room = match self.body_memory.reserve(expected).await {
+        // held while it waits.
+        let declared = declared.map(|len| len as usize);
+        let connection = parts.extensions.get::<Arc<ConnectionWaits>>().cloned();
+        let reserved = self.body_memory.reserve(
+            declared.unwrap_or(self.max_body_bytes),
+            connection.as_deref(),
+        );
+        let mut room = match reserved.await {
             Ok(room) => room,
             Err(no_room) => {
                 self.metrics.request(Outcome::BodyMemoryFull);
@@ -323,24 +334,30 @@ impl Shared {
         if let Some(progress) = &progress {
             progress.reading_whole();
         }
-        let read = read_limited_in(body, self.max_body_bytes, &self.body_memory, &mut room);
-        let bytes = match read.await {
-            Ok(bytes) => bytes,
-            Err(ReadBodyError::TooLarge) => {
+        // With room taken, the whole body must come within the wait for
+        // room, or a client could hold room by sending a byte now and then.
+        let within = self.body_memory.wait();
+        let read = read_limited_in(
+            body,
+            self.max_body_bytes,
+            declared,
+            &self.body_memory,
+            &mut room,
+        );
+        let bytes = match tokio::time::timeout(within, read).await {
+            Ok(Ok(bytes)) => bytes,
+            Ok(Err(ReadBodyError::TooLarge)) => {
                 self.metrics.request(Outcome::TooLarge);
                 return own(self.too_large());
             }
-            Err(ReadBodyError::NoRoom(no_room)) => {
+            // The rest of the body is not read in the cases below: the
+            // connection ends.
+            Ok(Err(ReadBodyError::NoRoom(no_room))) => {
                 self.metrics.request(Outcome::BodyMemoryFull);
-                // The rest of the body is not read: the connection ends.
-                let mut response = body_memory_full(no_room);
-                response.headers_mut().insert(
-                    header::CONNECTION,
-                    header::HeaderValue::from_static("close"),
-                );
-                return own(response);
+                let (status, code, message) = body_memory_full_parts(no_room);
+                return own(responses::closing_error(status, code, &message));
             }
-            Err(ReadBodyError::Failed(e)) => {
+            Ok(Err(ReadBodyError::Failed(e))) => {
                 self.metrics.request(Outcome::ClientError);
                 let message = format!("the request body could not be read: {e}");
                 // A body that did not come through the server's wrapper
@@ -349,13 +366,17 @@ impl Shared {
                     .and_then(|p| p.fault())
                     .unwrap_or(ClientFault::Broken);
                 let (status, code) = fault.answer();
-                // The rest of the body is not read: the connection ends.
-                let mut response = responses::error(status, code, &message);
-                response.headers_mut().insert(
-                    header::CONNECTION,
-                    header::HeaderValue::from_static("close"),
+                return own(responses::closing_error(status, code, &message));
+            }
+            Err(_elapsed) => {
+                self.metrics.request(Outcome::ClientError);
+                let message = format!(
+                    "the request body did not arrive whole within {} ms of the room taken for it \
+                     in the gateway's body memory (--body-read-timeout-ms); send it faster",
+                    within.as_millis()
                 );
-                return own(response);
+                let (status, code) = ClientFault::Stalled.answer();
+                return own(responses::closing_error(status, code, &message));
             }
         };
         room.shrink_to(bytes.len());
@@ -418,6 +439,15 @@ impl Shared {
                 // response comes (for a completion that is not streamed,
                 // when generation ends).
                 drop(body);
+                // The room follows the body sent: a smaller one gives some
+                // back, a larger one takes more where it is free (the
+                // answer is in memory already; forwarded either way).
+                match new_body.len().checked_sub(room.bytes()) {
+                    None | Some(0) => room.shrink_to(new_body.len()),
+                    Some(more) => {
+                        let _ = self.body_memory.grow_now(&mut room, more);
+                    }
+                }
                 self.metrics.request(Outcome::Rewritten);
                 parts.headers.remove(header::TRANSFER_ENCODING);
                 parts.headers.insert(
@@ -492,17 +522,24 @@ impl Shared {
     }
 }
 
-/// The answer to a request that found no room for its body in time.
+/// The answer to a request that found no room for its body: refused before
+/// its body is read, so its connection ends.
 fn body_memory_full(no_room: NoRoom) -> Response<Full<Bytes>> {
-    let mut response = responses::error(
-        StatusCode::SERVICE_UNAVAILABLE,
-        "body_memory_full",
-        &no_room.to_string(),
-    );
+    let (status, code, message) = body_memory_full_parts(no_room);
+    let mut response = responses::closing_error(status, code, &message);
     response
         .headers_mut()
         .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
     response
+}
+
+/// The status, code and message of [`body_memory_full`].
+fn body_memory_full_parts(no_room: NoRoom) -> (StatusCode, &'static str, String) {
+    (
+        StatusCode::SERVICE_UNAVAILABLE,
+        "body_memory_full",
+        no_room.to_string(),
+    )
 }
 
 /// Counts a request with `outcome` when dropped.
@@ -622,23 +659,6 @@ fn body_label(headers: &HeaderMap, has_body: bool) -> BodyLabel {
             BodyLabel::Loose
         }
         Some(_) => BodyLabel::Other,
-    }
-}
-
-/// One request waiting for a call slot, counted in the engine's queue
-/// until dropped (when it gets one, or its client goes away).
-struct Queued<'a>(&'a AtomicUsize);
-
-impl<'a> Queued<'a> {
-    fn join(queue: &'a AtomicUsize) -> Queued<'a> {
-        queue.fetch_add(1, Ordering::Relaxed);
-        Queued(queue)
-    }
-}
-
-impl Drop for Queued<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }
 

@@ -16,6 +16,7 @@ pub mod error_chain;
 pub mod metrics;
 pub mod middleware;
 pub mod plugin_file;
+mod queued;
 pub mod read_body;
 pub mod responses;
 pub mod send_timeout;

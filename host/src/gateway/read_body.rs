@@ -28,16 +28,18 @@ where
     B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
-    read(body, limit, None).await
+    read(body, limit, None, None).await
 }
 
 /// [`read_limited`], with room in `memory` for every byte: a byte past what
 /// `room` holds takes more room as it arrives where that is free at once
 /// ([`BodyMemory::grow_now`]), or the read stops with
-/// [`ReadBodyError::NoRoom`].
+/// [`ReadBodyError::NoRoom`]. `declared` is the body's declared length,
+/// which sizes its buffer at once.
 pub async fn read_limited_in<B>(
     body: B,
     limit: usize,
+    declared: Option<usize>,
     memory: &BodyMemory,
     room: &mut Room,
 ) -> Result<Bytes, ReadBodyError>
@@ -45,12 +47,16 @@ where
     B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
-    read(body, limit, Some((memory, room))).await
+    read(body, limit, declared, Some((memory, room))).await
 }
 
+/// The body in memory takes no more than its length and a quarter: a
+/// buffer grown by doubling, for a body of no declared length, is copied
+/// to its size, so that the memory it holds is what its room counts.
 async fn read<B>(
     body: B,
     limit: usize,
+    declared: Option<usize>,
     mut memory: Option<(&BodyMemory, &mut Room)>,
 ) -> Result<Bytes, ReadBodyError>
 where
@@ -89,13 +95,20 @@ where
             None if buffer.is_empty() => first = Some(data),
             None => buffer.extend_from_slice(&data),
             Some(chunk) => {
-                buffer.reserve(chunk.len() + data.len());
+                let expected = declared.unwrap_or(0).min(limit);
+                buffer.reserve(expected.max(chunk.len() + data.len()));
                 buffer.extend_from_slice(&chunk);
                 buffer.extend_from_slice(&data);
             }
         }
     }
-    Ok(first.unwrap_or_else(|| buffer.freeze()))
+    Ok(match first {
+        Some(chunk) => chunk,
+        None if buffer.capacity() > buffer.len() + buffer.len() / 4 => {
+            Bytes::copy_from_slice(&buffer)
+        }
+        None => buffer.freeze(),
+    })
 }
 
 #[cfg(test)]
@@ -152,8 +165,8 @@ pub(crate) mod tests {
     #[tokio::test]
     async fn takes_room_for_every_byte_past_what_it_held() {
         let memory = BodyMemory::new(4 << 10, Duration::from_secs(1));
-        let mut room = memory.reserve(1024).await.expect("room");
-        let whole = read_limited_in(chunks(&[KIB, KIB, b"x"]), 8 << 10, &memory, &mut room)
+        let mut room = memory.reserve(1024, None).await.expect("room");
+        let whole = read_limited_in(chunks(&[KIB, KIB, b"x"]), 8 << 10, None, &memory, &mut room)
             .await
             .expect("within the memory");
         assert_eq!(whole.len(), 2049);
@@ -162,10 +175,30 @@ pub(crate) mod tests {
     }
 
     #[tokio::test]
+    async fn a_body_in_chunks_holds_no_more_than_a_quarter_over_its_length() {
+        let memory = BodyMemory::new(1 << 20, Duration::from_secs(1));
+        let parts: Vec<&'static [u8]> = vec![KIB; 5];
+        for declared in [Some(5 << 10), None] {
+            let mut room = memory.reserve(5 << 10, None).await.expect("room");
+            let whole = read_limited_in(chunks(&parts), 1 << 20, declared, &memory, &mut room)
+                .await
+                .expect("within the limits");
+            let whole = Vec::from(whole);
+            assert_eq!(whole.len(), 5 << 10);
+            assert!(
+                whole.capacity() <= (5 << 10) * 5 / 4,
+                "{}",
+                whole.capacity()
+            );
+        }
+    }
+
+    #[tokio::test]
     async fn stops_where_no_room_is_free_and_keeps_what_it_took() {
         let memory = BodyMemory::new(2 << 10, Duration::from_secs(3600));
         let mut room = Room::none();
-        let refused = read_limited_in(chunks(&[KIB, KIB, KIB]), 8 << 10, &memory, &mut room).await;
+        let refused =
+            read_limited_in(chunks(&[KIB, KIB, KIB]), 8 << 10, None, &memory, &mut room).await;
         assert!(
             matches!(
                 refused,

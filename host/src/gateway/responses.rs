@@ -23,3 +23,15 @@ pub fn error(status: StatusCode, code: &str, message: &str) -> Response<Full<Byt
     );
     response
 }
+
+/// [`error`], closing the connection after it: for a request whose body
+/// is not read (all or the rest of it), which would otherwise be read as
+/// the next request.
+pub fn closing_error(status: StatusCode, code: &str, message: &str) -> Response<Full<Bytes>> {
+    let mut response = error(status, code, message);
+    response.headers_mut().insert(
+        header::CONNECTION,
+        header::HeaderValue::from_static("close"),
+    );
+    response
+}

@@ -23,6 +23,7 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 use crate::gateway::activity::{ActiveBody, Activity};
+use crate::gateway::body_memory::ConnectionWaits;
 use crate::gateway::client_body::{BodyProgress, ClientBody};
 use crate::gateway::config::ConnectionLimits;
 use crate::gateway::error_chain;
@@ -48,8 +49,11 @@ const HTTP2_STREAM_WINDOW: u32 = 1 << 20;
 /// answers itself; now that takes sixteen at once. It also bounds the
 /// bodies waiting to be passed on that a connection can make the gateway
 /// keep in memory; not those read whole for the plugin, which give their
-/// window back as they come (each at most the body limit, and timed by the
-/// body read timeout, see `ClientBody`).
+/// window back as they come once they have room in the body memory (each
+/// at most the body limit, all at most the body memory, and timed by the
+/// body read timeout, see `ClientBody`). Streams waiting for that room do
+/// not read yet: at most half of this window's worth of them wait at once
+/// (`body_memory::MAX_WAITING_PER_CONNECTION`).
 const HTTP2_CONNECTION_WINDOW: u32 = 16 * HTTP2_STREAM_WINDOW;
 
 /// Serves clients on `listener` through `layer` in front of `upstream` until
@@ -135,6 +139,9 @@ pub async fn serve(
         let metrics = layer.metrics().clone();
         let open = metrics.connection_opened();
         let forwarded_for = forwarded_for_value(peer);
+        // How many of this connection's requests wait for room in the body
+        // memory (see `body_memory::MAX_WAITING_PER_CONNECTION`).
+        let waits = Arc::new(ConnectionWaits::default());
         let per_request = hyper::service::service_fn(move |mut request: Request<Incoming>| {
             let arrived = Instant::now();
             // In flight until hyper has taken its whole response body (or
@@ -168,6 +175,7 @@ pub async fn serve(
             // request, for whoever reads it.
             let progress = Arc::new(BodyProgress::default());
             request.extensions_mut().insert(progress.clone());
+            request.extensions_mut().insert(waits.clone());
             let http2 = request.version() >= http::Version::HTTP_2;
             let pause = limits.body_read_timeout;
             let request = request.map(|body| ClientBody::new(body, pause, http2, progress));
@@ -467,11 +475,7 @@ fn refusal_before_the_body(
     code: &str,
     message: &str,
 ) -> http::Response<http_body_util::Full<Bytes>> {
-    let mut response = responses::error(status, code, message);
-    response
-        .headers_mut()
-        .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
-    response
+    responses::closing_error(status, code, message)
 }
 
 /// What is wrong with an HTTP/1.1 request's head that hyper lets through:

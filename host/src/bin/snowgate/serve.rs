@@ -63,9 +63,10 @@ pub struct ServeArgs {
     /// --max-body-bytes. A body takes room for its declared length before
     /// it is read (one that declares none, for --max-body-bytes until it is
     /// read); a request that finds no room waits for it, in the order
-    /// requests came, at most --body-read-timeout-ms, and then gets 503
-    /// body_memory_full [default: 1024, or --max-body-bytes where that is
-    /// larger].
+    /// requests came, at most --body-read-timeout-ms (at most 8 of one
+    /// connection at once), and then gets 503 body_memory_full; a body given
+    /// room must arrive whole within that time too [default: 1024, or
+    /// --max-body-bytes where that is larger].
     #[arg(long, value_name = "MIB")]
     body_memory_mib: Option<usize>,
     /// When the plugin fails: fail-closed answers 503, fail-open forwards
@@ -111,7 +112,9 @@ pub struct ServeArgs {
     header_read_timeout_ms: Option<u64>,
     /// The longest a client may pause while sending a request body, in
     /// milliseconds; then it gets 408. Also the longest a request waits for
-    /// room for its body (--body-memory-mib) [default: 60000].
+    /// room for its body (--body-memory-mib), and the longest a body read
+    /// for the plugin may take to arrive whole once it has room
+    /// [default: 60000].
     #[arg(long, value_name = "MS")]
     body_read_timeout_ms: Option<u64>,
     /// The longest a client may take none of a response the gateway has
