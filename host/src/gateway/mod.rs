@@ -212,9 +212,8 @@ impl Gateway {
             std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
         });
         let workers = workers::Workers::start(workers)?;
-        // Served once the workers exist: an admin answer means the gateway
-        // is wholly set up (tests and probes count on it).
-        let admin_task = tokio::spawn(admin.serve(self.admin_listener));
+        // Made before the admin listener serves: the layer registers the
+        // gauges of its call slots and body memory in the metrics.
         let layer = SnowgateLayer::new(
             self.slot.clone(),
             self.metrics.clone(),
@@ -225,6 +224,9 @@ impl Gateway {
             self.config.body_memory_limit(),
             self.config.connections.body_read_timeout,
         )?;
+        // Served once the workers and the layer exist: an admin answer
+        // means the gateway is wholly set up (tests and probes count on it).
+        let admin_task = tokio::spawn(admin.serve(self.admin_listener));
         let drained = server::serve(
             self.listener,
             layer,
