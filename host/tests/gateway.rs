@@ -524,6 +524,41 @@ fn context_only_of(size: usize) -> Vec<u8> {
     body
 }
 
+/// A gateway in front of `upstream` that takes bodies of up to 1 MiB and
+/// holds at most 1 MiB of them at once, with `more` flags.
+async fn with_one_mib_of_body_memory(upstream: &TestUpstream, more: &[&str]) -> Gateway {
+    let url = upstream.url();
+    let mut args = vec![
+        "--upstream",
+        &url,
+        "--max-body-bytes",
+        "1048576",
+        "--body-memory-mib",
+        "1",
+    ];
+    args.extend_from_slice(more);
+    Gateway::start(&args).await
+}
+
+/// A request body an HTTP/2 test sends.
+type H2Body = http_body_util::combinators::BoxBody<Bytes, std::convert::Infallible>;
+
+/// A JSON POST of `body` to `/v1/completions` on the HTTP/2 connection
+/// `sender`, sent from a task of its own.
+fn post_json_h2(
+    sender: &hyper::client::conn::http2::SendRequest<H2Body>,
+    gateway: &Gateway,
+    body: H2Body,
+) -> tokio::task::JoinHandle<hyper::Result<http::Response<hyper::body::Incoming>>> {
+    let request = http::Request::post(format!("http://{}/v1/completions", gateway.addr))
+        .version(http::Version::HTTP_2)
+        .header("content-type", "application/json")
+        .body(body)
+        .expect("a request");
+    let mut sender = sender.clone();
+    tokio::spawn(async move { sender.send_request(request).await })
+}
+
 /// A client that has sent the head of a context-only POST declaring
 /// `size` bytes, and the first KiB of its body: the gateway takes room for
 /// the whole body at once. Returns the connection and the rest of the body.
@@ -545,29 +580,9 @@ async fn hold_body_memory(gateway: &Gateway, size: usize) -> (TcpStream, Vec<u8>
     (stream, rest)
 }
 
-/// Bodies read whole for the plugin share `--body-memory-mib`: a request
-/// that finds no room waits, without reaching the plugin or the upstream,
-/// until a body that holds room has been sent upstream, and then goes
-/// through; every body's room is given back once it has gone.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_body_waits_for_room_in_the_body_memory_and_then_goes_through() {
-    let upstream = TestUpstream::start().await;
-    let gateway = Gateway::start(&[
-        "--upstream",
-        &upstream.url(),
-        "--max-body-bytes",
-        "1048576",
-        "--body-memory-mib",
-        "1",
-    ])
-    .await;
-    let metrics = gateway.metrics().await;
-    assert_eq!(
-        metric(&metrics, "snowgate_body_memory_max_bytes"),
-        1048576.0
-    );
-
-    let (mut holder, rest) = hold_body_memory(&gateway, 700 << 10).await;
+/// A context-only POST of 500 KiB, sent from a task of its own once it
+/// waits for room behind a [`hold_body_memory`] of 700 KiB in 1 MiB.
+async fn queue_for_room(gateway: &Gateway) -> tokio::task::JoinHandle<Reply> {
     let waiter = tokio::spawn(post_json(
         gateway.addr,
         "/v1/completions",
@@ -576,6 +591,25 @@ async fn a_body_waits_for_room_in_the_body_memory_and_then_goes_through() {
     gateway
         .wait_metric("snowgate_body_memory_waiting", 1.0)
         .await;
+    waiter
+}
+
+/// Bodies read whole for the plugin share `--body-memory-mib`: a request
+/// that finds no room waits, without reaching the plugin or the upstream,
+/// until a body that holds room has been sent upstream, and then goes
+/// through; every body's room is given back once it has gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_waits_for_room_in_the_body_memory_and_then_goes_through() {
+    let upstream = TestUpstream::start().await;
+    let gateway = with_one_mib_of_body_memory(&upstream, &[]).await;
+    let metrics = gateway.metrics().await;
+    assert_eq!(
+        metric(&metrics, "snowgate_body_memory_max_bytes"),
+        1048576.0
+    );
+
+    let (mut holder, rest) = hold_body_memory(&gateway, 700 << 10).await;
+    let waiter = queue_for_room(&gateway).await;
     assert!(upstream.seen().is_empty(), "nothing went upstream yet");
     assert!(!waiter.is_finished());
 
@@ -622,29 +656,14 @@ async fn a_body_waits_for_room_in_the_body_memory_and_then_goes_through() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_http2_connections_streams_share_the_body_memory() {
     let upstream = TestUpstream::start().await;
-    let gateway = Gateway::start(&[
-        "--upstream",
-        &upstream.url(),
-        "--max-body-bytes",
-        "1048576",
-        "--body-memory-mib",
-        "1",
-    ])
-    .await;
+    let gateway = with_one_mib_of_body_memory(&upstream, &[]).await;
     let sender = http2_to(gateway.addr).await;
-    let url = format!("http://{}/v1/completions", gateway.addr);
-    let send = |request: http::Request<_>| {
-        let mut sender = sender.clone();
-        tokio::spawn(async move { sender.send_request(request).await })
-    };
     let streamed = || {
         let (chunks, channel) = tokio::sync::mpsc::channel(8);
-        let request = http::Request::post(&url)
-            .version(http::Version::HTTP_2)
-            .header("content-type", "application/json")
-            .body(ChannelBody(channel).boxed())
-            .expect("a request");
-        (chunks, send(request))
+        (
+            chunks,
+            post_json_h2(&sender, &gateway, ChannelBody(channel).boxed()),
+        )
     };
 
     let body = context_only_of(401 << 10);
@@ -656,12 +675,8 @@ async fn one_http2_connections_streams_share_the_body_memory() {
     gateway
         .wait_metric("snowgate_body_memory_bytes", 1048576.0)
         .await;
-    let declared = http::Request::post(&url)
-        .version(http::Version::HTTP_2)
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(context_only_of(300 << 10))).boxed())
-        .expect("a request");
-    let declared_response = send(declared);
+    let declared = Full::new(Bytes::from(context_only_of(300 << 10))).boxed();
+    let declared_response = post_json_h2(&sender, &gateway, declared);
     gateway
         .wait_metric("snowgate_body_memory_waiting", 1.0)
         .await;
@@ -811,27 +826,10 @@ async fn a_request_that_finds_no_room_in_time_gets_503_body_memory_full() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_body_with_room_must_arrive_whole_within_the_body_read_timeout() {
     let upstream = TestUpstream::start().await;
-    let gateway = Gateway::start(&[
-        "--upstream",
-        &upstream.url(),
-        "--max-body-bytes",
-        "1048576",
-        "--body-memory-mib",
-        "1",
-        "--body-read-timeout-ms",
-        "1500",
-    ])
-    .await;
+    let gateway = with_one_mib_of_body_memory(&upstream, &["--body-read-timeout-ms", "1500"]).await;
     let started = Instant::now();
     let (mut holder, rest) = hold_body_memory(&gateway, 700 << 10).await;
-    let waiter = tokio::spawn(post_json(
-        gateway.addr,
-        "/v1/completions",
-        context_only_of(500 << 10),
-    ));
-    gateway
-        .wait_metric("snowgate_body_memory_waiting", 1.0)
-        .await;
+    let waiter = queue_for_room(&gateway).await;
 
     let cut_off = gateway.wait_metric("snowgate_requests_total{outcome=\"client_error\"}", 1.0);
     let mut cut_off = std::pin::pin!(cut_off);
@@ -876,26 +874,9 @@ async fn a_body_with_room_must_arrive_whole_within_the_body_read_timeout() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_connection_has_at_most_8_requests_waiting_for_room() {
     let upstream = TestUpstream::start().await;
-    let gateway = Gateway::start(&[
-        "--upstream",
-        &upstream.url(),
-        "--max-body-bytes",
-        "1048576",
-        "--body-memory-mib",
-        "1",
-    ])
-    .await;
+    let gateway = with_one_mib_of_body_memory(&upstream, &[]).await;
     let sender = http2_to(gateway.addr).await;
-    let url = format!("http://{}/v1/completions", gateway.addr);
-    let send = |body: http_body_util::combinators::BoxBody<Bytes, std::convert::Infallible>| {
-        let request = http::Request::post(&url)
-            .version(http::Version::HTTP_2)
-            .header("content-type", "application/json")
-            .body(body)
-            .expect("a request");
-        let mut sender = sender.clone();
-        tokio::spawn(async move { sender.send_request(request).await })
-    };
+    let send = |body| post_json_h2(&sender, &gateway, body);
     // A body of no declared length takes all the room while it comes.
     let (chunks, channel) = tokio::sync::mpsc::channel(2);
     let holder = send(ChannelBody(channel).boxed());
