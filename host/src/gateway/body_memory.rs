@@ -53,8 +53,8 @@ pub const DEFAULT_LIMIT: usize = 1 << 30;
 pub const MAX_WAITING_PER_CONNECTION: usize = 8;
 
 /// The requests of one client connection waiting for room now: one per
-/// connection, shared by its requests (the server puts it in each
-/// request's extensions).
+/// connection, shared by its requests (the server hands it to each in its
+/// `BodyProgress`).
 #[derive(Debug, Default)]
 pub struct ConnectionWaits(AtomicUsize);
 
@@ -160,12 +160,13 @@ impl BodyMemory {
     /// Room for `bytes`, waiting for it (after the requests that came
     /// earlier) at most for the wait this was made with. More than the
     /// limit is refused at once, and so is a request of `connection` (its
-    /// client connection, where known) that would have to wait while
+    /// client connection, where known: asked for only when the request
+    /// must wait) that would have to wait while
     /// [`MAX_WAITING_PER_CONNECTION`] of its requests already do.
     pub async fn reserve(
         &self,
         bytes: usize,
-        connection: Option<&ConnectionWaits>,
+        connection: impl FnOnce() -> Option<Arc<ConnectionWaits>>,
     ) -> Result<Room, NoRoom> {
         let units = bytes.div_ceil(UNIT);
         if units == 0 {
@@ -175,7 +176,8 @@ impl BodyMemory {
         let permit = match self.units.clone().try_acquire_many_owned(units) {
             Ok(permit) => permit,
             Err(_) => {
-                let _in_connection = match connection {
+                let connection = connection();
+                let _in_connection = match connection.as_deref() {
                     Some(ConnectionWaits(waits)) => {
                         if waits.load(Ordering::Relaxed) >= MAX_WAITING_PER_CONNECTION {
                             return Err(NoRoom {
@@ -293,25 +295,28 @@ mod tests {
     #[tokio::test]
     async fn room_is_held_until_dropped_and_counted_in_whole_kib() {
         let memory = BodyMemory::new(MIB, Duration::from_secs(1));
-        let room = memory.reserve(1, None).await.expect("room");
+        let room = memory.reserve(1, || None).await.expect("room");
         assert_eq!(room.bytes(), 1024);
         assert_eq!(memory.held(), 1024);
-        let more = memory.reserve(MIB - 1024, None).await.expect("the rest");
+        let more = memory.reserve(MIB - 1024, || None).await.expect("the rest");
         assert_eq!(memory.held(), MIB);
         drop(room);
         assert_eq!(memory.held(), MIB - 1024);
         drop(more);
         assert_eq!(memory.held(), 0);
-        assert_eq!(memory.reserve(0, None).await.expect("nothing").bytes(), 0);
+        assert_eq!(
+            memory.reserve(0, || None).await.expect("nothing").bytes(),
+            0
+        );
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_request_without_room_waits_for_it_in_turn() {
         let memory = Arc::new(BodyMemory::new(MIB, Duration::from_secs(60)));
-        let first = memory.reserve(MIB / 2 + 1024, None).await.expect("room");
+        let first = memory.reserve(MIB / 2 + 1024, || None).await.expect("room");
         let waiter = {
             let memory = memory.clone();
-            tokio::spawn(async move { memory.reserve(MIB / 2, None).await.map(|r| r.bytes()) })
+            tokio::spawn(async move { memory.reserve(MIB / 2, || None).await.map(|r| r.bytes()) })
         };
         while memory.waiting() == 0 {
             tokio::task::yield_now().await;
@@ -330,9 +335,9 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_wait_that_runs_out_is_refused_and_takes_nothing() {
         let memory = BodyMemory::new(MIB, Duration::from_millis(500));
-        let _held = memory.reserve(MIB, None).await.expect("room");
+        let _held = memory.reserve(MIB, || None).await.expect("room");
         let started = tokio::time::Instant::now();
-        let refused = memory.reserve(1, None).await.expect_err("no room");
+        let refused = memory.reserve(1, || None).await.expect_err("no room");
         assert_eq!(started.elapsed(), Duration::from_millis(500));
         assert_eq!(
             refused,
@@ -350,10 +355,10 @@ mod tests {
     #[tokio::test]
     async fn room_grows_only_where_it_is_free_at_once_and_shrinks_to_a_size() {
         let memory = BodyMemory::new(MIB, Duration::from_secs(3600));
-        let mut room = memory.reserve(MIB / 4, None).await.expect("room");
+        let mut room = memory.reserve(MIB / 4, || None).await.expect("room");
         memory.grow_now(&mut room, MIB / 2).expect("more");
         assert_eq!(room.bytes(), MIB * 3 / 4);
-        let other = memory.reserve(MIB / 8, None).await.expect("room");
+        let other = memory.reserve(MIB / 8, || None).await.expect("room");
         // Free but for the other's eighth: refused without waiting, and the
         // room keeps what it held.
         assert!(memory.grow_now(&mut room, MIB / 4).is_err());
@@ -376,18 +381,18 @@ mod tests {
     async fn a_connection_has_at_most_its_share_of_requests_waiting() {
         let memory = Arc::new(BodyMemory::new(MIB, Duration::from_secs(3600)));
         let connection = Arc::new(ConnectionWaits::default());
-        let _held = memory.reserve(MIB, None).await.expect("room");
+        let _held = memory.reserve(MIB, || None).await.expect("room");
         let waiters: Vec<_> = (0..MAX_WAITING_PER_CONNECTION)
             .map(|_| {
                 let (memory, connection) = (memory.clone(), connection.clone());
-                tokio::spawn(async move { memory.reserve(1, Some(&connection)).await })
+                tokio::spawn(async move { memory.reserve(1, || Some(connection.clone())).await })
             })
             .collect();
         while memory.waiting() < MAX_WAITING_PER_CONNECTION {
             tokio::task::yield_now().await;
         }
         let refused = memory
-            .reserve(1, Some(&connection))
+            .reserve(1, || Some(connection.clone()))
             .await
             .expect_err("one too many of the connection");
         assert!(refused.connection_full);
@@ -398,9 +403,11 @@ mod tests {
             "{refused}"
         );
         // Another connection's request still queues.
-        let other = ConnectionWaits::default();
-        let queued =
-            tokio::time::timeout(Duration::from_millis(50), memory.reserve(1, Some(&other)));
+        let other = Arc::new(ConnectionWaits::default());
+        let queued = tokio::time::timeout(
+            Duration::from_millis(50),
+            memory.reserve(1, || Some(other.clone())),
+        );
         assert!(queued.await.is_err(), "it waited");
         for waiter in waiters {
             waiter.abort();
@@ -413,7 +420,7 @@ mod tests {
     #[tokio::test]
     async fn held_bytes_give_their_room_back_when_the_last_reference_goes() {
         let memory = BodyMemory::new(MIB, Duration::from_secs(1));
-        let room = memory.reserve(4096, None).await.expect("room");
+        let room = memory.reserve(4096, || None).await.expect("room");
         let held = hold(Bytes::from_static(b"{}"), room);
         assert_eq!(&held[..], b"{}");
         let written = held.clone();
@@ -429,12 +436,12 @@ mod tests {
         let started = tokio::time::Instant::now();
         for bytes in [MIB + 1, 1 << 40, usize::MAX] {
             let refused = memory
-                .reserve(bytes, None)
+                .reserve(bytes, || None)
                 .await
                 .expect_err("more than the limit");
             assert_eq!(refused.waited, Duration::ZERO, "{bytes} bytes");
         }
-        let mut room = memory.reserve(MIB / 2, None).await.expect("room");
+        let mut room = memory.reserve(MIB / 2, || None).await.expect("room");
         assert!(memory.grow_now(&mut room, MIB / 2 + 1).is_err());
         assert_eq!(started.elapsed(), Duration::ZERO);
         assert_eq!(memory.held(), MIB / 2);

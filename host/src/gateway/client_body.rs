@@ -11,6 +11,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 
+use crate::gateway::body_memory::ConnectionWaits;
 use crate::gateway::wait_timer::WaitTimer;
 
 /// The error type of the bodies this module wraps.
@@ -23,6 +24,9 @@ pub struct BodyProgress {
     state: AtomicU8,
     /// Whether the reader takes the whole body into memory as it comes.
     read_whole: AtomicBool,
+    /// The requests of the body's connection waiting for room in the body
+    /// memory, where the server keeps that count.
+    connection_waits: Option<Arc<ConnectionWaits>>,
 }
 
 /// Frames are handed out as they come; the reader has not asked for more.
@@ -60,6 +64,21 @@ impl ClientFault {
 }
 
 impl BodyProgress {
+    /// The progress of a body of a connection whose requests waiting for
+    /// room in the body memory are counted in `waits`.
+    pub fn on_connection(waits: Arc<ConnectionWaits>) -> BodyProgress {
+        BodyProgress {
+            connection_waits: Some(waits),
+            ..BodyProgress::default()
+        }
+    }
+
+    /// The count of the body's connection's requests waiting for room in
+    /// the body memory, if its server keeps one.
+    pub fn connection_waits(&self) -> Option<Arc<ConnectionWaits>> {
+        self.connection_waits.clone()
+    }
+
     /// The client's fault, if its body failed because of the client.
     pub fn fault(&self) -> Option<ClientFault> {
         match self.state.load(Ordering::Acquire) {

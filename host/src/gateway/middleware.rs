@@ -61,7 +61,7 @@ use tower_service::Service;
 
 use crate::bindings::exports::snowgate::middleware::handler::Action;
 use crate::gateway::body_limit::{BodyTooLarge, Capped};
-use crate::gateway::body_memory::{self, BodyMemory, ConnectionWaits, NoRoom};
+use crate::gateway::body_memory::{self, BodyMemory, NoRoom};
 use crate::gateway::client_body::{BodyProgress, BoxError, ClientFault};
 use crate::gateway::config::{ConnectionLimits, FailurePolicy};
 use crate::gateway::metrics::{Metrics, Outcome};
@@ -155,9 +155,10 @@ impl SnowgateLayer {
     /// bytes; a request that finds no room waits for it, in the order
     /// requests came, at most `wait`, and is then answered 503
     /// `body_memory_full`; a body given room must arrive whole within
-    /// `wait` too, or it is answered 408 `body_timeout`. Requests that carry
-    /// their connection's [`ConnectionWaits`] (the gateway's server puts it
-    /// in their extensions) wait at most
+    /// `wait` too, or it is answered 408 `body_timeout`. Requests whose
+    /// [`BodyProgress`] names their connection's
+    /// [`ConnectionWaits`](body_memory::ConnectionWaits) (the gateway's
+    /// server's do) wait at most
     /// [`body_memory::MAX_WAITING_PER_CONNECTION`] at a time per
     /// connection. Fails when `limit` is below the largest body the layer
     /// takes, which could then never be read.
@@ -318,11 +319,11 @@ impl Shared {
         // declares none, shrunk to the body once it is read. Nothing is
         // held while it waits.
         let declared = declared.map(|len| len as usize);
-        let connection = parts.extensions.get::<Arc<ConnectionWaits>>().cloned();
-        let reserved = self.body_memory.reserve(
-            declared.unwrap_or(self.max_body_bytes),
-            connection.as_deref(),
-        );
+        let reserved = self
+            .body_memory
+            .reserve(declared.unwrap_or(self.max_body_bytes), || {
+                progress.as_ref().and_then(|p| p.connection_waits())
+            });
         let mut room = match reserved.await {
             Ok(room) => room,
             Err(no_room) => {
@@ -337,14 +338,23 @@ impl Shared {
         // With room taken, the whole body must come within the wait for
         // room, or a client could hold room by sending a byte now and then.
         let within = self.body_memory.wait();
-        let read = read_limited_in(
-            body,
-            self.max_body_bytes,
-            declared,
-            &self.body_memory,
-            &mut room,
-        );
-        let bytes = match tokio::time::timeout(within, read).await {
+        // A body that is here already (most small ones) is read at once,
+        // without arming a timer for it.
+        let read = {
+            let read = read_limited_in(
+                body,
+                self.max_body_bytes,
+                declared,
+                &self.body_memory,
+                &mut room,
+            );
+            let mut read = std::pin::pin!(read);
+            match std::future::poll_fn(|cx| Poll::Ready(read.as_mut().poll(cx))).await {
+                Poll::Ready(read) => Ok(read),
+                Poll::Pending => tokio::time::timeout(within, read).await,
+            }
+        };
+        let bytes = match read {
             Ok(Ok(bytes)) => bytes,
             Ok(Err(ReadBodyError::TooLarge)) => {
                 self.metrics.request(Outcome::TooLarge);

@@ -165,7 +165,7 @@ pub(crate) mod tests {
     #[tokio::test]
     async fn takes_room_for_every_byte_past_what_it_held() {
         let memory = BodyMemory::new(4 << 10, Duration::from_secs(1));
-        let mut room = memory.reserve(1024, None).await.expect("room");
+        let mut room = memory.reserve(1024, || None).await.expect("room");
         let whole = read_limited_in(chunks(&[KIB, KIB, b"x"]), 8 << 10, None, &memory, &mut room)
             .await
             .expect("within the memory");
@@ -179,7 +179,7 @@ pub(crate) mod tests {
         let memory = BodyMemory::new(1 << 20, Duration::from_secs(1));
         let parts: Vec<&'static [u8]> = vec![KIB; 5];
         for declared in [Some(5 << 10), None] {
-            let mut room = memory.reserve(5 << 10, None).await.expect("room");
+            let mut room = memory.reserve(5 << 10, || None).await.expect("room");
             let whole = read_limited_in(chunks(&parts), 1 << 20, declared, &memory, &mut room)
                 .await
                 .expect("within the limits");

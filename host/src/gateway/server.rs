@@ -173,9 +173,8 @@ pub async fn serve(
             // A body may pause at most the body read timeout (see
             // `ClientBody` for HTTP/2); how it ends travels with the
             // request, for whoever reads it.
-            let progress = Arc::new(BodyProgress::default());
+            let progress = Arc::new(BodyProgress::on_connection(waits.clone()));
             request.extensions_mut().insert(progress.clone());
-            request.extensions_mut().insert(waits.clone());
             let http2 = request.version() >= http::Version::HTTP_2;
             let pause = limits.body_read_timeout;
             let request = request.map(|body| ClientBody::new(body, pause, http2, progress));
