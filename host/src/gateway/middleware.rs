@@ -364,8 +364,7 @@ impl Shared {
             // connection ends.
             Ok(Err(ReadBodyError::NoRoom(no_room))) => {
                 self.metrics.request(Outcome::BodyMemoryFull);
-                let (status, code, message) = body_memory_full_parts(no_room);
-                return own(responses::closing_error(status, code, &message));
+                return own(body_memory_full(no_room));
             }
             Ok(Err(ReadBodyError::Failed(e))) => {
                 self.metrics.request(Outcome::ClientError);
@@ -452,11 +451,11 @@ impl Shared {
                 // The room follows the body sent: a smaller one gives some
                 // back, a larger one takes more where it is free (the
                 // answer is in memory already; forwarded either way).
-                match new_body.len().checked_sub(room.bytes()) {
-                    None | Some(0) => room.shrink_to(new_body.len()),
-                    Some(more) => {
-                        let _ = self.body_memory.grow_now(&mut room, more);
-                    }
+                if new_body.len() > room.bytes() {
+                    let more = new_body.len() - room.bytes();
+                    let _ = self.body_memory.grow_now(&mut room, more);
+                } else {
+                    room.shrink_to(new_body.len());
                 }
                 self.metrics.request(Outcome::Rewritten);
                 parts.headers.remove(header::TRANSFER_ENCODING);
@@ -511,8 +510,8 @@ impl Shared {
                 }
             }
         };
-        // The room taken for the body read is kept for the body sent: the
-        // same, or the plugin's answer, which replaced it.
+        // The room goes with the body sent: the one read, or the plugin's
+        // answer, which replaced it.
         let response = inner
             .call(Request::from_parts(
                 parts,
@@ -533,23 +532,17 @@ impl Shared {
 }
 
 /// The answer to a request that found no room for its body: refused before
-/// its body is read, so its connection ends.
+/// all of its body is read, so its connection ends.
 fn body_memory_full(no_room: NoRoom) -> Response<Full<Bytes>> {
-    let (status, code, message) = body_memory_full_parts(no_room);
-    let mut response = responses::closing_error(status, code, &message);
+    let mut response = responses::closing_error(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "body_memory_full",
+        &no_room.to_string(),
+    );
     response
         .headers_mut()
         .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
     response
-}
-
-/// The status, code and message of [`body_memory_full`].
-fn body_memory_full_parts(no_room: NoRoom) -> (StatusCode, &'static str, String) {
-    (
-        StatusCode::SERVICE_UNAVAILABLE,
-        "body_memory_full",
-        no_room.to_string(),
-    )
 }
 
 /// Counts a request with `outcome` when dropped.
