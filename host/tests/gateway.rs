@@ -940,6 +940,94 @@ async fn one_connection_has_at_most_8_requests_waiting_for_room() {
     assert_unique(&ids);
 }
 
+/// A request whose client goes away before the gateway has decided what to
+/// do with it is counted as `abandoned`, so that the outcomes add up to
+/// the requests received: here an HTTP/2 stream reset while it waits for
+/// room for its body, and one reset while the plugin works on it. Neither
+/// reaches the upstream, and neither keeps a place in the queue or a call
+/// slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_its_client_abandons_before_its_fate_is_decided_is_counted_as_abandoned() {
+    let dir = TempDir::new("abandoned");
+    let path = dir.path().join("plugin.wasm");
+    std::fs::write(&path, snowgate_test_fixtures::HOSTILE_WASM).unwrap();
+    let upstream = TestUpstream::start().await;
+    let gateway = with_one_mib_of_body_memory(
+        &upstream,
+        &[
+            "--plugin",
+            path.to_str().unwrap(),
+            "--plugin-deadline-ms",
+            "120000",
+        ],
+    )
+    .await;
+    let abandoned = r#"snowgate_requests_total{outcome="abandoned"}"#;
+    let sender = http2_to(gateway.addr).await;
+
+    let (holder, rest) = hold_body_memory(&gateway, 700 << 10).await;
+    let waiting = post_json_h2(
+        &sender,
+        &gateway,
+        Full::new(Bytes::from(context_only_of(500 << 10))).boxed(),
+    );
+    gateway
+        .wait_metric("snowgate_body_memory_waiting", 1.0)
+        .await;
+    // Dropping the response future resets the stream.
+    waiting.abort();
+    gateway.wait_metric(abandoned, 1.0).await;
+    gateway
+        .wait_metric("snowgate_body_memory_waiting", 0.0)
+        .await;
+    drop((holder, rest));
+    gateway.wait_metric("snowgate_body_memory_bytes", 0.0).await;
+
+    // `sleep` waits a minute inside the call: a WASI wait that would end
+    // past the deadline ends the call at once, so the deadline is longer.
+    let request = http::Request::post(format!("http://{}/v1/completions", gateway.addr))
+        .version(http::Version::HTTP_2)
+        .header("content-type", "application/json")
+        .header("x-hostile", "sleep")
+        .body(Full::new(Bytes::from(CONTEXT_ONLY)).boxed())
+        .expect("a request");
+    let mut call_sender = sender.clone();
+    let sleeping = tokio::spawn(async move { call_sender.send_request(request).await });
+    gateway
+        .wait_metric("snowgate_plugin_calls_running", 1.0)
+        .await;
+    sleeping.abort();
+    gateway.wait_metric(abandoned, 2.0).await;
+    gateway
+        .wait_metric("snowgate_plugin_calls_running", 0.0)
+        .await;
+    assert!(upstream.seen().is_empty(), "{:?}", upstream.seen().len());
+
+    // The connection, and the gateway, serve on.
+    let after = post_json_h2(
+        &sender,
+        &gateway,
+        Full::new(Bytes::from(CONTEXT_ONLY)).boxed(),
+    );
+    let after = bounded("a request after both", STEP, after)
+        .await
+        .expect("joined")
+        .expect("a response");
+    assert_eq!(after.status(), StatusCode::OK);
+    assert_fresh_v1_id(stamped_id(&upstream.only_seen().body));
+    let metrics = gateway.metrics().await;
+    assert_eq!(metric(&metrics, abandoned), 2.0, "{metrics}");
+    // The holder, whose connection closed partway through its body.
+    assert_eq!(
+        metric(
+            &metrics,
+            r#"snowgate_requests_total{outcome="client_error"}"#
+        ),
+        1.0,
+        "{metrics}"
+    );
+}
+
 /// A body limit the plugin's memory cannot stamp is named at start, with
 /// the flag to raise and what is needed; a memory that holds only bodies
 /// with few ids is named too; a fitting pair is not. (The built-in echo
@@ -2645,6 +2733,8 @@ async fn metrics_count_requests_by_outcome() {
         ("failed_closed", 0.0),
         ("failed_open", 0.0),
         ("client_error", 0.0),
+        ("body_memory_full", 0.0),
+        ("abandoned", 0.0),
     ] {
         assert_eq!(
             metric(

@@ -35,10 +35,15 @@ pub enum Outcome {
     /// No room came free for the body in the gateway's body memory
     /// (`--body-memory-mib`) in time: answered 503.
     BodyMemoryFull,
+    /// Its client went away (closed its connection, reset its HTTP/2
+    /// stream) before the gateway had decided what to do with it: while it
+    /// waited for room for its body, or for a plugin call slot, or during
+    /// the call. nginx logs such a request as 499.
+    Abandoned,
 }
 
 impl Outcome {
-    const ALL: [Outcome; 9] = [
+    const ALL: [Outcome; 10] = [
         Outcome::PassedThrough,
         Outcome::Forwarded,
         Outcome::Rewritten,
@@ -48,6 +53,7 @@ impl Outcome {
         Outcome::FailedOpen,
         Outcome::ClientError,
         Outcome::BodyMemoryFull,
+        Outcome::Abandoned,
     ];
 
     fn label(self) -> &'static str {
@@ -61,6 +67,7 @@ impl Outcome {
             Outcome::FailedOpen => "failed_open",
             Outcome::ClientError => "client_error",
             Outcome::BodyMemoryFull => "body_memory_full",
+            Outcome::Abandoned => "abandoned",
         }
     }
 }

@@ -304,6 +304,12 @@ impl Shared {
             ));
         }
 
+        // Counted once its fate is decided, or as abandoned if its client
+        // goes away before that (the request is then dropped here).
+        let mut verdict = Verdict {
+            metrics: &self.metrics,
+            counted: false,
+        };
         // How the client's body ends, when it came from a client.
         let progress = request.extensions().get::<Arc<BodyProgress>>().cloned();
         let (mut parts, body) = request.into_parts();
@@ -327,7 +333,7 @@ impl Shared {
         let mut room = match reserved.await {
             Ok(room) => room,
             Err(no_room) => {
-                self.metrics.request(Outcome::BodyMemoryFull);
+                verdict.count(Outcome::BodyMemoryFull);
                 return own(body_memory_full(no_room));
             }
         };
@@ -357,17 +363,17 @@ impl Shared {
         let bytes = match read {
             Ok(Ok(bytes)) => bytes,
             Ok(Err(ReadBodyError::TooLarge)) => {
-                self.metrics.request(Outcome::TooLarge);
+                verdict.count(Outcome::TooLarge);
                 return own(self.too_large());
             }
             // The rest of the body is not read in the cases below: the
             // connection ends.
             Ok(Err(ReadBodyError::NoRoom(no_room))) => {
-                self.metrics.request(Outcome::BodyMemoryFull);
+                verdict.count(Outcome::BodyMemoryFull);
                 return own(body_memory_full(no_room));
             }
             Ok(Err(ReadBodyError::Failed(e))) => {
-                self.metrics.request(Outcome::ClientError);
+                verdict.count(Outcome::ClientError);
                 let message = format!("the request body could not be read: {e}");
                 // A body that did not come through the server's wrapper
                 // can only have failed.
@@ -378,7 +384,7 @@ impl Shared {
                 return own(responses::closing_error(status, code, &message));
             }
             Err(_elapsed) => {
-                self.metrics.request(Outcome::ClientError);
+                verdict.count(Outcome::ClientError);
                 let message = format!(
                     "the request body did not arrive whole within {} ms of the room taken for it \
                      in the gateway's body memory (--body-read-timeout-ms); send it faster",
@@ -393,7 +399,7 @@ impl Shared {
         if bytes.is_empty() || loosely_typed_and_not_json {
             // Nothing to stamp: an empty body (e.g. a GET that declares a
             // JSON type), or an untyped or form-typed body that is not JSON.
-            self.metrics.request(Outcome::PassedThrough);
+            verdict.count(Outcome::PassedThrough);
             let body = Full::new(body_memory::hold(bytes, room));
             let response = inner
                 .call(Request::from_parts(parts, Either::Left(body)))
@@ -440,7 +446,7 @@ impl Shared {
 
         let forward_body = match answer {
             Ok(Action::Forward) => {
-                self.metrics.request(Outcome::Forwarded);
+                verdict.count(Outcome::Forwarded);
                 Bytes::from(body)
             }
             Ok(Action::ForwardWithBody(new_body)) => {
@@ -457,7 +463,7 @@ impl Shared {
                 } else {
                     room.shrink_to(new_body.len());
                 }
-                self.metrics.request(Outcome::Rewritten);
+                verdict.count(Outcome::Rewritten);
                 parts.headers.remove(header::TRANSFER_ENCODING);
                 parts.headers.insert(
                     header::CONTENT_LENGTH,
@@ -466,7 +472,7 @@ impl Shared {
                 Bytes::from(new_body)
             }
             Ok(Action::Reject(r)) => {
-                self.metrics.request(Outcome::Rejected);
+                verdict.count(Outcome::Rejected);
                 let status = StatusCode::from_u16(r.status).unwrap_or(StatusCode::BAD_REQUEST);
                 return own(responses::error(status, &r.code, &r.message));
             }
@@ -484,7 +490,7 @@ impl Shared {
                                 "plugin failed; request refused (fail-closed) {held_back}"
                             );
                         }
-                        self.metrics.request(Outcome::FailedClosed);
+                        verdict.count(Outcome::FailedClosed);
                         let message = format!(
                             "the plugin failed, so the request was not forwarded: {}",
                             failure.public_message()
@@ -504,7 +510,7 @@ impl Shared {
                                 "plugin failed; request forwarded unchanged (fail-open) {held_back}"
                             );
                         }
-                        self.metrics.request(Outcome::FailedOpen);
+                        verdict.count(Outcome::FailedOpen);
                         Bytes::from(body)
                     }
                 }
@@ -543,6 +549,28 @@ fn body_memory_full(no_room: NoRoom) -> Response<Full<Bytes>> {
         .headers_mut()
         .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
     response
+}
+
+/// Counts a request read for the plugin once with the outcome it is given,
+/// or as [`Outcome::Abandoned`] if it is dropped before it is given one.
+struct Verdict<'m> {
+    metrics: &'m Metrics,
+    counted: bool,
+}
+
+impl Verdict<'_> {
+    fn count(&mut self, outcome: Outcome) {
+        self.metrics.request(outcome);
+        self.counted = true;
+    }
+}
+
+impl Drop for Verdict<'_> {
+    fn drop(&mut self) {
+        if !self.counted {
+            self.metrics.request(Outcome::Abandoned);
+        }
+    }
 }
 
 /// Counts a request with `outcome` when dropped.
