@@ -818,6 +818,63 @@ async fn a_request_that_finds_no_room_in_time_gets_503_body_memory_full() {
     assert_eq!(metric(&metrics, "snowgate_plugin_call_seconds_count"), 1.0);
 }
 
+/// A body the plugin makes larger than the room its request took, where no
+/// more room is free, is sent anyway (it is in memory already), and what
+/// it holds beyond its room shows as `snowgate_body_memory_overdrawn_bytes`
+/// until it has gone: here a batch of bare context-only params nearly as
+/// large as the whole body memory, which stamping makes some 70 % larger,
+/// held by an upstream that reads nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rewritten_body_beyond_the_free_room_is_counted_as_overdrawn() {
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let upstream = format!("http://{}", silent.local_addr().expect("address"));
+    let gateway = Gateway::start(&[
+        "--upstream",
+        &upstream,
+        "--max-body-bytes",
+        "16777216",
+        "--body-memory-mib",
+        "16",
+    ])
+    .await;
+    let element = r#"{"disaggregated_params":{"request_type":"context_only"}}"#;
+    let count = ((16 << 20) - 2) / (element.len() + 1);
+    let body = format!("[{}]", vec![element; count].join(","));
+    let holder = tokio::spawn(post_json(gateway.addr, "/v1/completions", body));
+    let (upstream_side, _) = bounded("the stamped body going upstream", STEP, silent.accept())
+        .await
+        .expect("a connection to the upstream");
+    let metrics = bounded("the overdraft to show", STEP, async {
+        loop {
+            let metrics = gateway.metrics().await;
+            if metric(&metrics, "snowgate_body_memory_overdrawn_bytes") > 0.0 {
+                return metrics;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    let room = metric(&metrics, "snowgate_body_memory_bytes");
+    let overdrawn = metric(&metrics, "snowgate_body_memory_overdrawn_bytes");
+    assert!(room <= f64::from(16 << 20), "{metrics}");
+    assert!(
+        room + overdrawn > f64::from(24 << 20),
+        "the stamped body, some 27 MiB, is all counted: {metrics}"
+    );
+
+    drop((upstream_side, silent));
+    let held = bounded("the holder's answer", STEP, holder)
+        .await
+        .expect("joined");
+    assert_eq!(held.status, StatusCode::BAD_GATEWAY, "{}", held.text());
+    gateway
+        .wait_metric("snowgate_body_memory_overdrawn_bytes", 0.0)
+        .await;
+    gateway.wait_metric("snowgate_body_memory_bytes", 0.0).await;
+}
+
 /// Room is no place to rest: once a body has room, all of it must arrive
 /// within `--body-read-timeout-ms`, however it trickles in. A client that
 /// sends a byte every 100 ms (never pausing for the timeout) gets 408

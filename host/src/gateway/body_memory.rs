@@ -27,6 +27,13 @@
 //!   at most [`MAX_WAITING_PER_CONNECTION`] requests of one connection wait
 //!   at once; more are refused at once.
 //!
+//! A body the plugin rewrote may be larger than the one read (each id it
+//! inserts is some 40 bytes). Its room grows where that much is free at
+//! once; where it is not, the body is sent anyway, as it is already in
+//! memory, and what it holds beyond its room is counted apart, as the
+//! overdraft ([`BodyMemory::overdrawn`]), so that the gauges show all the
+//! memory bodies hold.
+//!
 //! Room is counted in KiB, rounded up, so that any body's size is a count
 //! the semaphore can hold.
 
@@ -74,12 +81,29 @@ pub struct BodyMemory {
     limit: usize,
     wait: Duration,
     waiting: AtomicUsize,
+    /// The units rewritten bodies hold beyond their room.
+    overdrawn: Arc<AtomicUsize>,
 }
 
 /// Room held for one body: given back when dropped.
 #[derive(Debug)]
 pub struct Room {
     permit: Option<OwnedSemaphorePermit>,
+    overdraft: Option<Overdraft>,
+}
+
+/// What one body holds beyond its room, counted in its memory's overdraft
+/// until dropped.
+#[derive(Debug)]
+struct Overdraft {
+    units: usize,
+    count: Arc<AtomicUsize>,
+}
+
+impl Drop for Overdraft {
+    fn drop(&mut self) {
+        self.count.fetch_sub(self.units, Ordering::Relaxed);
+    }
 }
 
 /// No room for a body.
@@ -132,6 +156,7 @@ impl BodyMemory {
             limit,
             wait,
             waiting: AtomicUsize::new(0),
+            overdrawn: Arc::default(),
         }
     }
 
@@ -150,6 +175,13 @@ impl BodyMemory {
     /// request first in line has gathered towards its own included.
     pub fn held(&self) -> usize {
         (self.total - self.units.available_permits()) * UNIT
+    }
+
+    /// The bytes rewritten bodies hold beyond their room now (in whole KiB
+    /// per body): memory on top of [`held`](Self::held), which may then
+    /// pass the limit.
+    pub fn overdrawn(&self) -> usize {
+        self.overdrawn.load(Ordering::Relaxed) * UNIT
     }
 
     /// How many requests wait for room now.
@@ -200,7 +232,29 @@ impl BodyMemory {
         };
         Ok(Room {
             permit: Some(permit),
+            overdraft: None,
         })
+    }
+
+    /// Makes `room` hold `bytes`, for a body already in memory (one the
+    /// plugin rewrote, which is sent whatever room there is): more room
+    /// where that much is free at once, and otherwise the same room with
+    /// the rest counted as overdrawn; less gives the surplus back.
+    pub fn resize_for(&self, room: &mut Room, bytes: usize) {
+        let held = room.bytes();
+        if bytes <= held {
+            room.shrink_to(bytes);
+            return;
+        }
+        room.overdraft = None;
+        if self.grow_now(room, bytes - held).is_err() {
+            let units = bytes.div_ceil(UNIT) - held / UNIT;
+            self.overdrawn.fetch_add(units, Ordering::Relaxed);
+            room.overdraft = Some(Overdraft {
+                units,
+                count: self.overdrawn.clone(),
+            });
+        }
     }
 
     /// Makes `room` hold `bytes` more if that much is free now, without
@@ -249,17 +303,31 @@ impl BodyMemory {
 impl Room {
     /// Room that holds nothing.
     pub fn none() -> Room {
-        Room { permit: None }
+        Room {
+            permit: None,
+            overdraft: None,
+        }
     }
 
-    /// The bytes this room holds (in whole KiB).
+    /// The bytes this room holds (in whole KiB), not counting an
+    /// overdraft.
     pub fn bytes(&self) -> usize {
         self.permit.as_ref().map_or(0, |p| p.num_permits() * UNIT)
     }
 
-    /// Gives back what this room holds beyond `bytes`.
+    /// Gives back what this room holds beyond `bytes`, an overdraft first.
     pub fn shrink_to(&mut self, bytes: usize) {
         let keep = bytes.div_ceil(UNIT);
+        if let Some(overdraft) = &mut self.overdraft {
+            let in_room = self.permit.as_ref().map_or(0, |p| p.num_permits());
+            let beyond = keep.saturating_sub(in_room);
+            if beyond < overdraft.units {
+                overdraft
+                    .count
+                    .fetch_sub(overdraft.units - beyond, Ordering::Relaxed);
+                overdraft.units = beyond;
+            }
+        }
         if let Some(permit) = &mut self.permit {
             let surplus = permit.num_permits().saturating_sub(keep);
             drop(permit.split(surplus));
@@ -375,6 +443,33 @@ mod tests {
         none.shrink_to(0);
         memory.grow_now(&mut none, 1).expect("from nothing");
         assert_eq!(none.bytes(), 1024);
+    }
+
+    #[tokio::test]
+    async fn a_body_resized_past_the_free_room_is_counted_as_overdrawn() {
+        let memory = BodyMemory::new(MIB, Duration::from_secs(3600));
+        let mut room = memory.reserve(MIB / 2, || None).await.expect("room");
+        memory.resize_for(&mut room, MIB * 3 / 4);
+        assert_eq!((room.bytes(), memory.overdrawn()), (MIB * 3 / 4, 0));
+        let other = memory.reserve(MIB / 4, || None).await.expect("the rest");
+        // No room is free: the room stays, the rest is overdrawn.
+        memory.resize_for(&mut room, MIB + 1);
+        assert_eq!(room.bytes(), MIB * 3 / 4);
+        assert_eq!(memory.overdrawn(), MIB / 4 + 1024);
+        assert_eq!(memory.held(), MIB);
+        room.shrink_to(MIB * 3 / 4 + 1);
+        assert_eq!(memory.overdrawn(), 1024);
+        memory.resize_for(&mut room, MIB / 4);
+        assert_eq!((room.bytes(), memory.overdrawn()), (MIB / 4, 0));
+        // Free room again: taken, and nothing is overdrawn.
+        memory.resize_for(&mut room, MIB * 3 / 4 - 1);
+        assert_eq!((room.bytes(), memory.overdrawn()), (MIB * 3 / 4, 0));
+        memory.resize_for(&mut room, MIB * 2);
+        assert_eq!(memory.overdrawn(), MIB * 5 / 4);
+        drop(room);
+        assert_eq!((memory.overdrawn(), memory.held()), (0, MIB / 4));
+        drop(other);
+        assert_eq!(memory.held(), 0);
     }
 
     #[tokio::test]

@@ -438,6 +438,12 @@ impl Metrics {
             );
             gauge(
                 &mut out,
+                "snowgate_body_memory_overdrawn_bytes",
+                "Memory that bodies the plugin rewrote hold beyond their room, where no more room was free when the plugin answered (they are sent anyway), in whole KiB per body: on top of snowgate_body_memory_bytes, which with it may pass the max.",
+                memory.overdrawn(),
+            );
+            gauge(
+                &mut out,
                 "snowgate_body_memory_max_bytes",
                 "The most memory such bodies may hold at once (--body-memory-mib).",
                 memory.limit(),

@@ -455,14 +455,10 @@ impl Shared {
                 // when generation ends).
                 drop(body);
                 // The room follows the body sent: a smaller one gives some
-                // back, a larger one takes more where it is free (the
-                // answer is in memory already; forwarded either way).
-                if new_body.len() > room.bytes() {
-                    let more = new_body.len() - room.bytes();
-                    let _ = self.body_memory.grow_now(&mut room, more);
-                } else {
-                    room.shrink_to(new_body.len());
-                }
+                // back, a larger one takes more where it is free, and is
+                // otherwise counted as overdrawn (the answer is in memory
+                // already; forwarded either way).
+                self.body_memory.resize_for(&mut room, new_body.len());
                 verdict.count(Outcome::Rewritten);
                 parts.headers.remove(header::TRANSFER_ENCODING);
                 parts.headers.insert(
