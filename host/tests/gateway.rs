@@ -997,6 +997,71 @@ async fn one_connection_has_at_most_8_requests_waiting_for_room() {
     assert_unique(&ids);
 }
 
+/// An HTTP/1 client that goes away while its request waits for room
+/// leaves the line then, not when the wait runs out (60 s here): hyper
+/// reads nothing of a connection while its request's body is unread, so
+/// the gateway watches the socket for the hang-up, whether the client sent
+/// only the head or part of the body too. Each is counted as abandoned;
+/// the request behind them goes through once the holder's body has gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http1_client_that_goes_away_while_waiting_for_room_leaves_the_line() {
+    let upstream = TestUpstream::start().await;
+    let gateway = with_one_mib_of_body_memory(&upstream, &[]).await;
+    let (mut holder, rest) = hold_body_memory(&gateway, 700 << 10).await;
+    let head = |length: usize| {
+        format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\nContent-Length: {length}\r\n\r\n"
+        )
+    };
+    let mut head_only = TcpStream::connect(gateway.addr).await.expect("connect");
+    head_only
+        .write_all(head(500 << 10).as_bytes())
+        .await
+        .expect("the head");
+    gateway
+        .wait_metric("snowgate_body_memory_waiting", 1.0)
+        .await;
+    let mut partway = TcpStream::connect(gateway.addr).await.expect("connect");
+    partway
+        .write_all(head(400 << 10).as_bytes())
+        .await
+        .expect("the head");
+    partway
+        .write_all(&context_only_of(400 << 10)[..64 << 10])
+        .await
+        .expect("part of the body");
+    gateway
+        .wait_metric("snowgate_body_memory_waiting", 2.0)
+        .await;
+    let behind = tokio::spawn(post_json(
+        gateway.addr,
+        "/v1/completions",
+        context_only_of(500 << 10),
+    ));
+    gateway
+        .wait_metric("snowgate_body_memory_waiting", 3.0)
+        .await;
+
+    drop((head_only, partway));
+    gateway
+        .wait_metric(r#"snowgate_requests_total{outcome="abandoned"}"#, 2.0)
+        .await;
+    gateway
+        .wait_metric("snowgate_body_memory_waiting", 1.0)
+        .await;
+    assert!(upstream.seen().is_empty());
+
+    holder.write_all(&rest).await.expect("write the rest");
+    let held = read_raw_response(&mut BufReader::new(holder)).await;
+    assert_eq!(held.status, 200);
+    let behind = bounded("the request behind", STEP, behind)
+        .await
+        .expect("joined");
+    assert_eq!(behind.status, StatusCode::OK, "{}", behind.text());
+    assert_eq!(upstream.seen().len(), 2);
+    gateway.wait_metric("snowgate_body_memory_bytes", 0.0).await;
+}
+
 /// A request whose client goes away before the gateway has decided what to
 /// do with it is counted as `abandoned`, so that the outcomes add up to
 /// the requests received: here an HTTP/2 stream reset while it waits for

@@ -27,6 +27,10 @@
 //!   at most [`MAX_WAITING_PER_CONNECTION`] requests of one connection wait
 //!   at once; more are refused at once.
 //!
+//! A request whose client goes away while it waits leaves the line at once
+//! (over HTTP/1 the connection's socket is watched for that meanwhile, see
+//! [`client_gone`](crate::gateway::client_gone)).
+//!
 //! A body the plugin rewrote may be larger than the one read (each id it
 //! inserts is some 40 bytes). Its room grows where that much is free at
 //! once; where it is not, the body is sent anyway, as it is already in
@@ -44,6 +48,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use crate::gateway::client_gone::ClientSocket;
 use crate::gateway::queued::Queued;
 
 /// Room is counted in units of this many bytes.
@@ -64,6 +69,26 @@ pub const MAX_WAITING_PER_CONNECTION: usize = 8;
 /// `BodyProgress`).
 #[derive(Debug, Default)]
 pub struct ConnectionWaits(AtomicUsize);
+
+/// What the body memory knows of the client connection a request came on.
+#[derive(Debug, Clone)]
+pub struct ClientConnection {
+    /// Its requests waiting for room now.
+    pub waits: Arc<ConnectionWaits>,
+    /// Its socket, watched while the request waits, where the client could
+    /// not otherwise be seen to go away (HTTP/1).
+    pub socket: Option<ClientSocket>,
+}
+
+/// Why a request got no room.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unreserved {
+    /// None came free in time, or its connection has as many requests
+    /// waiting as it may.
+    NoRoom(NoRoom),
+    /// Its client went away while it waited.
+    ClientGone,
+}
 
 /// The bound on all bodies for a gateway that takes bodies of up to
 /// `max_body_bytes` and was given none.
@@ -105,6 +130,20 @@ impl Drop for Overdraft {
         self.count.fetch_sub(self.units, Ordering::Relaxed);
     }
 }
+
+impl std::fmt::Display for Unreserved {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Unreserved::NoRoom(no_room) => no_room.fmt(f),
+            Unreserved::ClientGone => f.write_str(
+                "the client went away while its request waited for room in the gateway's body \
+                 memory",
+            ),
+        }
+    }
+}
+
+impl std::error::Error for Unreserved {}
 
 /// No room for a body.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -194,28 +233,31 @@ impl BodyMemory {
     /// limit is refused at once, and so is a request of `connection` (its
     /// client connection, where known: asked for only when the request
     /// must wait) that would have to wait while
-    /// [`MAX_WAITING_PER_CONNECTION`] of its requests already do.
+    /// [`MAX_WAITING_PER_CONNECTION`] of its requests already do; one whose
+    /// client is seen to go away while it waits leaves the line then.
     pub async fn reserve(
         &self,
         bytes: usize,
-        connection: impl FnOnce() -> Option<Arc<ConnectionWaits>>,
-    ) -> Result<Room, NoRoom> {
+        connection: impl FnOnce() -> Option<ClientConnection>,
+    ) -> Result<Room, Unreserved> {
         let units = bytes.div_ceil(UNIT);
         if units == 0 {
             return Ok(Room::none());
         }
-        let units = self.units_within_limit(units, 0)?;
+        let units = self
+            .units_within_limit(units, 0)
+            .map_err(Unreserved::NoRoom)?;
         let permit = match self.units.clone().try_acquire_many_owned(units) {
             Ok(permit) => permit,
             Err(_) => {
                 let connection = connection();
-                let _in_connection = match connection.as_deref() {
-                    Some(ConnectionWaits(waits)) => {
+                let _in_connection = match connection.as_ref().map(|c| &c.waits.0) {
+                    Some(waits) => {
                         if waits.load(Ordering::Relaxed) >= MAX_WAITING_PER_CONNECTION {
-                            return Err(NoRoom {
+                            return Err(Unreserved::NoRoom(NoRoom {
                                 connection_full: true,
                                 ..self.no_room(Duration::ZERO)
-                            });
+                            }));
                         }
                         Some(Queued::join(waits))
                     }
@@ -223,10 +265,22 @@ impl BodyMemory {
                 };
                 let _in_line = Queued::join(&self.waiting);
                 let acquire = self.units.clone().acquire_many_owned(units);
-                match tokio::time::timeout(self.wait, acquire).await {
-                    Ok(Ok(permit)) => permit,
-                    // Never closed; and a wait that ran out is refused.
-                    Ok(Err(_)) | Err(_) => return Err(self.no_room(self.wait)),
+                let socket = connection.as_ref().and_then(|c| c.socket);
+                let gone = async move {
+                    match socket {
+                        Some(socket) => socket.gone().await,
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    acquired = tokio::time::timeout(self.wait, acquire) => match acquired {
+                        Ok(Ok(permit)) => permit,
+                        // Never closed; and a wait that ran out is refused.
+                        Ok(Err(_)) | Err(_) => {
+                            return Err(Unreserved::NoRoom(self.no_room(self.wait)))
+                        }
+                    },
+                    () = gone => return Err(Unreserved::ClientGone),
                 }
             }
         };
@@ -360,6 +414,14 @@ mod tests {
 
     const MIB: usize = 1 << 20;
 
+    /// A connection of `waits`, with no socket to watch.
+    fn on(waits: &Arc<ConnectionWaits>) -> Option<ClientConnection> {
+        Some(ClientConnection {
+            waits: waits.clone(),
+            socket: None,
+        })
+    }
+
     #[tokio::test]
     async fn room_is_held_until_dropped_and_counted_in_whole_kib() {
         let memory = BodyMemory::new(MIB, Duration::from_secs(1));
@@ -409,11 +471,11 @@ mod tests {
         assert_eq!(started.elapsed(), Duration::from_millis(500));
         assert_eq!(
             refused,
-            NoRoom {
+            Unreserved::NoRoom(NoRoom {
                 limit: MIB,
                 waited: Duration::from_millis(500),
                 connection_full: false,
-            }
+            })
         );
         assert!(refused.to_string().contains("1 MiB, --body-memory-mib"));
         assert_eq!(memory.waiting(), 0);
@@ -480,17 +542,23 @@ mod tests {
         let waiters: Vec<_> = (0..MAX_WAITING_PER_CONNECTION)
             .map(|_| {
                 let (memory, connection) = (memory.clone(), connection.clone());
-                tokio::spawn(async move { memory.reserve(1, || Some(connection.clone())).await })
+                tokio::spawn(async move { memory.reserve(1, || on(&connection)).await })
             })
             .collect();
         while memory.waiting() < MAX_WAITING_PER_CONNECTION {
             tokio::task::yield_now().await;
         }
         let refused = memory
-            .reserve(1, || Some(connection.clone()))
+            .reserve(1, || on(&connection))
             .await
             .expect_err("one too many of the connection");
-        assert!(refused.connection_full);
+        assert!(matches!(
+            refused,
+            Unreserved::NoRoom(NoRoom {
+                connection_full: true,
+                ..
+            })
+        ));
         assert!(
             refused
                 .to_string()
@@ -499,10 +567,8 @@ mod tests {
         );
         // Another connection's request still queues.
         let other = Arc::new(ConnectionWaits::default());
-        let queued = tokio::time::timeout(
-            Duration::from_millis(50),
-            memory.reserve(1, || Some(other.clone())),
-        );
+        let queued =
+            tokio::time::timeout(Duration::from_millis(50), memory.reserve(1, || on(&other)));
         assert!(queued.await.is_err(), "it waited");
         for waiter in waiters {
             waiter.abort();
@@ -534,7 +600,10 @@ mod tests {
                 .reserve(bytes, || None)
                 .await
                 .expect_err("more than the limit");
-            assert_eq!(refused.waited, Duration::ZERO, "{bytes} bytes");
+            assert!(
+                matches!(refused, Unreserved::NoRoom(NoRoom { waited, .. }) if waited.is_zero()),
+                "{bytes} bytes"
+            );
         }
         let mut room = memory.reserve(MIB / 2, || None).await.expect("room");
         assert!(memory.grow_now(&mut room, MIB / 2 + 1).is_err());

@@ -11,7 +11,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 
-use crate::gateway::body_memory::ConnectionWaits;
+use crate::gateway::body_memory::ClientConnection;
 use crate::gateway::wait_timer::WaitTimer;
 
 /// The error type of the bodies this module wraps.
@@ -24,9 +24,9 @@ pub struct BodyProgress {
     state: AtomicU8,
     /// Whether the reader takes the whole body into memory as it comes.
     read_whole: AtomicBool,
-    /// The requests of the body's connection waiting for room in the body
-    /// memory, where the server keeps that count.
-    connection_waits: Option<Arc<ConnectionWaits>>,
+    /// The body's client connection, where the server tells (for its
+    /// requests waiting for room in the body memory).
+    connection: Option<ClientConnection>,
 }
 
 /// Frames are handed out as they come; the reader has not asked for more.
@@ -64,19 +64,17 @@ impl ClientFault {
 }
 
 impl BodyProgress {
-    /// The progress of a body of a connection whose requests waiting for
-    /// room in the body memory are counted in `waits`.
-    pub fn on_connection(waits: Arc<ConnectionWaits>) -> BodyProgress {
+    /// The progress of a body that comes on `connection`.
+    pub fn on_connection(connection: ClientConnection) -> BodyProgress {
         BodyProgress {
-            connection_waits: Some(waits),
+            connection: Some(connection),
             ..BodyProgress::default()
         }
     }
 
-    /// The count of the body's connection's requests waiting for room in
-    /// the body memory, if its server keeps one.
-    pub fn connection_waits(&self) -> Option<Arc<ConnectionWaits>> {
-        self.connection_waits.clone()
+    /// The body's client connection, if its server tells.
+    pub fn connection(&self) -> Option<ClientConnection> {
+        self.connection.clone()
     }
 
     /// The client's fault, if its body failed because of the client.

@@ -61,7 +61,7 @@ use tower_service::Service;
 
 use crate::bindings::exports::snowgate::middleware::handler::Action;
 use crate::gateway::body_limit::{BodyTooLarge, Capped};
-use crate::gateway::body_memory::{self, BodyMemory, NoRoom};
+use crate::gateway::body_memory::{self, BodyMemory, NoRoom, Unreserved};
 use crate::gateway::client_body::{BodyProgress, BoxError, ClientFault};
 use crate::gateway::config::{ConnectionLimits, FailurePolicy};
 use crate::gateway::metrics::{Metrics, Outcome};
@@ -156,11 +156,12 @@ impl SnowgateLayer {
     /// requests came, at most `wait`, and is then answered 503
     /// `body_memory_full`; a body given room must arrive whole within
     /// `wait` too, or it is answered 408 `body_timeout`. Requests whose
-    /// [`BodyProgress`] names their connection's
-    /// [`ConnectionWaits`](body_memory::ConnectionWaits) (the gateway's
+    /// [`BodyProgress`] names their
+    /// [`ClientConnection`](body_memory::ClientConnection) (the gateway's
     /// server's do) wait at most
     /// [`body_memory::MAX_WAITING_PER_CONNECTION`] at a time per
-    /// connection. Fails when `limit` is below the largest body the layer
+    /// connection, and leave the line when their client is seen to go
+    /// away. Fails when `limit` is below the largest body the layer
     /// takes, which could then never be read.
     pub fn with_body_memory(mut self, limit: usize, wait: Duration) -> anyhow::Result<Self> {
         let max_body_bytes = self.shared.max_body_bytes;
@@ -328,13 +329,23 @@ impl Shared {
         let reserved = self
             .body_memory
             .reserve(declared.unwrap_or(self.max_body_bytes), || {
-                progress.as_ref().and_then(|p| p.connection_waits())
+                progress.as_ref().and_then(|p| p.connection())
             });
         let mut room = match reserved.await {
             Ok(room) => room,
-            Err(no_room) => {
+            Err(Unreserved::NoRoom(no_room)) => {
                 verdict.count(Outcome::BodyMemoryFull);
                 return own(body_memory_full(no_room));
+            }
+            // An answer nobody reads: it ends the connection.
+            Err(Unreserved::ClientGone) => {
+                verdict.count(Outcome::Abandoned);
+                return own(responses::closing_error(
+                    StatusCode::BAD_REQUEST,
+                    "client_gone",
+                    "the client closed its connection while its request waited for room in the \
+                     gateway's body memory",
+                ));
             }
         };
         // Read whole, the body's waits are the client's, over HTTP/2 too.

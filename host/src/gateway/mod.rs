@@ -10,6 +10,7 @@ pub mod admin;
 pub mod body_limit;
 pub mod body_memory;
 pub mod client_body;
+pub mod client_gone;
 pub mod config;
 mod dot_segments;
 pub mod error_chain;

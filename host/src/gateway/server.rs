@@ -4,6 +4,7 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -23,8 +24,9 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 use crate::gateway::activity::{ActiveBody, Activity};
-use crate::gateway::body_memory::ConnectionWaits;
+use crate::gateway::body_memory::{ClientConnection, ConnectionWaits};
 use crate::gateway::client_body::{BodyProgress, ClientBody};
+use crate::gateway::client_gone::ClientSocket;
 use crate::gateway::config::ConnectionLimits;
 use crate::gateway::error_chain;
 use crate::gateway::metrics::Outcome;
@@ -142,6 +144,8 @@ pub async fn serve(
         // How many of this connection's requests wait for room in the body
         // memory (see `body_memory::MAX_WAITING_PER_CONNECTION`).
         let waits = Arc::new(ConnectionWaits::default());
+        // Watched while one of its HTTP/1 requests waits for that room.
+        let socket = ClientSocket::new(stream.as_raw_fd());
         let per_request = hyper::service::service_fn(move |mut request: Request<Incoming>| {
             let arrived = Instant::now();
             // In flight until hyper has taken its whole response body (or
@@ -173,9 +177,14 @@ pub async fn serve(
             // A body may pause at most the body read timeout (see
             // `ClientBody` for HTTP/2); how it ends travels with the
             // request, for whoever reads it.
-            let progress = Arc::new(BodyProgress::on_connection(waits.clone()));
-            request.extensions_mut().insert(progress.clone());
             let http2 = request.version() >= http::Version::HTTP_2;
+            let progress = Arc::new(BodyProgress::on_connection(ClientConnection {
+                waits: waits.clone(),
+                // HTTP/2 requests run on tasks of their own, which may
+                // outlive the socket; and hyper sees their client go.
+                socket: (!http2).then_some(socket),
+            }));
+            request.extensions_mut().insert(progress.clone());
             let pause = limits.body_read_timeout;
             let request = request.map(|body| ClientBody::new(body, pause, http2, progress));
             let is_head = request.method() == http::Method::HEAD;

@@ -1,0 +1,166 @@
+//! Noticing that a client has gone while the gateway reads nothing from its
+//! connection.
+//!
+//! hyper's HTTP/1 server reads a connection only while something reads the
+//! request's body (or the request has ended). A request waiting for room in
+//! the body memory reads nothing, so a client that closes its connection
+//! meanwhile would keep the request's place in line, and the connection's
+//! slot, until the wait runs out (60 s by default). Here the connection's
+//! socket is watched for the client closing or resetting it, through an
+//! epoll instance of the request's own, apart from the runtime's: it asks
+//! only for the hang-up (`EPOLLRDHUP`), so body bytes the client has sent
+//! and nobody has read do not wake it, and the runtime's own readiness for
+//! the socket is left alone. As hyper does by default, a client that shuts
+//! down only its sending side counts as gone.
+//!
+//! HTTP/2 needs none of this: hyper reads an HTTP/2 connection all the
+//! time, and drops a request whose stream or connection ends.
+
+use std::os::fd::RawFd;
+
+/// A client connection's socket, to watch while one of its requests waits.
+///
+/// Only a request's own future may watch it, while it is polled by its
+/// connection, which keeps the socket open: an HTTP/1 connection's request
+/// runs inside the connection's future.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClientSocket(RawFd);
+
+impl ClientSocket {
+    /// The socket with file descriptor `fd`, which must be a client
+    /// connection's, watched only as [`ClientSocket`] says.
+    pub fn new(fd: RawFd) -> ClientSocket {
+        ClientSocket(fd)
+    }
+
+    /// Resolves once the client has closed or reset its connection. Where
+    /// the watch cannot be set up (out of file descriptors, a platform
+    /// without epoll), it never resolves: the request then waits as it
+    /// would without it.
+    pub async fn gone(self) {
+        #[cfg(target_os = "linux")]
+        if let Ok(watch) = linux::HangUpWatch::new(self.0) {
+            watch.wait().await;
+            return;
+        }
+        std::future::pending::<()>().await
+    }
+}
+
+#[cfg(target_os = "linux")]
+mod linux {
+    use std::io;
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+
+    use tokio::io::unix::AsyncFd;
+    use tokio::io::Interest;
+
+    /// An epoll instance that holds one socket, for its hang-up only; it is
+    /// readable (to the runtime) once that has come.
+    pub struct HangUpWatch(AsyncFd<OwnedFd>);
+
+    impl HangUpWatch {
+        pub fn new(socket: RawFd) -> io::Result<HangUpWatch> {
+            // SAFETY: creates a new descriptor, owned below.
+            let fd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+            if fd < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            // SAFETY: `fd` was just made and nothing else owns it.
+            let epoll = unsafe { OwnedFd::from_raw_fd(fd) };
+            // `EPOLLHUP` and `EPOLLERR` are reported whether asked for or
+            // not; no `EPOLLIN`, so that unread bytes do not wake it.
+            let mut event = libc::epoll_event {
+                events: (libc::EPOLLRDHUP | libc::EPOLLHUP | libc::EPOLLERR) as u32,
+                u64: 0,
+            };
+            // SAFETY: both descriptors are open (see `ClientSocket`), and
+            // the event is a live value the kernel only reads.
+            let added = unsafe { libc::epoll_ctl(fd, libc::EPOLL_CTL_ADD, socket, &mut event) };
+            if added < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            // SAFETY: the `OwnedFd` is open and moves into the `AsyncFd`,
+            // which alone owns it from then on.
+            let watch = unsafe { AsyncFd::register_with_interest(epoll, Interest::READABLE) };
+            watch.map(HangUpWatch).map_err(|e| e.into())
+        }
+
+        /// Waits for the hang-up.
+        pub async fn wait(&self) {
+            loop {
+                let Ok(mut ready) = self.0.readable().await else {
+                    return std::future::pending().await;
+                };
+                let mut event = libc::epoll_event { events: 0, u64: 0 };
+                // SAFETY: room for the one event asked for; a timeout of 0
+                // never blocks.
+                let n = unsafe { libc::epoll_wait(self.0.as_raw_fd(), &mut event, 1, 0) };
+                if n > 0 {
+                    return;
+                }
+                ready.clear_ready();
+            }
+        }
+    }
+}
+
+#[cfg(all(test, target_os = "linux"))]
+mod tests {
+    use std::os::fd::AsRawFd;
+    use std::time::Duration;
+
+    use tokio::io::AsyncWriteExt;
+    use tokio::net::{TcpListener, TcpStream};
+
+    use super::*;
+
+    async fn pair() -> (TcpStream, TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let client = TcpStream::connect(listener.local_addr().expect("address"))
+            .await
+            .expect("connect");
+        let (server, _) = listener.accept().await.expect("accept");
+        (client, server)
+    }
+
+    #[tokio::test]
+    async fn unread_bytes_are_not_a_hang_up_and_a_close_is() {
+        let (mut client, server) = pair().await;
+        let gone = ClientSocket::new(server.as_raw_fd()).gone();
+        let mut gone = std::pin::pin!(gone);
+        client
+            .write_all(b"a body nobody reads")
+            .await
+            .expect("send");
+        // The bytes have arrived once the server side is readable.
+        server.readable().await.expect("readable");
+        assert!(
+            tokio::time::timeout(Duration::from_millis(100), &mut gone)
+                .await
+                .is_err(),
+            "unread bytes woke the watch"
+        );
+        drop(client);
+        tokio::time::timeout(Duration::from_secs(30), gone)
+            .await
+            .expect("the close is seen");
+        // The runtime's readiness for the socket is left as it was: the
+        // unread bytes are still there to read.
+        let mut buffer = [0u8; 64];
+        let n = server.try_read(&mut buffer).expect("the bytes");
+        assert_eq!(&buffer[..n], b"a body nobody reads");
+    }
+
+    #[tokio::test]
+    async fn a_client_that_shuts_down_its_sending_side_is_gone() {
+        let (mut client, server) = pair().await;
+        client.shutdown().await.expect("shut down");
+        tokio::time::timeout(
+            Duration::from_secs(30),
+            ClientSocket::new(server.as_raw_fd()).gone(),
+        )
+        .await
+        .expect("the shutdown is seen");
+    }
+}
