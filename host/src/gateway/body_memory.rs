@@ -333,6 +333,12 @@ impl BodyMemory {
             Some(permit) => permit.merge(more),
             none => *none = Some(more),
         }
+        // Room taken for what was overdrawn is no longer overdrawn.
+        if let Some(overdraft) = &mut room.overdraft {
+            let covered = overdraft.units.min(units as usize);
+            overdraft.count.fetch_sub(covered, Ordering::Relaxed);
+            overdraft.units -= covered;
+        }
         Ok(())
     }
 
@@ -532,6 +538,24 @@ mod tests {
         assert_eq!((memory.overdrawn(), memory.held()), (0, MIB / 4));
         drop(other);
         assert_eq!(memory.held(), 0);
+    }
+
+    #[tokio::test]
+    async fn room_grown_for_an_overdrawn_body_is_no_longer_overdrawn() {
+        let memory = BodyMemory::new(MIB, Duration::from_secs(3600));
+        let mut room = memory.reserve(MIB / 2, || None).await.expect("room");
+        let other = memory.reserve(MIB / 2, || None).await.expect("the rest");
+        memory.resize_for(&mut room, MIB * 3 / 4);
+        assert_eq!(memory.overdrawn(), MIB / 4);
+        drop(other);
+        memory.grow_now(&mut room, MIB / 8).expect("free now");
+        assert_eq!(room.bytes(), MIB * 5 / 8);
+        assert_eq!(memory.overdrawn(), MIB / 8);
+        memory.grow_now(&mut room, MIB / 4).expect("free now");
+        assert_eq!(room.bytes(), MIB * 7 / 8);
+        assert_eq!(memory.overdrawn(), 0);
+        drop(room);
+        assert_eq!((memory.held(), memory.overdrawn()), (0, 0));
     }
 
     #[tokio::test]
