@@ -1001,12 +1001,25 @@ async fn one_connection_has_at_most_8_requests_waiting_for_room() {
 /// leaves the line then, not when the wait runs out (60 s here): hyper
 /// reads nothing of a connection while its request's body is unread, so
 /// the gateway watches the socket for the hang-up, whether the client sent
-/// only the head or part of the body too. Each is counted as abandoned;
-/// the request behind them goes through once the holder's body has gone.
+/// only the head or part of the body too. Each is counted as abandoned,
+/// and as no response (the access log says 499, as nginx's does); the
+/// request behind them goes through once the holder's body has gone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_http1_client_that_goes_away_while_waiting_for_room_leaves_the_line() {
     let upstream = TestUpstream::start().await;
-    let gateway = with_one_mib_of_body_memory(&upstream, &[]).await;
+    let url = upstream.url();
+    let gateway = Gateway::start_logging(
+        &[
+            "--upstream",
+            &url,
+            "--max-body-bytes",
+            "1048576",
+            "--body-memory-mib",
+            "1",
+        ],
+        "info,snowgate::access=debug",
+    )
+    .await;
     let (mut holder, rest) = hold_body_memory(&gateway, 700 << 10).await;
     let head = |length: usize| {
         format!(
@@ -1049,6 +1062,13 @@ async fn an_http1_client_that_goes_away_while_waiting_for_room_leaves_the_line()
     gateway
         .wait_metric("snowgate_body_memory_waiting", 1.0)
         .await;
+    gateway.wait_log_times("status=499", 2).await;
+    let metrics = gateway.metrics().await;
+    assert_eq!(
+        metric(&metrics, r#"snowgate_responses_total{code="4xx"}"#),
+        0.0,
+        "{metrics}"
+    );
     assert!(upstream.seen().is_empty());
 
     holder.write_all(&rest).await.expect("write the rest");
@@ -1060,6 +1080,36 @@ async fn an_http1_client_that_goes_away_while_waiting_for_room_leaves_the_line()
     assert_eq!(behind.status, StatusCode::OK, "{}", behind.text());
     assert_eq!(upstream.seen().len(), 2);
     gateway.wait_metric("snowgate_body_memory_bytes", 0.0).await;
+}
+
+/// A request whose client's end of stream came with its head (it sent a
+/// GET and shut down its sending side at once) is counted, though hyper
+/// may drop it without ever running it: every request received is in
+/// `snowgate_requests_total`, as `abandoned` if it went no further.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_whose_client_left_with_its_head_is_counted() {
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
+    let all_outcomes = |metrics: &str| -> f64 {
+        metrics
+            .lines()
+            .filter(|line| line.starts_with("snowgate_requests_total{"))
+            .map(|line| line.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
+            .sum()
+    };
+    let mut client = TcpStream::connect(gateway.addr).await.expect("connect");
+    client
+        .write_all(b"GET /v1/models HTTP/1.1\r\nHost: gw\r\n\r\n")
+        .await
+        .expect("the request");
+    client.shutdown().await.expect("shut down the sending side");
+    bounded("the request to be counted", STEP, async {
+        while all_outcomes(&gateway.metrics().await) < 1.0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert_eq!(all_outcomes(&gateway.metrics().await), 1.0);
 }
 
 /// A request whose client goes away before the gateway has decided what to

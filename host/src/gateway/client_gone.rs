@@ -18,18 +18,30 @@
 
 use std::os::fd::RawFd;
 
+/// Marks the answer to a request whose client went away while it waited:
+/// nobody is meant to read it, so the server counts no response for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClientGone;
+
+/// The status the access log gives a request whose client went away
+/// before it was answered, as nginx logs it.
+pub const CLIENT_GONE_STATUS: u16 = 499;
+
 /// A client connection's socket, to watch while one of its requests waits.
-///
-/// Only a request's own future may watch it, while it is polled by its
-/// connection, which keeps the socket open: an HTTP/1 connection's request
-/// runs inside the connection's future.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ClientSocket(RawFd);
 
 impl ClientSocket {
-    /// The socket with file descriptor `fd`, which must be a client
-    /// connection's, watched only as [`ClientSocket`] says.
-    pub fn new(fd: RawFd) -> ClientSocket {
+    /// The client connection socket with file descriptor `fd`.
+    ///
+    /// # Safety
+    ///
+    /// [`gone`](Self::gone) must be polled only while `fd` is that
+    /// socket's: from a future that the connection itself runs and drops
+    /// before it closes the socket (as an HTTP/1 connection runs its
+    /// requests), not from a task of its own, which may outlive it. Once
+    /// the number is reused, the watch would be of another connection.
+    pub unsafe fn new(fd: RawFd) -> ClientSocket {
         ClientSocket(fd)
     }
 
@@ -127,7 +139,8 @@ mod tests {
     #[tokio::test]
     async fn unread_bytes_are_not_a_hang_up_and_a_close_is() {
         let (mut client, server) = pair().await;
-        let gone = ClientSocket::new(server.as_raw_fd()).gone();
+        // SAFETY: `server` outlives the watch.
+        let gone = unsafe { ClientSocket::new(server.as_raw_fd()) }.gone();
         let mut gone = std::pin::pin!(gone);
         client
             .write_all(b"a body nobody reads")
@@ -158,7 +171,8 @@ mod tests {
         client.shutdown().await.expect("shut down");
         tokio::time::timeout(
             Duration::from_secs(30),
-            ClientSocket::new(server.as_raw_fd()).gone(),
+            // SAFETY: `server` outlives the watch.
+            unsafe { ClientSocket::new(server.as_raw_fd()) }.gone(),
         )
         .await
         .expect("the shutdown is seen");

@@ -63,6 +63,7 @@ use crate::bindings::exports::snowgate::middleware::handler::Action;
 use crate::gateway::body_limit::{BodyTooLarge, Capped};
 use crate::gateway::body_memory::{self, BodyMemory, NoRoom, Unreserved};
 use crate::gateway::client_body::{BodyProgress, BoxError, ClientFault};
+use crate::gateway::client_gone::ClientGone;
 use crate::gateway::config::{ConnectionLimits, FailurePolicy};
 use crate::gateway::metrics::{Metrics, Outcome};
 use crate::gateway::queued::Queued;
@@ -220,7 +221,11 @@ where
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
         let shared = self.shared.clone();
-        Box::pin(shared.handle(inner, request))
+        // Made here, not in `handle`: a future hyper drops before it ever
+        // polls it (its client's end of stream came with the head) still
+        // counts its request.
+        let verdict = Verdict::new(shared.metrics.clone());
+        Box::pin(shared.handle(inner, request, verdict))
     }
 }
 
@@ -229,6 +234,7 @@ impl Shared {
         self: Arc<Self>,
         mut inner: S,
         request: Request<B>,
+        mut verdict: Verdict,
     ) -> Result<Response<AnswerBody<ResB>>, S::Error>
     where
         S: Service<Request<ForwardBody<B>>, Response = Response<ResB>>,
@@ -250,7 +256,7 @@ impl Shared {
             _ => None,
         };
         if let Some(why) = refused {
-            self.metrics.request(Outcome::ClientError);
+            verdict.count(Outcome::ClientError);
             let mut response =
                 responses::error(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", why);
             response.headers_mut().insert(
@@ -261,7 +267,7 @@ impl Shared {
         }
         let declared = declared_length(request.headers());
         if declared.is_some_and(|len| len > self.max_body_bytes as u64) {
-            self.metrics.request(Outcome::TooLarge);
+            verdict.count(Outcome::TooLarge);
             return own(self.too_large());
         }
         // Whether there is a body at all comes from the body, which hyper
@@ -272,10 +278,7 @@ impl Shared {
         if label == BodyLabel::Other {
             // Counted when the answer comes, or when the client goes away
             // before it (the request is then dropped here).
-            let mut counted = CountOnDrop {
-                metrics: &self.metrics,
-                outcome: Outcome::PassedThrough,
-            };
+            verdict.fallback = Outcome::PassedThrough;
             // A body without a declared length is cut off at the limit as
             // it streams through.
             let capped = request.map(|body| Either::Right(Capped::new(body, self.max_body_bytes)));
@@ -283,8 +286,8 @@ impl Shared {
             // A body the client stalled, broke off or sent too much of is
             // the client's error.
             match response.extensions().get::<ClientFault>() {
-                Some(ClientFault::TooLarge) => counted.outcome = Outcome::TooLarge,
-                Some(_) => counted.outcome = Outcome::ClientError,
+                Some(ClientFault::TooLarge) => verdict.fallback = Outcome::TooLarge,
+                Some(_) => verdict.fallback = Outcome::ClientError,
                 None => {}
             }
             return Ok(response.map(Either::Right));
@@ -293,7 +296,7 @@ impl Shared {
         // reads a compressed body: refuse it, rather than forward a body
         // that may hold a context-only request unstamped.
         if let Some(coding) = content_coding(request.headers()) {
-            self.metrics.request(Outcome::ClientError);
+            verdict.count(Outcome::ClientError);
             let message = format!(
                 "the request body has Content-Encoding {coding:?}; this gateway stamps request ids \
                  into JSON bodies sent without a content coding: send the body uncompressed"
@@ -305,12 +308,6 @@ impl Shared {
             ));
         }
 
-        // Counted once its fate is decided, or as abandoned if its client
-        // goes away before that (the request is then dropped here).
-        let mut verdict = Verdict {
-            metrics: &self.metrics,
-            counted: false,
-        };
         // How the client's body ends, when it came from a client.
         let progress = request.extensions().get::<Arc<BodyProgress>>().cloned();
         let (mut parts, body) = request.into_parts();
@@ -337,15 +334,19 @@ impl Shared {
                 verdict.count(Outcome::BodyMemoryFull);
                 return own(body_memory_full(no_room));
             }
-            // An answer nobody reads: it ends the connection.
+            // An answer nobody is meant to read (a client that only shut
+            // down its sending side does): it ends the connection, and
+            // the server counts it as no answer.
             Err(Unreserved::ClientGone) => {
                 verdict.count(Outcome::Abandoned);
-                return own(responses::closing_error(
+                let mut response = responses::closing_error(
                     StatusCode::BAD_REQUEST,
                     "client_gone",
-                    "the client closed its connection while its request waited for room in the \
-                     gateway's body memory",
-                ));
+                    "the client closed its connection, or shut down its sending side, while its \
+                     request waited for room in the gateway's body memory",
+                );
+                response.extensions_mut().insert(ClientGone);
+                return own(response);
             }
         };
         // Read whole, the body's waits are the client's, over HTTP/2 too.
@@ -558,37 +559,40 @@ fn body_memory_full(no_room: NoRoom) -> Response<Full<Bytes>> {
     response
 }
 
-/// Counts a request read for the plugin once with the outcome it is given,
-/// or as [`Outcome::Abandoned`] if it is dropped before it is given one.
-struct Verdict<'m> {
-    metrics: &'m Metrics,
+/// Counts one request once: with the outcome it is given as soon as its
+/// fate is decided, or, when dropped before that, with `fallback`:
+/// [`Outcome::Abandoned`] (its client went away, or the gateway dropped it
+/// at the end of a shutdown's grace period) unless the request was sent
+/// on as it came, which is counted when its answer comes or its client
+/// goes.
+struct Verdict {
+    metrics: Arc<Metrics>,
     counted: bool,
+    fallback: Outcome,
 }
 
-impl Verdict<'_> {
-    fn count(&mut self, outcome: Outcome) {
-        self.metrics.request(outcome);
-        self.counted = true;
+impl Verdict {
+    fn new(metrics: Arc<Metrics>) -> Verdict {
+        Verdict {
+            metrics,
+            counted: false,
+            fallback: Outcome::Abandoned,
+        }
     }
-}
 
-impl Drop for Verdict<'_> {
-    fn drop(&mut self) {
+    fn count(&mut self, outcome: Outcome) {
         if !self.counted {
-            self.metrics.request(Outcome::Abandoned);
+            self.metrics.request(outcome);
+            self.counted = true;
         }
     }
 }
 
-/// Counts a request with `outcome` when dropped.
-struct CountOnDrop<'m> {
-    metrics: &'m Metrics,
-    outcome: Outcome,
-}
-
-impl Drop for CountOnDrop<'_> {
+impl Drop for Verdict {
     fn drop(&mut self) {
-        self.metrics.request(self.outcome);
+        if !self.counted {
+            self.metrics.request(self.fallback);
+        }
     }
 }
 

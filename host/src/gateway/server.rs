@@ -26,10 +26,10 @@ use tower_service::Service;
 use crate::gateway::activity::{ActiveBody, Activity};
 use crate::gateway::body_memory::{ClientConnection, ConnectionWaits};
 use crate::gateway::client_body::{BodyProgress, ClientBody};
-use crate::gateway::client_gone::ClientSocket;
+use crate::gateway::client_gone::{ClientGone, ClientSocket, CLIENT_GONE_STATUS};
 use crate::gateway::config::ConnectionLimits;
 use crate::gateway::error_chain;
-use crate::gateway::metrics::Outcome;
+use crate::gateway::metrics::{Metrics, Outcome};
 use crate::gateway::middleware::SnowgateLayer;
 use crate::gateway::responses;
 use crate::gateway::send_timeout::SendTimeout;
@@ -57,6 +57,29 @@ const HTTP2_STREAM_WINDOW: u32 = 1 << 20;
 /// not read yet: at most half of this window's worth of them wait at once
 /// (`body_memory::MAX_WAITING_PER_CONNECTION`).
 const HTTP2_CONNECTION_WINDOW: u32 = 16 * HTTP2_STREAM_WINDOW;
+
+/// A request's metrics while hyper has not yet polled its future: dropped
+/// unpolled, it counts the request as abandoned (if `counts`).
+struct Unpolled {
+    metrics: Arc<Metrics>,
+    counts: bool,
+}
+
+impl Unpolled {
+    /// The request's future runs: from here on the middleware counts it.
+    fn polled(mut self) -> Arc<Metrics> {
+        self.counts = false;
+        self.metrics.clone()
+    }
+}
+
+impl Drop for Unpolled {
+    fn drop(&mut self) {
+        if self.counts {
+            self.metrics.request(Outcome::Abandoned);
+        }
+    }
+}
 
 /// Serves clients on `listener` through `layer` in front of `upstream` until
 /// `shutdown` resolves; then stops accepting and lets in-flight requests
@@ -145,7 +168,9 @@ pub async fn serve(
         // memory (see `body_memory::MAX_WAITING_PER_CONNECTION`).
         let waits = Arc::new(ConnectionWaits::default());
         // Watched while one of its HTTP/1 requests waits for that room.
-        let socket = ClientSocket::new(stream.as_raw_fd());
+        // SAFETY: given below only to HTTP/1 requests, whose futures the
+        // connection runs inside its own and drops with it.
+        let socket = unsafe { ClientSocket::new(stream.as_raw_fd()) };
         let per_request = hyper::service::service_fn(move |mut request: Request<Incoming>| {
             let arrived = Instant::now();
             // In flight until hyper has taken its whole response body (or
@@ -189,16 +214,33 @@ pub async fn serve(
             let request = request.map(|body| ClientBody::new(body, pause, http2, progress));
             let is_head = request.method() == http::Method::HEAD;
             let mut service = service.clone();
-            let metrics = metrics.clone();
+            // hyper may drop this future without ever polling it (when the
+            // client's end of stream came with the head): then the request
+            // is counted as abandoned here, as the middleware counts it
+            // once called. A refused one is counted already.
+            let unpolled = Unpolled {
+                metrics: metrics.clone(),
+                counts: refusal.is_none(),
+            };
             async move {
+                let metrics = unpolled.polled();
                 let response = match refusal {
                     Some(refusal) => refusal.map(Either::Left),
                     None => service.call(request).await?,
                 };
                 let took = arrived.elapsed();
-                metrics.response(response.status(), took);
+                // A request whose client went away gets no answer anyone
+                // reads: not counted as one, and logged as nginx logs it.
+                let gone = response.extensions().get::<ClientGone>().is_some();
+                if !gone {
+                    metrics.response(response.status(), took);
+                }
                 if let Some((method, path)) = access {
-                    let status = response.status().as_u16();
+                    let status = if gone {
+                        CLIENT_GONE_STATUS
+                    } else {
+                        response.status().as_u16()
+                    };
                     let ms = format!("{:.3}", took.as_secs_f64() * 1e3);
                     tracing::debug!(target: ACCESS_LOG, %peer, %method, path, status, %ms, "answered");
                 }
