@@ -527,6 +527,15 @@ fn context_only_of(size: usize) -> Vec<u8> {
 /// A gateway in front of `upstream` that takes bodies of up to 1 MiB and
 /// holds at most 1 MiB of them at once, with `more` flags.
 async fn with_one_mib_of_body_memory(upstream: &TestUpstream, more: &[&str]) -> Gateway {
+    with_one_mib_of_body_memory_logging(upstream, more, "info").await
+}
+
+/// [`with_one_mib_of_body_memory`], with `filter` as the log filter.
+async fn with_one_mib_of_body_memory_logging(
+    upstream: &TestUpstream,
+    more: &[&str],
+    filter: &str,
+) -> Gateway {
     let url = upstream.url();
     let mut args = vec![
         "--upstream",
@@ -537,7 +546,7 @@ async fn with_one_mib_of_body_memory(upstream: &TestUpstream, more: &[&str]) -> 
         "1",
     ];
     args.extend_from_slice(more);
-    Gateway::start(&args).await
+    Gateway::start_logging(&args, filter).await
 }
 
 /// A request body an HTTP/2 test sends.
@@ -581,15 +590,16 @@ async fn hold_body_memory(gateway: &Gateway, size: usize) -> (TcpStream, Vec<u8>
 }
 
 /// A context-only POST of 500 KiB, sent from a task of its own once it
-/// waits for room behind a [`hold_body_memory`] of 700 KiB in 1 MiB.
-async fn queue_for_room(gateway: &Gateway) -> tokio::task::JoinHandle<Reply> {
+/// waits for room behind a [`hold_body_memory`] of 700 KiB in 1 MiB, as the
+/// `in_line`-th request that waits.
+async fn queue_for_room(gateway: &Gateway, in_line: f64) -> tokio::task::JoinHandle<Reply> {
     let waiter = tokio::spawn(post_json(
         gateway.addr,
         "/v1/completions",
         context_only_of(500 << 10),
     ));
     gateway
-        .wait_metric("snowgate_body_memory_waiting", 1.0)
+        .wait_metric("snowgate_body_memory_waiting", in_line)
         .await;
     waiter
 }
@@ -609,7 +619,7 @@ async fn a_body_waits_for_room_in_the_body_memory_and_then_goes_through() {
     );
 
     let (mut holder, rest) = hold_body_memory(&gateway, 700 << 10).await;
-    let waiter = queue_for_room(&gateway).await;
+    let waiter = queue_for_room(&gateway, 1.0).await;
     assert!(upstream.seen().is_empty(), "nothing went upstream yet");
     assert!(!waiter.is_finished());
 
@@ -731,6 +741,26 @@ fn head_expecting_continue(length: Option<usize>) -> String {
     )
 }
 
+/// An upstream that takes connections and reads nothing from them, and a
+/// gateway in front of it that takes bodies of up to 16 MiB and holds at
+/// most 16 MiB of them at once, with `more` flags.
+async fn sixteen_mib_before_a_silent_upstream(more: &[&str]) -> (tokio::net::TcpListener, Gateway) {
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let upstream = format!("http://{}", silent.local_addr().expect("address"));
+    let mut args = vec![
+        "--upstream",
+        &upstream,
+        "--max-body-bytes",
+        "16777216",
+        "--body-memory-mib",
+        "16",
+    ];
+    args.extend_from_slice(more);
+    (silent, Gateway::start(&args).await)
+}
+
 /// A request that finds no room within `--body-read-timeout-ms` gets 503
 /// `body_memory_full`, with `Retry-After`, naming the flag, and its
 /// connection closes; nothing of it reaches the plugin or the upstream. A
@@ -739,22 +769,8 @@ fn head_expecting_continue(length: Option<usize>) -> String {
 /// read: room is held until the body is written out, not just read.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_that_finds_no_room_in_time_gets_503_body_memory_full() {
-    // An upstream that takes connections and reads nothing from them.
-    let silent = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let upstream = format!("http://{}", silent.local_addr().expect("address"));
-    let gateway = Gateway::start(&[
-        "--upstream",
-        &upstream,
-        "--max-body-bytes",
-        "16777216",
-        "--body-memory-mib",
-        "16",
-        "--body-read-timeout-ms",
-        "2000",
-    ])
-    .await;
+    let (silent, gateway) =
+        sixteen_mib_before_a_silent_upstream(&["--body-read-timeout-ms", "2000"]).await;
     // 12 MiB: more than loopback's socket buffers take while nobody reads.
     let holder = tokio::spawn(post_json(
         gateway.addr,
@@ -826,19 +842,7 @@ async fn a_request_that_finds_no_room_in_time_gets_503_body_memory_full() {
 /// held by an upstream that reads nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rewritten_body_beyond_the_free_room_is_counted_as_overdrawn() {
-    let silent = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let upstream = format!("http://{}", silent.local_addr().expect("address"));
-    let gateway = Gateway::start(&[
-        "--upstream",
-        &upstream,
-        "--max-body-bytes",
-        "16777216",
-        "--body-memory-mib",
-        "16",
-    ])
-    .await;
+    let (silent, gateway) = sixteen_mib_before_a_silent_upstream(&[]).await;
     let element = r#"{"disaggregated_params":{"request_type":"context_only"}}"#;
     let count = ((16 << 20) - 2) / (element.len() + 1);
     let body = format!("[{}]", vec![element; count].join(","));
@@ -886,7 +890,7 @@ async fn a_body_with_room_must_arrive_whole_within_the_body_read_timeout() {
     let gateway = with_one_mib_of_body_memory(&upstream, &["--body-read-timeout-ms", "1500"]).await;
     let started = Instant::now();
     let (mut holder, rest) = hold_body_memory(&gateway, 700 << 10).await;
-    let waiter = queue_for_room(&gateway).await;
+    let waiter = queue_for_room(&gateway, 1.0).await;
 
     let cut_off = gateway.wait_metric("snowgate_requests_total{outcome=\"client_error\"}", 1.0);
     let mut cut_off = std::pin::pin!(cut_off);
@@ -1007,19 +1011,8 @@ async fn one_connection_has_at_most_8_requests_waiting_for_room() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_http1_client_that_goes_away_while_waiting_for_room_leaves_the_line() {
     let upstream = TestUpstream::start().await;
-    let url = upstream.url();
-    let gateway = Gateway::start_logging(
-        &[
-            "--upstream",
-            &url,
-            "--max-body-bytes",
-            "1048576",
-            "--body-memory-mib",
-            "1",
-        ],
-        "info,snowgate::access=debug",
-    )
-    .await;
+    let gateway =
+        with_one_mib_of_body_memory_logging(&upstream, &[], "info,snowgate::access=debug").await;
     let (mut holder, rest) = hold_body_memory(&gateway, 700 << 10).await;
     let head = |length: usize| {
         format!(
@@ -1046,14 +1039,7 @@ async fn an_http1_client_that_goes_away_while_waiting_for_room_leaves_the_line()
     gateway
         .wait_metric("snowgate_body_memory_waiting", 2.0)
         .await;
-    let behind = tokio::spawn(post_json(
-        gateway.addr,
-        "/v1/completions",
-        context_only_of(500 << 10),
-    ));
-    gateway
-        .wait_metric("snowgate_body_memory_waiting", 3.0)
-        .await;
+    let behind = queue_for_room(&gateway, 3.0).await;
 
     drop((head_only, partway));
     gateway
@@ -1112,6 +1098,23 @@ async fn a_request_whose_client_left_with_its_head_is_counted() {
     assert_eq!(all_outcomes(&gateway.metrics().await), 1.0);
 }
 
+/// Once `gauge` reads 1, resets the HTTP/2 stream of the request `sending`
+/// sends (by dropping its response future), and waits until the gateway
+/// has counted `abandoned` requests in all and `gauge` reads 0 again.
+async fn reset_while<T>(
+    gateway: &Gateway,
+    sending: tokio::task::JoinHandle<T>,
+    gauge: &str,
+    abandoned: f64,
+) {
+    gateway.wait_metric(gauge, 1.0).await;
+    sending.abort();
+    gateway
+        .wait_metric(r#"snowgate_requests_total{outcome="abandoned"}"#, abandoned)
+        .await;
+    gateway.wait_metric(gauge, 0.0).await;
+}
+
 /// A request whose client goes away before the gateway has decided what to
 /// do with it is counted as `abandoned`, so that the outcomes add up to
 /// the requests received: here an HTTP/2 stream reset while it waits for
@@ -1143,15 +1146,7 @@ async fn a_request_its_client_abandons_before_its_fate_is_decided_is_counted_as_
         &gateway,
         Full::new(Bytes::from(context_only_of(500 << 10))).boxed(),
     );
-    gateway
-        .wait_metric("snowgate_body_memory_waiting", 1.0)
-        .await;
-    // Dropping the response future resets the stream.
-    waiting.abort();
-    gateway.wait_metric(abandoned, 1.0).await;
-    gateway
-        .wait_metric("snowgate_body_memory_waiting", 0.0)
-        .await;
+    reset_while(&gateway, waiting, "snowgate_body_memory_waiting", 1.0).await;
     drop((holder, rest));
     gateway.wait_metric("snowgate_body_memory_bytes", 0.0).await;
 
@@ -1165,14 +1160,7 @@ async fn a_request_its_client_abandons_before_its_fate_is_decided_is_counted_as_
         .expect("a request");
     let mut call_sender = sender.clone();
     let sleeping = tokio::spawn(async move { call_sender.send_request(request).await });
-    gateway
-        .wait_metric("snowgate_plugin_calls_running", 1.0)
-        .await;
-    sleeping.abort();
-    gateway.wait_metric(abandoned, 2.0).await;
-    gateway
-        .wait_metric("snowgate_plugin_calls_running", 0.0)
-        .await;
+    reset_while(&gateway, sleeping, "snowgate_plugin_calls_running", 2.0).await;
     assert!(upstream.seen().is_empty(), "{:?}", upstream.seen().len());
 
     // The connection, and the gateway, serve on.
