@@ -221,9 +221,9 @@ where
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
         let shared = self.shared.clone();
-        // Made here, not in `handle`: a future hyper drops before it ever
-        // polls it (its client's end of stream came with the head) still
-        // counts its request.
+        // Made here, not in `handle`: a server may drop the future without
+        // ever polling it (hyper does when the client's end of stream came
+        // with the head), and the request is still counted.
         let verdict = Verdict::new(shared.metrics.clone());
         Box::pin(shared.handle(inner, request, verdict))
     }
