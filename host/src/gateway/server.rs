@@ -67,9 +67,9 @@ struct Unpolled {
 
 impl Unpolled {
     /// The request's future runs: from here on the middleware counts it.
-    fn polled(mut self) -> Arc<Metrics> {
+    fn polled(&mut self) -> &Metrics {
         self.counts = false;
-        self.metrics.clone()
+        &self.metrics
     }
 }
 
@@ -218,7 +218,7 @@ pub async fn serve(
             // client's end of stream came with the head): then the request
             // is counted as abandoned here, as the middleware counts it
             // once called. A refused one is counted already.
-            let unpolled = Unpolled {
+            let mut unpolled = Unpolled {
                 metrics: metrics.clone(),
                 counts: refusal.is_none(),
             };
@@ -510,22 +510,11 @@ fn not_implemented(coding: &str) -> http::Response<http_body_util::Full<Bytes>> 
         "the request has Transfer-Encoding {coding:?}; this gateway decodes only chunked: send \
          the body without another transfer coding"
     );
-    refusal_before_the_body(
+    responses::closing_error(
         http::StatusCode::NOT_IMPLEMENTED,
         "unsupported_transfer_encoding",
         &message,
     )
-}
-
-/// An error answer to a request refused before its body is read: its
-/// connection ends, since the unread body would be read as the next
-/// request.
-fn refusal_before_the_body(
-    status: http::StatusCode,
-    code: &str,
-    message: &str,
-) -> http::Response<http_body_util::Full<Bytes>> {
-    responses::closing_error(status, code, message)
 }
 
 /// What is wrong with an HTTP/1.1 request's head that hyper lets through:
@@ -556,7 +545,7 @@ fn malformed_head<B>(request: &Request<B>) -> Option<String> {
 
 /// The answer to a request whose head [`malformed_head`] refuses.
 fn bad_head(problem: String) -> http::Response<http_body_util::Full<Bytes>> {
-    refusal_before_the_body(
+    responses::closing_error(
         http::StatusCode::BAD_REQUEST,
         "invalid_request_head",
         &problem,
@@ -566,7 +555,7 @@ fn bad_head(problem: String) -> http::Response<http_body_util::Full<Bytes>> {
 /// The answer to a request whose path [`Upstream::path_problem`] refuses:
 /// given before the body is read, so it costs no plugin call.
 fn bad_path(problem: String) -> http::Response<http_body_util::Full<Bytes>> {
-    refusal_before_the_body(http::StatusCode::BAD_REQUEST, "bad_path", &problem)
+    responses::closing_error(http::StatusCode::BAD_REQUEST, "bad_path", &problem)
 }
 
 /// The client's address as `X-Forwarded-For` gets it, made once per
