@@ -36,9 +36,12 @@ pub enum Outcome {
     /// (`--body-memory-mib`) in time: answered 503.
     BodyMemoryFull,
     /// Its client went away (closed its connection, reset its HTTP/2
-    /// stream) before the gateway had decided what to do with it: while it
-    /// waited for room for its body, or for a plugin call slot, or during
-    /// the call. nginx logs such a request as 499.
+    /// stream) before the gateway had decided what to do with it: at once,
+    /// before the request ran at all, or, for one read for the plugin,
+    /// while it waited for room for its body or for a plugin call slot, or
+    /// during the call. Requests the gateway drops itself when a
+    /// shutdown's grace period ends count here too. nginx logs such a
+    /// request as 499.
     Abandoned,
 }
 
