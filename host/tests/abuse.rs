@@ -738,7 +738,6 @@ async fn a_client_that_only_pings_loses_its_idle_http2_connection() {
 /// limit, for as long as it liked (a review held 1.8 GB for minutes).
 #[tokio::test(flavor = "multi_thread")]
 async fn an_http2_client_that_stalls_a_json_body_gets_408() {
-    use http_body_util::BodyExt as _;
     use support::ChannelBody;
 
     let upstream = TestUpstream::start().await;
@@ -765,13 +764,9 @@ async fn an_http2_client_that_stalls_a_json_body_gets_408() {
     )
     .await
     .expect("a response");
-    assert_eq!(response.status(), 408);
-    let answer = response
-        .into_body()
-        .collect()
-        .await
-        .expect("the body")
-        .to_bytes();
+    let response = support::Reply::read(response).await;
+    assert_eq!(response.status, 408);
+    let answer = response.body;
     assert!(
         String::from_utf8_lossy(&answer).contains("body_timeout"),
         "{answer:?}"

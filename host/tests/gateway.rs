@@ -953,15 +953,9 @@ async fn one_connection_has_at_most_8_requests_waiting_for_room() {
         .await
         .expect("joined")
         .expect("a response");
-    assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
-    let body = refused
-        .into_body()
-        .collect()
-        .await
-        .expect("a body")
-        .to_bytes();
-    let body: Value = serde_json::from_slice(&body).expect("JSON");
-    let message = assert_openai_error(&body, "body_memory_full", "server_error");
+    let refused = Reply::read(refused).await;
+    assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE);
+    let message = assert_openai_error(&refused.json(), "body_memory_full", "server_error");
     assert!(
         message.contains("8 other requests of this connection"),
         "{message}"

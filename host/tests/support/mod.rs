@@ -812,6 +812,20 @@ pub struct Reply {
 }
 
 impl Reply {
+    /// `response`, its body read whole (within [`STEP`]).
+    pub async fn read(response: Response<Incoming>) -> Reply {
+        let (parts, body) = response.into_parts();
+        let body = bounded("a response body", STEP, body.collect())
+            .await
+            .expect("a whole body")
+            .to_bytes();
+        Reply {
+            status: parts.status,
+            headers: parts.headers,
+            body,
+        }
+    }
+
     /// The body as text.
     pub fn text(&self) -> &str {
         std::str::from_utf8(&self.body).expect("a UTF-8 body")
@@ -872,17 +886,7 @@ impl Client {
 
     /// Sends `request` and reads the whole response.
     pub async fn send(&mut self, request: Request<Full<Bytes>>) -> Reply {
-        let response = self.send_streaming(request).await;
-        let (parts, body) = response.into_parts();
-        let body = bounded("a response body", STEP, body.collect())
-            .await
-            .expect("a whole body")
-            .to_bytes();
-        Reply {
-            status: parts.status,
-            headers: parts.headers,
-            body,
-        }
+        Reply::read(self.send_streaming(request).await).await
     }
 
     /// `GET path`.
