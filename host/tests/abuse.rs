@@ -12,9 +12,10 @@ use std::time::{Duration, Instant};
 
 use snowgate_host::gateway::admin::MAX_ADMIN_CONNECTIONS;
 use support::{
-    bounded, connect_many, get, metric, post_json, Gateway, TestUpstream, CONTEXT_ONLY, STEP,
+    bounded, connect_many, get, metric, post_json, read_raw_response, Gateway, TestUpstream,
+    CONTEXT_ONLY, STEP,
 };
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 
 /// How a connection ended for an abusive client.
@@ -840,6 +841,61 @@ async fn hundreds_of_idle_connections_are_closed_and_others_are_served_meanwhile
         started.elapsed()
     );
     still_serves(&gateway).await;
+}
+
+/// A keep-alive connection busy with one quick request after another is
+/// never closed as idle: not at the header read timeout after it opened
+/// (a first request that began and ended between two looks at the
+/// connection once left it counted idle, and the next request went
+/// unanswered), nor later. Clients, one after another, each send requests
+/// back to back (each in one write, as most clients do) for three
+/// timeouts, and every request is answered on the client's one connection.
+#[tokio::test(flavor = "multi_thread")]
+async fn busy_keep_alive_connections_are_never_closed_as_idle() {
+    const TIMEOUT_MS: u64 = 300;
+    let gateway = Gateway::start(&["--header-read-timeout-ms", &TIMEOUT_MS.to_string()]).await;
+    let mut request = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: gateway.example\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        CONTEXT_ONLY.len()
+    )
+    .into_bytes();
+    request.extend_from_slice(CONTEXT_ONLY.as_bytes());
+    let busy_for = Duration::from_millis(3 * TIMEOUT_MS);
+    let mut closed = Vec::new();
+    for client in 0..6 {
+        let stream = TcpStream::connect(gateway.addr).await.expect("connect");
+        let mut reader = BufReader::new(stream);
+        let started = Instant::now();
+        let mut answered = 0;
+        while started.elapsed() < busy_for {
+            let exchange = async {
+                reader.get_mut().write_all(&request).await?;
+                // The end of the stream before a status line: closed.
+                if reader.fill_buf().await?.is_empty() {
+                    return Ok(None);
+                }
+                Ok::<_, std::io::Error>(Some(read_raw_response(&mut reader).await))
+            };
+            match bounded("an answer or the end", STEP, exchange).await {
+                Ok(Some(reply)) => assert_eq!(
+                    reply.status,
+                    200,
+                    "{}",
+                    String::from_utf8_lossy(&reply.body)
+                ),
+                Ok(None) | Err(_) => {
+                    closed.push(format!(
+                        "client {client}: closed after {answered} answers, {:?} after it opened",
+                        started.elapsed()
+                    ));
+                    break;
+                }
+            }
+            answered += 1;
+        }
+    }
+    assert!(closed.is_empty(), "busy connections closed: {closed:#?}");
 }
 
 /// The admin listener is no softer than the main one: connections that

@@ -28,6 +28,10 @@ const HTTP2_PIECE: usize = 16 << 10;
 #[derive(Clone)]
 pub struct Activity {
     in_flight: watch::Sender<usize>,
+    /// Requests begun so far, counted or not in `in_flight`: a request
+    /// that begins and ends between two looks at `in_flight` still shows
+    /// here, so a connection busy with quick requests is never idle.
+    begun: Arc<AtomicU64>,
     /// Whether a request came in over HTTP/1, whose idle connections
     /// hyper closes by itself.
     http1: Arc<AtomicBool>,
@@ -59,6 +63,7 @@ impl Default for Activity {
     fn default() -> Self {
         Activity {
             in_flight: watch::Sender::new(0),
+            begun: Arc::default(),
             http1: Arc::new(AtomicBool::new(false)),
             taking: Arc::default(),
             socket_full: Arc::default(),
@@ -73,6 +78,7 @@ impl Activity {
     /// of it; see [`ActiveBody`]).
     pub fn begin(&self, version: http::Version) -> InFlight {
         let http2 = version >= http::Version::HTTP_2;
+        self.begun.fetch_add(1, Ordering::Relaxed);
         // Over HTTP/1 only the connection's first request is counted. It
         // wakes the waiters, which then see an HTTP/1 connection and wait
         // for nothing more (hyper closes those itself); counting every
@@ -92,6 +98,12 @@ impl Activity {
     /// Resolves once no request has been in flight for `timeout` straight,
     /// on a connection that is not HTTP/1 (hyper closes those itself, and
     /// a second timer would race its own); never for HTTP/1.
+    ///
+    /// A request that begins and ends while this is not looking (between
+    /// two polls of its task, as a quick one does) leaves `in_flight` as
+    /// it was, but not `begun`: the timeout then starts over. Without
+    /// that, an HTTP/1 connection whose first request was that quick was
+    /// closed under its client a timeout after it opened, however busy.
     pub async fn idle_for(&self, timeout: Duration) {
         let mut in_flight = self.in_flight.subscribe();
         loop {
@@ -100,12 +112,15 @@ impl Activity {
             if self.http1.load(Ordering::Relaxed) {
                 return std::future::pending().await;
             }
+            let begun = self.begun.load(Ordering::Relaxed);
             tokio::select! {
                 // A request that came in as the time ran out wins.
                 biased;
                 _ = in_flight.wait_for(|n| *n > 0) => {}
                 () = tokio::time::sleep(timeout) => {
-                    if *self.in_flight.borrow() == 0 {
+                    let quiet = *self.in_flight.borrow() == 0
+                        && self.begun.load(Ordering::Relaxed) == begun;
+                    if quiet {
                         return;
                     }
                 }
@@ -400,6 +415,27 @@ mod tests {
         assert!(!ready(idle.as_mut()).await);
         tokio::time::advance(Duration::from_millis(1)).await;
         assert!(ready(idle.as_mut()).await);
+    }
+
+    /// A request that begins and ends between two polls of the waiter
+    /// (the waiter's task was busy serving it) still counts: over HTTP/1
+    /// the connection is then never idle, and over HTTP/2 the timeout
+    /// starts over.
+    #[tokio::test(start_paused = true)]
+    async fn a_request_begun_and_ended_unseen_still_counts() {
+        for version in [Version::HTTP_11, Version::HTTP_2] {
+            let activity = Activity::default();
+            let idle = activity.idle_for(TIMEOUT);
+            tokio::pin!(idle);
+            assert!(!ready(idle.as_mut()).await);
+            tokio::time::advance(TIMEOUT / 2).await;
+            drop(activity.begin(version));
+            tokio::time::advance(TIMEOUT / 2).await;
+            assert!(!ready(idle.as_mut()).await, "idle over {version:?}");
+            tokio::time::advance(TIMEOUT * 2).await;
+            let idle_now = ready(idle.as_mut()).await;
+            assert_eq!(idle_now, version == Version::HTTP_2, "{version:?}");
+        }
     }
 
     /// A response body of `pieces` whole HTTP/2 pieces, in flight on
