@@ -73,6 +73,15 @@ const RELEASE_WAIT: Duration = Duration::from_secs(1);
 /// with a long TTL that had not noticed yet (a review measured 12,941
 /// shared ids, TTL 30 s against 3 s).
 const LONGEST_MARK_LEAD: Duration = Duration::from_secs(10);
+/// How far apart two hosts' wall clocks may be for a new holder of a slot
+/// whose mark etcd lost to start past every id its last holder may still
+/// issue (see `floor_without_mark`). The fleet's clocks must agree within
+/// this (NTP or chrony keep them within milliseconds). Without it, the
+/// bound had no room at all: a holder fresh on a slot without a mark runs
+/// its id clock 8.8 s ahead, so its mark lies 19.8 s ahead of its wall
+/// clock, and a successor's floor 20 s ahead of its own; a review measured
+/// 118,250 ids issued twice by two replicas whose clocks were 0.9 s apart.
+const CLOCK_AGREEMENT: Duration = Duration::from_secs(1);
 /// How many times a holder reads and writes its slot's high-water mark
 /// before it gives up on a write because the mark keeps changing in
 /// between (see `Keeper::put_mark`).
@@ -782,17 +791,8 @@ impl Keeper {
             let floor = match high_water {
                 Some(ms) => ms,
                 // No mark: a slot never held, or one whose mark etcd lost
-                // with its data. In the second case its last holder may
-                // not know yet, and go on issuing ids until it does or its
-                // lease deadline comes, but none past the mark etcd last
-                // confirmed to it: one it set at most a fleet's mark lead
-                // ahead of a millisecond its id clock had reached, which
-                // was at most `MAX_LEAD` ahead of its wall clock (its id
-                // clock refuses more). Start past them, whatever TTL that
-                // holder had.
-                None => millis_of(SystemTime::now())
-                    .saturating_add(fleet_mark_ahead())
-                    .saturating_add(MAX_LEAD.as_millis() as u64),
+                // with its data.
+                None => floor_without_mark(millis_of(SystemTime::now())),
             };
             // The mark is moved only once the wait is over, and the clock
             // only once nothing can fail before the slot is used: a claim
@@ -870,7 +870,7 @@ impl Keeper {
     /// request refused. Taking over after a crash waits up to about the
     /// last holder's mark lead (a TTL and a second, at most
     /// [`fleet_mark_ahead`]); a slot without a mark [`fleet_mark_ahead`]
-    /// (see `claim_under`).
+    /// and [`CLOCK_AGREEMENT`] (see [`floor_without_mark`]).
     async fn wait_for_the_floor(
         &mut self,
         client: &mut Client,
@@ -1426,6 +1426,21 @@ fn fleet_mark_ahead() -> u64 {
     (LONGEST_MARK_LEAD + SAFETY_MARGIN).as_millis() as u64
 }
 
+/// Where a new holder of a slot without a high-water mark starts its id
+/// clock, at `now` by its wall clock. A slot without a mark was never
+/// held, or etcd lost its data; in the second case the slot's last holder
+/// may not know yet, and go on issuing ids until it does or its lease
+/// deadline comes, but none past the mark etcd last confirmed to it: one
+/// it set at most [`fleet_mark_ahead`] ahead of a millisecond its id clock
+/// had reached, which was at most [`MAX_LEAD`] ahead of its wall clock (its
+/// id clock refuses more), whatever TTL it had. Its wall clock may be up
+/// to [`CLOCK_AGREEMENT`] ahead of this one.
+fn floor_without_mark(now: u64) -> u64 {
+    now.saturating_add(fleet_mark_ahead())
+        .saturating_add(MAX_LEAD.as_millis() as u64)
+        .saturating_add(CLOCK_AGREEMENT.as_millis() as u64)
+}
+
 /// Why a lease ended that etcd no longer knows.
 const LEASE_NOT_FOUND: &str =
     "etcd no longer knows the lease (it expired, was revoked, or etcd lost its data)";
@@ -1502,6 +1517,39 @@ mod tests {
         assert!(problem.contains("more than a day past"), "{problem}");
         assert!(problem.contains("2025-11-24T16:00:00.001Z"), "{problem}");
         assert!(parse_high_water(KEY, u64::MAX.to_string().as_bytes(), FURTHEST).is_err());
+    }
+
+    /// The furthest mark a holder could have had confirmed, by its wall
+    /// clock at the time: its id clock at most `MAX_LEAD` ahead, its mark at
+    /// most a fleet's mark lead past that.
+    fn furthest_confirmed_mark(holder_wall: u64) -> u64 {
+        holder_wall + MAX_LEAD.as_millis() as u64 + fleet_mark_ahead()
+    }
+
+    /// A new holder of a slot whose mark etcd lost starts past every id
+    /// the last holder may still issue, when that holder's clock was
+    /// ahead of the new holder's by anything short of `CLOCK_AGREEMENT`
+    /// (and its mark was set as late as the new claim).
+    #[test]
+    fn a_floor_without_a_mark_is_past_a_holder_whose_clock_is_ahead_within_the_agreement() {
+        let now = FURTHEST;
+        let agreement = CLOCK_AGREEMENT.as_millis() as u64;
+        for ahead in [0, 1, 500, 900, agreement - 1] {
+            let mark = furthest_confirmed_mark(now + ahead);
+            assert!(
+                floor_without_mark(now) > mark,
+                "a holder {ahead} ms ahead had mark {mark}, past the floor {}",
+                floor_without_mark(now)
+            );
+        }
+        // The allowance is what keeps them apart, no more.
+        assert_eq!(floor_without_mark(now), furthest_confirmed_mark(now + agreement));
+        // A fresh holder on a slot without a mark waits its floor less
+        // `MAX_LEAD` and the room for bursts: about 12 s.
+        let wait = floor_without_mark(now) + ROOM_FOR_BURSTS.as_millis() as u64
+            - MAX_LEAD.as_millis() as u64
+            - now;
+        assert_eq!(wait, 12_200);
     }
 
     #[test]

@@ -1174,8 +1174,8 @@ async fn stamp_until(replica: &Gateway, until: Instant) -> Vec<u64> {
 
 /// etcd restarted empty under a replica with a long TTL (60 s, so 20 s
 /// between renewals), with a replica with the shortest TTL started right
-/// after: that one takes the slot with no mark and stamps from 10 + 1 + 9 s
-/// ahead, 11.2 s later; the long-TTL holder must not go on stamping until
+/// after: that one takes the slot with no mark and stamps from 10 + 1 + 9
+/// + 1 s ahead, 12.2 s later; the long-TTL holder must not go on stamping until
 /// its next renewal, when its clock reaches those ids. It notices when the
 /// restart breaks its keep-alive stream.
 #[tokio::test(flavor = "multi_thread")]
