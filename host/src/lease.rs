@@ -1543,7 +1543,10 @@ mod tests {
             );
         }
         // The allowance is what keeps them apart, no more.
-        assert_eq!(floor_without_mark(now), furthest_confirmed_mark(now + agreement));
+        assert_eq!(
+            floor_without_mark(now),
+            furthest_confirmed_mark(now + agreement)
+        );
         // A fresh holder on a slot without a mark waits its floor less
         // `MAX_LEAD` and the room for bursts: about 12 s.
         let wait = floor_without_mark(now) + ROOM_FOR_BURSTS.as_millis() as u64

@@ -2127,6 +2127,38 @@ async fn an_unasked_101_from_the_upstream_is_a_502() {
     }
 }
 
+/// An upstream response head over 64 KiB is a 502 naming the limit, as
+/// nginx's "upstream sent too big header", not passed on to a client that
+/// may refuse it; one just under passes whole. The body is not limited.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_response_head_over_64_kib_is_a_502() {
+    fn response_with_header_of(bytes: usize) -> &'static [u8] {
+        let mut response = format!(
+            "HTTP/1.1 200 OK\r\nContent-Length: 200000\r\nX-Big: {}\r\n\r\n",
+            "b".repeat(bytes)
+        )
+        .into_bytes();
+        response.extend_from_slice(&[b'.'; 200_000]);
+        response.leak()
+    }
+    let fits = RawUpstream::start(response_with_header_of(60 << 10)).await;
+    let gateway = Gateway::start(&["--upstream", &fits.url()]).await;
+    let reply = get(gateway.addr, "/v1/models").await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    assert_eq!(reply.header("x-big").map(str::len), Some(60 << 10));
+    assert_eq!(reply.body.len(), 200_000);
+
+    let too_big = RawUpstream::start(response_with_header_of(100 << 10)).await;
+    let gateway = Gateway::start(&["--upstream", &too_big.url()]).await;
+    let mut client = Client::connect(gateway.addr).await;
+    for _ in 0..2 {
+        let reply = client.get("/v1/models").await;
+        assert_eq!(reply.status, StatusCode::BAD_GATEWAY, "{}", reply.text());
+        let message = assert_openai_error(&reply.json(), "upstream_failed", "server_error");
+        assert!(message.contains("response head over 64 KiB"), "{message}");
+    }
+}
+
 /// An upstream response in a transfer coding other than chunked (`gzip,
 /// chunked`) is a 502: hyper takes it out of its chunks only, and passed on
 /// it would reach the client as gzip bytes with nothing saying so.

@@ -28,7 +28,9 @@ use crate::gateway::metrics::Metrics;
 use crate::gateway::read_body::{read_limited, ReadBodyError};
 use crate::gateway::responses;
 use crate::gateway::transfer_coding;
-use crate::gateway::upstream_pool::{ConnectionPool, PooledBody, SendError};
+use crate::gateway::upstream_pool::{
+    ConnectionPool, PooledBody, SendError, MAX_RESPONSE_HEAD_BYTES,
+};
 use crate::gateway::upstream_read_timeout::UpstreamReadTimeout;
 use crate::log_throttle::LogThrottle;
 
@@ -472,6 +474,11 @@ impl UpstreamFailure {
             SendError::Connect(e) => {
                 UpstreamFailure::Unreachable(format!("could not be reached: {e}"))
             }
+            SendError::Request(e) if e.is_parse_too_large() => UpstreamFailure::Failed(format!(
+                "answered with a response head over {} KiB, more than the gateway takes \
+                 (its status line and headers; the body is not limited)",
+                MAX_RESPONSE_HEAD_BYTES >> 10
+            )),
             SendError::Request(e) => UpstreamFailure::Failed(format!(
                 "failed to answer the request: {}",
                 error_chain::describe(e)

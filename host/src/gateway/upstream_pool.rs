@@ -39,6 +39,15 @@ use tokio::task::AbortHandle;
 
 use crate::gateway::upstream::UpstreamBody as RequestBody;
 
+/// The largest response head (status line and headers) taken from the
+/// upstream, in bytes: as large as the request heads clients may send by
+/// default (`--max-header-bytes`). A larger one fails the request with
+/// 502, as nginx's `upstream sent too big header` does (its limit is 4 or
+/// 8 KiB), rather than reaching a client that may refuse it: an HTTP/2
+/// client's `SETTINGS_MAX_HEADER_LIST_SIZE`, or its memory. hyper's own
+/// limit is about 400 KiB.
+pub const MAX_RESPONSE_HEAD_BYTES: usize = 64 << 10;
+
 /// Keep-alive connections to the upstream at one host and port.
 pub struct ConnectionPool {
     shared: Arc<Shared>,
@@ -232,6 +241,7 @@ impl Shared {
             .map_err(|e| e.unwrap_or_else(timed_out))?;
         stream.set_nodelay(true).map_err(SendError::Connect)?;
         let (sender, connection) = http1::Builder::new()
+            .max_header_size(MAX_RESPONSE_HEAD_BYTES)
             .handshake(TokioIo::new(stream))
             .await
             .map_err(SendError::Request)?;
