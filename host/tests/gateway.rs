@@ -3044,6 +3044,78 @@ async fn sigterm_stops_accepting_and_drains_in_flight_requests() {
     assert!(gateway.stderr_text().contains("SIGTERM"));
 }
 
+/// A client that goes away while the upstream works on its request (an
+/// HTTP/1 client closing its connection, an HTTP/2 one resetting its
+/// stream) leaves an access log line with status 499, as nginx logs it,
+/// and its upstream exchange is abandoned: the upstream sees its
+/// connection close.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_gone_while_the_upstream_works_is_logged_as_499_and_cancelled_upstream() {
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start_logging(
+        &["--upstream", &upstream.url()],
+        "info,snowgate::access=debug",
+    )
+    .await;
+    let waited = |what| bounded(what, STEP, upstream.state.held.notified());
+    let closed = || {
+        upstream
+            .state
+            .closed
+            .load(std::sync::atomic::Ordering::SeqCst)
+    };
+
+    // HTTP/1: the client closes its connection.
+    let mut stream = TcpStream::connect(gateway.addr).await.expect("connect");
+    stream
+        .write_all(b"GET /hold/h1 HTTP/1.1\r\nHost: gateway.example\r\n\r\n")
+        .await
+        .expect("write the request");
+    waited("the HTTP/1 request to reach the upstream").await;
+    let closed_before = closed();
+    drop(stream);
+    gateway
+        .wait_log_until("a 499 line for the HTTP/1 request", |log| {
+            log.lines()
+                .any(|l| l.contains("path=\"/hold/h1\"") && l.contains("status=499"))
+        })
+        .await;
+    bounded("the upstream connection to close", STEP, async {
+        while closed() == closed_before {
+            upstream.state.closed_one.notified().await;
+        }
+    })
+    .await;
+
+    // HTTP/2: the client resets its stream (hyper does when the response
+    // future is dropped); the connection stays.
+    let mut sender = http2_to::<Full<Bytes>>(gateway.addr).await;
+    let request = http::Request::get(format!("http://{}/hold/h2", gateway.addr))
+        .body(Full::default())
+        .expect("a request");
+    let response = sender.send_request(request);
+    let abandoned = tokio::spawn(response);
+    waited("the HTTP/2 request to reach the upstream").await;
+    abandoned.abort();
+    gateway
+        .wait_log_until("a 499 line for the HTTP/2 request", |log| {
+            log.lines()
+                .any(|l| l.contains("path=\"/hold/h2\"") && l.contains("status=499"))
+        })
+        .await;
+    let request = http::Request::get(format!("http://{}/v1/models", gateway.addr))
+        .body(Full::default())
+        .expect("a request");
+    let response = bounded(
+        "an answer on the same connection",
+        STEP,
+        sender.send_request(request),
+    )
+    .await
+    .expect("a response");
+    assert_eq!(response.status(), StatusCode::OK);
+}
+
 /// The drain is bounded: a request that never finishes does not keep the
 /// gateway up past --shutdown-grace-secs; it still exits 0.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -5,6 +5,7 @@
 //! goes on to the [`upstream`]. The serving plugin lives in a [`slot`] that
 //! [`watch`] reloads; [`admin`] and [`metrics`] show what happens.
 
+pub mod access_log;
 pub mod activity;
 pub mod admin;
 pub mod body_limit;

@@ -23,6 +23,7 @@ use tokio::sync::Semaphore;
 use tower_layer::Layer;
 use tower_service::Service;
 
+use crate::gateway::access_log::AccessLine;
 use crate::gateway::activity::{ActiveBody, Activity};
 use crate::gateway::body_memory::{ClientConnection, ConnectionWaits};
 use crate::gateway::client_body::{BodyProgress, ClientBody};
@@ -176,14 +177,10 @@ pub async fn serve(
             // In flight until hyper has taken its whole response body (or
             // dropped it).
             let in_flight = requests.begin(request.version());
-            // What the access log names, taken only when it is on.
-            let access = tracing::enabled!(target: ACCESS_LOG, tracing::Level::DEBUG).then(|| {
-                let path = request
-                    .uri()
-                    .path_and_query()
-                    .map(|p| p.as_str().to_owned());
-                (request.method().clone(), path.unwrap_or_default())
-            });
+            // Written when the response's headers are ready, or as 499
+            // when hyper drops the request before (its client went away).
+            let path = request.uri().path_and_query().map_or("", |p| p.as_str());
+            let access = AccessLine::begin(peer, request.method(), path, arrived);
             // hyper decodes only chunked, and takes `gzip, chunked` as
             // chunked: the rest of the coding would reach the upstream
             // unlabelled. Looked at before the header goes with the other
@@ -235,14 +232,13 @@ pub async fn serve(
                 if !gone {
                     metrics.response(response.status(), took);
                 }
-                if let Some((method, path)) = access {
+                if let Some(access) = access {
                     let status = if gone {
                         CLIENT_GONE_STATUS
                     } else {
                         response.status().as_u16()
                     };
-                    let ms = format!("{:.3}", took.as_secs_f64() * 1e3);
-                    tracing::debug!(target: ACCESS_LOG, %peer, %method, path, status, %ms, "answered");
+                    access.answered(status);
                 }
                 Ok::<_, std::convert::Infallible>(response.map(|body| {
                     // A HEAD answer has a GET's headers and no body. hyper
@@ -449,11 +445,6 @@ where
         () = stopped_and_idle => Ok(()),
     }
 }
-
-/// The log target of the access log: a line per request at debug level
-/// (`SNOWGATE_LOG=info,snowgate::access=debug`), when its response's
-/// headers are ready.
-const ACCESS_LOG: &str = "snowgate::access";
 
 /// How long a stopping gateway keeps an HTTP/2 connection with nothing in
 /// flight: time for requests the client sent before it read the GOAWAY to

@@ -1,0 +1,63 @@
+//! The access log: a line per request at debug level under the target
+//! [`ACCESS_LOG`] (`SNOWGATE_LOG=info,snowgate::access=debug`), when its
+//! response's headers are ready, or when its client went away first.
+
+use std::net::SocketAddr;
+use std::time::Instant;
+
+use http::Method;
+
+use crate::gateway::client_gone::CLIENT_GONE_STATUS;
+
+/// The log target of the access log.
+pub const ACCESS_LOG: &str = "snowgate::access";
+
+/// One request's access log line, written once: with its response's status
+/// when the response's headers are ready ([`AccessLine::answered`]), or,
+/// when hyper drops the request before that (its client went away while
+/// the plugin or the upstream worked on it: an HTTP/1 client that closed
+/// its connection, an HTTP/2 one that reset its stream), as nginx logs
+/// it, with status 499. Without that a cancelled request left no line at
+/// all, though LLM clients cancel long completions often.
+pub struct AccessLine {
+    peer: SocketAddr,
+    method: Method,
+    /// The path with its query string.
+    path: String,
+    arrived: Instant,
+    written: bool,
+}
+
+impl AccessLine {
+    /// The line of a request with `method` and `path` from `peer` that
+    /// arrived at `arrived`, if the access log is on.
+    pub fn begin(peer: SocketAddr, method: &Method, path: &str, arrived: Instant) -> Option<Self> {
+        tracing::enabled!(target: ACCESS_LOG, tracing::Level::DEBUG).then(|| AccessLine {
+            peer,
+            method: method.clone(),
+            path: path.to_owned(),
+            arrived,
+            written: false,
+        })
+    }
+
+    /// The response's headers are ready, with `status`.
+    pub fn answered(mut self, status: u16) {
+        self.write(status);
+    }
+
+    fn write(&mut self, status: u16) {
+        self.written = true;
+        let ms = format!("{:.3}", self.arrived.elapsed().as_secs_f64() * 1e3);
+        let (peer, method, path) = (self.peer, &self.method, self.path.as_str());
+        tracing::debug!(target: ACCESS_LOG, %peer, %method, path, status, %ms, "answered");
+    }
+}
+
+impl Drop for AccessLine {
+    fn drop(&mut self) {
+        if !self.written {
+            self.write(CLIENT_GONE_STATUS);
+        }
+    }
+}
