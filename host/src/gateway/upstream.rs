@@ -343,7 +343,10 @@ impl HttpUpstream {
                 "upstream request failed {held_back}"
             );
         }
-        let message = format!("the upstream {} {problem}", self.base);
+        // The client learns why, not where: the upstream's address is the
+        // operator's (it is in the warning above), as nginx's 502 page
+        // names none.
+        let message = format!("the upstream {problem}");
         own(responses::error(status, code, &message))
     }
 
