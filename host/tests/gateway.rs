@@ -1267,8 +1267,10 @@ async fn refuses_a_chunked_body_streamed_through_over_max_body_bytes_with_413() 
 
 /// HTTP/1.1 heads hyper lets through but RFC 9112 refuses get 400 and
 /// reach no upstream: no `Host`, two `Host`s, and a target in authority
-/// form on a method other than CONNECT (it went on as `/`). A TRACE gets
-/// 405: it would echo the request's cookies back. HTTP/1.0 needs no Host.
+/// form on a method other than CONNECT (it went on as `/`), and the
+/// target `*` on a method other than OPTIONS (it went on as it came). A
+/// TRACE gets 405: it would echo the request's cookies back. HTTP/1.0
+/// needs no Host.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refuses_heads_without_one_host_or_with_an_authority_target_and_trace() {
     let upstream = TestUpstream::start().await;
@@ -1284,6 +1286,11 @@ async fn refuses_heads_without_one_host_or_with_an_authority_target_and_trace() 
             b"GET evil.example:80 HTTP/1.1\r\nHost: evil.example\r\n\r\n",
             400,
             "authority form",
+        ),
+        (
+            b"GET * HTTP/1.1\r\nHost: a\r\n\r\n",
+            400,
+            "only for OPTIONS",
         ),
         (
             b"TRACE /x HTTP/1.1\r\nHost: a\r\nCookie: s=1\r\n\r\n",

@@ -511,8 +511,18 @@ fn not_implemented(coding: &str) -> http::Response<http_body_util::Full<Bytes>> 
 /// What is wrong with an HTTP/1.1 request's head that hyper lets through:
 /// a `Host` missing or repeated (RFC 9112 section 3.2 answers both with
 /// 400, as nginx does), or a target in authority form (`host:port`), which
-/// only CONNECT may use and which would otherwise go on as `/`.
+/// only CONNECT may use and which would otherwise go on as `/`; and, in
+/// any version, the target `*` (asterisk form) on a method other than
+/// OPTIONS, the only one it serves (RFC 9112 section 3.2.4): it went on
+/// to the upstream as it came.
 fn malformed_head<B>(request: &Request<B>) -> Option<String> {
+    if request.uri().path() == "*" && request.method() != http::Method::OPTIONS {
+        return Some(format!(
+            "the request target * (asterisk form) is only for OPTIONS, and this is a {}: send a \
+             path",
+            request.method()
+        ));
+    }
     if request.version() != http::Version::HTTP_11 {
         return None;
     }
