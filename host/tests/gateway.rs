@@ -659,8 +659,8 @@ async fn a_body_waits_for_room_in_the_body_memory_and_then_goes_through() {
 }
 
 /// One HTTP/2 connection's streams share the body memory too. A body that
-/// declares no length (no `content-length`, sent as it is made) takes room
-/// for the whole body limit while it comes, so the streams after it wait,
+/// declares no length (no `content-length`, sent as it is made) takes 1
+/// MiB at once, here the whole body memory, so the streams after it wait,
 /// holding nothing, in the order they came; once its body is read it keeps
 /// only its size, and once sent, nothing. Then every one is stamped.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -764,9 +764,11 @@ async fn sixteen_mib_before_a_silent_upstream(more: &[&str]) -> (tokio::net::Tcp
 /// A request that finds no room within `--body-read-timeout-ms` gets 503
 /// `body_memory_full`, with `Retry-After`, naming the flag, and its
 /// connection closes; nothing of it reaches the plugin or the upstream. A
-/// chunked body asks for room for the whole body limit, and is refused the
-/// same way. Here the room is held by a stamped body the upstream does not
-/// read: room is held until the body is written out, not just read.
+/// body of no declared length takes 1 MiB at once, beside the holder, and
+/// more as it arrives: one that grows past the room that is free is
+/// refused then, at once. Here the room is held by a stamped body the
+/// upstream does not read: room is held until the body is written out,
+/// not just read.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_that_finds_no_room_in_time_gets_503_body_memory_full() {
     let (silent, gateway) =
@@ -805,16 +807,42 @@ async fn a_request_that_finds_no_room_in_time_gets_503_body_memory_full() {
     assert!(message.contains("(16 MiB, --body-memory-mib)"), "{message}");
     assert!(message.contains("within 2000 ms"), "{message}");
 
-    // Chunked, so of no declared length: room for the whole body limit,
-    // however small the body would be (1 KiB would fit beside the holder).
-    let refused = raw_exchange(gateway.addr, head_expecting_continue(None).as_bytes()).await;
-    assert_eq!(
-        refused.status,
-        503,
-        "{:?}",
-        String::from_utf8_lossy(&refused.body)
+    // Of no declared length (HTTP/2 without `content-length`): 1 MiB at
+    // once, with no wait, however large the body limit (16 MiB); then more
+    // as it comes, until more than the 3-odd MiB left is needed.
+    let held = metric(&gateway.metrics().await, "snowgate_body_memory_bytes");
+    let sender = http2_to(gateway.addr).await;
+    let (chunks, channel) = tokio::sync::mpsc::channel(1);
+    let streamed = post_json_h2(&sender, &gateway, ChannelBody(channel).boxed());
+    let body = context_only_of(8 << 20);
+    chunks
+        .send(Bytes::copy_from_slice(&body[..1024]))
+        .await
+        .expect("the first KiB");
+    gateway
+        .wait_metric("snowgate_body_memory_bytes", held + f64::from(1 << 20))
+        .await;
+    let metrics = gateway.metrics().await;
+    assert_eq!(metric(&metrics, "snowgate_body_memory_waiting"), 0.0);
+    let started = Instant::now();
+    for piece in body[1024..].chunks(64 << 10) {
+        // Refused: the gateway resets the stream, and hyper drops the body.
+        if chunks.send(Bytes::copy_from_slice(piece)).await.is_err() {
+            break;
+        }
+    }
+    let refused = bounded("the streamed body's answer", STEP, streamed)
+        .await
+        .expect("joined")
+        .expect("a response");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "refused only after the wait"
     );
-    assert_openai_error(&refused.json(), "body_memory_full", "server_error");
+    assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let refused = Reply::read(refused).await;
+    let message = assert_openai_error(&refused.json(), "body_memory_full", "server_error");
+    assert!(message.contains("grew past its room"), "{message}");
 
     // The upstream goes away: the holder gets its 502, and its room is
     // given back.

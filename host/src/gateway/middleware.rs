@@ -319,15 +319,15 @@ impl Shared {
         // was first read).
         parts.headers.remove(header::EXPECT);
         // Room for the body before any of it is read: its declared length
-        // (never more than the limit, checked above), or the limit when it
-        // declares none, shrunk to the body once it is read. Nothing is
-        // held while it waits.
+        // (never more than the limit, checked above), or, when it declares
+        // none, `UNDECLARED_ROOM`, grown as it arrives where that is free
+        // at once; shrunk to the body once it is read. Nothing is held
+        // while it waits.
         let declared = declared.map(|len| len as usize);
-        let reserved = self
-            .body_memory
-            .reserve(declared.unwrap_or(self.max_body_bytes), || {
-                progress.as_ref().and_then(|p| p.connection())
-            });
+        let first_room = declared.unwrap_or(self.max_body_bytes.min(body_memory::UNDECLARED_ROOM));
+        let reserved = self.body_memory.reserve(first_room, || {
+            progress.as_ref().and_then(|p| p.connection())
+        });
         let mut room = match reserved.await {
             Ok(room) => room,
             Err(Unreserved::NoRoom(no_room)) => {
