@@ -954,6 +954,46 @@ async fn a_body_with_room_must_arrive_whole_within_the_body_read_timeout() {
     gateway.wait_metric("snowgate_body_memory_bytes", 0.0).await;
 }
 
+/// A body that holds room while it does not arrive gives way to those
+/// waiting: with the default 60 s body read timeout, a client that declared
+/// 700 KiB and sent 1 KiB is cut off with 408 once a request waits for
+/// room, about 5 s (the slack) after it got its room, not after 60 s; the
+/// request waiting gets the room and goes through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_that_holds_room_without_arriving_gives_way_to_those_waiting() {
+    let upstream = TestUpstream::start().await;
+    let gateway = with_one_mib_of_body_memory(&upstream, &[]).await;
+    let started = Instant::now();
+    let (holder, _rest) = hold_body_memory(&gateway, 700 << 10).await;
+    let waiter = queue_for_room(&gateway, 1.0).await;
+    let answer = bounded(
+        "the holder to be cut off",
+        Duration::from_secs(30),
+        read_raw_response(&mut BufReader::new(holder)),
+    )
+    .await;
+    assert_eq!(
+        answer.status,
+        408,
+        "{:?}",
+        String::from_utf8_lossy(&answer.body)
+    );
+    let message = assert_openai_error(&answer.json(), "body_timeout", "invalid_request_error");
+    assert!(message.contains("slower than 12 KiB/s"), "{message}");
+    assert!(message.contains("while other requests waited"), "{message}");
+    assert!(
+        started.elapsed() >= snowgate_host::gateway::body_pace::PACE_SLACK,
+        "cut off within the slack: {:?}",
+        started.elapsed()
+    );
+    let waited = bounded("the waiting request", STEP, waiter)
+        .await
+        .expect("joined");
+    assert_eq!(waited.status, StatusCode::OK, "{}", waited.text());
+    assert_fresh_v1_id(stamped_id(&upstream.only_seen().body));
+    gateway.wait_metric("snowgate_body_memory_bytes", 0.0).await;
+}
+
 /// At most 8 requests of one connection wait for room at once (an HTTP/2
 /// stream that waits does not read its body, and sixteen such would use up
 /// the connection's flow-control window, leaving none for the streams that

@@ -18,9 +18,11 @@
 //! at once. Two more rules keep the requests that hold room moving, so
 //! that those waiting cannot hold them up:
 //! - Once it has room, a body must arrive whole within the same time a
-//!   request may wait for room (the caller bounds the read, see
-//!   [`BodyMemory::wait`]); otherwise a client could take room for a large
-//!   body by declaring it and keep it by sending a byte now and then.
+//!   request may wait for room, and keep pace while others wait (the
+//!   caller bounds the read, see [`BodyMemory::wait`] and
+//!   [`body_pace`](crate::gateway::body_pace)); otherwise a client could
+//!   take room for a large body by declaring it and keep it by sending a
+//!   byte now and then.
 //! - A request waiting for room does not read its body, so over HTTP/2 its
 //!   stream's flow-control window (1 MiB) fills. Sixteen such streams would
 //!   use up their connection's window (16 MiB), and the streams of that

@@ -62,6 +62,7 @@ use tower_service::Service;
 use crate::bindings::exports::snowgate::middleware::handler::Action;
 use crate::gateway::body_limit::{BodyTooLarge, Capped};
 use crate::gateway::body_memory::{self, BodyMemory, NoRoom, Unreserved};
+use crate::gateway::body_pace::{keeping_pace, pace_kib_per_sec, TooSlow};
 use crate::gateway::client_body::{BodyProgress, BoxError, ClientFault};
 use crate::gateway::client_gone::ClientGone;
 use crate::gateway::config::{ConnectionLimits, FailurePolicy};
@@ -354,8 +355,11 @@ impl Shared {
             progress.reading_whole();
         }
         // With room taken, the whole body must come within the wait for
-        // room, or a client could hold room by sending a byte now and then.
+        // room, and keep pace while others wait for room, or a client
+        // could hold room by sending a byte now and then (see `body_pace`).
         let within = self.body_memory.wait();
+        let room_taken = room.bytes();
+        let arrived = AtomicUsize::new(0);
         // A body that is here already (most small ones) is read at once,
         // without arming a timer for it.
         let read = {
@@ -365,11 +369,15 @@ impl Shared {
                 declared,
                 &self.body_memory,
                 &mut room,
+                &arrived,
             );
             let mut read = std::pin::pin!(read);
             match std::future::poll_fn(|cx| Poll::Ready(read.as_mut().poll(cx))).await {
                 Poll::Ready(read) => Ok(read),
-                Poll::Pending => tokio::time::timeout(within, read).await,
+                Poll::Pending => {
+                    let memory = &self.body_memory;
+                    keeping_pace(read, &arrived, room_taken, within, memory).await
+                }
             }
         };
         let bytes = match read {
@@ -395,13 +403,22 @@ impl Shared {
                 let (status, code) = fault.answer();
                 return own(responses::closing_error(status, code, &message));
             }
-            Err(_elapsed) => {
+            Err(too_slow) => {
                 verdict.count(Outcome::ClientError);
-                let message = format!(
-                    "the request body did not arrive whole within {} ms of the room taken for it \
-                     in the gateway's body memory (--body-read-timeout-ms); send it faster",
-                    within.as_millis()
-                );
+                let message = match too_slow {
+                    TooSlow::TimedOut => format!(
+                        "the request body did not arrive whole within {} ms of the room taken for \
+                         it in the gateway's body memory (--body-read-timeout-ms); send it faster",
+                        within.as_millis()
+                    ),
+                    TooSlow::BehindPace => format!(
+                        "the request body arrived slower than {} KiB/s, the pace that brings it \
+                         whole within {} ms (--body-read-timeout-ms), while other requests waited \
+                         for room in the gateway's body memory; send it faster",
+                        pace_kib_per_sec(room_taken, within),
+                        within.as_millis()
+                    ),
+                };
                 let (status, code) = ClientFault::Stalled.answer();
                 return own(responses::closing_error(status, code, &message));
             }

@@ -10,6 +10,7 @@ pub mod activity;
 pub mod admin;
 pub mod body_limit;
 pub mod body_memory;
+pub mod body_pace;
 pub mod client_body;
 pub mod client_gone;
 pub mod config;

@@ -1,5 +1,7 @@
 //! Reading a request body into memory, never past a limit.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use bytes::{Bytes, BytesMut};
 use http_body::Body;
 use http_body_util::BodyExt;
@@ -35,19 +37,22 @@ where
 /// `room` holds takes more room as it arrives where that is free at once
 /// ([`BodyMemory::grow_now`]), or the read stops with
 /// [`ReadBodyError::NoRoom`]. `declared` is the body's declared length,
-/// which sizes its buffer at once.
+/// which sizes its buffer at once. The bytes read so far are counted in
+/// `arrived`, for whoever times the read (see
+/// [`body_pace`](crate::gateway::body_pace)).
 pub async fn read_limited_in<B>(
     body: B,
     limit: usize,
     declared: Option<usize>,
     memory: &BodyMemory,
     room: &mut Room,
+    arrived: &AtomicUsize,
 ) -> Result<Bytes, ReadBodyError>
 where
     B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
-    read(body, limit, declared, Some((memory, room))).await
+    read(body, limit, declared, Some((memory, room, arrived))).await
 }
 
 /// The body in memory takes no more than its length and a quarter: a
@@ -57,7 +62,7 @@ async fn read<B>(
     body: B,
     limit: usize,
     declared: Option<usize>,
-    mut memory: Option<(&BodyMemory, &mut Room)>,
+    mut memory: Option<(&BodyMemory, &mut Room, &AtomicUsize)>,
 ) -> Result<Bytes, ReadBodyError>
 where
     B: Body<Data = Bytes>,
@@ -83,12 +88,13 @@ where
         if needed > limit {
             return Err(ReadBodyError::TooLarge);
         }
-        if let Some((memory, room)) = &mut memory {
+        if let Some((memory, room, arrived)) = &mut memory {
             if needed > room.bytes() {
                 memory
                     .grow_now(room, needed - room.bytes())
                     .map_err(ReadBodyError::NoRoom)?;
             }
+            arrived.store(needed, Ordering::Relaxed);
         }
         // One chunk (the usual case for small bodies) needs no copy.
         match first.take() {
@@ -166,9 +172,16 @@ pub(crate) mod tests {
     async fn takes_room_for_every_byte_past_what_it_held() {
         let memory = BodyMemory::new(4 << 10, Duration::from_secs(1));
         let mut room = memory.reserve(1024, || None).await.expect("room");
-        let whole = read_limited_in(chunks(&[KIB, KIB, b"x"]), 8 << 10, None, &memory, &mut room)
-            .await
-            .expect("within the memory");
+        let whole = read_limited_in(
+            chunks(&[KIB, KIB, b"x"]),
+            8 << 10,
+            None,
+            &memory,
+            &mut room,
+            &AtomicUsize::new(0),
+        )
+        .await
+        .expect("within the memory");
         assert_eq!(whole.len(), 2049);
         assert_eq!(room.bytes(), 3 << 10);
         assert_eq!(memory.held(), 3 << 10);
@@ -180,9 +193,16 @@ pub(crate) mod tests {
         let parts: Vec<&'static [u8]> = vec![KIB; 5];
         for declared in [Some(5 << 10), None] {
             let mut room = memory.reserve(5 << 10, || None).await.expect("room");
-            let whole = read_limited_in(chunks(&parts), 1 << 20, declared, &memory, &mut room)
-                .await
-                .expect("within the limits");
+            let whole = read_limited_in(
+                chunks(&parts),
+                1 << 20,
+                declared,
+                &memory,
+                &mut room,
+                &AtomicUsize::new(0),
+            )
+            .await
+            .expect("within the limits");
             let whole = Vec::from(whole);
             assert_eq!(whole.len(), 5 << 10);
             assert!(
@@ -197,8 +217,15 @@ pub(crate) mod tests {
     async fn stops_where_no_room_is_free_and_keeps_what_it_took() {
         let memory = BodyMemory::new(2 << 10, Duration::from_secs(3600));
         let mut room = Room::none();
-        let refused =
-            read_limited_in(chunks(&[KIB, KIB, KIB]), 8 << 10, None, &memory, &mut room).await;
+        let refused = read_limited_in(
+            chunks(&[KIB, KIB, KIB]),
+            8 << 10,
+            None,
+            &memory,
+            &mut room,
+            &AtomicUsize::new(0),
+        )
+        .await;
         assert!(
             matches!(
                 refused,

@@ -1,0 +1,179 @@
+//! A body that holds room in the body memory must keep pace while other
+//! requests wait for room.
+//!
+//! Once it has room, a body must arrive whole within the body read timeout
+//! (`--body-read-timeout-ms`, 60 s). That alone let a client hold room
+//! for a large body by declaring it and sending a byte now and then, for
+//! the whole timeout, while requests that could have used the room
+//! waited: a review filled the default 1 GiB with 64 connections that
+//! each declared 32 MiB and sent a byte a second, and small requests
+//! waited 60 s and got 503. So while any request waits for room, a body
+//! that holds room must have arrived at least at the pace that brings it
+//! whole within the timeout, counted from [`PACE_SLACK`] after it got its
+//! room; one that is behind is cut off (408), and its room goes to those
+//! waiting. Nobody waiting, a slow body keeps its room until the timeout.
+//! Holding room then costs a client the bandwidth to fill it, not a byte
+//! a second.
+
+use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use tokio::time::{Instant, MissedTickBehavior};
+
+use crate::gateway::body_memory::BodyMemory;
+
+/// How long after it got its room a body is first held to its pace: the
+/// time a client may take to start sending (a connection's slow start,
+/// a request made before its body) and the longest others wait for room
+/// behind a body that never comes.
+pub const PACE_SLACK: Duration = Duration::from_secs(5);
+
+/// How often a body's pace is checked once [`PACE_SLACK`] is over.
+const CHECK_EVERY: Duration = Duration::from_millis(250);
+
+/// Why a body with room was cut off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TooSlow {
+    /// It did not arrive whole within the body read timeout.
+    TimedOut,
+    /// Others waited for room, and it had arrived slower than the pace
+    /// that brings its room's worth whole within the timeout.
+    BehindPace,
+}
+
+/// Runs `read`, the read of a body that holds `room` bytes of `memory`,
+/// which counts the bytes that have arrived in `arrived`: cut off once
+/// `within` has passed, or, while requests wait for room, once the body
+/// is behind its pace (see the module's documentation).
+pub async fn keeping_pace<F: Future>(
+    read: F,
+    arrived: &AtomicUsize,
+    room: usize,
+    within: Duration,
+    memory: &BodyMemory,
+) -> Result<F::Output, TooSlow> {
+    let started = Instant::now();
+    let timed_out = tokio::time::sleep_until(started + within);
+    let mut check = tokio::time::interval_at(started + PACE_SLACK, CHECK_EVERY);
+    check.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let mut read = std::pin::pin!(read);
+    let mut timed_out = std::pin::pin!(timed_out);
+    loop {
+        tokio::select! {
+            biased;
+            done = read.as_mut() => return Ok(done),
+            () = timed_out.as_mut() => return Err(TooSlow::TimedOut),
+            _ = check.tick() => {
+                let arrived = arrived.load(Ordering::Relaxed);
+                if memory.waiting() > 0 && behind(arrived, room, started.elapsed(), within) {
+                    return Err(TooSlow::BehindPace);
+                }
+            }
+        }
+    }
+}
+
+/// Whether `arrived` bytes of a body holding `room`, `elapsed` after it
+/// got the room, are behind the pace that brings `room` whole within
+/// `within`, counted from [`PACE_SLACK`] on.
+fn behind(arrived: usize, room: usize, elapsed: Duration, within: Duration) -> bool {
+    let due = elapsed.saturating_sub(PACE_SLACK);
+    (arrived as u128) * within.as_nanos() < (room as u128) * due.as_nanos()
+}
+
+/// The pace a body holding `room` must keep to arrive whole `within`, in
+/// KiB a second (at least 1), for messages.
+pub fn pace_kib_per_sec(room: usize, within: Duration) -> u64 {
+    let per_sec = (room as f64 / within.as_secs_f64().max(0.001)) / 1024.0;
+    (per_sec.ceil() as u64).max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::gateway::body_memory::BodyMemory;
+
+    const MIB: usize = 1 << 20;
+    const WITHIN: Duration = Duration::from_secs(60);
+
+    #[test]
+    fn a_body_is_behind_once_it_lags_the_pace_after_the_slack() {
+        // 60 MiB in 60 s: 1 MiB a second, from 5 s on.
+        let room = 60 * MIB;
+        let at = Duration::from_secs;
+        assert!(!behind(0, room, at(5), WITHIN));
+        assert!(behind(0, room, at(6), WITHIN));
+        assert!(!behind(MIB, room, at(6), WITHIN));
+        assert!(behind(MIB, room, at(7), WITHIN));
+        assert!(!behind(room, room, at(65), WITHIN));
+        assert_eq!(pace_kib_per_sec(room, WITHIN), 1024);
+        assert_eq!(pace_kib_per_sec(1, WITHIN), 1);
+    }
+
+    /// A body that never comes, holding room: cut off after the slack
+    /// only while another request waits for room.
+    #[tokio::test(start_paused = true)]
+    async fn a_stalled_body_is_cut_off_only_while_others_wait() {
+        let memory = Arc::new(BodyMemory::new(MIB, WITHIN));
+        let room = memory.reserve(MIB, || None).await.expect("room");
+        let arrived = AtomicUsize::new(1024);
+        let never = std::future::pending::<()>();
+        let started = Instant::now();
+        let alone = keeping_pace(never, &arrived, MIB, WITHIN, &memory).await;
+        assert_eq!(alone, Err(TooSlow::TimedOut));
+        assert_eq!(started.elapsed(), WITHIN);
+
+        let waiter = {
+            let memory = memory.clone();
+            tokio::spawn(async move { memory.reserve(1024, || None).await.is_ok() })
+        };
+        while memory.waiting() == 0 {
+            tokio::task::yield_now().await;
+        }
+        let started = Instant::now();
+        let never = std::future::pending::<()>();
+        let cut = keeping_pace(never, &arrived, MIB, WITHIN, &memory).await;
+        assert_eq!(cut, Err(TooSlow::BehindPace));
+        assert!(
+            started.elapsed() <= PACE_SLACK + CHECK_EVERY,
+            "{:?}",
+            started.elapsed()
+        );
+        drop(room);
+        assert!(waiter.await.expect("joined"), "the waiter got the room");
+    }
+
+    /// A body that keeps pace is never cut off while others wait.
+    #[tokio::test(start_paused = true)]
+    async fn a_body_keeping_pace_is_read_whole() {
+        let memory = Arc::new(BodyMemory::new(MIB, WITHIN));
+        let _room = memory.reserve(MIB, || None).await.expect("room");
+        let waiter = {
+            let memory = memory.clone();
+            tokio::spawn(async move { memory.reserve(1024, || None).await.is_ok() })
+        };
+        while memory.waiting() == 0 {
+            tokio::task::yield_now().await;
+        }
+        let arrived = AtomicUsize::new(0);
+        let read = async {
+            // A sixtieth of the room a second, the pace exactly.
+            for _ in 0..60 {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                arrived.fetch_add(MIB / 60, Ordering::Relaxed);
+            }
+        };
+        let read = keeping_pace(
+            read,
+            &arrived,
+            MIB,
+            WITHIN + Duration::from_secs(1),
+            &memory,
+        );
+        assert_eq!(read.await, Ok(()));
+        waiter.abort();
+    }
+}
