@@ -898,6 +898,91 @@ async fn busy_keep_alive_connections_are_never_closed_as_idle() {
     assert!(closed.is_empty(), "busy connections closed: {closed:#?}");
 }
 
+/// At `--max-connections`, a new client is served at once: the connection
+/// idle longest is closed to make room (as nginx reuses idle keep-alive
+/// connections), not left to its header read timeout (a minute here) while
+/// the new client waits. A connection with a request in flight is never
+/// chosen, however long it has been open. The closing is counted.
+#[tokio::test(flavor = "multi_thread")]
+async fn at_the_connection_limit_the_longest_idle_connection_makes_room() {
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start(&[
+        "--upstream",
+        &upstream.url(),
+        "--max-connections",
+        "4",
+        "--header-read-timeout-ms",
+        "60000",
+    ])
+    .await;
+    // The oldest: a request held by the upstream, in flight throughout.
+    let mut busy = TcpStream::connect(gateway.addr).await.expect("connect");
+    busy.write_all(b"GET /hold HTTP/1.1\r\nHost: gw\r\n\r\n")
+        .await
+        .expect("the held request");
+    bounded(
+        "the held request upstream",
+        STEP,
+        upstream.state.held.notified(),
+    )
+    .await;
+    // Keep-alive connections, each after one request, oldest first.
+    async fn keep_alive(addr: std::net::SocketAddr) -> BufReader<TcpStream> {
+        let stream = TcpStream::connect(addr).await.expect("connect");
+        let mut reader = BufReader::new(stream);
+        reader
+            .get_mut()
+            .write_all(b"GET /v1/models HTTP/1.1\r\nHost: gw\r\n\r\n")
+            .await
+            .expect("a request");
+        assert_eq!(read_raw_response(&mut reader).await.status, 200);
+        reader
+    }
+    let mut idle = Vec::new();
+    for _ in 0..3 {
+        idle.push(keep_alive(gateway.addr).await);
+    }
+
+    for round in 1..=2 {
+        // Four open: the busy one and three idle.
+        let reply = bounded(
+            "a new client's answer",
+            STEP,
+            get(gateway.addr, "/v1/models"),
+        )
+        .await;
+        assert_eq!(reply.status, 200);
+        // The one idle longest was closed: the first of those left.
+        let closed = &mut idle[round - 1];
+        bounded("the longest idle one to close", STEP, async {
+            let mut rest = Vec::new();
+            closed
+                .read_to_end(&mut rest)
+                .await
+                .expect("read to the end")
+        })
+        .await;
+        gateway
+            .wait_metric("snowgate_connections_reclaimed_total", round as f64)
+            .await;
+        // The new client's connection ended with it; one more makes four.
+        gateway.wait_metric("snowgate_connections_open", 3.0).await;
+        idle.push(keep_alive(gateway.addr).await);
+    }
+    // The busy connection and the newer idle ones are still open.
+    let open = |stream: &TcpStream| {
+        let mut probe = [0u8; 1];
+        matches!(stream.try_read(&mut probe), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+    };
+    assert!(open(&busy));
+    for newer in &idle[2..] {
+        assert!(open(newer.get_ref()));
+    }
+    upstream.state.release.notify_one();
+    let mut reader = BufReader::new(busy);
+    assert_eq!(read_raw_response(&mut reader).await.status, 200);
+}
+
 /// The admin listener is no softer than the main one: connections that
 /// send nothing, or half a request head, are closed at the header timeout,
 /// and the admin endpoints answer after.

@@ -12,7 +12,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
@@ -32,6 +32,9 @@ pub struct Activity {
     /// that begins and ends between two looks at `in_flight` still shows
     /// here, so a connection busy with quick requests is never idle.
     begun: Arc<AtomicU64>,
+    /// Every request open now, and since when none is (see
+    /// [`Activity::idle_since`]).
+    open: Arc<OpenRequests>,
     /// Whether a request came in over HTTP/1, whose idle connections
     /// hyper closes by itself.
     http1: Arc<AtomicBool>,
@@ -42,6 +45,34 @@ pub struct Activity {
     socket_full: Arc<AtomicBool>,
     /// Bytes read from the client so far (counted by `SendTimeout`).
     bytes_in: Arc<AtomicU64>,
+}
+
+/// The requests open on a connection, over any version, and when the last
+/// one ended: what [`reclaim`](crate::gateway::reclaim) chooses idle
+/// connections by.
+#[derive(Debug)]
+struct OpenRequests {
+    count: AtomicUsize,
+    /// When the count last fell to 0 (or the connection opened), in
+    /// microseconds since [`OpenRequests::origin`].
+    idle_since: AtomicU64,
+    origin: Instant,
+}
+
+impl Default for OpenRequests {
+    fn default() -> Self {
+        OpenRequests {
+            count: AtomicUsize::new(0),
+            idle_since: AtomicU64::new(0),
+            origin: Instant::now(),
+        }
+    }
+}
+
+impl OpenRequests {
+    fn now(&self) -> u64 {
+        u64::try_from(self.origin.elapsed().as_micros()).unwrap_or(u64::MAX)
+    }
 }
 
 /// How a connection's HTTP/2 response bodies are being taken by hyper,
@@ -64,6 +95,7 @@ impl Default for Activity {
         Activity {
             in_flight: watch::Sender::new(0),
             begun: Arc::default(),
+            open: Arc::default(),
             http1: Arc::new(AtomicBool::new(false)),
             taking: Arc::default(),
             socket_full: Arc::default(),
@@ -79,6 +111,7 @@ impl Activity {
     pub fn begin(&self, version: http::Version) -> InFlight {
         let http2 = version >= http::Version::HTTP_2;
         self.begun.fetch_add(1, Ordering::Relaxed);
+        self.open.count.fetch_add(1, Ordering::Relaxed);
         // Over HTTP/1 only the connection's first request is counted. It
         // wakes the waiters, which then see an HTTP/1 connection and wait
         // for nothing more (hyper closes those itself); counting every
@@ -90,9 +123,21 @@ impl Activity {
         });
         InFlight {
             in_flight,
+            open: self.open.clone(),
             taking: http2.then(|| self.taking.clone()),
             owed_in: None,
         }
+    }
+
+    /// How long, in microseconds, no request has been open on the
+    /// connection (since it opened, or since its last request ended);
+    /// `None` while one is.
+    pub fn idle_for_micros(&self) -> Option<u64> {
+        if self.open.count.load(Ordering::Acquire) > 0 {
+            return None;
+        }
+        let since = self.open.idle_since.load(Ordering::Acquire);
+        Some(self.open.now().saturating_sub(since))
     }
 
     /// Resolves once no request has been in flight for `timeout` straight,
@@ -198,6 +243,8 @@ pub struct InFlight {
     /// The connection's count, if this request is counted in it (see
     /// [`Activity::begin`]).
     in_flight: Option<watch::Sender<usize>>,
+    /// Every open request of the connection.
+    open: Arc<OpenRequests>,
     /// Over HTTP/2: how the connection's bodies are being taken.
     taking: Option<Arc<Taking>>,
     /// The slot of the epoch this request's body handed hyper a piece in,
@@ -226,6 +273,11 @@ impl InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.asked();
+        if self.open.count.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.open
+                .idle_since
+                .store(self.open.now(), Ordering::Release);
+        }
         if let Some(in_flight) = &self.in_flight {
             in_flight.send_modify(|n| *n -= 1);
         }

@@ -171,6 +171,8 @@ pub struct Metrics {
     requests: [AtomicU64; Outcome::ALL.len()],
     upstream_errors: AtomicU64,
     upstream_cut_offs: AtomicU64,
+    /// Idle connections closed to make room at the connection limit.
+    connections_reclaimed: AtomicU64,
     reloads_succeeded: AtomicU64,
     reloads_failed: AtomicU64,
     /// Builds loaded (at start and by reloads): compiled now, read from
@@ -198,6 +200,7 @@ impl Default for Metrics {
             requests: Default::default(),
             upstream_errors: AtomicU64::new(0),
             upstream_cut_offs: AtomicU64::new(0),
+            connections_reclaimed: AtomicU64::new(0),
             reloads_succeeded: AtomicU64::new(0),
             reloads_failed: AtomicU64::new(0),
             loads: Default::default(),
@@ -261,6 +264,12 @@ impl Metrics {
     /// connection failed within the body.
     pub fn upstream_cut_off(&self) {
         self.upstream_cut_offs.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts an idle connection closed to make room for a new client at
+    /// the connection limit.
+    pub(crate) fn connection_reclaimed(&self) {
+        self.connections_reclaimed.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Counts a build the gateway loaded and serves, by where its compiled
@@ -352,6 +361,15 @@ impl Metrics {
             out,
             "snowgate_upstream_cut_offs_total {}",
             load(&self.upstream_cut_offs)
+        );
+        out.push_str(
+            "# HELP snowgate_connections_reclaimed_total Idle client connections closed to make room for a new client at --max-connections.\n",
+        );
+        out.push_str("# TYPE snowgate_connections_reclaimed_total counter\n");
+        let _ = writeln!(
+            out,
+            "snowgate_connections_reclaimed_total {}",
+            load(&self.connections_reclaimed)
         );
         out.push_str("# HELP snowgate_reloads_total Plugin reloads, by result.\n");
         out.push_str("# TYPE snowgate_reloads_total counter\n");

@@ -21,6 +21,7 @@ pub mod middleware;
 pub mod plugin_file;
 mod queued;
 pub mod read_body;
+pub mod reclaim;
 pub mod responses;
 pub mod send_timeout;
 pub mod server;
@@ -136,8 +137,7 @@ impl Gateway {
                 Upstream::Echo
             }
         };
-        let listener = TcpListener::bind(config.listen)
-            .await
+        let listener = server::listen(config.listen)
             .with_context(|| format!("listening on {}", config.listen))?;
         let admin_listener = TcpListener::bind(config.admin_listen)
             .await

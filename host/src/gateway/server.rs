@@ -32,11 +32,13 @@ use crate::gateway::config::ConnectionLimits;
 use crate::gateway::error_chain;
 use crate::gateway::metrics::{Metrics, Outcome};
 use crate::gateway::middleware::SnowgateLayer;
+use crate::gateway::reclaim::OpenConnections;
 use crate::gateway::responses;
 use crate::gateway::send_timeout::SendTimeout;
 use crate::gateway::transfer_coding;
 use crate::gateway::upstream::{strip_hop_by_hop, Upstream};
 use crate::gateway::workers::Workers;
+use crate::log_throttle::LogThrottle;
 
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 
@@ -124,16 +126,8 @@ pub async fn serve(
     // shutdown: they hold a graceful watcher, but no request.
     let (stopping_tx, stopping_rx) = tokio::sync::watch::channel(false);
     tokio::pin!(shutdown);
+    let open_connections = Arc::new(OpenConnections::default());
     loop {
-        // At the connection limit, stop accepting: new clients wait in the
-        // kernel's backlog until a connection ends.
-        let permit = tokio::select! {
-            permit = slots.clone().acquire_owned() => match permit {
-                Ok(permit) => permit,
-                Err(_closed) => break,
-            },
-            () = &mut shutdown => break,
-        };
         let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok(accepted) => accepted,
@@ -143,6 +137,23 @@ pub async fn serve(
                 }
             },
             () = &mut shutdown => break,
+        };
+        // At the connection limit, the longest idle connection is closed to
+        // make room (see `reclaim`); while none is idle, this client waits
+        // here, and the next ones in the kernel's backlog, until a
+        // connection ends or turns idle.
+        let permit = match slots.clone().try_acquire_owned() {
+            Ok(permit) => permit,
+            Err(_no_slot) => {
+                let room = room_at_the_limit(&slots, &open_connections, layer.metrics(), &limits);
+                tokio::select! {
+                    permit = room => match permit {
+                        Some(permit) => permit,
+                        None => break,
+                    },
+                    () = &mut shutdown => break,
+                }
+            }
         };
         let _ = stream.set_nodelay(true);
         // Taken off this thread's reactor, to be registered with the
@@ -162,6 +173,9 @@ pub async fn serve(
         let upstream = upstream.clone();
         let activity = Activity::default();
         let requests = activity.clone();
+        // Its place among the connections one may be chosen from to close
+        // at the limit.
+        let place = open_connections.register(&activity);
         let metrics = layer.metrics().clone();
         let open = metrics.connection_opened();
         let forwarded_for = forwarded_for_value(peer);
@@ -270,7 +284,13 @@ pub async fn serve(
                     return;
                 }
             };
-            if !(sent || client_sends(&stream, first_byte_timeout, &mut stopping).await) {
+            let sent = sent
+                || tokio::select! {
+                    biased;
+                    sent = client_sends(&stream, first_byte_timeout, &mut stopping) => sent,
+                    () = place.chosen() => false,
+                };
+            if !sent {
                 tracing::debug!(%peer, "closed a connection that sent nothing");
                 return;
             }
@@ -293,6 +313,7 @@ pub async fn serve(
                 idle,
                 idle_again,
                 idle_after_stop,
+                chosen: place.chosen(),
             };
             let ended = serve_until_stopped(connection, stopping, idles, stalled);
             if let Err(e) = ended.await {
@@ -302,6 +323,7 @@ pub async fn serve(
                 tracing::debug!(%peer, error = %why, "client connection ended with an error");
             }
             drop(watcher);
+            drop(place);
             drop(open);
             drop(permit);
         });
@@ -326,6 +348,27 @@ pub async fn serve(
     };
     workers.stop();
     drained
+}
+
+/// How many connections the kernel holds for the gateway before it
+/// accepts them (the listen backlog): nginx's default, 511, not the 128 of
+/// `std`, whose overflow a burst of new clients at the connection limit
+/// met as dropped connection attempts. Linux caps it at
+/// `net.core.somaxconn` (4096 by default since 5.4).
+const LISTEN_BACKLOG: u32 = 511;
+
+/// A listener on `addr` for clients, with [`LISTEN_BACKLOG`].
+pub fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    // As `std` and tokio's own `bind` do: a restarted gateway can listen
+    // again while the old one's connections linger in TIME_WAIT.
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
 }
 
 /// Whether the client has already sent something on `stream` (a
@@ -386,29 +429,34 @@ pub(crate) async fn pause_after_accept_error(error: &std::io::Error, what: &str)
 /// (One case still closes unanswered: a first read that holds only part of
 /// what tells HTTP/1 from HTTP/2, such as a lone `P`; the client had not
 /// yet sent a request line.)
-async fn serve_until_stopped<C: GracefulConnection, I, J, K>(
+async fn serve_until_stopped<C: GracefulConnection, I, J, K, L>(
     connection: C,
     mut stopping: tokio::sync::watch::Receiver<bool>,
-    idles: Idles<I, J, K>,
+    idles: Idles<I, J, K, L>,
     stalled: impl Future<Output = ()>,
 ) -> Result<(), C::Error>
 where
     I: Future<Output = ()>,
     J: Future<Output = ()>,
     K: Future<Output = ()>,
+    L: Future<Output = ()>,
 {
     let Idles {
         idle,
         idle_again,
         idle_after_stop,
+        chosen,
     } = idles;
     tokio::pin!(connection);
     tokio::pin!(stalled);
+    // A connection chosen to close at the connection limit ends as it
+    // would in a stop: at once if nothing is in flight on it.
     let idle = tokio::select! {
         biased;
         done = connection.as_mut() => return done,
         () = stalled.as_mut() => return Ok(()),
         _ = stopping.wait_for(|stopping| *stopping) => false,
+        () = chosen => false,
         () = idle => true,
     };
     connection.as_mut().graceful_shutdown();
@@ -454,13 +502,54 @@ const STOP_IDLE: Duration = Duration::from_secs(1);
 /// What ends a connection for want of requests (see `serve_until_stopped`):
 /// each resolves once no request has been in flight for a while (never
 /// for HTTP/1, which hyper closes itself).
-struct Idles<I, J, K> {
+struct Idles<I, J, K, L> {
     /// For the header read timeout: the connection is shut down gracefully.
     idle: I,
     /// For another such timeout after that: it is dropped.
     idle_again: J,
     /// For [`STOP_IDLE`] once the gateway is stopping: it is dropped.
     idle_after_stop: K,
+    /// Resolves once the connection is chosen to close at the connection
+    /// limit (see [`reclaim`](crate::gateway::reclaim)): it ends as in a
+    /// stop.
+    chosen: L,
+}
+
+/// How often, at the connection limit with no connection idle, the open
+/// ones are looked at again for one that turned idle.
+const IDLE_RESCAN: Duration = Duration::from_millis(50);
+
+/// A slot for a client that came at the connection limit: the longest idle
+/// connection is told to close, and the slot it gives back is taken; while
+/// none is idle, the open ones are looked at again every [`IDLE_RESCAN`].
+/// After telling one, no other is chosen for [`STOP_IDLE`] and a little
+/// more, the most it takes to close. `None` if the slots are closed.
+async fn room_at_the_limit(
+    slots: &Arc<Semaphore>,
+    open: &OpenConnections,
+    metrics: &Metrics,
+    limits: &ConnectionLimits,
+) -> Option<tokio::sync::OwnedSemaphorePermit> {
+    static AT_THE_LIMIT: LogThrottle = LogThrottle::new();
+    loop {
+        let pause = if open.close_longest_idle() {
+            metrics.connection_reclaimed();
+            if let Some(held_back) = AT_THE_LIMIT.admit() {
+                tracing::warn!(
+                    "{} connections open, the limit (--max-connections): closed the one idle \
+                     longest to make room for a new client {held_back}",
+                    limits.max_connections
+                );
+            }
+            STOP_IDLE + IDLE_RESCAN
+        } else {
+            IDLE_RESCAN
+        };
+        tokio::select! {
+            permit = slots.clone().acquire_owned() => return permit.ok(),
+            () = tokio::time::sleep(pause) => {}
+        }
+    }
 }
 
 /// Keeps a timer pending on this worker that always fires before any
@@ -706,6 +795,7 @@ mod tests {
             idle: never(),
             idle_again: never(),
             idle_after_stop: never(),
+            chosen: never(),
         };
         serve_until_stopped(connection, stopping, idles, never())
             .await
