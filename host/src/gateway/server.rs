@@ -125,8 +125,12 @@ pub async fn serve(
     // Tells connections still waiting for their first byte to give up on
     // shutdown: they hold a graceful watcher, but no request.
     let (stopping_tx, stopping_rx) = tokio::sync::watch::channel(false);
-    tokio::pin!(shutdown);
+    // Tells connections serving requests to close, when the gateway stops
+    // (or this future is dropped): through the same signal as choosing one
+    // to close at the limit (see `reclaim`).
     let open_connections = Arc::new(OpenConnections::default());
+    let _close_all = TellAllOnDrop(open_connections.clone());
+    tokio::pin!(shutdown);
     loop {
         let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
@@ -288,7 +292,7 @@ pub async fn serve(
                 || tokio::select! {
                     biased;
                     sent = client_sends(&stream, first_byte_timeout, &mut stopping) => sent,
-                    () = place.chosen() => false,
+                    () = place.told_to_close() => false,
                 };
             if !sent {
                 tracing::debug!(%peer, "closed a connection that sent nothing");
@@ -300,7 +304,7 @@ pub async fn serve(
                 .serve_connection(TokioIo::new(stream), per_request)
                 .into_owned();
             // The watcher, while alive, holds the drain open; the stop
-            // itself comes through `stopping` (see `serve_until_stopped`).
+            // itself comes through `place` (see `serve_until_stopped`).
             let idle = activity.idle_for(idle_timeout);
             let idle_again = activity.idle_for(idle_timeout);
             let idle_after_stop = activity.unanswered_after_stop(STOP_IDLE);
@@ -313,7 +317,7 @@ pub async fn serve(
                 idle,
                 idle_again,
                 idle_after_stop,
-                chosen: place.chosen(),
+                told_to_close: place.told_to_close(),
             };
             let ended = serve_until_stopped(connection, stopping, idles, stalled);
             if let Err(e) = ended.await {
@@ -330,6 +334,7 @@ pub async fn serve(
     }
     drop(listener);
     let _ = stopping_tx.send(true);
+    open_connections.tell_all_to_close();
     tracing::info!("shutting down: no new connections; waiting for in-flight requests");
     let drained = tokio::select! {
         () = graceful.shutdown() => {
@@ -412,13 +417,16 @@ pub(crate) async fn pause_after_accept_error(error: &std::io::Error, what: &str)
 }
 
 /// Drives `connection` to its end, and shuts it down gracefully (the
-/// request in progress is answered, then the connection closes) once
-/// `stopping` turns true or its sender is gone, or once `idle` resolves
-/// (no request in flight for the idle timeout). After an idle shutdown, a
-/// connection that has not ended is dropped once `idle_again` resolves:
-/// requests its client started as the shutdown began are answered first,
-/// but pings, window updates or a trickle of bytes do not keep it; after
-/// a stop, likewise once `idle_after_stop` resolves. Whenever
+/// request in progress is answered, then the connection closes) once it
+/// is told to close (the gateway stops, or it was chosen to close at the
+/// connection limit), or once `idle` resolves (no request in flight for
+/// the idle timeout). After an idle shutdown, a connection that has not
+/// ended is dropped once `idle_again` resolves: requests its client
+/// started as the shutdown began are answered first, but pings, window
+/// updates or a trickle of bytes do not keep it; if the gateway begins to
+/// stop meanwhile (`stopping` turns true or its sender is gone), once
+/// `idle_after_stop` resolves. After being told to close, likewise once
+/// `idle_after_stop` resolves. Whenever
 /// `stalled` resolves (the client takes none of its responses), the
 /// connection is dropped at once.
 ///
@@ -445,18 +453,18 @@ where
         idle,
         idle_again,
         idle_after_stop,
-        chosen,
+        told_to_close,
     } = idles;
     tokio::pin!(connection);
     tokio::pin!(stalled);
-    // A connection chosen to close at the connection limit ends as it
-    // would in a stop: at once if nothing is in flight on it.
+    // Told to close: the gateway stops, or the connection was chosen to
+    // close at the connection limit; either way it ends at once if nothing
+    // is in flight on it.
     let idle = tokio::select! {
         biased;
         done = connection.as_mut() => return done,
         () = stalled.as_mut() => return Ok(()),
-        _ = stopping.wait_for(|stopping| *stopping) => false,
-        () = chosen => false,
+        () = told_to_close => false,
         () = idle => true,
     };
     connection.as_mut().graceful_shutdown();
@@ -509,10 +517,20 @@ struct Idles<I, J, K, L> {
     idle_again: J,
     /// For [`STOP_IDLE`] once the gateway is stopping: it is dropped.
     idle_after_stop: K,
-    /// Resolves once the connection is chosen to close at the connection
-    /// limit (see [`reclaim`](crate::gateway::reclaim)): it ends as in a
-    /// stop.
-    chosen: L,
+    /// Resolves once the connection is told to close: the gateway stops,
+    /// or it was chosen to close at the connection limit (see
+    /// [`reclaim`](crate::gateway::reclaim)).
+    told_to_close: L,
+}
+
+/// Tells every open connection to close when dropped (see
+/// [`OpenConnections::tell_all_to_close`]).
+struct TellAllOnDrop(Arc<OpenConnections>);
+
+impl Drop for TellAllOnDrop {
+    fn drop(&mut self) {
+        self.0.tell_all_to_close();
+    }
 }
 
 /// How often, at the connection limit with no connection idle, the open
@@ -795,7 +813,7 @@ mod tests {
             idle: never(),
             idle_again: never(),
             idle_after_stop: never(),
-            chosen: never(),
+            told_to_close: std::future::ready(()),
         };
         serve_until_stopped(connection, stopping, idles, never())
             .await
