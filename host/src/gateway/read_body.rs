@@ -172,17 +172,19 @@ pub(crate) mod tests {
     async fn takes_room_for_every_byte_past_what_it_held() {
         let memory = BodyMemory::new(4 << 10, Duration::from_secs(1));
         let mut room = memory.reserve(1024, || None).await.expect("room");
+        let arrived = AtomicUsize::new(0);
         let whole = read_limited_in(
             chunks(&[KIB, KIB, b"x"]),
             8 << 10,
             None,
             &memory,
             &mut room,
-            &AtomicUsize::new(0),
+            &arrived,
         )
         .await
         .expect("within the memory");
         assert_eq!(whole.len(), 2049);
+        assert_eq!(arrived.load(Ordering::Relaxed), 2049, "the bytes counted");
         assert_eq!(room.bytes(), 3 << 10);
         assert_eq!(memory.held(), 3 << 10);
     }
