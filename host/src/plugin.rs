@@ -258,7 +258,7 @@ fn not_a_component(bytes: &[u8]) -> Option<String> {
 fn refused(engine: &PluginEngine, e: wasmtime::Error) -> anyhow::Error {
     let e = if is_over_the_limits(&e) {
         let bytes = engine.limits.memory_bytes;
-        let limit = if bytes % (1 << 20) == 0 {
+        let limit = if bytes.is_multiple_of(1 << 20) {
             format!("{} MiB", bytes >> 20)
         } else {
             format!("{bytes} byte")
