@@ -170,7 +170,8 @@ async fn a_symlink_flipped_as_kubernetes_does_is_picked_up() {
 
 /// A deploy that replaces the plugin's whole directory (`mv dir dir.old;
 /// mv dir.new dir`) is seen, and so are later changes in the new
-/// directory, although the old directory's watch went with it.
+/// directory: the old directory's watch went with it, so the new one is
+/// watched anew (before, only the poll saw them).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replaced_directory_is_picked_up_and_watched_after() {
     let dir = TempDir::new("replaced-dir");
@@ -191,6 +192,7 @@ async fn a_replaced_directory_is_picked_up_and_watched_after() {
             sha_of(s) == new
         })
         .await;
+    gateway.wait_log("watching the new one").await;
 
     replace_by_rename(&path, &plugin_variant(2));
     let newer = sha256_hex(&plugin_variant(2));

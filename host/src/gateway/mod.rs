@@ -68,7 +68,7 @@ pub struct Gateway {
     metrics: Arc<Metrics>,
     upstream: Upstream,
     /// Watches the plugin file while the gateway lives.
-    _watcher: Option<notify::RecommendedWatcher>,
+    _watcher: Option<watch::PluginWatch>,
 }
 
 impl Gateway {

@@ -26,15 +26,41 @@ use crate::gateway::slot::PluginSlot;
 /// How often the file behind the plugin path is looked at (one `stat`).
 pub const POLL_INTERVAL: Duration = Duration::from_secs(2);
 
+/// The watch of a plugin file's directory: it lasts as long as this lives.
+pub struct PluginWatch {
+    _watcher: Arc<Mutex<RecommendedWatcher>>,
+}
+
+/// The directory a watch is on, as the file system knows it: another
+/// directory moved to the same path has another identity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct DirIdentity {
+    dev: u64,
+    ino: u64,
+}
+
+impl DirIdentity {
+    fn of(dir: &Path) -> Option<DirIdentity> {
+        use std::os::unix::fs::MetadataExt as _;
+        let metadata = std::fs::metadata(dir).ok()?;
+        Some(DirIdentity {
+            dev: metadata.dev(),
+            ino: metadata.ino(),
+        })
+    }
+}
+
 /// Watches the directory of `slot`'s plugin file, and the file behind the
 /// path, and reloads once the file has been quiet for `debounce` (at most
 /// ten times that in all) after a finished write, a rename, or a change of
-/// which file the path leads to. The watch lasts as long as the returned
-/// watcher lives.
+/// which file the path leads to. A directory replaced by another (`mv
+/// dir.new dir`) is watched anew once the poll sees it: its watch went
+/// with the old directory, and later changes would otherwise wait for the
+/// poll. The watch lasts as long as the returned [`PluginWatch`] lives.
 pub fn watch_plugin_file(
     slot: Arc<PluginSlot>,
     debounce: Duration,
-) -> anyhow::Result<Option<RecommendedWatcher>> {
+) -> anyhow::Result<Option<PluginWatch>> {
     let Some(path) = slot.source().map(Path::to_path_buf) else {
         return Ok(None);
     };
@@ -81,6 +107,9 @@ pub fn watch_plugin_file(
     watcher
         .watch(&dir, RecursiveMode::NonRecursive)
         .with_context(|| format!("watching the plugin directory {}", dir.display()))?;
+    let mut watched = DirIdentity::of(&dir);
+    let watcher = Arc::new(Mutex::new(watcher));
+    let rewatch = Arc::downgrade(&watcher);
 
     // What the file behind the path was when a reload last read it, and
     // how that went: the poll asks about a file no reload has read yet,
@@ -115,6 +144,15 @@ pub fn watch_plugin_file(
             tokio::time::sleep(POLL_INTERVAL).await;
             let Ok(now) = poll_look().await else { return };
             let Some(tx) = polls.upgrade() else { return };
+            let dir_now = {
+                let dir = dir.clone();
+                tokio::task::spawn_blocking(move || DirIdentity::of(&dir)).await
+            };
+            if let (Ok(Some(dir_now)), Some(watcher)) = (dir_now, rewatch.upgrade()) {
+                if watched != Some(dir_now) {
+                    watched = watch_anew(&watcher, &dir).then_some(dir_now);
+                }
+            }
             let due = lock(&poll_tried).as_ref().is_none_or(|t| t.due(&now));
             if now == previous && due && tx.send(()).is_err() {
                 return; // the reload task is gone
@@ -166,7 +204,34 @@ pub fn watch_plugin_file(
             }
         }
     });
-    Ok(Some(watcher))
+    Ok(Some(PluginWatch { _watcher: watcher }))
+}
+
+/// Watches `dir` again after it was replaced by another directory (the
+/// old watch went with the old one); whether that worked.
+fn watch_anew(watcher: &Mutex<RecommendedWatcher>, dir: &Path) -> bool {
+    let mut watcher = lock(watcher);
+    // The old directory's watch, if it still exists somewhere.
+    let _ = watcher.unwatch(dir);
+    match watcher.watch(dir, RecursiveMode::NonRecursive) {
+        Ok(()) => {
+            tracing::info!(
+                "the plugin directory {} was replaced by another: watching the new one",
+                dir.display()
+            );
+            true
+        }
+        Err(e) => {
+            tracing::warn!(
+                error = %e,
+                "the plugin directory {} was replaced by another, and watching the new one \
+                 failed: its changes are seen by the poll every {} s",
+                dir.display(),
+                POLL_INTERVAL.as_secs()
+            );
+            false
+        }
+    }
 }
 
 /// The file a reload last read, and how many reloads of it failed in a row.
