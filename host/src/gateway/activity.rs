@@ -273,11 +273,14 @@ impl InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.asked();
-        if self.open.count.fetch_sub(1, Ordering::AcqRel) == 1 {
+        // The time first, then the count: a look in between must not see
+        // a connection busy until now as idle since long before.
+        if self.open.count.load(Ordering::Acquire) == 1 {
             self.open
                 .idle_since
                 .store(self.open.now(), Ordering::Release);
         }
+        self.open.count.fetch_sub(1, Ordering::AcqRel);
         if let Some(in_flight) = &self.in_flight {
             in_flight.send_modify(|n| *n -= 1);
         }
