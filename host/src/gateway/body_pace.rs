@@ -42,14 +42,19 @@ pub enum TooSlow {
     BehindPace,
 }
 
-/// Runs `read`, the read of a body that holds `room` bytes of `memory`,
-/// which counts the bytes that have arrived in `arrived`: cut off once
-/// `within` has passed, or, while requests wait for room, once the body
-/// is behind its pace (see the module's documentation).
+/// Runs `read`, the read of a body that holds room in `memory` and has
+/// declared `length` bytes, which counts the bytes that have arrived in
+/// `arrived`: cut off once `within` has passed, or, while requests wait
+/// for room, once the body is behind the pace of its length (see the
+/// module's documentation). A body of no declared length is not paced: it
+/// holds at most [`UNDECLARED_ROOM`](crate::gateway::body_memory::UNDECLARED_ROOM)
+/// beyond what has arrived, and the pace of a room it may never fill would
+/// cut off a small body sent slowly (a review saw a 40 KB chunked body
+/// sent at 4 KB/s refused, held to 1 MiB in 60 s).
 pub async fn keeping_pace<F: Future>(
     read: F,
     arrived: &AtomicUsize,
-    room: usize,
+    length: Option<usize>,
     within: Duration,
     memory: &BodyMemory,
 ) -> Result<F::Output, TooSlow> {
@@ -64,9 +69,9 @@ pub async fn keeping_pace<F: Future>(
             biased;
             done = read.as_mut() => return Ok(done),
             () = timed_out.as_mut() => return Err(TooSlow::TimedOut),
-            _ = check.tick() => {
-                let arrived = arrived.load(Ordering::Relaxed);
-                if memory.waiting() > 0 && behind(arrived, room, started.elapsed(), within) {
+            _ = check.tick(), if length.is_some() => {
+                let (arrived, length) = (arrived.load(Ordering::Relaxed), length.unwrap_or(0));
+                if memory.waiting() > 0 && behind(arrived, length, started.elapsed(), within) {
                     return Err(TooSlow::BehindPace);
                 }
             }
@@ -74,18 +79,18 @@ pub async fn keeping_pace<F: Future>(
     }
 }
 
-/// Whether `arrived` bytes of a body holding `room`, `elapsed` after it
-/// got the room, are behind the pace that brings `room` whole within
-/// `within`, counted from [`PACE_SLACK`] on.
-fn behind(arrived: usize, room: usize, elapsed: Duration, within: Duration) -> bool {
+/// Whether `arrived` bytes of a body of `length`, `elapsed` after it got
+/// its room, are behind the pace that brings it whole within `within`,
+/// counted from [`PACE_SLACK`] on.
+fn behind(arrived: usize, length: usize, elapsed: Duration, within: Duration) -> bool {
     let due = elapsed.saturating_sub(PACE_SLACK);
-    (arrived as u128) * within.as_nanos() < (room as u128) * due.as_nanos()
+    (arrived as u128) * within.as_nanos() < (length as u128) * due.as_nanos()
 }
 
-/// The pace a body holding `room` must keep to arrive whole `within`, in
-/// KiB a second (at least 1), for messages.
-pub fn pace_kib_per_sec(room: usize, within: Duration) -> u64 {
-    let per_sec = (room as f64 / within.as_secs_f64().max(0.001)) / 1024.0;
+/// The pace a body of `length` must keep to arrive whole `within`, in KiB
+/// a second (at least 1), for messages.
+pub fn pace_kib_per_sec(length: usize, within: Duration) -> u64 {
+    let per_sec = (length as f64 / within.as_secs_f64().max(0.001)) / 1024.0;
     (per_sec.ceil() as u64).max(1)
 }
 
@@ -122,7 +127,7 @@ mod tests {
         let arrived = AtomicUsize::new(1024);
         let never = std::future::pending::<()>();
         let started = Instant::now();
-        let alone = keeping_pace(never, &arrived, MIB, WITHIN, &memory).await;
+        let alone = keeping_pace(never, &arrived, Some(MIB), WITHIN, &memory).await;
         assert_eq!(alone, Err(TooSlow::TimedOut));
         assert_eq!(started.elapsed(), WITHIN);
 
@@ -135,13 +140,20 @@ mod tests {
         }
         let started = Instant::now();
         let never = std::future::pending::<()>();
-        let cut = keeping_pace(never, &arrived, MIB, WITHIN, &memory).await;
+        let cut = keeping_pace(never, &arrived, Some(MIB), WITHIN, &memory).await;
         assert_eq!(cut, Err(TooSlow::BehindPace));
         assert!(
             started.elapsed() <= PACE_SLACK + CHECK_EVERY,
             "{:?}",
             started.elapsed()
         );
+        // A body of no declared length is not paced: only the timeout.
+        let started = Instant::now();
+        let never = std::future::pending::<()>();
+        let within = WITHIN / 2;
+        let unpaced = keeping_pace(never, &arrived, None, within, &memory).await;
+        assert_eq!(unpaced, Err(TooSlow::TimedOut));
+        assert_eq!(started.elapsed(), within);
         drop(room);
         assert!(waiter.await.expect("joined"), "the waiter got the room");
     }
@@ -169,7 +181,7 @@ mod tests {
         let read = keeping_pace(
             read,
             &arrived,
-            MIB,
+            Some(MIB),
             WITHIN + Duration::from_secs(1),
             &memory,
         );

@@ -358,7 +358,9 @@ impl Shared {
         // room, and keep pace while others wait for room, or a client
         // could hold room by sending a byte now and then (see `body_pace`).
         let within = self.body_memory.wait();
-        let room_taken = room.bytes();
+        // Paced by its declared length; a body of none holds at most
+        // `UNDECLARED_ROOM` beyond what has arrived, and is not paced.
+        let paced_length = declared;
         let arrived = AtomicUsize::new(0);
         // A body that is here already (most small ones) is read at once,
         // without arming a timer for it.
@@ -376,7 +378,7 @@ impl Shared {
                 Poll::Ready(read) => Ok(read),
                 Poll::Pending => {
                     let memory = &self.body_memory;
-                    keeping_pace(read, &arrived, room_taken, within, memory).await
+                    keeping_pace(read, &arrived, paced_length, within, memory).await
                 }
             }
         };
@@ -415,7 +417,7 @@ impl Shared {
                         "the request body arrived slower than {} KiB/s, the pace that brings it \
                          whole within {} ms (--body-read-timeout-ms), while other requests waited \
                          for room in the gateway's body memory; send it faster",
-                        pace_kib_per_sec(room_taken, within),
+                        pace_kib_per_sec(paced_length.unwrap_or(0), within),
                         within.as_millis()
                     ),
                 };
