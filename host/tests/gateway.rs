@@ -3209,12 +3209,16 @@ async fn a_client_gone_while_the_upstream_works_is_logged_as_499_and_cancelled_u
 }
 
 /// The drain is bounded: a request that never finishes does not keep the
-/// gateway up past --shutdown-grace-secs; it still exits 0.
+/// gateway up past --shutdown-grace-secs; it still exits 0, and the access
+/// log gives the dropped request status 444.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_gives_up_on_stuck_requests_after_the_grace_period() {
     let upstream = TestUpstream::start().await;
-    let gateway =
-        Gateway::start(&["--upstream", &upstream.url(), "--shutdown-grace-secs", "1"]).await;
+    let gateway = Gateway::start_logging(
+        &["--upstream", &upstream.url(), "--shutdown-grace-secs", "1"],
+        "info,snowgate::access=debug",
+    )
+    .await;
 
     let addr = gateway.addr;
     let stuck = tokio::spawn(async move {
@@ -3236,9 +3240,15 @@ async fn sigterm_gives_up_on_stuck_requests_after_the_grace_period() {
     gateway.signal("TERM");
     let status = gateway.wait_exit(Duration::from_secs(15)).await;
     assert_eq!(status.code(), Some(0), "exit status {status:?}");
-    assert!(gateway
-        .stderr_text()
-        .contains("still open after the grace period"));
+    let log = gateway.stderr_text();
+    assert!(log.contains("still open after the grace period"), "{log}");
+    // The access log says the gateway dropped it (nginx's 444), not that
+    // its client went away (499).
+    let line = log
+        .lines()
+        .find(|l| l.contains("path=\"/hold/forever\""))
+        .unwrap_or_else(|| panic!("no access log line: {log}"));
+    assert!(line.contains("status=444"), "{line}");
     assert!(bounded("the client to see the close", STEP, stuck)
         .await
         .unwrap());

@@ -3,6 +3,8 @@
 //! response's headers are ready, or when its client went away first.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 use http::Method;
@@ -12,15 +14,26 @@ use crate::gateway::client_gone::CLIENT_GONE_STATUS;
 /// The log target of the access log.
 pub const ACCESS_LOG: &str = "snowgate::access";
 
+/// The status the access log gives a request the gateway itself dropped
+/// unanswered, when a shutdown's grace period ended: nginx's code for a
+/// connection it closed without a response. Not 499, which would blame
+/// the client.
+pub const DROPPED_BY_GATEWAY_STATUS: u16 = 444;
+
 /// One request's access log line, written once: with its response's status
 /// when the response's headers are ready ([`AccessLine::answered`]), or,
 /// when hyper drops the request before that (its client went away while
 /// the plugin or the upstream worked on it: an HTTP/1 client that closed
 /// its connection, an HTTP/2 one that reset its stream), as nginx logs
-/// it, with status 499. Without that a cancelled request left no line at
-/// all, though LLM clients cancel long completions often.
+/// it, with status 499 (or [`DROPPED_BY_GATEWAY_STATUS`] when the gateway
+/// dropped it at the end of a shutdown's grace period). Without that a
+/// cancelled request left no line at all, though LLM clients cancel long
+/// completions often.
 pub struct AccessLine {
     peer: SocketAddr,
+    /// Set once the gateway drops the requests left at the end of a
+    /// shutdown's grace period.
+    dropping: Arc<AtomicBool>,
     method: Method,
     /// The path with its query string.
     path: String,
@@ -30,10 +43,18 @@ pub struct AccessLine {
 
 impl AccessLine {
     /// The line of a request with `method` and `path` from `peer` that
-    /// arrived at `arrived`, if the access log is on.
-    pub fn begin(peer: SocketAddr, method: &Method, path: &str, arrived: Instant) -> Option<Self> {
+    /// arrived at `arrived`, if the access log is on; `dropping` is set
+    /// once the gateway drops the requests left after a shutdown's grace.
+    pub fn begin(
+        peer: SocketAddr,
+        method: &Method,
+        path: &str,
+        arrived: Instant,
+        dropping: &Arc<AtomicBool>,
+    ) -> Option<Self> {
         tracing::enabled!(target: ACCESS_LOG, tracing::Level::DEBUG).then(|| AccessLine {
             peer,
+            dropping: dropping.clone(),
             method: method.clone(),
             path: path.to_owned(),
             arrived,
@@ -57,7 +78,12 @@ impl AccessLine {
 impl Drop for AccessLine {
     fn drop(&mut self) {
         if !self.written {
-            self.write(CLIENT_GONE_STATUS);
+            let status = if self.dropping.load(Ordering::Relaxed) {
+                DROPPED_BY_GATEWAY_STATUS
+            } else {
+                CLIENT_GONE_STATUS
+            };
+            self.write(status);
         }
     }
 }

@@ -129,6 +129,9 @@ pub async fn serve(
     // (or this future is dropped): through the same signal as choosing one
     // to close at the limit (see `reclaim`).
     let open_connections = Arc::new(OpenConnections::default());
+    // Set when the grace period ends with requests left, which are then
+    // dropped: their access log lines say the gateway dropped them.
+    let dropping = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let _close_all = TellAllOnDrop(open_connections.clone());
     tokio::pin!(shutdown);
     loop {
@@ -183,6 +186,7 @@ pub async fn serve(
         let metrics = layer.metrics().clone();
         let open = metrics.connection_opened();
         let forwarded_for = forwarded_for_value(peer);
+        let dropping = dropping.clone();
         // How many of this connection's requests wait for room in the body
         // memory (see `body_memory::MAX_WAITING_PER_CONNECTION`).
         let waits = Arc::new(ConnectionWaits::default());
@@ -198,7 +202,7 @@ pub async fn serve(
             // Written when the response's headers are ready, or as 499
             // when hyper drops the request before (its client went away).
             let path = request.uri().path_and_query().map_or("", |p| p.as_str());
-            let access = AccessLine::begin(peer, request.method(), path, arrived);
+            let access = AccessLine::begin(peer, request.method(), path, arrived, &dropping);
             // hyper decodes only chunked, and takes `gzip, chunked` as
             // chunked: the rest of the coding would reach the upstream
             // unlabelled. Looked at before the header goes with the other
@@ -342,6 +346,7 @@ pub async fn serve(
             true
         }
         () = tokio::time::sleep(grace) => {
+            dropping.store(true, std::sync::atomic::Ordering::Relaxed);
             let open = limits.max_connections - slots.available_permits();
             tracing::warn!(
                 grace_secs = grace.as_secs(),
