@@ -12,7 +12,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
@@ -28,12 +28,8 @@ const HTTP2_PIECE: usize = 16 << 10;
 #[derive(Clone)]
 pub struct Activity {
     in_flight: watch::Sender<usize>,
-    /// Requests begun so far, counted or not in `in_flight`: a request
-    /// that begins and ends between two looks at `in_flight` still shows
-    /// here, so a connection busy with quick requests is never idle.
-    begun: Arc<AtomicU64>,
-    /// Every request open now, and since when none is (see
-    /// [`Activity::idle_since`]).
+    /// Every request open now, over any version, and since when none is
+    /// (see [`Activity::idle_for_micros`]).
     open: Arc<OpenRequests>,
     /// Whether a request came in over HTTP/1, whose idle connections
     /// hyper closes by itself.
@@ -48,15 +44,16 @@ pub struct Activity {
 }
 
 /// The requests open on a connection, over any version, and when the last
-/// one ended: what [`reclaim`](crate::gateway::reclaim) chooses idle
-/// connections by.
+/// one ended: what [`Activity::idle_for`] and
+/// [`reclaim`](crate::gateway::reclaim) judge idleness by. On tokio's
+/// clock, so that tests with paused time see it move.
 #[derive(Debug)]
 struct OpenRequests {
     count: AtomicUsize,
     /// When the count last fell to 0 (or the connection opened), in
     /// microseconds since [`OpenRequests::origin`].
     idle_since: AtomicU64,
-    origin: Instant,
+    origin: tokio::time::Instant,
 }
 
 impl Default for OpenRequests {
@@ -64,7 +61,7 @@ impl Default for OpenRequests {
         OpenRequests {
             count: AtomicUsize::new(0),
             idle_since: AtomicU64::new(0),
-            origin: Instant::now(),
+            origin: tokio::time::Instant::now(),
         }
     }
 }
@@ -94,7 +91,6 @@ impl Default for Activity {
     fn default() -> Self {
         Activity {
             in_flight: watch::Sender::new(0),
-            begun: Arc::default(),
             open: Arc::default(),
             http1: Arc::new(AtomicBool::new(false)),
             taking: Arc::default(),
@@ -110,7 +106,6 @@ impl Activity {
     /// of it; see [`ActiveBody`]).
     pub fn begin(&self, version: http::Version) -> InFlight {
         let http2 = version >= http::Version::HTTP_2;
-        self.begun.fetch_add(1, Ordering::Relaxed);
         self.open.count.fetch_add(1, Ordering::Relaxed);
         // Over HTTP/1 only the connection's first request is counted. It
         // wakes the waiters, which then see an HTTP/1 connection and wait
@@ -146,9 +141,10 @@ impl Activity {
     ///
     /// A request that begins and ends while this is not looking (between
     /// two polls of its task, as a quick one does) leaves `in_flight` as
-    /// it was, but not `begun`: the timeout then starts over. Without
-    /// that, an HTTP/1 connection whose first request was that quick was
-    /// closed under its client a timeout after it opened, however busy.
+    /// it was, but not the time the last request ended: the timeout then
+    /// starts over. Without that, an HTTP/1 connection whose first request
+    /// was that quick was closed under its client a timeout after it
+    /// opened, however busy.
     pub async fn idle_for(&self, timeout: Duration) {
         let mut in_flight = self.in_flight.subscribe();
         loop {
@@ -157,14 +153,14 @@ impl Activity {
             if self.http1.load(Ordering::Relaxed) {
                 return std::future::pending().await;
             }
-            let begun = self.begun.load(Ordering::Relaxed);
             tokio::select! {
                 // A request that came in as the time ran out wins.
                 biased;
                 _ = in_flight.wait_for(|n| *n > 0) => {}
                 () = tokio::time::sleep(timeout) => {
-                    let quiet = *self.in_flight.borrow() == 0
-                        && self.begun.load(Ordering::Relaxed) == begun;
+                    let quiet = self
+                        .idle_for_micros()
+                        .is_some_and(|idle| u128::from(idle) >= timeout.as_micros());
                     if quiet {
                         return;
                     }

@@ -21,19 +21,18 @@
 //! reuses connections must retry a request whose connection closed before
 //! any answer (HTTP clients do for idempotent requests).
 
-use std::time::Duration;
-
-/// How long a connection must have had no request open to be chosen.
-pub const MIN_IDLE: Duration = Duration::from_secs(1);
-
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use atomic_waker::AtomicWaker;
 
 use crate::gateway::activity::Activity;
+
+/// How long a connection must have had no request open to be chosen.
+pub const MIN_IDLE: Duration = Duration::from_secs(1);
 
 /// The client connections open now, for choosing one to close.
 #[derive(Default)]
@@ -55,23 +54,23 @@ struct Open {
 /// takes a lock (400 instructions a request, measured with callgrind).
 #[derive(Default)]
 struct CloseSignal {
-    chosen: AtomicBool,
+    told: AtomicBool,
     waker: AtomicWaker,
 }
 
 impl CloseSignal {
     fn tell(&self) {
-        self.chosen.store(true, Ordering::Release);
+        self.told.store(true, Ordering::Release);
         self.waker.wake();
     }
 
-    fn poll_chosen(&self, cx: &mut Context<'_>) -> Poll<()> {
-        if self.chosen.load(Ordering::Acquire) {
+    fn poll_told(&self, cx: &mut Context<'_>) -> Poll<()> {
+        if self.told.load(Ordering::Acquire) {
             return Poll::Ready(());
         }
         self.waker.register(cx.waker());
         // Told between the load and the registration: seen now.
-        if self.chosen.load(Ordering::Acquire) {
+        if self.told.load(Ordering::Acquire) {
             Poll::Ready(())
         } else {
             Poll::Pending
@@ -145,7 +144,7 @@ impl Registration {
     /// Resolves once the connection has been told to close: chosen at the
     /// connection limit, or the gateway stopping.
     pub async fn told_to_close(&self) {
-        std::future::poll_fn(|cx| self.close.poll_chosen(cx)).await;
+        std::future::poll_fn(|cx| self.close.poll_told(cx)).await;
     }
 }
 

@@ -132,7 +132,7 @@ pub async fn serve(
     // Set when the grace period ends with requests left, which are then
     // dropped: their access log lines say the gateway dropped them.
     let dropping = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let _close_all = TellAllOnDrop(open_connections.clone());
+    let close_all = TellAllOnDrop(open_connections.clone());
     tokio::pin!(shutdown);
     loop {
         let (stream, peer) = tokio::select! {
@@ -338,7 +338,7 @@ pub async fn serve(
     }
     drop(listener);
     let _ = stopping_tx.send(true);
-    open_connections.tell_all_to_close();
+    drop(close_all);
     tracing::info!("shutting down: no new connections; waiting for in-flight requests");
     let drained = tokio::select! {
         () = graceful.shutdown() => {
