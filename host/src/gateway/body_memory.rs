@@ -286,10 +286,8 @@ impl BodyMemory {
                 let _in_connection = match connection.as_ref().map(|c| &c.waits.0) {
                     Some(waits) => {
                         if waits.load(Ordering::Relaxed) >= MAX_WAITING_PER_CONNECTION {
-                            return Err(Unreserved::NoRoom(NoRoom {
-                                cause: NoRoomCause::ConnectionFull,
-                                ..self.no_room(Duration::ZERO)
-                            }));
+                            let full = self.no_room(Duration::ZERO, NoRoomCause::ConnectionFull);
+                            return Err(Unreserved::NoRoom(full));
                         }
                         Some(Queued::join(waits))
                     }
@@ -309,7 +307,7 @@ impl BodyMemory {
                         Ok(Ok(permit)) => permit,
                         // Never closed; and a wait that ran out is refused.
                         Ok(Err(_)) | Err(_) => {
-                            return Err(Unreserved::NoRoom(self.no_room(self.wait)))
+                            return Err(Unreserved::NoRoom(self.no_room(self.wait, NoRoomCause::WaitRanOut)))
                         }
                     },
                     () = gone => return Err(Unreserved::ClientGone),
@@ -360,10 +358,7 @@ impl BodyMemory {
             .units
             .clone()
             .try_acquire_many_owned(units)
-            .map_err(|_| NoRoom {
-                cause: NoRoomCause::Outgrown,
-                ..self.no_room(Duration::ZERO)
-            })?;
+            .map_err(|_| self.no_room(Duration::ZERO, NoRoomCause::Outgrown))?;
         match &mut room.permit {
             Some(permit) => permit.merge(more),
             none => *none = Some(more),
@@ -382,15 +377,15 @@ impl BodyMemory {
     fn units_within_limit(&self, units: usize, held: usize) -> Result<u32, NoRoom> {
         match u32::try_from(units) {
             Ok(n) if units.saturating_add(held) <= self.total => Ok(n),
-            _ => Err(self.no_room(Duration::ZERO)),
+            _ => Err(self.no_room(Duration::ZERO, NoRoomCause::WaitRanOut)),
         }
     }
 
-    fn no_room(&self, waited: Duration) -> NoRoom {
+    fn no_room(&self, waited: Duration, cause: NoRoomCause) -> NoRoom {
         NoRoom {
             limit: self.limit,
             waited,
-            cause: NoRoomCause::WaitRanOut,
+            cause,
         }
     }
 }

@@ -8,8 +8,8 @@
 //! waited: a review filled the default 1 GiB with 64 connections that
 //! each declared 32 MiB and sent a byte a second, and small requests
 //! waited 60 s and got 503. So while any request waits for room, a body
-//! that holds room must have arrived at least at the pace that brings it
-//! whole within the timeout, counted from [`PACE_SLACK`] after it got its
+//! that holds room must have arrived at least at the pace that brings its
+//! declared length whole within the timeout, counted from [`PACE_SLACK`] after it got its
 //! room; one that is behind is cut off (408), and its room goes to those
 //! waiting. Nobody waiting, a slow body keeps its room until the timeout.
 //! Holding room then costs a client the bandwidth to fill it, not a byte
@@ -38,7 +38,7 @@ pub enum TooSlow {
     /// It did not arrive whole within the body read timeout.
     TimedOut,
     /// Others waited for room, and it had arrived slower than the pace
-    /// that brings its room's worth whole within the timeout.
+    /// that brings its declared length whole within the timeout.
     BehindPace,
 }
 
@@ -99,7 +99,6 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::gateway::body_memory::BodyMemory;
 
     const MIB: usize = 1 << 20;
     const WITHIN: Duration = Duration::from_secs(60);

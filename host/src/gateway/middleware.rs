@@ -360,7 +360,6 @@ impl Shared {
         let within = self.body_memory.wait();
         // Paced by its declared length; a body of none holds at most
         // `UNDECLARED_ROOM` beyond what has arrived, and is not paced.
-        let paced_length = declared;
         let arrived = AtomicUsize::new(0);
         // A body that is here already (most small ones) is read at once,
         // without arming a timer for it.
@@ -378,7 +377,7 @@ impl Shared {
                 Poll::Ready(read) => Ok(read),
                 Poll::Pending => {
                     let memory = &self.body_memory;
-                    keeping_pace(read, &arrived, paced_length, within, memory).await
+                    keeping_pace(read, &arrived, declared, within, memory).await
                 }
             }
         };
@@ -417,7 +416,7 @@ impl Shared {
                         "the request body arrived slower than {} KiB/s, the pace that brings it \
                          whole within {} ms (--body-read-timeout-ms), while other requests waited \
                          for room in the gateway's body memory; send it faster",
-                        pace_kib_per_sec(paced_length.unwrap_or(0), within),
+                        pace_kib_per_sec(declared.unwrap_or(0), within),
                         within.as_millis()
                     ),
                 };
