@@ -898,6 +898,23 @@ async fn busy_keep_alive_connections_are_never_closed_as_idle() {
     assert!(closed.is_empty(), "busy connections closed: {closed:#?}");
 }
 
+/// A connection to `gateway` with a `GET /hold` in flight, held by
+/// `upstream` until released.
+async fn held_request(gateway: &Gateway, upstream: &TestUpstream) -> TcpStream {
+    let mut stream = TcpStream::connect(gateway.addr).await.expect("connect");
+    stream
+        .write_all(b"GET /hold HTTP/1.1\r\nHost: gw\r\n\r\n")
+        .await
+        .expect("a held request");
+    bounded(
+        "the held request upstream",
+        STEP,
+        upstream.state.held.notified(),
+    )
+    .await;
+    stream
+}
+
 /// At `--max-connections`, a new client is served at once: the connection
 /// idle longest is closed to make room (as nginx reuses idle keep-alive
 /// connections), not left to its header read timeout (a minute here) while
@@ -916,16 +933,7 @@ async fn at_the_connection_limit_the_longest_idle_connection_makes_room() {
     ])
     .await;
     // The oldest: a request held by the upstream, in flight throughout.
-    let mut busy = TcpStream::connect(gateway.addr).await.expect("connect");
-    busy.write_all(b"GET /hold HTTP/1.1\r\nHost: gw\r\n\r\n")
-        .await
-        .expect("the held request");
-    bounded(
-        "the held request upstream",
-        STEP,
-        upstream.state.held.notified(),
-    )
-    .await;
+    let busy = held_request(&gateway, &upstream).await;
     // Keep-alive connections, each after one request, oldest first.
     async fn keep_alive(addr: std::net::SocketAddr) -> BufReader<TcpStream> {
         let stream = TcpStream::connect(addr).await.expect("connect");
@@ -995,18 +1003,7 @@ async fn at_the_connection_limit_a_request_on_its_way_is_never_dropped() {
     let gateway = Gateway::start(&["--upstream", &upstream.url(), "--max-connections", "3"]).await;
     let mut busy = Vec::new();
     for _ in 0..2 {
-        let mut stream = TcpStream::connect(gateway.addr).await.expect("connect");
-        stream
-            .write_all(b"GET /hold HTTP/1.1\r\nHost: gw\r\n\r\n")
-            .await
-            .expect("a held request");
-        bounded(
-            "the held request upstream",
-            STEP,
-            upstream.state.held.notified(),
-        )
-        .await;
-        busy.push(stream);
+        busy.push(held_request(&gateway, &upstream).await);
     }
     let post = support::raw_post_request(
         "/v1/completions",
