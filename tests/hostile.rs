@@ -449,6 +449,55 @@ fn a_100_mib_answer_over_the_answer_limit_is_refused() {
     assert_next_request_is_stamped(&plugin);
 }
 
+/// The echo of a body of `mib` MiB by the fixture set to answer every
+/// request with its own body, under an answer limit of `limit_mib`.
+fn echo_of(mib: usize, limit_mib: usize) -> Result<Action, CallError> {
+    let limits = PluginLimits {
+        memory_bytes: 1 << 30,
+        deadline: Duration::from_secs(60),
+        max_output_body_bytes: limit_mib << 20,
+        ..PluginLimits::default()
+    };
+    let settings = [("hostile-handle".to_string(), "echo".to_string())];
+    let plugin = Plugin::load(&engine(limits), HOSTILE_WASM, &settings)
+        .unwrap_or_else(|e| panic!("loading the hostile fixture: {e:#}"));
+    let mut request = request(None, &[]);
+    request.body = vec![b' '; mib << 20];
+    plugin.handle(&request)
+}
+
+/// wasmtime refuses to take more than 128 MiB from a plugin at once unless
+/// told otherwise: an answer within a larger answer limit (a gateway with
+/// `--max-body-bytes` over 64 MiB, or `snowgate rewrite` on a large body)
+/// must come back whole, not as wasmtime's "fuel allocated for hostcalls
+/// has been exhausted" trap.
+#[test]
+fn an_answer_over_128_mib_within_the_answer_limit_comes_back_whole() {
+    match echo_of(130, 260) {
+        Ok(Action::ForwardWithBody(body)) => assert_eq!(body.len(), 130 << 20),
+        other => panic!("expected the 130 MiB body back, got {}", describe(&other)),
+    }
+}
+
+/// An answer past what the host takes from a plugin at once (here
+/// wasmtime's 128 MiB, as the answer limit is below it) is an unusable
+/// answer that says what the limits are, not a trap in wasmtime's words.
+/// This also pins the message wasmtime refuses with, which the host
+/// recognises (wasmtime does not export its type).
+#[test]
+fn an_answer_past_the_hostcall_fuel_is_an_unusable_answer() {
+    let error = echo_of(130, 64).expect_err("a 130 MiB answer over a 64 MiB limit");
+    assert_eq!(
+        error,
+        CallError::InvalidAnswer(format!(
+            "the plugin handed the host more than {} bytes at once (the largest answer body is \
+             {} bytes)",
+            128 << 20,
+            64 << 20
+        ))
+    );
+}
+
 #[test]
 fn a_100_mib_answer_over_the_memory_limit_is_stopped_while_being_built() {
     let limits = PluginLimits {

@@ -17,6 +17,7 @@ use crate::engine::EPOCH_TICK;
 #[cfg(doc)]
 use crate::identity::MachineIdentity;
 use crate::identity::GRANT_CHANGED;
+use crate::limits::PluginLimits;
 use crate::log_throttle::LogThrottle;
 use crate::plugin::Plugin;
 use crate::request::{Request, RequestRecord};
@@ -386,6 +387,7 @@ impl Plugin {
         );
         let mut store = Store::new(&self.engine.engine, state);
         store.limiter(|state| &mut state.memory);
+        store.set_hostcall_fuel(hostcall_fuel(&self.engine.limits));
         store
     }
 
@@ -475,6 +477,14 @@ impl Plugin {
         }
         if error.is::<PoolConcurrencyLimitError>() {
             return CallError::Busy(self.engine.limits.max_instances.max(1));
+        }
+        if is_out_of_hostcall_fuel(&error) {
+            return CallError::InvalidAnswer(format!(
+                "the plugin handed the host more than {} bytes at once (the largest answer \
+                 body is {} bytes)",
+                hostcall_fuel(&self.engine.limits),
+                self.engine.limits.max_output_body_bytes
+            ));
         }
         // The full error (with the wasm backtrace and the plugin's symbol
         // names, escaped) goes to the log; the caller gets the trap and the
@@ -583,6 +593,28 @@ impl Plugin {
             action => Ok(action),
         }
     }
+}
+
+/// The most bytes a plugin may hand the host in one go (an answer, or one
+/// call of an import such as `log.write`): wasmtime's own bound of 128 MiB,
+/// raised to the largest answer body the limits allow and 1 MiB for the
+/// rest of the answer. Without it, a body the limits accept but wasmtime's
+/// default refuses trapped with wasmtime's words for it.
+fn hostcall_fuel(limits: &PluginLimits) -> usize {
+    const WASMTIME_DEFAULT: usize = 128 << 20;
+    WASMTIME_DEFAULT.max(limits.max_output_body_bytes.saturating_add(1 << 20))
+}
+
+/// Whether `error` is wasmtime's refusal of more data than
+/// [`hostcall_fuel`] from the plugin. wasmtime does not export its type, so
+/// its message tells; a test pins it (`an_answer_past_the_hostcall_fuel_…`
+/// in `tests/hostile.rs`).
+fn is_out_of_hostcall_fuel(error: &wasmtime::Error) -> bool {
+    error.chain().any(|cause| {
+        cause
+            .to_string()
+            .contains("fuel allocated for hostcalls has been exhausted")
+    })
 }
 
 /// A plugin's own failure, its message bounded and escaped: it goes to the
