@@ -968,7 +968,8 @@ async fn the_compile_cache_serves_restarts_and_reloads_back_and_survives_a_bad_f
 }
 
 /// Only a build that passed the load-time self-check is kept: one that
-/// never stamps is refused and leaves nothing in the cache. A cached build
+/// never stamps is refused and leaves nothing in the cache; one that
+/// rejects the canned request (it wants an API key) passes. A cached build
 /// whose memory is over a lower limit is refused with the limit's own
 /// message, without compiling it again.
 #[test]
@@ -1001,6 +1002,47 @@ fn the_compile_cache_keeps_only_accepted_builds_and_names_the_memory_limit() {
     let plugin = load_checked(&ours, &plugin_variant(7), &[]).expect("accepted");
     assert_eq!(plugin.info().compiled.name(), "now");
     assert_eq!(cached_builds(dir.path()).len(), 1);
+
+    // A build that rejects the canned request (it lacks an API key) sends
+    // nothing on unstamped: it passes, and serves as it means to.
+    let wants_a_key = [(
+        "hostile-require-header".to_string(),
+        "x-api-key".to_string(),
+    )];
+    let plugin = load_checked(&ours, snowgate_test_fixtures::HOSTILE_WASM, &wants_a_key)
+        .unwrap_or_else(|e| panic!("a build that rejects the self-check: {e:#}"));
+    let request = |headers: &[(&str, &str)]| snowgate_host::Request {
+        method: "POST".into(),
+        path: "/v1/completions".into(),
+        headers: headers
+            .iter()
+            .map(|(n, v)| (n.to_string(), v.as_bytes().to_vec()))
+            .collect::<Vec<_>>()
+            .into(),
+        body: br#"{"disaggregated_params":{"request_type":"context_only"}}"#.to_vec(),
+    };
+    match plugin.handle(&request(&[])) {
+        Ok(snowgate_host::Action::Reject(r)) => {
+            assert_eq!((r.status, r.code.as_str()), (401, "missing_header"))
+        }
+        other => panic!(
+            "expected 401 without the key, got {:?}",
+            other.map(|_| "another answer")
+        ),
+    }
+    match plugin.handle(&request(&[("x-api-key", "k")])) {
+        Ok(snowgate_host::Action::ForwardWithBody(body)) => {
+            let value: serde_json::Value = serde_json::from_slice(&body).expect("JSON");
+            assert!(
+                value["disaggregated_params"]["disagg_request_id"].is_u64(),
+                "{value}"
+            );
+        }
+        other => panic!(
+            "expected a stamp with the key, got {:?}",
+            other.map(|_| "another answer")
+        ),
+    }
 
     // The bundled plugin's memory starts at 1 MiB and more.
     let small = engine(PluginLimits {

@@ -85,7 +85,9 @@ pub struct ServeArgs {
     /// Requests one plugin instance may serve before a fresh one replaces
     /// it; 1 gives every request a fresh instance (slower; nothing a plugin
     /// keeps in its memory can reach the next request). An instance whose
-    /// call failed is never reused [default: 1000].
+    /// call trapped, ran out of time or memory, answered what the gateway
+    /// cannot use or wrote to stderr is never reused; one that returned its
+    /// own plugin-error is [default: 1000].
     #[arg(long, value_name = "N")]
     plugin_calls_per_instance: Option<u32>,
     /// Plugin instances alive at once, 2 to 4096 [default: 64]: the slots
