@@ -191,3 +191,49 @@ fn a_plugin_that_starts_above_the_memory_limit_is_refused_naming_the_limit() {
     );
     assert!(!message.contains("not a valid"), "{message}");
 }
+
+/// A plugin that panics in `configure`, or spins there past the deadline,
+/// is refused at load with the panic's text or the deadline, in one line,
+/// as a request's call would be: not wasmtime's multi-line backtrace.
+#[test]
+fn a_plugin_failing_in_configure_is_refused_naming_the_panic_or_the_deadline() {
+    let limits = PluginLimits {
+        deadline: std::time::Duration::from_millis(300),
+        ..PluginLimits::default()
+    };
+    let engine = engine_with(
+        SnowflakeLayout::TrtllmV1,
+        1,
+        FixedClock(START_MILLIS),
+        limits,
+    );
+    let refusal = |behaviour: &str| {
+        let settings = [("hostile-configure".to_string(), behaviour.to_string())];
+        match Plugin::load(&engine, snowgate_test_fixtures::HOSTILE_WASM, &settings) {
+            Ok(_) => panic!("hostile-configure={behaviour} was loaded"),
+            Err(e) => format!("{e:#}"),
+        }
+    };
+
+    let panicked = refusal("panic");
+    assert_mentions(
+        &panicked,
+        &[
+            "calling the plugin's configure export",
+            "the plugin trapped",
+            "deliberate panic in the hostile fixture's configure",
+        ],
+    );
+    let spun = refusal("loop");
+    assert_mentions(
+        &spun,
+        &[
+            "calling the plugin's configure export",
+            "its 300 ms deadline",
+        ],
+    );
+    for message in [&panicked, &spun] {
+        assert!(!message.contains('\n'), "more than one line: {message}");
+        assert!(!message.contains("wasm function"), "a backtrace: {message}");
+    }
+}

@@ -468,7 +468,10 @@ impl Plugin {
         Ok((store, bindings))
     }
 
-    fn classify(&self, error: wasmtime::Error, store: &Store<HostState>) -> CallError {
+    /// What went wrong in a call into the plugin, from wasmtime's error and
+    /// what the store saw: the limit it hit, or the trap and the plugin's
+    /// stderr (the full error goes to the log).
+    pub(crate) fn classify(&self, error: wasmtime::Error, store: &Store<HostState>) -> CallError {
         if store.data().memory.hit {
             return CallError::MemoryLimit(self.engine.limits.memory_bytes);
         }

@@ -191,24 +191,29 @@ impl Plugin {
     fn describe(&self) -> anyhow::Result<(String, String)> {
         let (mut store, instance) = self.instantiate_checked()?;
         let handler = instance.snowgate_middleware_handler();
+        // A trap or the deadline here is told as in a request's call: the
+        // panic's text, the limit it hit; not wasmtime's backtrace.
+        let failed = |store: &wasmtime::Store<_>, export: &str, e: wasmtime::Error| {
+            anyhow::Error::new(self.classify(e, store))
+                .context(format!("calling the plugin's {export} export"))
+        };
         let name = handler
             .call_name(&mut store)
-            .context("calling the plugin's name export")?;
+            .map_err(|e| failed(&store, "name", e))?;
+        // Both go on every log line of the plugin's, on /status and the
+        // metrics: bounded and escaped. `configure`'s lines carry the name.
+        let name = plugin_text(name, MAX_PLUGIN_NAME);
+        store.data_mut().set_plugin_name(Arc::from(name.as_str()));
         let version = handler
             .call_version(&mut store)
-            .context("calling the plugin's version export")?;
+            .map_err(|e| failed(&store, "version", e))?;
         handler
             .call_configure(&mut store, &self.settings)
-            .context("calling the plugin's configure export")?
+            .map_err(|e| failed(&store, "configure", e))?
             .map_err(|refusal| {
                 anyhow::Error::new(ConfigurationRefused(plugin_text(refusal, MAX_PLUGIN_TEXT)))
             })?;
-        // Both go on every log line of the plugin's, on /status and the
-        // metrics: bounded and escaped.
-        Ok((
-            plugin_text(name, MAX_PLUGIN_NAME),
-            plugin_text(version, MAX_PLUGIN_NAME),
-        ))
+        Ok((name, plugin_text(version, MAX_PLUGIN_NAME)))
     }
 }
 

@@ -107,6 +107,12 @@ impl HostState {
         }
     }
 
+    /// Tags the plugin's log lines with `name` from now on: the load-time
+    /// check learns the name only from the instance it then configures.
+    pub(crate) fn set_plugin_name(&mut self, name: Arc<str>) {
+        self.plugin_name = name;
+    }
+
     /// Starts the clock of an async call: it ends at `deadline` from now,
     /// and yields to the event loop at every tick once it has run for
     /// `yield_after`.

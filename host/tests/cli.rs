@@ -255,6 +255,40 @@ fn rewrite_hands_plugin_settings_to_the_plugin() {
     failure(&output, 2, &["\"colour\" is not NAME=VALUE"]);
 }
 
+/// What a plugin logs while it is configured carries its name, as its
+/// lines in a request's call do: the load learns the name from the same
+/// instance, first.
+#[test]
+fn a_plugins_configure_log_lines_carry_its_name() {
+    let path = scratch("hostile.wasm");
+    std::fs::write(&path, snowgate_test_fixtures::HOSTILE_WASM).expect("writing the fixture");
+    let plugin = path.to_str().expect("a UTF-8 path");
+    let args = [
+        "rewrite",
+        "--machine-id",
+        "7",
+        "--plugin",
+        plugin,
+        "--plugin-setting",
+        "hostile-configure=log",
+    ];
+    let output = snowgate(&args, CONTEXT_ONLY.as_bytes());
+    success(&output);
+    let stderr = text(&output.stderr);
+    let lines: Vec<&str> = stderr
+        .lines()
+        .filter(|line| line.contains("the hostile fixture is being configured"))
+        .collect();
+    assert!(!lines.is_empty(), "no configure line: {stderr}");
+    for line in lines {
+        assert!(
+            line.contains("plugin=\"snowgate-hostile-fixture\""),
+            "{line}"
+        );
+    }
+    let _ = std::fs::remove_file(&path);
+}
+
 /// A plugin path that is a device or a FIFO is refused as `serve`
 /// refuses it, instead of reading /dev/zero until memory runs out.
 #[test]
