@@ -1169,6 +1169,39 @@ async fn with_a_token_every_admin_request_must_carry_it() {
         )
         .await;
     assert_eq!(right.status, 200, "{}", right.text());
+    // The scheme's name is matched ignoring case (RFC 9110 section 11.1).
+    let lower_case = client
+        .send(
+            client
+                .builder(http::Method::GET, "/status")
+                .header("authorization", "bearer s3cret-token")
+                .body(Default::default())
+                .expect("request"),
+        )
+        .await;
+    assert_eq!(lower_case.status, 200, "{}", lower_case.text());
+    // HEAD is GET without the body; a wrong method is told which are right.
+    for (method, path, status, allow) in [
+        (http::Method::HEAD, "/healthz", 200, None),
+        (http::Method::HEAD, "/metrics", 200, None),
+        (http::Method::DELETE, "/status", 405, Some("GET, HEAD")),
+        (http::Method::GET, "/reload", 405, Some("POST")),
+    ] {
+        let reply = client
+            .send(
+                client
+                    .builder(method.clone(), path)
+                    .header("authorization", "Bearer s3cret-token")
+                    .body(Default::default())
+                    .expect("request"),
+            )
+            .await;
+        assert_eq!(reply.status, status, "{method} {path}: {}", reply.text());
+        assert_eq!(reply.header("allow"), allow, "{method} {path}");
+        if method == http::Method::HEAD {
+            assert!(reply.body.is_empty(), "{method} {path}: a body");
+        }
+    }
     // The client listener is not the admin listener: no token needed there.
     still_serves(&gateway).await;
 }

@@ -120,7 +120,12 @@ impl Admin {
             );
             return response;
         }
-        match (request.method(), request.uri().path()) {
+        // HEAD is GET without the body, which hyper leaves out itself.
+        let method = match request.method() {
+            &Method::HEAD => &Method::GET,
+            method => method,
+        };
+        match (method, request.uri().path()) {
             (&Method::GET, "/healthz") => text(StatusCode::OK, "text/plain", "ok\n".to_string()),
             // Ready while requests that need an id can get one: for a
             // readiness probe, so that no traffic comes while the machine
@@ -159,11 +164,22 @@ impl Admin {
                     responses::error(StatusCode::UNPROCESSABLE_ENTITY, "reload_failed", &message)
                 }
             },
-            (_, "/healthz" | "/readyz" | "/status" | "/metrics" | "/reload") => responses::error(
-                StatusCode::METHOD_NOT_ALLOWED,
-                "method_not_allowed",
-                "wrong method for this endpoint",
-            ),
+            (_, path @ ("/healthz" | "/readyz" | "/status" | "/metrics" | "/reload")) => {
+                let allow = if path == "/reload" {
+                    "POST"
+                } else {
+                    "GET, HEAD"
+                };
+                let mut response = responses::error(
+                    StatusCode::METHOD_NOT_ALLOWED,
+                    "method_not_allowed",
+                    &format!("{path} answers {allow} only"),
+                );
+                response
+                    .headers_mut()
+                    .insert(header::ALLOW, header::HeaderValue::from_static(allow));
+                response
+            }
             (_, path) => responses::error(
                 StatusCode::NOT_FOUND,
                 "not_found",
@@ -207,7 +223,7 @@ impl Admin {
             .headers()
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
+            .and_then(bearer_token)
             .unwrap_or("");
         constant_time_eq(presented.as_bytes(), token.as_bytes())
     }
@@ -279,6 +295,15 @@ fn label_value(value: &str) -> String {
         }
     }
     escaped
+}
+
+/// The token of an `Authorization: Bearer TOKEN` value; the scheme's name
+/// matched ignoring case, as RFC 9110 section 11.1 has it.
+fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, token) = value.trim().split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then(|| token.trim_start_matches(' '))
 }
 
 #[cfg(test)]

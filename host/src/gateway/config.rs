@@ -421,9 +421,25 @@ impl ConfigFile {
                 config.max_body_bytes.div_ceil(1 << 20)
             );
         }
-        if !config.admin_listen.ip().is_loopback()
-            && config.admin_token.as_deref().is_none_or(str::is_empty)
-        {
+        if let Some(token) = &config.admin_token {
+            // An empty token matched a request without one: admin open to
+            // anyone, from an empty SNOWGATE_ADMIN_TOKEN (a Kubernetes
+            // secret's empty key, `Environment=...=` in a unit file).
+            anyhow::ensure!(
+                !token.is_empty(),
+                "the admin token (--admin-token, SNOWGATE_ADMIN_TOKEN or the config file's \
+                 admin-token) is empty, which would let any request in: give a token, or unset it"
+            );
+            // Whitespace and control characters cannot come through an
+            // Authorization header whole: no request would ever match.
+            anyhow::ensure!(
+                !token.chars().any(|c| c.is_whitespace() || c.is_control()),
+                "the admin token (--admin-token, SNOWGATE_ADMIN_TOKEN or the config file's \
+                 admin-token) holds whitespace or a control character (a newline from a file?), \
+                 which no Authorization header can carry whole: no request could present it"
+            );
+        }
+        if !config.admin_listen.ip().is_loopback() && config.admin_token.is_none() {
             anyhow::bail!(
                 "the admin listener {} is not on a loopback address, so it needs a bearer token: \
                  set --admin-token or SNOWGATE_ADMIN_TOKEN, or listen on 127.0.0.1",
@@ -734,6 +750,31 @@ mod tests {
         config.admin_token = Some("s3cret".into());
         assert!(ConfigFile::check(&config).is_ok());
         assert!(ConfigFile::check(&GatewayConfig::default()).is_ok());
+    }
+
+    /// An empty token, which would match a request without one, or one no
+    /// header can carry, is refused on any admin listener, loopback too.
+    #[test]
+    fn an_empty_admin_token_or_one_no_header_can_carry_is_refused() {
+        for listen in ["127.0.0.1:9901", "0.0.0.0:9901"] {
+            for (token, named) in [
+                ("", "is empty"),
+                ("s3cret\n", "whitespace or a control character"),
+                ("two words", "whitespace or a control character"),
+            ] {
+                let config = GatewayConfig {
+                    admin_listen: listen.parse().unwrap(),
+                    admin_token: Some(token.into()),
+                    ..Default::default()
+                };
+                let err = ConfigFile::check(&config).unwrap_err().to_string();
+                assert!(err.contains(named), "{listen} {token:?}: {err}");
+                assert!(
+                    !err.contains(token) || token.is_empty(),
+                    "the token shown: {err}"
+                );
+            }
+        }
     }
 
     #[test]
