@@ -357,6 +357,35 @@ fn serve_refuses_a_listen_address_without_an_ip_saying_what_to_write() {
     failure(&output, 2, &["--admin-listen", "0.0.0.0:9901"]);
 }
 
+/// An upstream or etcd URL the gateway cannot use is a bad setting (status
+/// 2, as any other), named without the password it may carry.
+#[test]
+fn serve_refuses_unusable_upstream_and_etcd_urls_with_status_2_without_the_password() {
+    for (flags, named) in [
+        (&["--upstream", "localhost:8000"][..], "needs a scheme"),
+        (
+            &["--upstream", "http://user:hunter2@127.0.0.1:8000"][..],
+            "credentials in the URL are not supported",
+        ),
+        (
+            &["--etcd", "http://root:hunter2@127.0.0.1:2379"][..],
+            "credentials in the URL are not supported",
+        ),
+        (
+            &["--etcd", "https://127.0.0.1:2379"][..],
+            "https:// is not supported",
+        ),
+    ] {
+        let output = serve_on_any_port(flags);
+        failure(&output, 2, &[named]);
+        assert!(
+            !text(&output.stderr).contains("hunter2"),
+            "the password shown: {}",
+            text(&output.stderr)
+        );
+    }
+}
+
 /// `snowgate serve` on free ports with `flags`, its address space limited
 /// to `bytes` (what `ulimit -v` sets), stdout and stderr piped.
 #[cfg(unix)]

@@ -390,10 +390,15 @@ impl ConfigFile {
         toml::from_str(&text).with_context(|| format!("parsing the config file {}", path.display()))
     }
 
-    /// Checks settings that only make sense together: a fixed machine id
+    /// Checks settings that only make sense together, or whole: the
+    /// upstream URL must be one the gateway can use, a fixed machine id
     /// must fit the layout, and an admin listener reachable from other
     /// hosts must be protected by a token.
     pub fn check(config: &GatewayConfig) -> anyhow::Result<()> {
+        // Before anything binds: a bad URL is a bad setting (status 2).
+        if let Some(url) = &config.upstream {
+            crate::gateway::upstream::base_url(url)?;
+        }
         if let Some(id) = config.machine_id {
             config
                 .layout
@@ -618,12 +623,27 @@ impl ConfigFile {
                 "etcd needs at least one endpoint URL, e.g. http://127.0.0.1:2379"
             );
             for endpoint in &endpoints {
+                let shown = without_credentials(endpoint);
                 let uri: Option<http::Uri> = endpoint.parse().ok();
                 let scheme = uri.as_ref().and_then(|u| u.scheme_str());
+                // etcd-client is built without TLS: an https:// endpoint
+                // could never be reached, only retried for ever.
                 anyhow::ensure!(
-                    matches!(scheme, Some("http" | "https"))
-                        && uri.as_ref().is_some_and(|u| u.host().is_some()),
-                    "etcd endpoint {endpoint:?} is not an http:// or https:// URL, e.g. http://127.0.0.1:2379"
+                    scheme != Some("https"),
+                    "etcd endpoint {shown:?}: https:// is not supported (snowgate's etcd client \
+                     has no TLS); reach etcd over http:// on a trusted network, or through a \
+                     local TLS proxy"
+                );
+                anyhow::ensure!(
+                    scheme == Some("http") && uri.as_ref().is_some_and(|u| u.host().is_some()),
+                    "etcd endpoint {shown:?} is not an http:// URL, e.g. http://127.0.0.1:2379"
+                );
+                // Not sent (no etcd authentication here), but shown on
+                // /status and in every warning about the endpoint.
+                anyhow::ensure!(
+                    shown == *endpoint,
+                    "etcd endpoint {shown:?}: credentials in the URL are not supported (they \
+                     would not be sent; etcd authentication is not supported)"
                 );
             }
             let lease = config
@@ -648,6 +668,19 @@ impl ConfigFile {
                 .prefix = prefix;
         }
         Ok(())
+    }
+}
+
+/// `url` with the credentials of its authority (`user:password@`), if any,
+/// shown as `***@`: for error messages, which must not repeat a password.
+pub(crate) fn without_credentials(url: &str) -> String {
+    let start = url.find("://").map_or(0, |i| i + 3);
+    let end = url[start..]
+        .find(['/', '?', '#'])
+        .map_or(url.len(), |i| start + i);
+    match url[start..end].rfind('@') {
+        Some(at) => format!("{}***{}", &url[..start], &url[start + at..]),
+        None => url.to_string(),
     }
 }
 
@@ -752,6 +785,47 @@ mod tests {
         assert!(ConfigFile::check(&GatewayConfig::default()).is_ok());
     }
 
+    #[test]
+    fn credentials_in_a_url_are_not_shown() {
+        assert_eq!(
+            without_credentials("http://root:hunter2@10.0.0.1:2379/x@y"),
+            "http://***@10.0.0.1:2379/x@y"
+        );
+        assert_eq!(without_credentials("u:p@host:80"), "***@host:80");
+        assert_eq!(
+            without_credentials("http://[::1]:2379"),
+            "http://[::1]:2379"
+        );
+    }
+
+    /// etcd endpoints with credentials (never sent) or https:// (no TLS
+    /// client) are refused, without repeating the password.
+    #[test]
+    fn etcd_endpoints_with_credentials_or_https_are_refused() {
+        for (etcd, named) in [
+            (
+                "http://root:hunter2@127.0.0.1:2379",
+                "credentials in the URL are not supported",
+            ),
+            ("https://127.0.0.1:2379", "https:// is not supported"),
+            (
+                "http://127.0.0.1:2379,https://root:hunter2@10.0.0.2:2379",
+                "https:// is not supported",
+            ),
+        ] {
+            let file = ConfigFile {
+                etcd: Some(etcd.to_string()),
+                ..Default::default()
+            };
+            let err = format!(
+                "{:#}",
+                file.apply(&mut GatewayConfig::default()).unwrap_err()
+            );
+            assert!(err.contains(named), "{etcd}: {err}");
+            assert!(!err.contains("hunter2"), "the password shown: {err}");
+        }
+    }
+
     /// An empty token, which would match a request without one, or one no
     /// header can carry, is refused on any admin listener, loopback too.
     #[test]
@@ -846,7 +920,7 @@ mod tests {
             ),
             (
                 "etcd = \"garbage\"",
-                "etcd endpoint \"garbage\" is not an http:// or https:// URL",
+                "etcd endpoint \"garbage\" is not an http:// URL",
             ),
             (
                 "send-timeout-ms = 0",

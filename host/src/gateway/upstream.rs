@@ -21,6 +21,7 @@ use tower_service::Service;
 
 use crate::gateway::body_limit::BodyTooLarge;
 use crate::gateway::client_body::{BodyProgress, ClientFault};
+use crate::gateway::config::without_credentials;
 use crate::gateway::config::UpstreamTimeouts;
 use crate::gateway::dot_segments;
 use crate::gateway::error_chain;
@@ -98,6 +99,44 @@ pub struct HttpUpstream {
     pool: ConnectionPool,
 }
 
+/// The base URL `url` of an upstream, checked for what the gateway can use
+/// (`http://host:port[/prefix]`, no credentials, no query), and the `Host`
+/// header its requests get. Errors name the problem and the URL, its
+/// credentials shown as `***`.
+pub fn base_url(url: &str) -> anyhow::Result<(Uri, header::HeaderValue)> {
+    let shown = without_credentials(url);
+    let base: Uri = url
+        .parse()
+        .with_context(|| format!("--upstream {shown:?} is not a URL"))?;
+    match base.scheme_str() {
+        Some("http") => {}
+        Some(other) => {
+            anyhow::bail!("--upstream {shown:?}: scheme {other} is not supported; use http://")
+        }
+        None => anyhow::bail!("--upstream {shown:?} needs a scheme, e.g. http://{shown}"),
+    }
+    let Some(authority) = base.authority() else {
+        anyhow::bail!("--upstream {shown:?} needs a host, e.g. http://127.0.0.1:8000");
+    };
+    anyhow::ensure!(
+        !authority.as_str().contains('@'),
+        "--upstream {shown:?}: credentials in the URL are not supported (they would not be sent)"
+    );
+    // After an IPv6 host's closing bracket, if any.
+    let after_host = &authority.as_str()[authority.as_str().rfind(']').unwrap_or(0)..];
+    if let Some((_, port)) = after_host.rsplit_once(':') {
+        let valid = port.is_empty() || port.parse::<u16>().is_ok_and(|p| p > 0);
+        anyhow::ensure!(valid, "--upstream {shown:?}: port {port} is not 1..=65535");
+    }
+    anyhow::ensure!(
+        base.query().is_none(),
+        "--upstream {shown:?}: a query is not supported; give the upstream's base URL"
+    );
+    let host = host_header(&base)
+        .with_context(|| format!("--upstream {shown:?}: its host cannot be a Host header"))?;
+    Ok((base, host))
+}
+
 impl Upstream {
     /// An upstream at `url` (`http://host:port[/prefix]`), waited on for at
     /// most `timeouts`; failures to reach it are counted in `metrics`.
@@ -106,35 +145,7 @@ impl Upstream {
         timeouts: UpstreamTimeouts,
         metrics: Arc<Metrics>,
     ) -> anyhow::Result<Upstream> {
-        let base: Uri = url
-            .parse()
-            .with_context(|| format!("--upstream {url:?} is not a URL"))?;
-        match base.scheme_str() {
-            Some("http") => {}
-            Some(other) => {
-                anyhow::bail!("--upstream {url:?}: scheme {other} is not supported; use http://")
-            }
-            None => anyhow::bail!("--upstream {url:?} needs a scheme, e.g. http://{url}"),
-        }
-        let Some(authority) = base.authority() else {
-            anyhow::bail!("--upstream {url:?} needs a host, e.g. http://127.0.0.1:8000");
-        };
-        anyhow::ensure!(
-            !authority.as_str().contains('@'),
-            "--upstream {url:?}: credentials in the URL are not supported (they would not be sent)"
-        );
-        // After an IPv6 host's closing bracket, if any.
-        let after_host = &authority.as_str()[authority.as_str().rfind(']').unwrap_or(0)..];
-        if let Some((_, port)) = after_host.rsplit_once(':') {
-            let valid = port.is_empty() || port.parse::<u16>().is_ok_and(|p| p > 0);
-            anyhow::ensure!(valid, "--upstream {url:?}: port {port} is not 1..=65535");
-        }
-        anyhow::ensure!(
-            base.query().is_none(),
-            "--upstream {url:?}: a query is not supported; give the upstream's base URL"
-        );
-        let host = host_header(&base)
-            .with_context(|| format!("--upstream {url:?}: its host cannot be a Host header"))?;
+        let (base, host) = base_url(url)?;
         let pool = connection_pool(&base, timeouts);
         Ok(Upstream::Http(Arc::new(HttpUpstream {
             base,
@@ -718,6 +729,7 @@ mod tests {
         ] {
             let err = upstream(url).expect_err(url).to_string();
             assert!(err.contains(named), "{url}: {err}");
+            assert!(!err.contains("pw@"), "{url}: the password shown: {err}");
         }
         for url in [
             "http://127.0.0.1:8000",
