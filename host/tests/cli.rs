@@ -390,6 +390,18 @@ fn serve_refuses_unusable_upstream_and_etcd_urls_with_status_2_without_the_passw
 /// to `bytes` (what `ulimit -v` sets), stdout and stderr piped.
 #[cfg(unix)]
 fn serve_in_address_space(bytes: u64, flags: &[&str]) -> Command {
+    serve_under_rlimit(libc::RLIMIT_AS, bytes, bytes, flags)
+}
+
+/// `snowgate serve` on free ports with `flags`, under the resource limit
+/// `resource` of `soft` (and `hard`), as `ulimit` sets it.
+#[cfg(unix)]
+fn serve_under_rlimit(
+    resource: libc::__rlimit_resource_t,
+    soft: u64,
+    hard: u64,
+    flags: &[&str],
+) -> Command {
     use std::os::unix::process::CommandExt;
     let mut command = Command::new(env!("CARGO_BIN_EXE_snowgate"));
     command
@@ -398,15 +410,15 @@ fn serve_in_address_space(bytes: u64, flags: &[&str]) -> Command {
         .args(["--machine-id", "7"])
         .args(flags);
     let limit = libc::rlimit {
-        rlim_cur: bytes,
-        rlim_max: bytes,
+        rlim_cur: soft,
+        rlim_max: hard,
     };
     // SAFETY: between fork and exec the closure only calls setrlimit, which
     // is async-signal-safe, and touches no memory but its own copy of
     // `limit`.
     unsafe {
         command.pre_exec(move || {
-            if libc::setrlimit(libc::RLIMIT_AS, &limit) == 0 {
+            if libc::setrlimit(resource, &limit) == 0 {
                 Ok(())
             } else {
                 Err(std::io::Error::last_os_error())
@@ -414,6 +426,79 @@ fn serve_in_address_space(bytes: u64, flags: &[&str]) -> Command {
         });
     }
     command
+}
+
+/// `serve` raises its soft open file limit to the hard one (systemd's
+/// default soft limit, 1024, is below what the default 4096 connections
+/// need), and warns, naming the numbers, where the hard one is too low.
+#[cfg(target_os = "linux")]
+#[test]
+fn serve_raises_its_open_file_limit_and_warns_when_it_is_too_low() {
+    let open_files = |pid: u32| {
+        let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).expect("limits");
+        let line = limits
+            .lines()
+            .find(|l| l.starts_with("Max open files"))
+            .expect("a line for open files")
+            .to_string();
+        line.split_whitespace()
+            .skip(3)
+            .take(2)
+            .map(|n| n.parse::<u64>().expect("a number"))
+            .collect::<Vec<u64>>()
+    };
+    // The hard limit this test runs under (lowering it needs no privilege;
+    // raising it would), if it is high enough to show the raise.
+    let mut ours = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the struct it is given.
+    assert_eq!(
+        unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut ours) },
+        0
+    );
+    let hard = ours.rlim_max.min(1 << 20);
+    assert!(
+        hard >= 1024,
+        "the test needs a hard limit of 1024 or more, not {hard}"
+    );
+    let roomy = serve_under_rlimit(
+        libc::RLIMIT_NOFILE,
+        256,
+        hard,
+        &["--max-connections", "400"],
+    )
+    .stdin(Stdio::null())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .expect("starting snowgate");
+    assert_eq!(while_serving(roomy, open_files), [hard, hard]);
+
+    let tight = serve_under_rlimit(libc::RLIMIT_NOFILE, 256, 512, &[])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting snowgate");
+    let pid = tight.id();
+    let mut tight = tight;
+    // It serves all the same, with what it has.
+    let stdout = tight.stdout.take().expect("piped stdout");
+    let mut ready = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut ready)
+        .expect("reading the ready line");
+    assert!(ready.starts_with("snowgate listening on "), "{ready:?}");
+    assert_eq!(open_files(pid), [512, 512]);
+    let _ = tight.kill();
+    let output = tight.wait_with_output().expect("waiting for snowgate");
+    let stderr = text(&output.stderr);
+    assert!(
+        stderr.contains("the open file limit (512, hard limit 512) is below the 8320")
+            && stderr.contains("lower --max-connections to 192"),
+        "{stderr}"
+    );
 }
 
 /// Where address space is limited (`ulimit -v`) below what the default 64

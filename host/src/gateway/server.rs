@@ -415,9 +415,14 @@ pub(crate) async fn sends_within(stream: &tokio::net::TcpStream, timeout: Durati
 }
 
 /// After an error accepting a connection (out of file descriptors and the
-/// like): log it, and pause before the next accept instead of spinning.
+/// like): log it, once a second at most (out of descriptors, every accept
+/// fails until one closes), and pause before the next accept instead of
+/// spinning.
 pub(crate) async fn pause_after_accept_error(error: &std::io::Error, what: &str) {
-    tracing::warn!(error = %error, "{what}");
+    static FAILED: LogThrottle = LogThrottle::new();
+    if let Some(held_back) = FAILED.admit() {
+        tracing::warn!(error = %error, "{what} {held_back}");
+    }
     tokio::time::sleep(Duration::from_millis(10)).await;
 }
 

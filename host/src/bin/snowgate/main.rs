@@ -3,6 +3,7 @@
 mod allocator;
 mod decode;
 mod huge_pages;
+mod open_files;
 mod rewrite;
 mod serve;
 

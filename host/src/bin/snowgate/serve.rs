@@ -248,6 +248,7 @@ pub fn run(args: ServeArgs) -> Result<(), Failure> {
         .into_config()
         .and_then(|config| ConfigFile::check(&config).map(|()| config))
         .map_err(|e| Failure::BadInput(format!("{e:#}")))?;
+    crate::open_files::raise_for(config.connections.max_connections);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("snowgate")

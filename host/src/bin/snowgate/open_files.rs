@@ -1,0 +1,62 @@
+//! The open file limit a gateway needs: every client connection is a file
+//! descriptor, and so is the upstream connection it uses. systemd's default
+//! soft limit (1024) is a quarter of what the default `--max-connections`
+//! (4096) needs; past it, accepting fails with `EMFILE` on both listeners,
+//! and the admin endpoints stop answering with the rest. So `serve` raises
+//! its soft limit to the hard one, as Go's runtime and nginx's
+//! `worker_rlimit_nofile` do, and warns when even that is too low.
+
+use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+
+/// Descriptors the gateway uses besides its connections: listeners, event
+/// loops and their wake-ups, the plugin file and its watch, the compile
+/// cache, etcd, the log.
+const BESIDES_CONNECTIONS: u64 = 128;
+
+/// The most a soft limit is raised to when the hard one is unlimited: the
+/// kernel's default `fs.nr_open`, above which `setrlimit` fails.
+const UNLIMITED_AS: u64 = 1 << 20;
+
+/// Descriptors `max_connections` client connections need at most: each
+/// client's, and an upstream connection for each.
+fn needed(max_connections: usize) -> u64 {
+    (max_connections as u64)
+        .saturating_mul(2)
+        .saturating_add(BESIDES_CONNECTIONS)
+}
+
+/// Raises the soft open file limit to the hard one, and warns when the
+/// limit is still below what `max_connections` need. Never fails: the
+/// gateway serves with the limit it has.
+pub fn raise_for(max_connections: usize) {
+    let limit = getrlimit(Resource::Nofile);
+    let hard = limit.maximum.unwrap_or(UNLIMITED_AS);
+    let mut soft = limit.current.unwrap_or(UNLIMITED_AS);
+    if soft < hard {
+        let raised = Rlimit {
+            current: Some(hard),
+            maximum: limit.maximum,
+        };
+        match setrlimit(Resource::Nofile, raised) {
+            Ok(()) => {
+                tracing::debug!("raised the open file limit from {soft} to {hard}");
+                soft = hard;
+            }
+            Err(e) => tracing::warn!(
+                error = %e,
+                "could not raise the open file limit from {soft} to its hard limit {hard}"
+            ),
+        }
+    }
+    let needed = needed(max_connections);
+    if soft < needed {
+        tracing::warn!(
+            "the open file limit ({soft}, hard limit {hard}) is below the {needed} that \
+             --max-connections {max_connections} may need (a client and an upstream connection \
+             each, and {BESIDES_CONNECTIONS} more): past it new clients cannot connect and the \
+             admin endpoints stop answering; raise it (LimitNOFILE= under systemd, ulimit -n) \
+             or lower --max-connections to {}",
+            soft.saturating_sub(BESIDES_CONNECTIONS) / 2
+        );
+    }
+}
