@@ -315,6 +315,25 @@ fn serve_refuses_a_config_file_that_is_a_device_or_too_large() {
     failure(&output, 2, &["big.toml", "over the 1048576 byte limit"]);
 }
 
+/// A setting out of range in the config file is named with the file it
+/// came from, and exits 2 as the flag would; `max-body-bytes = 0` (nginx's
+/// "no limit") is refused rather than refusing every body.
+#[test]
+fn serve_names_the_config_file_a_bad_setting_came_from() {
+    let file = scratch("bad-setting.toml");
+    std::fs::write(&file, "max-body-bytes = 0\n").expect("write the file");
+    let output = snowgate(&["serve", "--config", file.to_str().unwrap()], b"");
+    failure(
+        &output,
+        2,
+        &[
+            "in the config file",
+            "bad-setting.toml",
+            "max-body-bytes must be at least 1, not 0",
+        ],
+    );
+}
+
 /// Output that cannot be written is an error that says so, not a panic.
 #[test]
 fn output_that_cannot_be_written_is_an_error_not_a_panic() {

@@ -466,6 +466,13 @@ impl ConfigFile {
         set!(listen);
         set!(admin_listen);
         if let Some(bytes) = self.max_body_bytes {
+            // 0 means no limit to nginx (`client_max_body_size 0`); here
+            // it would refuse every body, which nobody means.
+            anyhow::ensure!(
+                bytes > 0,
+                "max-body-bytes must be at least 1, not 0: there is no unlimited body size \
+                 (bodies read for the plugin are held in memory); give the largest body to take"
+            );
             // Room in the body memory is counted in KiB, at most `u32::MAX`
             // of them for one body.
             anyhow::ensure!(
@@ -877,6 +884,10 @@ mod tests {
                 "plugin-instances = 5000",
                 "plugin-instances must be between 2 and 4096 (one slot is kept for a reload's \
                  check of a new build), not 5000",
+            ),
+            (
+                "max-body-bytes = 0",
+                "max-body-bytes must be at least 1, not 0: there is no unlimited body size",
             ),
             (
                 "max-body-bytes = 1099511627777",

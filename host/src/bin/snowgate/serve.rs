@@ -200,7 +200,11 @@ impl ServeArgs {
     fn into_config(self) -> anyhow::Result<GatewayConfig> {
         let mut config = GatewayConfig::default();
         if let Some(path) = &self.config {
-            ConfigFile::read(path)?.apply(&mut config)?;
+            // A setting's error names it as a flag would; say which file
+            // it came from.
+            ConfigFile::read(path)?
+                .apply(&mut config)
+                .with_context(|| format!("in the config file {}", path.display()))?;
         }
         let flags = ConfigFile {
             listen: self.listen,
