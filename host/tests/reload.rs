@@ -268,6 +268,29 @@ async fn sighup_reloads_the_plugin() {
     );
     gateway.wait_log("SIGHUP").await;
     assert_stamps(&gateway).await;
+
+    // A SIGHUP with nothing new says so: nobody else would see it.
+    gateway.signal("HUP");
+    gateway
+        .wait_log("SIGHUP: the plugin file holds the build that serves; nothing changed")
+        .await;
+    assert_eq!(reloads(&gateway.status().await), (1, 0));
+}
+
+/// A SIGHUP to a gateway serving the bundled plugin says why it reloads
+/// nothing, instead of nothing at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_with_the_bundled_plugin_says_there_is_no_file() {
+    let gateway = Gateway::start(&[]).await;
+    gateway.signal("HUP");
+    gateway
+        .wait_log("SIGHUP: no reload: the bundled plugin has no file to reload from")
+        .await;
+    assert!(
+        gateway.exited().is_none(),
+        "SIGHUP must not stop the gateway"
+    );
+    assert_stamps(&gateway).await;
 }
 
 /// A SIGHUP that comes while the gateway is still loading its plugin (a
@@ -362,6 +385,12 @@ async fn post_reload_swaps_reports_unchanged_and_refuses_bad_files() {
     let status = gateway.status().await;
     assert_eq!(status["last_reload_error"], Value::Null, "{status:#}");
     assert_eq!(reloads(&status), (1, 1));
+    // The log, which said the reload failed, says that no longer holds.
+    gateway
+        .wait_log(
+            "the file holds the build that serves again; the last reload error no longer holds",
+        )
+        .await;
     let metrics = gateway.metrics().await;
     assert!(
         metrics.contains("snowgate_plugin_reload_failing 0\n"),

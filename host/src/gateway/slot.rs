@@ -176,8 +176,19 @@ impl PluginSlot {
             }
             Ok(None) => {
                 // The file holds the serving build again: whatever failed
-                // before is no longer true.
-                *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = None;
+                // before is no longer true, and the log, which said it
+                // failed, says so.
+                let cleared = self
+                    .last_error
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .take();
+                if cleared.is_some() {
+                    tracing::info!(
+                        "plugin reload: the file holds the build that serves again; the last \
+                         reload error no longer holds"
+                    );
+                }
                 Ok(Reloaded::Unchanged)
             }
             Err(e) => {

@@ -21,7 +21,7 @@ use tokio::signal::unix::Signal;
 use tokio::sync::mpsc;
 
 use crate::gateway::plugin_file::Fingerprint;
-use crate::gateway::slot::PluginSlot;
+use crate::gateway::slot::{PluginSlot, Reloaded};
 
 /// How often the file behind the plugin path is looked at (one `stat`).
 pub const POLL_INTERVAL: Duration = Duration::from_secs(2);
@@ -304,7 +304,17 @@ pub fn reload_on_sighup(mut hangups: Signal, slot: Arc<PluginSlot>) {
     tokio::spawn(async move {
         while hangups.recv().await.is_some() {
             tracing::info!("SIGHUP: reloading the plugin");
-            let _ = slot.reload().await;
+            // A swap and a failed load are logged by the reload itself;
+            // what else comes of it is said here, where nobody else sees
+            // it (`POST /reload` answers its client).
+            match slot.reload().await {
+                Ok(Reloaded::Unchanged) => tracing::info!(
+                    "SIGHUP: the plugin file holds the build that serves; nothing changed"
+                ),
+                Ok(Reloaded::Swapped(_)) => {}
+                Err(message) if slot.last_error().is_some_and(|e| e.message == message) => {}
+                Err(message) => tracing::warn!("SIGHUP: no reload: {message}"),
+            }
         }
     });
 }
