@@ -3213,9 +3213,37 @@ async fn a_client_gone_while_the_upstream_works_is_logged_as_499_and_cancelled_u
 /// log gives the dropped request status 444.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_gives_up_on_stuck_requests_after_the_grace_period() {
+    let log = stop_with_a_stuck_request("1", None).await;
+    assert!(log.contains("still open after the grace period"), "{log}");
+}
+
+/// A second SIGTERM or SIGINT cuts the drain short: the gateway stops at
+/// once, well inside a 10-minute grace period, exits 0, and logs the
+/// request it dropped as 444.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_stop_signal_cuts_the_grace_period_short() {
+    let log = stop_with_a_stuck_request("600", Some("INT")).await;
+    assert!(log.contains("SIGINT again: stopping at once"), "{log}");
+    assert!(
+        log.contains("still open when told to stop at once"),
+        "{log}"
+    );
+}
+
+/// Holds a request at the upstream, sends SIGTERM (and then `second`, once
+/// the gateway says it is shutting down), and waits for the gateway, under
+/// `--shutdown-grace-secs grace`, to exit 0 well within 15 s, dropping the
+/// request (444 in the access log; the client sees its connection close).
+/// Returns the gateway's log.
+async fn stop_with_a_stuck_request(grace: &str, second: Option<&str>) -> String {
     let upstream = TestUpstream::start().await;
     let gateway = Gateway::start_logging(
-        &["--upstream", &upstream.url(), "--shutdown-grace-secs", "1"],
+        &[
+            "--upstream",
+            &upstream.url(),
+            "--shutdown-grace-secs",
+            grace,
+        ],
         "info,snowgate::access=debug",
     )
     .await;
@@ -3238,10 +3266,13 @@ async fn sigterm_gives_up_on_stuck_requests_after_the_grace_period() {
     )
     .await;
     gateway.signal("TERM");
+    if let Some(second) = second {
+        gateway.wait_log("SIGTERM: shutting down").await;
+        gateway.signal(second);
+    }
     let status = gateway.wait_exit(Duration::from_secs(15)).await;
     assert_eq!(status.code(), Some(0), "exit status {status:?}");
     let log = gateway.stderr_text();
-    assert!(log.contains("still open after the grace period"), "{log}");
     // The access log says the gateway dropped it (nginx's 444), not that
     // its client went away (499).
     let line = log
@@ -3252,6 +3283,7 @@ async fn sigterm_gives_up_on_stuck_requests_after_the_grace_period() {
     assert!(bounded("the client to see the close", STEP, stuck)
         .await
         .unwrap());
+    log
 }
 
 /// SIGINT (Ctrl-C) also stops the gateway with status 0, closing idle

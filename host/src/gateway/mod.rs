@@ -185,6 +185,18 @@ impl Gateway {
     /// clock has passed its last id, which after a burst can add to the
     /// stop.
     pub async fn serve(self, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
+        self.serve_until(shutdown, std::future::pending()).await
+    }
+
+    /// [`Gateway::serve`], with the drain cut short when `cut_short`
+    /// resolves (the `snowgate` binary: a second SIGTERM or SIGINT): the
+    /// requests still in flight are dropped then, as at the end of the
+    /// grace period. The machine id is given up as after any drain.
+    pub async fn serve_until(
+        self,
+        shutdown: impl Future<Output = ()>,
+        cut_short: impl Future<Output = ()>,
+    ) -> anyhow::Result<()> {
         let lease = match &self.config.lease {
             Some(config) => Some(lease::start(config.clone(), self.services.clone())?),
             None => None,
@@ -238,6 +250,7 @@ impl Gateway {
             workers,
             shutdown,
             self.config.shutdown_grace,
+            cut_short,
         )
         .await;
         admin_task.abort();

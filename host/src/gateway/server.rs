@@ -86,7 +86,9 @@ impl Drop for Unpolled {
 
 /// Serves clients on `listener` through `layer` in front of `upstream` until
 /// `shutdown` resolves; then stops accepting and lets in-flight requests
-/// finish for up to `grace`. Returns whether they all finished.
+/// finish for up to `grace`, or until `cut_short` resolves (an operator's
+/// second stop signal), whichever comes first. Returns whether they all
+/// finished.
 ///
 /// Connections are accepted here and dealt round-robin to `workers`
 /// threads; each worker has its own upstream connection pool, so a request
@@ -99,6 +101,7 @@ pub async fn serve(
     workers: Workers,
     shutdown: impl Future<Output = ()>,
     grace: Duration,
+    cut_short: impl Future<Output = ()>,
 ) -> bool {
     let services: Vec<_> = (0..workers.len())
         .map(|_| layer.layer(upstream.with_own_pool()))
@@ -345,13 +348,18 @@ pub async fn serve(
             tracing::info!("all connections closed");
             true
         }
-        () = tokio::time::sleep(grace) => {
+        why = async {
+            tokio::select! {
+                () = tokio::time::sleep(grace) => "after the grace period",
+                () = cut_short => "when told to stop at once",
+            }
+        } => {
             dropping.store(true, std::sync::atomic::Ordering::Relaxed);
             let open = limits.max_connections - slots.available_permits();
             tracing::warn!(
                 grace_secs = grace.as_secs(),
-                "{open} connection(s) still open after the grace period, with requests \
-                 still running or responses not yet taken by their clients: closing them"
+                "{open} connection(s) still open {why}, with requests still running or \
+                 responses not yet taken by their clients: closing them"
             );
             false
         }

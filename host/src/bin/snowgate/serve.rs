@@ -100,9 +100,9 @@ pub struct ServeArgs {
     #[arg(long, value_name = "N")]
     plugin_instances: Option<u32>,
     /// How long in-flight requests may finish after SIGTERM, in seconds
-    /// [default: 30]. Without --etcd, the stop may then take up to 10 s
-    /// more, after a burst of ids, until the wall clock has passed the last
-    /// id issued.
+    /// [default: 30]; a second SIGTERM or SIGINT ends it at once. Without
+    /// --etcd, the stop may then take up to 10 s more, after a burst of
+    /// ids, until the wall clock has passed the last id issued.
     #[arg(long, value_name = "SECS")]
     shutdown_grace_secs: Option<u64>,
     /// Quiet time after a plugin file change before reloading, in
@@ -262,7 +262,7 @@ pub fn run(args: ServeArgs) -> Result<(), Failure> {
         let gateway = Gateway::bind(config.clone()).await?;
         // Listen for the stop signals before announcing readiness, so a
         // signal sent right after the ready line is handled, not fatal.
-        let shutdown = shutdown_signal()?;
+        let (shutdown, cut_short) = stop_signals()?;
         let info = gateway.slot().current().info().clone();
         let ready = format!(
             "snowgate listening on http://{} (admin http://{}); upstream {}; plugin {} {} sha256 {}\n",
@@ -277,7 +277,7 @@ pub fn run(args: ServeArgs) -> Result<(), Failure> {
         if let Err(e) = crate::write_stdout(ready.as_bytes()) {
             tracing::warn!(error = %format!("{e:#}"), "the ready line was not printed");
         }
-        gateway.serve(shutdown).await?;
+        gateway.serve_until(shutdown, cut_short).await?;
         tracing::info!("stopped");
         Ok::<_, anyhow::Error>(())
     })?;
@@ -286,15 +286,45 @@ pub fn run(args: ServeArgs) -> Result<(), Failure> {
     Ok(())
 }
 
-/// Starts listening for SIGTERM and SIGINT; the future resolves on either.
-fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()>> {
+/// Starts listening for SIGTERM and SIGINT. The first future resolves on
+/// the first of them (the stop begins: the drain), the second on the next
+/// one (stop at once: what is still in flight is dropped), as a second
+/// Ctrl-C does for most servers; the grace period otherwise holds a stop
+/// up to 30 s with no way to hurry it short of SIGKILL, which would skip
+/// giving up the machine id.
+fn stop_signals() -> anyhow::Result<(
+    impl std::future::Future<Output = ()>,
+    impl std::future::Future<Output = ()>,
+)> {
     use tokio::signal::unix::{signal, SignalKind};
     let mut terminate = signal(SignalKind::terminate()).context("listening for SIGTERM")?;
     let mut interrupt = signal(SignalKind::interrupt()).context("listening for SIGINT")?;
-    Ok(async move {
-        tokio::select! {
-            _ = interrupt.recv() => tracing::info!("SIGINT: shutting down"),
-            _ = terminate.recv() => tracing::info!("SIGTERM: shutting down"),
-        }
-    })
+    let (first_tx, first_rx) = tokio::sync::oneshot::channel::<()>();
+    let (second_tx, second_rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(async move {
+        let mut next = async || {
+            tokio::select! {
+                _ = interrupt.recv() => "SIGINT",
+                _ = terminate.recv() => "SIGTERM",
+            }
+        };
+        let name = next().await;
+        tracing::info!("{name}: shutting down (another SIGTERM or SIGINT stops at once)");
+        let _ = first_tx.send(());
+        let name = next().await;
+        tracing::warn!(
+            "{name} again: stopping at once; requests still in flight are dropped, then the \
+             machine id is given up"
+        );
+        let _ = second_tx.send(());
+    });
+    // A dropped sender (the task ended with the runtime) resolves too.
+    Ok((
+        async move {
+            let _ = first_rx.await;
+        },
+        async move {
+            let _ = second_rx.await;
+        },
+    ))
 }
