@@ -248,9 +248,11 @@ impl Gateway {
             self.upstream,
             self.config.connections,
             workers,
-            shutdown,
-            self.config.shutdown_grace,
-            cut_short,
+            server::Stop {
+                begins: shutdown,
+                grace: self.config.shutdown_grace,
+                cut_short,
+            },
         )
         .await;
         admin_task.abort();

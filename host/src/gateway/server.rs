@@ -84,11 +84,21 @@ impl Drop for Unpolled {
     }
 }
 
+/// When the server stops, and how long it lets in-flight requests finish.
+pub struct Stop<B, C> {
+    /// Resolves when the stop begins: no more connections are accepted.
+    pub begins: B,
+    /// The longest in-flight requests may then take to finish.
+    pub grace: Duration,
+    /// Resolves when the drain is to end at once (an operator's second
+    /// stop signal), whatever is left of `grace`.
+    pub cut_short: C,
+}
+
 /// Serves clients on `listener` through `layer` in front of `upstream` until
-/// `shutdown` resolves; then stops accepting and lets in-flight requests
-/// finish for up to `grace`, or until `cut_short` resolves (an operator's
-/// second stop signal), whichever comes first. Returns whether they all
-/// finished.
+/// `stop` begins; then stops accepting and lets in-flight requests finish
+/// for up to its grace period, or until it is cut short, whichever comes
+/// first. Returns whether they all finished.
 ///
 /// Connections are accepted here and dealt round-robin to `workers`
 /// threads; each worker has its own upstream connection pool, so a request
@@ -99,10 +109,13 @@ pub async fn serve(
     upstream: Upstream,
     limits: ConnectionLimits,
     workers: Workers,
-    shutdown: impl Future<Output = ()>,
-    grace: Duration,
-    cut_short: impl Future<Output = ()>,
+    stop: Stop<impl Future<Output = ()>, impl Future<Output = ()>>,
 ) -> bool {
+    let Stop {
+        begins: shutdown,
+        grace,
+        cut_short,
+    } = stop;
     let services: Vec<_> = (0..workers.len())
         .map(|_| layer.layer(upstream.with_own_pool()))
         .collect();
