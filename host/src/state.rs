@@ -12,8 +12,11 @@ use crate::bindings::snowgate::middleware::{clock, identity, log, types};
 use crate::call_clock::{CallClock, OnTick};
 use crate::clock::NoTick;
 use crate::engine::{HostServices, MAX_TABLE_ELEMENTS};
+use crate::log_throttle::{LineBudget, LogThrottle};
 use crate::request::Headers;
-use crate::text_limits::{plugin_text, MAX_LOG_LINES_PER_CALL, MAX_PLUGIN_TEXT};
+use crate::text_limits::{
+    plugin_text, MAX_LOG_LINES_PER_CALL, MAX_LOG_LINES_PER_SECOND, MAX_PLUGIN_TEXT,
+};
 use snowgate_plugin::SnowflakeLayout;
 
 /// Everything one `Store` (one plugin call) holds.
@@ -286,12 +289,47 @@ impl log::Host for HostState {
         // from one request.
         self.log_lines = self.log_lines.saturating_add(1);
         if self.log_lines > MAX_LOG_LINES_PER_CALL {
+            // Once a call, and once a second across calls: a plugin that
+            // does this does it on every request.
+            static OVER_PER_CALL: LogThrottle = LogThrottle::new();
             if self.log_lines == MAX_LOG_LINES_PER_CALL + 1 {
+                if let Some(held_back) = OVER_PER_CALL.admit() {
+                    tracing::warn!(
+                        target: "snowgate::plugin",
+                        plugin,
+                        "the plugin wrote more than {MAX_LOG_LINES_PER_CALL} log lines in one \
+                         call; the rest of this call's lines are dropped {held_back}"
+                    );
+                }
+            }
+            return;
+        }
+        let enabled = match level {
+            types::LogLevel::Debug => {
+                tracing::enabled!(target: "snowgate::plugin", tracing::Level::DEBUG)
+            }
+            types::LogLevel::Info => {
+                tracing::enabled!(target: "snowgate::plugin", tracing::Level::INFO)
+            }
+            types::LogLevel::Warn => {
+                tracing::enabled!(target: "snowgate::plugin", tracing::Level::WARN)
+            }
+            types::LogLevel::Error => {
+                tracing::enabled!(target: "snowgate::plugin", tracing::Level::ERROR)
+            }
+        };
+        // Lines the log leaves out cost nothing of the budget.
+        if !enabled {
+            return;
+        }
+        static BUDGET: LineBudget = LineBudget::new(MAX_LOG_LINES_PER_SECOND);
+        static OVER_BUDGET: LogThrottle = LogThrottle::new();
+        if !BUDGET.admit() {
+            if let Some(held_back) = OVER_BUDGET.admit() {
                 tracing::warn!(
                     target: "snowgate::plugin",
-                    plugin,
-                    "the plugin wrote more than {MAX_LOG_LINES_PER_CALL} log lines in one call; \
-                     the rest of this call's lines are dropped"
+                    "a plugin log line was dropped: plugins may write \
+                     {MAX_LOG_LINES_PER_SECOND} lines a second in all {held_back}"
                 );
             }
             return;
