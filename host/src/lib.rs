@@ -66,3 +66,4 @@ pub use identity::MachineIdentity;
 pub use limits::PluginLimits;
 pub use plugin::{ConfigurationRefused, Plugin, PluginInfo};
 pub use request::{Headers, Request};
+pub use text_limits::plugin_text;

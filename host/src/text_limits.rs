@@ -48,7 +48,7 @@ pub(crate) fn cut(mut text: String, max: usize) -> String {
 /// line of its own and a raw escape would reach the terminal. Other
 /// characters are kept as they are. The bound holds after escaping: cut
 /// first, a line of NULs grew fivefold (a review logged 1.3 MB a call).
-pub(crate) fn plugin_text(text: String, max: usize) -> String {
+pub fn plugin_text(text: String, max: usize) -> String {
     if text.len() <= max && !text.chars().any(char::is_control) {
         return text;
     }

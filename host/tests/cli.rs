@@ -289,6 +289,33 @@ fn a_plugins_configure_log_lines_carry_its_name() {
     let _ = std::fs::remove_file(&path);
 }
 
+/// A plugin's rejection reaches the terminal with its control characters
+/// escaped, as in the gateway's log: a plugin cannot move the cursor or
+/// forge a line of `rewrite`'s output.
+#[test]
+fn rewrite_prints_a_rejection_with_control_characters_escaped() {
+    let path = scratch("hostile-reject.wasm");
+    std::fs::write(&path, snowgate_test_fixtures::HOSTILE_WASM).expect("writing the fixture");
+    let args = [
+        "rewrite",
+        "--machine-id",
+        "7",
+        "--plugin",
+        path.to_str().expect("a UTF-8 path"),
+        "--plugin-setting",
+        "hostile-require-header=x\u{1b}[31m\nforged",
+    ];
+    let output = snowgate(&args, CONTEXT_ONLY.as_bytes());
+    failure(
+        &output,
+        2,
+        &["the header x\\u{1b}[31m\\nforged is required (missing_header, HTTP 401)"],
+    );
+    let stderr = text(&output.stderr);
+    assert!(!stderr.contains('\u{1b}'), "a raw escape: {stderr:?}");
+    let _ = std::fs::remove_file(&path);
+}
+
 /// A plugin path that is a device or a FIFO is refused as `serve`
 /// refuses it, instead of reading /dev/zero until memory runs out.
 #[test]

@@ -11,8 +11,8 @@ use snowgate_host::clock::MAX_CATCH_UP;
 use snowgate_host::gateway::config::{plugin_deadline, plugin_memory_bytes};
 use snowgate_host::gateway::plugin_file::read_plugin_file;
 use snowgate_host::{
-    Action, CallError, CompileCache, FixedClock, HostServices, IdClock, MachineIdentity, Plugin,
-    PluginEngine, PluginLimits, Request,
+    plugin_text, Action, CallError, CompileCache, FixedClock, HostServices, IdClock,
+    MachineIdentity, Plugin, PluginEngine, PluginLimits, Request,
 };
 use snowgate_plugin::{SnowflakeLayout, MSGPACK_HEADER};
 use snowgate_plugin_bundle::{memory_needed, IdDensity};
@@ -157,10 +157,14 @@ pub fn run(args: RewriteArgs) -> Result<(), Failure> {
     let out = match &action {
         Action::Forward => &request.body,
         Action::ForwardWithBody(body) => body,
+        // The plugin's words reach a terminal: control characters escaped,
+        // as in the gateway's log (the message is already cut to 4 KiB).
         Action::Reject(rejection) => {
             return Err(Failure::BadInput(format!(
                 "{} ({}, HTTP {})",
-                rejection.message, rejection.code, rejection.status
+                plugin_text(rejection.message.clone(), usize::MAX),
+                plugin_text(rejection.code.clone(), usize::MAX),
+                rejection.status
             )))
         }
     };
