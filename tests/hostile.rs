@@ -1213,6 +1213,15 @@ async fn assert_fail_closed(gateway: &RunningGateway, behaviours: &[Misbehaviour
             reply.headers.get(http::header::CONTENT_TYPE),
             Some(&http::HeaderValue::from_static("application/json"))
         );
+        // A failure the same request would meet again tells OpenAI's
+        // clients not to retry it; one that may pass (the deadline) does not.
+        let no_retry = b.kind != "deadline";
+        assert_eq!(
+            reply.headers.get("x-should-retry").map(|v| v.as_bytes()),
+            no_retry.then_some(&b"false"[..]),
+            "{}",
+            b.header
+        );
         let error = &reply.json()["error"];
         assert_eq!(error["code"], "middleware_failed", "{}", reply.text());
         assert_eq!(error["type"], "server_error", "{}", reply.text());

@@ -106,6 +106,17 @@ impl CallError {
         }
     }
 
+    /// Whether the same request would fail the same way again: the plugin
+    /// ran out of memory, trapped, or answered what the host cannot use,
+    /// none of which a retry changes. A deadline (the machine may have been
+    /// busy), the plugin's own error, and no free instance may pass.
+    pub fn fails_again(&self) -> bool {
+        matches!(
+            self,
+            CallError::MemoryLimit(_) | CallError::Trap(_) | CallError::InvalidAnswer(_)
+        )
+    }
+
     /// What a client may be told: the kind of failure and the host's own
     /// limits, but not what the plugin said or wrote. A trap's panic text
     /// and stderr, or a plugin's error message, can hold its internals or
