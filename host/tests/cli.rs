@@ -361,6 +361,23 @@ fn serve_names_the_config_file_a_bad_setting_came_from() {
     );
 }
 
+/// A log filter that does not parse stops the command with status 2 and
+/// says so, instead of silently logging at the default level (which, for
+/// `snowgate::access=debg`, meant no access log at all).
+#[test]
+fn a_log_filter_that_does_not_parse_is_refused() {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_snowgate"));
+    command
+        .args(["decode", "7398756654046539776"])
+        .env("SNOWGATE_LOG", "info,snowgate::access=debg");
+    let output = run(command, b"");
+    failure(
+        &output,
+        2,
+        &["SNOWGATE_LOG \"info,snowgate::access=debg\" is not a log filter"],
+    );
+}
+
 /// Output that cannot be written is an error that says so, not a panic.
 #[test]
 fn output_that_cannot_be_written_is_an_error_not_a_panic() {

@@ -95,13 +95,25 @@ fn main() -> ExitCode {
     } else {
         "warn"
     };
+    // A filter that does not parse is refused, not replaced by the
+    // default: `info,snowgate::access=debg` silently meant no access log.
+    let filter = match std::env::var("SNOWGATE_LOG") {
+        Ok(text) if !text.trim().is_empty() => {
+            match tracing_subscriber::EnvFilter::builder().parse(&text) {
+                Ok(filter) => filter,
+                Err(e) => {
+                    eprintln!("snowgate: SNOWGATE_LOG {text:?} is not a log filter: {e}");
+                    return ExitCode::from(2);
+                }
+            }
+        }
+        // Unset or empty (`Environment=SNOWGATE_LOG=`): the default.
+        _ => tracing_subscriber::EnvFilter::new(default_level),
+    };
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("SNOWGATE_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level)),
-        )
+        .with_env_filter(filter)
         .init();
     if let Err(error) = huge_pages {
         tracing::warn!(%error, "transparent huge pages could not be turned off; resident memory may be larger than the heap");
