@@ -435,6 +435,14 @@ fn serve_refuses_unusable_upstream_and_etcd_urls_with_status_2_without_the_passw
             "credentials in the URL are not supported",
         ),
         (
+            &["--etcd", "http://root:hunter2/x@127.0.0.1:2379"][..],
+            "credentials in the URL are not supported",
+        ),
+        (
+            &["--upstream", "http://root:hunter2/x@127.0.0.1:8000"][..],
+            "--upstream \"http://***@127.0.0.1:8000\"",
+        ),
+        (
             &["--etcd", "https://127.0.0.1:2379"][..],
             "https:// is not supported",
         ),

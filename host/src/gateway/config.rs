@@ -678,14 +678,24 @@ impl ConfigFile {
     }
 }
 
-/// `url` with the credentials of its authority (`user:password@`), if any,
-/// shown as `***@`: for error messages, which must not repeat a password.
+/// `url` with everything between its scheme and its last `@` shown as
+/// `***`: for error messages and `/status`, which must not repeat a
+/// password. A password may hold `/`, `?` or `#` unescaped (base64 does),
+/// so where the authority ends cannot be told; an `@` in a path is masked
+/// with the rest, which costs only words in a message.
 pub(crate) fn without_credentials(url: &str) -> String {
-    let start = url.find("://").map_or(0, |i| i + 3);
-    let end = url[start..]
-        .find(['/', '?', '#'])
-        .map_or(url.len(), |i| start + i);
-    match url[start..end].rfind('@') {
+    let start = match url.find("://") {
+        Some(i)
+            if i > 0
+                && url[..i]
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c)) =>
+        {
+            i + 3
+        }
+        _ => 0,
+    };
+    match url[start..].rfind('@') {
         Some(at) => format!("{}***{}", &url[..start], &url[start + at..]),
         None => url.to_string(),
     }
@@ -795,9 +805,30 @@ mod tests {
     #[test]
     fn credentials_in_a_url_are_not_shown() {
         assert_eq!(
-            without_credentials("http://root:hunter2@10.0.0.1:2379/x@y"),
-            "http://***@10.0.0.1:2379/x@y"
+            without_credentials("http://root:hunter2@10.0.0.1:2379"),
+            "http://***@10.0.0.1:2379"
         );
+        // Passwords with `/`, `?` or `#` in them, and a `://` in a query.
+        for (url, shown) in [
+            (
+                "http://root:Zm9v/YmFy@10.0.0.1:2379",
+                "http://***@10.0.0.1:2379",
+            ),
+            (
+                "http://root:s3#cret@10.0.0.1:2379",
+                "http://***@10.0.0.1:2379",
+            ),
+            (
+                "http://root:s3?cret@10.0.0.1:2379/x",
+                "http://***@10.0.0.1:2379/x",
+            ),
+            (
+                "root:hunter2@10.0.0.1:2379/?x=http://y",
+                "***@10.0.0.1:2379/?x=http://y",
+            ),
+        ] {
+            assert_eq!(without_credentials(url), shown, "{url}");
+        }
         assert_eq!(without_credentials("u:p@host:80"), "***@host:80");
         assert_eq!(
             without_credentials("http://[::1]:2379"),
@@ -812,6 +843,14 @@ mod tests {
         for (etcd, named) in [
             (
                 "http://root:hunter2@127.0.0.1:2379",
+                "credentials in the URL are not supported",
+            ),
+            (
+                "http://root:hunter2/x@127.0.0.1:2379",
+                "credentials in the URL are not supported",
+            ),
+            (
+                "http://root:hunter2#x@127.0.0.1:2379",
                 "credentials in the URL are not supported",
             ),
             ("https://127.0.0.1:2379", "https:// is not supported"),

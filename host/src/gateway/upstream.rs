@@ -126,6 +126,9 @@ pub fn base_url(url: &str) -> anyhow::Result<(Uri, header::HeaderValue)> {
     let after_host = &authority.as_str()[authority.as_str().rfind(']').unwrap_or(0)..];
     if let Some((_, port)) = after_host.rsplit_once(':') {
         let valid = port.is_empty() || port.parse::<u16>().is_ok_and(|p| p > 0);
+        // A password with a `/` in it reads as host and port: then the
+        // port is the password's end, not to be shown.
+        let port = if shown == url { port } else { "***" };
         anyhow::ensure!(valid, "--upstream {shown:?}: port {port} is not 1..=65535");
     }
     anyhow::ensure!(
