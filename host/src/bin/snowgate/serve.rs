@@ -100,7 +100,8 @@ pub struct ServeArgs {
     #[arg(long, value_name = "N")]
     plugin_instances: Option<u32>,
     /// How long in-flight requests may finish after SIGTERM, in seconds
-    /// [default: 30]; a second SIGTERM or SIGINT ends it at once. Without
+    /// [default: 30]; a second SIGTERM or SIGINT, a second or more after
+    /// the first, ends it at once. Without
     /// --etcd, the stop may then take up to 10 s more, after a burst of
     /// ids, until the wall clock has passed the last id issued.
     #[arg(long, value_name = "SECS")]
@@ -286,9 +287,13 @@ pub fn run(args: ServeArgs) -> Result<(), Failure> {
     Ok(())
 }
 
+/// Signals this soon after the first stop signal are the same stop.
+const SAME_STOP: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Starts listening for SIGTERM and SIGINT. The first future resolves on
 /// the first of them (the stop begins: the drain), the second on the next
-/// one (stop at once: what is still in flight is dropped), as a second
+/// one a second or more later (stop at once: what is still in flight is
+/// dropped), as a second
 /// Ctrl-C does for most servers; the grace period otherwise holds a stop
 /// up to 30 s with no way to hurry it short of SIGKILL, which would skip
 /// giving up the machine id.
@@ -309,8 +314,22 @@ fn stop_signals() -> anyhow::Result<(
             }
         };
         let name = next().await;
-        tracing::info!("{name}: shutting down (another SIGTERM or SIGINT stops at once)");
+        tracing::info!("{name}: shutting down");
         let _ = first_tx.send(());
+        // One stop can come as two signals at once: GNU `timeout` signals
+        // the process and then its group, and a terminal's Ctrl-C reaches
+        // a wrapper that forwards it too. Those are not a second stop.
+        let window = tokio::time::sleep(SAME_STOP);
+        tokio::pin!(window);
+        loop {
+            tokio::select! {
+                () = &mut window => break,
+                name = next() => tracing::info!(
+                    "{name} again within a second of the first: taken as the same stop"
+                ),
+            }
+        }
+        tracing::info!("a further SIGTERM or SIGINT stops at once, dropping what is in flight");
         let name = next().await;
         tracing::warn!(
             "{name} again: stopping at once; requests still in flight are dropped, then the \
