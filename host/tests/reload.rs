@@ -998,7 +998,8 @@ async fn the_compile_cache_serves_restarts_and_reloads_back_and_survives_a_bad_f
 
 /// Only a build that passed the load-time self-check is kept: one that
 /// never stamps is refused and leaves nothing in the cache; one that
-/// rejects the canned request (it wants an API key) passes. A cached build
+/// rejects the canned request for want of credentials (401, 403) passes,
+/// one that rejects it otherwise does not. A cached build
 /// whose memory is over a lower limit is refused with the limit's own
 /// message, without compiling it again.
 #[test]
@@ -1040,6 +1041,25 @@ fn the_compile_cache_keeps_only_accepted_builds_and_names_the_memory_limit() {
     )];
     let plugin = load_checked(&ours, snowgate_test_fixtures::HOSTILE_WASM, &wants_a_key)
         .unwrap_or_else(|e| panic!("a build that rejects the self-check: {e:#}"));
+    // 403 passes too; any other rejection of a valid request does not.
+    for (status, passes) in [
+        ("403", true),
+        ("400", false),
+        ("503", false),
+        ("422", false),
+    ] {
+        let settings = [("hostile-reject-all".to_string(), status.to_string())];
+        let loaded = load_checked(&ours, snowgate_test_fixtures::HOSTILE_WASM, &settings);
+        assert_eq!(loaded.is_ok(), passes, "{status}");
+        if let Err(e) = loaded {
+            assert!(
+                format!("{e:#}").contains(&format!(
+                    "rejected a valid context-only request with {status}"
+                )),
+                "{e:#}"
+            );
+        }
+    }
     let request = |headers: &[(&str, &str)]| snowgate_host::Request {
         method: "POST".into(),
         path: "/v1/completions".into(),

@@ -209,13 +209,13 @@ impl PluginSlot {
 /// must not be forwarded without an integer `disagg_request_id`, nor make
 /// the plugin fail.
 ///
-/// A rejection passes, with a warning: it sends nothing on unstamped, and
-/// a plugin that also checks what the canned request cannot carry (an API
-/// key, a tenant header) must be able to serve. What the check is for is
-/// the silent fault, a build that lets context-only requests through
-/// without ids; a build that rejects every request shows itself at once.
-/// While the host holds no machine id it may use, the 503 a plugin answers
-/// then passes without a warning.
+/// A rejection for want of credentials (401, 403) passes, with a warning:
+/// it sends nothing on unstamped, and a plugin that also checks what the
+/// canned request cannot carry (an API key, a tenant's token) must be able
+/// to serve. Any other rejection is refused as before: a build that
+/// rejects valid requests (400 for the canned request's empty prompt, say)
+/// does not replace a good one. While the host holds no machine id it may
+/// use, the 503 a plugin answers then passes without a warning.
 pub fn load_checked(
     engine: &PluginEngine,
     bytes: &[u8],
@@ -243,11 +243,18 @@ pub fn load_checked(
         // self-check's id: the plugin cannot show it stamps, and that is
         // not its fault.
         Action::Reject(r) if r.status == 503 && !ids_may_leave_now(engine) => {}
-        Action::Reject(r) => tracing::warn!(
+        Action::Reject(r) if matches!(r.status, 401 | 403) => tracing::warn!(
             plugin = %plugin.info().name,
             "self-check: the plugin rejected the canned context-only request ({} {}: {}); it \
              may serve, as it sends nothing on without an id, but whether it stamps was not \
              checked",
+            r.status,
+            plugin_text(r.code, MAX_PLUGIN_TEXT),
+            plugin_text(r.message, MAX_PLUGIN_TEXT)
+        ),
+        Action::Reject(r) => anyhow::bail!(
+            "self-check: the plugin rejected a valid context-only request with {} {}: {} (only \
+             401 and 403, for credentials the canned request cannot carry, may pass)",
             r.status,
             plugin_text(r.code, MAX_PLUGIN_TEXT),
             plugin_text(r.message, MAX_PLUGIN_TEXT)
