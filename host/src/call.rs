@@ -507,7 +507,7 @@ impl Plugin {
         static TRAPPED: LogThrottle = LogThrottle::new();
         if let Some(held_back) = TRAPPED.admit() {
             tracing::warn!(
-                plugin = %self.name,
+                plugin = %store.data().plugin_name(),
                 error = %plugin_text(format!("{error:?}"), MAX_PLUGIN_TEXT),
                 "the plugin trapped {held_back}"
             );

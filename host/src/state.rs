@@ -110,6 +110,11 @@ impl HostState {
         }
     }
 
+    /// The plugin's name, as its log lines are tagged.
+    pub(crate) fn plugin_name(&self) -> &Arc<str> {
+        &self.plugin_name
+    }
+
     /// Tags the plugin's log lines with `name` from now on: the load-time
     /// check learns the name only from the instance it then configures.
     pub(crate) fn set_plugin_name(&mut self, name: Arc<str>) {
@@ -285,6 +290,24 @@ impl identity::Host for HostState {
 impl log::Host for HostState {
     fn write(&mut self, level: types::LogLevel, message: String) {
         let plugin = &*self.plugin_name;
+        let enabled = match level {
+            types::LogLevel::Debug => {
+                tracing::enabled!(target: "snowgate::plugin", tracing::Level::DEBUG)
+            }
+            types::LogLevel::Info => {
+                tracing::enabled!(target: "snowgate::plugin", tracing::Level::INFO)
+            }
+            types::LogLevel::Warn => {
+                tracing::enabled!(target: "snowgate::plugin", tracing::Level::WARN)
+            }
+            types::LogLevel::Error => {
+                tracing::enabled!(target: "snowgate::plugin", tracing::Level::ERROR)
+            }
+        };
+        // Lines the log leaves out count for neither limit below.
+        if !enabled {
+            return;
+        }
         // A plugin that logs in a loop must not flood the gateway's log
         // from one request.
         self.log_lines = self.log_lines.saturating_add(1);
@@ -302,24 +325,6 @@ impl log::Host for HostState {
                     );
                 }
             }
-            return;
-        }
-        let enabled = match level {
-            types::LogLevel::Debug => {
-                tracing::enabled!(target: "snowgate::plugin", tracing::Level::DEBUG)
-            }
-            types::LogLevel::Info => {
-                tracing::enabled!(target: "snowgate::plugin", tracing::Level::INFO)
-            }
-            types::LogLevel::Warn => {
-                tracing::enabled!(target: "snowgate::plugin", tracing::Level::WARN)
-            }
-            types::LogLevel::Error => {
-                tracing::enabled!(target: "snowgate::plugin", tracing::Level::ERROR)
-            }
-        };
-        // Lines the log leaves out cost nothing of the budget.
-        if !enabled {
             return;
         }
         static BUDGET: LineBudget = LineBudget::new(MAX_LOG_LINES_PER_SECOND);

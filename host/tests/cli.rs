@@ -286,6 +286,58 @@ fn a_plugins_configure_log_lines_carry_its_name() {
             "{line}"
         );
     }
+
+    // So does the warning about a plugin that traps in configure at load.
+    let args = [
+        "rewrite",
+        "--machine-id",
+        "7",
+        "--plugin",
+        plugin,
+        "--plugin-setting",
+        "hostile-configure=panic",
+    ];
+    let output = snowgate(&args, CONTEXT_ONLY.as_bytes());
+    let stderr = text(&output.stderr);
+    let trapped = stderr
+        .lines()
+        .find(|line| line.contains("the plugin trapped"))
+        .unwrap_or_else(|| panic!("no trap warning: {stderr}"));
+    assert!(
+        trapped.contains("plugin=snowgate-hostile-fixture"),
+        "{trapped}"
+    );
+    let _ = std::fs::remove_file(&path);
+}
+
+/// Lines below the log's level count for no limit: after an info line
+/// that `SNOWGATE_LOG=warn` leaves out, all 64 warn lines of a call are
+/// written (each of `rewrite`'s two instances runs `configure`).
+#[test]
+fn lines_below_the_log_level_do_not_count_against_a_calls_64() {
+    let path = scratch("hostile-levels.wasm");
+    std::fs::write(&path, snowgate_test_fixtures::HOSTILE_WASM).expect("writing the fixture");
+    let mut command = Command::new(env!("CARGO_BIN_EXE_snowgate"));
+    command
+        .args([
+            "rewrite",
+            "--machine-id",
+            "7",
+            "--plugin",
+            path.to_str().expect("a UTF-8 path"),
+            "--plugin-setting",
+            "hostile-configure=log-levels",
+        ])
+        .env("SNOWGATE_LOG", "warn");
+    let output = run(command, CONTEXT_ONLY.as_bytes());
+    success(&output);
+    let stderr = text(&output.stderr);
+    assert_eq!(
+        stderr.matches("configure warn line").count(),
+        128,
+        "{stderr}"
+    );
+    assert!(!stderr.contains("more than 64 log lines"), "{stderr}");
     let _ = std::fs::remove_file(&path);
 }
 
@@ -347,6 +399,18 @@ fn serve_refuses_a_config_file_that_is_a_device_or_too_large() {
 /// "no limit") is refused rather than refusing every body.
 #[test]
 fn serve_names_the_config_file_a_bad_setting_came_from() {
+    let file = scratch("out-of-range.toml");
+    std::fs::write(&file, "machine-id = 5000\n").expect("write the file");
+    let output = snowgate(&["serve", "--config", file.to_str().unwrap()], b"");
+    failure(
+        &output,
+        2,
+        &[
+            "in the flags or the config file",
+            "out-of-range.toml",
+            "machine id 5000 is out of range",
+        ],
+    );
     let file = scratch("bad-setting.toml");
     std::fs::write(&file, "max-body-bytes = 0\n").expect("write the file");
     let output = snowgate(&["serve", "--config", file.to_str().unwrap()], b"");
@@ -375,6 +439,18 @@ fn a_log_filter_that_does_not_parse_is_refused() {
         &output,
         2,
         &["SNOWGATE_LOG \"info,snowgate::access=debg\" is not a log filter"],
+    );
+    // A misspelled level parses, as a target: said, not refused.
+    let mut command = Command::new(env!("CARGO_BIN_EXE_snowgate"));
+    command
+        .args(["decode", "7398756654046539776"])
+        .env("SNOWGATE_LOG", "inof");
+    let output = run(command, b"");
+    success(&output);
+    assert!(
+        text(&output.stderr).contains("SNOWGATE_LOG \"inof\" is not a level"),
+        "{}",
+        text(&output.stderr)
     );
 }
 

@@ -100,7 +100,10 @@ fn main() -> ExitCode {
     let filter = match std::env::var("SNOWGATE_LOG") {
         Ok(text) if !text.trim().is_empty() => {
             match tracing_subscriber::EnvFilter::builder().parse(&text) {
-                Ok(filter) => filter,
+                Ok(filter) => {
+                    warn_of_bare_targets(&text);
+                    filter
+                }
                 Err(e) => {
                     eprintln!("snowgate: SNOWGATE_LOG {text:?} is not a log filter: {e}");
                     return ExitCode::from(2);
@@ -132,6 +135,25 @@ fn main() -> ExitCode {
         Err(Failure::Failed(error)) => {
             eprintln!("snowgate: {error:#}");
             ExitCode::FAILURE
+        }
+    }
+}
+
+/// A word of SNOWGATE_LOG without `=` that is no level names a target, and
+/// then nothing else is logged, errors included: `inof` for `info` turned
+/// the log off without a word. Said on stderr, as the log may be off.
+fn warn_of_bare_targets(filter: &str) {
+    for word in filter.split(',').map(str::trim) {
+        if !word.is_empty()
+            && !word.contains('=')
+            && word
+                .parse::<tracing_subscriber::filter::LevelFilter>()
+                .is_err()
+        {
+            eprintln!(
+                "snowgate: note: SNOWGATE_LOG {word:?} is not a level (trace, debug, info, warn, \
+                 error, off), so it names a target: only that target's lines are logged"
+            );
         }
     }
 }

@@ -56,7 +56,7 @@ pub fn raise_for(max_connections: usize) {
              each, and {BESIDES_CONNECTIONS} more): past it new clients cannot connect and the \
              admin endpoints stop answering; raise it (LimitNOFILE= under systemd, ulimit -n) \
              or lower --max-connections to {}",
-            soft.saturating_sub(BESIDES_CONNECTIONS) / 2
+            (soft.saturating_sub(BESIDES_CONNECTIONS) / 2).max(1)
         );
     }
 }

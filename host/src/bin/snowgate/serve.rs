@@ -249,9 +249,21 @@ impl ServeArgs {
 pub fn run(args: ServeArgs) -> Result<(), Failure> {
     // Settings that are wrong together are bad input too (status 2), not
     // a failure to start.
+    let file = args.config.clone();
     let config = args
         .into_config()
-        .and_then(|config| ConfigFile::check(&config).map(|()| config))
+        .and_then(|config| {
+            // Named as flags; they may have come from the file.
+            ConfigFile::check(&config)
+                .map_err(|e| match &file {
+                    Some(path) => e.context(format!(
+                        "in the flags or the config file {}",
+                        path.display()
+                    )),
+                    None => e,
+                })
+                .map(|()| config)
+        })
         .map_err(|e| Failure::BadInput(format!("{e:#}")))?;
     crate::open_files::raise_for(config.connections.max_connections);
     let runtime = tokio::runtime::Builder::new_multi_thread()
