@@ -255,24 +255,34 @@ fn rewrite_hands_plugin_settings_to_the_plugin() {
     failure(&output, 2, &["\"colour\" is not NAME=VALUE"]);
 }
 
+/// `snowgate rewrite` of [`CONTEXT_ONLY`] through the hostile fixture
+/// (written to a file of this test's own, `name`) with the plugin setting
+/// `setting`, and `SNOWGATE_LOG` set to `log` if given.
+fn rewrite_through_hostile(name: &str, setting: &str, log: Option<&str>) -> Output {
+    let path = scratch(name);
+    std::fs::write(&path, snowgate_test_fixtures::HOSTILE_WASM).expect("writing the fixture");
+    let mut command = Command::new(env!("CARGO_BIN_EXE_snowgate"));
+    command.args([
+        "rewrite",
+        "--machine-id",
+        "7",
+        "--plugin",
+        path.to_str().expect("a UTF-8 path"),
+        "--plugin-setting",
+        setting,
+    ]);
+    if let Some(log) = log {
+        command.env("SNOWGATE_LOG", log);
+    }
+    run(command, CONTEXT_ONLY.as_bytes())
+}
+
 /// What a plugin logs while it is configured carries its name, as its
 /// lines in a request's call do: the load learns the name from the same
 /// instance, first.
 #[test]
 fn a_plugins_configure_log_lines_carry_its_name() {
-    let path = scratch("hostile.wasm");
-    std::fs::write(&path, snowgate_test_fixtures::HOSTILE_WASM).expect("writing the fixture");
-    let plugin = path.to_str().expect("a UTF-8 path");
-    let args = [
-        "rewrite",
-        "--machine-id",
-        "7",
-        "--plugin",
-        plugin,
-        "--plugin-setting",
-        "hostile-configure=log",
-    ];
-    let output = snowgate(&args, CONTEXT_ONLY.as_bytes());
+    let output = rewrite_through_hostile("hostile-log.wasm", "hostile-configure=log", None);
     success(&output);
     let stderr = text(&output.stderr);
     let lines: Vec<&str> = stderr
@@ -288,16 +298,7 @@ fn a_plugins_configure_log_lines_carry_its_name() {
     }
 
     // So does the warning about a plugin that traps in configure at load.
-    let args = [
-        "rewrite",
-        "--machine-id",
-        "7",
-        "--plugin",
-        plugin,
-        "--plugin-setting",
-        "hostile-configure=panic",
-    ];
-    let output = snowgate(&args, CONTEXT_ONLY.as_bytes());
+    let output = rewrite_through_hostile("hostile-panic.wasm", "hostile-configure=panic", None);
     let stderr = text(&output.stderr);
     let trapped = stderr
         .lines()
@@ -307,7 +308,6 @@ fn a_plugins_configure_log_lines_carry_its_name() {
         trapped.contains("plugin=snowgate-hostile-fixture"),
         "{trapped}"
     );
-    let _ = std::fs::remove_file(&path);
 }
 
 /// Lines below the log's level count for no limit: after an info line
@@ -315,21 +315,11 @@ fn a_plugins_configure_log_lines_carry_its_name() {
 /// written (each of `rewrite`'s two instances runs `configure`).
 #[test]
 fn lines_below_the_log_level_do_not_count_against_a_calls_64() {
-    let path = scratch("hostile-levels.wasm");
-    std::fs::write(&path, snowgate_test_fixtures::HOSTILE_WASM).expect("writing the fixture");
-    let mut command = Command::new(env!("CARGO_BIN_EXE_snowgate"));
-    command
-        .args([
-            "rewrite",
-            "--machine-id",
-            "7",
-            "--plugin",
-            path.to_str().expect("a UTF-8 path"),
-            "--plugin-setting",
-            "hostile-configure=log-levels",
-        ])
-        .env("SNOWGATE_LOG", "warn");
-    let output = run(command, CONTEXT_ONLY.as_bytes());
+    let output = rewrite_through_hostile(
+        "hostile-levels.wasm",
+        "hostile-configure=log-levels",
+        Some("warn"),
+    );
     success(&output);
     let stderr = text(&output.stderr);
     assert_eq!(
@@ -338,7 +328,6 @@ fn lines_below_the_log_level_do_not_count_against_a_calls_64() {
         "{stderr}"
     );
     assert!(!stderr.contains("more than 64 log lines"), "{stderr}");
-    let _ = std::fs::remove_file(&path);
 }
 
 /// A plugin's rejection reaches the terminal with its control characters
@@ -346,18 +335,11 @@ fn lines_below_the_log_level_do_not_count_against_a_calls_64() {
 /// forge a line of `rewrite`'s output.
 #[test]
 fn rewrite_prints_a_rejection_with_control_characters_escaped() {
-    let path = scratch("hostile-reject.wasm");
-    std::fs::write(&path, snowgate_test_fixtures::HOSTILE_WASM).expect("writing the fixture");
-    let args = [
-        "rewrite",
-        "--machine-id",
-        "7",
-        "--plugin",
-        path.to_str().expect("a UTF-8 path"),
-        "--plugin-setting",
+    let output = rewrite_through_hostile(
+        "hostile-reject.wasm",
         "hostile-require-header=x\u{1b}[31m\nforged",
-    ];
-    let output = snowgate(&args, CONTEXT_ONLY.as_bytes());
+        None,
+    );
     failure(
         &output,
         2,
@@ -365,7 +347,6 @@ fn rewrite_prints_a_rejection_with_control_characters_escaped() {
     );
     let stderr = text(&output.stderr);
     assert!(!stderr.contains('\u{1b}'), "a raw escape: {stderr:?}");
-    let _ = std::fs::remove_file(&path);
 }
 
 /// A plugin path that is a device or a FIFO is refused as `serve`
@@ -399,30 +380,29 @@ fn serve_refuses_a_config_file_that_is_a_device_or_too_large() {
 /// "no limit") is refused rather than refusing every body.
 #[test]
 fn serve_names_the_config_file_a_bad_setting_came_from() {
-    let file = scratch("out-of-range.toml");
-    std::fs::write(&file, "machine-id = 5000\n").expect("write the file");
-    let output = snowgate(&["serve", "--config", file.to_str().unwrap()], b"");
-    failure(
-        &output,
-        2,
-        &[
-            "in the flags or the config file",
+    for (name, text, says) in [
+        (
             "out-of-range.toml",
-            "machine id 5000 is out of range",
-        ],
-    );
-    let file = scratch("bad-setting.toml");
-    std::fs::write(&file, "max-body-bytes = 0\n").expect("write the file");
-    let output = snowgate(&["serve", "--config", file.to_str().unwrap()], b"");
-    failure(
-        &output,
-        2,
-        &[
-            "in the config file",
+            "machine-id = 5000\n",
+            [
+                "in the flags or the config file",
+                "machine id 5000 is out of range",
+            ],
+        ),
+        (
             "bad-setting.toml",
-            "max-body-bytes must be at least 1, not 0",
-        ],
-    );
+            "max-body-bytes = 0\n",
+            [
+                "in the config file",
+                "max-body-bytes must be at least 1, not 0",
+            ],
+        ),
+    ] {
+        let file = scratch(name);
+        std::fs::write(&file, text).expect("write the file");
+        let output = snowgate(&["serve", "--config", file.to_str().unwrap()], b"");
+        failure(&output, 2, &[says[0], name, says[1]]);
+    }
 }
 
 /// A log filter that does not parse stops the command with status 2 and
