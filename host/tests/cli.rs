@@ -23,7 +23,13 @@ fn snowgate(args: &[&str], stdin: &[u8]) -> Output {
     run(command, stdin)
 }
 
-/// Runs `command` with `stdin` on its standard input.
+/// The longest one command of these tests may take; one that runs longer
+/// (a `serve` that should have been refused and started instead) is
+/// killed and fails its test, instead of hanging the suite.
+const COMMAND_BOUND: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// Runs `command` with `stdin` on its standard input, for at most
+/// [`COMMAND_BOUND`].
 fn run(mut command: Command, stdin: &[u8]) -> Output {
     let mut child = command
         .stdin(Stdio::piped())
@@ -31,11 +37,33 @@ fn run(mut command: Command, stdin: &[u8]) -> Output {
         .stderr(Stdio::piped())
         .spawn()
         .expect("starting snowgate");
+    let pid = child.id() as libc::pid_t;
+    let (done, finished) = std::sync::mpsc::channel::<()>();
+    let watchdog = std::thread::spawn(move || {
+        let overran = matches!(
+            finished.recv_timeout(COMMAND_BOUND),
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout)
+        );
+        if overran {
+            // SAFETY: kill only sends a signal; the child is not yet
+            // reaped (the test thread waits on it), so `pid` is still it.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+        overran
+    });
     let mut input = child.stdin.take().expect("stdin is piped");
     // A command that fails before reading stdin closes it: ignore EPIPE.
     let _ = input.write_all(stdin);
     drop(input);
-    child.wait_with_output().expect("waiting for snowgate")
+    let output = child.wait_with_output().expect("waiting for snowgate");
+    let _ = done.send(());
+    let overran = watchdog.join().expect("the watchdog");
+    assert!(
+        !overran,
+        "{command:?} ran past {COMMAND_BOUND:?} and was killed; stderr: {}",
+        text(&output.stderr)
+    );
+    output
 }
 
 fn text(bytes: &[u8]) -> String {
