@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use snowgate_host::gateway::admin::MAX_ADMIN_CONNECTIONS;
 use support::{
-    bounded, connect_many, get, metric, post_json, read_raw_response, Gateway, TestUpstream,
-    CONTEXT_ONLY, STEP,
+    bounded, connect_many, get, held_request, metric, post_json, read_raw_response, Gateway,
+    TestUpstream, CONTEXT_ONLY, STEP,
 };
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
@@ -898,23 +898,6 @@ async fn busy_keep_alive_connections_are_never_closed_as_idle() {
     assert!(closed.is_empty(), "busy connections closed: {closed:#?}");
 }
 
-/// A connection to `gateway` with a `GET /hold` in flight, held by
-/// `upstream` until released.
-async fn held_request(gateway: &Gateway, upstream: &TestUpstream) -> TcpStream {
-    let mut stream = TcpStream::connect(gateway.addr).await.expect("connect");
-    stream
-        .write_all(b"GET /hold HTTP/1.1\r\nHost: gw\r\n\r\n")
-        .await
-        .expect("a held request");
-    bounded(
-        "the held request upstream",
-        STEP,
-        upstream.state.held.notified(),
-    )
-    .await;
-    stream
-}
-
 /// At `--max-connections`, a new client is served at once: the connection
 /// idle longest is closed to make room (as nginx reuses idle keep-alive
 /// connections), not left to its header read timeout (a minute here) while
@@ -1015,20 +998,15 @@ async fn at_the_connection_limit_a_request_on_its_way_is_never_dropped() {
         first.write_all(&post).await.expect("the first request");
         let mut second = TcpStream::connect(gateway.addr).await.expect("connect");
         second.write_all(&post).await.expect("the second request");
-        let answer = bounded(
-            "the first client's answer",
-            STEP,
-            read_raw_response(&mut BufReader::new(first)),
-        )
-        .await;
-        assert_eq!(answer.status, 200, "trial {trial}");
-        let answer = bounded(
-            "the second client's answer",
-            STEP,
-            read_raw_response(&mut BufReader::new(second)),
-        )
-        .await;
-        assert_eq!(answer.status, 200, "trial {trial}");
+        for (client, stream) in [("first", first), ("second", second)] {
+            let answer = bounded(
+                &format!("the {client} client's answer"),
+                STEP,
+                read_raw_response(&mut BufReader::new(stream)),
+            )
+            .await;
+            assert_eq!(answer.status, 200, "trial {trial}, the {client} client");
+        }
     }
     upstream.state.release.notify_one();
     upstream.state.release.notify_one();

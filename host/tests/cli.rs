@@ -549,7 +549,8 @@ fn serve_in_address_space(bytes: u64, flags: &[&str]) -> Command {
 }
 
 /// `snowgate serve` on free ports with `flags`, under the resource limit
-/// `resource` of `soft` (and `hard`), as `ulimit` sets it.
+/// `resource` of `soft` (and `hard`), as `ulimit` sets it; no stdin,
+/// stdout and stderr piped.
 #[cfg(unix)]
 fn serve_under_rlimit(
     resource: libc::__rlimit_resource_t,
@@ -563,7 +564,10 @@ fn serve_under_rlimit(
         .arg("serve")
         .args(ANY_PORT)
         .args(["--machine-id", "7"])
-        .args(flags);
+        .args(flags)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
     let limit = libc::rlimit {
         rlim_cur: soft,
         rlim_max: hard,
@@ -629,25 +633,14 @@ fn serve_raises_its_open_file_limit_and_warns_when_it_is_too_low() {
     .stderr(Stdio::piped())
     .spawn()
     .expect("starting snowgate");
-    assert_eq!(while_serving(roomy, open_files), [hard, hard]);
+    assert_eq!(while_serving(roomy, open_files).0, [hard, hard]);
 
     let tight = serve_under_rlimit(libc::RLIMIT_NOFILE, 256, 512, &[])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
         .spawn()
         .expect("starting snowgate");
-    let pid = tight.id();
-    let mut tight = tight;
     // It serves all the same, with what it has.
-    let stdout = tight.stdout.take().expect("piped stdout");
-    let mut ready = String::new();
-    std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut ready)
-        .expect("reading the ready line");
-    assert!(ready.starts_with("snowgate listening on "), "{ready:?}");
-    assert_eq!(open_files(pid), [512, 512]);
-    let _ = tight.kill();
-    let output = tight.wait_with_output().expect("waiting for snowgate");
+    let (files, output) = while_serving(tight, open_files);
+    assert_eq!(files, [512, 512]);
     let stderr = text(&output.stderr);
     assert!(
         stderr.contains("the open file limit (512, hard limit 512) is below the 8320")
@@ -667,18 +660,16 @@ fn serve_fits_a_limited_address_space_with_fewer_plugin_instances() {
     failure(&output, 1, &["64 instance slots", "--plugin-instances"]);
 
     let child = serve_in_address_space(LIMIT, &["--plugin-instances", "4"])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
         .spawn()
         .expect("starting snowgate");
     while_serving(child, |_| ());
 }
 
 /// Waits for the ready line of `child` (a `serve` with piped stdout and
-/// stderr), runs `look` on its pid while it serves, then stops it. Fails
-/// the test, with the gateway's stderr, if it stopped before it was ready.
-fn while_serving<T>(mut child: std::process::Child, look: impl FnOnce(u32) -> T) -> T {
+/// stderr), runs `look` on its pid while it serves, then stops it; what
+/// `look` saw, and the gateway's output. Fails the test, with the
+/// gateway's stderr, if it stopped before it was ready.
+fn while_serving<T>(mut child: std::process::Child, look: impl FnOnce(u32) -> T) -> (T, Output) {
     use std::io::{BufRead, BufReader};
     let mut ready = String::new();
     // Its ready line, or end of file if it stopped.
@@ -691,7 +682,7 @@ fn while_serving<T>(mut child: std::process::Child, look: impl FnOnce(u32) -> T)
         "no ready line ({ready:?}); stderr: {}",
         text(&output.stderr)
     );
-    seen
+    (seen, output)
 }
 
 /// A plugin setting the plugin refuses stops `serve` before it listens,
@@ -1099,6 +1090,7 @@ fn serve_turns_huge_pages_off_unless_mimalloc_allow_thp_is_set() {
         }
         let child = command.spawn().expect("starting snowgate");
         while_serving(child, |pid| thp_enabled(&pid.to_string()))
+            .0
             .expect("a running gateway has a THP_enabled field")
     };
     assert_eq!(serve(None), "0", "off by default");

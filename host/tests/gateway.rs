@@ -5,6 +5,7 @@
 mod support;
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -1188,9 +1189,7 @@ async fn reset_while<T>(
 /// slot.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_its_client_abandons_before_its_fate_is_decided_is_counted_as_abandoned() {
-    let dir = TempDir::new("abandoned");
-    let path = dir.path().join("plugin.wasm");
-    std::fs::write(&path, snowgate_test_fixtures::HOSTILE_WASM).unwrap();
+    let (_dir, path) = hostile_plugin_file("abandoned");
     let upstream = TestUpstream::start().await;
     let gateway = with_one_mib_of_body_memory(
         &upstream,
@@ -1572,9 +1571,7 @@ fn msgspec_decodes_what_the_gateway_stamped() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_of_long_calls_is_not_refused_for_waiting_its_turn() {
     const BURST: usize = 40;
-    let dir = TempDir::new("burst");
-    let path = dir.path().join("plugin.wasm");
-    std::fs::write(&path, snowgate_test_fixtures::HOSTILE_WASM).unwrap();
+    let (_dir, path) = hostile_plugin_file("burst");
     let plugin = path.to_str().unwrap();
 
     // The quickest of five calls alone, as the client sees it.
@@ -1640,9 +1637,7 @@ async fn a_burst_of_long_calls_is_not_refused_for_waiting_its_turn() {
 async fn a_plugin_cannot_forge_gateway_log_lines() {
     const ESCAPED: &str =
         r"forged\nERROR snowgate_host::gateway: FAKE reload succeeded\r\n\u{1b}[31mred\u{0}";
-    let dir = TempDir::new("forge");
-    let path = dir.path().join("plugin.wasm");
-    std::fs::write(&path, snowgate_test_fixtures::HOSTILE_WASM).unwrap();
+    let (_dir, path) = hostile_plugin_file("forge");
     let gateway = Gateway::start(&["--plugin", path.to_str().unwrap()]).await;
     for behaviour in ["forge", "forge-panic"] {
         let reply = misbehaving(gateway.addr, behaviour).await;
@@ -1675,9 +1670,7 @@ async fn a_plugin_cannot_forge_gateway_log_lines() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_plugin_trapping_on_every_request_is_logged_once_a_second() {
     const REQUESTS: u64 = 30;
-    let dir = TempDir::new("trap-flood");
-    let path = dir.path().join("plugin.wasm");
-    std::fs::write(&path, snowgate_test_fixtures::HOSTILE_WASM).unwrap();
+    let (_dir, path) = hostile_plugin_file("trap-flood");
     let gateway = Gateway::start(&["--plugin", path.to_str().unwrap()]).await;
     let started = Instant::now();
     for _ in 0..REQUESTS {
@@ -2443,22 +2436,7 @@ async fn connect_is_refused_with_405() {
 async fn a_pass_through_request_its_client_abandons_is_still_counted() {
     let upstream = TestUpstream::start().await;
     let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
-    let mut stream = tokio::net::TcpStream::connect(gateway.addr)
-        .await
-        .expect("connect");
-    tokio::io::AsyncWriteExt::write_all(
-        &mut stream,
-        b"GET /hold HTTP/1.1\r\nHost: gateway.example\r\n\r\n",
-    )
-    .await
-    .expect("send");
-    bounded(
-        "the request reaching the upstream",
-        STEP,
-        upstream.state.held.notified(),
-    )
-    .await;
-    drop(stream);
+    drop(held_request(&gateway, &upstream).await);
     let counted = r#"snowgate_requests_total{outcome="passed_through"}"#;
     bounded("the abandoned request to be counted", STEP, async {
         while metric(&gateway.metrics().await, counted) < 1.0 {
@@ -3566,9 +3544,7 @@ async fn head_is_answered_without_a_body() {
 /// client cut to 4 KiB.
 #[tokio::test]
 async fn a_plugin_cannot_flood_the_log_or_the_client_with_text() {
-    let dir = TempDir::new("flood");
-    let path = dir.path().join("plugin.wasm");
-    std::fs::write(&path, snowgate_test_fixtures::HOSTILE_WASM).unwrap();
+    let (_dir, path) = hostile_plugin_file("flood");
     let gateway = Gateway::start(&["--plugin", path.to_str().unwrap()]).await;
     let addr = gateway.addr;
     let misbehave = |behaviour: &'static str| misbehaving(addr, behaviour);
@@ -3602,9 +3578,7 @@ async fn a_plugin_cannot_flood_the_log_or_the_client_with_text() {
 /// says so (once a second). Every request is still served.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn plugins_write_at_most_a_thousand_log_lines_a_second() {
-    let dir = TempDir::new("log-budget");
-    let path = dir.path().join("plugin.wasm");
-    std::fs::write(&path, snowgate_test_fixtures::HOSTILE_WASM).unwrap();
+    let (_dir, path) = hostile_plugin_file("log-budget");
     let gateway = Gateway::start(&["--plugin", path.to_str().unwrap()]).await;
     let addr = gateway.addr;
     let started = std::time::Instant::now();
@@ -3649,9 +3623,7 @@ async fn plugins_write_at_most_a_thousand_log_lines_a_second() {
 /// slices of the loop, and each of those requests took 30 to 80 ms.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_looping_plugin_call_leaves_its_worker_serving_other_connections() {
-    let dir = TempDir::new("loop");
-    let path = dir.path().join("plugin.wasm");
-    std::fs::write(&path, snowgate_test_fixtures::HOSTILE_WASM).unwrap();
+    let (_dir, path) = hostile_plugin_file("loop");
     let gateway = Gateway::start(&[
         "--plugin",
         path.to_str().unwrap(),
@@ -3691,9 +3663,7 @@ async fn a_looping_plugin_call_leaves_its_worker_serving_other_connections() {
 /// their deadlines have passed, none.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_show_connections_and_plugin_calls_in_use() {
-    let dir = TempDir::new("in-use");
-    let path = dir.path().join("plugin.wasm");
-    std::fs::write(&path, snowgate_test_fixtures::HOSTILE_WASM).unwrap();
+    let (_dir, path) = hostile_plugin_file("in-use");
     let mut config = GatewayConfig {
         plugin: Some(path),
         ..library_config()
@@ -3762,6 +3732,15 @@ async fn metrics_show_connections_and_plugin_calls_in_use() {
     .await;
     let _ = stop.send(());
     served.await.expect("the serving task").expect("served");
+}
+
+/// The hostile test fixture written to `plugin.wasm` in a new temporary
+/// directory named after `name` (kept while the directory lives).
+fn hostile_plugin_file(name: &str) -> (TempDir, PathBuf) {
+    let dir = TempDir::new(name);
+    let path = dir.path().join("plugin.wasm");
+    std::fs::write(&path, snowgate_test_fixtures::HOSTILE_WASM).unwrap();
+    (dir, path)
 }
 
 /// Sends [`CONTEXT_ONLY`] on a new connection with `x-hostile: behaviour`,

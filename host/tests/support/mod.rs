@@ -491,6 +491,24 @@ pub struct UpstreamState {
     pub closed_one: Notify,
 }
 
+/// A connection to `gateway` with a `GET /hold` in flight, held by
+/// `upstream` until released.
+pub async fn held_request(gateway: &Gateway, upstream: &TestUpstream) -> tokio::net::TcpStream {
+    let mut stream = tokio::net::TcpStream::connect(gateway.addr)
+        .await
+        .expect("connect");
+    tokio::io::AsyncWriteExt::write_all(&mut stream, b"GET /hold HTTP/1.1\r\nHost: gw\r\n\r\n")
+        .await
+        .expect("a held request");
+    bounded(
+        "the held request upstream",
+        STEP,
+        upstream.state.held.notified(),
+    )
+    .await;
+    stream
+}
+
 /// An HTTP/1.1 upstream in the test process, on 127.0.0.1:0. It records
 /// every request and answers by path:
 /// - `/sse…`: a `text/event-stream` that sends `event 1`, waits for
