@@ -16,8 +16,8 @@ use crate::plugin::{hex_sha256, Plugin};
 use crate::request::Request;
 use crate::text_limits::{plugin_text, MAX_PLUGIN_TEXT};
 
-/// The body of the canned request every new build must stamp (or reject)
-/// before it may serve. The WIT's package docs describe this request.
+/// The body of the canned request every new build must stamp (or reject
+/// for want of credentials) before it may serve. The WIT's package docs describe this request.
 const SELF_CHECK_BODY: &[u8] =
     br#"{"model":"snowgate-self-check","prompt":"","max_tokens":1,"disaggregated_params":{"request_type":"context_only"}}"#;
 

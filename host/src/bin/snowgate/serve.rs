@@ -101,9 +101,9 @@ pub struct ServeArgs {
     plugin_instances: Option<u32>,
     /// How long in-flight requests may finish after SIGTERM, in seconds
     /// [default: 30]; a second SIGTERM or SIGINT, a second or more after
-    /// the first, ends it at once. Without
-    /// --etcd, the stop may then take up to 10 s more, after a burst of
-    /// ids, until the wall clock has passed the last id issued.
+    /// the first, ends it at once. Without --etcd, the stop may then take
+    /// up to 10 s more, after a burst of ids, until the wall clock has
+    /// passed the last id issued.
     #[arg(long, value_name = "SECS")]
     shutdown_grace_secs: Option<u64>,
     /// Quiet time after a plugin file change before reloading, in
@@ -305,10 +305,9 @@ const SAME_STOP: std::time::Duration = std::time::Duration::from_secs(1);
 /// Starts listening for SIGTERM and SIGINT. The first future resolves on
 /// the first of them (the stop begins: the drain), the second on the next
 /// one a second or more later (stop at once: what is still in flight is
-/// dropped), as a second
-/// Ctrl-C does for most servers; the grace period otherwise holds a stop
-/// up to 30 s with no way to hurry it short of SIGKILL, which would skip
-/// giving up the machine id.
+/// dropped), as a second Ctrl-C does for most servers; the grace period
+/// otherwise holds a stop up to 30 s with no way to hurry it short of
+/// SIGKILL, which would skip giving up the machine id.
 fn stop_signals() -> anyhow::Result<(
     impl std::future::Future<Output = ()>,
     impl std::future::Future<Output = ()>,
