@@ -2919,11 +2919,19 @@ async fn admin_endpoints_describe_the_serving_plugin() {
     let parts = SnowflakeLayout::TrtllmV2.decode(id).unwrap();
     assert_eq!(parts.machine_id, 300);
 
-    // The bundled plugin has no file to reload from.
+    // The bundled plugin has no file to reload from: no reload is
+    // possible, which is not a failed one (a bad build's 422).
     let reload = post_empty(gateway.admin, "/reload").await;
-    assert_eq!(reload.status, StatusCode::UNPROCESSABLE_ENTITY);
-    let message = assert_openai_error(&reload.json(), "reload_failed", "invalid_request_error");
+    assert_eq!(reload.status, StatusCode::CONFLICT);
+    let message = assert_openai_error(
+        &reload.json(),
+        "reload_not_possible",
+        "invalid_request_error",
+    );
     assert!(message.contains("--plugin"), "{message}");
+    let status = get(gateway.admin, "/status").await.json();
+    assert_eq!(status["reloads"]["failed"], 0, "{status}");
+    assert!(status["last_reload_error"].is_null(), "{status}");
 
     assert_eq!(
         get(gateway.admin, "/reload").await.status,

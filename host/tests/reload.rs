@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use http::StatusCode;
 use serde_json::Value;
+use snowgate_host::gateway::NoReload;
 use support::*;
 use tokio::sync::Notify;
 
@@ -275,6 +276,22 @@ async fn sighup_reloads_the_plugin() {
         .wait_log("SIGHUP: the plugin file holds the build that serves; nothing changed")
         .await;
     assert_eq!(reloads(&gateway.status().await), (1, 0));
+
+    // A bad build is logged once, by the reload, at ERROR; the signal's
+    // handler adds no second line. The handler takes one signal at a time,
+    // so once the next SIGHUP's line is there, the first one's are too.
+    rewrite_in_place(&path, b"not a component");
+    gateway.signal("HUP");
+    gateway.wait_log("plugin reload failed").await;
+    rewrite_in_place(&path, &plugin_variant(1));
+    gateway.signal("HUP");
+    gateway
+        .wait_log("the last reload error no longer holds")
+        .await;
+    let log = gateway.stderr_text();
+    assert_eq!(log.matches("plugin reload failed").count(), 1, "{log}");
+    assert!(!log.contains("SIGHUP: no reload"), "{log}");
+    assert_eq!(reloads(&gateway.status().await), (1, 1));
 }
 
 /// A SIGHUP to a gateway serving the bundled plugin says why it reloads
@@ -810,14 +827,23 @@ async fn a_closed_slot_finishes_the_running_reload_and_refuses_later_ones() {
     assert_eq!(slot.current().info().sha256, at_close);
     match outcome {
         Ok(_) => assert_eq!(at_close, sha256_hex(&plugin_variant(2))),
-        Err(e) => assert!(e.contains("stopping"), "{e}"),
+        Err(e) => assert!(
+            matches!(&e, NoReload::NotPossible(m) if m.contains("stopping")),
+            "{e:?}"
+        ),
     }
 
-    // Later reloads are refused, saying why, and the file is not read.
+    // Later reloads are refused, saying why; the file is not read, and no
+    // failure is counted or shown.
     std::fs::write(&path, plugin_variant(3)).expect("writing the third build");
     let refused = slot.reload().await.expect_err("a reload after close");
-    assert_eq!(refused, "the gateway is stopping: reloads are over");
+    assert_eq!(
+        refused,
+        NoReload::NotPossible("the gateway is stopping: reloads are over".to_string())
+    );
     assert_eq!(slot.current().info().sha256, at_close);
+    assert_eq!(slot.metrics().reloads().1, 0);
+    assert_eq!(slot.last_error(), None);
 }
 
 /// The files the compile cache holds: `*.cwasm`, sorted.

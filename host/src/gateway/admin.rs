@@ -16,7 +16,7 @@ use tokio::sync::Semaphore;
 use crate::engine::HostServices;
 use crate::gateway::responses;
 use crate::gateway::server::{pause_after_accept_error, sends_within};
-use crate::gateway::slot::{PluginSlot, Reloaded};
+use crate::gateway::slot::{NoReload, PluginSlot, Reloaded};
 use crate::lease::LeaseStatus;
 use crate::utc::{format_millis, millis_of};
 
@@ -160,8 +160,13 @@ impl Admin {
                     let body = serde_json::json!({"result": "unchanged", "sha256": self.slot.current().info().sha256});
                     text(StatusCode::OK, "application/json", body.to_string())
                 }
-                Err(message) => {
-                    responses::error(StatusCode::UNPROCESSABLE_ENTITY, "reload_failed", &message)
+                Err(NoReload::Failed(error)) => responses::error(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    "reload_failed",
+                    &error.message,
+                ),
+                Err(NoReload::NotPossible(message)) => {
+                    responses::error(StatusCode::CONFLICT, "reload_not_possible", &message)
                 }
             },
             (_, path @ ("/healthz" | "/readyz" | "/status" | "/metrics" | "/reload")) => {

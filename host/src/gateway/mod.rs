@@ -49,7 +49,7 @@ pub use config::{
 };
 pub use metrics::{Metrics, Outcome};
 pub use middleware::{Snowgate, SnowgateLayer};
-pub use slot::{PluginSlot, ReloadError, Reloaded};
+pub use slot::{NoReload, PluginSlot, ReloadError, Reloaded};
 pub use upstream::Upstream;
 
 use crate::clock::{IdClock, MAX_CATCH_UP};

@@ -30,6 +30,38 @@ pub struct ReloadError {
     pub at: SystemTime,
 }
 
+/// Why a reload swapped no new build in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NoReload {
+    /// No reload can run: the gateway is stopping, or the bundled plugin
+    /// serves and has no file to read. Nothing was read, logged or counted,
+    /// and `/status` keeps what it showed.
+    NotPossible(String),
+    /// The file was read and its build refused: it did not load or failed
+    /// its self-check. Logged at ERROR, counted as a failed reload and
+    /// shown on `/status` until a reload succeeds; the previous build keeps
+    /// serving.
+    Failed(ReloadError),
+}
+
+impl NoReload {
+    /// What went wrong, in one line.
+    pub fn message(&self) -> &str {
+        match self {
+            NoReload::NotPossible(message) => message,
+            NoReload::Failed(error) => &error.message,
+        }
+    }
+}
+
+impl std::fmt::Display for NoReload {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.message())
+    }
+}
+
+impl std::error::Error for NoReload {}
+
 /// What a reload did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Reloaded {
@@ -114,11 +146,16 @@ impl PluginSlot {
     /// The reload runs to the end on a task of its own even if the caller
     /// stops waiting (an admin client that hangs up): a reload half done
     /// would let the next one run beside its check, and drop a good build.
-    pub async fn reload(self: &Arc<Self>) -> Result<Reloaded, String> {
+    pub async fn reload(self: &Arc<Self>) -> Result<Reloaded, NoReload> {
         let slot = Arc::clone(self);
         tokio::spawn(async move { slot.reload_to_the_end().await })
             .await
-            .unwrap_or_else(|e| Err(format!("the reload task failed: {e}")))
+            // A task that panicked recorded nothing: its caller says it.
+            .unwrap_or_else(|e| {
+                Err(NoReload::NotPossible(format!(
+                    "the reload task failed: {e}"
+                )))
+            })
     }
 
     /// Ends reloading for good: waits for a reload in progress to finish,
@@ -129,16 +166,18 @@ impl PluginSlot {
         *self.reloading.lock().await = true;
     }
 
-    async fn reload_to_the_end(&self) -> Result<Reloaded, String> {
+    async fn reload_to_the_end(&self) -> Result<Reloaded, NoReload> {
         let closed = self.reloading.lock().await;
         if *closed {
-            return Err("the gateway is stopping: reloads are over".to_string());
+            return Err(NoReload::NotPossible(
+                "the gateway is stopping: reloads are over".to_string(),
+            ));
         }
         let Some(path) = self.source.clone() else {
-            return Err(
+            return Err(NoReload::NotPossible(
                 "the bundled plugin has no file to reload from; start with --plugin PATH"
                     .to_string(),
-            );
+            ));
         };
         let engine = self.engine.clone();
         let settings = self.settings.clone();
@@ -192,14 +231,14 @@ impl PluginSlot {
                 Ok(Reloaded::Unchanged)
             }
             Err(e) => {
-                let message = format!("{e:#}");
-                tracing::error!(error = %message, "plugin reload failed; the previous build keeps serving");
-                *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(ReloadError {
-                    message: message.clone(),
+                let error = ReloadError {
+                    message: format!("{e:#}"),
                     at: SystemTime::now(),
-                });
+                };
+                tracing::error!(error = %error.message, "plugin reload failed; the previous build keeps serving");
+                *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(error.clone());
                 self.metrics.reload(false);
-                Err(message)
+                Err(NoReload::Failed(error))
             }
         }
     }

@@ -21,7 +21,7 @@ use tokio::signal::unix::Signal;
 use tokio::sync::mpsc;
 
 use crate::gateway::plugin_file::Fingerprint;
-use crate::gateway::slot::{PluginSlot, Reloaded};
+use crate::gateway::slot::{NoReload, PluginSlot, Reloaded};
 
 /// How often the file behind the plugin path is looked at (one `stat`).
 pub const POLL_INTERVAL: Duration = Duration::from_secs(2);
@@ -193,7 +193,9 @@ pub fn watch_plugin_file(
             if let (Ok(seen), Some(failed_before)) = (seen, failed_before) {
                 let failures = match outcome {
                     Ok(_) => 0,
-                    Err(_) => failed_before + 1,
+                    Err(NoReload::Failed(_)) => failed_before + 1,
+                    // Nothing was read: the file is neither good nor bad.
+                    Err(NoReload::NotPossible(_)) => failed_before,
                 };
                 *lock(&tried) = Some(Tried {
                     fingerprint: seen,
@@ -312,8 +314,10 @@ pub fn reload_on_sighup(mut hangups: Signal, slot: Arc<PluginSlot>) {
                     "SIGHUP: the plugin file holds the build that serves; nothing changed"
                 ),
                 Ok(Reloaded::Swapped(_)) => {}
-                Err(message) if slot.last_error().is_some_and(|e| e.message == message) => {}
-                Err(message) => tracing::warn!("SIGHUP: no reload: {message}"),
+                Err(NoReload::Failed(_)) => {}
+                Err(NoReload::NotPossible(message)) => {
+                    tracing::warn!("SIGHUP: no reload: {message}")
+                }
             }
         }
     });
