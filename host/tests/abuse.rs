@@ -152,6 +152,92 @@ async fn a_one_mib_header_gets_431() {
     still_serves(&gateway).await;
 }
 
+/// A head hyper cannot parse never reaches the gateway's code: hyper
+/// answers it by itself. The gateway still counts it (`client_error`, a
+/// 4xx response) and logs it in the access log with the status the client
+/// got and what was wrong, as nginx logs its 400s; a connection that ends
+/// mid-head, which gets no answer, is neither.
+#[tokio::test(flavor = "multi_thread")]
+async fn malformed_heads_hyper_answers_are_counted_and_logged() {
+    let gateway = Gateway::start_logging(
+        &["--max-header-bytes", "200000"],
+        "info,snowgate::access=debug,snowgate_host::gateway::server=debug",
+    )
+    .await;
+
+    // Cut off mid-head: no answer, no line; logged at debug as it ends.
+    let mut stream = TcpStream::connect(gateway.addr).await.expect("connect");
+    stream
+        .write_all(b"GET /v1/models HTTP/1.1\r\nHo")
+        .await
+        .unwrap();
+    stream.shutdown().await.unwrap();
+    assert_eq!(read_status(&mut stream).await, Ended::Closed);
+    gateway
+        .wait_log("client connection ended with an error")
+        .await;
+
+    let long_target = format!("GET /{} HTTP/1.1\r\nHost: x\r\n\r\n", "a".repeat(70_000));
+    let long_header = format!(
+        "GET / HTTP/1.1\r\nHost: x\r\nX-Big: {}\r\n\r\n",
+        "a".repeat(300_000)
+    );
+    let heads: [(&[u8], u16, &str); 4] = [
+        (
+            b"GET /x HTTP/1.1\r\nHost: x\r\nBad Header: y\r\n\r\n",
+            400,
+            "invalid HTTP header",
+        ),
+        // A TLS ClientHello on the plain-text port.
+        (
+            b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03",
+            400,
+            "invalid HTTP method",
+        ),
+        (long_target.as_bytes(), 414, "URI too long"),
+        (long_header.as_bytes(), 431, "message head is too large"),
+    ];
+    for (n, (head, status, why)) in heads.iter().enumerate() {
+        assert_eq!(
+            abuse(gateway.addr, head, STEP).await,
+            Ended::Status(*status),
+            "head {n}"
+        );
+        gateway
+            .wait_log_times("answered by hyper: malformed request head", n + 1)
+            .await;
+        let log = gateway.stderr_text();
+        let line = log
+            .lines()
+            .filter(|l| l.contains("answered by hyper"))
+            .nth(n)
+            .unwrap();
+        assert!(
+            line.contains("snowgate::access")
+                && line.contains("method=\"-\"")
+                && line.contains(&format!("status={status}"))
+                && line.contains(why),
+            "head {n}: {line}"
+        );
+    }
+
+    let metrics = gateway.metrics().await;
+    assert_eq!(
+        metric(
+            &metrics,
+            r#"snowgate_requests_total{outcome="client_error"}"#
+        ),
+        4.0,
+        "{metrics}"
+    );
+    assert_eq!(
+        metric(&metrics, r#"snowgate_responses_total{code="4xx"}"#),
+        4.0,
+        "{metrics}"
+    );
+    still_serves(&gateway).await;
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_client_sending_headers_a_byte_at_a_time_is_cut_off_at_the_header_timeout() {
     let gateway = Gateway::start(&["--header-read-timeout-ms", "500"]).await;

@@ -1,7 +1,9 @@
 //! The access log: a line per request at debug level under the target
 //! [`ACCESS_LOG`] (`SNOWGATE_LOG=info,snowgate::access=debug`), when its
-//! response's headers are ready, or when its client went away first.
+//! response's headers are ready, or when its client went away first; and
+//! one for a request whose head hyper could not parse and answered itself.
 
+use std::error::Error;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -86,4 +88,35 @@ impl Drop for AccessLine {
             self.write(status);
         }
     }
+}
+
+/// The status hyper answered by itself when a client connection ended with
+/// `error`: a request head it could not parse gets 400 (431 when too large,
+/// 414 for a target too long) and the connection is closed, before any
+/// request reaches the gateway's code. `None` for every other error (a
+/// reset, a timeout, an HTTP/2 preface, a failed write), after which hyper
+/// sent nothing of its own.
+pub fn answered_by_hyper(error: &(dyn Error + 'static)) -> Option<u16> {
+    let hyper = error.downcast_ref::<hyper::Error>()?;
+    if !hyper.is_parse() || hyper.is_parse_version_h2() || hyper.is_parse_status() {
+        return None;
+    }
+    if !hyper.is_parse_too_large() {
+        return Some(400);
+    }
+    // hyper tells a target over its length limit from a head over the
+    // buffer only in its words.
+    Some(if hyper.to_string().contains("URI") {
+        414
+    } else {
+        431
+    })
+}
+
+/// The access log line of a request head from `peer` that hyper answered
+/// with `status` by itself (see [`answered_by_hyper`]): method and path
+/// are `-`, as the head could not be read, and `error` says what was wrong
+/// with it.
+pub fn malformed(peer: SocketAddr, status: u16, error: &str) {
+    tracing::debug!(target: ACCESS_LOG, %peer, method = "-", path = "-", status, error, "answered by hyper: malformed request head");
 }

@@ -30,7 +30,9 @@ pub enum Outcome {
     FailedClosed,
     /// The plugin failed and the policy forwarded it unchanged (fail-open).
     FailedOpen,
-    /// The body could not be read from the client.
+    /// The request could not be read from the client: its head did not
+    /// parse (hyper's own 400, 414 or 431), was refused (an unsupported
+    /// transfer coding, a bad target), or its body failed.
     ClientError,
     /// No room came free for the body in the gateway's body memory
     /// (`--body-memory-mib`) in time: answered 503.
@@ -311,11 +313,17 @@ impl Metrics {
     /// not define but an upstream may send, in none), and records how
     /// long after its request arrived its headers were ready.
     pub fn response(&self, status: http::StatusCode, took: Duration) {
-        let class = usize::from(status.as_u16() / 100);
+        self.response_status(status.as_u16());
+        self.response_headers.record(took);
+    }
+
+    /// Counts a response by its status class only: one hyper answered by
+    /// itself, for a request that never reached the gateway's code.
+    pub fn response_status(&self, status: u16) {
+        let class = usize::from(status / 100);
         if let Some(counter) = class.checked_sub(1).and_then(|i| self.responses.get(i)) {
             counter.fetch_add(1, Ordering::Relaxed);
         }
-        self.response_headers.record(took);
     }
 
     /// The number of requests that ended with `outcome`.

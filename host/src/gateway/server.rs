@@ -23,7 +23,7 @@ use tokio::sync::Semaphore;
 use tower_layer::Layer;
 use tower_service::Service;
 
-use crate::gateway::access_log::AccessLine;
+use crate::gateway::access_log::{self, AccessLine};
 use crate::gateway::activity::{ActiveBody, Activity};
 use crate::gateway::body_memory::{ClientConnection, ConnectionWaits};
 use crate::gateway::client_body::{BodyProgress, ClientBody};
@@ -200,6 +200,7 @@ pub async fn serve(
         // at the limit.
         let place = open_connections.register(&activity);
         let metrics = layer.metrics().clone();
+        let connection_metrics = metrics.clone();
         let open = metrics.connection_opened();
         let forwarded_for = forwarded_for_value(peer);
         let dropping = dropping.clone();
@@ -345,6 +346,13 @@ pub async fn serve(
                 // do not say why: its causes do (a send timeout, a reset).
                 let why = error_chain::describe(&*e);
                 tracing::debug!(%peer, error = %why, "client connection ended with an error");
+                // A head hyper could not parse never reached the service:
+                // counted and logged here, as nginx logs its 400s.
+                if let Some(status) = access_log::answered_by_hyper(&*e) {
+                    connection_metrics.request(Outcome::ClientError);
+                    connection_metrics.response_status(status);
+                    access_log::malformed(peer, status, &why);
+                }
             }
             drop(watcher);
             drop(place);
