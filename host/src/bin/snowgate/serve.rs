@@ -129,7 +129,8 @@ pub struct ServeArgs {
     #[arg(long, value_name = "MS")]
     send_timeout_ms: Option<u64>,
     /// Largest request head (request line plus headers) in bytes; larger
-    /// ones get 431 [default: 65536, at least 8192].
+    /// ones get 431 (414 for a request target over 65,534 bytes,
+    /// when this allows one) [default: 65536, at least 8192].
     #[arg(long, value_name = "BYTES")]
     max_header_bytes: Option<usize>,
     /// Client connections served at once; more wait in the listen backlog
