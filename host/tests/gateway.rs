@@ -908,6 +908,77 @@ async fn a_rewritten_body_beyond_the_free_room_is_counted_as_overdrawn() {
     gateway.wait_metric("snowgate_body_memory_bytes", 0.0).await;
 }
 
+/// A plugin may make a body larger where room for it is free, or by as
+/// much as the body's own room where none is; an answer larger than that
+/// where no room is free is refused with 503 `body_memory_full` and goes
+/// nowhere. Without the bound, a plugin answering 4 MiB (64 MiB in the
+/// review that found it) to every two-byte request held that much for
+/// each until its upstream took it: 2.85 GB for 40 clients against a
+/// 16 MiB body memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugin_cannot_overdraw_the_body_memory_past_a_bodys_own_room() {
+    let (_dir, path) = hostile_plugin_file("bloat");
+    let path = path.to_str().unwrap();
+    let bloat = |addr| async move {
+        let mut client = Client::connect(addr).await;
+        let request = client
+            .builder(Method::POST, "/v1/completions")
+            .header("content-type", "application/json")
+            .header("x-hostile", "bloat")
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .unwrap();
+        client.send(request).await
+    };
+
+    // Room is free: the 4 MiB answer takes it and goes upstream.
+    let roomy = Gateway::start(&["--plugin", path]).await;
+    let reply = bloat(roomy.addr).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    let echoed = reply.json()["body"].as_str().map(str::len);
+    assert_eq!(echoed, Some(4 << 20), "the echo of 4 MiB of spaces");
+    roomy.stop().await;
+
+    // 1 MiB in all: no room for it, and 4 MiB is far past the two bytes'
+    // room (a KiB).
+    let tight = Gateway::start(&[
+        "--plugin",
+        path,
+        "--body-memory-mib",
+        "1",
+        "--max-body-bytes",
+        "65536",
+    ])
+    .await;
+    let reply = bloat(tight.addr).await;
+    assert_eq!(
+        reply.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        reply.text()
+    );
+    assert_eq!(reply.header("retry-after"), Some("1"));
+    let message = assert_openai_error(&reply.json(), "body_memory_full", "server_error");
+    assert!(message.contains("more than twice its size"), "{message}");
+    let metrics = tight.metrics().await;
+    assert_eq!(
+        metric(
+            &metrics,
+            r#"snowgate_requests_total{outcome="body_memory_full"}"#
+        ),
+        1.0,
+        "{metrics}"
+    );
+    assert_eq!(
+        metric(&metrics, "snowgate_body_memory_overdrawn_bytes"),
+        0.0
+    );
+    tight.wait_metric("snowgate_body_memory_bytes", 0.0).await;
+    // Stamping still goes through: its growth fits in the room.
+    let reply = post_json(tight.addr, "/v1/completions", CONTEXT_ONLY).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    stamped_id(&serde_json::to_vec(&reply.json()["body"]).unwrap());
+}
+
 /// Room is no place to rest: once a body has room, all of it must arrive
 /// within `--body-read-timeout-ms`, however it trickles in. A client that
 /// sends a byte every 100 ms (never pausing for the timeout) gets 408

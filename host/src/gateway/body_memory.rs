@@ -39,7 +39,9 @@
 //! once; where it is not, the body is sent anyway, as it is already in
 //! memory, and what it holds beyond its room is counted apart, as the
 //! overdraft ([`BodyMemory::overdrawn`]), so that the gauges show all the
-//! memory bodies hold.
+//! memory bodies hold. A body may overdraw at most its own room; a larger
+//! answer where no room is free is refused, so all bodies hold at most
+//! twice the limit.
 //!
 //! Room is counted in KiB, rounded up, so that any body's size is a count
 //! the semaphore can hold.
@@ -182,6 +184,15 @@ pub enum NoRoomCause {
     /// declared length, see [`UNDECLARED_ROOM`]), and no more was free at
     /// once.
     Outgrown,
+    /// The plugin answered a body more than twice the room its request
+    /// took, and no room for the rest was free at once (see
+    /// [`BodyMemory::resize_for`]).
+    Rewritten {
+        /// The size of the plugin's answer, in bytes.
+        answer: usize,
+        /// The room the request held, in bytes.
+        held: usize,
+    },
 }
 
 impl std::fmt::Display for NoRoom {
@@ -208,6 +219,10 @@ impl std::fmt::Display for NoRoom {
                 "this body, of no declared length, grew past its room as it arrived where no \
                  more was free: retry later, or declare its length (Content-Length) so that it \
                  waits for its room before it is sent"
+            ),
+            NoRoomCause::Rewritten { answer, held } => write!(
+                f,
+                "the plugin made this request's body of {held} bytes (its room) into one of                  {answer} bytes, more than twice its size, where no room for the rest was                  free: retry later"
             ),
         }
     }
@@ -321,24 +336,44 @@ impl BodyMemory {
     }
 
     /// Makes `room` hold `bytes`, for a body already in memory (one the
-    /// plugin rewrote, which is sent whatever room there is): more room
-    /// where that much is free at once, and otherwise the same room with
-    /// the rest counted as overdrawn; less gives the surplus back.
-    pub fn resize_for(&self, room: &mut Room, bytes: usize) {
+    /// plugin rewrote): more room where that much is free at once, and
+    /// otherwise the same room with the rest counted as overdrawn, as long
+    /// as the rest is no more than the room itself; less gives the surplus
+    /// back.
+    ///
+    /// So a rewritten body is sent even where no room is free (stamping
+    /// makes a body at most some 75 % larger), and what all bodies hold
+    /// beyond their room is at most the room they hold: bodies read whole
+    /// hold at most twice the limit. A larger answer where no room is free
+    /// is refused with [`NoRoomCause::Rewritten`] and `room` keeps what it
+    /// held: without that bound, a plugin answering 64 MiB to every
+    /// two-byte request held 64 MiB for each until its upstream took it.
+    pub fn resize_for(&self, room: &mut Room, bytes: usize) -> Result<(), NoRoom> {
         let held = room.bytes();
         if bytes <= held {
             room.shrink_to(bytes);
-            return;
+            return Ok(());
         }
         room.overdraft = None;
         if self.grow_now(room, bytes - held).is_err() {
             let units = bytes.div_ceil(UNIT) - held / UNIT;
+            if units > held / UNIT {
+                return Err(NoRoom {
+                    limit: self.limit,
+                    waited: Duration::ZERO,
+                    cause: NoRoomCause::Rewritten {
+                        answer: bytes,
+                        held,
+                    },
+                });
+            }
             self.overdrawn.fetch_add(units, Ordering::Relaxed);
             room.overdraft = Some(Overdraft {
                 units,
                 count: self.overdrawn.clone(),
             });
         }
+        Ok(())
     }
 
     /// Makes `room` hold `bytes` more if that much is free now, without
@@ -547,23 +582,52 @@ mod tests {
     async fn a_body_resized_past_the_free_room_is_counted_as_overdrawn() {
         let memory = BodyMemory::new(MIB, Duration::from_secs(3600));
         let mut room = memory.reserve(MIB / 2, || None).await.expect("room");
-        memory.resize_for(&mut room, MIB * 3 / 4);
+        memory.resize_for(&mut room, MIB * 3 / 4).expect("grown");
         assert_eq!((room.bytes(), memory.overdrawn()), (MIB * 3 / 4, 0));
         let other = memory.reserve(MIB / 4, || None).await.expect("the rest");
         // No room is free: the room stays, the rest is overdrawn.
-        memory.resize_for(&mut room, MIB + 1);
+        memory.resize_for(&mut room, MIB + 1).expect("overdrawn");
         assert_eq!(room.bytes(), MIB * 3 / 4);
         assert_eq!(memory.overdrawn(), MIB / 4 + 1024);
         assert_eq!(memory.held(), MIB);
         room.shrink_to(MIB * 3 / 4 + 1);
         assert_eq!(memory.overdrawn(), 1024);
-        memory.resize_for(&mut room, MIB / 4);
+        memory.resize_for(&mut room, MIB / 4).expect("shrunk");
         assert_eq!((room.bytes(), memory.overdrawn()), (MIB / 4, 0));
         // Free room again: taken, and nothing is overdrawn.
-        memory.resize_for(&mut room, MIB * 3 / 4 - 1);
+        memory
+            .resize_for(&mut room, MIB * 3 / 4 - 1)
+            .expect("grown");
         assert_eq!((room.bytes(), memory.overdrawn()), (MIB * 3 / 4, 0));
-        memory.resize_for(&mut room, MIB * 2);
-        assert_eq!(memory.overdrawn(), MIB * 5 / 4);
+        // At most the room itself is overdrawn: twice the room is taken,
+        // a byte more is refused, and the room stays as it was.
+        memory
+            .resize_for(&mut room, MIB * 3 / 2)
+            .expect("twice the room");
+        assert_eq!(memory.overdrawn(), MIB * 3 / 4);
+        memory.resize_for(&mut room, MIB / 4).expect("shrunk");
+        memory
+            .resize_for(&mut room, MIB * 3 / 4 - 1)
+            .expect("grown");
+        let refused = memory
+            .resize_for(&mut room, MIB * 3 / 2 + 1)
+            .expect_err("more than twice the room");
+        assert_eq!(
+            refused.cause,
+            NoRoomCause::Rewritten {
+                answer: MIB * 3 / 2 + 1,
+                held: MIB * 3 / 4
+            }
+        );
+        assert!(
+            refused.to_string().contains("more than twice its size"),
+            "{refused}"
+        );
+        assert_eq!((room.bytes(), memory.overdrawn()), (MIB * 3 / 4, 0));
+        memory
+            .resize_for(&mut room, MIB * 3 / 2)
+            .expect("twice the room");
+        assert_eq!(memory.overdrawn(), MIB * 3 / 4);
         drop(room);
         assert_eq!((memory.overdrawn(), memory.held()), (0, MIB / 4));
         drop(other);
@@ -575,7 +639,9 @@ mod tests {
         let memory = BodyMemory::new(MIB, Duration::from_secs(3600));
         let mut room = memory.reserve(MIB / 2, || None).await.expect("room");
         let other = memory.reserve(MIB / 2, || None).await.expect("the rest");
-        memory.resize_for(&mut room, MIB * 3 / 4);
+        memory
+            .resize_for(&mut room, MIB * 3 / 4)
+            .expect("overdrawn");
         assert_eq!(memory.overdrawn(), MIB / 4);
         drop(other);
         memory.grow_now(&mut room, MIB / 8).expect("free now");

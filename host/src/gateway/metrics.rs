@@ -477,7 +477,7 @@ impl Metrics {
             gauge(
                 &mut out,
                 "snowgate_body_memory_overdrawn_bytes",
-                "Memory that bodies the plugin rewrote hold beyond their room, where no more room was free when the plugin answered (they are sent anyway), in whole KiB per body: on top of snowgate_body_memory_bytes, which with it may pass the max.",
+                "Memory that bodies the plugin rewrote hold beyond their room, where no more room was free when the plugin answered (they are sent anyway, each holding at most its room again), in whole KiB per body: on top of snowgate_body_memory_bytes, which with it may pass the max.",
                 memory.overdrawn(),
             );
             gauge(

@@ -492,8 +492,13 @@ impl Shared {
                 // The room follows the body sent: a smaller one gives some
                 // back, a larger one takes more where it is free, and is
                 // otherwise counted as overdrawn (the answer is in memory
-                // already; forwarded either way).
-                self.body_memory.resize_for(&mut room, new_body.len());
+                // already) up to its room; an answer larger still is
+                // refused, and let go at once.
+                if let Err(no_room) = self.body_memory.resize_for(&mut room, new_body.len()) {
+                    drop(new_body);
+                    verdict.count(Outcome::BodyMemoryFull);
+                    return own(rewritten_body_too_large(no_room));
+                }
                 verdict.count(Outcome::Rewritten);
                 parts.headers.remove(header::TRANSFER_ENCODING);
                 parts.headers.insert(
@@ -582,6 +587,20 @@ impl Shared {
 /// all of its body is read, so its connection ends.
 fn body_memory_full(no_room: NoRoom) -> Response<Full<Bytes>> {
     let mut response = responses::closing_error(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "body_memory_full",
+        &no_room.to_string(),
+    );
+    response
+        .headers_mut()
+        .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+    response
+}
+
+/// The answer to a request whose rewritten body found no room: its body
+/// was read whole, so its connection may serve on.
+fn rewritten_body_too_large(no_room: NoRoom) -> Response<Full<Bytes>> {
+    let mut response = responses::error(
         StatusCode::SERVICE_UNAVAILABLE,
         "body_memory_full",
         &no_room.to_string(),

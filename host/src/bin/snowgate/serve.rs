@@ -66,9 +66,10 @@ pub struct ServeArgs {
     /// requests came, at most --body-read-timeout-ms (at most 8 of one
     /// connection at once), and then gets 503 body_memory_full; a body given
     /// room must arrive whole within that time too. A body the plugin made
-    /// larger (ids) is sent even where no more room is free: /metrics shows
-    /// that as overdrawn [default: 1024, or --max-body-bytes where that is
-    /// larger].
+    /// larger (ids) is sent even where no more room is free, by up to its
+    /// own room (/metrics shows that as overdrawn); larger still, it gets
+    /// 503 body_memory_full [default: 1024, or --max-body-bytes where that
+    /// is larger].
     #[arg(long, value_name = "MIB")]
     body_memory_mib: Option<usize>,
     /// When the plugin fails: fail-closed answers 503, fail-open forwards
