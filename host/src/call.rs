@@ -399,6 +399,7 @@ impl Plugin {
         let mut store = Store::new(&self.engine.engine, state);
         store.limiter(|state| &mut state.memory);
         store.set_hostcall_fuel(hostcall_fuel(&self.engine.limits));
+        store.set_max_component_handles(crate::engine::MAX_PLUGIN_HANDLES);
         store
     }
 

@@ -54,6 +54,14 @@ const TABLE_KEEP_RESIDENT: usize = 16 << 10;
 /// The largest table a plugin may have or grow to (the limiter's cap too).
 pub(crate) const MAX_TABLE_ELEMENTS: usize = 100_000;
 
+/// The most host resources (WASI streams, pollables) and component handles
+/// a plugin instance may hold live at once; creating more traps. Each costs
+/// host memory outside the plugin's memory limit (some 230 bytes), which an
+/// instance kept for reuse holds across calls: under wasmtime's defaults
+/// (100,000 handles), 47 instances held 1.1 GB of it. A request middleware
+/// needs a handful.
+pub(crate) const MAX_PLUGIN_HANDLES: usize = 1024;
+
 /// Per plugin instance, how many core instances, tables and memories a
 /// component may use; the pool holds this many for each of
 /// `max_instances`. Rust plugins built for `wasm32-wasip2` use three core

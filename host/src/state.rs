@@ -11,7 +11,7 @@ use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 use crate::bindings::snowgate::middleware::{clock, identity, log, types};
 use crate::call_clock::{CallClock, OnTick};
 use crate::clock::NoTick;
-use crate::engine::{HostServices, MAX_TABLE_ELEMENTS};
+use crate::engine::{HostServices, MAX_PLUGIN_HANDLES, MAX_TABLE_ELEMENTS};
 use crate::log_throttle::{LineBudget, LogThrottle};
 use crate::request::Headers;
 use crate::text_limits::{
@@ -92,9 +92,11 @@ impl HostState {
         plugin_name: Arc<str>,
     ) -> HostState {
         let created_under = services.identity.generation();
+        let mut table = ResourceTable::new();
+        table.set_max_capacity(MAX_PLUGIN_HANDLES);
         HostState {
             wasi: None,
-            table: ResourceTable::new(),
+            table,
             services,
             memory: MemoryLimiter {
                 limit: memory_bytes,

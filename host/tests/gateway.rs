@@ -908,6 +908,52 @@ async fn a_rewritten_body_beyond_the_free_room_is_counted_as_overdrawn() {
     gateway.wait_metric("snowgate_body_memory_bytes", 0.0).await;
 }
 
+/// WASI resources (pollables, streams) live in host memory, outside the
+/// plugin's memory limit, and an instance kept for reuse keeps them: a
+/// plugin that keeps making them traps once it holds 1,024, and its
+/// instance goes. Before the cap, 47 instances holding 99,000 each (the
+/// store's default limit was 100,000) held 1.1 GB of the gateway's memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugin_instance_holds_at_most_1024_host_resources() {
+    let (_dir, path) = hostile_plugin_file("handles");
+    // One worker, one connection at a time: each call reuses the instance
+    // the last one gave back.
+    let gateway = Gateway::start(&["--plugin", path.to_str().unwrap(), "--workers", "1"]).await;
+    let mut kept = Vec::new();
+    let failed = loop {
+        let reply = misbehaving(gateway.addr, "handles").await;
+        if reply.status != StatusCode::IM_A_TEAPOT {
+            break reply;
+        }
+        kept.push(
+            reply.json()["error"]["message"]
+                .as_str()
+                .unwrap()
+                .to_string(),
+        );
+        assert!(kept.len() <= 10, "2,000 resources kept: {kept:?}");
+    };
+    // Each pollable of a duration takes two entries, itself and its
+    // deadline: the third call's would make 1,200.
+    assert_eq!(kept, ["200", "400"]);
+    assert_eq!(
+        failed.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        failed.text()
+    );
+    assert_openai_error(&failed.json(), "middleware_failed", "server_error");
+    let metrics = gateway.metrics().await;
+    assert_eq!(
+        metric(&metrics, r#"snowgate_plugin_failures_total{kind="trap"}"#),
+        1.0,
+        "{metrics}"
+    );
+    // The trapped instance went with its resources: the next starts anew.
+    let reply = misbehaving(gateway.addr, "handles").await;
+    assert_eq!(reply.json()["error"]["message"], "200", "{}", reply.text());
+}
+
 /// A plugin may make a body larger where room for it is free, or by as
 /// much as the body's own room where none is; an answer larger than that
 /// where no room is free is refused with 503 `body_memory_full` and goes
