@@ -61,6 +61,11 @@ pub(crate) struct Issued {
     pub(crate) refused: Option<NoTick>,
 }
 
+/// The most random bytes one WASI call may ask for (`get-random-bytes`,
+/// `get-insecure-random-bytes`); more traps. Making 256 KiB takes well
+/// under a millisecond, the longest a host call should hold a worker.
+pub const MAX_RANDOM_BYTES: u64 = 256 << 10;
+
 /// An empty WASI context whose only stream is a bounded `stderr` capture
 /// (for panic messages).
 struct Wasi {
@@ -77,6 +82,10 @@ impl Wasi {
             .allow_ip_name_lookup(false)
             .stderr(stderr.clone())
             .monotonic_clock(crate::sleeps::PluginMonotonicClock)
+            // Made a byte at a time inside the host call, which no
+            // deadline interrupts: wasmtime's 64 MiB held a worker thread
+            // some 150 ms.
+            .max_random_size(MAX_RANDOM_BYTES)
             .build();
         Wasi { ctx, stderr }
     }

@@ -954,6 +954,41 @@ async fn a_plugin_instance_holds_at_most_1024_host_resources() {
     assert_eq!(reply.json()["error"]["message"], "200", "{}", reply.text());
 }
 
+/// WASI's random bytes are made inside the host call, where no deadline
+/// reaches: a plugin may ask for 256 KiB at a time, and a call asking for
+/// more traps instead of holding its worker thread (64 MiB, wasmtime's
+/// limit, held it some 150 ms, delaying every request on it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugin_gets_at_most_256_kib_of_random_bytes_a_call() {
+    let (_dir, path) = hostile_plugin_file("random");
+    let gateway = Gateway::start(&["--plugin", path.to_str().unwrap()]).await;
+    let random = |bytes: u64| {
+        let addr = gateway.addr;
+        async move {
+            let mut client = Client::connect(addr).await;
+            let request = client
+                .builder(Method::POST, "/v1/completions")
+                .header("content-type", "application/json")
+                .header("x-hostile", "random")
+                .header("x-hostile-bytes", bytes.to_string())
+                .body(Full::new(Bytes::from_static(b"{}")))
+                .unwrap();
+            client.send(request).await
+        }
+    };
+    let reply = random(256 << 10).await;
+    assert_eq!(reply.status, StatusCode::IM_A_TEAPOT, "{}", reply.text());
+    assert_eq!(reply.json()["error"]["message"], (256 << 10).to_string());
+    let reply = random((256 << 10) + 1).await;
+    assert_eq!(
+        reply.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        reply.text()
+    );
+    gateway.wait_log("exceeds limit 262144").await;
+}
+
 /// A plugin may make a body larger where room for it is free, or by as
 /// much as the body's own room where none is; an answer larger than that
 /// where no room is free is refused with 503 `body_memory_full` and goes
