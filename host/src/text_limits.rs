@@ -45,18 +45,22 @@ pub(crate) fn cut(mut text: String, max: usize) -> String {
 /// much of it was cut (as [`cut`] does), with every control character
 /// written as its Rust escape (`\n`, `\r`, `\u{1b}`): what a plugin says
 /// reaches the gateway's log, where a raw newline would let it forge a
-/// line of its own and a raw escape would reach the terminal. Other
-/// characters are kept as they are. The bound holds after escaping: cut
-/// first, a line of NULs grew fivefold (a review logged 1.3 MB a call).
+/// line of its own and a raw escape would reach the terminal. So are the
+/// line and paragraph separators (U+2028, U+2029), which log viewers
+/// written in JavaScript break lines at, and the bidirectional controls
+/// (U+200E, U+200F, U+202A to U+202E, U+2066 to U+2069), which turn the
+/// text after them around. Other characters are kept as they are. The
+/// bound holds after escaping: cut first, a line of NULs grew fivefold (a
+/// review logged 1.3 MB a call).
 pub fn plugin_text(text: String, max: usize) -> String {
-    if text.len() <= max && !text.chars().any(char::is_control) {
+    if text.len() <= max && !text.chars().any(escaped) {
         return text;
     }
     let mut shown = String::with_capacity(max.min(text.len()) + 32);
     let mut taken = 0;
     for c in text.chars() {
         let before = shown.len();
-        if c.is_control() {
+        if escaped(c) {
             shown.extend(c.escape_default());
         } else {
             shown.push(c);
@@ -75,6 +79,20 @@ pub fn plugin_text(text: String, max: usize) -> String {
     shown
 }
 
+/// Whether [`plugin_text`] writes `c` as its escape.
+fn escaped(c: char) -> bool {
+    c.is_control()
+        || matches!(
+            c,
+            '\u{2028}'
+                | '\u{2029}'
+                | '\u{200e}'
+                | '\u{200f}'
+                | '\u{202a}'..='\u{202e}'
+                | '\u{2066}'..='\u{2069}'
+        )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -85,6 +103,14 @@ mod tests {
         assert_eq!(
             plugin_text("a\r\nERROR forged\u{1b}[31m\0\t\u{85}".into(), 100),
             "a\\r\\nERROR forged\\u{1b}[31m\\u{0}\\t\\u{85}"
+        );
+        // Line breaks and text direction for viewers beyond the terminal.
+        assert_eq!(
+            plugin_text(
+                "a\u{2028}ERROR b\u{2029}\u{202e}desrever\u{2066}\u{200f}".into(),
+                100
+            ),
+            "a\\u{2028}ERROR b\\u{2029}\\u{202e}desrever\\u{2066}\\u{200f}"
         );
         // The bound holds for the escaped text; what is cut is counted in
         // the plugin's bytes.
