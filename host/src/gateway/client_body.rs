@@ -12,6 +12,7 @@ use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 
 use crate::gateway::body_memory::ClientConnection;
+use crate::gateway::upstream::strip_trailers;
 use crate::gateway::wait_timer::WaitTimer;
 
 /// The error type of the bodies this module wraps.
@@ -210,7 +211,8 @@ where
                     this.received += data.len() as u64;
                 }
                 this.progressed(FLOWING);
-                Poll::Ready(Some(Ok(frame)))
+                // Trailers: their hop-by-hop fields stay on this hop.
+                Poll::Ready(Some(Ok(strip_trailers(frame))))
             }
             Poll::Ready(Some(Err(e))) => {
                 this.progressed(BROKEN);
@@ -281,6 +283,30 @@ mod tests {
             progress,
             tx,
         )
+    }
+
+    /// A client's trailers go on without the fields of its own hop.
+    #[tokio::test]
+    async fn a_clients_trailers_lose_their_hop_by_hop_fields() {
+        let (mut body, _progress, tx) = body(Duration::from_secs(60));
+        let mut trailers = http::HeaderMap::new();
+        for (name, value) in [
+            ("x-checksum", "abc"),
+            ("connection", "close, x-private"),
+            ("x-private", "1"),
+            ("keep-alive", "timeout=5"),
+            ("te", "trailers"),
+        ] {
+            trailers.insert(
+                http::HeaderName::from_static(name),
+                http::HeaderValue::from_static(value),
+            );
+        }
+        tx.send(Ok(Frame::trailers(trailers))).await.unwrap();
+        let frame = body.frame().await.expect("a frame").expect("trailers");
+        let trailers = frame.into_trailers().expect("trailers");
+        let names: Vec<&str> = trailers.keys().map(|n| n.as_str()).collect();
+        assert_eq!(names, ["x-checksum"]);
     }
 
     #[tokio::test(start_paused = true)]

@@ -14,7 +14,7 @@ use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName};
 use http::uri::PathAndQuery;
 use http::{Request, Response, StatusCode, Uri};
-use http_body::Body;
+use http_body::{Body, Frame};
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full};
 use tower_service::Service;
@@ -254,6 +254,11 @@ impl HttpUpstream {
             Err(e) => return own(responses::error(StatusCode::BAD_REQUEST, "bad_path", &e)),
         };
         strip_hop_by_hop(&mut parts.headers);
+        // hyper's server answered any `100-continue` already (and a body
+        // read for the plugin has come whole): an upstream that refuses
+        // expectations would answer 417 to a body the client was told to
+        // send, and sent. nginx never forwards it either.
+        parts.headers.remove(header::EXPECT);
         // Set by the server when the body came from a client: says whether
         // a failure is the client's.
         let progress = parts.extensions.get::<Arc<BodyProgress>>().cloned();
@@ -574,6 +579,21 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
 /// upstream sends goes too, whatever it accepts.
 pub fn strip_response_hop_by_hop(headers: &mut HeaderMap) {
     strip(headers, false)
+}
+
+/// A body's trailers with the hop-by-hop fields removed, as from a head
+/// (`TE` too: it has no meaning there). Fields that name a connection are
+/// malformed in HTTP/2 (RFC 9113 section 8.2.2): an upstream's
+/// `Connection: close` trailer reset an HTTP/2 client's stream after its
+/// whole body, and reached HTTP/1 clients and upstreams as it came.
+pub fn strip_trailers(frame: Frame<Bytes>) -> Frame<Bytes> {
+    match frame.into_trailers() {
+        Ok(mut trailers) => {
+            strip(&mut trailers, false);
+            Frame::trailers(trailers)
+        }
+        Err(frame) => frame,
+    }
 }
 
 /// Removes hop-by-hop headers; with `keep_te`, a `TE` that accepts

@@ -37,6 +37,7 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tokio::task::AbortHandle;
 
+use crate::gateway::upstream::strip_trailers;
 use crate::gateway::upstream::UpstreamBody as RequestBody;
 
 /// The largest response head (status line and headers) taken from the
@@ -423,12 +424,13 @@ impl Body for PooledBody {
             Some(Ok(_)) if this.body.is_end_stream() => this.ended(),
             // Trailers are a body's last frame, after which its reader
             // (hyper) polls no more: the response has ended here, and the
-            // connection may serve another.
+            // connection may serve another. Their hop-by-hop fields stay
+            // on this hop.
             Some(Ok(frame)) if frame.is_trailers() => this.ended(),
             Some(Ok(_)) => {}
             Some(Err(_)) => this.abandon(),
         }
-        Poll::Ready(frame)
+        Poll::Ready(frame.map(|frame| frame.map(strip_trailers)))
     }
 
     fn is_end_stream(&self) -> bool {
