@@ -2690,13 +2690,27 @@ async fn a_pass_through_body_the_client_breaks_off_is_a_400_not_an_upstream_fail
         message.contains("request body could not be read"),
         "{message}"
     );
+    assert!(message.contains("chunk size"), "{message}");
+
+    // One read for the plugin says what was wrong the same way (it said
+    // only hyper's "error reading a body from connection").
+    let raw = raw_exchange(
+        gateway.addr,
+        b"POST /v1/completions HTTP/1.1\r\nHost: gateway.example\r\n\
+          Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\nzz\r\n",
+    )
+    .await;
+    assert_eq!(raw.status, 400);
+    let body: Value = serde_json::from_slice(&raw.body).expect("a JSON error");
+    let message = assert_openai_error(&body, "body_read_error", "invalid_request_error");
+    assert!(message.contains("chunk size"), "{message}");
     let metrics = gateway.metrics().await;
     assert_eq!(
         metric(
             &metrics,
             r#"snowgate_requests_total{outcome="client_error"}"#
         ),
-        1.0
+        2.0
     );
     assert_eq!(
         metric(

@@ -77,7 +77,9 @@ where
             if e.is::<BodyTooLarge>() {
                 ReadBodyError::TooLarge
             } else {
-                ReadBodyError::Failed(e.to_string())
+                // hyper's own words ("error reading a body from
+                // connection") do not say what was wrong; its causes do.
+                ReadBodyError::Failed(crate::gateway::error_chain::describe(&*e))
             }
         })?;
         let Ok(data) = frame.into_data() else {

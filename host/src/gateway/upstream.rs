@@ -497,8 +497,9 @@ impl UpstreamFailure {
                 UpstreamFailure::Unreachable(format!("could not be reached: {e}"))
             }
             SendError::Request(e) if e.is_parse_too_large() => UpstreamFailure::Failed(format!(
-                "answered with a response head over {} KiB, more than the gateway takes \
-                 (its status line and headers; the body is not limited)",
+                "answered with a response head over {} KiB or of more than 100 header \
+                 fields, more than the gateway takes (its status line and headers; the body \
+                 is not limited)",
                 MAX_RESPONSE_HEAD_BYTES >> 10
             )),
             SendError::Request(e) => UpstreamFailure::Failed(format!(
