@@ -2524,6 +2524,43 @@ async fn trailers_from_the_upstream_reach_a_client_that_accepts_them() {
     assert!(raw.trailers.is_empty(), "{:?}", raw.trailers);
 }
 
+/// An HTTP/1.0 client that asks for keep-alive, answered a body of no
+/// known length (chunked from the upstream; HTTP/1.0 has no chunking), is
+/// told the connection closes after it, as nginx tells it: hyper said
+/// `keep-alive` and then closed, and a request pipelined behind was lost
+/// without a word. One of known length keeps its connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http_1_0_client_is_told_when_a_body_of_unknown_length_ends_its_connection() {
+    let upstream = RawUpstream::start(
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+    )
+    .await;
+    let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
+    let raw = raw_exchange(
+        gateway.addr,
+        b"GET /v1/models HTTP/1.0\r\nConnection: keep-alive\r\n\r\n",
+    )
+    .await;
+    assert_eq!(raw.status, 200);
+    assert_eq!(raw.body, b"hello");
+    assert_eq!(raw.header("connection"), Some("close"), "{:?}", raw.headers);
+
+    // The gateway's own answers have a length: keep-alive stays.
+    let raw = raw_exchange(
+        gateway.addr,
+        b"POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\n\
+          Content-Length: 5\r\nConnection: keep-alive\r\n\r\n{oops",
+    )
+    .await;
+    assert_eq!(raw.status, 400);
+    assert_eq!(
+        raw.header("connection"),
+        Some("keep-alive"),
+        "{:?}",
+        raw.headers
+    );
+}
+
 /// An upstream that answers in HTTP/1.0 (Python's `http.server` by
 /// default) does not turn the gateway's answers to HTTP/1.1 clients into
 /// HTTP/1.0 ones, which would close their connections after every

@@ -249,6 +249,7 @@ pub async fn serve(
             let pause = limits.body_read_timeout;
             let request = request.map(|body| ClientBody::new(body, pause, http2, progress));
             let is_head = request.method() == http::Method::HEAD;
+            let http10 = request.version() == http::Version::HTTP_10;
             let mut service = service.clone();
             // hyper may drop this future without ever polling it (when the
             // client's end of stream came with the head): then the request
@@ -260,10 +261,33 @@ pub async fn serve(
             };
             async move {
                 let metrics = unpolled.polled();
-                let response = match refusal {
+                let mut response = match refusal {
                     Some(refusal) => refusal.map(Either::Left),
                     None => service.call(request).await?,
                 };
+                // An HTTP/1.0 client cannot take a chunked body: one of no
+                // known length ends when the connection closes, which hyper
+                // does while its head says `keep-alive` to a client that
+                // asked for it (and pipelined requests behind are lost).
+                // nginx says `close` there.
+                if http10
+                    && !is_head
+                    && http_body::Body::size_hint(response.body())
+                        .exact()
+                        .is_none()
+                    && !response
+                        .headers()
+                        .contains_key(http::header::CONTENT_LENGTH)
+                {
+                    response.headers_mut().insert(
+                        http::header::CONNECTION,
+                        http::HeaderValue::from_static("close"),
+                    );
+                    // hyper adds its `keep-alive` to a response it takes
+                    // for HTTP/1.1 (the upstream's version), and closes on
+                    // an HTTP/1.0 one without it.
+                    *response.version_mut() = http::Version::HTTP_10;
+                }
                 let took = arrived.elapsed();
                 // A request whose client went away gets no answer anyone
                 // reads: not counted as one, and logged as nginx logs it.
