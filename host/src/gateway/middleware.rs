@@ -586,25 +586,25 @@ impl Shared {
 /// The answer to a request that found no room for its body: refused before
 /// all of its body is read, so its connection ends.
 fn body_memory_full(no_room: NoRoom) -> Response<Full<Bytes>> {
-    let mut response = responses::closing_error(
+    retry_in_a_second(responses::closing_error(
         StatusCode::SERVICE_UNAVAILABLE,
         "body_memory_full",
         &no_room.to_string(),
-    );
-    response
-        .headers_mut()
-        .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
-    response
+    ))
 }
 
 /// The answer to a request whose rewritten body found no room: its body
 /// was read whole, so its connection may serve on.
 fn rewritten_body_too_large(no_room: NoRoom) -> Response<Full<Bytes>> {
-    let mut response = responses::error(
+    retry_in_a_second(responses::error(
         StatusCode::SERVICE_UNAVAILABLE,
         "body_memory_full",
         &no_room.to_string(),
-    );
+    ))
+}
+
+/// `response` with `Retry-After: 1`.
+fn retry_in_a_second(mut response: Response<Full<Bytes>>) -> Response<Full<Bytes>> {
     response
         .headers_mut()
         .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
