@@ -177,7 +177,9 @@ pub struct ServeArgs {
     /// cannot renew it within this time stops stamping [default: 10].
     #[arg(long, value_name = "SECONDS")]
     machine_id_ttl: Option<u64>,
-    /// Key prefix for machine id leases in etcd [default: /snowgate].
+    /// Key prefix for machine id leases in etcd, starting with / (one
+    /// spelling per prefix: `snowgate` would be another namespace than
+    /// `/snowgate`, so it is refused) [default: /snowgate].
     #[arg(long, value_name = "PREFIX")]
     etcd_prefix: Option<String>,
     /// Bearer token the admin endpoints require; required when
