@@ -320,10 +320,6 @@ impl Shared {
         // The body is forwarded whole from memory, without the client's
         // trailers: no `Trailer` header may promise them.
         parts.headers.remove(header::TRAILER);
-        // Nor may it ask the upstream to confirm it wants a body that is
-        // already here (hyper answered the client's `Expect` when the body
-        // was first read).
-        parts.headers.remove(header::EXPECT);
         // Room for the body before any of it is read: its declared length
         // (never more than the limit, checked above), or, when it declares
         // none, `UNDECLARED_ROOM`, grown as it arrives where that is free

@@ -234,6 +234,12 @@ pub async fn serve(
             // First, so that a client cannot name the gateway's own
             // `X-Forwarded-For` in its `Connection` header to have it removed.
             strip_hop_by_hop(request.headers_mut());
+            // hyper took the client's `Expect: 100-continue` when it parsed
+            // the head, and answers it once the body is read: the upstream
+            // must not be asked again, for a body that is already on its
+            // way (one that refuses expectations answered 417 to a body
+            // the client was told to send). nginx never forwards it either.
+            request.headers_mut().remove(http::header::EXPECT);
             append_forwarded_for(&mut request, &forwarded_for);
             // A body may pause at most the body read timeout (see
             // `ClientBody` for HTTP/2); how it ends travels with the

@@ -254,11 +254,6 @@ impl HttpUpstream {
             Err(e) => return own(responses::error(StatusCode::BAD_REQUEST, "bad_path", &e)),
         };
         strip_hop_by_hop(&mut parts.headers);
-        // hyper's server answered any `100-continue` already (and a body
-        // read for the plugin has come whole): an upstream that refuses
-        // expectations would answer 417 to a body the client was told to
-        // send, and sent. nginx never forwards it either.
-        parts.headers.remove(header::EXPECT);
         // Set by the server when the body came from a client: says whether
         // a failure is the client's.
         let progress = parts.extensions.get::<Arc<BodyProgress>>().cloned();
