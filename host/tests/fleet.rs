@@ -15,7 +15,11 @@
 //! Where no `etcd` binary exists, these tests fail under CI (`CI` set) and
 //! are skipped with a message elsewhere.
 
+#[path = "fleet/members.rs"]
+mod members;
 mod support;
+
+use members::EtcdProxy;
 
 use std::collections::HashSet;
 use std::net::TcpListener as StdTcpListener;
@@ -103,7 +107,12 @@ impl Etcd {
     }
 
     fn url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
+        format!("http://{}", self.client_addr())
+    }
+
+    /// Where etcd serves clients: `127.0.0.1:<port>`.
+    fn client_addr(&self) -> String {
+        format!("127.0.0.1:{}", self.client_port)
     }
 
     /// Starts etcd again on its ports, with its data directory.
@@ -905,85 +914,6 @@ async fn a_replica_leases_and_keeps_an_id_while_other_etcd_endpoints_are_down() 
     }
 }
 
-/// A TCP proxy to etcd on loopback, which a test can take down (its
-/// listener closes and every connection through it is cut) or hang (its
-/// connections stay open and nothing more goes through, as with a member
-/// that stopped answering or a network that drops its packets), and then
-/// resume (what was held back goes through).
-struct EtcdProxy {
-    url: String,
-    tasks: tokio::task::JoinSet<()>,
-    hung: tokio::sync::watch::Sender<bool>,
-}
-
-/// Copies `from` to `to`, holding each read back while `hung` is set.
-async fn relay(
-    mut from: tokio::net::tcp::OwnedReadHalf,
-    mut to: tokio::net::tcp::OwnedWriteHalf,
-    mut hung: tokio::sync::watch::Receiver<bool>,
-) {
-    use tokio::io::AsyncReadExt as _;
-    let mut buffer = vec![0; 16 * 1024];
-    loop {
-        let read = match from.read(&mut buffer).await {
-            Ok(0) | Err(_) => return,
-            Ok(read) => read,
-        };
-        if hung.wait_for(|&hung| !hung).await.is_err() {
-            return;
-        }
-        if to.write_all(&buffer[..read]).await.is_err() {
-            return;
-        }
-    }
-}
-
-impl EtcdProxy {
-    async fn start(etcd: &Etcd) -> EtcdProxy {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind the proxy");
-        let url = format!("http://{}", listener.local_addr().expect("address"));
-        let target = format!("127.0.0.1:{}", etcd.client_port);
-        let (hung, hang) = tokio::sync::watch::channel(false);
-        let mut tasks = tokio::task::JoinSet::new();
-        tasks.spawn(async move {
-            let mut connections = tokio::task::JoinSet::new();
-            while let Ok((client, _)) = listener.accept().await {
-                let target = target.clone();
-                let hang = hang.clone();
-                connections.spawn(async move {
-                    let Ok(server) = tokio::net::TcpStream::connect(&target).await else {
-                        return;
-                    };
-                    let (client_in, client_out) = client.into_split();
-                    let (server_in, server_out) = server.into_split();
-                    tokio::join!(
-                        relay(client_in, server_out, hang.clone()),
-                        relay(server_in, client_out, hang),
-                    );
-                });
-            }
-        });
-        EtcdProxy { url, tasks, hung }
-    }
-
-    /// Closes the listener and cuts every connection.
-    fn take_down(&mut self) {
-        self.tasks.abort_all();
-    }
-
-    /// Stops forwarding: connections, old and new, stay open and silent.
-    fn hang(&self) {
-        self.hung.send_replace(true);
-    }
-
-    /// Forwards again, what was held back first.
-    fn resume(&self) {
-        self.hung.send_replace(false);
-    }
-}
-
 /// How the etcd member a replica talks to fails while the replica holds
 /// its id.
 #[derive(Debug, Clone, Copy)]
@@ -999,7 +929,7 @@ enum MemberFailure {
 async fn keeps_its_id_when_its_etcd_member(failure: MemberFailure) {
     let Some(binary) = etcd_binary() else { return };
     let etcd = Etcd::start(binary).await;
-    let mut member = EtcdProxy::start(&etcd).await;
+    let mut member = EtcdProxy::start(&etcd.client_addr()).await;
     // The proxy first, so that the replica connects through it.
     let endpoints = format!("{},{}", member.url, etcd.url());
     // A hung member costs half the time between renewals before the next
@@ -1219,7 +1149,7 @@ async fn replicas_with_different_ttls_share_no_id_when_etcd_loses_its_data_behin
     let Some(binary) = etcd_binary() else { return };
     let mut etcd = Etcd::start(binary).await;
     etcd.put_mark(0, now_millis() - 1000).await;
-    let link = EtcdProxy::start(&etcd).await;
+    let link = EtcdProxy::start(&etcd.client_addr()).await;
     let old = Gateway::start(&["--etcd", &link.url, "--machine-id-ttl", "30"]).await;
     assert_eq!(leased_id(&old).await, 0);
     link.hang();
@@ -1349,7 +1279,7 @@ async fn a_replica_stopped_while_its_member_hangs_frees_its_slot_through_another
     let Some(binary) = etcd_binary() else { return };
     let etcd = Etcd::start(binary).await;
     etcd.put_mark(0, now_millis() - 1000).await;
-    let member = EtcdProxy::start(&etcd).await;
+    let member = EtcdProxy::start(&etcd.client_addr()).await;
     let endpoints = format!("{},{}", member.url, etcd.url());
     let ttl = TTL_SECS.to_string();
     let r = Gateway::start(&["--etcd", &endpoints, "--machine-id-ttl", &ttl]).await;
@@ -1376,7 +1306,7 @@ async fn a_replica_still_notices_etcd_going_away_after_a_slow_spell() {
     let Some(binary) = etcd_binary() else { return };
     let mut etcd = Etcd::start(binary).await;
     etcd.put_mark(0, now_millis() - 1000).await;
-    let member = EtcdProxy::start(&etcd).await;
+    let member = EtcdProxy::start(&etcd.client_addr()).await;
     // 30 s: renewals every 10 s, each waited for 5 s, the reopen's call
     // for 10 s, the deadline 29 s after the last renewal.
     let r = Gateway::start(&["--etcd", &member.url, "--machine-id-ttl", "30"]).await;
