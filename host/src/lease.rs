@@ -9,7 +9,9 @@
 //! If the lease may have expired (no renewal confirmed for a TTL minus a
 //! safety margin, counted from when the renewal was *sent*), or etcd says it
 //! is gone, the replica withdraws its machine id at once: requests that need
-//! an id get 503, others pass. It then claims an id again. The keeper can
+//! an id get 503, others pass. It then claims an id again, first asking
+//! etcd whether a lease it could not renew in time is alive after all (then
+//! its slot is still its own, and stamping resumes with it). The keeper can
 //! be late to notice (the process was frozen, etcd answers slowly), so the
 //! request path enforces the same deadline itself, on the boot clock: see
 //! [`MachineIdentity::confirm`](crate::MachineIdentity::confirm).
@@ -82,6 +84,14 @@ const LONGEST_MARK_LEAD: Duration = Duration::from_secs(10);
 /// clock, and a successor's floor 20 s ahead of its own; a review measured
 /// 118,250 ids issued twice by two replicas whose clocks were 0.9 s apart.
 const CLOCK_AGREEMENT: Duration = Duration::from_secs(1);
+/// The longest the keeper waits for one etcd member to answer one call
+/// (a connect, a renewal, a read or write of a mark) before it gives up on
+/// that call and, with several endpoints, tries another member: a third
+/// of the TTL, but never more than this, whatever the TTL. A healthy
+/// member answers within milliseconds. Waits of a third of the TTL let a
+/// review's replica with a TTL of 240 s stop stamping for 99 s behind one
+/// hung member, and a hung first endpoint delay its readiness by 40 s.
+const MEMBER_ANSWER_WAIT: Duration = Duration::from_secs(2);
 /// How many times a holder reads and writes its slot's high-water mark
 /// before it gives up on a write because the mark keeps changing in
 /// between (see `Keeper::put_mark`).
@@ -136,6 +146,9 @@ pub struct LeaseStatus {
     inner: Mutex<StatusInner>,
     losses: AtomicU64,
     acquisitions: AtomicU64,
+    /// Leases taken back after etcd confirmed no renewal in time (see
+    /// `Keeper::resume`).
+    resumptions: AtomicU64,
 }
 
 #[derive(Debug, Clone)]
@@ -189,12 +202,14 @@ impl LeaseStatus {
             "prefix": self.config.prefix,
             "losses": losses,
             "acquisitions": acquisitions,
+            "resumptions": self.resumptions.load(Ordering::Relaxed),
         })
     }
 
     /// Lease metrics in Prometheus text format.
     pub fn render_metrics(&self) -> String {
         let (losses, acquisitions) = self.counts();
+        let resumptions = self.resumptions.load(Ordering::Relaxed);
         let held = u8::from(self.state() == LeaseState::Held);
         format!(
             "# HELP snowgate_lease_losses_total Machine id leases lost (id withdrawn).\n\
@@ -203,6 +218,9 @@ impl LeaseStatus {
              # HELP snowgate_lease_acquisitions_total Machine ids claimed in etcd.\n\
              # TYPE snowgate_lease_acquisitions_total counter\n\
              snowgate_lease_acquisitions_total {acquisitions}\n\
+             # HELP snowgate_lease_resumptions_total Machine id leases taken back after etcd confirmed no renewal in time.\n\
+             # TYPE snowgate_lease_resumptions_total counter\n\
+             snowgate_lease_resumptions_total {resumptions}\n\
              # HELP snowgate_lease_held Whether a machine id lease is held now.\n\
              # TYPE snowgate_lease_held gauge\n\
              snowgate_lease_held {held}\n"
@@ -237,6 +255,7 @@ pub fn start(
         }),
         losses: AtomicU64::new(0),
         acquisitions: AtomicU64::new(0),
+        resumptions: AtomicU64::new(0),
     });
     services
         .identity
@@ -251,6 +270,7 @@ pub fn start(
         next_endpoint: 0,
         current_endpoint: 0,
         granted: None,
+        unconfirmed: None,
     };
     let task = tokio::spawn(keeper.run());
     Ok((
@@ -344,7 +364,12 @@ impl From<etcd_client::Error> for Reopen {
 /// What ended a period of holding an id.
 enum Ended {
     Stopped,
+    /// The lease is gone, or the slot's key is no longer bound to it; why.
     Lost(String),
+    /// etcd confirmed no renewal before the deadline: the lease may still
+    /// be alive (etcd extends every lease by its TTL when it elects a
+    /// leader, after a restart for example); why.
+    Unconfirmed(String),
 }
 
 struct Keeper {
@@ -361,6 +386,18 @@ struct Keeper {
     /// The lease of a claim under way, and a client to revoke it with if
     /// the gateway stops before the claim ends.
     granted: Option<(Client, i64)>,
+    /// The last hold's lease and id, when it ended for want of a confirmed
+    /// renewal: the next claim tries to [resume](Keeper::resume) it first.
+    unconfirmed: Option<Unconfirmed>,
+}
+
+/// A lease whose renewal etcd did not confirm in time, and the machine id
+/// it held: etcd may still hold both.
+struct Unconfirmed {
+    /// A client to revoke the lease with if the gateway stops first.
+    client: Client,
+    lease_id: i64,
+    machine_id: u32,
 }
 
 /// The slots a claim may try, from one read.
@@ -403,7 +440,11 @@ impl Sent {
 /// What an attempt to raise the mark while holding the slot came to.
 enum Raise {
     Done,
+    /// The member answered with an error (etcd refuses writes: out of
+    /// space, for example); another member would answer the same.
     Failed,
+    /// The member did not answer in time, or the connection to it failed.
+    Unanswered,
     /// The slot is no longer ours.
     Lost(Ended),
 }
@@ -500,10 +541,6 @@ impl Keeper {
             // it was granted is revoked if etcd answers within a second (or
             // runs out after its TTL), which frees a slot claimed under it.
             let Some(claimed) = unless_stopped(&mut stop, self.claim()).await else {
-                if let Some((mut client, lease_id)) = self.granted.take() {
-                    let revoke = client.lease_revoke(lease_id);
-                    let _ = tokio::time::timeout(RELEASE_WAIT, revoke).await;
-                }
                 break;
             };
             self.granted = None;
@@ -542,25 +579,52 @@ impl Keeper {
                     return;
                 }
                 Ended::Lost(reason) => {
-                    tracing::error!(machine_id, reason = %reason, "machine id lease lost; stamping stopped until a new claim");
-                    self.services
-                        .identity
-                        .withdraw(format!("the machine id lease was lost ({reason})"));
-                    self.status.losses.fetch_add(1, Ordering::Relaxed);
-                    self.status.update(|s| {
-                        s.state = LeaseState::Lost;
-                        s.machine_id = None;
-                        s.lease_id = None;
-                        s.last_error = Some(reason);
-                    });
+                    self.lost(machine_id, reason);
                     // The old lease may still be alive in etcd: let go of it
                     // if etcd answers, so the slot frees up sooner.
                     let _ = tokio::time::timeout(RETRY_PAUSE, client.lease_revoke(lease_id)).await;
                 }
+                Ended::Unconfirmed(reason) => {
+                    self.lost(machine_id, reason);
+                    // Kept, not revoked: if etcd confirms the lease alive
+                    // when it answers again, the replica stamps with the
+                    // same id at once (see `Keeper::resume`).
+                    self.unconfirmed = Some(Unconfirmed {
+                        client,
+                        lease_id,
+                        machine_id,
+                    });
+                }
             }
         }
         self.services.identity.withdraw("the gateway is stopping");
+        // A lease granted for a claim under way, or kept to resume: let go
+        // of it if etcd answers within a second (it runs out after its TTL
+        // otherwise), which frees a slot bound to it.
+        let leftovers = [
+            self.granted.take(),
+            self.unconfirmed.take().map(|u| (u.client, u.lease_id)),
+        ];
+        for (mut client, lease_id) in leftovers.into_iter().flatten() {
+            let _ = tokio::time::timeout(RELEASE_WAIT, client.lease_revoke(lease_id)).await;
+        }
         self.status.update(|s| s.state = LeaseState::Released);
+    }
+
+    /// A hold ended for `reason` without a stop: withdraws the machine id
+    /// (requests that need one get 503) until a claim succeeds.
+    fn lost(&self, machine_id: u32, reason: String) {
+        tracing::error!(machine_id, reason = %reason, "machine id lease lost; stamping stopped until a new claim");
+        self.services
+            .identity
+            .withdraw(format!("the machine id lease was lost ({reason})"));
+        self.status.losses.fetch_add(1, Ordering::Relaxed);
+        self.status.update(|s| {
+            s.state = LeaseState::Lost;
+            s.machine_id = None;
+            s.lease_id = None;
+            s.last_error = Some(reason);
+        });
     }
 
     /// Connects, grants a lease and claims the lowest free id; sets the
@@ -571,6 +635,11 @@ impl Keeper {
     /// one only reads.
     async fn claim(&mut self) -> anyhow::Result<Claim> {
         let mut client = self.connect().await?;
+        if let Some(earlier) = self.unconfirmed.take() {
+            if let Some(resumed) = self.resume(&mut client, earlier).await? {
+                return Ok(resumed);
+            }
+        }
         let mut candidates = self.candidates(&mut client).await?;
         if candidates.free.is_empty() {
             return Err(self.none_free(candidates));
@@ -601,6 +670,85 @@ impl Keeper {
         }
     }
 
+    /// Takes the machine id of a hold that ended for want of a confirmed
+    /// renewal back, if etcd now confirms its lease alive (it extends every
+    /// lease by its TTL when it elects a leader, as after a restart). The
+    /// slot's key is then still bound to the lease: no other replica can
+    /// have held the slot meanwhile, and this process's id clock is past
+    /// every id it issued, so ids go on at once. A new slot would first
+    /// wait for its floor: after an etcd outage longer than the TTL, a
+    /// review's replicas stayed unready about 15 s instead of about 1 s.
+    ///
+    /// `None` if the lease is gone or its key is no longer bound to it: a
+    /// new claim is due. An error if etcd did not answer; the lease is kept
+    /// for the next attempt, so that this replica never holds two slots.
+    async fn resume(
+        &mut self,
+        client: &mut Client,
+        earlier: Unconfirmed,
+    ) -> anyhow::Result<Option<Claim>> {
+        let (lease_id, id) = (earlier.lease_id, earlier.machine_id);
+        // Revoked if the gateway stops during the attempt.
+        self.granted = Some((client.clone(), lease_id));
+        let alive_since = match renew_once(client, lease_id, self.call_wait()).await {
+            Ok(sent) => sent,
+            Err(e) if gone(&e) => {
+                tracing::info!(
+                    machine_id = id,
+                    lease_id,
+                    "the lease etcd did not confirm in time is gone; claiming a machine id anew"
+                );
+                return Ok(None);
+            }
+            Err(e) => {
+                self.unconfirmed = Some(earlier);
+                return Err(e.context(format!(
+                    "checking whether the lease of machine id {id} is still alive"
+                )));
+            }
+        };
+        let ceiling = match self.reserve(client, id, lease_id, 0).await {
+            Ok(Reserved::Raised(mark)) => mark,
+            Ok(Reserved::NotOurs) => {
+                tracing::info!(machine_id = id, lease_id, "the lease is alive, but the key of its machine id is no longer bound to it; claiming a machine id anew");
+                let _ = tokio::time::timeout(RETRY_PAUSE, client.lease_revoke(lease_id)).await;
+                return Ok(None);
+            }
+            Err(e) => {
+                self.unconfirmed = Some(earlier);
+                return Err(e.context(format!(
+                    "raising the high-water mark of machine id {id} to resume it"
+                )));
+            }
+        };
+        self.services
+            .identity
+            .assign_leased(
+                id,
+                LeaseBounds {
+                    alive_until: self.alive_until(alive_since),
+                    ceiling_millis: ceiling,
+                    raise_from_millis: self.raise_from(ceiling),
+                },
+            )
+            .context("the resumed machine id is out of range")?;
+        self.status.resumptions.fetch_add(1, Ordering::Relaxed);
+        self.status.update(|s| {
+            s.state = LeaseState::Held;
+            s.machine_id = Some(id);
+            s.lease_id = Some(lease_id);
+            s.last_renewed = Some(SystemTime::now());
+            s.last_error = None;
+        });
+        tracing::info!(machine_id = id, lease_id, "etcd confirmed the machine id lease alive after all; stamping resumed with the same id");
+        Ok(Some(Claim {
+            client: client.clone(),
+            lease_id,
+            machine_id: id,
+            alive_since,
+        }))
+    }
+
     /// A client of one etcd endpoint that answers: the endpoints are tried
     /// in turn, from the one after the last that failed. One endpoint at a
     /// time, because etcd-client's balanced channel over several goes on
@@ -608,7 +756,7 @@ impl Keeper {
     /// three down, most claims failed and the rest were lost at once. Any
     /// member serves every call (leases are the cluster's).
     async fn connect(&mut self) -> anyhow::Result<Client> {
-        let timeout = self.config.ttl / RENEWALS_PER_TTL;
+        let timeout = self.call_wait();
         let options = ConnectOptions::new()
             .with_connect_timeout(timeout)
             .with_timeout(timeout);
@@ -625,6 +773,14 @@ impl Keeper {
             };
             match tokio::time::timeout(timeout, attempt).await {
                 Ok(Ok(client)) => {
+                    if !failures.is_empty() {
+                        // Said once per connect: a member that is down or
+                        // hangs costs each connect up to a call's wait.
+                        tracing::warn!(
+                            failed = %failures.join("; "),
+                            "etcd endpoints did not answer; using {endpoint}"
+                        );
+                    }
                     self.current_endpoint = index;
                     self.next_endpoint = index;
                     return Ok(client);
@@ -638,6 +794,12 @@ impl Keeper {
             self.next_endpoint = index + 1;
         }
         anyhow::bail!("no etcd endpoint answered ({})", failures.join("; "))
+    }
+
+    /// How long one call to an etcd member may take: a third of the TTL,
+    /// at most [`MEMBER_ANSWER_WAIT`].
+    fn call_wait(&self) -> Duration {
+        (self.config.ttl / RENEWALS_PER_TTL).min(MEMBER_ANSWER_WAIT)
     }
 
     /// Makes the next [`Keeper::connect`] try the current endpoint last:
@@ -742,7 +904,7 @@ impl Keeper {
         for id in std::mem::take(&mut candidates.free) {
             anyhow::ensure!(!self.stopping(), "the gateway is stopping");
             if alive_since.at.elapsed() >= renew_every {
-                *alive_since = renew_once(client, lease_id, renew_every).await?;
+                *alive_since = renew_once(client, lease_id, self.call_wait()).await?;
             }
             let key = format!("{slots}{id}");
             let txn = Txn::new()
@@ -808,7 +970,7 @@ impl Keeper {
             };
             // A confirmed renewal now proves the lease, and so the slot,
             // never lapsed during the claim, and starts the hold afresh.
-            *alive_since = renew_once(client, lease_id, renew_every).await?;
+            *alive_since = renew_once(client, lease_id, self.call_wait()).await?;
             self.services.clock.advance_past(floor);
             self.services
                 .identity
@@ -903,7 +1065,7 @@ impl Keeper {
             anyhow::ensure!(!self.stopping(), "the gateway is stopping");
             let until_renewal = renew_every.saturating_sub(alive_since.at.elapsed());
             if until_renewal.is_zero() {
-                *alive_since = renew_once(client, lease_id, renew_every).await?;
+                *alive_since = renew_once(client, lease_id, self.call_wait()).await?;
                 continue;
             }
             tokio::time::sleep(Duration::from_millis(usable_from - now).min(until_renewal)).await;
@@ -1108,9 +1270,16 @@ impl Keeper {
         // a TTL after the claim's last renewal or grant (not after the
         // claim's end, which can be a while later).
         let mut confirmed_at = alive_since.at;
+        let unconfirmed = || {
+            Ended::Unconfirmed(format!(
+                "no renewal confirmed by etcd within {} s",
+                ttl.as_secs()
+            ))
+        };
         // Opening the stream renews once and waits for etcd to confirm it.
         // Retried until the deadline, through the next endpoint when one
-        // fails (the member may have gone since the claim).
+        // fails or does not answer within a call's wait (the client's
+        // timeout: the member may have gone since the claim).
         let mut first = true;
         let (mut keeper, mut responses) = loop {
             let attempt = Sent::now();
@@ -1128,25 +1297,19 @@ impl Keeper {
             let Some(opened_stream) = unless_stopped(&mut stop, opening).await else {
                 return Ended::Stopped;
             };
-            match opened_stream {
+            let failure = match opened_stream {
                 Ok(Ok(pair)) => {
                     confirmed_at = self.renewed(attempt);
                     break pair;
                 }
                 Ok(Err(Reopen::Gone)) => return Ended::Lost(LEASE_NOT_FOUND.to_string()),
-                Ok(Err(Reopen::Failed(e))) => {
-                    tracing::warn!(error = %e, "opening the keep-alive stream failed; retrying until the deadline");
-                    let pause = tokio::time::sleep(RETRY_PAUSE.min(within));
-                    if unless_stopped(&mut stop, pause).await.is_none() {
-                        return Ended::Stopped;
-                    }
-                }
-                Err(_) => {
-                    return Ended::Lost(format!(
-                        "no renewal confirmed by etcd within {} s",
-                        ttl.as_secs()
-                    ))
-                }
+                Ok(Err(Reopen::Failed(e))) => e,
+                Err(_) => return unconfirmed(),
+            };
+            tracing::warn!(error = %failure, "opening the keep-alive stream failed; retrying until the deadline");
+            let pause = tokio::time::sleep(RETRY_PAUSE.min(within));
+            if unless_stopped(&mut stop, pause).await.is_none() {
+                return Ended::Stopped;
             }
         };
         // Whether a request for a higher mark is answered before the next
@@ -1173,6 +1336,8 @@ impl Keeper {
         let mut stream_open = true;
         // Whether renewals are failing (warned once per episode).
         let mut failing = false;
+        // How long a renewal on the open stream is waited for.
+        let renewal_wait = (every / 2).min(self.call_wait());
         loop {
             let deadline = confirmed_at + ttl - SAFETY_MARGIN;
             let next = renew_at.min(deadline);
@@ -1195,19 +1360,19 @@ impl Keeper {
                 },
             };
             if Instant::now() >= deadline {
-                return Ended::Lost(format!(
-                    "no renewal confirmed by etcd within {} s",
-                    ttl.as_secs()
-                ));
+                return unconfirmed();
             }
             if renew {
                 let sent = Sent::now();
                 renew_at = sent.at + every;
-                // Waits half the time between renewals at most, so that a
-                // member that stopped answering leaves time to renew through
-                // another before the deadline (with the shortest TTL, 3 s,
-                // the deadline is a second after the next renewal is due).
-                let wait = deadline.saturating_duration_since(sent.at).min(every / 2);
+                // Waits half the time between renewals at most, and a
+                // call's wait, so that a member that stopped answering
+                // leaves time to renew through another before the deadline
+                // (with the shortest TTL, 3 s, the deadline is a second
+                // after the next renewal is due).
+                let wait = deadline
+                    .saturating_duration_since(sent.at)
+                    .min(renewal_wait);
                 // A stream that broke or went unanswered is not used again:
                 // an answer still queued on it belongs to an earlier renewal
                 // and would be counted for this one. It is reopened instead.
@@ -1252,25 +1417,20 @@ impl Keeper {
                     renew_at = Instant::now() + RETRY_PAUSE;
                     // Reopening renews once and waits for etcd to confirm
                     // it, through another endpoint if this one fails.
-                    let reopened = Sent::now();
-                    let within = deadline.saturating_duration_since(reopened.at);
-                    let reopening = tokio::time::timeout(within, self.reopen(client, lease_id));
-                    let Some(reopening) = unless_stopped(&mut stop, reopening).await else {
+                    let reopening = self.reopen_by(client, lease_id, deadline);
+                    let Some(reopened) = unless_stopped(&mut stop, reopening).await else {
                         return Ended::Stopped;
                     };
-                    match reopening {
-                        Ok(Ok(pair)) => {
+                    match reopened {
+                        Err(lost) => return lost,
+                        Ok(Some((pair, at))) => {
                             (keeper, responses) = pair;
                             stream_open = true;
                             failing = false;
-                            confirmed_at = self.renewed(reopened);
-                            renew_at = reopened.at + every;
+                            confirmed_at = at;
+                            renew_at = at + every;
                         }
-                        Ok(Err(Reopen::Gone)) => return Ended::Lost(LEASE_NOT_FOUND.to_string()),
-                        Ok(Err(Reopen::Failed(e))) => {
-                            tracing::debug!(error = %e, "reopening the keep-alive stream failed")
-                        }
-                        Err(_timeout) => {}
+                        Ok(None) => {}
                     }
                     continue;
                 }
@@ -1287,8 +1447,69 @@ impl Keeper {
             raise_on_request = match raised {
                 Raise::Done => true,
                 Raise::Failed => false,
+                // The member answers renewals but not writes: its disk may
+                // have stalled (a follower forwards a renewal to the
+                // leader, but answers a write only once it has applied it
+                // itself). Renewals alone would keep this replica on it,
+                // refusing ids at the old mark, for as long as the stall
+                // lasts: the keeper moves to another member, and raises the
+                // mark through it at once.
+                Raise::Unanswered if self.config.endpoints.len() > 1 => {
+                    tracing::warn!(
+                        "the etcd member did not answer a high-water mark write in time; \
+                         moving to another member"
+                    );
+                    // Moving renews the lease; if no other member answers
+                    // in time, the stream on this one is still open, and
+                    // the move leaves a renewal's wait to renew on it.
+                    let by = (confirmed_at + ttl - SAFETY_MARGIN)
+                        .checked_sub(renewal_wait)
+                        .unwrap_or(confirmed_at);
+                    let moving = self.reopen_by(client, lease_id, by);
+                    let Some(moved) = unless_stopped(&mut stop, moving).await else {
+                        return Ended::Stopped;
+                    };
+                    match moved {
+                        Err(lost) => return lost,
+                        Ok(Some((pair, at))) => {
+                            (keeper, responses) = pair;
+                            stream_open = true;
+                            failing = false;
+                            confirmed_at = at;
+                            renew_at = at + every;
+                            raise_at = Instant::now();
+                        }
+                        Ok(None) => {}
+                    }
+                    false
+                }
+                Raise::Unanswered => false,
                 Raise::Lost(lost) => return lost,
             };
+        }
+    }
+
+    /// Reopens the keep-alive stream (see [`Keeper::reopen`]), waiting no
+    /// later than `deadline`. The stream, and when the renewal that opened
+    /// it was sent (see [`Keeper::renewed`]); `None` if no member confirmed
+    /// the renewal in time; the end of the hold if etcd says the lease is
+    /// gone.
+    async fn reopen_by(
+        &mut self,
+        client: &mut Client,
+        lease_id: i64,
+        deadline: Instant,
+    ) -> Result<Option<((LeaseKeeper, LeaseKeepAliveStream), Instant)>, Ended> {
+        let reopened = Sent::now();
+        let within = deadline.saturating_duration_since(reopened.at);
+        match tokio::time::timeout(within, self.reopen(client, lease_id)).await {
+            Ok(Ok(pair)) => Ok(Some((pair, self.renewed(reopened)))),
+            Ok(Err(Reopen::Gone)) => Err(Ended::Lost(LEASE_NOT_FOUND.to_string())),
+            Ok(Err(Reopen::Failed(e))) => {
+                tracing::debug!(error = %e, "reopening the keep-alive stream failed");
+                Ok(None)
+            }
+            Err(_timeout) => Ok(None),
         }
     }
 
@@ -1329,10 +1550,9 @@ impl Keeper {
 
     /// Raises the slot's high-water mark, waiting at most until `deadline`
     /// (no later than the next renewal is due), and lets the request path
-    /// use milliseconds up to it. A
-    /// mark that could not be written is logged: ids stop at the old one
-    /// (the request path refuses later ones) until a later attempt
-    /// succeeds.
+    /// use milliseconds up to it. A mark that could not be written is
+    /// logged: ids stop at the old one (the request path refuses later
+    /// ones) until a later attempt succeeds.
     async fn raise_mark(
         &self,
         client: &mut Client,
@@ -1353,11 +1573,19 @@ impl Keeper {
             ))),
             Ok(Err(e)) => {
                 tracing::warn!(error = %format!("{e:#}"), "raising the high-water mark failed; ids stop at the old mark until it is raised");
-                Raise::Failed
+                if unanswered(&e) {
+                    Raise::Unanswered
+                } else {
+                    Raise::Failed
+                }
             }
             Err(_timeout) => {
-                tracing::warn!("raising the high-water mark failed: etcd did not answer before the lease deadline");
-                Raise::Failed
+                tracing::warn!(
+                    "raising the high-water mark failed: etcd did not answer within {} ms; ids \
+                     stop at the old mark until it is raised",
+                    within.as_millis()
+                );
+                Raise::Unanswered
             }
         }
     }
@@ -1444,6 +1672,32 @@ fn floor_without_mark(now: u64) -> u64 {
 /// Why a lease ended that etcd no longer knows.
 const LEASE_NOT_FOUND: &str =
     "etcd no longer knows the lease (it expired, was revoked, or etcd lost its data)";
+
+/// Whether `error` says that an etcd member did not answer (in time, or
+/// at all), rather than answered with a refusal: then another member may
+/// answer.
+fn unanswered(error: &anyhow::Error) -> bool {
+    error
+        .chain()
+        .filter_map(|cause| cause.downcast_ref::<etcd_client::Error>())
+        .any(|cause| match cause {
+            etcd_client::Error::TransportError(_) | etcd_client::Error::IoError(_) => true,
+            etcd_client::Error::GRpcStatus(status) => matches!(
+                status.code(),
+                tonic::Code::Cancelled | tonic::Code::DeadlineExceeded | tonic::Code::Unavailable
+            ),
+            _ => false,
+        })
+}
+
+/// Whether `error` says etcd answered that the lease does not exist (see
+/// [`lease_not_found`]).
+fn gone(error: &anyhow::Error) -> bool {
+    error
+        .chain()
+        .filter_map(|cause| cause.downcast_ref::<etcd_client::Error>())
+        .any(lease_not_found)
+}
 
 /// Whether opening a keep-alive stream failed because etcd answered that
 /// the lease does not exist (or has expired): then it is gone for good,

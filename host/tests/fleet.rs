@@ -19,8 +19,7 @@
 mod members;
 mod support;
 
-use members::EtcdProxy;
-
+use members::{EtcdProxy, StallingMember};
 use std::collections::HashSet;
 use std::net::TcpListener as StdTcpListener;
 use std::path::PathBuf;
@@ -449,12 +448,18 @@ async fn a_killed_replicas_slot_is_free_after_the_ttl_and_a_stopped_ones_at_once
     );
 }
 
+/// etcd down past the TTL: the replica refuses to stamp, and once etcd is
+/// back with its data (which extends every lease by its TTL when it elects
+/// a leader), it finds its lease alive and stamps with the same id and
+/// lease at once, after every id it issued before, instead of claiming a
+/// new slot and waiting for that slot's floor.
 #[tokio::test(flavor = "multi_thread")]
-async fn replicas_refuse_to_stamp_while_etcd_is_down_and_recover_after() {
+async fn replicas_refuse_to_stamp_while_etcd_is_down_and_resume_their_id_after() {
     let Some(binary) = etcd_binary() else { return };
     let mut etcd = Etcd::start(binary).await;
     let r = replica(&etcd, &[]).await;
     let id = leased_id(&r).await;
+    let lease = r.status().await["lease"]["lease_id"].clone();
     let context_only = r#"{"prompt":"x","disaggregated_params":{"request_type":"context_only"}}"#;
     assert_eq!(
         post_json(r.addr, "/v1/completions", context_only)
@@ -462,6 +467,7 @@ async fn replicas_refuse_to_stamp_while_etcd_is_down_and_recover_after() {
             .status,
         200
     );
+    let before = stamp_many(&r, 3, 1000).await;
 
     etcd.stop();
     let stopped = Instant::now();
@@ -502,10 +508,25 @@ async fn replicas_refuse_to_stamp_while_etcd_is_down_and_recover_after() {
             s["lease"]["state"] == "held"
         })
         .await;
-    assert!(status["machine_id"].is_u64());
-    let stamped = post_json(r.addr, "/v1/completions", context_only).await;
-    assert_eq!(stamped.status, 200, "{}", stamped.text());
-    let _ = id;
+    assert_eq!(status["machine_id"], id, "the same id: {status}");
+    assert_eq!(
+        status["lease"]["lease_id"], lease,
+        "the same lease: {status}"
+    );
+    assert_eq!(status["lease"]["resumptions"], 1, "{status}");
+    assert_eq!(status["lease"]["acquisitions"], 1, "no new claim: {status}");
+    r.wait_log("stamping resumed with the same id").await;
+    let after = stamp_many(&r, 3, 1000).await;
+    assert_issued_by(&after, id);
+    let last_before = before.iter().max().copied().expect("ids before");
+    assert!(
+        after.iter().all(|&new| new > last_before),
+        "an id after the outage is not after every id before it"
+    );
+    // The slot is still bound to the resumed lease: a second replica takes
+    // another.
+    let other = replica(&etcd, &[]).await;
+    assert_ne!(leased_id(&other).await, id);
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -956,8 +977,12 @@ async fn keeps_its_id_when_its_etcd_member(failure: MemberFailure) {
         let reply = post_json(r.addr, "/v1/completions", batch(10)).await;
         assert_eq!(reply.status, 200, "{failure:?}: {}", reply.text());
     }
-    // The renewal through the member failed, and went through the other.
-    r.wait_log("renewing the lease failed").await;
+    // A renewal or a mark write through the member failed (whichever came
+    // first), and the replica went on through the other.
+    r.wait_log_until("a move to the other member", |log| {
+        log.contains("renewing the lease failed") || log.contains("moving to another member")
+    })
+    .await;
     let status = r.status().await;
     assert_eq!(
         status["lease"]["lease_id"], before,
@@ -982,6 +1007,92 @@ async fn a_replica_keeps_its_id_when_its_etcd_member_goes_away() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_replica_keeps_its_id_when_its_etcd_member_hangs() {
     keeps_its_id_when_its_etcd_member(MemberFailure::Hangs).await;
+}
+
+/// Sends batches of 10 context-only requests to `replica` for `how_long`;
+/// each must be stamped. `what` names the situation in a failure.
+async fn stamps_throughout(replica: &Gateway, how_long: Duration, what: &str) {
+    let until = Instant::now() + how_long;
+    while Instant::now() < until {
+        let reply = post_json(replica.addr, "/v1/completions", batch(10)).await;
+        assert_eq!(
+            reply.status,
+            200,
+            "{what}: {}\n{}",
+            reply.text(),
+            replica.stderr_text()
+        );
+    }
+}
+
+/// The member a replica talks to answers renewals but not reads or writes
+/// (its disk stalled): renewals alone would keep the replica there, and
+/// ids would stop at the slot's mark within a few seconds. A mark write
+/// that goes unanswered moves the replica to another member, through
+/// which the mark is raised, and stamping goes on with the same lease.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replica_moves_off_a_member_that_renews_but_does_not_write() {
+    let Some(binary) = etcd_binary() else { return };
+    let etcd = Etcd::start(binary).await;
+    let member = StallingMember::start(&etcd.client_addr()).await;
+    let endpoints = format!("{},{}", member.url, etcd.url());
+    let ttl = TTL_SECS.to_string();
+    let r = Gateway::start(&["--etcd", &endpoints, "--machine-id-ttl", &ttl]).await;
+    assert_eq!(leased_id(&r).await, 0);
+    let held = r.status().await;
+    wait_renewed_since(&r, &held["lease"]["last_renewed"], "a renewal").await;
+    member.stall();
+    // The mark leads the ids by the TTL and a second: three leads.
+    let lead = Duration::from_secs(TTL_SECS + 1);
+    stamps_throughout(&r, 3 * lead, "behind a member whose disk stalled").await;
+    r.wait_log("moving to another member").await;
+    let status = r.status().await;
+    assert_eq!(
+        status["lease"]["lease_id"], held["lease"]["lease_id"],
+        "{status}"
+    );
+    assert_eq!(status["machine_id"], 0, "{status}");
+    assert_eq!(status["lease"]["losses"], 0, "{status}");
+    member.thaw();
+}
+
+/// With a long TTL, a hung member costs seconds, not a third of the TTL:
+/// a hung first endpoint delays the first claim by a call's wait (and is
+/// named in the log), and a member that hangs while the replica holds its
+/// id is left within seconds, long before ids reach the slot's mark.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replica_with_a_long_ttl_waits_seconds_not_a_third_of_it_on_a_hung_member() {
+    let Some(binary) = etcd_binary() else { return };
+    let etcd = Etcd::start(binary).await;
+    let first = EtcdProxy::start(&etcd.client_addr()).await;
+    let second = EtcdProxy::start(&etcd.client_addr()).await;
+    first.hang();
+    let endpoints = format!("{},{},{}", first.url, second.url, etcd.url());
+    // 40 s a call before: the first claim would not come within `STEP`.
+    let r = Gateway::start(&["--etcd", &endpoints, "--machine-id-ttl", "120"]).await;
+    assert_eq!(leased_id(&r).await, 0);
+    r.wait_log(&format!(
+        "etcd endpoints did not answer; using {}",
+        second.url
+    ))
+    .await;
+    assert!(
+        r.stderr_text().contains(&first.url),
+        "the log names the hung endpoint:\n{}",
+        r.stderr_text()
+    );
+    let held = r.status().await;
+    second.hang();
+    // The mark leads the ids by 11 s whatever the TTL: two leads.
+    stamps_throughout(&r, Duration::from_secs(22), "behind a hung member").await;
+    let status = r.status().await;
+    assert_eq!(
+        status["lease"]["lease_id"], held["lease"]["lease_id"],
+        "{status}"
+    );
+    assert_eq!(status["lease"]["losses"], 0, "{status}");
+    first.resume();
+    second.resume();
 }
 
 /// Large values under the high-water prefix (three of 1.4 MB: together
@@ -1296,7 +1407,7 @@ async fn a_replica_stopped_while_its_member_hangs_frees_its_slot_through_another
 }
 
 /// A member that answers nothing for most of a TTL and then comes back: a
-/// renewal goes unanswered and so does the reopen, then the member answers
+/// renewal goes unanswered and so do the reopens, then the member answers
 /// again. The replica keeps its lease, and still notices at once when etcd
 /// later goes away, rather than at its next renewal (a renewal on the
 /// stream that failed used to read the answer queued for an earlier one,
@@ -1307,15 +1418,16 @@ async fn a_replica_still_notices_etcd_going_away_after_a_slow_spell() {
     let mut etcd = Etcd::start(binary).await;
     etcd.put_mark(0, now_millis() - 1000).await;
     let member = EtcdProxy::start(&etcd.client_addr()).await;
-    // 30 s: renewals every 10 s, each waited for 5 s, the reopen's call
-    // for 10 s, the deadline 29 s after the last renewal.
+    // 30 s: renewals every 10 s, each waited for 2 s (a call's wait, at
+    // most), then reopens every half second after a call's wait each, until
+    // the deadline 29 s after the last renewal.
     let r = Gateway::start(&["--etcd", &member.url, "--machine-id-ttl", "30"]).await;
     assert_eq!(leased_id(&r).await, 0);
     let held = r.status().await;
     wait_renewed_since(&r, &held["lease"]["last_renewed"], "a renewal").await;
     let renewed = Instant::now();
-    // The member is silent for 26.5 s: the next renewal (at 10 s) and its
-    // reopen (15 s to 25 s) go unanswered; the deadline is at 29 s.
+    // The member is silent for 26.5 s: the next renewal (at 10 s) and the
+    // reopens after it go unanswered; the deadline is at 29 s.
     member.hang();
     r.wait_log("renewing the lease failed").await;
     tokio::time::sleep_until((renewed + Duration::from_millis(26_500)).into()).await;

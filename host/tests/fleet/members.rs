@@ -1,5 +1,9 @@
-//! Stand-ins for an etcd member that fails in one way, in front of a real
-//! etcd on loopback: a TCP proxy that can go away or hang.
+//! Stand-ins for an etcd member that fails in one way, each in front of a
+//! real etcd on loopback: a TCP proxy that can go away or hang, and an
+//! HTTP/2 (gRPC) proxy whose member answers lease calls but not reads or
+//! writes, as a member whose disk stalled does. No etcd build here can
+//! stall one member's disk: `fsfreeze` needs root and a file system of its
+//! own, so the fault is made at the protocol level instead.
 
 use tokio::io::AsyncWriteExt as _;
 
@@ -81,5 +85,92 @@ impl EtcdProxy {
     /// Forwards again, what was held back first.
     pub fn resume(&self) {
         self.hung.send_replace(false);
+    }
+}
+
+/// An HTTP/2 proxy to etcd on loopback that, while its disk is "stalled",
+/// withholds its answers to key-value calls (reads and transactions), as
+/// an etcd follower whose disk stalled does: it forwards a write to the
+/// leader, which commits it with the other members, but answers only once
+/// it has applied the write itself, and it serves a linearizable read only
+/// once it has applied what the leader committed before. Lease calls go
+/// through, as a follower forwards them to the leader without its disk.
+/// Each call is still forwarded at once, so a write lands in etcd though
+/// its answer is held back.
+pub struct StallingMember {
+    /// Where clients reach etcd through it.
+    pub url: String,
+    stalled: tokio::sync::watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl StallingMember {
+    /// Starts proxying to etcd at `target` (`host:port`).
+    pub async fn start(target: &str) -> StallingMember {
+        use hyper_util::rt::{TokioExecutor, TokioIo};
+
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind the proxy");
+        let url = format!("http://{}", listener.local_addr().expect("address"));
+        let target = target.to_string();
+        let (stalled, stall) = tokio::sync::watch::channel(false);
+        let task = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let target = target.clone();
+                let stall = stall.clone();
+                tokio::spawn(async move {
+                    let Ok(server) = tokio::net::TcpStream::connect(&target).await else {
+                        return;
+                    };
+                    let Ok((sender, connection)) = hyper::client::conn::http2::handshake(
+                        TokioExecutor::new(),
+                        TokioIo::new(server),
+                    )
+                    .await
+                    else {
+                        return;
+                    };
+                    tokio::spawn(connection);
+                    let service = hyper::service::service_fn(
+                        move |request: http::Request<hyper::body::Incoming>| {
+                            let mut sender = sender.clone();
+                            let mut stall = stall.clone();
+                            async move {
+                                let key_value =
+                                    request.uri().path().starts_with("/etcdserverpb.KV/");
+                                let response = sender.send_request(request).await?;
+                                if key_value {
+                                    // Answered once the disk is back (or never,
+                                    // if the proxy goes first).
+                                    let _ = stall.wait_for(|&stalled| !stalled).await;
+                                }
+                                Ok::<_, hyper::Error>(response)
+                            }
+                        },
+                    );
+                    let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                        .serve_connection(TokioIo::new(client), service)
+                        .await;
+                });
+            }
+        });
+        StallingMember { url, stalled, task }
+    }
+
+    /// Stalls the disk: key-value calls go unanswered from now on.
+    pub fn stall(&self) {
+        self.stalled.send_replace(true);
+    }
+
+    /// The disk is back: held answers go out.
+    pub fn thaw(&self) {
+        self.stalled.send_replace(false);
+    }
+}
+
+impl Drop for StallingMember {
+    fn drop(&mut self) {
+        self.task.abort();
     }
 }
