@@ -42,7 +42,7 @@ pub(crate) fn cut(mut text: String, max: usize) -> String {
 }
 
 /// At most `max` bytes of a plugin's text, escapes included, saying how
-/// much of it was cut (as [`cut`] does), with every control character
+/// much of it was cut (as `cut` does), with every control character
 /// written as its Rust escape (`\n`, `\r`, `\u{1b}`): what a plugin says
 /// reaches the gateway's log, where a raw newline would let it forge a
 /// line of its own and a raw escape would reach the terminal. So are the

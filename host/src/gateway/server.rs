@@ -426,7 +426,7 @@ pub async fn serve(
 /// `net.core.somaxconn` (4096 by default since 5.4).
 const LISTEN_BACKLOG: u32 = 511;
 
-/// A listener on `addr` for clients, with [`LISTEN_BACKLOG`].
+/// A listener on `addr` for clients, with `LISTEN_BACKLOG`.
 pub fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
     let socket = if addr.is_ipv4() {
         tokio::net::TcpSocket::new_v4()?
