@@ -1,0 +1,55 @@
+"""Scenario 2: the etcd member the replica talks
+to (m0, its first endpoint) hangs (SIGSTOP) while the replica holds a machine
+id; m1, m2 keep quorum. Counts 200 vs 503 of context-only requests during the
+hang and the longest stretch without a 200.
+
+usage: python3 s2_hung_member.py [ttl] [observe_secs]
+"""
+import os, signal, sys, time
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fleetlib import *
+
+ttl = int(sys.argv[1]) if len(sys.argv) > 1 else 60
+observe = int(sys.argv[2]) if len(sys.argv) > 2 else 60
+
+cluster = ",".join(f"m{k}=http://127.0.0.1:{23382 + 2 * k}" for k in range(3))
+members = [Etcd(f"m{k}", 23381 + 2 * k, 23382 + 2 * k, cluster=cluster) for k in range(3)]
+try:
+    for m in members:
+        m.wipe(); m.start(wait=False)
+    for m in members:
+        m.wait_up(30)
+    g = Gateway(0, ",".join(m.url for m in members), ttl).start()
+    w = g.wait_ready(60)
+    log(f"gw0 ready after {w:.1f}s: {machine_of(g.status())}")
+    pr = Prober(g).start()
+    time.sleep(4)
+    victim = members[0]
+    t0 = time.time()
+    log(f"SIGSTOP etcd member {victim.name} ({victim.url})")
+    victim.sig(signal.SIGSTOP)
+    unready = 0
+    for k in range(observe):
+        time.sleep(1)
+        c = pr.second(int(time.time()) - 1)
+        rs, rb = g.ready()
+        unready += rs != 200
+        le = (g.status() or {}).get("lease") or {}
+        log(f"t+{time.time() - t0:5.1f}s  200={c.get(200, 0):3d} 503={c.get(503, 0):3d} exc={c.get('exc', 0)} "
+            f"readyz={rs} {rb.strip()[:60]!r} lease={le.get('state')} id={le.get('machine_id')} last_error={str(le.get('last_error'))[:90]!r}")
+    t1 = time.time()
+    pr.stop()
+    s = pr.stats(t0, t1)
+    log(f"SUMMARY ttl={ttl} hung {observe}s: 200={s['n200']} 503={s['n503']} other={s['nother']} "
+        f"first_non200=+{fmt(s['first_bad'])}s last_non200=+{fmt(s['last_bad'])}s "
+        f"longest_without_200={fmt(s['longest'])}s{' (still at end)' if s['longest_open'] else ''} readyz_non200_samples={unready}/{observe}")
+    print(f"ROW| s2 hung member | {ttl} | {observe} | {s['n200']} | {s['n503']} | {s['nother']} | "
+          f"{fmt(s['first_bad'])} | {fmt(s['last_bad'])} | {fmt(s['longest'])}{'+' if s['longest_open'] else ''} | {unready}/{observe} |", flush=True)
+    victim.sig(signal.SIGCONT)
+    g.stop()
+finally:
+    for m in members:
+        m.sig(signal.SIGCONT)
+    cleanup()
+    for m in members:
+        m.wipe()
