@@ -148,6 +148,27 @@ impl Keeper {
                 )));
             }
         };
+        self.start_holding(id, lease_id, alive_since, ceiling)?;
+        self.status.resumptions.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(machine_id = id, lease_id, "etcd confirmed the machine id lease alive after all; stamping resumed with the same id");
+        Ok(Some(Claim {
+            client: client.clone(),
+            lease_id,
+            machine_id: id,
+            alive_since,
+        }))
+    }
+
+    /// Lets the request path stamp with machine id `id` under `lease_id`,
+    /// alive since the renewal sent at `alive_since`, up to the high-water
+    /// mark `ceiling` that etcd confirmed; `/status` shows it held.
+    pub(super) fn start_holding(
+        &self,
+        id: u32,
+        lease_id: i64,
+        alive_since: Sent,
+        ceiling: u64,
+    ) -> anyhow::Result<()> {
         self.services
             .identity
             .assign_leased(
@@ -158,8 +179,7 @@ impl Keeper {
                     raise_from_millis: self.raise_from(ceiling),
                 },
             )
-            .context("the resumed machine id is out of range")?;
-        self.status.resumptions.fetch_add(1, Ordering::Relaxed);
+            .with_context(|| format!("machine id {id} is out of range for its layout"))?;
         self.status.update(|s| {
             s.state = LeaseState::Held;
             s.machine_id = Some(id);
@@ -167,13 +187,7 @@ impl Keeper {
             s.last_renewed = Some(SystemTime::now());
             s.last_error = None;
         });
-        tracing::info!(machine_id = id, lease_id, "etcd confirmed the machine id lease alive after all; stamping resumed with the same id");
-        Ok(Some(Claim {
-            client: client.clone(),
-            lease_id,
-            machine_id: id,
-            alive_since,
-        }))
+        Ok(())
     }
 
     /// A client of one etcd endpoint that answers: the endpoints are tried
@@ -399,26 +413,9 @@ impl Keeper {
             // never lapsed during the claim, and starts the hold afresh.
             *alive_since = renew_once(client, lease_id, self.call_wait()).await?;
             self.services.clock.advance_past(floor);
-            self.services
-                .identity
-                .assign_leased(
-                    id,
-                    LeaseBounds {
-                        alive_until: self.alive_until(*alive_since),
-                        ceiling_millis: ceiling,
-                        raise_from_millis: self.raise_from(ceiling),
-                    },
-                )
-                .context("the claimed machine id is out of range")?;
+            self.start_holding(id, lease_id, *alive_since, ceiling)?;
             self.reported.clear();
             self.status.acquisitions.fetch_add(1, Ordering::Relaxed);
-            self.status.update(|s| {
-                s.state = LeaseState::Held;
-                s.machine_id = Some(id);
-                s.lease_id = Some(lease_id);
-                s.last_renewed = Some(SystemTime::now());
-                s.last_error = None;
-            });
             tracing::info!(machine_id = id, lease_id, high_water = ?high_water, "machine id leased from etcd");
             return Ok(id);
         }
