@@ -781,6 +781,11 @@ async fn a_replica_frozen_past_its_lease_lets_out_no_id_of_its_old_machine_id() 
         0,
         "the successor kept its slot"
     );
+    // The frozen replica's keeper asked etcd about its old lease first,
+    // found it gone, and claimed another slot.
+    frozen.wait_log("is gone; claiming a machine id anew").await;
+    assert_ne!(leased_id(&frozen).await, 0);
+    assert_eq!(frozen.status().await["lease"]["resumptions"], 0);
 }
 
 /// A replica told to stop while etcd does not answer stops promptly: it
@@ -794,7 +799,7 @@ async fn a_replica_stops_promptly_while_etcd_does_not_answer() {
     // Slot 0 was held before, to the last second: a slot without a mark
     // would be waited for a TTL (see the etcd-lost test below).
     etcd.put_mark(0, now_millis() - 1000).await;
-    // A long TTL: etcd calls would otherwise wait up to a third of it.
+    // A long TTL: the lease is still held when the stop comes.
     let r = Gateway::start(&["--etcd", url.as_str(), "--machine-id-ttl", "60"]).await;
     assert_eq!(leased_id(&r).await, 0);
     etcd.signal("STOP");

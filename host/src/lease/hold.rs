@@ -482,3 +482,50 @@ pub(super) fn gone(error: &anyhow::Error) -> bool {
 pub(super) fn lease_not_found(error: &etcd_client::Error) -> bool {
     matches!(error, etcd_client::Error::LeaseKeepAliveError(m) if m == "lease not found")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use anyhow::Context as _;
+
+    fn status(status: tonic::Status) -> anyhow::Error {
+        Err::<(), _>(etcd_client::Error::GRpcStatus(status))
+            .context("writing the slot's high-water mark")
+            .unwrap_err()
+    }
+
+    #[test]
+    fn a_member_that_times_out_or_is_unavailable_did_not_answer() {
+        assert!(unanswered(&status(tonic::Status::cancelled(
+            "Timeout expired"
+        ))));
+        assert!(unanswered(&status(tonic::Status::deadline_exceeded(
+            "late"
+        ))));
+        assert!(unanswered(&status(tonic::Status::unavailable(
+            "connection refused"
+        ))));
+    }
+
+    #[test]
+    fn a_member_that_refuses_answered() {
+        let full = tonic::Status::resource_exhausted("etcdserver: mvcc: database space exceeded");
+        assert!(!unanswered(&status(full)));
+        assert!(!unanswered(&status(tonic::Status::permission_denied("no"))));
+        assert!(!unanswered(&anyhow::anyhow!(
+            "the high-water mark changed 3 times"
+        )));
+    }
+
+    #[test]
+    fn only_etcds_lease_not_found_means_the_lease_is_gone() {
+        let not_found = Err::<(), _>(etcd_client::Error::LeaseKeepAliveError(
+            "lease not found".to_string(),
+        ))
+        .context("renewing the lease while claiming a machine id")
+        .unwrap_err();
+        assert!(gone(&not_found));
+        assert!(!gone(&status(tonic::Status::unavailable("down"))));
+        assert!(!gone(&anyhow::anyhow!("lease not found")));
+    }
+}
