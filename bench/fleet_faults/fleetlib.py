@@ -259,3 +259,33 @@ def machine_of(status):
         return status["lease"]["machine_id"], status["lease"]["state"]
     except Exception:
         return None
+
+
+def watch_seconds(g, pr, seconds, t0):
+    """Logs, once a second for `seconds`, the answers of the last second
+    (from Prober `pr`), /readyz and the lease of gateway `g`; returns how
+    many /readyz samples were not 200."""
+    unready = 0
+    for _ in range(seconds):
+        time.sleep(1)
+        c = pr.second(int(time.time()) - 1)
+        rs, rb = g.ready()
+        unready += rs != 200
+        le = (g.status() or {}).get("lease") or {}
+        log(f"t+{time.time() - t0:5.1f}s 200={c.get(200, 0):3d} 503={c.get(503, 0):3d} exc={c.get('exc', 0)} "
+            f"readyz={rs} {rb.strip()[:60]!r} lease={le.get('state')}/{le.get('machine_id')} "
+            f"last_renewed={le.get('last_renewed')} last_error={str(le.get('last_error'))[:80]!r}")
+    return unready
+
+
+def summarize(name, what, ttl, observe, pr, t0, t1, unready):
+    """Prints the SUMMARY line and the summary table's ROW for the
+    answers Prober `pr` saw between t0 and t1."""
+    s = pr.stats(t0, t1)
+    log(f"SUMMARY {what} {observe}s ttl={ttl}: 200={s['n200']} 503={s['n503']} other={s['nother']} "
+        f"first_non200=+{fmt(s['first_bad'])}s last_non200=+{fmt(s['last_bad'])}s "
+        f"longest_without_200={fmt(s['longest'])}s{' (still at end)' if s['longest_open'] else ''} "
+        f"readyz_non200_samples={unready}/{observe}")
+    print(f"ROW| {name} | {ttl} | {observe} | {s['n200']} | {s['n503']} | {s['nother']} | "
+          f"{fmt(s['first_bad'])} | {fmt(s['last_bad'])} | {fmt(s['longest'])}{'+' if s['longest_open'] else ''} | "
+          f"{unready}/{observe} |", flush=True)

@@ -28,23 +28,10 @@ try:
     t0 = time.time()
     log(f"SIGSTOP etcd member {victim.name} ({victim.url})")
     victim.sig(signal.SIGSTOP)
-    unready = 0
-    for k in range(observe):
-        time.sleep(1)
-        c = pr.second(int(time.time()) - 1)
-        rs, rb = g.ready()
-        unready += rs != 200
-        le = (g.status() or {}).get("lease") or {}
-        log(f"t+{time.time() - t0:5.1f}s  200={c.get(200, 0):3d} 503={c.get(503, 0):3d} exc={c.get('exc', 0)} "
-            f"readyz={rs} {rb.strip()[:60]!r} lease={le.get('state')} id={le.get('machine_id')} last_error={str(le.get('last_error'))[:90]!r}")
+    unready = watch_seconds(g, pr, observe, t0)
     t1 = time.time()
     pr.stop()
-    s = pr.stats(t0, t1)
-    log(f"SUMMARY ttl={ttl} hung {observe}s: 200={s['n200']} 503={s['n503']} other={s['nother']} "
-        f"first_non200=+{fmt(s['first_bad'])}s last_non200=+{fmt(s['last_bad'])}s "
-        f"longest_without_200={fmt(s['longest'])}s{' (still at end)' if s['longest_open'] else ''} readyz_non200_samples={unready}/{observe}")
-    print(f"ROW| s2 hung member | {ttl} | {observe} | {s['n200']} | {s['n503']} | {s['nother']} | "
-          f"{fmt(s['first_bad'])} | {fmt(s['last_bad'])} | {fmt(s['longest'])}{'+' if s['longest_open'] else ''} | {unready}/{observe} |", flush=True)
+    summarize("s2 hung member", "hung", ttl, observe, pr, t0, t1, unready)
     victim.sig(signal.SIGCONT)
     g.stop()
 finally:

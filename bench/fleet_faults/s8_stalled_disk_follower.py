@@ -63,15 +63,7 @@ try:
         log("a write through m1 succeeded while m0 is stalled")
     except Exception as e:
         log(f"a write through m1 FAILED: {e}")
-    unready = 0
-    for k in range(observe):
-        time.sleep(1)
-        c = pr.second(int(time.time()) - 1)
-        rs, rb = g.ready()
-        unready += rs != 200
-        le = (g.status() or {}).get("lease") or {}
-        log(f"t+{time.time() - t0:5.1f}s 200={c.get(200, 0):3d} 503={c.get(503, 0):3d} exc={c.get('exc', 0)} readyz={rs} {rb.strip()[:60]!r} "
-            f"lease={le.get('state')}/{le.get('machine_id')} last_renewed={le.get('last_renewed')} last_error={str(le.get('last_error'))[:80]!r}")
+    unready = watch_seconds(g, pr, observe, t0)
     t1 = time.time()
     sh("fsfreeze", "-u", MNT, timeout=20); frozen = False
     log("fsfreeze -u: m0's disk works again")
@@ -80,12 +72,7 @@ try:
         c = pr.second(int(time.time()) - 1)
         log(f"after thaw t+{time.time() - t1:4.1f}s 200={c.get(200, 0):3d} 503={c.get(503, 0):3d} readyz={g.ready()[0]}")
     pr.stop()
-    s = pr.stats(t0, t1)
-    log(f"SUMMARY frozen {observe}s ttl={ttl_s}: 200={s['n200']} 503={s['n503']} other={s['nother']} "
-        f"first_non200=+{fmt(s['first_bad'])}s last_non200=+{fmt(s['last_bad'])}s "
-        f"longest_without_200={fmt(s['longest'])}s{' (still at end)' if s['longest_open'] else ''} readyz_non200_samples={unready}/{observe}")
-    print(f"ROW| s8 stalled-disk follower | {ttl_s} | {observe} | {s['n200']} | {s['n503']} | {s['nother']} | "
-          f"{fmt(s['first_bad'])} | {fmt(s['last_bad'])} | {fmt(s['longest'])}{'+' if s['longest_open'] else ''} | {unready}/{observe} |", flush=True)
+    summarize("s8 stalled-disk follower", "frozen", ttl_s, observe, pr, t0, t1, unready)
     g.stop()
 finally:
     if frozen:
