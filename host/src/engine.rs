@@ -16,6 +16,7 @@ use wasmtime::{
 use crate::bindings::Middleware;
 use crate::clock::IdClock;
 use crate::compile_cache::CompileCache;
+use crate::compile_process::CompileProcess;
 use crate::identity::MachineIdentity;
 use crate::limits::PluginLimits;
 use crate::state::HostState;
@@ -83,6 +84,8 @@ pub struct PluginEngine {
     pub(crate) limits: PluginLimits,
     /// Where compiled plugins are kept between loads, if anywhere.
     pub(crate) compile_cache: Option<Arc<CompileCache>>,
+    /// The child process that compiles plugins, if not this one.
+    pub(crate) compile_process: Option<Arc<CompileProcess>>,
     /// How many requests wait for a free call slot (the gateway counts
     /// them): while any do, a call's waits for its turn are bounded (see
     /// `call_clock`).
@@ -108,23 +111,12 @@ impl PluginEngine {
             deadline: limits.deadline.min(MAX_DEADLINE),
             ..limits
         };
-        let mut config = Config::new();
-        config.wasm_component_model(true);
-        config.epoch_interruption(true);
-        config.cranelift_opt_level(OptLevel::Speed);
+        let mut config = compile_config();
         // Instantiation and teardown are on the request path (every call of
         // `Plugin::handle`, and every `calls_per_instance` calls in the
         // gateway): take instances from a pool of reusable slots instead of
         // mapping and unmapping memory for each one.
         config.allocation_strategy(InstanceAllocationStrategy::Pooling(pooling_config(&limits)));
-        // Initial memory contents are mapped copy-on-write from the compiled
-        // image rather than copied in (the default, stated because the pool
-        // relies on it: a slot keeps its image mapped between calls).
-        config.memory_init_cow(true);
-        // The default 4 GiB reservation and 32 MiB guard per memory let
-        // compiled code skip bounds checks (explicit checks make the
-        // plugin's JSON walk about half again as slow); the pool reserves
-        // that address space once per slot, see `PluginLimits::max_instances`.
         // `SNOWGATE_WASM_PERFMAP=1` names the plugin's compiled functions in
         // `/tmp/perf-PID.map`, so that `perf report` shows them instead of
         // bare `[JIT]` addresses.
@@ -173,6 +165,7 @@ impl PluginEngine {
             services,
             limits,
             compile_cache: None,
+            compile_process: None,
             queued_calls: Arc::default(),
         })
     }
@@ -181,6 +174,13 @@ impl PluginEngine {
     /// [`CompileCache`].
     pub fn with_compile_cache(mut self, cache: CompileCache) -> PluginEngine {
         self.compile_cache = Some(Arc::new(cache));
+        self
+    }
+
+    /// Compiles plugins in a child process under limits of its own, instead
+    /// of in this one: see [`CompileProcess`].
+    pub fn with_compile_process(mut self, process: CompileProcess) -> PluginEngine {
+        self.compile_process = Some(Arc::new(process));
         self
     }
 
@@ -193,6 +193,26 @@ impl PluginEngine {
     pub fn limits(&self) -> PluginLimits {
         self.limits
     }
+}
+
+/// The settings that decide what a compiled plugin is: the engine's, and a
+/// [`CompileProcess`] child's, whose builds the engine loads (wasmtime
+/// refuses a build compiled under other settings). Where instances come
+/// from is not among them.
+pub(crate) fn compile_config() -> Config {
+    let mut config = Config::new();
+    config.wasm_component_model(true);
+    config.epoch_interruption(true);
+    config.cranelift_opt_level(OptLevel::Speed);
+    // Initial memory contents are mapped copy-on-write from the compiled
+    // image rather than copied in (the default, stated because the pool
+    // relies on it: a slot keeps its image mapped between calls).
+    config.memory_init_cow(true);
+    // The default 4 GiB reservation and 32 MiB guard per memory let
+    // compiled code skip bounds checks (explicit checks make the plugin's
+    // JSON walk about half again as slow); the pool reserves that address
+    // space once per slot, see `PluginLimits::max_instances`.
+    config
 }
 
 /// The instance pool: `max_instances` plugin instances at once, each memory

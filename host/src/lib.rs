@@ -2,7 +2,8 @@
 //! and runs it on requests.
 //!
 //! - [`engine`]: the one wasmtime engine of the process and its linker;
-//! - [`plugin`]: loading and checking a plugin component;
+//! - [`plugin`]: loading and checking a plugin component, compiled here or
+//!   in a [`compile_process`] under limits of its own;
 //! - [`call`]: where the plugin is called: a fresh instance per call, or
 //!   (in the gateway) an instance kept for up to `calls_per_instance` calls;
 //!   `call_clock` counts a call's deadline in the time it runs;
@@ -44,6 +45,7 @@ pub mod call;
 mod call_clock;
 pub mod clock;
 pub mod compile_cache;
+pub mod compile_process;
 pub mod engine;
 pub mod gateway;
 pub mod identity;
@@ -61,6 +63,7 @@ pub use bindings::exports::snowgate::middleware::handler::{Action, Rejection};
 pub use call::{CallError, YIELD_AFTER};
 pub use clock::{FixedClock, IdClock, NoTick, SystemClock, Tick, WallClock};
 pub use compile_cache::{CompileCache, Compiled};
+pub use compile_process::{CompileLimits, CompileProcess};
 pub use engine::{HostServices, PluginEngine};
 pub use identity::MachineIdentity;
 pub use limits::PluginLimits;

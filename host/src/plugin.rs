@@ -12,6 +12,7 @@ use wasmtime::error::Context as _;
 use crate::bindings::exports::snowgate::middleware::handler::Setting;
 use crate::bindings::MiddlewarePre;
 use crate::compile_cache::{is_over_the_limits, Compiled};
+use crate::compile_process::CompileFailure;
 use crate::engine::PluginEngine;
 use crate::state::HostState;
 use crate::text_limits::{plugin_text, MAX_PLUGIN_NAME, MAX_PLUGIN_TEXT};
@@ -217,12 +218,26 @@ impl Plugin {
     }
 }
 
-/// Compiles `bytes`.
+/// Compiles `bytes`: in the engine's compile process if it has one, here
+/// otherwise.
 fn compile(engine: &PluginEngine, bytes: &[u8]) -> anyhow::Result<Component> {
     if let Some(what) = not_a_component(bytes) {
         anyhow::bail!("the plugin is not a valid WebAssembly component for this host: {what}");
     }
-    Component::new(&engine.engine, bytes).map_err(|e| refused(engine, e))
+    let Some(process) = &engine.compile_process else {
+        return Component::new(&engine.engine, bytes).map_err(|e| refused(engine, e));
+    };
+    let build = process.compile(bytes).map_err(|failure| match failure {
+        CompileFailure::Refused(message) => anyhow::anyhow!(message)
+            .context("the plugin is not a valid WebAssembly component for this host"),
+        failure => anyhow::Error::new(failure),
+    })?;
+    // SAFETY: the build was just written by the compile process, which is
+    // this binary or one its embedder vouched for (`CompileProcess::
+    // of_program` is unsafe), from these bytes: trusted as this process's
+    // own compile would be. wasmtime checks that it was made by this
+    // wasmtime with this engine's settings.
+    unsafe { Component::deserialize(&engine.engine, &build) }.map_err(|e| refused(engine, e))
 }
 
 /// What a file that cannot be a component is, in one line, when its first

@@ -1,0 +1,468 @@
+//! Compiling a plugin in a child process, under limits of its own.
+//!
+//! Compiling is the one step of a load whose cost the plugin's author sets
+//! and no call limit bounds: Cranelift's memory and time grow with the
+//! component, and a large or pathological one (a huge function with
+//! thousands of values alive at once) can need gigabytes and minutes of
+//! both CPUs. In the gateway's own process that could get the gateway
+//! killed for want of memory, or starve the requests it serves. So the
+//! gateway hands the component to a child process (the `snowgate` binary
+//! itself, `snowgate compile-plugin`), which compiles it with the same
+//! compile settings as the engine ([`compile_config`](crate::engine)) at a
+//! lower CPU priority, under an address-space limit and a CPU-time limit,
+//! and writes the compiled build back; the gateway then loads that build
+//! as it loads one from its [compile cache](crate::CompileCache). A child
+//! that hits a limit dies alone, and the load fails with an error that
+//! names the limit; the build serving before goes on serving.
+//!
+//! The build the child writes is machine code the gateway runs without
+//! checks, so the child must be this same binary (the gateway starts
+//! `/proc/self/exe`): it is trusted as the gateway's own code is. wasmtime
+//! refuses a build made by another wasmtime version or with other compile
+//! settings.
+
+use std::ffi::OsString;
+use std::io::{Read, Write};
+use std::path::PathBuf;
+use std::process::{Command, ExitStatus, Stdio};
+use std::time::Duration;
+
+use anyhow::Context as _;
+use wasmtime::Engine;
+
+/// The most of the child's stderr kept for an error message.
+const MAX_CHILD_MESSAGE: usize = 16 << 10;
+
+/// The exit status of a child that refused the component (not a valid
+/// component for this host): its stderr says why.
+pub const REFUSED_STATUS: i32 = 2;
+
+/// The largest component the child reads: the gateway loads files of at
+/// most 128 MiB.
+const MAX_COMPONENT_BYTES: u64 = 1 << 30;
+
+/// What the child compiling a plugin may use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CompileLimits {
+    /// The most address space the child may map (`RLIMIT_AS`), its code,
+    /// stacks and allocator's reservations included: a compile that needs
+    /// more fails to allocate, and the child dies.
+    pub memory_bytes: u64,
+    /// The most CPU time the child may use, over all its threads
+    /// (`RLIMIT_CPU`, whole seconds; at least 1).
+    pub cpu: Duration,
+}
+
+impl Default for CompileLimits {
+    /// 4 GiB of address space and 10 minutes of CPU. The bundled plugin
+    /// compiles in about 75 ms of CPU and some 200 MiB; an 18 MB plugin
+    /// written in Python in about 10 s of CPU and under 1 GiB.
+    fn default() -> Self {
+        CompileLimits {
+            memory_bytes: 4 << 30,
+            cpu: Duration::from_secs(600),
+        }
+    }
+}
+
+/// A program that compiles plugins as `snowgate compile-plugin` does (see
+/// [`compile_for_parent`]), and the limits it runs under.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CompileProcess {
+    /// The program to start, whose builds are run unchecked.
+    program: PathBuf,
+    /// Its arguments, e.g. `["compile-plugin"]`.
+    args: Vec<OsString>,
+    /// What it may use.
+    pub limits: CompileLimits,
+}
+
+impl CompileProcess {
+    /// The running binary (`/proc/self/exe`, which still leads to it if
+    /// its file was replaced on disk since it started), run with `args`,
+    /// which must make it answer as [`compile_for_parent`] does.
+    pub fn this_binary(args: &[&str], limits: CompileLimits) -> CompileProcess {
+        CompileProcess {
+            program: PathBuf::from("/proc/self/exe"),
+            args: args.iter().map(OsString::from).collect(),
+            limits,
+        }
+    }
+
+    /// Another program, run with `args`.
+    ///
+    /// # Safety
+    ///
+    /// What it writes is loaded as machine code and run unchecked: it must
+    /// be a build of this same crate that answers as [`compile_for_parent`]
+    /// does (a test's `CARGO_BIN_EXE_snowgate`, say), trusted as this
+    /// process's own code is.
+    pub unsafe fn of_program(
+        program: impl Into<PathBuf>,
+        args: &[&str],
+        limits: CompileLimits,
+    ) -> CompileProcess {
+        CompileProcess {
+            program: program.into(),
+            args: args.iter().map(OsString::from).collect(),
+            limits,
+        }
+    }
+
+    /// The program it starts.
+    pub fn program(&self) -> &std::path::Path {
+        &self.program
+    }
+
+    /// Compiles `component` in the child and returns the compiled build,
+    /// for [`Component::deserialize`](wasmtime::component::Component::deserialize).
+    /// Blocks until the child ends.
+    ///
+    /// The error says which: the component was refused (the child's
+    /// message), the compile needed more memory or CPU time than its limit,
+    /// or the child could not be started or failed otherwise.
+    pub fn compile(&self, component: &[u8]) -> Result<Vec<u8>, CompileFailure> {
+        let mut command = Command::new(&self.program);
+        command
+            .args(&self.args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        self.limit(&mut command);
+        let mut child = command.spawn().map_err(|e| {
+            CompileFailure::Other(format!(
+                "starting the compile process {}: {e}",
+                self.program.display()
+            ))
+        })?;
+        // Written from another thread while this one reads the child's
+        // output, so that neither side can wait on a full pipe. The child
+        // reads everything before it writes; one that died early closes
+        // its end, and the write's error is then the child's status's.
+        let mut stdin = child.stdin.take().expect("stdin is piped");
+        let bytes = component.to_vec();
+        let writer = std::thread::Builder::new()
+            .name("snowgate-compile-input".into())
+            .spawn(move || {
+                let _ = stdin.write_all(&bytes);
+            })
+            .map_err(|e| CompileFailure::Other(format!("starting a thread: {e}")))?;
+        let output = child
+            .wait_with_output()
+            .map_err(|e| CompileFailure::Other(format!("reading from the compile process: {e}")))?;
+        let _ = writer.join();
+        if output.status.success() {
+            return Ok(output.stdout);
+        }
+        Err(self.failure(output.status, &output.stderr))
+    }
+
+    /// Sets the child's limits and priority, and ties its life to the
+    /// thread that starts it: a gateway that dies mid-compile takes the
+    /// child with it.
+    fn limit(&self, command: &mut Command) {
+        #[cfg(target_os = "linux")]
+        {
+            use std::os::unix::process::CommandExt as _;
+
+            // Never above the gateway's own hard limits, which an
+            // unprivileged process cannot raise (`ulimit -v` in its
+            // service's unit): the lower of the two holds then.
+            let within = |resource, soft: libc::rlim_t, hard: libc::rlim_t| {
+                let mut current = libc::rlimit {
+                    rlim_cur: 0,
+                    rlim_max: libc::RLIM_INFINITY,
+                };
+                // SAFETY: getrlimit writes the struct it is given.
+                if unsafe { libc::getrlimit(resource, &mut current) } != 0 {
+                    current.rlim_max = libc::RLIM_INFINITY;
+                }
+                (soft.min(current.rlim_max), hard.min(current.rlim_max))
+            };
+            let memory = within(
+                libc::RLIMIT_AS,
+                self.limits.memory_bytes as libc::rlim_t,
+                self.limits.memory_bytes as libc::rlim_t,
+            );
+            let seconds = self.limits.cpu.as_secs().max(1) as libc::rlim_t;
+            // SIGXCPU at the limit, SIGKILL a second later.
+            let cpu = within(libc::RLIMIT_CPU, seconds, seconds + 1);
+            let gateway = std::process::id() as libc::pid_t;
+            // SAFETY: between fork and exec only async-signal-safe calls
+            // (setrlimit, setpriority, prctl, getppid) are made, on plain
+            // values, and nothing is allocated.
+            unsafe {
+                command.pre_exec(move || {
+                    let set = |resource, soft, hard| {
+                        let limit = libc::rlimit {
+                            rlim_cur: soft,
+                            rlim_max: hard,
+                        };
+                        if libc::setrlimit(resource, &limit) != 0 {
+                            return Err(std::io::Error::last_os_error());
+                        }
+                        Ok(())
+                    };
+                    set(libc::RLIMIT_AS, memory.0, memory.1)?;
+                    set(libc::RLIMIT_CPU, cpu.0, cpu.1)?;
+                    // A child killed at its limit writes no core file of
+                    // gigabytes.
+                    set(libc::RLIMIT_CORE, 0, 0)?;
+                    // Requests first: the compile takes the CPU they leave.
+                    libc::setpriority(libc::PRIO_PROCESS, 0, 10);
+                    if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    // The gateway died before the line above: nobody waits.
+                    if libc::getppid() != gateway {
+                        return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+                    }
+                    Ok(())
+                });
+            }
+        }
+    }
+
+    /// What the child's end says: refused, a limit hit, or a failure.
+    fn failure(&self, status: ExitStatus, stderr: &[u8]) -> CompileFailure {
+        let message = String::from_utf8_lossy(&stderr[..stderr.len().min(MAX_CHILD_MESSAGE)])
+            .trim()
+            .to_string();
+        let signal = {
+            #[cfg(unix)]
+            {
+                std::os::unix::process::ExitStatusExt::signal(&status)
+            }
+            #[cfg(not(unix))]
+            {
+                None::<i32>
+            }
+        };
+        // Allocations fail once the address space is used up: Rust's
+        // allocator then aborts with "memory allocation of N bytes failed",
+        // and wasmtime reports a failed mapping as "Cannot allocate memory".
+        let out_of_memory = message.contains("memory allocation of")
+            || message.contains("Cannot allocate memory")
+            || message.contains("out of memory");
+        if out_of_memory {
+            return CompileFailure::OutOfMemory {
+                limit_bytes: self.limits.memory_bytes,
+            };
+        }
+        #[cfg(unix)]
+        if signal == Some(libc::SIGXCPU) || signal == Some(libc::SIGKILL) {
+            // SIGKILL is also the kernel's out-of-memory killer's, or an
+            // operator's: said as the likely cause, with the alternative.
+            return CompileFailure::OutOfCpuTime {
+                limit: self.limits.cpu,
+                killed: signal == Some(libc::SIGKILL),
+            };
+        }
+        if status.code() == Some(REFUSED_STATUS) {
+            return CompileFailure::Refused(message);
+        }
+        CompileFailure::Other(format!(
+            "the compile process {} failed ({status}){}",
+            self.program.display(),
+            if message.is_empty() {
+                String::new()
+            } else {
+                format!(": {message}")
+            }
+        ))
+    }
+}
+
+/// Why compiling in the child did not give a build.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CompileFailure {
+    /// The component is not one this host can compile; the child's
+    /// message.
+    Refused(String),
+    /// The compile needed more address space than the limit.
+    OutOfMemory {
+        /// The limit, in bytes.
+        limit_bytes: u64,
+    },
+    /// The compile used the CPU time of the limit (`killed`: the child
+    /// died by SIGKILL, the hard limit's signal, which the system's
+    /// out-of-memory killer or an operator may also have sent).
+    OutOfCpuTime {
+        /// The limit.
+        limit: Duration,
+        /// Whether the child was killed rather than told to stop.
+        killed: bool,
+    },
+    /// The child could not be started, or failed otherwise; why.
+    Other(String),
+}
+
+impl std::fmt::Display for CompileFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CompileFailure::Refused(message) => write!(f, "{message}"),
+            CompileFailure::OutOfMemory { limit_bytes } => write!(
+                f,
+                "compiling the plugin needed more than its {} MiB of address space \
+                 (--plugin-compile-memory-mib): the component is too large or complex to compile \
+                 within it",
+                limit_bytes >> 20
+            ),
+            CompileFailure::OutOfCpuTime { limit, killed } => write!(
+                f,
+                "compiling the plugin {} its {} s of CPU time (--plugin-compile-cpu-secs){}",
+                if *killed { "was killed at" } else { "used up" },
+                limit.as_secs().max(1),
+                if *killed {
+                    ", or the system killed it for want of memory"
+                } else {
+                    ""
+                }
+            ),
+            CompileFailure::Other(message) => write!(f, "{message}"),
+        }
+    }
+}
+
+impl std::error::Error for CompileFailure {}
+
+/// The child's side: reads a component on `input`, compiles it with the
+/// engine's compile settings and writes the build on `output`. An error
+/// names what failed; [`RefusedComponent`] when wasmtime refused the
+/// component (exit with [`REFUSED_STATUS`] then).
+pub fn compile_for_parent(mut input: impl Read, mut output: impl Write) -> anyhow::Result<()> {
+    let mut component = Vec::new();
+    input
+        .by_ref()
+        .take(MAX_COMPONENT_BYTES + 1)
+        .read_to_end(&mut component)
+        .context("reading the component on stdin")?;
+    anyhow::ensure!(
+        component.len() as u64 <= MAX_COMPONENT_BYTES,
+        "the component on stdin is larger than {} MiB",
+        MAX_COMPONENT_BYTES >> 20
+    );
+    let engine = Engine::new(&crate::engine::compile_config())
+        .map_err(|e| anyhow::anyhow!("creating the wasmtime engine to compile with: {e:#}"))?;
+    let build = engine
+        .precompile_component(&component)
+        .map_err(|e| anyhow::Error::new(RefusedComponent(format!("{e:#}"))))?;
+    output
+        .write_all(&build)
+        .and_then(|()| output.flush())
+        .context("writing the compiled build on stdout")
+}
+
+/// wasmtime refused the component; its message.
+#[derive(Debug)]
+pub struct RefusedComponent(pub String);
+
+impl std::fmt::Display for RefusedComponent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+impl std::error::Error for RefusedComponent {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::process::ExitStatusExt as _;
+
+    fn process() -> CompileProcess {
+        CompileProcess::this_binary(
+            &["compile-plugin"],
+            CompileLimits {
+                memory_bytes: 512 << 20,
+                cpu: Duration::from_secs(3),
+            },
+        )
+    }
+
+    /// A wait status for an exit with `code`.
+    fn exited(code: i32) -> ExitStatus {
+        ExitStatus::from_raw(code << 8)
+    }
+
+    /// A wait status for a death by `signal`.
+    fn killed_by(signal: i32) -> ExitStatus {
+        ExitStatus::from_raw(signal)
+    }
+
+    #[test]
+    fn a_failed_allocation_is_the_memory_limit() {
+        let failure = process().failure(
+            killed_by(libc::SIGABRT),
+            b"memory allocation of 1048576 bytes failed\n",
+        );
+        assert_eq!(
+            failure,
+            CompileFailure::OutOfMemory {
+                limit_bytes: 512 << 20
+            }
+        );
+        assert!(failure
+            .to_string()
+            .contains("more than its 512 MiB of address space (--plugin-compile-memory-mib)"));
+        // wasmtime's own failed mapping, reported as an error.
+        let failure = process().failure(
+            exited(1),
+            b"failed to mmap: Cannot allocate memory (os error 12)",
+        );
+        assert!(matches!(failure, CompileFailure::OutOfMemory { .. }));
+    }
+
+    #[test]
+    fn the_cpu_limits_signals_are_the_cpu_limit() {
+        let failure = process().failure(killed_by(libc::SIGXCPU), b"");
+        assert_eq!(
+            failure,
+            CompileFailure::OutOfCpuTime {
+                limit: Duration::from_secs(3),
+                killed: false
+            }
+        );
+        assert_eq!(
+            failure.to_string(),
+            "compiling the plugin used up its 3 s of CPU time (--plugin-compile-cpu-secs)"
+        );
+        let failure = process().failure(killed_by(libc::SIGKILL), b"");
+        assert!(failure
+            .to_string()
+            .contains("was killed at its 3 s of CPU time"));
+        assert!(failure.to_string().contains("for want of memory"));
+    }
+
+    #[test]
+    fn a_refusal_carries_the_childs_words() {
+        let failure = process().failure(exited(REFUSED_STATUS), b"failed to parse: bad magic\n");
+        assert_eq!(
+            failure,
+            CompileFailure::Refused("failed to parse: bad magic".to_string())
+        );
+    }
+
+    #[test]
+    fn any_other_end_names_the_status_and_the_childs_words() {
+        let failure = process().failure(exited(101), b"thread 'main' panicked at oops");
+        let text = failure.to_string();
+        assert!(
+            text.starts_with("the compile process /proc/self/exe failed (exit status: 101)"),
+            "{text}"
+        );
+        assert!(text.ends_with(": thread 'main' panicked at oops"), "{text}");
+        // A child's message is kept to a bounded length.
+        let long = vec![b'x'; 10 * MAX_CHILD_MESSAGE];
+        let text = process().failure(exited(1), &long).to_string();
+        assert!(text.len() < 2 * MAX_CHILD_MESSAGE, "{}", text.len());
+    }
+
+    #[test]
+    fn the_child_refuses_bytes_that_are_no_component_and_names_wasmtimes_reason() {
+        let mut out = Vec::new();
+        let error = compile_for_parent(&b"\0asm\x0d\0\x01\0\x01"[..], &mut out).unwrap_err();
+        assert!(error.is::<RefusedComponent>(), "{error:#}");
+        assert!(out.is_empty());
+    }
+}
