@@ -9,6 +9,7 @@ use anyhow::Context as _;
 use serde::Deserialize;
 use snowgate_plugin::SnowflakeLayout;
 
+use crate::compile_process::CompileProcess;
 use crate::gateway::body_memory::default_limit;
 use crate::gateway::plugin_file::read_regular_file;
 use crate::lease::LeaseConfig;
@@ -25,6 +26,14 @@ const MAX_PLUGIN_INSTANCES: u32 = 4096;
 /// The most memory for request bodies a configuration may give, in MiB:
 /// 1 TiB.
 const MAX_BODY_MEMORY_MIB: usize = 1 << 20;
+/// The least address space a plugin's compile process may be given: the
+/// process itself (its code, threads and allocator) needs about 100 MiB
+/// before compiling anything.
+const MIN_COMPILE_MEMORY_MIB: u64 = 256;
+/// The most: 1 TiB.
+const MAX_COMPILE_MEMORY_MIB: u64 = 1 << 20;
+/// The most CPU time a compile may be given: a day.
+const MAX_COMPILE_CPU_SECS: u64 = 86_400;
 
 /// The most client connections a configuration may allow at once.
 const MAX_CONNECTIONS: usize = 1 << 20;
@@ -85,6 +94,12 @@ pub struct GatewayConfig {
     /// Where compiled plugins are kept between loads (see
     /// [`CompileCache`](crate::CompileCache)); `None` compiles at every load.
     pub plugin_cache_dir: Option<PathBuf>,
+    /// The child process plugins are compiled in, under limits of its own
+    /// (see [`CompileProcess`]); `None` compiles them in the gateway's own
+    /// process, unlimited (the default of the library, which cannot know
+    /// of a program to run). `snowgate serve` compiles in
+    /// `snowgate compile-plugin`.
+    pub compile_process: Option<CompileProcess>,
     /// Where the admin endpoints listen.
     pub admin_listen: SocketAddr,
     /// The largest request body accepted.
@@ -196,6 +211,7 @@ impl Default for GatewayConfig {
             plugin: None,
             plugin_settings: BTreeMap::new(),
             plugin_cache_dir: None,
+            compile_process: None,
             admin_listen: SocketAddr::from(([127, 0, 0, 1], 9901)),
             max_body_bytes: 32 << 20,
             body_memory: None,
@@ -323,6 +339,11 @@ pub struct ConfigFile {
     pub plugin_calls_per_instance: Option<u32>,
     /// See [`PluginLimits::max_instances`].
     pub plugin_instances: Option<u32>,
+    /// See [`CompileLimits::memory_bytes`](crate::CompileLimits::memory_bytes),
+    /// in MiB.
+    pub plugin_compile_memory_mib: Option<u64>,
+    /// See [`CompileLimits::cpu`](crate::CompileLimits::cpu), in seconds.
+    pub plugin_compile_cpu_secs: Option<u64>,
     /// Shutdown grace period in seconds.
     pub shutdown_grace_secs: Option<u64>,
     /// Reload debounce in milliseconds.
@@ -528,6 +549,30 @@ impl ConfigFile {
                  for a reload's check of a new build), not {n}"
             );
             config.plugin_limits.max_instances = n;
+        }
+        if self.plugin_compile_memory_mib.is_some() || self.plugin_compile_cpu_secs.is_some() {
+            let Some(process) = config.compile_process.as_mut() else {
+                anyhow::bail!(
+                    "plugin-compile-memory-mib and plugin-compile-cpu-secs limit the process \
+                     plugins are compiled in, and this gateway compiles them in its own"
+                );
+            };
+            if let Some(mib) = self.plugin_compile_memory_mib {
+                anyhow::ensure!(
+                    (MIN_COMPILE_MEMORY_MIB..=MAX_COMPILE_MEMORY_MIB).contains(&mib),
+                    "plugin-compile-memory-mib must be between {MIN_COMPILE_MEMORY_MIB} and \
+                     {MAX_COMPILE_MEMORY_MIB} (1 TiB), not {mib}"
+                );
+                process.limits.memory_bytes = mib << 20;
+            }
+            if let Some(secs) = self.plugin_compile_cpu_secs {
+                anyhow::ensure!(
+                    (1..=MAX_COMPILE_CPU_SECS).contains(&secs),
+                    "plugin-compile-cpu-secs must be between 1 and {MAX_COMPILE_CPU_SECS} (a day), \
+                     not {secs}"
+                );
+                process.limits.cpu = Duration::from_secs(secs);
+            }
         }
         if let Some(secs) = self.shutdown_grace_secs {
             config.shutdown_grace = Duration::from_secs(secs);
@@ -927,6 +972,37 @@ mod tests {
             );
             assert!(err.contains("must start with '/'"), "{bad:?}: {err}");
         }
+    }
+
+    /// The compile limits set the compile process's limits; where the
+    /// gateway compiles in its own process, they are refused, not ignored.
+    #[test]
+    fn compile_limits_set_the_compile_process_or_are_refused_without_one() {
+        let file = || ConfigFile {
+            plugin_compile_memory_mib: Some(1024),
+            plugin_compile_cpu_secs: Some(30),
+            ..Default::default()
+        };
+        let mut config = GatewayConfig {
+            compile_process: Some(CompileProcess::this_binary(
+                &["compile-plugin"],
+                crate::CompileLimits::default(),
+            )),
+            ..Default::default()
+        };
+        file().apply(&mut config).unwrap();
+        assert_eq!(
+            config.compile_process.expect("a process").limits,
+            crate::CompileLimits {
+                memory_bytes: 1 << 30,
+                cpu: Duration::from_secs(30),
+            }
+        );
+        let err = format!(
+            "{:#}",
+            file().apply(&mut GatewayConfig::default()).unwrap_err()
+        );
+        assert!(err.contains("compiles them in its own"), "{err}");
     }
 
     /// An empty token, which would match a request without one, or one no

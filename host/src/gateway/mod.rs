@@ -110,6 +110,9 @@ impl Gateway {
                      --plugin-instances"
             )
         })?;
+        if let Some(process) = &config.compile_process {
+            engine = engine.with_compile_process(process.clone());
+        }
         if let Some(dir) = &config.plugin_cache_dir {
             let cache = CompileCache::open(dir).context("--plugin-cache-dir")?;
             engine = engine.with_compile_cache(cache);

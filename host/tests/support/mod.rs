@@ -1244,7 +1244,9 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
         .collect()
 }
 
-fn leb128(mut n: usize, out: &mut Vec<u8>) {
+/// Appends `n` to `out` as an unsigned LEB128 number (WebAssembly's
+/// sizes and counts).
+pub fn leb128(mut n: usize, out: &mut Vec<u8>) {
     loop {
         let byte = (n & 0x7f) as u8;
         n >>= 7;

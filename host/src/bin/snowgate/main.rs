@@ -1,6 +1,7 @@
 //! The `snowgate` command: runs the plugin on request bodies, and reads ids.
 
 mod allocator;
+mod compile_plugin;
 mod decode;
 mod huge_pages;
 mod open_files;
@@ -50,6 +51,11 @@ enum Command {
     /// Run the gateway: a reverse proxy that stamps ids into JSON requests
     /// on their way to the upstream, and reloads the plugin when it changes.
     Serve(Box<serve::ServeArgs>),
+    /// Compile the plugin component on stdin and write the build on stdout:
+    /// the child process `serve` compiles each plugin in, under
+    /// --plugin-compile-memory-mib and --plugin-compile-cpu-secs.
+    #[command(hide = true)]
+    CompilePlugin,
 }
 
 /// How a command failed, and so which exit status it gets.
@@ -125,6 +131,8 @@ fn main() -> ExitCode {
         Command::Rewrite(args) => rewrite::run(args),
         Command::Decode(args) => decode::run(args),
         Command::Serve(args) => serve::run(*args),
+        // Its own exit statuses: see `compile_plugin::run`.
+        Command::CompilePlugin => return compile_plugin::run(),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -8,6 +8,7 @@ use clap::Args;
 use snowgate_host::gateway::{
     parse_listen_address, ConfigFile, FailurePolicy, Gateway, GatewayConfig,
 };
+use snowgate_host::{CompileLimits, CompileProcess};
 use snowgate_plugin::SnowflakeLayout;
 
 use crate::Failure;
@@ -100,6 +101,18 @@ pub struct ServeArgs {
     /// use is at most this many times --plugin-memory-mib.
     #[arg(long, value_name = "N")]
     plugin_instances: Option<u32>,
+    /// Address space the process that compiles each plugin build may map,
+    /// in MiB, 256 or more [default: 4096]. Builds are compiled in a child
+    /// process (`snowgate compile-plugin`, at a lower CPU priority), so that
+    /// one whose compile needs more memory or time than its limit fails
+    /// alone: the load is refused, naming the limit, and the build serving
+    /// before goes on serving.
+    #[arg(long, value_name = "MIB")]
+    plugin_compile_memory_mib: Option<u64>,
+    /// CPU time, over all its threads, the process that compiles each
+    /// plugin build may use, in seconds [default: 600].
+    #[arg(long, value_name = "SECS")]
+    plugin_compile_cpu_secs: Option<u64>,
     /// How long in-flight requests may finish after SIGTERM, in seconds
     /// [default: 30]; a second SIGTERM or SIGINT, a second or more after
     /// the first, ends it at once. Without --etcd, the stop may then take
@@ -203,7 +216,14 @@ pub(crate) fn parse_setting(s: &str) -> Result<(String, String), String> {
 impl ServeArgs {
     /// Defaults, then the file, then the flags.
     fn into_config(self) -> anyhow::Result<GatewayConfig> {
-        let mut config = GatewayConfig::default();
+        let mut config = GatewayConfig {
+            // The limits come from the defaults, the file and the flags.
+            compile_process: Some(CompileProcess::this_binary(
+                &["compile-plugin"],
+                CompileLimits::default(),
+            )),
+            ..GatewayConfig::default()
+        };
         if let Some(path) = &self.config {
             // A setting's error names it as a flag would; say which file
             // it came from.
@@ -227,6 +247,8 @@ impl ServeArgs {
             plugin_deadline_ms: self.plugin_deadline_ms,
             plugin_calls_per_instance: self.plugin_calls_per_instance,
             plugin_instances: self.plugin_instances,
+            plugin_compile_memory_mib: self.plugin_compile_memory_mib,
+            plugin_compile_cpu_secs: self.plugin_compile_cpu_secs,
             shutdown_grace_secs: self.shutdown_grace_secs,
             reload_debounce_ms: self.reload_debounce_ms,
             header_read_timeout_ms: self.header_read_timeout_ms,

@@ -1,0 +1,395 @@
+//! Plugins are compiled in a child process (`snowgate compile-plugin`)
+//! under limits of their own: a build whose compile needs more memory or
+//! CPU time than its limit is refused, naming the limit, while the gateway
+//! goes on serving the build it had, its own memory untouched; a gateway
+//! that dies mid-compile takes the child with it; and the child's builds,
+//! and its refusals, are those of a compile in the process.
+//!
+//! The builds that exceed the limits are made here: a component whose one
+//! function keeps hundreds of thousands of call results alive at once,
+//! which Cranelift's register allocator must all track and spill (a few
+//! megabytes of WebAssembly that takes gigabytes and seconds to compile).
+
+mod support;
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use http::StatusCode;
+use snowgate_host::{
+    CompileLimits, CompileProcess, HostServices, IdClock, MachineIdentity, Plugin, PluginEngine,
+    PluginLimits,
+};
+use snowgate_plugin::SnowflakeLayout;
+use support::*;
+
+/// The watcher effectively off, so that only `POST /reload` reloads.
+const NO_WATCH: &[&str] = &["--reload-debounce-ms", "600000"];
+
+/// Appends section `id` holding `content`.
+fn section(out: &mut Vec<u8>, id: u8, content: &[u8]) {
+    out.push(id);
+    leb128(content.len(), out);
+    out.extend_from_slice(content);
+}
+
+/// A component holding one core module whose second function calls the
+/// first `values` times, keeping every result on the operand stack, then
+/// adds them all up. Valid WebAssembly (it does not implement the
+/// middleware world, which is checked only after compiling); every result
+/// is alive until the additions, so the compile's memory and time grow
+/// with `values`.
+fn compile_bomb(values: usize) -> Vec<u8> {
+    let mut module = b"\0asm\x01\0\0\0".to_vec();
+    // Types: () -> i32, () -> ().
+    section(&mut module, 1, &[2, 0x60, 0, 1, 0x7f, 0x60, 0, 0]);
+    // Functions: 0 of type 0, 1 of type 1.
+    section(&mut module, 3, &[2, 0, 1]);
+    let mut bomb = vec![0]; // no locals
+    for _ in 0..values {
+        bomb.extend_from_slice(&[0x10, 0]); // call 0
+    }
+    bomb.extend(std::iter::repeat_n(0x6a, values - 1)); // i32.add
+    bomb.extend_from_slice(&[0x1a, 0x0b]); // drop, end
+    let mut code = vec![2];
+    // Function 0: i32.const 7.
+    code.extend_from_slice(&[4, 0, 0x41, 7, 0x0b]);
+    leb128(bomb.len(), &mut code);
+    code.extend_from_slice(&bomb);
+    section(&mut module, 10, &code);
+    let mut component = b"\0asm\x0d\0\x01\0".to_vec();
+    section(&mut component, 1, &module); // a core module
+    component
+}
+
+/// The size of the bomb the tests use: its compile needs about 950 MiB
+/// and 3 s of CPU (about 2.4 KiB and 7 µs a value, in the tests' build).
+const BOMB_VALUES: usize = 400_000;
+
+/// The compile memory limit the memory test gives: twice what the bundled
+/// plugin's compile needs (under 200 MiB of address space), half of what
+/// the bomb's does.
+const MEMORY_LIMIT_MIB: u64 = 512;
+
+/// Peak resident memory of process `pid` (`VmHWM`), in KiB.
+fn peak_rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("read its status");
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmHWM in /proc/PID/status")
+}
+
+/// `POST /reload`, which must be refused; the error's message.
+async fn reload_refused(gateway: &Gateway) -> String {
+    let reply = post_empty(gateway.admin, "/reload").await;
+    assert_eq!(
+        reply.status,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "{}",
+        reply.text()
+    );
+    assert_openai_error(&reply.json(), "reload_failed", "invalid_request_error")
+}
+
+/// Sends a context-only request to the built-in echo upstream and checks
+/// that it was stamped.
+async fn assert_stamps(gateway: &Gateway) {
+    let reply = post_json(gateway.addr, "/v1/completions", CONTEXT_ONLY).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    assert_fresh_v1_id(stamped_id(
+        &serde_json::to_vec(&reply.json()["body"]).unwrap(),
+    ));
+}
+
+/// A gateway serving build 0 of the bundled plugin from a file in a new
+/// directory, with `extra` flags.
+async fn serving(name: &str, extra: &[&str]) -> (TempDir, std::path::PathBuf, Gateway) {
+    let dir = TempDir::new(name);
+    let path = dir.path().join("plugin.wasm");
+    std::fs::write(&path, plugin_variant(0)).unwrap();
+    let mut args = vec!["--plugin", arg(&path)];
+    args.extend_from_slice(NO_WATCH);
+    args.extend_from_slice(extra);
+    let gateway = Gateway::start(&args).await;
+    (dir, path, gateway)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_build_whose_compile_needs_more_memory_than_its_limit_is_refused_and_the_old_one_serves()
+{
+    let limit = MEMORY_LIMIT_MIB.to_string();
+    let (_dir, path, gateway) = serving(
+        "compile-memory",
+        &["--plugin-compile-memory-mib", limit.as_str()],
+    )
+    .await;
+    let serving_sha = gateway.plugin_sha().await;
+    let peak_before = peak_rss_kib(gateway.pid());
+
+    rewrite_in_place(&path, &compile_bomb(BOMB_VALUES));
+    let message = reload_refused(&gateway).await;
+    assert!(
+        message.contains("--plugin-compile-memory-mib")
+            && message.contains(&format!("{MEMORY_LIMIT_MIB} MiB")),
+        "names the limit: {message}"
+    );
+    assert!(message.contains(arg(&path)), "names the file: {message}");
+    assert_eq!(
+        gateway.plugin_sha().await,
+        serving_sha,
+        "the old build serves"
+    );
+    assert_stamps(&gateway).await;
+    // The compile's memory was the child's: the gateway's own peak grew
+    // by far less than the limit the child ran into.
+    let grown_mib = peak_rss_kib(gateway.pid()).saturating_sub(peak_before) >> 10;
+    assert!(
+        grown_mib < MEMORY_LIMIT_MIB / 4,
+        "the gateway's peak resident memory grew by {grown_mib} MiB"
+    );
+
+    // A good build still compiles in the child and swaps in.
+    rewrite_in_place(&path, &plugin_variant(1));
+    let reply = post_empty(gateway.admin, "/reload").await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    assert_eq!(gateway.plugin_sha().await, sha256_hex(&plugin_variant(1)));
+    assert_stamps(&gateway).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_build_whose_compile_takes_more_cpu_than_its_limit_is_refused() {
+    let (_dir, path, gateway) = serving(
+        "compile-cpu",
+        &[
+            "--plugin-compile-cpu-secs",
+            "1",
+            "--plugin-compile-memory-mib",
+            "8192",
+        ],
+    )
+    .await;
+    let serving_sha = gateway.plugin_sha().await;
+    rewrite_in_place(&path, &compile_bomb(BOMB_VALUES));
+    let message = reload_refused(&gateway).await;
+    assert!(
+        message.contains("1 s of CPU time (--plugin-compile-cpu-secs)"),
+        "names the limit: {message}"
+    );
+    assert_eq!(
+        gateway.plugin_sha().await,
+        serving_sha,
+        "the old build serves"
+    );
+    assert_stamps(&gateway).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_gateway_whose_first_build_exceeds_a_compile_limit_does_not_start_and_says_why() {
+    let dir = TempDir::new("compile-first");
+    let path = dir.path().join("plugin.wasm");
+    std::fs::write(&path, compile_bomb(BOMB_VALUES)).unwrap();
+    let limit = MEMORY_LIMIT_MIB.to_string();
+    let output = Command::new(env!("CARGO_BIN_EXE_snowgate"))
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+        ])
+        .args(["--machine-id", "1", "--plugin", arg(&path)])
+        .args(["--plugin-compile-memory-mib", limit.as_str()])
+        .stdin(Stdio::null())
+        .output()
+        .expect("run snowgate");
+    assert_eq!(output.status.code(), Some(1), "it must not start");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("--plugin-compile-memory-mib") && !stderr.contains("panicked"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn compile_limits_out_of_range_are_refused_as_bad_flags() {
+    for (flag, value, says) in [
+        ("--plugin-compile-memory-mib", "100", "between 256 and"),
+        ("--plugin-compile-cpu-secs", "0", "between 1 and 86400"),
+    ] {
+        let output = Command::new(env!("CARGO_BIN_EXE_snowgate"))
+            .args(["serve", "--machine-id", "1", flag, value])
+            .stdin(Stdio::null())
+            .output()
+            .expect("run snowgate");
+        assert_eq!(output.status.code(), Some(2), "{flag} {value}");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(stderr.contains(says), "{flag} {value}: {stderr}");
+    }
+}
+
+/// The processes whose parent is `pid`.
+fn children_of(pid: u32) -> Vec<u32> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return Vec::new();
+    };
+    tasks
+        .flatten()
+        .filter_map(|task| std::fs::read_to_string(task.path().join("children")).ok())
+        .flat_map(|text| {
+            text.split_whitespace()
+                .filter_map(|n| n.parse().ok())
+                .collect::<Vec<u32>>()
+        })
+        .collect()
+}
+
+/// Whether process `pid` is gone, or dead and waiting to be reaped.
+fn is_dead(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        // The state follows the command name in parentheses.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with(['Z', 'X'])),
+    }
+}
+
+/// Polls `done` every 20 ms until it holds, at most `bound`.
+fn poll_until(what: &str, bound: Duration, mut done: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !done() {
+        assert!(start.elapsed() < bound, "{what} within {bound:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_killed_mid_compile_takes_its_compile_process_with_it() {
+    let (_dir, path, gateway) = serving("compile-orphan", &[]).await;
+    rewrite_in_place(&path, &compile_bomb(BOMB_VALUES));
+    // The reload runs to its end even though this request is dropped.
+    let admin = gateway.admin;
+    let reload = tokio::spawn(async move { post_empty(admin, "/reload").await });
+    let pid = gateway.pid();
+    let mut child = 0;
+    poll_until("the compile process starts", STEP, || {
+        child = children_of(pid)
+            .into_iter()
+            .find(|c| {
+                std::fs::read(format!("/proc/{c}/cmdline"))
+                    .is_ok_and(|cmd| cmd.windows(14).any(|w| w == b"compile-plugin"))
+            })
+            .unwrap_or(0);
+        child != 0
+    });
+    // Stopped, it cannot finish its compile and end by itself meanwhile:
+    // only a SIGKILL from the kernel, when its parent dies, ends it.
+    let child = Killed(child);
+    signal(child.0, "STOP");
+    gateway.signal("KILL");
+    gateway.wait_exit(STEP).await;
+    poll_until("the compile process dies with the gateway", STEP, || {
+        is_dead(child.0)
+    });
+    reload.abort();
+}
+
+/// Sends process `pid` `signal` with `kill`.
+fn signal(pid: u32, signal: &str) {
+    let _ = Command::new("kill")
+        .args([format!("-{signal}"), pid.to_string()])
+        .stderr(Stdio::null())
+        .status();
+}
+
+/// A process killed when the test ends, pass or fail.
+struct Killed(u32);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        signal(self.0, "KILL");
+    }
+}
+
+/// An engine that compiles in `snowgate compile-plugin` under `limits`.
+fn engine_compiling_in_a_child(limits: CompileLimits) -> PluginEngine {
+    let services = HostServices {
+        clock: std::sync::Arc::new(IdClock::system()),
+        identity: std::sync::Arc::new(
+            MachineIdentity::fixed(SnowflakeLayout::TrtllmV1, 3).unwrap(),
+        ),
+    };
+    let limits_of_calls = PluginLimits {
+        max_instances: 4,
+        ..PluginLimits::default()
+    };
+    PluginEngine::new(services, limits_of_calls)
+        .unwrap()
+        // SAFETY: the snowgate binary of this build compiles with this
+        // crate's `compile_for_parent`.
+        .with_compile_process(unsafe {
+            CompileProcess::of_program(env!("CARGO_BIN_EXE_snowgate"), &["compile-plugin"], limits)
+        })
+}
+
+#[test]
+fn a_build_from_the_child_serves_and_a_refusal_from_it_says_what_one_here_says() {
+    let engine = engine_compiling_in_a_child(CompileLimits::default());
+    let plugin = Plugin::load(&engine, snowgate_plugin_bundle::PLUGIN_WASM, &[]).unwrap();
+    let request = snowgate_host::Request {
+        method: "POST".into(),
+        path: "/v1/completions".into(),
+        headers: vec![("content-type".into(), b"application/json".to_vec())].into(),
+        body: CONTEXT_ONLY.as_bytes().to_vec(),
+    };
+    let snowgate_host::Action::ForwardWithBody(body) = plugin.handle(&request).unwrap() else {
+        panic!("the bundled plugin stamps a context-only body");
+    };
+    assert!(String::from_utf8(body)
+        .unwrap()
+        .contains("\"disagg_request_id\":"));
+
+    // A component of another world compiles; it fails the same check
+    // after, with the same words.
+    let here = PluginEngine::new(
+        engine.services().clone(),
+        PluginLimits {
+            max_instances: 4,
+            ..PluginLimits::default()
+        },
+    )
+    .unwrap();
+    let wrong = snowgate_test_fixtures::WRONG_WORLD_WASM;
+    let in_child = format!("{:#}", Plugin::load(&engine, wrong, &[]).unwrap_err());
+    let in_here = format!("{:#}", Plugin::load(&here, wrong, &[]).unwrap_err());
+    assert_eq!(in_child, in_here);
+
+    // Bytes wasmtime cannot read: its message comes through the child.
+    let mut broken = snowgate_plugin_bundle::PLUGIN_WASM.to_vec();
+    broken.truncate(broken.len() / 2);
+    let in_child = format!("{:#}", Plugin::load(&engine, &broken, &[]).unwrap_err());
+    let in_here = format!("{:#}", Plugin::load(&here, &broken, &[]).unwrap_err());
+    assert!(
+        in_child.starts_with("the plugin is not a valid WebAssembly component for this host: "),
+        "{in_child}"
+    );
+    assert_eq!(in_child, in_here);
+}
+
+#[test]
+fn a_compile_process_that_cannot_start_is_named() {
+    let engine = engine_compiling_in_a_child(CompileLimits::default());
+    // SAFETY: nothing is run: the program does not exist.
+    let missing = unsafe {
+        CompileProcess::of_program("/nonexistent/snowgate", &[], CompileLimits::default())
+    };
+    let engine = engine.with_compile_process(missing);
+    let error = Plugin::load(&engine, snowgate_plugin_bundle::PLUGIN_WASM, &[]).unwrap_err();
+    let message = format!("{error:#}");
+    assert!(
+        message.contains("starting the compile process /nonexistent/snowgate"),
+        "{message}"
+    );
+}
