@@ -31,6 +31,8 @@ import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SNOWGATE = os.path.join(ROOT, "target", "release", "snowgate")
+# The binary measured: --snowgate, SNOWGATE by default.
+SNOWGATE_BINARY = SNOWGATE
 WORK = os.path.join(ROOT, "target", "compile-cache-bench")
 COMPONENTIZE_PY = "componentize-py==0.25.1"
 CONTEXT_ONLY = b'{"prompt":"x","disaggregated_params":{"request_type":"context_only"}}'
@@ -64,7 +66,7 @@ class Gateway:
     """`snowgate serve` on free ports, on `plugin.wasm` in `workdir`."""
 
     def __init__(self, workdir, cache):
-        cmd = [SNOWGATE, "serve", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0",
+        cmd = [SNOWGATE_BINARY, "serve", "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0",
                "--machine-id", "1", "--plugin", "plugin.wasm"]
         if cache:
             cmd += ["--plugin-cache-dir", cache]
@@ -168,9 +170,13 @@ def reloads(builds, rounds):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--snowgate", default=SNOWGATE,
+                        help="the binary to measure (default target/release/snowgate)")
     args = parser.parse_args()
-    if not os.path.exists(SNOWGATE):
-        sys.exit("no %s: run cargo build --release first" % SNOWGATE)
+    global SNOWGATE_BINARY
+    SNOWGATE_BINARY = args.snowgate
+    if not os.path.exists(SNOWGATE_BINARY):
+        sys.exit("no %s: run cargo build --release first" % SNOWGATE_BINARY)
     os.makedirs(WORK, exist_ok=True)
     builds = build_plugins()
     start_results = starts(builds, args.rounds)
