@@ -81,26 +81,16 @@ fn peak_rss_kib(pid: u32) -> u64 {
         .expect("VmHWM in /proc/PID/status")
 }
 
-/// `POST /reload`, which must be refused; the error's message.
-async fn reload_refused(gateway: &Gateway) -> String {
-    let reply = post_empty(gateway.admin, "/reload").await;
-    assert_eq!(
-        reply.status,
-        StatusCode::UNPROCESSABLE_ENTITY,
-        "{}",
-        reply.text()
-    );
-    assert_openai_error(&reply.json(), "reload_failed", "invalid_request_error")
-}
-
-/// Sends a context-only request to the built-in echo upstream and checks
-/// that it was stamped.
-async fn assert_stamps(gateway: &Gateway) {
-    let reply = post_json(gateway.addr, "/v1/completions", CONTEXT_ONLY).await;
-    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
-    assert_fresh_v1_id(stamped_id(
-        &serde_json::to_vec(&reply.json()["body"]).unwrap(),
-    ));
+/// Runs `snowgate serve` with `args` (and `--machine-id 1`) on loopback,
+/// for a start that must fail: its output once it exits.
+fn serve_until_it_exits(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_snowgate"))
+        .args(SERVE_ON_LOOPBACK)
+        .args(["--machine-id", "1"])
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run snowgate")
 }
 
 /// A gateway serving build 0 of the bundled plugin from a file in a new
@@ -191,19 +181,12 @@ async fn a_gateway_whose_first_build_exceeds_a_compile_limit_does_not_start_and_
     let path = dir.path().join("plugin.wasm");
     std::fs::write(&path, compile_bomb(BOMB_VALUES)).unwrap();
     let limit = MEMORY_LIMIT_MIB.to_string();
-    let output = Command::new(env!("CARGO_BIN_EXE_snowgate"))
-        .args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-        ])
-        .args(["--machine-id", "1", "--plugin", arg(&path)])
-        .args(["--plugin-compile-memory-mib", limit.as_str()])
-        .stdin(Stdio::null())
-        .output()
-        .expect("run snowgate");
+    let output = serve_until_it_exits(&[
+        "--plugin",
+        arg(&path),
+        "--plugin-compile-memory-mib",
+        limit.as_str(),
+    ]);
     assert_eq!(output.status.code(), Some(1), "it must not start");
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
@@ -218,11 +201,7 @@ fn compile_limits_out_of_range_are_refused_as_bad_flags() {
         ("--plugin-compile-memory-mib", "100", "between 256 and"),
         ("--plugin-compile-cpu-secs", "0", "between 1 and 86400"),
     ] {
-        let output = Command::new(env!("CARGO_BIN_EXE_snowgate"))
-            .args(["serve", "--machine-id", "1", flag, value])
-            .stdin(Stdio::null())
-            .output()
-            .expect("run snowgate");
+        let output = serve_until_it_exits(&[flag, value]);
         assert_eq!(output.status.code(), Some(2), "{flag} {value}");
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert!(stderr.contains(says), "{flag} {value}: {stderr}");

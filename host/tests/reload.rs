@@ -45,29 +45,6 @@ async fn serving_variant_0(name: &str, extra: &[&str]) -> (TempDir, PathBuf, Gat
     (dir, path, gateway)
 }
 
-/// `POST /reload`, which must be refused with 422 `reload_failed`; the
-/// error's message.
-async fn reload_refused(gateway: &Gateway) -> String {
-    let reply = post_empty(gateway.admin, "/reload").await;
-    assert_eq!(
-        reply.status,
-        StatusCode::UNPROCESSABLE_ENTITY,
-        "{}",
-        reply.text()
-    );
-    assert_openai_error(&reply.json(), "reload_failed", "invalid_request_error")
-}
-
-/// Sends a context-only request (built-in echo upstream) and checks it was
-/// stamped.
-async fn assert_stamps(gateway: &Gateway) -> u64 {
-    let reply = post_json(gateway.addr, "/v1/completions", CONTEXT_ONLY).await;
-    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
-    let id = stamped_id(&serde_json::to_vec(&reply.json()["body"]).unwrap());
-    assert_fresh_v1_id(id);
-    id
-}
-
 fn sha_of(status: &Value) -> &str {
     status["plugin"]["sha256"].as_str().expect("plugin.sha256")
 }

@@ -36,6 +36,16 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, Notify};
 
+/// `snowgate serve` on ephemeral loopback ports: the first arguments of
+/// every gateway a test starts.
+pub const SERVE_ON_LOOPBACK: [&str; 5] = [
+    "serve",
+    "--listen",
+    "127.0.0.1:0",
+    "--admin-listen",
+    "127.0.0.1:0",
+];
+
 /// The machine id every gateway gets unless a test passes its own.
 pub const MACHINE_ID: u32 = 7;
 
@@ -147,15 +157,7 @@ impl Gateway {
         signal_on_log: Option<(&str, &str)>,
     ) -> Gateway {
         let mut command = Command::new(env!("CARGO_BIN_EXE_snowgate"));
-        command
-            .args([
-                "serve",
-                "--listen",
-                "127.0.0.1:0",
-                "--admin-listen",
-                "127.0.0.1:0",
-            ])
-            .args(args);
+        command.args(SERVE_ON_LOOPBACK).args(args);
         if !args.contains(&"--machine-id") && !args.contains(&"--etcd") {
             command.args(["--machine-id", &MACHINE_ID.to_string()]);
         }
@@ -1324,4 +1326,27 @@ pub fn rewrite_in_place(path: &Path, bytes: &[u8]) {
 /// `path` as a `&str` for an argument list.
 pub fn arg(path: &Path) -> &str {
     path.to_str().expect("a UTF-8 path")
+}
+
+/// `POST /reload`, which must be refused with 422 `reload_failed`; the
+/// error's message.
+pub async fn reload_refused(gateway: &Gateway) -> String {
+    let reply = post_empty(gateway.admin, "/reload").await;
+    assert_eq!(
+        reply.status,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "{}",
+        reply.text()
+    );
+    assert_openai_error(&reply.json(), "reload_failed", "invalid_request_error")
+}
+
+/// Sends a context-only request (built-in echo upstream) and checks it was
+/// stamped.
+pub async fn assert_stamps(gateway: &Gateway) -> u64 {
+    let reply = post_json(gateway.addr, "/v1/completions", CONTEXT_ONLY).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    let id = stamped_id(&serde_json::to_vec(&reply.json()["body"]).unwrap());
+    assert_fresh_v1_id(id);
+    id
 }
