@@ -254,6 +254,16 @@ def cleanup():
                 pass
 
 
+def tear_down(members):
+    """Ends every process started here, members that a scenario stopped (SIGSTOP) included,
+    and removes the members' data directories."""
+    for m in members:
+        m.sig(signal.SIGCONT)
+    cleanup()
+    for m in members:
+        m.wipe()
+
+
 def machine_of(status):
     try:
         return status["lease"]["machine_id"], status["lease"]["state"]

@@ -35,8 +35,4 @@ try:
     victim.sig(signal.SIGCONT)
     g.stop()
 finally:
-    for m in members:
-        m.sig(signal.SIGCONT)
-    cleanup()
-    for m in members:
-        m.wipe()
+    tear_down(members)

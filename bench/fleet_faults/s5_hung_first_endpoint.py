@@ -57,8 +57,4 @@ try:
     print(f"ROW| s5 hung first endpoint | {ttl} | {fmt(ready_at) if ready_at is not None else f'not ready in {give_up}'} | "
           f"{len(lines)} | {(lines[0][:110].replace('|', '/') if lines else '-')} |", flush=True)
 finally:
-    for m in members:
-        m.sig(signal.SIGCONT)
-    cleanup()
-    for m in members:
-        m.wipe()
+    tear_down(members)
