@@ -42,6 +42,45 @@ pub(super) enum Raise {
     Lost(Ended),
 }
 
+/// A hold's keep-alive stream, and what is known of the renewals on it.
+struct Renewals {
+    keeper: LeaseKeeper,
+    responses: LeaseKeepAliveStream,
+    /// Whether the stream is open, as far as is known. It is watched
+    /// between renewals too: etcd going away (a restart, maybe with its
+    /// data lost) breaks it, and the lease is then checked at once and
+    /// every half second, not only at the next renewal. With a long TTL, a
+    /// holder whose lease went with etcd's data would otherwise go on
+    /// stamping for up to a third of it, while a replica with a shorter TTL
+    /// may already hold its slot.
+    open: bool,
+    /// Whether renewals are failing (warned once per episode).
+    failing: bool,
+    /// When the last renewal etcd confirmed was sent: the lease lives at
+    /// least until a TTL after it.
+    confirmed_at: Instant,
+    /// When to renew next: moved only by a renewal attempt, so that
+    /// requests to raise the mark cannot put renewals off.
+    renew_at: Instant,
+}
+
+impl Renewals {
+    /// The stream `pair`, reopened by a renewal etcd confirmed that was
+    /// sent `at`: renewals go on through it, the next `every` later.
+    fn reopened(
+        &mut self,
+        pair: (LeaseKeeper, LeaseKeepAliveStream),
+        at: Instant,
+        every: Duration,
+    ) {
+        (self.keeper, self.responses) = pair;
+        self.open = true;
+        self.failing = false;
+        self.confirmed_at = at;
+        self.renew_at = at + every;
+    }
+}
+
 impl Keeper {
     /// Keeps the lease alive, and the slot's high-water mark ahead of the
     /// ids, until stopped or until the lease may be lost. `alive_since` is
@@ -78,7 +117,7 @@ impl Keeper {
         // fails or does not answer within a call's wait (the client's
         // timeout: the member may have gone since the claim).
         let mut first = true;
-        let (mut keeper, mut responses) = loop {
+        let (keeper, responses) = loop {
             let attempt = Sent::now();
             let within = (confirmed_at + ttl - SAFETY_MARGIN).saturating_duration_since(attempt.at);
             // First through the endpoint the claim just used.
@@ -120,24 +159,19 @@ impl Keeper {
         // first request after a quiet spell would be refused at it.
         let raise_every = Duration::from_millis(self.mark_ahead() / 2);
         let mut raise_at = Instant::now() + raise_every;
-        // When to renew next: moved only by a renewal attempt, so that
-        // requests to raise the mark cannot put renewals off.
-        let mut renew_at = confirmed_at + every;
-        // Whether the keep-alive stream is open, as far as is known. It is
-        // watched between renewals too: etcd going away (a restart, maybe
-        // with its data lost) breaks it, and the lease is then checked at
-        // once and every half second, not only at the next renewal. With
-        // a long TTL, a holder whose lease went with etcd's data would
-        // otherwise go on stamping for up to a third of it, while a
-        // replica with a shorter TTL may already hold its slot.
-        let mut stream_open = true;
-        // Whether renewals are failing (warned once per episode).
-        let mut failing = false;
+        let mut renewals = Renewals {
+            keeper,
+            responses,
+            open: true,
+            failing: false,
+            confirmed_at,
+            renew_at: confirmed_at + every,
+        };
         // How long a renewal on the open stream is waited for.
         let renewal_wait = (every / 2).min(self.call_wait());
         loop {
-            let deadline = confirmed_at + ttl - SAFETY_MARGIN;
-            let next = renew_at.min(deadline);
+            let deadline = renewals.confirmed_at + ttl - SAFETY_MARGIN;
+            let next = renewals.renew_at.min(deadline);
             let renew = tokio::select! {
                 _ = stop.changed() => return Ended::Stopped,
                 () = tokio::time::sleep_until(next.into()) => true,
@@ -148,10 +182,10 @@ impl Keeper {
                 // Nothing is asked between renewals: an answer now is a
                 // late one to a renewal given up on (not counted), and
                 // an end or an error is the stream breaking.
-                message = responses.message(), if stream_open => match message {
+                message = renewals.responses.message(), if renewals.open => match message {
                     Ok(Some(_late)) => continue,
                     Ok(None) | Err(_) => {
-                        stream_open = false;
+                        renewals.open = false;
                         true
                     }
                 },
@@ -161,7 +195,7 @@ impl Keeper {
             }
             if renew {
                 let sent = Sent::now();
-                renew_at = sent.at + every;
+                renewals.renew_at = sent.at + every;
                 // Waits half the time between renewals at most, and a
                 // call's wait, so that a member that stopped answering
                 // leaves time to renew through another before the deadline
@@ -174,19 +208,19 @@ impl Keeper {
                 // an answer still queued on it belongs to an earlier renewal
                 // and would be counted for this one. It is reopened instead.
                 let renewal = tokio::time::timeout(wait, async {
-                    if !stream_open {
+                    if !renewals.open {
                         return Ok(None);
                     }
-                    keeper.keep_alive().await?;
-                    responses.message().await
+                    renewals.keeper.keep_alive().await?;
+                    renewals.responses.message().await
                 });
                 let Some(renewed) = unless_stopped(&mut stop, renewal).await else {
                     return Ended::Stopped;
                 };
                 let failure = match renewed {
                     Ok(Ok(Some(response))) if response.ttl() > 0 => {
-                        failing = false;
-                        confirmed_at = self.renewed(sent);
+                        renewals.failing = false;
+                        renewals.confirmed_at = self.renewed(sent);
                         self.status
                             .update(|s| s.last_renewed = Some(SystemTime::now()));
                         None
@@ -196,7 +230,9 @@ impl Keeper {
                             "etcd says the lease expired or was revoked".to_string(),
                         )
                     }
-                    Ok(Ok(None)) if !stream_open => Some("the keep-alive stream broke".to_string()),
+                    Ok(Ok(None)) if !renewals.open => {
+                        Some("the keep-alive stream broke".to_string())
+                    }
                     Ok(Ok(None)) => Some("etcd closed the keep-alive stream".to_string()),
                     Ok(Err(e)) => Some(e.to_string()),
                     Err(_) => Some(format!("no answer within {} ms", wait.as_millis())),
@@ -204,14 +240,14 @@ impl Keeper {
                 if let Some(failure) = failure {
                     // Retried every half second while etcd is away: one
                     // warning when it starts, the rest at debug level.
-                    if std::mem::replace(&mut failing, true) {
+                    if std::mem::replace(&mut renewals.failing, true) {
                         tracing::debug!(error = %failure, "renewing the lease failed again; retrying until the deadline");
                     } else {
                         tracing::warn!(error = %failure, "renewing the lease failed; retrying until the deadline");
                     }
-                    stream_open = false;
+                    renewals.open = false;
                     // Tried again soon, not a third of the TTL later.
-                    renew_at = Instant::now() + RETRY_PAUSE;
+                    renewals.renew_at = Instant::now() + RETRY_PAUSE;
                     // Reopening renews once and waits for etcd to confirm
                     // it, through another endpoint if this one fails.
                     let reopening = self.reopen_by(client, lease_id, deadline);
@@ -221,11 +257,7 @@ impl Keeper {
                     match reopened {
                         Err(lost) => return lost,
                         Ok(Some((pair, at))) => {
-                            (keeper, responses) = pair;
-                            stream_open = true;
-                            failing = false;
-                            confirmed_at = at;
-                            renew_at = at + every;
+                            renewals.reopened(pair, at, every);
                         }
                         Ok(None) => {}
                     }
@@ -235,7 +267,9 @@ impl Keeper {
             // After a confirmed renewal, or when ids came near the mark:
             // raise it, waiting no later than the next renewal is due (which
             // must not wait on a write).
-            let until = renew_at.min(confirmed_at + ttl - SAFETY_MARGIN);
+            let until = renewals
+                .renew_at
+                .min(renewals.confirmed_at + ttl - SAFETY_MARGIN);
             let raising = self.raise_mark(client, id, lease_id, until);
             let Some(raised) = unless_stopped(&mut stop, raising).await else {
                 return Ended::Stopped;
@@ -259,9 +293,9 @@ impl Keeper {
                     // Moving renews the lease; if no other member answers
                     // in time, the stream on this one is still open, and
                     // the move leaves a renewal's wait to renew on it.
-                    let by = (confirmed_at + ttl - SAFETY_MARGIN)
+                    let by = (renewals.confirmed_at + ttl - SAFETY_MARGIN)
                         .checked_sub(renewal_wait)
-                        .unwrap_or(confirmed_at);
+                        .unwrap_or(renewals.confirmed_at);
                     let moving = self.reopen_by(client, lease_id, by);
                     let Some(moved) = unless_stopped(&mut stop, moving).await else {
                         return Ended::Stopped;
@@ -269,11 +303,7 @@ impl Keeper {
                     match moved {
                         Err(lost) => return lost,
                         Ok(Some((pair, at))) => {
-                            (keeper, responses) = pair;
-                            stream_open = true;
-                            failing = false;
-                            confirmed_at = at;
-                            renew_at = at + every;
+                            renewals.reopened(pair, at, every);
                             raise_at = Instant::now();
                         }
                         Ok(None) => {}
