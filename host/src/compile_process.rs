@@ -136,21 +136,30 @@ impl CompileProcess {
             ))
         })?;
         // Written from another thread while this one reads the child's
-        // output, so that neither side can wait on a full pipe. The child
-        // reads everything before it writes; one that died early closes
-        // its end, and the write's error is then the child's status's.
+        // output, so that neither side can wait on a full pipe; a scoped
+        // one, which borrows the component rather than a copy of it. The
+        // child reads everything before it writes; one that died early
+        // closes its end, and the write's error is then the child's
+        // status's.
         let mut stdin = child.stdin.take().expect("stdin is piped");
-        let bytes = component.to_vec();
-        let writer = std::thread::Builder::new()
-            .name("snowgate-compile-input".into())
-            .spawn(move || {
-                let _ = stdin.write_all(&bytes);
-            })
-            .map_err(|e| CompileFailure::Other(format!("starting a thread: {e}")))?;
-        let output = child
-            .wait_with_output()
-            .map_err(|e| CompileFailure::Other(format!("reading from the compile process: {e}")))?;
-        let _ = writer.join();
+        let output = std::thread::scope(|scope| {
+            let writer = std::thread::Builder::new()
+                .name("snowgate-compile-input".into())
+                .spawn_scoped(scope, move || {
+                    let _ = stdin.write_all(component);
+                });
+            // Without the writer the child reads an empty component (its
+            // stdin is closed) and fails; it is still waited for.
+            let output = child.wait_with_output();
+            match writer {
+                Ok(writer) => {
+                    let _ = writer.join();
+                    output.map_err(|e| format!("reading from the compile process: {e}"))
+                }
+                Err(e) => Err(format!("starting a thread: {e}")),
+            }
+        })
+        .map_err(CompileFailure::Other)?;
         if output.status.success() {
             return Ok(output.stdout);
         }
