@@ -1,6 +1,7 @@
 //! The machine id this process stamps into ids, and the layout it was
 //! checked against; for a leased id, how long and up to which millisecond
-//! it may be used.
+//! it may be used; for a fixed id kept in a [high-water
+//! file](crate::high_water_file), up to which millisecond.
 //!
 //! A leased id comes with two bounds the lease keeper (see
 //! [`crate::lease`]) maintains: a deadline on the [boot clock](BootTime),
@@ -11,7 +12,8 @@
 //! slow to answer) cannot let an id out that another replica may issue:
 //! [`MachineIdentity::current`] refuses once the deadline has passed, and
 //! [`MachineIdentity::confirm`] is asked after ids were made, before they
-//! leave the process.
+//! leave the process. A fixed id whose high-water mark is kept in a local
+//! file has a ceiling too, and no deadline.
 
 use std::sync::Arc;
 
@@ -30,8 +32,8 @@ pub struct MachineIdentity {
     /// Read on every plugin call that makes ids, written on every grant,
     /// withdrawal, renewal and raised mark: reads take no lock.
     current: ArcSwap<Held>,
-    /// Woken when ids come near the lease's ceiling, so that the keeper
-    /// raises it before they reach it.
+    /// Woken when ids come near the ceiling, so that its keeper raises it
+    /// before they reach it.
     ceiling_near: Notify,
 }
 
@@ -40,7 +42,35 @@ struct Held {
     /// Changes with every grant and withdrawal.
     generation: u64,
     id: Result<u32, String>,
-    lease: Option<LeaseBounds>,
+    /// A leased id: until when its lease is known alive in etcd.
+    alive_until: Option<BootTime>,
+    /// The high-water mark no id may pass, where one is kept.
+    ceiling: Option<Ceiling>,
+}
+
+/// A high-water mark that bounds the ids of a grant: kept ahead of them in
+/// etcd (a leased id) or in a local file (a fixed id with a
+/// [high-water file](crate::high_water_file)), so that whoever uses the
+/// machine id next starts after it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ceiling {
+    /// The mark as last confirmed written: no id may use a later
+    /// millisecond.
+    pub millis: u64,
+    /// From this millisecond on, ids are near the mark and its keeper is
+    /// asked to raise it.
+    pub raise_from_millis: u64,
+    /// Where the mark is kept, for the refusal's message.
+    pub kept_in: MarkStore,
+}
+
+/// Where a [`Ceiling`] is kept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MarkStore {
+    /// In etcd, with the leased slot.
+    Etcd,
+    /// In the gateway's high-water file.
+    File,
 }
 
 /// The bounds of a leased machine id.
@@ -74,7 +104,8 @@ impl MachineIdentity {
             current: ArcSwap::from_pointee(Held {
                 generation: 0,
                 id,
-                lease: None,
+                alive_until: None,
+                ceiling: None,
             }),
             ceiling_near: Notify::new(),
         }
@@ -119,8 +150,8 @@ impl MachineIdentity {
     pub fn grant(&self) -> Result<Grant, String> {
         let held = self.held();
         let value = held.id.clone()?;
-        if let Some(lease) = held.lease {
-            check_alive(&lease, BootTime::now())?;
+        if let Some(alive_until) = held.alive_until {
+            check_alive(alive_until, BootTime::now())?;
         }
         Ok(Grant {
             id: MachineId {
@@ -136,15 +167,16 @@ impl MachineIdentity {
         self.held().generation
     }
 
-    /// The high-water mark etcd confirmed for a leased id.
+    /// The high-water mark confirmed for the held id (by etcd for a leased
+    /// id, written to the high-water file for a fixed one), if it has one.
     pub fn ceiling(&self) -> Option<u64> {
-        self.held().lease.map(|lease| lease.ceiling_millis)
+        self.held().ceiling.map(|ceiling| ceiling.millis)
     }
 
     /// Whether ids made up to millisecond `last_millis` under grant
     /// `generation` (when known) may leave the process: that grant is still
     /// held, a leased id's lease is still alive, and `last_millis` is not
-    /// past its ceiling. Asked after the ids were made, so a pause anywhere
+    /// past its ceiling, if it has one. Asked after the ids were made, so a pause anywhere
     /// before it (the process frozen, a slow call) cannot let through an
     /// id made after the lease could have passed to another replica.
     pub fn confirm(&self, generation: Option<u64>, last_millis: u64) -> Result<(), String> {
@@ -155,19 +187,27 @@ impl MachineIdentity {
         if generation.is_some_and(|generation| generation != held.generation) {
             return Err(GRANT_CHANGED.into());
         }
-        let Some(lease) = held.lease else {
+        if let Some(alive_until) = held.alive_until {
+            check_alive(alive_until, BootTime::now())?;
+        }
+        let Some(ceiling) = held.ceiling else {
             return Ok(());
         };
-        check_alive(&lease, BootTime::now())?;
-        if last_millis > lease.ceiling_millis {
+        if last_millis > ceiling.millis {
             self.ceiling_near.notify_one();
-            return Err(format!(
-                "ids reached millisecond {last_millis}, past the slot's high-water mark \
-                 {} that etcd confirmed; stamping resumes once the mark is raised",
-                lease.ceiling_millis
-            ));
+            let mark = ceiling.millis;
+            return Err(match ceiling.kept_in {
+                MarkStore::Etcd => format!(
+                    "ids reached millisecond {last_millis}, past the slot's high-water mark \
+                     {mark} that etcd confirmed; stamping resumes once the mark is raised"
+                ),
+                MarkStore::File => format!(
+                    "ids reached millisecond {last_millis}, past the high-water mark {mark} \
+                     written to the high-water file; stamping resumes once the mark is raised"
+                ),
+            });
         }
-        if last_millis >= lease.raise_from_millis {
+        if last_millis >= ceiling.raise_from_millis {
             self.ceiling_near.notify_one();
         }
         Ok(())
@@ -191,7 +231,12 @@ impl MachineIdentity {
         self.change(|held| {
             held.generation += 1;
             held.id = Ok(machine_id);
-            held.lease = lease;
+            held.alive_until = lease.map(|lease| lease.alive_until);
+            held.ceiling = lease.map(|lease| Ceiling {
+                millis: lease.ceiling_millis,
+                raise_from_millis: lease.raise_from_millis,
+                kept_in: MarkStore::Etcd,
+            });
         });
         Ok(())
     }
@@ -200,26 +245,52 @@ impl MachineIdentity {
     /// Bounds only move forward.
     pub fn lease_renewed(&self, alive_until: BootTime) {
         self.change(|held| {
-            if let Some(lease) = &mut held.lease {
-                lease.alive_until = lease.alive_until.max(alive_until);
+            if let Some(held_until) = &mut held.alive_until {
+                *held_until = (*held_until).max(alive_until);
             }
         });
     }
 
-    /// A high-water mark etcd confirmed: ids may use milliseconds up to
-    /// `ceiling_millis`, and ask for a higher one from `raise_from_millis`.
+    /// A higher high-water mark was confirmed for the held id: ids may use
+    /// milliseconds up to `ceiling_millis`, and ask for a higher one from
+    /// `raise_from_millis`. Ignored when the id has no ceiling (it was
+    /// withdrawn meanwhile) or a higher one (a late answer).
     pub fn ceiling_raised(&self, ceiling_millis: u64, raise_from_millis: u64) {
         self.change(|held| {
-            if let Some(lease) = &mut held.lease {
-                if ceiling_millis > lease.ceiling_millis {
-                    lease.ceiling_millis = ceiling_millis;
-                    lease.raise_from_millis = raise_from_millis;
+            if let Some(ceiling) = &mut held.ceiling {
+                if ceiling_millis > ceiling.millis {
+                    ceiling.millis = ceiling_millis;
+                    ceiling.raise_from_millis = raise_from_millis;
                 }
             }
         });
     }
 
-    /// Waits until ids come near (or past) the lease's ceiling.
+    /// Bounds the ids of the held fixed machine id by a high-water mark
+    /// written to the high-water file: from now on none may use a
+    /// millisecond past `ceiling_millis` (raised later by
+    /// [`MachineIdentity::ceiling_raised`]); from `raise_from_millis` the
+    /// file's keeper is asked to raise it. A ceiling the id already has is
+    /// only ever raised.
+    pub fn bound_by_file_mark(&self, ceiling_millis: u64, raise_from_millis: u64) {
+        self.change(|held| match &mut held.ceiling {
+            Some(ceiling) => {
+                if ceiling_millis > ceiling.millis {
+                    ceiling.millis = ceiling_millis;
+                    ceiling.raise_from_millis = raise_from_millis;
+                }
+            }
+            None => {
+                held.ceiling = Some(Ceiling {
+                    millis: ceiling_millis,
+                    raise_from_millis,
+                    kept_in: MarkStore::File,
+                })
+            }
+        });
+    }
+
+    /// Waits until ids come near (or past) the ceiling.
     pub async fn ceiling_near(&self) {
         self.ceiling_near.notified().await
     }
@@ -230,7 +301,8 @@ impl MachineIdentity {
         self.change(|held| {
             held.generation += 1;
             held.id = Err(reason.clone());
-            held.lease = None;
+            held.alive_until = None;
+            held.ceiling = None;
         });
     }
 }
@@ -238,15 +310,15 @@ impl MachineIdentity {
 /// Why ids made under one grant may not leave once another is current.
 pub(crate) const GRANT_CHANGED: &str = "the machine id changed while the request was being stamped";
 
-/// An error once the lease's deadline has passed at `now`.
-fn check_alive(lease: &LeaseBounds, now: BootTime) -> Result<(), String> {
-    if now < lease.alive_until {
+/// An error once the lease's deadline, `alive_until`, has passed at `now`.
+fn check_alive(alive_until: BootTime, now: BootTime) -> Result<(), String> {
+    if now < alive_until {
         return Ok(());
     }
     Err(format!(
         "the machine id lease may have expired: etcd has confirmed no renewal in time (the \
          deadline passed {} ms ago)",
-        now.since(lease.alive_until).as_millis()
+        now.since(alive_until).as_millis()
     ))
 }
 
@@ -368,6 +440,36 @@ mod tests {
         assert!(refused.contains("changed"), "{refused}");
         let now = identity.grant().expect("held").generation;
         assert_eq!(identity.confirm(Some(now), 1), Ok(()));
+    }
+
+    #[test]
+    fn a_file_mark_bounds_a_fixed_id_and_only_rises() {
+        let identity = MachineIdentity::fixed(SnowflakeLayout::TrtllmV1, 3).expect("in range");
+        let grant = identity.grant().expect("held").generation;
+        identity.bound_by_file_mark(1_000, 900);
+        assert_eq!(identity.ceiling(), Some(1_000));
+        assert_eq!(identity.confirm(Some(grant), 899), Ok(()));
+        assert!(!woken(&identity), "far from the mark");
+        assert_eq!(identity.confirm(Some(grant), 1_000), Ok(()));
+        assert!(woken(&identity), "near the mark");
+        let refused = identity.confirm(Some(grant), 1_001).expect_err("past it");
+        assert!(
+            refused.contains("past the high-water mark 1000 written to the high-water file"),
+            "{refused}"
+        );
+        // No deadline: a fixed id is not leased.
+        assert_eq!(identity.current().map(|id| id.value), Ok(3));
+        // Raised by either call; never lowered.
+        identity.bound_by_file_mark(500, 400);
+        identity.ceiling_raised(800, 700);
+        assert_eq!(identity.ceiling(), Some(1_000));
+        identity.ceiling_raised(3_000, 2_000);
+        assert_eq!(identity.confirm(Some(grant), 1_001), Ok(()));
+        identity.bound_by_file_mark(4_000, 3_000);
+        assert_eq!(identity.ceiling(), Some(4_000));
+        // A withdrawal takes the mark with the id.
+        identity.withdraw("stopping");
+        assert_eq!(identity.ceiling(), None);
     }
 
     #[test]
