@@ -9,7 +9,8 @@
 //!   `call_clock` counts a call's deadline in the time it runs;
 //! - [`clock`] and [`identity`]: where id time and the machine id come from,
 //!   and [`lease`]: machine ids leased in etcd, unique across a fleet,
-//!   with deadlines on the [`boot_clock`];
+//!   with deadlines on the [`boot_clock`]; or a fixed machine id whose
+//!   [`high_water_file`] keeps its ids from repeating across restarts;
 //! - [`limits`]: what one call may use;
 //! - [`gateway`]: the reverse proxy that puts the plugin in a request path.
 //!
@@ -48,6 +49,7 @@ pub mod compile_cache;
 pub mod compile_process;
 pub mod engine;
 pub mod gateway;
+pub mod high_water_file;
 pub mod identity;
 pub mod lease;
 pub mod limits;

@@ -1,0 +1,291 @@
+//! Keeps the high-water file's mark ahead of the id clock while the gateway
+//! serves, and writes the last millisecond used when it stops.
+//!
+//! The mark is kept [`MARK_AHEAD`] past the later of the wall clock and the
+//! id clock, and raised every half of that, or as soon as ids come within
+//! half of it. An id whose millisecond is past the mark last written does
+//! not leave the process (a 503 says why): so a disk that stops taking
+//! writes stops stamping within [`MARK_AHEAD`], and never lets an id out
+//! that a restart could repeat.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use anyhow::Context as _;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use super::HighWaterFile;
+use crate::engine::HostServices;
+use crate::log_throttle::LogThrottle;
+use crate::utc::{format_millis, millis_of};
+
+/// How far ahead of the id clock (or the wall clock, if later) the mark is
+/// kept. A crash leaves the next start at most this far past the ids given
+/// out, plus the id clock's own lead.
+pub const MARK_AHEAD: Duration = Duration::from_secs(2);
+
+/// How soon a write that failed is tried again.
+const RETRY_AFTER: Duration = Duration::from_millis(250);
+
+/// The high-water file as `/status` and `/metrics` show it.
+#[derive(Debug)]
+pub struct FileMarkStatus {
+    path: PathBuf,
+    /// The mark last written (Unix milliseconds); 0 before the first.
+    mark: AtomicU64,
+    writes: AtomicU64,
+    failures: AtomicU64,
+    last_error: Mutex<Option<String>>,
+}
+
+impl FileMarkStatus {
+    fn new(path: PathBuf) -> FileMarkStatus {
+        FileMarkStatus {
+            path,
+            mark: AtomicU64::new(0),
+            writes: AtomicU64::new(0),
+            failures: AtomicU64::new(0),
+            last_error: Mutex::new(None),
+        }
+    }
+
+    fn last_error(&self) -> std::sync::MutexGuard<'_, Option<String>> {
+        self.last_error.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The mark last written, in Unix milliseconds.
+    pub fn mark(&self) -> u64 {
+        self.mark.load(Ordering::Relaxed)
+    }
+
+    /// The `high_water_file` object of `/status`.
+    pub fn to_json(&self) -> serde_json::Value {
+        let mark = self.mark();
+        serde_json::json!({
+            "path": self.path.display().to_string(),
+            "mark": mark,
+            "mark_utc": format_millis(mark),
+            "writes": self.writes.load(Ordering::Relaxed),
+            "failures": self.failures.load(Ordering::Relaxed),
+            "last_error": *self.last_error(),
+        })
+    }
+
+    /// The high-water file's metrics in Prometheus text format.
+    pub fn render_metrics(&self) -> String {
+        let writes = self.writes.load(Ordering::Relaxed);
+        let failures = self.failures.load(Ordering::Relaxed);
+        let mark = self.mark() as f64 / 1000.0;
+        format!(
+            "# HELP snowgate_high_water_file_writes_total High-water marks written to the high-water file.\n\
+             # TYPE snowgate_high_water_file_writes_total counter\n\
+             snowgate_high_water_file_writes_total {writes}\n\
+             # HELP snowgate_high_water_file_failures_total Writes to the high-water file that failed.\n\
+             # TYPE snowgate_high_water_file_failures_total counter\n\
+             snowgate_high_water_file_failures_total {failures}\n\
+             # HELP snowgate_high_water_file_mark_seconds The mark last written, in Unix seconds: no id leaves past it.\n\
+             # TYPE snowgate_high_water_file_mark_seconds gauge\n\
+             snowgate_high_water_file_mark_seconds {mark:.3}\n"
+        )
+    }
+}
+
+/// What the keeper's task and its owner share.
+struct Shared {
+    file: HighWaterFile,
+    services: HostServices,
+    status: Arc<FileMarkStatus>,
+}
+
+/// Keeps a high-water file's mark ahead of the ids until
+/// [`MarkKeeper::release`]. Dropped without it (a gateway that failed to
+/// start), it stops raising the mark; the last one written stands.
+pub struct MarkKeeper {
+    shared: Arc<Shared>,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<()>>,
+}
+
+impl MarkKeeper {
+    /// Takes over the machine id's history from `file`, whose mark was
+    /// `stored`: starts the id clock after it, writes a first mark ahead of
+    /// the clock, bounds the ids by it, and raises it from then on in a
+    /// task of its own. Fails when the first mark cannot be written.
+    pub async fn start(
+        file: HighWaterFile,
+        stored: Option<u64>,
+        services: HostServices,
+    ) -> anyhow::Result<MarkKeeper> {
+        if let Some(stored) = stored {
+            services.clock.advance_past(stored);
+        }
+        let status = Arc::new(FileMarkStatus::new(file.path().to_path_buf()));
+        let shared = Arc::new(Shared {
+            file,
+            services,
+            status,
+        });
+        let first = shared
+            .raise()
+            .await
+            .context("writing the first high-water mark")?;
+        shared
+            .services
+            .identity
+            .bound_by_file_mark(first, raise_from(first));
+        let behind = stored.map_or(0, |stored| {
+            stored.saturating_sub(millis_of(SystemTime::now()))
+        });
+        match stored {
+            Some(stored) if behind > 0 => tracing::warn!(
+                path = %shared.file.path().display(),
+                "the high-water file's mark {} is {behind} ms ahead of the wall clock (it stepped \
+                 back, or the last gateway stopped without writing its last id): ids continue \
+                 after the mark, ahead of the wall clock",
+                format_millis(stored)
+            ),
+            Some(stored) => tracing::info!(
+                path = %shared.file.path().display(),
+                "ids continue after the high-water file's mark {}",
+                format_millis(stored)
+            ),
+            None => tracing::info!(
+                path = %shared.file.path().display(),
+                "a new high-water file: its mark starts at {}",
+                format_millis(first)
+            ),
+        }
+        let (stop, stopped) = oneshot::channel();
+        let task = tokio::spawn(shared.clone().keep(stopped));
+        Ok(MarkKeeper {
+            shared,
+            stop: Some(stop),
+            task: Some(task),
+        })
+    }
+
+    /// What `/status` and `/metrics` show of the file.
+    pub fn status(&self) -> Arc<FileMarkStatus> {
+        self.shared.status.clone()
+    }
+
+    /// After the last request: withdraws the machine id, then writes the
+    /// last millisecond the id clock used as the mark, so that the next
+    /// start continues right after it instead of a [`MARK_AHEAD`] later.
+    /// If that write fails, the higher mark before it stands.
+    pub async fn release(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(task) = self.task.take() {
+            // A raise under way ends first: no write may follow the last.
+            let _ = task.await;
+        }
+        let services = &self.shared.services;
+        services.identity.withdraw("the gateway is stopping");
+        let Some(last) = services.clock.last_tick().map(|tick| tick.millis) else {
+            return;
+        };
+        let shared = self.shared.clone();
+        match tokio::task::spawn_blocking(move || shared.file.write(last)).await {
+            Ok(Ok(())) => {
+                self.shared.status.mark.store(last, Ordering::Relaxed);
+                tracing::info!(
+                    path = %self.shared.file.path().display(),
+                    "the last id's millisecond, {}, is the high-water file's mark",
+                    format_millis(last)
+                );
+            }
+            Ok(Err(e)) => tracing::warn!(
+                "{e:#}; the mark {} written before stands",
+                format_millis(self.shared.status.mark())
+            ),
+            Err(e) => tracing::warn!(error = %e, "writing the last high-water mark failed"),
+        }
+    }
+}
+
+impl Drop for MarkKeeper {
+    fn drop(&mut self) {
+        if let Some(task) = &self.task {
+            task.abort();
+        }
+    }
+}
+
+/// From which millisecond ids count as near a mark of `mark`: half of
+/// [`MARK_AHEAD`] below it.
+fn raise_from(mark: u64) -> u64 {
+    mark.saturating_sub(MARK_AHEAD.as_millis() as u64 / 2)
+}
+
+impl Shared {
+    /// Writes a mark [`MARK_AHEAD`] past the later of the wall clock and
+    /// the id clock (never below the one confirmed), and returns it.
+    async fn raise(self: &Arc<Self>) -> anyhow::Result<u64> {
+        let now = millis_of(SystemTime::now());
+        let last = self
+            .services
+            .clock
+            .last_tick()
+            .map_or(0, |tick| tick.millis);
+        let confirmed = self.services.identity.ceiling().unwrap_or(0);
+        let mark = now
+            .max(last)
+            .saturating_add(MARK_AHEAD.as_millis() as u64)
+            .max(confirmed);
+        let shared = self.clone();
+        tokio::task::spawn_blocking(move || shared.file.write(mark))
+            .await
+            .context("the high-water file's writing task failed")??;
+        self.status.mark.store(mark, Ordering::Relaxed);
+        self.status.writes.fetch_add(1, Ordering::Relaxed);
+        *self.status.last_error() = None;
+        Ok(mark)
+    }
+
+    /// Raises the mark every half of [`MARK_AHEAD`], and whenever ids come
+    /// near it, until `stop`; after a failed write, again in
+    /// [`RETRY_AFTER`].
+    async fn keep(self: Arc<Self>, mut stop: oneshot::Receiver<()>) {
+        let identity = &self.services.identity;
+        let mut due = Instant::now() + MARK_AHEAD / 2;
+        let mut failing = false;
+        loop {
+            tokio::select! {
+                biased;
+                _ = &mut stop => return,
+                () = tokio::time::sleep_until(due) => {}
+                // Retries keep their pace, however many requests wait.
+                () = identity.ceiling_near(), if !failing => {}
+            }
+            match self.raise().await {
+                Ok(mark) => {
+                    identity.ceiling_raised(mark, raise_from(mark));
+                    if failing {
+                        tracing::info!("the high-water file takes writes again");
+                    }
+                    failing = false;
+                    due = Instant::now() + MARK_AHEAD / 2;
+                }
+                Err(e) => {
+                    self.status.failures.fetch_add(1, Ordering::Relaxed);
+                    *self.status.last_error() = Some(format!("{e:#}"));
+                    static FAILED: LogThrottle = LogThrottle::new();
+                    if let Some(held_back) = FAILED.admit() {
+                        tracing::warn!(
+                            "{e:#}: ids stop at the mark {} until a write succeeds {held_back}",
+                            format_millis(self.status.mark())
+                        );
+                    }
+                    failing = true;
+                    due = Instant::now() + RETRY_AFTER;
+                }
+            }
+        }
+    }
+}

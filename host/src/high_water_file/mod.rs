@@ -1,0 +1,353 @@
+//! A fixed machine id's high-water mark, kept in a local file so that ids
+//! never repeat across restarts of a gateway without etcd: not after a
+//! crash or `SIGKILL`, which leave no time to wait out the id clock's lead,
+//! and not after the wall clock stepped back (an NTP step, a VM restored
+//! from a snapshot), which no waiting covers.
+//!
+//! While it serves, the gateway keeps a mark in the file ahead of its id
+//! clock (see [`keeper`]), and no id leaves past the mark last written
+//! ([`MachineIdentity::bound_by_file_mark`](crate::MachineIdentity::bound_by_file_mark)).
+//! The next gateway on the file starts its id clock after that mark,
+//! wherever its wall clock is. Only one process at a time may use a file:
+//! it holds an exclusive lock (`flock`) on it while it runs, and a second
+//! one is refused at start. See [`record`] for what the file holds.
+
+pub mod keeper;
+mod record;
+
+use std::fs::File;
+use std::io::Read as _;
+use std::os::unix::fs::{FileExt as _, OpenOptionsExt as _};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, SystemTime};
+
+use anyhow::Context as _;
+use snowgate_plugin::SnowflakeLayout;
+
+use crate::utc::{format_millis, millis_of};
+use record::{Record, BLOCK, FILE_BYTES};
+
+/// The furthest past this host's wall clock a mark may be when it is read:
+/// a gateway sets it at most about 11 s ahead (its id clock's
+/// [lead](crate::clock::MAX_LEAD) and [`keeper::MARK_AHEAD`]), so a mark
+/// further ahead means a wall clock that stepped back by more than a day,
+/// or a file that is not what it seems. The gateway then refuses to start
+/// rather than wait that out.
+pub const FURTHEST_AHEAD: Duration = Duration::from_secs(86_400);
+
+/// An open high-water file, locked for this process until dropped.
+#[derive(Debug)]
+pub struct HighWaterFile {
+    file: File,
+    path: PathBuf,
+    layout: SnowflakeLayout,
+    machine_id: u32,
+    /// Whether the directory's entry for the file is known to be on disk.
+    entry_synced: AtomicBool,
+}
+
+impl HighWaterFile {
+    /// Opens (creating it if needed) and locks the high-water file at
+    /// `path` for a gateway stamping `machine_id` in `layout`, and reads
+    /// the mark it holds: `None` for a new file.
+    ///
+    /// Refused, with a message naming the file: when another process holds
+    /// its lock; when it is not a regular file; when neither copy of its
+    /// mark reads (damaged, or not a high-water file); and when its mark is
+    /// more than [`FURTHEST_AHEAD`] past this host's clock. One damaged
+    /// copy is logged as a warning, and the other is used.
+    pub fn open(
+        path: &Path,
+        layout: SnowflakeLayout,
+        machine_id: u32,
+    ) -> anyhow::Result<(HighWaterFile, Option<u64>)> {
+        let shown = path.display();
+        let mut file = File::options()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o644)
+            .open(path)
+            .with_context(|| format!("opening the high-water file {shown}"))?;
+        let metadata = file
+            .metadata()
+            .with_context(|| format!("reading the metadata of the high-water file {shown}"))?;
+        anyhow::ensure!(
+            metadata.is_file(),
+            "the high-water file {shown} is not a regular file"
+        );
+        match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+            Ok(()) => {}
+            Err(rustix::io::Errno::WOULDBLOCK) => anyhow::bail!(
+                "the high-water file {shown} is in use by another process, which holds its lock: \
+                 two gateways on one high-water file would issue the same ids; give each gateway \
+                 its own --machine-id and --high-water-file"
+            ),
+            Err(e) => {
+                return Err(e).with_context(|| format!("locking the high-water file {shown}"))
+            }
+        }
+        anyhow::ensure!(
+            metadata.len() <= FILE_BYTES as u64,
+            "the high-water file {shown} is {} bytes long, not a high-water file (at most \
+             {FILE_BYTES}); check the path",
+            metadata.len()
+        );
+        let mut contents = Vec::with_capacity(FILE_BYTES);
+        (&mut file)
+            .take(FILE_BYTES as u64 + 1)
+            .read_to_end(&mut contents)
+            .with_context(|| format!("reading the high-water file {shown}"))?;
+        let now = millis_of(SystemTime::now());
+        let mark = read_mark(&contents, now)
+            .map_err(|problem| anyhow::anyhow!("the high-water file {shown} {problem}"))?;
+        let found = HighWaterFile {
+            file,
+            path: path.to_path_buf(),
+            layout,
+            machine_id,
+            entry_synced: AtomicBool::new(!contents.is_empty()),
+        };
+        Ok((found, mark))
+    }
+
+    /// Where the file is.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Writes `millis` as the file's mark, both copies, each synced to
+    /// disk before the next step: when this returns `Ok`, a restart after
+    /// a crash or power loss reads this mark or a later one. Blocks for
+    /// two `fdatasync`s (and, on the first write to a new file, a sync of
+    /// its directory).
+    pub fn write(&self, millis: u64) -> anyhow::Result<()> {
+        let block = record::encode(&Record {
+            millis,
+            layout: self.layout,
+            machine_id: self.machine_id,
+        });
+        let shown = self.path.display();
+        for (copy, offset) in [("first", 0), ("second", BLOCK as u64)] {
+            self.file
+                .write_all_at(&block, offset)
+                .and_then(|()| self.file.sync_data())
+                .with_context(|| {
+                    format!("writing the {copy} copy of the high-water mark to {shown}")
+                })?;
+        }
+        if !self.entry_synced.load(Ordering::Relaxed) {
+            sync_directory_of(&self.path).with_context(|| {
+                format!("syncing the directory of the new high-water file {shown}")
+            })?;
+            self.entry_synced.store(true, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+}
+
+/// The mark of a file's `contents` read at `now` (Unix milliseconds):
+/// `None` when it is empty, the higher of the two copies that read, or
+/// what is wrong (worded to follow the file's name).
+fn read_mark(contents: &[u8], now: u64) -> Result<Option<u64>, String> {
+    if contents.is_empty() {
+        return Ok(None);
+    }
+    let (first, second) = contents.split_at(contents.len().min(BLOCK));
+    let copies = [
+        ("first", record::decode(first)),
+        ("second", record::decode(second)),
+    ];
+    let mark = copies
+        .iter()
+        .filter_map(|(_, read)| read.as_ref().ok().copied().flatten())
+        .map(|record| record.millis)
+        .max();
+    if mark.is_none() {
+        if copies.iter().all(|(_, read)| matches!(read, Ok(None))) {
+            return Ok(None);
+        }
+        let [first, second] = copies.map(|(_, read)| match read {
+            Err(problem) => problem,
+            Ok(_) => "never written".to_string(),
+        });
+        return Err(format!(
+            "holds no readable high-water mark (first copy: {first}; second copy: {second}): it \
+             is damaged or not a high-water file, so this gateway cannot tell which ids its \
+             machine id was used for. If the wall clock never stepped back, ids are safe again \
+             20 seconds after the last gateway on the file stopped: then remove the file and \
+             start again"
+        ));
+    }
+    for (copy, read) in &copies {
+        if let Err(problem) = read {
+            tracing::warn!(
+                "the {copy} copy of the high-water mark in the file is unreadable ({problem}); \
+                 using the other"
+            );
+        }
+    }
+    let furthest = now.saturating_add(FURTHEST_AHEAD.as_millis() as u64);
+    match mark {
+        Some(mark) if mark > furthest => Err(format!(
+            "holds the mark {mark} ({}), later than {}: more than a day past this host's clock, \
+             further than a gateway sets it. The wall clock stepped back by more than a day, or \
+             the file is not this host's; set the clock right, or remove the file if no \
+             gateway issued ids with its machine id up to that time",
+            format_millis(mark),
+            format_millis(furthest)
+        )),
+        mark => Ok(mark),
+    }
+}
+
+/// Syncs the directory that holds `path`, so that a new file's entry
+/// survives a power loss.
+fn sync_directory_of(path: &Path) -> std::io::Result<()> {
+    let dir = match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    };
+    File::open(dir)?.sync_all()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const NOW: u64 = 1_796_448_728_439;
+
+    fn record(millis: u64) -> [u8; BLOCK] {
+        record::encode(&Record {
+            millis,
+            layout: SnowflakeLayout::TrtllmV1,
+            machine_id: 5,
+        })
+    }
+
+    fn file_of(first: &[u8], second: &[u8]) -> Vec<u8> {
+        [first, second].concat()
+    }
+
+    #[test]
+    fn the_mark_is_the_higher_copy_that_reads() {
+        assert_eq!(read_mark(&[], NOW), Ok(None));
+        assert_eq!(read_mark(&[0; FILE_BYTES], NOW), Ok(None));
+        let both = file_of(&record(NOW), &record(NOW - 5));
+        assert_eq!(read_mark(&both, NOW), Ok(Some(NOW)));
+        let both = file_of(&record(NOW - 5), &record(NOW));
+        assert_eq!(read_mark(&both, NOW), Ok(Some(NOW)));
+        // A write torn in the first copy: the second holds the last mark.
+        let mut torn = record(NOW + 2_000);
+        torn[100..].copy_from_slice(&record(NOW)[100..]);
+        assert_eq!(read_mark(&file_of(&torn, &record(NOW)), NOW), Ok(Some(NOW)));
+        // A first write torn in the second copy: the first is whole.
+        assert_eq!(
+            read_mark(&file_of(&record(NOW), &record(NOW)[..300]), NOW),
+            Ok(Some(NOW))
+        );
+        assert_eq!(read_mark(&record(NOW), NOW), Ok(Some(NOW)));
+    }
+
+    #[test]
+    fn a_file_with_no_readable_copy_is_refused_saying_why() {
+        let problem = read_mark(b"hello\n", NOW).expect_err("garbage");
+        assert!(
+            problem.starts_with("holds no readable high-water mark (first copy: it is cut short"),
+            "{problem}"
+        );
+        assert!(problem.contains("second copy: never written"), "{problem}");
+        let mut damaged = record(NOW);
+        damaged[30] = b'9';
+        let problem =
+            read_mark(&file_of(&damaged, &damaged), NOW).expect_err("both copies damaged");
+        assert_eq!(
+            problem.matches("checksum does not match").count(),
+            2,
+            "{problem}"
+        );
+        assert!(problem.contains("remove the file"), "{problem}");
+    }
+
+    /// A path in an empty directory of the test's own.
+    fn scratch(name: &str) -> PathBuf {
+        let dir =
+            std::env::temp_dir().join(format!("snowgate-high-water-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("a temporary directory");
+        dir.join("ids.mark")
+    }
+
+    fn open(path: &Path) -> anyhow::Result<(HighWaterFile, Option<u64>)> {
+        HighWaterFile::open(path, SnowflakeLayout::TrtllmV1, 5)
+    }
+
+    #[test]
+    fn a_mark_written_is_read_by_the_next_opener_and_the_file_is_locked_meanwhile() {
+        let path = scratch("locked");
+        let (file, mark) = open(&path).expect("a new file");
+        assert_eq!(mark, None);
+        let other = open(&path).expect_err("locked");
+        let message = format!("{other:#}");
+        assert!(
+            message.contains("is in use by another process"),
+            "{message}"
+        );
+        assert!(message.contains(&path.display().to_string()), "{message}");
+        file.write(NOW + 2_000).expect("written");
+        file.write(NOW).expect("lowered at a stop");
+        assert_eq!(
+            std::fs::metadata(&path).expect("there").len(),
+            FILE_BYTES as u64
+        );
+        drop(file);
+        let (file, mark) = open(&path).expect("unlocked once dropped");
+        assert_eq!(mark, Some(NOW));
+        drop(file);
+        // A copy damaged on disk: the other one is read.
+        let mut contents = std::fs::read(&path).expect("read");
+        contents[10] = b'X';
+        std::fs::write(&path, &contents).expect("damaged");
+        assert_eq!(open(&path).expect("one copy reads").1, Some(NOW));
+    }
+
+    #[test]
+    fn what_is_not_a_high_water_file_is_refused_naming_it() {
+        let path = scratch("not-a-file");
+        std::fs::create_dir(&path).expect("a directory");
+        let message = format!("{:#}", open(&path).expect_err("a directory"));
+        assert!(message.contains("opening the high-water file"), "{message}");
+        std::fs::remove_dir(&path).expect("removed");
+        std::fs::write(&path, vec![b'x'; 4096]).expect("written");
+        let message = format!("{:#}", open(&path).expect_err("too long"));
+        assert!(
+            message.contains("is 4096 bytes long, not a high-water file"),
+            "{message}"
+        );
+        std::fs::write(&path, b"hello\n").expect("written");
+        let message = format!("{:#}", open(&path).expect_err("not a mark"));
+        assert!(
+            message.contains("holds no readable high-water mark"),
+            "{message}"
+        );
+        let missing = path.with_file_name("no-such-dir").join("ids.mark");
+        let message = format!("{:#}", open(&missing).expect_err("no directory"));
+        assert!(message.contains("opening the high-water file"), "{message}");
+    }
+
+    #[test]
+    fn a_mark_more_than_a_day_ahead_is_refused() {
+        let day = FURTHEST_AHEAD.as_millis() as u64;
+        let at_limit = file_of(&record(NOW + day), &record(NOW + day));
+        assert_eq!(read_mark(&at_limit, NOW), Ok(Some(NOW + day)));
+        let past = file_of(&record(NOW + day + 1), &record(NOW));
+        let problem = read_mark(&past, NOW).expect_err("too far ahead");
+        assert!(
+            problem.contains("more than a day past this host's clock"),
+            "{problem}"
+        );
+        assert!(problem.contains("2026-12-06T05:32:08.440Z"), "{problem}");
+    }
+}
