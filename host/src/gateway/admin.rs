@@ -17,6 +17,7 @@ use crate::engine::HostServices;
 use crate::gateway::responses;
 use crate::gateway::server::{pause_after_accept_error, sends_within};
 use crate::gateway::slot::{NoReload, PluginSlot, Reloaded};
+use crate::high_water_file::keeper::FileMarkStatus;
 use crate::lease::LeaseStatus;
 use crate::utc::{format_millis, millis_of};
 
@@ -34,6 +35,8 @@ pub struct Admin {
     pub token: Option<String>,
     /// The etcd lease of the machine id, when there is one.
     pub lease: Option<Arc<LeaseStatus>>,
+    /// The high-water file of a fixed machine id, when there is one.
+    pub high_water_file: Option<Arc<FileMarkStatus>>,
     /// Set once the gateway has been told to stop (it then drains).
     pub stopping: Arc<AtomicBool>,
     /// How long a connection may take to send its first byte, and then
@@ -148,6 +151,9 @@ impl Admin {
                 body.push_str(&self.plugin_metrics());
                 if let Some(lease) = &self.lease {
                     body.push_str(&lease.render_metrics());
+                }
+                if let Some(file) = &self.high_water_file {
+                    body.push_str(&file.render_metrics());
                 }
                 text(StatusCode::OK, "text/plain; version=0.0.4", body)
             }
@@ -265,6 +271,7 @@ impl Admin {
             "machine_id_error": machine_id_error,
             "id_layout": identity.layout().name(),
             "lease": self.lease.as_ref().map(|l| l.to_json()),
+            "high_water_file": self.high_water_file.as_ref().map(|f| f.to_json()),
             "upstream": self.upstream,
             "failure_policy": self.failure_policy,
         })

@@ -85,6 +85,12 @@ pub struct GatewayConfig {
     pub upstream: Option<String>,
     /// This replica's machine id; `None` means 0, with a warning.
     pub machine_id: Option<u32>,
+    /// Where to keep the fixed machine id's high-water mark, so that ids
+    /// never repeat across restarts, crashes and wall clock steps (see
+    /// [`high_water_file`](crate::high_water_file)); `None` waits out the
+    /// id clock's lead at a stop instead, which a crash cannot. Not with
+    /// [`GatewayConfig::lease`], whose mark is kept in etcd.
+    pub high_water_file: Option<PathBuf>,
     /// The id layout.
     pub layout: SnowflakeLayout,
     /// The plugin file to load and watch; `None` runs the bundled plugin.
@@ -207,6 +213,7 @@ impl Default for GatewayConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
             upstream: None,
             machine_id: None,
+            high_water_file: None,
             layout: SnowflakeLayout::TrtllmV1,
             plugin: None,
             plugin_settings: BTreeMap::new(),
@@ -314,6 +321,8 @@ pub struct ConfigFile {
     pub upstream: Option<String>,
     /// See [`GatewayConfig::machine_id`].
     pub machine_id: Option<u32>,
+    /// See [`GatewayConfig::high_water_file`].
+    pub high_water_file: Option<PathBuf>,
     /// See [`GatewayConfig::layout`].
     pub layout: Option<String>,
     /// See [`GatewayConfig::plugin`].
@@ -435,6 +444,11 @@ impl ConfigFile {
                 config.machine_id.is_none(),
                 "use either --machine-id (a fixed id) or --etcd (a leased id), not both"
             );
+            anyhow::ensure!(
+                config.high_water_file.is_none(),
+                "--high-water-file is for a fixed --machine-id; with --etcd the high-water mark \
+                 is kept in etcd"
+            );
         }
         if let Some(limit) = config.body_memory {
             anyhow::ensure!(
@@ -512,6 +526,9 @@ impl ConfigFile {
         }
         if self.machine_id.is_some() {
             config.machine_id = self.machine_id;
+        }
+        if self.high_water_file.is_some() {
+            config.high_water_file = self.high_water_file;
         }
         if self.plugin.is_some() {
             config.plugin = self.plugin;
@@ -785,6 +802,7 @@ mod tests {
             upstream-read-timeout-ms = 45000
             send-timeout-ms = 2500
             plugin-cache-dir = "/var/cache/snowgate"
+            high-water-file = "/var/lib/snowgate/ids.mark"
             [plugin-settings]
             extra = "yes"
             "#,
@@ -820,6 +838,11 @@ mod tests {
             config.plugin_cache_dir.as_deref(),
             Some(Path::new("/var/cache/snowgate"))
         );
+        assert_eq!(
+            config.high_water_file.as_deref(),
+            Some(Path::new("/var/lib/snowgate/ids.mark"))
+        );
+        ConfigFile::check(&config).expect("a fixed id with a high-water file");
     }
 
     #[test]

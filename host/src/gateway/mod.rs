@@ -55,6 +55,8 @@ pub use upstream::Upstream;
 use crate::clock::{IdClock, MAX_CATCH_UP};
 use crate::compile_cache::CompileCache;
 use crate::engine::{HostServices, PluginEngine};
+use crate::high_water_file::keeper::MarkKeeper;
+use crate::high_water_file::HighWaterFile;
 use crate::identity::MachineIdentity;
 use crate::lease;
 
@@ -65,6 +67,8 @@ pub struct Gateway {
     admin_listener: TcpListener,
     slot: Arc<PluginSlot>,
     services: HostServices,
+    /// Keeps the fixed machine id's high-water file, when there is one.
+    high_water: Option<MarkKeeper>,
     metrics: Arc<Metrics>,
     upstream: Upstream,
     /// Watches the plugin file while the gateway lives.
@@ -97,6 +101,19 @@ impl Gateway {
         let services = HostServices {
             clock: Arc::new(IdClock::system()),
             identity: Arc::new(identity),
+        };
+        // Before the plugin's self-check stamps: its ids, too, come after
+        // the ids of the last gateway on the file.
+        let high_water = match &config.high_water_file {
+            Some(path) => {
+                let (file, stored) = HighWaterFile::open(path, config.layout, machine_id)
+                    .context("--high-water-file")?;
+                let keeper = MarkKeeper::start(file, stored, services.clone())
+                    .await
+                    .with_context(|| format!("--high-water-file {}", path.display()))?;
+                Some(keeper)
+            }
+            None => None,
         };
         let limits = config
             .plugin_limits
@@ -154,6 +171,7 @@ impl Gateway {
             admin_listener,
             slot,
             services,
+            high_water,
             metrics,
             upstream,
             _watcher,
@@ -184,7 +202,8 @@ impl Gateway {
     ///
     /// After the drain it ends reloads and gives up its machine id: with
     /// a lease, by recording its last id in etcd and revoking the lease;
-    /// without one, by waiting (up to [`MAX_CATCH_UP`]) until the wall
+    /// with a high-water file, by writing its last id's millisecond there;
+    /// with neither, by waiting (up to [`MAX_CATCH_UP`]) until the wall
     /// clock has passed its last id, which after a burst can add to the
     /// stop.
     pub async fn serve(self, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
@@ -219,6 +238,7 @@ impl Gateway {
             upstream: self.upstream.describe(),
             token: self.config.admin_token.clone(),
             lease: lease.as_ref().map(|(status, _)| status.clone()),
+            high_water_file: self.high_water.as_ref().map(MarkKeeper::status),
             stopping: stopping.clone(),
             header_read_timeout: self.config.connections.header_read_timeout,
             failure_policy: match self.config.failure_policy {
@@ -263,9 +283,10 @@ impl Gateway {
         // already accepted) outlive the server; a reload's self-check
         // stamps an id. None may run once the last id is accounted for.
         self.slot.close().await;
-        match lease {
-            Some((_, handle)) => handle.release(drained).await,
-            None => outlast_the_clock(&self.services).await,
+        match (lease, self.high_water) {
+            (Some((_, handle)), _) => handle.release(drained).await,
+            (None, Some(file)) => file.release().await,
+            (None, None) => outlast_the_clock(&self.services).await,
         }
         Ok(())
     }
@@ -276,8 +297,8 @@ impl Gateway {
     }
 }
 
-/// With a machine id of its own (no lease, so no high-water mark in
-/// etcd), the gateway stops stamping and then waits until the wall
+/// With a machine id of its own and no high-water mark (no lease, no
+/// high-water file), the gateway stops stamping and then waits until the wall
 /// clock has passed every id it issued: the next process on this
 /// machine id starts its id clock at the wall clock, and must not
 /// start inside a millisecond this one used.

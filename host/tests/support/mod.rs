@@ -142,22 +142,31 @@ impl Gateway {
 
     /// [`Gateway::start`], with `filter` as the log filter (`SNOWGATE_LOG`).
     pub async fn start_logging(args: &[&str], filter: &str) -> Gateway {
-        Gateway::start_signalled(args, filter, None).await
+        Gateway::start_signalled(args, filter, None, &[]).await
+    }
+
+    /// [`Gateway::start`], with `env` added to the process's environment.
+    pub async fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Gateway {
+        Gateway::start_signalled(args, "info", None, env).await
     }
 
     /// [`Gateway::start`], sending the process `signal` as soon as its log
     /// shows `needle`, while it starts.
     pub async fn start_signalled_on_log(args: &[&str], needle: &str, signal: &str) -> Gateway {
-        Gateway::start_signalled(args, "info", Some((needle, signal))).await
+        Gateway::start_signalled(args, "info", Some((needle, signal)), &[]).await
     }
 
     async fn start_signalled(
         args: &[&str],
         filter: &str,
         signal_on_log: Option<(&str, &str)>,
+        env: &[(&str, &str)],
     ) -> Gateway {
         let mut command = Command::new(env!("CARGO_BIN_EXE_snowgate"));
-        command.args(SERVE_ON_LOOPBACK).args(args);
+        command
+            .args(SERVE_ON_LOOPBACK)
+            .args(args)
+            .envs(env.iter().copied());
         if !args.contains(&"--machine-id") && !args.contains(&"--etcd") {
             command.args(["--machine-id", &MACHINE_ID.to_string()]);
         }

@@ -33,6 +33,14 @@ pub struct ServeArgs {
     /// [default: 0, with a warning].
     #[arg(long, value_name = "N")]
     machine_id: Option<u32>,
+    /// Keep the machine id's high-water mark in FILE (created if missing,
+    /// locked while the gateway runs), so that its ids never repeat across
+    /// restarts: not after a crash or SIGKILL, and not after the wall clock
+    /// stepped back. Without it a stop waits out the id clock's lead, which
+    /// a crash cannot. Not with --etcd, which keeps the mark in etcd
+    /// [default: none].
+    #[arg(long, value_name = "FILE")]
+    high_water_file: Option<PathBuf>,
     /// Id layout: trtllm-v1 (TensorRT-LLM up to 1.3.0rc21) or trtllm-v2
     /// (1.3.0rc22 and later) [default: trtllm-v1].
     #[arg(long, value_name = "LAYOUT")]
@@ -235,6 +243,7 @@ impl ServeArgs {
             listen: self.listen,
             upstream: self.upstream,
             machine_id: self.machine_id,
+            high_water_file: self.high_water_file,
             layout: self.layout.map(|l| l.name().to_string()),
             plugin: self.plugin,
             plugin_settings: None,

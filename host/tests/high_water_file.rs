@@ -1,0 +1,302 @@
+//! `snowgate serve --high-water-file`: a fixed machine id's ids never
+//! repeat across restarts, not after a crash (SIGKILL) and not after the
+//! wall clock stepped back, with the real binary, the real plugin and a
+//! real file.
+//!
+//! The wall clock stepping back is the real one as the gateway reads it:
+//! the gateway runs under libfaketime (Debian's `libfaketime`, which
+//! `.ci/run` installs), which shifts what `clock_gettime(CLOCK_REALTIME)`
+//! returns to the process and leaves its monotonic clock alone.
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use snowgate_plugin::SnowflakeLayout;
+use support::{post_json, stamped_id, tool_present, Gateway, CONTEXT_ONLY, MACHINE_ID, STEP};
+
+/// How far the faked wall clock steps back: less than the id clock's
+/// 9 s lead, so that a gateway that continues after the mark can stamp at
+/// once.
+const STEP_BACK: &str = "-4s";
+
+/// A directory of the test's own, empty, and the high-water file's path in
+/// it.
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "snowgate-high-water-test-{name}-{}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("a temporary directory");
+    dir.join("ids.mark")
+}
+
+/// libfaketime's library, when installed.
+fn faketime() -> Option<PathBuf> {
+    let found = std::fs::read_dir("/usr/lib")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|entry| entry.path().join("faketime/libfaketime.so.1"))
+        .find(|path| path.exists());
+    tool_present(
+        found.is_some(),
+        "libfaketime",
+        "apt-get install libfaketime",
+    )
+    .then(|| found.expect("present"))
+}
+
+/// The environment that steps the gateway's wall clock back by
+/// [`STEP_BACK`].
+fn stepped_back(library: &Path) -> Vec<(&'static str, String)> {
+    vec![
+        ("LD_PRELOAD", library.display().to_string()),
+        ("FAKETIME", STEP_BACK.to_string()),
+        ("FAKETIME_DONT_FAKE_MONOTONIC", "1".to_string()),
+    ]
+}
+
+fn env_of<'a>(pairs: &'a [(&'static str, String)]) -> Vec<(&'static str, &'a str)> {
+    pairs.iter().map(|(k, v)| (*k, v.as_str())).collect()
+}
+
+/// The ids of `count` context-only requests, one after another, as the
+/// built-in echo upstream received them.
+async fn stamp(gateway: &Gateway, count: usize) -> Vec<u64> {
+    let mut ids = Vec::with_capacity(count);
+    for _ in 0..count {
+        let reply = post_json(gateway.addr, "/v1/completions", CONTEXT_ONLY).await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        let received = reply.json()["body"].to_string();
+        ids.push(stamped_id(received.as_bytes()));
+    }
+    ids
+}
+
+/// The millisecond of a trtllm-v1 id of [`MACHINE_ID`].
+fn millis_of(id: u64) -> u64 {
+    let parts = SnowflakeLayout::TrtllmV1
+        .decode(id)
+        .expect("a trtllm-v1 id");
+    assert_eq!(parts.machine_id, MACHINE_ID, "id {id}");
+    parts.millis
+}
+
+/// The mark the file holds, read as an operator would: the higher
+/// `millis=` of its two copies.
+fn mark_in(path: &Path) -> u64 {
+    let text = std::fs::read_to_string(path).expect("the high-water file reads as text");
+    let marks: Vec<u64> = text
+        .lines()
+        .map(|line| {
+            let field = line
+                .split_whitespace()
+                .find_map(|field| field.strip_prefix("millis="))
+                .unwrap_or_else(|| panic!("no millis= in {line:?}"));
+            field.parse().expect("a count of milliseconds")
+        })
+        .collect();
+    assert_eq!(marks.len(), 2, "two copies: {text:?}");
+    marks.into_iter().max().expect("two copies")
+}
+
+fn now_millis() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("after 1970")
+        .as_millis() as u64
+}
+
+/// `snowgate serve` with `args` that must fail to start: its status and
+/// stderr.
+fn failed_start(args: &[&str]) -> (Option<i32>, String) {
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_snowgate"))
+        .args(support::SERVE_ON_LOOPBACK)
+        .args(args)
+        .output()
+        .expect("the snowgate binary runs");
+    (
+        output.status.code(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+/// A clean stop writes the last id's millisecond; the next gateway, whose
+/// wall clock has stepped back, continues after it. Without the file the
+/// same step back puts the next gateway's ids among the earlier ones',
+/// where they can repeat (the control, which shows the step is real).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_stop_and_a_step_back_ids_continue_after_the_last() {
+    let Some(library) = faketime() else { return };
+    let file = scratch("step-back");
+    let file_arg = file.to_str().expect("a UTF-8 path");
+
+    let first = Gateway::start(&["--high-water-file", file_arg]).await;
+    let before = stamp(&first, 50).await;
+    first.stop().await;
+    let last = before.iter().copied().map(millis_of).max().expect("ids");
+    assert_eq!(
+        mark_in(&file),
+        last,
+        "a clean stop writes the last id's millisecond as the mark"
+    );
+
+    let env = stepped_back(&library);
+    let control = Gateway::start_with_env(&[], &env_of(&env)).await;
+    let unmarked = stamp(&control, 5).await;
+    control.stop().await;
+    assert!(
+        unmarked.iter().all(|&id| millis_of(id) < last),
+        "the control's clock did not step back: {} ms after the last id {last}",
+        millis_of(unmarked[0]).saturating_sub(last)
+    );
+
+    let second = Gateway::start_with_env(&["--high-water-file", file_arg], &env_of(&env)).await;
+    let after = stamp(&second, 50).await;
+    let status = second.status().await;
+    second.stop().await;
+    let first_after = after.iter().copied().min().expect("ids");
+    assert!(
+        first_after > *before.iter().max().expect("ids") && millis_of(first_after) > last,
+        "after the step back, id {first_after} (at {}) is not after the last id before it (at \
+         {last})",
+        millis_of(first_after)
+    );
+    support::assert_unique(&[before, after].concat());
+    assert!(
+        status["high_water_file"]["mark"].as_u64().expect("a mark") > last,
+        "{status}"
+    );
+    assert_eq!(
+        status["high_water_file"]["path"], file_arg,
+        "/status names the file: {status}"
+    );
+}
+
+/// A gateway killed with SIGKILL writes nothing at its end; the mark it
+/// kept ahead of its ids while it served covers them. The next gateway
+/// starts on a wall clock that also stepped back (a VM restored from a
+/// snapshot), far behind that mark, and continues after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_crash_ids_continue_after_the_mark_kept_ahead() {
+    let Some(library) = faketime() else { return };
+    let file = scratch("crash");
+    let file_arg = file.to_str().expect("a UTF-8 path");
+
+    let first = Gateway::start(&["--high-water-file", file_arg]).await;
+    let before = stamp(&first, 50).await;
+    let killed_at = now_millis();
+    first.signal("KILL");
+    first.wait_exit(STEP).await;
+    let mark = mark_in(&file);
+    let last = before.iter().copied().map(millis_of).max().expect("ids");
+    assert!(
+        mark >= last,
+        "the mark {mark} is below an id given out at {last}"
+    );
+    assert!(
+        mark > killed_at,
+        "the mark was not kept ahead of the clock: {mark} at {killed_at}"
+    );
+
+    let env = stepped_back(&library);
+    let second = Gateway::start_with_env(&["--high-water-file", file_arg], &env_of(&env)).await;
+    let after = stamp(&second, 50).await;
+    second.stop().await;
+    // The restart came before its wall clock reached the mark: without
+    // the file its ids would have started behind it.
+    assert!(
+        second.stderr_text().contains("ms ahead of the wall clock"),
+        "{}",
+        second.stderr_text()
+    );
+    let first_after = after.iter().copied().map(millis_of).min().expect("ids");
+    assert!(
+        first_after > mark,
+        "after the crash, an id at {first_after} is not after the mark {mark}"
+    );
+    support::assert_unique(&[before, after].concat());
+}
+
+/// With no request for longer than the mark's lead, the gateway has kept
+/// raising it: the next request is stamped, not refused at the old mark.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_gateway_keeps_its_mark_ahead_of_the_clock() {
+    let file = scratch("idle");
+    let gateway = Gateway::start(&["--high-water-file", file.to_str().expect("UTF-8")]).await;
+    let first_mark = gateway.status().await["high_water_file"]["mark"]
+        .as_u64()
+        .expect("a mark");
+    // Wait, polling, until the wall clock is past the first mark.
+    let deadline = Instant::now() + STEP;
+    while now_millis() <= first_mark {
+        assert!(Instant::now() < deadline, "the wall clock stands still");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let ids = stamp(&gateway, 3).await;
+    assert!(millis_of(ids[0]) > first_mark, "ids at the wall clock");
+    let status = gateway.status().await;
+    let file_status = &status["high_water_file"];
+    assert!(
+        file_status["mark"].as_u64().expect("a mark") > first_mark,
+        "{status}"
+    );
+    assert!(
+        file_status["writes"].as_u64().expect("a count") >= 2,
+        "{status}"
+    );
+    assert_eq!(file_status["failures"], 0, "{status}");
+    let metrics = gateway.metrics().await;
+    assert!(
+        support::metric(&metrics, "snowgate_high_water_file_writes_total") >= 2.0,
+        "{metrics}"
+    );
+    gateway.stop().await;
+}
+
+/// One file, one gateway: a second one on the same file is refused at
+/// start, naming the file, while the first serves on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_gateway_on_the_same_file_is_refused() {
+    let file = scratch("locked");
+    let file_arg = file.to_str().expect("a UTF-8 path");
+    let first = Gateway::start(&["--high-water-file", file_arg]).await;
+    let (status, stderr) = failed_start(&["--machine-id", "8", "--high-water-file", file_arg]);
+    assert_eq!(status, Some(1), "{stderr}");
+    assert!(stderr.contains("is in use by another process"), "{stderr}");
+    assert!(stderr.contains(file_arg), "{stderr}");
+    stamp(&first, 1).await;
+    first.stop().await;
+}
+
+/// A file that is damaged, or not a high-water file, stops the start with
+/// a message that says so; so does the flag beside --etcd.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_that_does_not_read_stops_the_start_saying_why() {
+    let file = scratch("damaged");
+    let file_arg = file.to_str().expect("a UTF-8 path");
+    std::fs::write(&file, "not a mark\n").expect("written");
+    let (status, stderr) = failed_start(&["--machine-id", "7", "--high-water-file", file_arg]);
+    assert_eq!(status, Some(1), "{stderr}");
+    assert!(
+        stderr.contains("holds no readable high-water mark"),
+        "{stderr}"
+    );
+    assert!(stderr.contains(file_arg), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+
+    let (status, stderr) = failed_start(&[
+        "--etcd",
+        "http://127.0.0.1:1",
+        "--high-water-file",
+        file_arg,
+    ]);
+    assert_eq!(status, Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--high-water-file is for a fixed --machine-id"),
+        "{stderr}"
+    );
+}
