@@ -50,12 +50,14 @@ def arguments(doc: str) -> argparse.Namespace:
 
 
 def compare(args: argparse.Namespace, variants: dict[str, dict[str, str]], title: str,
-            out_file: str, preamble: Callable[[], str] = lambda: "") -> None:
+            out_file: str, preamble: Callable[[], str] = lambda: "",
+            flags: Callable[[str, str], list[str]] = lambda name, tmp: []) -> None:
     """Runs `args.rounds` rounds of both variants at once and writes `out_file`.
 
     `variants` maps a name to the environment its gateway gets on top of this one's; the first
-    is the baseline of the ratio. `preamble` gives a line of context for the table (read after
-    the runs).
+    is the baseline of the ratio. `flags(name, tmp)` gives a variant's extra `snowgate serve`
+    flags (`tmp` is the run's scratch directory). `preamble` gives a line of context for the
+    table (read after the runs).
     """
     if len(variants) != 2:
         sys.exit("compare takes exactly two variants")
@@ -94,7 +96,8 @@ def compare(args: argparse.Namespace, variants: dict[str, dict[str, str]], title
         log = os.path.join(tmp, f"{name}.log")
         proc = load.start([snowgate, "serve", "--listen", f"{HOST}:{port}", "--admin-listen",
                            f"{HOST}:{admin}", "--upstream", f"http://{HOST}:{up}",
-                           "--machine-id", "1"], log, env=dict(os.environ, **env))
+                           "--machine-id", "1"] + flags(name, tmp), log,
+                          env=dict(os.environ, **env))
         load.wait_ready(f"http://{HOST}:{admin}/healthz", proc, log)
         gateways[name] = (port, proc)
 
