@@ -31,6 +31,11 @@ pub const MARK_AHEAD: Duration = Duration::from_secs(2);
 /// How soon a write that failed is tried again.
 const RETRY_AFTER: Duration = Duration::from_millis(250);
 
+/// The longest a stop waits for a write under way (a disk that hangs), and
+/// then for its own last write, before it lets the gateway end with the
+/// mark written before, which is higher.
+const STOP_WAIT: Duration = Duration::from_secs(5);
+
 /// The high-water file as `/status` and `/metrics` show it.
 #[derive(Debug)]
 pub struct FileMarkStatus {
@@ -176,14 +181,31 @@ impl MarkKeeper {
     /// After the last request: withdraws the machine id, then writes the
     /// last millisecond the id clock used as the mark, so that the next
     /// start continues right after it instead of a [`MARK_AHEAD`] later.
-    /// If that write fails, the higher mark before it stands.
+    /// If that write fails, or a write does not end within [`STOP_WAIT`],
+    /// the higher mark before it stands.
     pub async fn release(mut self) {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }
+        let path = self.shared.file.path().display().to_string();
         if let Some(task) = self.task.take() {
-            // A raise under way ends first: no write may follow the last.
-            let _ = task.await;
+            // A raise under way ends first, so that it cannot land after
+            // the last write (a later, higher mark would be harmless, but
+            // not what the operator reads).
+            if tokio::time::timeout(STOP_WAIT, task).await.is_err() {
+                tracing::warn!(
+                    path,
+                    "a write to the high-water file did not end within {} s; the mark {} \
+                     written before stands",
+                    STOP_WAIT.as_secs(),
+                    format_millis(self.shared.status.mark())
+                );
+                self.shared
+                    .services
+                    .identity
+                    .withdraw("the gateway is stopping");
+                return;
+            }
         }
         let services = &self.shared.services;
         services.identity.withdraw("the gateway is stopping");
@@ -191,20 +213,32 @@ impl MarkKeeper {
             return;
         };
         let shared = self.shared.clone();
-        match tokio::task::spawn_blocking(move || shared.file.write(last)).await {
-            Ok(Ok(())) => {
+        let written = tokio::time::timeout(
+            STOP_WAIT,
+            tokio::task::spawn_blocking(move || shared.file.write(last)),
+        )
+        .await;
+        let before = format_millis(self.shared.status.mark());
+        match written {
+            Ok(Ok(Ok(()))) => {
                 self.shared.status.mark.store(last, Ordering::Relaxed);
                 tracing::info!(
-                    path = %self.shared.file.path().display(),
+                    path,
                     "the last id's millisecond, {}, is the high-water file's mark",
                     format_millis(last)
                 );
             }
+            Ok(Ok(Err(e))) => tracing::warn!("{e:#}; the mark {before} written before stands"),
             Ok(Err(e)) => tracing::warn!(
-                "{e:#}; the mark {} written before stands",
-                format_millis(self.shared.status.mark())
+                error = %e,
+                "writing the last high-water mark failed; the mark {before} written before stands"
             ),
-            Err(e) => tracing::warn!(error = %e, "writing the last high-water mark failed"),
+            Err(_) => tracing::warn!(
+                path,
+                "the last write to the high-water file did not end within {} s; the mark \
+                 {before} written before stands, unless the write ends later",
+                STOP_WAIT.as_secs()
+            ),
         }
     }
 }
