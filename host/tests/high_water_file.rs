@@ -16,10 +16,14 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use snowgate_plugin::SnowflakeLayout;
 use support::{post_json, stamped_id, tool_present, Gateway, CONTEXT_ONLY, MACHINE_ID, STEP};
 
-/// How far the faked wall clock steps back: less than the id clock's
-/// 9 s lead, so that a gateway that continues after the mark can stamp at
-/// once.
-const STEP_BACK: &str = "-4s";
+/// How far the faked wall clock steps back after a clean stop: less than
+/// the id clock's 9 s lead, so that a gateway that continues after the
+/// last id can stamp at once; more than a debug build takes to stop one
+/// gateway and start the next on a busy machine, so that the step is real.
+const STEP_BACK_AFTER_A_STOP: &str = "-7s";
+
+/// The same after a crash, whose mark is up to 2 s further ahead.
+const STEP_BACK_AFTER_A_CRASH: &str = "-5s";
 
 /// A directory of the test's own, empty, and the high-water file's path in
 /// it.
@@ -49,12 +53,12 @@ fn faketime() -> Option<PathBuf> {
     .then(|| found.expect("present"))
 }
 
-/// The environment that steps the gateway's wall clock back by
-/// [`STEP_BACK`].
-fn stepped_back(library: &Path) -> Vec<(&'static str, String)> {
+/// The environment that steps the gateway's wall clock back by `step`
+/// (libfaketime's `-7s`).
+fn stepped_back(library: &Path, step: &str) -> Vec<(&'static str, String)> {
     vec![
         ("LD_PRELOAD", library.display().to_string()),
-        ("FAKETIME", STEP_BACK.to_string()),
+        ("FAKETIME", step.to_string()),
         ("FAKETIME_DONT_FAKE_MONOTONIC", "1".to_string()),
     ]
 }
@@ -144,7 +148,7 @@ async fn after_a_stop_and_a_step_back_ids_continue_after_the_last() {
         "a clean stop writes the last id's millisecond as the mark"
     );
 
-    let env = stepped_back(&library);
+    let env = stepped_back(&library, STEP_BACK_AFTER_A_STOP);
     let control = Gateway::start_with_env(&[], &env_of(&env)).await;
     let unmarked = stamp(&control, 5).await;
     control.stop().await;
@@ -202,7 +206,7 @@ async fn after_a_crash_ids_continue_after_the_mark_kept_ahead() {
         "the mark was not kept ahead of the clock: {mark} at {killed_at}"
     );
 
-    let env = stepped_back(&library);
+    let env = stepped_back(&library, STEP_BACK_AFTER_A_CRASH);
     let second = Gateway::start_with_env(&["--high-water-file", file_arg], &env_of(&env)).await;
     let after = stamp(&second, 50).await;
     second.stop().await;
