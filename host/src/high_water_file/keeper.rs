@@ -31,6 +31,14 @@ pub const MARK_AHEAD: Duration = Duration::from_secs(2);
 /// How soon a write that failed is tried again.
 const RETRY_AFTER: Duration = Duration::from_millis(250);
 
+/// A write that takes longer than this is shown on `/status` and logged
+/// while it goes on: ids stop at the mark within [`MARK_AHEAD`] of it.
+const SLOW_WRITE: Duration = Duration::from_secs(1);
+
+/// The longest a start waits for the first mark to be written: a disk that
+/// hangs fails the start, naming the file, instead of hanging it.
+const FIRST_WRITE_WAIT: Duration = Duration::from_secs(10);
+
 /// The longest a stop waits for a write under way (a disk that hangs), and
 /// then for its own last write, before it lets the gateway end with the
 /// mark written before, which is higher.
@@ -134,9 +142,16 @@ impl MarkKeeper {
             services,
             status,
         });
-        let first = shared
-            .raise()
+        let first = tokio::time::timeout(FIRST_WRITE_WAIT, shared.raise())
             .await
+            .map_err(|_| {
+                anyhow::anyhow!(
+                    "writing the first high-water mark to {} did not end within {} s: the disk \
+                     is hung or very slow",
+                    shared.file.path().display(),
+                    FIRST_WRITE_WAIT.as_secs()
+                )
+            })?
             .context("writing the first high-water mark")?;
         shared
             .services
@@ -282,6 +297,30 @@ impl Shared {
         Ok(mark)
     }
 
+    /// [`Shared::raise`], shown on `/status` and logged while it takes
+    /// longer than [`SLOW_WRITE`]. It is waited for however long it takes:
+    /// a second write beside it could land before it and be overwritten
+    /// by its lower mark.
+    async fn raise_watched(self: &Arc<Self>) -> anyhow::Result<u64> {
+        let raise = self.raise();
+        tokio::pin!(raise);
+        match tokio::time::timeout(SLOW_WRITE, &mut raise).await {
+            Ok(raised) => raised,
+            Err(_) => {
+                let slow = format!(
+                    "a write to the high-water file {} has not ended within {} s (the disk is \
+                     slow or hung); ids stop at the mark {} until it ends",
+                    self.file.path().display(),
+                    SLOW_WRITE.as_secs(),
+                    format_millis(self.status.mark())
+                );
+                tracing::warn!("{slow}");
+                *self.status.last_error() = Some(slow);
+                raise.await
+            }
+        }
+    }
+
     /// Raises the mark every half of [`MARK_AHEAD`], and whenever ids come
     /// near it, until `stop`; after a failed write, again in
     /// [`RETRY_AFTER`].
@@ -297,7 +336,7 @@ impl Shared {
                 // Retries keep their pace, however many requests wait.
                 () = identity.ceiling_near(), if !failing => {}
             }
-            match self.raise().await {
+            match self.raise_watched().await {
                 Ok(mark) => {
                     identity.ceiling_raised(mark, raise_from(mark));
                     if failing {
@@ -321,5 +360,99 @@ impl Shared {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::fs::File;
+    use std::path::Path;
+
+    use snowgate_plugin::SnowflakeLayout;
+
+    use super::*;
+    use crate::clock::IdClock;
+    use crate::identity::MachineIdentity;
+
+    fn services() -> HostServices {
+        HostServices {
+            clock: Arc::new(IdClock::system()),
+            identity: Arc::new(
+                MachineIdentity::fixed(SnowflakeLayout::TrtllmV1, 5).expect("in range"),
+            ),
+        }
+    }
+
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a runtime")
+    }
+
+    fn scratch(name: &str) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!(
+            "snowgate-mark-keeper-{name}-{}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("a temporary directory");
+        dir.join("ids.mark")
+    }
+
+    fn open(path: &Path) -> (HighWaterFile, Option<u64>) {
+        HighWaterFile::open(path, SnowflakeLayout::TrtllmV1, 5).expect("opens")
+    }
+
+    /// A start continues after the stored mark, writes one ahead of the
+    /// clock and bounds the ids by it; a stop writes the last id's
+    /// millisecond, which the next start reads.
+    #[test]
+    fn a_start_takes_over_the_stored_mark_and_a_stop_writes_the_last_id() {
+        let path = scratch("take-over");
+        let services = services();
+        let stored = millis_of(SystemTime::now()) + 5_000;
+        runtime().block_on(async {
+            let (file, _) = open(&path);
+            let keeper = MarkKeeper::start(file, Some(stored), services.clone())
+                .await
+                .expect("starts");
+            let first = keeper.status().mark();
+            assert!(
+                first >= stored + MARK_AHEAD.as_millis() as u64,
+                "{first} after {stored}"
+            );
+            assert_eq!(services.identity.ceiling(), Some(first));
+            let tick = services.clock.next_tick(4096).expect("a tick");
+            assert_eq!(
+                tick.millis,
+                stored + 1,
+                "the first id comes after the stored mark"
+            );
+            keeper.release().await;
+            assert_eq!(services.identity.ceiling(), None, "withdrawn at the stop");
+            let (_file, read) = open(&path);
+            assert_eq!(read, Some(stored + 1), "the last id's millisecond");
+        });
+    }
+
+    /// A file that takes no writes fails the start, naming the file.
+    #[test]
+    fn a_first_mark_that_cannot_be_written_fails_the_start() {
+        let path = scratch("read-only");
+        let (mut file, _) = open(&path);
+        file.file = File::open(&path).expect("opens read-only");
+        let services = services();
+        let error = runtime()
+            .block_on(MarkKeeper::start(file, None, services.clone()))
+            .err()
+            .expect("no write, no start");
+        let message = format!("{error:#}");
+        assert!(
+            message.contains("writing the first high-water mark"),
+            "{message}"
+        );
+        assert!(message.contains(&path.display().to_string()), "{message}");
+        assert_eq!(services.identity.ceiling(), None);
     }
 }
