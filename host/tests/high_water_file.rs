@@ -182,8 +182,8 @@ async fn after_a_stop_and_a_step_back_ids_continue_after_the_last() {
 
 /// A gateway killed with SIGKILL writes nothing at its end; the mark it
 /// kept ahead of its ids while it served covers them. The next gateway
-/// starts on a wall clock that also stepped back (a VM restored from a
-/// snapshot), far behind that mark, and continues after it.
+/// starts on a wall clock that also stepped back (an NTP step), far behind
+/// that mark, and continues after it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_crash_ids_continue_after_the_mark_kept_ahead() {
     let Some(library) = faketime() else { return };
@@ -223,6 +223,45 @@ async fn after_a_crash_ids_continue_after_the_mark_kept_ahead() {
         "after the crash, an id at {first_after} is not after the mark {mark}"
     );
     support::assert_unique(&[before, after].concat());
+}
+
+/// A mark further ahead than the id clock may run (here left by a gateway
+/// whose clock was 12 s ahead, then set right) is waited out to within
+/// reach before the start goes on; nothing is written meanwhile, so
+/// restarts do not push it further out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_waits_for_a_mark_beyond_the_id_clocks_lead() {
+    let Some(library) = faketime() else { return };
+    let file = scratch("far-ahead");
+    let file_arg = file.to_str().expect("a UTF-8 path");
+    let ahead = [
+        ("LD_PRELOAD", library.display().to_string()),
+        ("FAKETIME", "+12s".to_string()),
+        ("FAKETIME_DONT_FAKE_MONOTONIC", "1".to_string()),
+    ];
+    let first = Gateway::start_with_env(&["--high-water-file", file_arg], &env_of(&ahead)).await;
+    stamp(&first, 5).await;
+    first.stop().await;
+    let mark = mark_in(&file);
+    assert!(
+        mark > now_millis() + 9_000,
+        "the mark is {} ms ahead",
+        mark - now_millis()
+    );
+
+    let second = Gateway::start(&["--high-water-file", file_arg]).await;
+    assert!(
+        second.stderr_text().contains("waiting"),
+        "{}",
+        second.stderr_text()
+    );
+    let after = stamp(&second, 5).await;
+    second.stop().await;
+    let first_after = after.iter().copied().map(millis_of).min().expect("ids");
+    assert!(
+        first_after > mark,
+        "an id at {first_after} is not after the mark {mark}"
+    );
 }
 
 /// With no request for longer than the mark's lead, the gateway has kept

@@ -106,8 +106,7 @@ impl Gateway {
         // the ids of the last gateway on the file.
         let high_water = match &config.high_water_file {
             Some(path) => {
-                let (file, stored) = HighWaterFile::open(path, config.layout, machine_id)
-                    .context("--high-water-file")?;
+                let (file, stored) = open_high_water_file(path, config.layout, machine_id).await?;
                 let keeper = MarkKeeper::start(file, stored, services.clone())
                     .await
                     .with_context(|| format!("--high-water-file {}", path.display()))?;
@@ -285,7 +284,12 @@ impl Gateway {
         self.slot.close().await;
         match (lease, self.high_water) {
             (Some((_, handle)), _) => handle.release(drained).await,
-            (None, Some(file)) => file.release().await,
+            (None, Some(file)) => {
+                file.release().await;
+                // Also for a next start without the file (a rollback):
+                // usually no wait at all.
+                outlast_the_clock(&self.services).await
+            }
             (None, None) => outlast_the_clock(&self.services).await,
         }
         Ok(())
@@ -296,6 +300,32 @@ impl Gateway {
         &self.services.clock
     }
 }
+
+/// Opens and locks the high-water file off the async threads, and at most
+/// [`HIGH_WATER_OPEN_WAIT`]: a hung disk fails the start, naming the file.
+async fn open_high_water_file(
+    path: &std::path::Path,
+    layout: snowgate_plugin::SnowflakeLayout,
+    machine_id: u32,
+) -> anyhow::Result<(HighWaterFile, Option<u64>)> {
+    let owned = path.to_path_buf();
+    let opening =
+        tokio::task::spawn_blocking(move || HighWaterFile::open(&owned, layout, machine_id));
+    match tokio::time::timeout(HIGH_WATER_OPEN_WAIT, opening).await {
+        Ok(opened) => opened
+            .context("the high-water file's opening task failed")?
+            .context("--high-water-file"),
+        Err(_) => anyhow::bail!(
+            "--high-water-file: opening and reading {} did not end within {} s: the disk is hung \
+             or very slow",
+            path.display(),
+            HIGH_WATER_OPEN_WAIT.as_secs()
+        ),
+    }
+}
+
+/// The longest a start waits to open and read the high-water file.
+const HIGH_WATER_OPEN_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// With a machine id of its own and no high-water mark (no lease, no
 /// high-water file), the gateway stops stamping and then waits until the wall

@@ -128,12 +128,21 @@ impl MarkKeeper {
     /// `stored`: starts the id clock after it, writes a first mark ahead of
     /// the clock, bounds the ids by it, and raises it from then on in a
     /// task of its own. Fails when the first mark cannot be written.
+    ///
+    /// A stored mark further ahead of the wall clock than
+    /// [`START_LEAD`] (the clock stepped back, or a gateway crashed with
+    /// its id clock far ahead) is first waited out to within it, logged,
+    /// writing nothing meanwhile: the id clock refuses ids more than
+    /// [`MAX_LEAD`](crate::clock::MAX_LEAD) ahead, the plugin's self-check
+    /// among them, and a mark written ahead of a floor no id has used yet
+    /// would push the next start further out.
     pub async fn start(
         file: HighWaterFile,
         stored: Option<u64>,
         services: HostServices,
     ) -> anyhow::Result<MarkKeeper> {
         if let Some(stored) = stored {
+            wait_until_near(stored, file.path()).await;
             services.clock.advance_past(stored);
         }
         let status = Arc::new(FileMarkStatus::new(file.path().to_path_buf()));
@@ -266,6 +275,43 @@ impl Drop for MarkKeeper {
     }
 }
 
+/// How far ahead of the wall clock a stored mark may be for a start to go
+/// on at once: the id clock's [`MAX_LEAD`](crate::clock::MAX_LEAD) less
+/// [`MARK_AHEAD`], so that the first ids after it are within the lead.
+pub const START_LEAD: Duration = Duration::from_secs(7);
+
+/// Waits until the wall clock is within [`START_LEAD`] of `stored`,
+/// logging how long that takes, and again every 10 s.
+async fn wait_until_near(stored: u64, path: &std::path::Path) {
+    let near = stored.saturating_sub(START_LEAD.as_millis() as u64);
+    let mut said = None;
+    loop {
+        let now = millis_of(SystemTime::now());
+        if now >= near {
+            if said.is_some() {
+                tracing::info!("the wall clock is near the high-water file's mark: starting");
+            }
+            return;
+        }
+        let left = Duration::from_millis(near - now);
+        if said.is_none_or(|at: Instant| at.elapsed() >= Duration::from_secs(10)) {
+            tracing::warn!(
+                path = %path.display(),
+                "the high-water file's mark {} is {} s ahead of the wall clock (it stepped back, \
+                 or the last gateway crashed with its ids ahead of it): waiting {} s until it is \
+                 within {} s, as ids may not run further ahead",
+                format_millis(stored),
+                (stored - now) / 1000,
+                left.as_secs_f64().ceil(),
+                START_LEAD.as_secs()
+            );
+            said = Some(Instant::now());
+        }
+        // The wall clock may step again meanwhile: look at it each second.
+        tokio::time::sleep(left.min(Duration::from_secs(1))).await;
+    }
+}
+
 /// From which millisecond ids count as near a mark of `mark`: half of
 /// [`MARK_AHEAD`] below it.
 fn raise_from(mark: u64) -> u64 {
@@ -336,6 +382,10 @@ impl Shared {
                 // Retries keep their pace, however many requests wait.
                 () = identity.ceiling_near(), if !failing => {}
             }
+            // The next raise is due half the lead after this one began,
+            // not after it ended: a slow write does not eat into the margin
+            // twice.
+            let began = Instant::now();
             match self.raise_watched().await {
                 Ok(mark) => {
                     identity.ceiling_raised(mark, raise_from(mark));
@@ -343,7 +393,7 @@ impl Shared {
                         tracing::info!("the high-water file takes writes again");
                     }
                     failing = false;
-                    due = Instant::now() + MARK_AHEAD / 2;
+                    due = began + MARK_AHEAD / 2;
                 }
                 Err(e) => {
                     self.status.failures.fetch_add(1, Ordering::Relaxed);

@@ -1,8 +1,10 @@
 //! A fixed machine id's high-water mark, kept in a local file so that ids
 //! never repeat across restarts of a gateway without etcd: not after a
 //! crash or `SIGKILL`, which leave no time to wait out the id clock's lead,
-//! and not after the wall clock stepped back (an NTP step, a VM restored
-//! from a snapshot), which no waiting covers.
+//! and not after the wall clock stepped back (an NTP step), which no
+//! waiting covers. Not a VM restored from a snapshot of a disk that holds
+//! the file: that restores the file too, to the mark of the snapshot's
+//! time.
 //!
 //! While it serves, the gateway keeps a mark in the file ahead of its id
 //! clock (see [`keeper`]), and no id leaves past the mark last written
@@ -103,6 +105,13 @@ impl HighWaterFile {
         let now = millis_of(SystemTime::now());
         let mark = read_mark(&contents, now)
             .map_err(|problem| anyhow::anyhow!("the high-water file {shown} {problem}"))?;
+        if mark.is_none() && !contents.is_empty() {
+            tracing::warn!(
+                "the high-water file {shown} holds {} bytes but no mark (zeros: a gateway \
+                 stopped before its first write reached the disk); taken as a new file",
+                contents.len()
+            );
+        }
         let found = HighWaterFile {
             file,
             path: path.to_path_buf(),
@@ -320,10 +329,10 @@ mod tests {
         let message = format!("{:#}", open(&path).expect_err("a directory"));
         assert!(message.contains("opening the high-water file"), "{message}");
         std::fs::remove_dir(&path).expect("removed");
-        std::fs::write(&path, vec![b'x'; 4096]).expect("written");
+        std::fs::write(&path, vec![b'x'; 10_000]).expect("written");
         let message = format!("{:#}", open(&path).expect_err("too long"));
         assert!(
-            message.contains("is 4096 bytes long, not a high-water file"),
+            message.contains("is 10000 bytes long, not a high-water file"),
             "{message}"
         );
         std::fs::write(&path, b"hello\n").expect("written");

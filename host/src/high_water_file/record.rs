@@ -1,5 +1,6 @@
 //! What a high-water file holds: two copies of one record, each a line of
-//! text in a 512-byte block of its own (a disk sector), with a CRC-32.
+//! text in a 4 KiB block of its own (a page, and a sector of its own also
+//! on drives with 4 KiB sectors), with a CRC-32.
 //!
 //! Every write puts the new record in the first block, syncs, then in the
 //! second, and syncs again. A write cut short (a crash, a power loss) can
@@ -18,7 +19,7 @@ use snowgate_plugin::SnowflakeLayout;
 use crate::utc::format_millis;
 
 /// The size of one copy of the record.
-pub(super) const BLOCK: usize = 512;
+pub(super) const BLOCK: usize = 4096;
 
 /// The size of a high-water file: two copies.
 pub(super) const FILE_BYTES: usize = 2 * BLOCK;
@@ -60,10 +61,15 @@ pub(super) fn decode(block: &[u8]) -> Result<Option<Record>, String> {
     if block.iter().all(|&b| b == 0) {
         return Ok(None);
     }
-    if block.len() != BLOCK || block[BLOCK - 1] != b'\n' {
+    if block.len() != BLOCK {
         return Err(format!(
             "it is cut short ({} bytes, not a {BLOCK}-byte line)",
             block.len()
+        ));
+    }
+    if block[BLOCK - 1] != b'\n' {
+        return Err(format!(
+            "its {BLOCK} bytes do not end a line, as a record does"
         ));
     }
     let line = std::str::from_utf8(&block[..BLOCK - 1])
