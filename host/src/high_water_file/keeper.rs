@@ -422,6 +422,7 @@ mod tests {
 
     use super::*;
     use crate::clock::IdClock;
+    use crate::high_water_file::tests::scratch;
     use crate::identity::MachineIdentity;
 
     fn services() -> HostServices {
@@ -438,16 +439,6 @@ mod tests {
             .enable_all()
             .build()
             .expect("a runtime")
-    }
-
-    fn scratch(name: &str) -> std::path::PathBuf {
-        let dir = std::env::temp_dir().join(format!(
-            "snowgate-mark-keeper-{name}-{}",
-            std::process::id()
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("a temporary directory");
-        dir.join("ids.mark")
     }
 
     fn open(path: &Path) -> (HighWaterFile, Option<u64>) {

@@ -281,7 +281,7 @@ mod tests {
     }
 
     /// A path in an empty directory of the test's own.
-    fn scratch(name: &str) -> PathBuf {
+    pub(super) fn scratch(name: &str) -> PathBuf {
         let dir =
             std::env::temp_dir().join(format!("snowgate-high-water-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
