@@ -64,6 +64,18 @@ pub struct Ceiling {
     pub kept_in: MarkStore,
 }
 
+impl Ceiling {
+    /// Moves the mark up to `millis` (asking for a higher one from
+    /// `raise_from_millis`); a lower or equal mark, a late answer, changes
+    /// nothing.
+    fn raise_to(&mut self, millis: u64, raise_from_millis: u64) {
+        if millis > self.millis {
+            self.millis = millis;
+            self.raise_from_millis = raise_from_millis;
+        }
+    }
+}
+
 /// Where a [`Ceiling`] is kept.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MarkStore {
@@ -258,10 +270,7 @@ impl MachineIdentity {
     pub fn ceiling_raised(&self, ceiling_millis: u64, raise_from_millis: u64) {
         self.change(|held| {
             if let Some(ceiling) = &mut held.ceiling {
-                if ceiling_millis > ceiling.millis {
-                    ceiling.millis = ceiling_millis;
-                    ceiling.raise_from_millis = raise_from_millis;
-                }
+                ceiling.raise_to(ceiling_millis, raise_from_millis);
             }
         });
     }
@@ -273,20 +282,14 @@ impl MachineIdentity {
     /// file's keeper is asked to raise it. A ceiling the id already has is
     /// only ever raised.
     pub fn bound_by_file_mark(&self, ceiling_millis: u64, raise_from_millis: u64) {
-        self.change(|held| match &mut held.ceiling {
-            Some(ceiling) => {
-                if ceiling_millis > ceiling.millis {
-                    ceiling.millis = ceiling_millis;
-                    ceiling.raise_from_millis = raise_from_millis;
-                }
-            }
-            None => {
-                held.ceiling = Some(Ceiling {
+        self.change(|held| {
+            held.ceiling
+                .get_or_insert(Ceiling {
                     millis: ceiling_millis,
                     raise_from_millis,
                     kept_in: MarkStore::File,
                 })
-            }
+                .raise_to(ceiling_millis, raise_from_millis);
         });
     }
 

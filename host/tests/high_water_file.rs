@@ -53,12 +53,12 @@ fn faketime() -> Option<PathBuf> {
     .then(|| found.expect("present"))
 }
 
-/// The environment that steps the gateway's wall clock back by `step`
-/// (libfaketime's `-7s`).
-fn stepped_back(library: &Path, step: &str) -> Vec<(&'static str, String)> {
+/// The environment that moves the gateway's wall clock by `offset`
+/// (libfaketime's `-7s`, `+12s`).
+fn faked_clock(library: &Path, offset: &str) -> Vec<(&'static str, String)> {
     vec![
         ("LD_PRELOAD", library.display().to_string()),
-        ("FAKETIME", step.to_string()),
+        ("FAKETIME", offset.to_string()),
         ("FAKETIME_DONT_FAKE_MONOTONIC", "1".to_string()),
     ]
 }
@@ -148,7 +148,7 @@ async fn after_a_stop_and_a_step_back_ids_continue_after_the_last() {
         "a clean stop writes the last id's millisecond as the mark"
     );
 
-    let env = stepped_back(&library, STEP_BACK_AFTER_A_STOP);
+    let env = faked_clock(&library, STEP_BACK_AFTER_A_STOP);
     let control = Gateway::start_with_env(&[], &env_of(&env)).await;
     let unmarked = stamp(&control, 5).await;
     control.stop().await;
@@ -206,7 +206,7 @@ async fn after_a_crash_ids_continue_after_the_mark_kept_ahead() {
         "the mark was not kept ahead of the clock: {mark} at {killed_at}"
     );
 
-    let env = stepped_back(&library, STEP_BACK_AFTER_A_CRASH);
+    let env = faked_clock(&library, STEP_BACK_AFTER_A_CRASH);
     let second = Gateway::start_with_env(&["--high-water-file", file_arg], &env_of(&env)).await;
     let after = stamp(&second, 50).await;
     second.stop().await;
@@ -234,11 +234,7 @@ async fn a_start_waits_for_a_mark_beyond_the_id_clocks_lead() {
     let Some(library) = faketime() else { return };
     let file = scratch("far-ahead");
     let file_arg = file.to_str().expect("a UTF-8 path");
-    let ahead = [
-        ("LD_PRELOAD", library.display().to_string()),
-        ("FAKETIME", "+12s".to_string()),
-        ("FAKETIME_DONT_FAKE_MONOTONIC", "1".to_string()),
-    ];
+    let ahead = faked_clock(&library, "+12s");
     let first = Gateway::start_with_env(&["--high-water-file", file_arg], &env_of(&ahead)).await;
     stamp(&first, 5).await;
     first.stop().await;

@@ -166,16 +166,15 @@ impl MarkKeeper {
             .services
             .identity
             .bound_by_file_mark(first, raise_from(first));
-        let behind = stored.map_or(0, |stored| {
-            stored.saturating_sub(millis_of(SystemTime::now()))
-        });
+        let now = millis_of(SystemTime::now());
         match stored {
-            Some(stored) if behind > 0 => tracing::warn!(
+            Some(stored) if stored > now => tracing::warn!(
                 path = %shared.file.path().display(),
-                "the high-water file's mark {} is {behind} ms ahead of the wall clock (it stepped \
+                "the high-water file's mark {} is {} ms ahead of the wall clock (it stepped \
                  back, or the last gateway stopped without writing its last id): ids continue \
                  after the mark, ahead of the wall clock",
-                format_millis(stored)
+                format_millis(stored),
+                stored - now
             ),
             Some(stored) => tracing::info!(
                 path = %shared.file.path().display(),
@@ -208,6 +207,9 @@ impl MarkKeeper {
     /// If that write fails, or a write does not end within [`STOP_WAIT`],
     /// the higher mark before it stands.
     pub async fn release(mut self) {
+        let services = &self.shared.services;
+        // First: no id leaves from here on, whatever the file does.
+        services.identity.withdraw("the gateway is stopping");
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }
@@ -224,15 +226,9 @@ impl MarkKeeper {
                     STOP_WAIT.as_secs(),
                     format_millis(self.shared.status.mark())
                 );
-                self.shared
-                    .services
-                    .identity
-                    .withdraw("the gateway is stopping");
                 return;
             }
         }
-        let services = &self.shared.services;
-        services.identity.withdraw("the gateway is stopping");
         let Some(last) = services.clock.last_tick().map(|tick| tick.millis) else {
             return;
         };
