@@ -296,6 +296,99 @@ async fn an_idle_gateway_keeps_its_mark_ahead_of_the_clock() {
     gateway.stop().await;
 }
 
+/// The fdatasync shim (`tests/shims/slow_fdatasync.c`), built with the
+/// machine's C compiler into `dir`, when there is one.
+fn slow_fdatasync(dir: &Path) -> Option<PathBuf> {
+    let library = dir.join("slow_fdatasync.so");
+    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/shims/slow_fdatasync.c");
+    let built = std::process::Command::new("cc")
+        .args(["-shared", "-fPIC", "-o"])
+        .arg(&library)
+        .arg(&source)
+        .arg("-ldl")
+        .output();
+    if let Ok(output) = &built {
+        assert!(
+            output.status.success(),
+            "building {}: {}",
+            source.display(),
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    tool_present(built.is_ok(), "a C compiler (cc)", "apt-get install gcc").then_some(library)
+}
+
+/// A disk slow to sync (each `fdatasync` 600 ms, so each mark's two copies
+/// take 1.2 s, longer than the interval between raises) costs no request
+/// a 503: the mark's lead grows with the writes' time, so the next mark
+/// lands before ids reach the one before it. With the fixed 2 s lead of
+/// before, ids reached the mark for some 0.4 s of every 1.2 s.
+///
+/// The slow disk is the real file on the real disk with a delay before
+/// each sync, preloaded into the gateway: slowing a real device needs
+/// root (`dm-delay`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_disk_slow_to_sync_lengthens_the_lead_instead_of_refusing_ids() {
+    let file = scratch("slow-disk");
+    let Some(library) = slow_fdatasync(file.parent().expect("a directory")) else {
+        return;
+    };
+    let library = library.display().to_string();
+    let gateway = Gateway::start_with_env(
+        &["--high-water-file", file.to_str().expect("UTF-8")],
+        &[("LD_PRELOAD", &library), ("SLOW_FDATASYNC_MS", "600")],
+    )
+    .await;
+    // Requests one after another for some seven raises.
+    let until = Instant::now() + Duration::from_secs(8);
+    let mut ids = Vec::new();
+    let mut refused = Vec::new();
+    while Instant::now() < until {
+        let reply = post_json(gateway.addr, "/v1/completions", CONTEXT_ONLY).await;
+        if reply.status == 200 {
+            ids.push(stamped_id(reply.json()["body"].to_string().as_bytes()));
+        } else {
+            refused.push(format!("{} {}", reply.status, reply.text()));
+        }
+    }
+    let status = gateway.status().await;
+    assert!(
+        refused.is_empty(),
+        "{} of {} requests refused, the first: {}; {status}",
+        refused.len(),
+        refused.len() + ids.len(),
+        refused[0]
+    );
+    let file_status = &status["high_water_file"];
+    let slowest = file_status["slowest_write_ms"].as_f64().expect("a time");
+    let lead = file_status["lead_ms"].as_u64().expect("a lead");
+    assert!(slowest >= 1_200.0, "the syncs were not slowed: {status}");
+    assert!(lead > 2 * 1_200, "{status}");
+    assert!(
+        file_status["writes"].as_u64().expect("a count") >= 5,
+        "{status}"
+    );
+    assert!(
+        support::metric(
+            &gateway.metrics().await,
+            "snowgate_high_water_file_lead_seconds"
+        ) > 2.4
+    );
+    assert!(
+        gateway.stderr_text().contains("the mark now goes"),
+        "the longer lead is logged: {}",
+        gateway.stderr_text()
+    );
+    gateway.stop().await;
+    support::assert_unique(&ids);
+    let last = ids.iter().copied().map(millis_of).max().expect("ids");
+    assert_eq!(
+        mark_in(&file),
+        last,
+        "the stop writes the last id's millisecond"
+    );
+}
+
 /// One file, one gateway: a second one on the same file is refused at
 /// start, naming the file, while the first serves on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

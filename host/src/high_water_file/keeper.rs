@@ -1,12 +1,13 @@
 //! Keeps the high-water file's mark ahead of the id clock while the gateway
 //! serves, and writes the last millisecond used when it stops.
 //!
-//! The mark is kept [`MARK_AHEAD`] past the later of the wall clock and the
-//! id clock, and raised every half of that, or as soon as ids come within
-//! half of it. An id whose millisecond is past the mark last written does
-//! not leave the process (a 503 says why): so a disk that stops taking
-//! writes stops stamping within [`MARK_AHEAD`], and never lets an id out
-//! that a restart could repeat.
+//! The mark is kept a [lead](super::lead) past the later of the wall clock
+//! and the id clock (2 s on a quick disk, more on one that has lately been
+//! slow to write), and raised every [`RAISE_EVERY`], or as soon as ids come
+//! within half the lead of it. An id whose millisecond is past the mark
+//! last written does not leave the process (a 503 says why): so a disk
+//! that stops taking writes stops stamping within the lead, and never lets
+//! an id out that a restart could repeat.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -18,21 +19,17 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use super::lead::{Lead, LONGEST_LEAD, RAISE_EVERY, SHORTEST_LEAD};
 use super::HighWaterFile;
 use crate::engine::HostServices;
 use crate::log_throttle::LogThrottle;
 use crate::utc::{format_millis, millis_of};
 
-/// How far ahead of the id clock (or the wall clock, if later) the mark is
-/// kept. A crash leaves the next start at most this far past the ids given
-/// out, plus the id clock's own lead.
-pub const MARK_AHEAD: Duration = Duration::from_secs(2);
-
 /// How soon a write that failed is tried again.
 const RETRY_AFTER: Duration = Duration::from_millis(250);
 
 /// A write that takes longer than this is shown on `/status` and logged
-/// while it goes on: ids stop at the mark within [`MARK_AHEAD`] of it.
+/// while it goes on: ids stop at the mark within the lead of it.
 const SLOW_WRITE: Duration = Duration::from_secs(1);
 
 /// The longest a start waits for the first mark to be written: a disk that
@@ -50,6 +47,10 @@ pub struct FileMarkStatus {
     path: PathBuf,
     /// The mark last written (Unix milliseconds); 0 before the first.
     mark: AtomicU64,
+    /// The lead of the next mark, in milliseconds.
+    lead: AtomicU64,
+    /// The slowest of the latest writes, in microseconds.
+    slowest_write: AtomicU64,
     writes: AtomicU64,
     failures: AtomicU64,
     last_error: Mutex<Option<String>>,
@@ -60,6 +61,8 @@ impl FileMarkStatus {
         FileMarkStatus {
             path,
             mark: AtomicU64::new(0),
+            lead: AtomicU64::new(SHORTEST_LEAD.as_millis() as u64),
+            slowest_write: AtomicU64::new(0),
             writes: AtomicU64::new(0),
             failures: AtomicU64::new(0),
             last_error: Mutex::new(None),
@@ -75,6 +78,11 @@ impl FileMarkStatus {
         self.mark.load(Ordering::Relaxed)
     }
 
+    /// How far ahead of the ids the next mark goes, in milliseconds.
+    pub fn lead_millis(&self) -> u64 {
+        self.lead.load(Ordering::Relaxed)
+    }
+
     /// The `high_water_file` object of `/status`.
     pub fn to_json(&self) -> serde_json::Value {
         let mark = self.mark();
@@ -82,6 +90,8 @@ impl FileMarkStatus {
             "path": self.path.display().to_string(),
             "mark": mark,
             "mark_utc": format_millis(mark),
+            "lead_ms": self.lead_millis(),
+            "slowest_write_ms": self.slowest_write.load(Ordering::Relaxed) as f64 / 1000.0,
             "writes": self.writes.load(Ordering::Relaxed),
             "failures": self.failures.load(Ordering::Relaxed),
             "last_error": *self.last_error(),
@@ -93,6 +103,7 @@ impl FileMarkStatus {
         let writes = self.writes.load(Ordering::Relaxed);
         let failures = self.failures.load(Ordering::Relaxed);
         let mark = self.mark() as f64 / 1000.0;
+        let lead = self.lead_millis() as f64 / 1000.0;
         format!(
             "# HELP snowgate_high_water_file_writes_total High-water marks written to the high-water file.\n\
              # TYPE snowgate_high_water_file_writes_total counter\n\
@@ -102,7 +113,10 @@ impl FileMarkStatus {
              snowgate_high_water_file_failures_total {failures}\n\
              # HELP snowgate_high_water_file_mark_seconds The mark last written, in Unix seconds: no id leaves past it.\n\
              # TYPE snowgate_high_water_file_mark_seconds gauge\n\
-             snowgate_high_water_file_mark_seconds {mark:.3}\n"
+             snowgate_high_water_file_mark_seconds {mark:.3}\n\
+             # HELP snowgate_high_water_file_lead_seconds How far ahead of the ids the next mark goes: longer while the disk is slow to write.\n\
+             # TYPE snowgate_high_water_file_lead_seconds gauge\n\
+             snowgate_high_water_file_lead_seconds {lead:.3}\n"
         )
     }
 }
@@ -112,6 +126,23 @@ struct Shared {
     file: HighWaterFile,
     services: HostServices,
     status: Arc<FileMarkStatus>,
+    /// The latest writes' times, which size the lead.
+    lead: Mutex<Lead>,
+}
+
+/// A mark on disk, and the lead it was written with (milliseconds).
+#[derive(Debug, Clone, Copy)]
+struct Raised {
+    mark: u64,
+    lead: u64,
+}
+
+impl Raised {
+    /// From which millisecond ids count as near the mark: half its lead
+    /// below it.
+    fn raise_from(&self) -> u64 {
+        self.mark.saturating_sub(self.lead / 2)
+    }
 }
 
 /// Keeps a high-water file's mark ahead of the ids until
@@ -150,8 +181,9 @@ impl MarkKeeper {
             file,
             services,
             status,
+            lead: Mutex::new(Lead::default()),
         });
-        let first = tokio::time::timeout(FIRST_WRITE_WAIT, shared.raise())
+        let first = tokio::time::timeout(FIRST_WRITE_WAIT, shared.first_raise())
             .await
             .map_err(|_| {
                 anyhow::anyhow!(
@@ -165,7 +197,8 @@ impl MarkKeeper {
         shared
             .services
             .identity
-            .bound_by_file_mark(first, raise_from(first));
+            .bound_by_file_mark(first.mark, first.raise_from());
+        let first = first.mark;
         let now = millis_of(SystemTime::now());
         match stored {
             Some(stored) if stored > now => tracing::warn!(
@@ -203,7 +236,7 @@ impl MarkKeeper {
 
     /// After the last request: withdraws the machine id, then writes the
     /// last millisecond the id clock used as the mark, so that the next
-    /// start continues right after it instead of a [`MARK_AHEAD`] later.
+    /// start continues right after it instead of a lead later.
     /// If that write fails, or a write does not end within [`STOP_WAIT`],
     /// the higher mark before it stands.
     pub async fn release(mut self) {
@@ -273,7 +306,8 @@ impl Drop for MarkKeeper {
 
 /// How far ahead of the wall clock a stored mark may be for a start to go
 /// on at once: the id clock's [`MAX_LEAD`](crate::clock::MAX_LEAD) less
-/// [`MARK_AHEAD`], so that the first ids after it are within the lead.
+/// the [shortest lead](SHORTEST_LEAD), so that a first mark after it is
+/// within the id clock's lead on a quick disk.
 pub const START_LEAD: Duration = Duration::from_secs(7);
 
 /// Waits until the wall clock is within [`START_LEAD`] of `stored`,
@@ -308,16 +342,28 @@ async fn wait_until_near(stored: u64, path: &std::path::Path) {
     }
 }
 
-/// From which millisecond ids count as near a mark of `mark`: half of
-/// [`MARK_AHEAD`] below it.
-fn raise_from(mark: u64) -> u64 {
-    mark.saturating_sub(MARK_AHEAD.as_millis() as u64 / 2)
-}
-
 impl Shared {
-    /// Writes a mark [`MARK_AHEAD`] past the later of the wall clock and
-    /// the id clock (never below the one confirmed), and returns it.
-    async fn raise(self: &Arc<Self>) -> anyhow::Result<u64> {
+    fn lead(&self) -> std::sync::MutexGuard<'_, Lead> {
+        self.lead.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The start's first raise, and a second one at once when the first
+    /// showed a disk slower than its lead allowed for: the gateway then
+    /// begins serving with a lead the disk keeps up with.
+    async fn first_raise(self: &Arc<Self>) -> anyhow::Result<Raised> {
+        let first = self.raise().await?;
+        if self.lead().now().as_millis() as u64 > first.lead {
+            return self.raise().await;
+        }
+        Ok(first)
+    }
+
+    /// Writes a mark the lead past the later of the wall clock and the id
+    /// clock (never below the one confirmed), and returns it; the time it
+    /// took, from here until the mark is on disk, sizes the next leads.
+    async fn raise(self: &Arc<Self>) -> anyhow::Result<Raised> {
+        let began = Instant::now();
+        let lead = self.lead().now().as_millis() as u64;
         let now = millis_of(SystemTime::now());
         let last = self
             .services
@@ -325,25 +371,42 @@ impl Shared {
             .last_tick()
             .map_or(0, |tick| tick.millis);
         let confirmed = self.services.identity.ceiling().unwrap_or(0);
-        let mark = now
-            .max(last)
-            .saturating_add(MARK_AHEAD.as_millis() as u64)
-            .max(confirmed);
+        let mark = now.max(last).saturating_add(lead).max(confirmed);
         let shared = self.clone();
         tokio::task::spawn_blocking(move || shared.file.write(mark))
             .await
             .context("the high-water file's writing task failed")??;
+        let (next_lead, slowest) = {
+            let mut times = self.lead();
+            times.record(began.elapsed());
+            (times.now(), times.slowest())
+        };
+        let next_lead = next_lead.as_millis() as u64;
+        if next_lead > lead && next_lead > self.status.lead_millis() {
+            tracing::info!(
+                path = %self.file.path().display(),
+                "a write to the high-water file took {} ms: the mark now goes {} ms ahead of \
+                 the ids (at most {} s) so that ids do not reach it between writes",
+                slowest.as_millis(),
+                next_lead,
+                LONGEST_LEAD.as_secs()
+            );
+        }
+        self.status.lead.store(next_lead, Ordering::Relaxed);
+        self.status
+            .slowest_write
+            .store(slowest.as_micros() as u64, Ordering::Relaxed);
         self.status.mark.store(mark, Ordering::Relaxed);
         self.status.writes.fetch_add(1, Ordering::Relaxed);
         *self.status.last_error() = None;
-        Ok(mark)
+        Ok(Raised { mark, lead })
     }
 
     /// [`Shared::raise`], shown on `/status` and logged while it takes
     /// longer than [`SLOW_WRITE`]. It is waited for however long it takes:
     /// a second write beside it could land before it and be overwritten
     /// by its lower mark.
-    async fn raise_watched(self: &Arc<Self>) -> anyhow::Result<u64> {
+    async fn raise_watched(self: &Arc<Self>) -> anyhow::Result<Raised> {
         let raise = self.raise();
         tokio::pin!(raise);
         match tokio::time::timeout(SLOW_WRITE, &mut raise).await {
@@ -363,12 +426,11 @@ impl Shared {
         }
     }
 
-    /// Raises the mark every half of [`MARK_AHEAD`], and whenever ids come
-    /// near it, until `stop`; after a failed write, again in
-    /// [`RETRY_AFTER`].
+    /// Raises the mark every [`RAISE_EVERY`], and whenever ids come near
+    /// it, until `stop`; after a failed write, again in [`RETRY_AFTER`].
     async fn keep(self: Arc<Self>, mut stop: oneshot::Receiver<()>) {
         let identity = &self.services.identity;
-        let mut due = Instant::now() + MARK_AHEAD / 2;
+        let mut due = Instant::now() + RAISE_EVERY;
         let mut failing = false;
         loop {
             tokio::select! {
@@ -378,18 +440,17 @@ impl Shared {
                 // Retries keep their pace, however many requests wait.
                 () = identity.ceiling_near(), if !failing => {}
             }
-            // The next raise is due half the lead after this one began,
-            // not after it ended: a slow write does not eat into the margin
-            // twice.
+            // The next raise is due an interval after this one began, not
+            // after it ended: a slow write does not eat into the lead twice.
             let began = Instant::now();
             match self.raise_watched().await {
-                Ok(mark) => {
-                    identity.ceiling_raised(mark, raise_from(mark));
+                Ok(raised) => {
+                    identity.ceiling_raised(raised.mark, raised.raise_from());
                     if failing {
                         tracing::info!("the high-water file takes writes again");
                     }
                     failing = false;
-                    due = began + MARK_AHEAD / 2;
+                    due = began + RAISE_EVERY;
                 }
                 Err(e) => {
                     self.status.failures.fetch_add(1, Ordering::Relaxed);
@@ -456,7 +517,7 @@ mod tests {
                 .expect("starts");
             let first = keeper.status().mark();
             assert!(
-                first >= stored + MARK_AHEAD.as_millis() as u64,
+                first >= stored + SHORTEST_LEAD.as_millis() as u64,
                 "{first} after {stored}"
             );
             assert_eq!(services.identity.ceiling(), Some(first));

@@ -15,6 +15,7 @@
 //! one is refused at start. See [`record`] for what the file holds.
 
 pub mod keeper;
+pub mod lead;
 mod record;
 
 use std::fs::File;
@@ -31,8 +32,8 @@ use crate::utc::{format_millis, millis_of};
 use record::{Record, BLOCK, FILE_BYTES};
 
 /// The furthest past this host's wall clock a mark may be when it is read:
-/// a gateway sets it at most about 11 s ahead (its id clock's
-/// [lead](crate::clock::MAX_LEAD) and [`keeper::MARK_AHEAD`]), so a mark
+/// a gateway sets it at most about 14 s ahead (its id clock's
+/// [lead](crate::clock::MAX_LEAD) and the [mark's](lead::LONGEST_LEAD)), so a mark
 /// further ahead means a wall clock that stepped back by more than a day,
 /// or a file that is not what it seems. The gateway then refuses to start
 /// rather than wait that out.
