@@ -162,6 +162,19 @@ impl fmt::Display for CallError {
 
 impl std::error::Error for CallError {}
 
+/// A call's answer after the host's check of the ids it made.
+#[derive(Debug)]
+pub struct Fenced {
+    /// What to do with the request: the plugin's answer, or the host's 503
+    /// when it withheld the ids.
+    pub action: Action,
+    /// Whether the host withheld the ids the call made (the machine id
+    /// they carry was no longer this process's to use, or they were past
+    /// the high-water mark), answering 503 `no_machine_id` in place of
+    /// the plugin's answer.
+    pub ids_withheld: bool,
+}
+
 impl Plugin {
     /// Runs the plugin on one request in a fresh instance and returns its
     /// answer. Nothing of the instance outlives the call.
@@ -171,6 +184,14 @@ impl Plugin {
     /// async runtime's thread. From async code use
     /// [`Plugin::handle_async`].
     pub fn handle(&self, request: &Request) -> Result<Action, CallError> {
+        self.handle_fenced(request).map(|fenced| fenced.action)
+    }
+
+    /// [`Plugin::handle`], telling also whether the host withheld the ids
+    /// the call made (its answer is then the host's 503 in place of the
+    /// plugin's): what the gateway's self-check of a new build needs, since
+    /// by the time it asks the host again, the reason may have passed.
+    pub fn handle_fenced(&self, request: &Request) -> Result<Fenced, CallError> {
         let (mut store, instance) = self.instantiate()?;
         let handle = match self.configure(&mut store, instance) {
             Ok(Ok(handle)) => handle,
@@ -232,7 +253,7 @@ impl Plugin {
         let checked = match answer {
             Ok(action) => self
                 .check(action)
-                .map(|action| self.fence(action, &held.store)),
+                .map(|action| self.fence(action, &held.store).action),
             Err(e) => Err(plugin_error(e.message)),
         };
         if !matches!(checked, Err(CallError::InvalidAnswer(_))) {
@@ -530,14 +551,18 @@ impl Plugin {
     /// otherwise the request is refused with the 503 a plugin gives when
     /// there is no machine id, whatever the plugin answered. Only answers
     /// that forward are checked; a call that took no tick made no id.
-    fn fence(&self, action: Action, store: &Store<HostState>) -> Action {
+    fn fence(&self, action: Action, store: &Store<HostState>) -> Fenced {
+        let let_out = |action| Fenced {
+            action,
+            ids_withheld: false,
+        };
         let state = store.data();
         let issued = state.issued;
         if issued.last_millis.is_none() && issued.grant.is_none() {
-            return action;
+            return let_out(action);
         }
         if matches!(action, Action::Reject(_)) {
-            return action;
+            return let_out(action);
         }
         // Ids made without asking for the machine id in this call use one
         // kept from an earlier call: of the instance's grant at the latest.
@@ -556,7 +581,7 @@ impl Plugin {
                 .map_err(|reason| ("no_machine_id", reason))
         };
         match confirmed {
-            Ok(()) => action,
+            Ok(()) => let_out(action),
             Err((code, reason)) => {
                 // Every request that needs an id is refused for the same
                 // reason while it lasts: one warning a second.
@@ -568,11 +593,16 @@ impl Plugin {
                         "ids withheld, request answered 503 {code} {held_back}"
                     );
                 }
-                Action::Reject(Rejection {
-                    status: 503,
-                    code: code.to_string(),
-                    message: format!("this gateway cannot issue request ids right now: {reason}"),
-                })
+                Fenced {
+                    action: Action::Reject(Rejection {
+                        status: 503,
+                        code: code.to_string(),
+                        message: format!(
+                            "this gateway cannot issue request ids right now: {reason}"
+                        ),
+                    }),
+                    ids_withheld: true,
+                }
             }
         }
     }
@@ -825,12 +855,14 @@ mod tests {
         store.data_mut().next_tick(4096);
     }
 
-    fn let_out(action: &Action) -> bool {
-        matches!(action, Action::ForwardWithBody(body) if body == b"{}")
+    fn let_out(fenced: &Fenced) -> bool {
+        !fenced.ids_withheld
+            && matches!(&fenced.action, Action::ForwardWithBody(body) if body == b"{}")
     }
 
-    fn withheld(action: &Action) -> bool {
-        matches!(action, Action::Reject(r) if r.status == 503 && r.code == "no_machine_id")
+    fn withheld(fenced: &Fenced) -> bool {
+        fenced.ids_withheld
+            && matches!(&fenced.action, Action::Reject(r) if r.status == 503 && r.code == "no_machine_id")
     }
 
     /// Once the clock refuses a call a tick, the call takes no more, even

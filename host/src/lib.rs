@@ -62,7 +62,7 @@ mod text_limits;
 pub mod utc;
 
 pub use bindings::exports::snowgate::middleware::handler::{Action, Rejection};
-pub use call::{CallError, YIELD_AFTER};
+pub use call::{CallError, Fenced, YIELD_AFTER};
 pub use clock::{FixedClock, IdClock, NoTick, SystemClock, Tick, WallClock};
 pub use compile_cache::{CompileCache, Compiled};
 pub use compile_process::{CompileLimits, CompileProcess};

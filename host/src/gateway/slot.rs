@@ -9,6 +9,7 @@ use anyhow::Context as _;
 use arc_swap::ArcSwap;
 
 use crate::bindings::exports::snowgate::middleware::handler::Action;
+use crate::call::Fenced;
 use crate::engine::PluginEngine;
 use crate::gateway::metrics::Metrics;
 use crate::gateway::plugin_file::read_plugin_file;
@@ -253,24 +254,45 @@ impl PluginSlot {
 /// canned request cannot carry (an API key, a tenant's token) must be able
 /// to serve. Any other rejection is refused as before: a build that
 /// rejects valid requests (400 for the canned request's empty prompt, say)
-/// does not replace a good one. While the host holds no machine id it may
-/// use, the 503 a plugin answers then passes without a warning.
+/// does not replace a good one. A 503 passes without a warning when the
+/// host withheld the self-check's id (past the high-water mark, or the
+/// lease lapsed, at the time of the call: the mark may be raised a moment
+/// later, so that is not asked again after it), or when the host holds no
+/// machine id it may use now (the plugin's own 503 for want of one).
 pub fn load_checked(
     engine: &PluginEngine,
     bytes: &[u8],
     settings: &[(String, String)],
 ) -> anyhow::Result<Plugin> {
     let plugin = Plugin::load(engine, bytes, settings)?;
-    let request = Request {
+    let answer = plugin
+        .handle_fenced(&self_check_request())
+        .context("self-check: the plugin failed on a canned context-only request")?;
+    judge_self_check(&plugin, answer, || ids_may_leave_now(engine))?;
+    // Only a build that passed is kept for the next load of the same bytes.
+    plugin.keep_compiled();
+    Ok(plugin)
+}
+
+/// The canned request of the self-check.
+fn self_check_request() -> Request {
+    Request {
         method: "POST".into(),
         path: "/v1/completions".into(),
         headers: vec![("content-type".into(), b"application/json".to_vec())].into(),
         body: SELF_CHECK_BODY.to_vec(),
-    };
-    let action = plugin
-        .handle(&request)
-        .context("self-check: the plugin failed on a canned context-only request")?;
-    match action {
+    }
+}
+
+/// Whether the self-check's answer lets the build serve (see
+/// [`load_checked`]); `ids_may_leave` tells whether the host holds a
+/// machine id it may use now.
+fn judge_self_check(
+    plugin: &Plugin,
+    answer: Fenced,
+    ids_may_leave: impl FnOnce() -> bool,
+) -> anyhow::Result<()> {
+    match answer.action {
         Action::ForwardWithBody(body) => {
             let value: serde_json::Value = serde_json::from_slice(&body)
                 .context("self-check: the plugin answered a body that is not JSON")?;
@@ -278,10 +300,10 @@ pub fn load_checked(
                 anyhow::bail!("self-check: the plugin did not stamp an integer disagg_request_id on a context-only request");
             }
         }
-        // No machine id now, or (leased) the host's own check refused the
-        // self-check's id: the plugin cannot show it stamps, and that is
-        // not its fault.
-        Action::Reject(r) if r.status == 503 && !ids_may_leave_now(engine) => {}
+        // The host withheld the self-check's id, or holds no machine id
+        // now: the plugin cannot show it stamps, and that is not its fault.
+        Action::Reject(_) if answer.ids_withheld => {}
+        Action::Reject(r) if r.status == 503 && !ids_may_leave() => {}
         Action::Reject(r) if matches!(r.status, 401 | 403) => tracing::warn!(
             plugin = %plugin.info().name,
             "self-check: the plugin rejected the canned context-only request ({} {}: {}); it \
@@ -302,9 +324,7 @@ pub fn load_checked(
             anyhow::bail!("self-check: the plugin forwarded a context-only request without an id")
         }
     }
-    // Only a build that passed is kept for the next load of the same bytes.
-    plugin.keep_compiled();
-    Ok(plugin)
+    Ok(())
 }
 
 /// Whether the host would let an id out now: it holds a machine id, and (if
@@ -313,4 +333,67 @@ fn ids_may_leave_now(engine: &PluginEngine) -> bool {
     let services = engine.services();
     let last = services.clock.last_tick().map_or(0, |tick| tick.millis);
     services.identity.confirm(None, last).is_ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use snowgate_plugin::SnowflakeLayout;
+
+    use super::*;
+    use crate::clock::IdClock;
+    use crate::engine::HostServices;
+    use crate::identity::MachineIdentity;
+    use crate::limits::PluginLimits;
+    use crate::utc::millis_of;
+
+    /// A build's self-check whose id the host withheld at the high-water
+    /// mark passes, though the mark is raised before the answer is judged
+    /// (the keeper raises it as soon as ids reach it): asking the host
+    /// again then would find ids may leave, and take the host's 503 for
+    /// the plugin's, refusing a good build.
+    #[test]
+    fn a_self_check_id_withheld_at_the_mark_passes_after_the_mark_is_raised() {
+        let identity = Arc::new(MachineIdentity::fixed(SnowflakeLayout::TrtllmV1, 3).unwrap());
+        let past = millis_of(SystemTime::now()) - 1_000;
+        identity.bound_by_file_mark(past, past);
+        let services = HostServices {
+            clock: Arc::new(IdClock::system()),
+            identity: identity.clone(),
+        };
+        let engine = PluginEngine::new(services, PluginLimits::default()).expect("an engine");
+        let plugin =
+            Plugin::load(&engine, snowgate_plugin_bundle::PLUGIN_WASM, &[]).expect("loads");
+        let answer = plugin
+            .handle_fenced(&self_check_request())
+            .expect("answers");
+        assert!(answer.ids_withheld, "{:?}", answer.action);
+        assert!(
+            matches!(&answer.action, Action::Reject(r) if r.status == 503),
+            "{:?}",
+            answer.action
+        );
+        // The keeper raises the mark before the answer is judged.
+        identity.ceiling_raised(past + 60_000, past + 30_000);
+        assert!(ids_may_leave_now(&engine), "the mark is raised");
+        let Action::Reject(rejection) = &answer.action else {
+            unreachable!()
+        };
+        let as_if_the_plugins = Fenced {
+            action: Action::Reject(rejection.clone()),
+            ids_withheld: false,
+        };
+        judge_self_check(&plugin, answer, || ids_may_leave_now(&engine))
+            .expect("the host's 503 is not the plugin's fault");
+        // What the check did before: the same 503, taken for the plugin's.
+        let error = judge_self_check(&plugin, as_if_the_plugins, || ids_may_leave_now(&engine))
+            .expect_err("a plugin's own 503 while ids may leave");
+        assert!(
+            format!("{error:#}").contains("rejected a valid context-only request with 503"),
+            "{error:#}"
+        );
+        // And with the mark raised, the build stamps.
+        load_checked(&engine, snowgate_plugin_bundle::PLUGIN_WASM, &[]).expect("stamps");
+    }
 }
