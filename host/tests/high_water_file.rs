@@ -404,6 +404,50 @@ async fn a_second_gateway_on_the_same_file_is_refused() {
     first.stop().await;
 }
 
+/// A file last written for another machine id (a machine id moved, a
+/// file copied with a configuration) is used, its mark a safe floor, and
+/// the start says whose history it holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_of_another_machine_id_is_used_and_named_at_start() {
+    let file = scratch("another-id");
+    let file_arg = file.to_str().expect("a UTF-8 path");
+    let first = Gateway::start(&["--high-water-file", file_arg]).await;
+    let before = stamp(&first, 5).await;
+    first.stop().await;
+    assert!(
+        !first
+            .stderr_text()
+            .contains("was last written by a gateway"),
+        "{}",
+        first.stderr_text()
+    );
+    let mark = mark_in(&file);
+
+    let second = Gateway::start(&["--machine-id", "8", "--high-water-file", file_arg]).await;
+    let reply = post_json(second.addr, "/v1/completions", CONTEXT_ONLY).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    let id = stamped_id(reply.json()["body"].to_string().as_bytes());
+    second.stop().await;
+    let parts = SnowflakeLayout::TrtllmV1
+        .decode(id)
+        .expect("a trtllm-v1 id");
+    assert_eq!(parts.machine_id, 8);
+    assert!(
+        parts.millis > mark,
+        "{} after the mark {mark}",
+        parts.millis
+    );
+    let stderr = second.stderr_text();
+    assert!(
+        stderr.contains(&format!(
+            "was last written by a gateway stamping machine id {MACHINE_ID} in trtllm-v1; this \
+             one stamps machine id 8 in trtllm-v1"
+        )),
+        "{stderr}"
+    );
+    assert!(before.iter().all(|&earlier| earlier != id));
+}
+
 /// A file that is damaged, or not a high-water file, stops the start with
 /// a message that says so; so does the flag beside --etcd.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -104,8 +104,12 @@ impl HighWaterFile {
             .read_to_end(&mut contents)
             .with_context(|| format!("reading the high-water file {shown}"))?;
         let now = millis_of(SystemTime::now());
-        let mark = read_mark(&contents, now)
+        let record = read_record(&contents, now)
             .map_err(|problem| anyhow::anyhow!("the high-water file {shown} {problem}"))?;
+        if let Some(other) = record.and_then(|r| another_gateways(&r, layout, machine_id)) {
+            tracing::warn!("the high-water file {shown} {other}");
+        }
+        let mark = record.map(|record| record.millis);
         if mark.is_none() && !contents.is_empty() {
             tracing::warn!(
                 "the high-water file {shown} holds {} bytes but no mark (zeros: a gateway \
@@ -158,10 +162,29 @@ impl HighWaterFile {
     }
 }
 
-/// The mark of a file's `contents` read at `now` (Unix milliseconds):
+/// When `record` was written by a gateway that stamped another machine id
+/// or layout than `machine_id` in `layout`: what that means, worded to
+/// follow the file's name. Its mark still bounds where ids start, which
+/// is safe; but the machine id's own history, if another gateway stamped
+/// it before, is in that gateway's file (a machine id moved between
+/// hosts, or a file copied with a configuration).
+fn another_gateways(record: &Record, layout: SnowflakeLayout, machine_id: u32) -> Option<String> {
+    if record.machine_id == machine_id && record.layout == layout {
+        return None;
+    }
+    Some(format!(
+        "was last written by a gateway stamping machine id {} in {}; this one stamps machine id \
+         {machine_id} in {layout}. Ids start after its mark all the same, but the file holds no \
+         history of machine id {machine_id}: if another gateway stamped it before, start this one \
+         on that gateway's high-water file, or after that gateway's last id",
+        record.machine_id, record.layout
+    ))
+}
+
+/// The record of a file's `contents` read at `now` (Unix milliseconds):
 /// `None` when it is empty, the higher of the two copies that read, or
 /// what is wrong (worded to follow the file's name).
-fn read_mark(contents: &[u8], now: u64) -> Result<Option<u64>, String> {
+fn read_record(contents: &[u8], now: u64) -> Result<Option<Record>, String> {
     if contents.is_empty() {
         return Ok(None);
     }
@@ -170,12 +193,11 @@ fn read_mark(contents: &[u8], now: u64) -> Result<Option<u64>, String> {
         ("first", record::decode(first)),
         ("second", record::decode(second)),
     ];
-    let mark = copies
+    let newest = copies
         .iter()
         .filter_map(|(_, read)| read.as_ref().ok().copied().flatten())
-        .map(|record| record.millis)
-        .max();
-    if mark.is_none() {
+        .max_by_key(|record| record.millis);
+    if newest.is_none() {
         if copies.iter().all(|(_, read)| matches!(read, Ok(None))) {
             return Ok(None);
         }
@@ -200,8 +222,8 @@ fn read_mark(contents: &[u8], now: u64) -> Result<Option<u64>, String> {
         }
     }
     let furthest = now.saturating_add(FURTHEST_AHEAD.as_millis() as u64);
-    match mark {
-        Some(mark) if mark > furthest => Err(format!(
+    match newest {
+        Some(Record { millis: mark, .. }) if mark > furthest => Err(format!(
             "holds the mark {mark} ({}), later than {}: more than a day past this host's clock, \
              further than a gateway sets it. The wall clock stepped back by more than a day, or \
              the file is not this host's; set the clock right, or remove the file if no \
@@ -209,7 +231,7 @@ fn read_mark(contents: &[u8], now: u64) -> Result<Option<u64>, String> {
             format_millis(mark),
             format_millis(furthest)
         )),
-        mark => Ok(mark),
+        newest => Ok(newest),
     }
 }
 
@@ -239,6 +261,39 @@ mod tests {
 
     fn file_of(first: &[u8], second: &[u8]) -> Vec<u8> {
         [first, second].concat()
+    }
+
+    fn read_mark(contents: &[u8], now: u64) -> Result<Option<u64>, String> {
+        read_record(contents, now).map(|record| record.map(|r| r.millis))
+    }
+
+    /// A file last written for another machine id or layout is used (its
+    /// mark is a safe floor), and what that means is said.
+    #[test]
+    fn a_record_of_another_machine_id_or_layout_is_told_apart() {
+        let written = Record {
+            millis: NOW,
+            layout: SnowflakeLayout::TrtllmV1,
+            machine_id: 5,
+        };
+        let read = read_record(&file_of(&record(NOW), &record(NOW)), NOW);
+        assert_eq!(read, Ok(Some(written)));
+        assert_eq!(
+            another_gateways(&written, SnowflakeLayout::TrtllmV1, 5),
+            None
+        );
+        let other_id = another_gateways(&written, SnowflakeLayout::TrtllmV1, 6).expect("told");
+        assert!(
+            other_id
+                .contains("machine id 5 in trtllm-v1; this one stamps machine id 6 in trtllm-v1"),
+            "{other_id}"
+        );
+        assert!(
+            other_id.contains("no history of machine id 6"),
+            "{other_id}"
+        );
+        let other_layout = another_gateways(&written, SnowflakeLayout::TrtllmV2, 5).expect("told");
+        assert!(other_layout.contains("in trtllm-v2"), "{other_layout}");
     }
 
     #[test]
