@@ -917,10 +917,15 @@ async fn a_replica_leases_and_keeps_an_id_while_other_etcd_endpoints_are_down() 
         [&hung, &live, &refused],
     ] {
         let endpoints = endpoints.map(String::as_str).join(",");
-        let ttl = TTL_SECS.to_string();
+        // The hung member costs each renewal that tries it half the time
+        // between renewals: a longer TTL than the shortest, so that a
+        // loaded machine still renews with time to spare (with the
+        // shortest, one run on a saturated machine saw etcd's answer come
+        // after the lease's deadline).
+        let ttl = (2 * TTL_SECS).to_string();
         let r = Gateway::start(&["--etcd", &endpoints, "--machine-id-ttl", &ttl]).await;
         assert_eq!(leased_id(&r).await, 0, "with {endpoints}");
-        // Two TTLs of renewals, stamping all along.
+        // A TTL of renewals (three), stamping all along.
         let until = Instant::now() + Duration::from_secs(2 * TTL_SECS);
         let mut stamped = 0;
         while Instant::now() < until {
