@@ -709,12 +709,13 @@ fn a_plugin_for_another_contract_version_is_refused_at_load() {
         message,
         "the plugin was built for snowgate:middleware@0.1.0 (it exports \
          `snowgate:middleware/handler@0.1.0`), but this host implements \
-         snowgate:middleware@0.2.0: rebuild it against this snowgate's wit/middleware.wit"
+         snowgate:middleware@0.2.1 (and loads plugins built for 0.2.0 and 0.2.1): rebuild it \
+         against this snowgate's wit/middleware.wit"
     );
 }
 
 /// A component of the right interface names whose `handle` has another
-/// signature (the wrong-world fixture relabelled from @0.1.0 to @0.2.0:
+/// signature (the wrong-world fixture relabelled from @0.1.0 to @0.2.1:
 /// its `handle` takes an extra argument) is refused naming the function and the type
 /// the world wants, not as a trap.
 #[test]
@@ -723,7 +724,7 @@ fn an_export_of_another_type_is_refused_naming_the_function() {
     let mut relabelled = 0;
     for at in 0..bytes.len() - 6 {
         if &bytes[at..at + 6] == b"@0.1.0" {
-            bytes[at..at + 6].copy_from_slice(b"@0.2.0");
+            bytes[at..at + 6].copy_from_slice(b"@0.2.1");
             relabelled += 1;
         }
     }
@@ -734,7 +735,7 @@ fn an_export_of_another_type_is_refused_naming_the_function() {
     assert!(
         message.contains(
             "the plugin's handle export has another type than the \
-                          snowgate:middleware@0.2.0 world's \
+                          snowgate:middleware@0.2.1 world's \
                           `handle: func(request: request) -> result<action, plugin-error>`"
         ),
         "{message}"
@@ -1503,7 +1504,8 @@ async fn a_wrong_world_plugin_keeps_the_gateway_from_starting() {
         format!(
             "loading the plugin {}: the plugin was built for snowgate:middleware@0.1.0 (it exports \
              `snowgate:middleware/handler@0.1.0`), but this host implements \
-             snowgate:middleware@0.2.0: rebuild it against this snowgate's wit/middleware.wit",
+             snowgate:middleware@0.2.1 (and loads plugins built for 0.2.0 and 0.2.1): rebuild \
+             it against this snowgate's wit/middleware.wit",
             path.display()
         )
     );
@@ -1547,7 +1549,8 @@ async fn a_hostile_plugin_swapped_in_live_is_contained_and_a_wrong_world_one_is_
         format!(
             "loading the plugin {}: the plugin was built for snowgate:middleware@0.1.0 (it exports \
              `snowgate:middleware/handler@0.1.0`), but this host implements \
-             snowgate:middleware@0.2.0: rebuild it against this snowgate's wit/middleware.wit",
+             snowgate:middleware@0.2.1 (and loads plugins built for 0.2.0 and 0.2.1): rebuild \
+             it against this snowgate's wit/middleware.wit",
             gateway.plugin_path.display()
         )
     );

@@ -107,14 +107,14 @@ fn an_empty_component_is_refused_for_not_exporting_the_handler() {
     let message = load_error(b"\0asm\x0d\0\x01\0");
     assert_mentions(
         &message,
-        &["does not export", "snowgate:middleware/handler@0.2.0"],
+        &["does not export", "snowgate:middleware/handler@0.2.1"],
     );
 }
 
 #[test]
 fn a_component_exporting_another_handler_version_is_refused_naming_both_versions() {
     let bytes = renamed(
-        "snowgate:middleware/handler@0.2.0",
+        "snowgate:middleware/handler@0.2.1",
         "snowgate:middleware/handler@9.9.9",
     );
     let message = load_error(&bytes);
@@ -122,7 +122,8 @@ fn a_component_exporting_another_handler_version_is_refused_naming_both_versions
         message,
         "the plugin was built for snowgate:middleware@9.9.9 (it exports \
          `snowgate:middleware/handler@9.9.9`), but this host implements \
-         snowgate:middleware@0.2.0: rebuild it against this snowgate's wit/middleware.wit"
+         snowgate:middleware@0.2.1 (and loads plugins built for 0.2.0 and 0.2.1): rebuild it \
+         against this snowgate's wit/middleware.wit"
     );
 }
 
@@ -132,7 +133,7 @@ fn a_component_exporting_another_handler_version_is_refused_naming_both_versions
 #[test]
 fn a_component_importing_the_previous_contract_version_is_refused_naming_both_versions() {
     let bytes = renamed(
-        "snowgate:middleware/clock@0.2.0",
+        "snowgate:middleware/clock@0.2.1",
         "snowgate:middleware/clock@0.1.0",
     );
     let message = load_error(&bytes);
@@ -140,15 +141,16 @@ fn a_component_importing_the_previous_contract_version_is_refused_naming_both_ve
         message,
         "the plugin was built for snowgate:middleware@0.1.0 (it imports \
          `snowgate:middleware/clock@0.1.0`), but this host implements \
-         snowgate:middleware@0.2.0: rebuild it against this snowgate's wit/middleware.wit"
+         snowgate:middleware@0.2.1 (and loads plugins built for 0.2.0 and 0.2.1): rebuild it \
+         against this snowgate's wit/middleware.wit"
     );
 }
 
 #[test]
 fn a_component_importing_an_interface_the_host_lacks_is_refused() {
     let bytes = renamed(
-        "snowgate:middleware/clock@0.2.0",
-        "snowgate:middleware/clack@0.2.0",
+        "snowgate:middleware/clock@0.2.1",
+        "snowgate:middleware/clack@0.2.1",
     );
     let message = load_error(&bytes);
     assert!(
@@ -159,7 +161,7 @@ fn a_component_importing_an_interface_the_host_lacks_is_refused() {
         &message,
         &[
             "imports something the host does not provide",
-            "snowgate:middleware/clack@0.2.0",
+            "snowgate:middleware/clack@0.2.1",
         ],
     );
 }

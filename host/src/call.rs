@@ -14,6 +14,7 @@ use crate::bindings::exports::snowgate::middleware::handler::{
 use crate::bindings::Middleware;
 use crate::call_clock::{excluding_waits, CallClock};
 use crate::engine::EPOCH_TICK;
+use crate::header_edits::HeaderEdits;
 #[cfg(doc)]
 use crate::identity::MachineIdentity;
 use crate::identity::GRANT_CHANGED;
@@ -162,6 +163,31 @@ impl fmt::Display for CallError {
 
 impl std::error::Error for CallError {}
 
+/// What a plugin answered about a request, with the changes it made to the
+/// request's headers.
+#[derive(Debug)]
+pub struct Answer {
+    /// What to do with the request.
+    pub action: Action,
+    /// The changes to make on the request's headers if it is forwarded, in
+    /// order; none when `action` rejects it.
+    pub header_edits: HeaderEdits,
+}
+
+impl Answer {
+    /// `action`, with `header_edits` unless it rejects the request.
+    fn new(action: Action, header_edits: HeaderEdits) -> Answer {
+        let header_edits = match action {
+            Action::Reject(_) => HeaderEdits::default(),
+            _ => header_edits,
+        };
+        Answer {
+            action,
+            header_edits,
+        }
+    }
+}
+
 /// A call's answer after the host's check of the ids it made.
 #[derive(Debug)]
 pub struct Fenced {
@@ -225,7 +251,17 @@ impl Plugin {
     /// executor nested inside a tokio task (`futures::executor::block_on`
     /// there), where a long call would wait for a wake that comes only
     /// once that tokio worker parks.
+    ///
+    /// The changes the plugin made to the request's headers are dropped:
+    /// a host that forwards requests uses [`Plugin::answer_async`].
     pub async fn handle_async(&self, request: &Request) -> Result<Action, CallError> {
+        self.answer_async(request).await.map(|answer| answer.action)
+    }
+
+    /// Like [`Plugin::handle_async`], with the changes the plugin made to
+    /// the request's headers (`header-edits`), to make on the request it
+    /// forwards: none when the answer rejects it.
+    pub async fn answer_async(&self, request: &Request) -> Result<Answer, CallError> {
         let mut held = match self.take_idle() {
             Some(mut held) => {
                 self.start_async_call(&mut held.store);
@@ -243,7 +279,7 @@ impl Plugin {
                 .call_async(&mut held.store, (RequestRecord::of(request),)),
         )
         .await;
-        held.store.data_mut().take_back_headers();
+        let header_edits = held.store.data_mut().take_back_headers();
         held.calls += 1;
         let answer = match answer {
             Ok((answer,)) => answer,
@@ -253,7 +289,7 @@ impl Plugin {
         let checked = match answer {
             Ok(action) => self
                 .check(action)
-                .map(|action| self.fence(action, &held.store).action),
+                .map(|action| Answer::new(self.fence(action, &held.store).action, header_edits)),
             Err(e) => Err(plugin_error(e.message)),
         };
         if !matches!(checked, Err(CallError::InvalidAnswer(_))) {

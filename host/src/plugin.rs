@@ -18,12 +18,17 @@ use crate::state::HostState;
 use crate::text_limits::{plugin_text, MAX_PLUGIN_NAME, MAX_PLUGIN_TEXT};
 
 /// The version of the `snowgate:middleware` contract (`wit/middleware.wit`)
-/// this host implements. Plugins built against another version are refused
-/// at load time, naming both.
-pub const CONTRACT_VERSION: &str = "0.2.0";
+/// this host implements. Plugins built against a version not in
+/// [`LOADS_VERSIONS`] are refused at load time, naming both.
+pub const CONTRACT_VERSION: &str = "0.2.1";
+
+/// The versions of the contract whose plugins this host loads: 0.2.1 only
+/// added an import (`header-edits`) to 0.2.0, so a 0.2.0 plugin runs as it
+/// was built (wasmtime's linker gives its 0.2.0 imports the 0.2.1 ones).
+pub const LOADS_VERSIONS: [&str; 2] = ["0.2.0", CONTRACT_VERSION];
 
 /// The world a plugin must implement, with its version.
-pub const WORLD: &str = "snowgate:middleware@0.2.0";
+pub const WORLD: &str = "snowgate:middleware@0.2.1";
 
 /// What is known about a loaded plugin.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -109,7 +114,8 @@ impl Plugin {
         let instance_pre = engine.linker.instantiate_pre(&component).with_context(|| {
             format!(
                 "the plugin imports something the host does not provide (the host provides the \
-                 {WORLD} world's clock, identity, log and request-headers, and WASI 0.2's cli, \
+                 {WORLD} world's clock, identity, log, request-headers and header-edits, and \
+                 WASI 0.2's cli, \
                  clocks, filesystem, io, random and sockets, with nothing behind them; not \
                  wasi:http)"
             )
@@ -293,8 +299,9 @@ fn refused(engine: &PluginEngine, e: wasmtime::Error) -> anyhow::Error {
     anyhow::Error::from(e)
 }
 
-/// Refuses a component that imports or exports an interface of another
-/// version of the `snowgate:middleware` contract, naming both versions: the
+/// Refuses a component that imports or exports an interface of a version
+/// of the `snowgate:middleware` contract this host does not load (see
+/// [`LOADS_VERSIONS`]), naming both versions: the
 /// plain "does not provide" or "does not export" that would follow says
 /// less about what to do (rebuild against this host's WIT).
 fn check_contract_version(engine: &PluginEngine, component: &Component) -> anyhow::Result<()> {
@@ -311,14 +318,16 @@ fn check_contract_version(engine: &PluginEngine, component: &Component) -> anyho
         };
         let version = interface.rsplit_once('@').map_or("", |(_, v)| v);
         anyhow::ensure!(
-            version == CONTRACT_VERSION,
+            LOADS_VERSIONS.contains(&version),
             "the plugin was built for {} (it {direction} `{name}`), but this host implements \
-             {WORLD}: rebuild it against this snowgate's wit/middleware.wit",
+             {WORLD} (and loads plugins built for {}): rebuild it against this snowgate's \
+             wit/middleware.wit",
             if version.is_empty() {
                 "an unversioned snowgate:middleware".to_string()
             } else {
                 format!("snowgate:middleware@{version}")
             },
+            LOADS_VERSIONS.join(" and "),
         );
     }
     Ok(())
@@ -334,7 +343,9 @@ pub(crate) struct HandlerExports {
 }
 
 impl HandlerExports {
-    const INTERFACE: &'static str = "snowgate:middleware/handler@0.2.0";
+    /// Found also in a plugin built for 0.2.0: wasmtime looks up a
+    /// semver-compatible export when there is no exact one.
+    const INTERFACE: &'static str = "snowgate:middleware/handler@0.2.1";
 
     fn find(component: &Component) -> anyhow::Result<HandlerExports> {
         let interface = component

@@ -12,6 +12,7 @@ use crate::bindings::snowgate::middleware::{clock, identity, log, types};
 use crate::call_clock::{CallClock, OnTick};
 use crate::clock::NoTick;
 use crate::engine::{HostServices, MAX_PLUGIN_HANDLES, MAX_TABLE_ELEMENTS};
+use crate::header_edits::HeaderEdits;
 use crate::log_throttle::{LineBudget, LogThrottle};
 use crate::request::Headers;
 use crate::text_limits::{
@@ -46,6 +47,9 @@ pub struct HostState {
     /// The headers of the request being handled, for the
     /// `request-headers` import; `None` outside `handle`.
     headers: Option<Headers>,
+    /// The changes the plugin asked for through the `header-edits`
+    /// import; `None` outside `handle`.
+    header_edits: Option<HeaderEdits>,
 }
 
 /// What one call took from the id services.
@@ -118,6 +122,7 @@ impl HostState {
             created_under,
             log_lines: 0,
             headers: None,
+            header_edits: None,
         }
     }
 
@@ -148,14 +153,23 @@ impl HostState {
 
     /// Makes `headers` what the `request-headers` import reads, for the
     /// `handle` call about to start.
+    /// The call starts with no header changes.
     pub(crate) fn lend_headers(&mut self, headers: &Headers) {
         self.headers = Some(headers.clone());
+        self.header_edits = Some(HeaderEdits::default());
     }
 
     /// Ends what [`HostState::lend_headers`] began: the import reads no
     /// headers until the next `handle`, and the request's are not kept.
-    pub(crate) fn take_back_headers(&mut self) {
+    /// Returns the changes the call made to them.
+    pub(crate) fn take_back_headers(&mut self) -> HeaderEdits {
         self.headers = None;
+        self.header_edits.take().unwrap_or_default()
+    }
+
+    /// The changes of the `handle` call running, if one is.
+    pub(crate) fn header_edits_mut(&mut self) -> Option<&mut HeaderEdits> {
+        self.header_edits.as_mut()
     }
 
     /// The headers the `request-headers` import reads, if a `handle`

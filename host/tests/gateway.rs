@@ -998,6 +998,55 @@ async fn a_plugin_gets_at_most_256_kib_of_random_bytes_a_call() {
     gateway.wait_log("exceeds limit 262144").await;
 }
 
+/// A plugin's header changes (`header-edits`, contract 0.2.1) reach the
+/// upstream with the stamped body; a change the host refuses reaches
+/// nothing, and the request is answered as the plugin decided (the
+/// fixture rejects with the host's reason).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugins_header_changes_reach_the_upstream() {
+    let (_dir, path) = hostile_plugin_file("edit-headers");
+    let gateway = Gateway::start(&["--plugin", path.to_str().unwrap()]).await;
+    let send = |edits: &'static str| {
+        let addr = gateway.addr;
+        async move {
+            let mut client = Client::connect(addr).await;
+            let request = client
+                .builder(Method::POST, "/v1/completions")
+                .header("content-type", "application/json")
+                .header("x-hostile", "edit-headers")
+                .header("x-tenant", "t1")
+                .header("x-hostile-edits", edits)
+                .body(Full::new(Bytes::from_static(CONTEXT_ONLY.as_bytes())))
+                .unwrap();
+            client.send(request).await
+        }
+    };
+    let reply =
+        send("set x-disagg-route prefill-1, remove x-tenant, set x-hostile-edits done").await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    let received = reply.json();
+    let headers = &received["headers"];
+    assert_eq!(headers["x-disagg-route"], "prefill-1", "{received}");
+    assert_eq!(headers["x-hostile-edits"], "done", "{received}");
+    assert!(headers.get("x-tenant").is_none(), "removed: {received}");
+    assert!(
+        received["body"]["disaggregated_params"]["disagg_request_id"].is_u64(),
+        "stamped as usual: {received}"
+    );
+    // The new body's length is the host's, whatever the plugin did.
+    let sent = received["body"].to_string().len();
+    assert_eq!(headers["content-length"], sent.to_string(), "{received}");
+
+    let reply = send("set x-ok 1, set content-length 1").await;
+    assert_eq!(reply.status.as_u16(), 422, "{}", reply.text());
+    let message = assert_openai_error(&reply.json(), "edit_refused", "invalid_request_error");
+    assert!(
+        message.contains("the header content-length is the host's to set"),
+        "{message}"
+    );
+    gateway.stop().await;
+}
+
 /// A plugin may make a body larger where room for it is free, or by as
 /// much as the body's own room where none is; an answer larger than that
 /// where no room is free is refused with 503 `body_memory_full` and goes

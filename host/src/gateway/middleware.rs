@@ -466,7 +466,7 @@ impl Shared {
         // Runs on this worker thread; a call that runs long yields back at
         // every epoch tick (see `YIELD_AFTER`), so it holds up only this
         // request.
-        let answer = plugin.handle_async(&plugin_request).await;
+        let answer = plugin.answer_async(&plugin_request).await;
         // Not held while the upstream answers: a replaced build's instances
         // go back to the pool as soon as its calls end.
         drop(plugin);
@@ -475,6 +475,12 @@ impl Shared {
         let PluginRequest { headers, body, .. } = plugin_request;
         parts.headers = headers.into_map();
 
+        // The plugin's changes to the headers, made on a request it
+        // forwards (an answer that rejects carries none).
+        let answer = answer.map(|answer| {
+            answer.header_edits.apply(&mut parts.headers);
+            answer.action
+        });
         let forward_body = match answer {
             Ok(Action::Forward) => {
                 verdict.count(Outcome::Forwarded);

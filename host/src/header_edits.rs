@@ -1,0 +1,325 @@
+//! The changes a plugin makes to the headers of the request it forwards,
+//! through the `header-edits` import (contract 0.2.1): checked as the
+//! plugin asks for each, kept in its call's state, and made on the request
+//! sent upstream once the call answers `forward` or `forward-with-body`.
+
+use http::header::{HeaderMap, HeaderName, HeaderValue};
+
+use crate::bindings::snowgate::middleware::header_edits;
+use crate::state::HostState;
+
+/// The most changes one call may make; more fail, naming the limit.
+pub const MAX_HEADER_EDITS: usize = 64;
+
+/// The longest header name a change may name, in bytes.
+pub const MAX_HEADER_NAME_BYTES: usize = 256;
+
+/// The longest value a change may give a header, in bytes.
+pub const MAX_HEADER_VALUE_BYTES: usize = 8 << 10;
+
+/// Headers the host manages, which a plugin may not change: the target's
+/// host, the body's framing (the host sets `Content-Length` for a new
+/// body), `Expect` (the body is read already) and the hop-by-hop headers,
+/// which belong to one connection and are removed before the request goes
+/// upstream.
+const MANAGED: [&str; 12] = [
+    "host",
+    "content-length",
+    "expect",
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+];
+
+/// One change to a request's headers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HeaderEdit {
+    /// The header gets this one value, in place of any it had.
+    Set(HeaderName, HeaderValue),
+    /// The value is added after those the header has.
+    Append(HeaderName, HeaderValue),
+    /// The header is removed, with all its values.
+    Remove(HeaderName),
+}
+
+/// The changes one call made, in the order it asked for them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HeaderEdits(Vec<HeaderEdit>);
+
+impl HeaderEdits {
+    /// Whether the call made no change.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The changes, in order.
+    pub fn iter(&self) -> impl Iterator<Item = &HeaderEdit> {
+        self.0.iter()
+    }
+
+    /// Makes the changes on `headers`, in order.
+    pub fn apply(self, headers: &mut HeaderMap) {
+        for edit in self.0 {
+            match edit {
+                HeaderEdit::Set(name, value) => {
+                    headers.insert(name, value);
+                }
+                HeaderEdit::Append(name, value) => {
+                    headers.append(name, value);
+                }
+                HeaderEdit::Remove(name) => {
+                    headers.remove(name);
+                }
+            }
+        }
+    }
+
+    /// Adds `edit` if the call may make one more change.
+    fn push(&mut self, edit: HeaderEdit) -> Result<(), String> {
+        if self.0.len() >= MAX_HEADER_EDITS {
+            return Err(format!(
+                "more than {MAX_HEADER_EDITS} header changes in one call"
+            ));
+        }
+        self.0.push(edit);
+        Ok(())
+    }
+}
+
+/// `name` as a header name a plugin may change, or why not.
+fn editable_name(name: &str) -> Result<HeaderName, String> {
+    if name.len() > MAX_HEADER_NAME_BYTES {
+        return Err(format!(
+            "the header name {} is {} bytes long, over the {MAX_HEADER_NAME_BYTES} byte limit",
+            shown(name),
+            name.len()
+        ));
+    }
+    let parsed = HeaderName::from_bytes(name.as_bytes()).map_err(|_| {
+        format!(
+            "{} is not an HTTP header name (letters, digits and !#$%&'*+-.^_`|~ only)",
+            shown(name)
+        )
+    })?;
+    if MANAGED.contains(&parsed.as_str()) {
+        return Err(format!(
+            "the header {} is the host's to set, not a plugin's (the host manages host, \
+             content-length, expect and the hop-by-hop headers)",
+            parsed.as_str()
+        ));
+    }
+    Ok(parsed)
+}
+
+/// `value` as a header value, or why not.
+fn header_value(name: &HeaderName, value: Vec<u8>) -> Result<HeaderValue, String> {
+    if value.len() > MAX_HEADER_VALUE_BYTES {
+        return Err(format!(
+            "the value for the header {} is {} bytes long, over the {MAX_HEADER_VALUE_BYTES} \
+             byte limit",
+            name.as_str(),
+            value.len()
+        ));
+    }
+    HeaderValue::from_bytes(&value).map_err(|_| {
+        format!(
+            "the value for the header {} holds a carriage return, a line feed, a NUL or \
+             another control byte, which a header value may not",
+            name.as_str()
+        )
+    })
+}
+
+/// A name for a message: quoted, and only its start.
+fn shown(name: &str) -> String {
+    let start: String = name.chars().take(64).collect();
+    let more = if start.len() < name.len() { "..." } else { "" };
+    format!("{start:?}{more}")
+}
+
+impl HostState {
+    /// Records `edit` for the request being handled, or why it cannot be.
+    fn edit(
+        &mut self,
+        name: &str,
+        make: impl FnOnce(HeaderName) -> Result<HeaderEdit, String>,
+    ) -> Result<(), String> {
+        let edit = make(editable_name(name)?);
+        let Some(edits) = self.header_edits_mut() else {
+            return Err("headers can be changed only while handling a request".to_string());
+        };
+        edits.push(edit?)
+    }
+}
+
+impl header_edits::Host for HostState {
+    fn set(&mut self, name: String, value: Vec<u8>) -> Result<(), String> {
+        self.edit(&name, |name| {
+            let value = header_value(&name, value)?;
+            Ok(HeaderEdit::Set(name, value))
+        })
+    }
+
+    fn append(&mut self, name: String, value: Vec<u8>) -> Result<(), String> {
+        self.edit(&name, |name| {
+            let value = header_value(&name, value)?;
+            Ok(HeaderEdit::Append(name, value))
+        })
+    }
+
+    fn remove(&mut self, name: String) -> Result<(), String> {
+        self.edit(&name, |name| Ok(HeaderEdit::Remove(name)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn name(text: &'static str) -> HeaderName {
+        HeaderName::from_static(text)
+    }
+
+    fn value(text: &'static str) -> HeaderValue {
+        HeaderValue::from_static(text)
+    }
+
+    /// Changes are made in order: set replaces every value, append adds
+    /// after them, remove takes all.
+    #[test]
+    fn edits_apply_in_order() {
+        let mut headers = HeaderMap::new();
+        headers.append("accept", value("a"));
+        headers.append("accept", value("b"));
+        headers.insert("x-tenant", value("t"));
+        let edits = HeaderEdits(vec![
+            HeaderEdit::Set(name("accept"), value("c")),
+            HeaderEdit::Append(name("accept"), value("d")),
+            HeaderEdit::Remove(name("x-tenant")),
+            HeaderEdit::Append(name("x-new"), value("1")),
+            HeaderEdit::Remove(name("x-absent")),
+        ]);
+        edits.apply(&mut headers);
+        let values = |n| {
+            headers
+                .get_all(n)
+                .iter()
+                .map(|v| v.to_str().unwrap().to_string())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(values("accept"), ["c", "d"]);
+        assert!(values("x-tenant").is_empty());
+        assert_eq!(values("x-new"), ["1"]);
+    }
+
+    #[test]
+    fn names_the_host_manages_or_that_are_not_names_are_refused() {
+        for managed in MANAGED {
+            let problem = editable_name(&managed.to_ascii_uppercase()).expect_err(managed);
+            assert!(problem.contains("the host's to set"), "{problem}");
+        }
+        for bad in ["", "a b", "x:y", "é", ":authority", "a\r\nb"] {
+            let problem = editable_name(bad).expect_err(bad);
+            assert!(problem.contains("is not an HTTP header name"), "{problem}");
+        }
+        assert!(editable_name(&"x".repeat(MAX_HEADER_NAME_BYTES)).is_ok());
+        let problem = editable_name(&"x".repeat(100_000)).expect_err("too long");
+        assert!(
+            problem.contains("100000 bytes long, over the 256 byte limit"),
+            "{problem}"
+        );
+        assert!(
+            problem.len() < 200,
+            "the name is cut in the message: {problem}"
+        );
+        assert_eq!(
+            editable_name("X-Disagg-Request-Id"),
+            Ok(name("x-disagg-request-id"))
+        );
+    }
+
+    #[test]
+    fn values_with_line_breaks_or_over_the_limit_are_refused() {
+        let header = name("x-a");
+        for bad in [&b"a\r\nInjected: 1"[..], b"a\nb", b"a\0b", b"\x7f"] {
+            let problem = header_value(&header, bad.to_vec()).expect_err("refused");
+            assert!(problem.contains("x-a"), "{problem}");
+        }
+        assert!(header_value(&header, vec![b'v'; MAX_HEADER_VALUE_BYTES]).is_ok());
+        let problem =
+            header_value(&header, vec![b'v'; MAX_HEADER_VALUE_BYTES + 1]).expect_err("too long");
+        assert!(problem.contains("over the 8192 byte limit"), "{problem}");
+        assert_eq!(
+            header_value(&header, b"\xff tab\t".to_vec()).map(|_| ()),
+            Ok(())
+        );
+    }
+
+    /// Changes are taken only during `handle` (the headers are lent), and
+    /// the end of the call takes them all.
+    #[test]
+    fn changes_are_taken_only_while_a_request_is_handled() {
+        use std::sync::Arc;
+
+        use header_edits::Host as _;
+
+        use crate::clock::IdClock;
+        use crate::engine::HostServices;
+        use crate::identity::MachineIdentity;
+        use crate::request::Headers;
+
+        let services = HostServices {
+            clock: Arc::new(IdClock::system()),
+            identity: Arc::new(
+                MachineIdentity::fixed(snowgate_plugin::SnowflakeLayout::TrtllmV1, 1)
+                    .expect("in range"),
+            ),
+        };
+        let mut state = HostState::new(services, 1 << 20, Arc::from("test"));
+        let outside = state.set("x-a".into(), b"1".to_vec());
+        assert_eq!(
+            outside,
+            Err("headers can be changed only while handling a request".to_string())
+        );
+        state.lend_headers(&Headers::from(Vec::new()));
+        state
+            .set("x-a".into(), b"1".to_vec())
+            .expect("during handle");
+        state.remove("x-b".into()).expect("during handle");
+        assert!(state.set("Host".into(), b"h".to_vec()).is_err());
+        let taken = state.take_back_headers();
+        assert_eq!(
+            taken,
+            HeaderEdits(vec![
+                HeaderEdit::Set(name("x-a"), value("1")),
+                HeaderEdit::Remove(name("x-b")),
+            ])
+        );
+        assert!(
+            state.append("x-a".into(), b"2".to_vec()).is_err(),
+            "after the call"
+        );
+        assert!(state.take_back_headers().is_empty());
+    }
+
+    #[test]
+    fn a_call_makes_at_most_the_limit_of_changes() {
+        let mut edits = HeaderEdits::default();
+        for _ in 0..MAX_HEADER_EDITS {
+            edits
+                .push(HeaderEdit::Remove(name("x-a")))
+                .expect("within the limit");
+        }
+        let problem = edits
+            .push(HeaderEdit::Remove(name("x-a")))
+            .expect_err("over");
+        assert!(problem.contains("more than 64 header changes"), "{problem}");
+        assert_eq!(edits.iter().count(), MAX_HEADER_EDITS);
+    }
+}
