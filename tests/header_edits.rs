@@ -161,6 +161,8 @@ fn the_host_refuses_what_a_plugin_may_not_set_naming_why() {
         "append connection close",
         "set upgrade websocket",
         "set expect 100-continue",
+        "set x-forwarded-for 203.0.113.7",
+        "remove X-Forwarded-For",
     ] {
         let reason = refused(managed);
         assert!(

@@ -208,7 +208,8 @@ impl Plugin {
     /// For sync callers: the plugin's WASI calls (a panic message on
     /// stderr) block on a runtime of their own, which cannot be done on an
     /// async runtime's thread. From async code use
-    /// [`Plugin::handle_async`].
+    /// [`Plugin::handle_async`]. The changes the plugin made to the
+    /// request's headers are dropped (see [`Plugin::answer_async`]).
     pub fn handle(&self, request: &Request) -> Result<Action, CallError> {
         self.handle_fenced(request).map(|fenced| fenced.action)
     }

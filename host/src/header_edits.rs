@@ -3,7 +3,7 @@
 //! plugin asks for each, kept in its call's state, and made on the request
 //! sent upstream once the call answers `forward` or `forward-with-body`.
 
-use http::header::{HeaderMap, HeaderName, HeaderValue};
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 
 use crate::bindings::snowgate::middleware::header_edits;
 use crate::state::HostState;
@@ -17,15 +17,24 @@ pub const MAX_HEADER_NAME_BYTES: usize = 256;
 /// The longest value a change may give a header, in bytes.
 pub const MAX_HEADER_VALUE_BYTES: usize = 8 << 10;
 
+/// The most bytes of names and values the changes of one call may hold
+/// together: as much as a whole request head may (`--max-header-bytes`'s
+/// default), so that a plugin cannot send upstream a head far larger than
+/// any the gateway takes in.
+pub const MAX_HEADER_EDIT_BYTES: usize = 64 << 10;
+
 /// Headers the host manages, which a plugin may not change: the target's
 /// host, the body's framing (the host sets `Content-Length` for a new
-/// body), `Expect` (the body is read already) and the hop-by-hop headers,
-/// which belong to one connection and are removed before the request goes
-/// upstream.
-const MANAGED: [&str; 12] = [
+/// body; `Trailer` names trailer fields, which a body read whole for the
+/// plugin does not carry on), `Expect` (the body is read already),
+/// `X-Forwarded-For` (the client's address, which the gateway vouches
+/// for) and the hop-by-hop headers, which belong to one connection and are
+/// removed before the request goes upstream.
+const MANAGED: [&str; 13] = [
     "host",
     "content-length",
     "expect",
+    "x-forwarded-for",
     "connection",
     "keep-alive",
     "proxy-connection",
@@ -52,6 +61,16 @@ pub enum HeaderEdit {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct HeaderEdits(Vec<HeaderEdit>);
 
+/// The bytes of names and values `edit` holds.
+fn bytes_of(edit: &HeaderEdit) -> usize {
+    match edit {
+        HeaderEdit::Set(name, value) | HeaderEdit::Append(name, value) => {
+            name.as_str().len() + value.len()
+        }
+        HeaderEdit::Remove(name) => name.as_str().len(),
+    }
+}
+
 impl HeaderEdits {
     /// Whether the call made no change.
     pub fn is_empty(&self) -> bool {
@@ -63,12 +82,26 @@ impl HeaderEdits {
         self.0.iter()
     }
 
-    /// Makes the changes on `headers`, in order.
+    /// Makes the changes on `headers`, in order. A value appended to
+    /// `Cookie` joins the cookies there with `; ` on one line: HTTP/1
+    /// servers read one `Cookie` line, some only the first.
     pub fn apply(self, headers: &mut HeaderMap) {
         for edit in self.0 {
             match edit {
                 HeaderEdit::Set(name, value) => {
                     headers.insert(name, value);
+                }
+                HeaderEdit::Append(name, value) if name == header::COOKIE => {
+                    let joined = headers
+                        .get_all(header::COOKIE)
+                        .iter()
+                        .chain([&value])
+                        .map(HeaderValue::as_bytes)
+                        .collect::<Vec<_>>()
+                        .join(&b"; "[..]);
+                    // Made of valid values and "; ": valid too.
+                    let joined = HeaderValue::from_bytes(&joined).unwrap_or(value);
+                    headers.insert(name, joined);
                 }
                 HeaderEdit::Append(name, value) => {
                     headers.append(name, value);
@@ -80,11 +113,18 @@ impl HeaderEdits {
         }
     }
 
-    /// Adds `edit` if the call may make one more change.
+    /// Adds `edit` if the call may make one more change, of its size.
     fn push(&mut self, edit: HeaderEdit) -> Result<(), String> {
         if self.0.len() >= MAX_HEADER_EDITS {
             return Err(format!(
                 "more than {MAX_HEADER_EDITS} header changes in one call"
+            ));
+        }
+        let held: usize = self.0.iter().map(bytes_of).sum();
+        if held + bytes_of(&edit) > MAX_HEADER_EDIT_BYTES {
+            return Err(format!(
+                "the header changes of one call would hold more than {MAX_HEADER_EDIT_BYTES} \
+                 bytes of names and values"
             ));
         }
         self.0.push(edit);
@@ -110,7 +150,7 @@ fn editable_name(name: &str) -> Result<HeaderName, String> {
     if MANAGED.contains(&parsed.as_str()) {
         return Err(format!(
             "the header {} is the host's to set, not a plugin's (the host manages host, \
-             content-length, expect and the hop-by-hop headers)",
+             content-length, expect, x-forwarded-for and the hop-by-hop headers)",
             parsed.as_str()
         ));
     }
@@ -150,11 +190,10 @@ impl HostState {
         name: &str,
         make: impl FnOnce(HeaderName) -> Result<HeaderEdit, String>,
     ) -> Result<(), String> {
-        let edit = make(editable_name(name)?);
         let Some(edits) = self.header_edits_mut() else {
             return Err("headers can be changed only while handling a request".to_string());
         };
-        edits.push(edit?)
+        edits.push(make(editable_name(name)?)?)
     }
 }
 
@@ -216,6 +255,42 @@ mod tests {
         assert_eq!(values("accept"), ["c", "d"]);
         assert!(values("x-tenant").is_empty());
         assert_eq!(values("x-new"), ["1"]);
+    }
+
+    /// A cookie appended joins the request's cookies on one line, as
+    /// HTTP/1 servers read them.
+    #[test]
+    fn an_appended_cookie_joins_the_cookie_line() {
+        let mut headers = HeaderMap::new();
+        headers.append("cookie", value("a=1"));
+        headers.append("cookie", value("b=2"));
+        HeaderEdits(vec![HeaderEdit::Append(name("cookie"), value("c=3"))]).apply(&mut headers);
+        let cookies: Vec<_> = headers.get_all("cookie").iter().collect();
+        assert_eq!(cookies, [value("a=1; b=2; c=3")]);
+        let mut none = HeaderMap::new();
+        HeaderEdits(vec![HeaderEdit::Append(name("cookie"), value("c=3"))]).apply(&mut none);
+        assert_eq!(none.get("cookie"), Some(&value("c=3")));
+    }
+
+    /// The changes of one call hold at most as many bytes as a request
+    /// head the gateway takes in.
+    #[test]
+    fn a_call_changes_at_most_the_limit_of_bytes() {
+        let mut edits = HeaderEdits::default();
+        let big = HeaderValue::from_bytes(&[b'v'; MAX_HEADER_VALUE_BYTES]).unwrap();
+        // 7 of 8 KiB and a 3-byte name fit; the 8th does not.
+        for _ in 0..7 {
+            edits
+                .push(HeaderEdit::Append(name("x-a"), big.clone()))
+                .expect("fits");
+        }
+        let problem = edits
+            .push(HeaderEdit::Append(name("x-a"), big.clone()))
+            .expect_err("over");
+        assert!(problem.contains("more than 65536 bytes"), "{problem}");
+        edits
+            .push(HeaderEdit::Remove(name("x-b")))
+            .expect("a few bytes still fit");
     }
 
     #[test]
@@ -282,11 +357,15 @@ mod tests {
             ),
         };
         let mut state = HostState::new(services, 1 << 20, Arc::from("test"));
-        let outside = state.set("x-a".into(), b"1".to_vec());
-        assert_eq!(
-            outside,
-            Err("headers can be changed only while handling a request".to_string())
-        );
+        for outside in [
+            state.set("x-a".into(), b"1".to_vec()),
+            state.set("host".into(), b"h".to_vec()),
+        ] {
+            assert_eq!(
+                outside,
+                Err("headers can be changed only while handling a request".to_string())
+            );
+        }
         state.lend_headers(&Headers::from(Vec::new()));
         state
             .set("x-a".into(), b"1".to_vec())

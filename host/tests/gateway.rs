@@ -1015,20 +1015,27 @@ async fn a_plugins_header_changes_reach_the_upstream() {
                 .header("content-type", "application/json")
                 .header("x-hostile", "edit-headers")
                 .header("x-tenant", "t1")
+                .header("cookie", "a=1")
                 .header("x-hostile-edits", edits)
                 .body(Full::new(Bytes::from_static(CONTEXT_ONLY.as_bytes())))
                 .unwrap();
             client.send(request).await
         }
     };
-    let reply =
-        send("set x-disagg-route prefill-1, remove x-tenant, set x-hostile-edits done").await;
+    let reply = send(
+        "set x-disagg-route prefill-1, remove x-tenant, append cookie c=3, \
+         set x-hostile-edits done",
+    )
+    .await;
     assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
     let received = reply.json();
     let headers = &received["headers"];
     assert_eq!(headers["x-disagg-route"], "prefill-1", "{received}");
     assert_eq!(headers["x-hostile-edits"], "done", "{received}");
     assert!(headers.get("x-tenant").is_none(), "removed: {received}");
+    // One cookie line, as HTTP/1 servers read them (the echo would show
+    // only the last of two lines).
+    assert_eq!(headers["cookie"], "a=1; c=3", "{received}");
     assert!(
         received["body"]["disaggregated_params"]["disagg_request_id"].is_u64(),
         "stamped as usual: {received}"
