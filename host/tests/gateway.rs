@@ -974,15 +974,8 @@ async fn a_plugin_gets_at_most_256_kib_of_random_bytes_a_call() {
     let random = |bytes: u64| {
         let addr = gateway.addr;
         async move {
-            let mut client = Client::connect(addr).await;
-            let request = client
-                .builder(Method::POST, "/v1/completions")
-                .header("content-type", "application/json")
-                .header("x-hostile", "random")
-                .header("x-hostile-bytes", bytes.to_string())
-                .body(Full::new(Bytes::from_static(b"{}")))
-                .unwrap();
-            client.send(request).await
+            let bytes = bytes.to_string();
+            misbehaving_with(addr, "random", &[("x-hostile-bytes", &bytes)], b"{}").await
         }
     };
     let reply = random(256 << 10).await;
@@ -1006,21 +999,14 @@ async fn a_plugin_gets_at_most_256_kib_of_random_bytes_a_call() {
 async fn a_plugins_header_changes_reach_the_upstream() {
     let (_dir, path) = hostile_plugin_file("edit-headers");
     let gateway = Gateway::start(&["--plugin", path.to_str().unwrap()]).await;
-    let send = |edits: &'static str| {
-        let addr = gateway.addr;
-        async move {
-            let mut client = Client::connect(addr).await;
-            let request = client
-                .builder(Method::POST, "/v1/completions")
-                .header("content-type", "application/json")
-                .header("x-hostile", "edit-headers")
-                .header("x-tenant", "t1")
-                .header("cookie", "a=1")
-                .header("x-hostile-edits", edits)
-                .body(Full::new(Bytes::from_static(CONTEXT_ONLY.as_bytes())))
-                .unwrap();
-            client.send(request).await
-        }
+    let addr = gateway.addr;
+    let send = |edits: &'static str| async move {
+        let extra = [
+            ("x-tenant", "t1"),
+            ("cookie", "a=1"),
+            ("x-hostile-edits", edits),
+        ];
+        misbehaving_with(addr, "edit-headers", &extra, CONTEXT_ONLY.as_bytes()).await
     };
     let reply = send(
         "set x-disagg-route prefill-1, remove x-tenant, append cookie c=3, \
@@ -4025,12 +4011,24 @@ fn hostile_plugin_file(name: &str) -> (TempDir, PathBuf) {
 /// Sends [`CONTEXT_ONLY`] on a new connection with `x-hostile: behaviour`,
 /// for the hostile fixture to misbehave on.
 async fn misbehaving(addr: SocketAddr, behaviour: &'static str) -> Reply {
+    misbehaving_with(addr, behaviour, &[], CONTEXT_ONLY.as_bytes()).await
+}
+
+/// [`misbehaving`], with the headers `extra` after `x-hostile` and `body`.
+async fn misbehaving_with(
+    addr: SocketAddr,
+    behaviour: &str,
+    extra: &[(&str, &str)],
+    body: &'static [u8],
+) -> Reply {
     let mut client = Client::connect(addr).await;
-    let request = client
+    let mut request = client
         .builder(Method::POST, "/v1/completions")
         .header("content-type", "application/json")
-        .header("x-hostile", behaviour)
-        .body(Full::new(Bytes::from_static(CONTEXT_ONLY.as_bytes())))
-        .unwrap();
+        .header("x-hostile", behaviour);
+    for (name, value) in extra {
+        request = request.header(*name, *value);
+    }
+    let request = request.body(Full::new(Bytes::from_static(body))).unwrap();
     client.send(request).await
 }
