@@ -10,7 +10,8 @@
 # For each binary and each content type it starts nginx answering
 # `return 200` as the upstream and the gateway under callgrind (one worker
 # thread, 8 plugin instance slots: valgrind cannot reserve the address
-# space of the default 64), warms it up with 200 requests, zeroes the
+# space of the default 64; plugins compiled in its own process, since under
+# valgrind `/proc/self/exe` is valgrind and no compile process starts), warms it up with 200 requests, zeroes the
 # counters, sends N more of bench/load.py's 1 KiB chat request (oha, 4
 # connections), and prints the instructions counted in user space in the
 # gateway process (every thread) divided by N. `application/json` goes
@@ -52,7 +53,7 @@ count() { # BINARY CTYPE -> instructions per request
     valgrind --tool=callgrind --callgrind-out-file="$DIR/cg.out" --dump-instr=no \
         "$1" serve --listen "127.0.0.1:$port" --admin-listen "127.0.0.1:$admin" \
         --upstream "http://127.0.0.1:$UP" --machine-id 1 --workers 1 --plugin-instances 8 \
-        > "$DIR/snowgate.log" 2>&1 &
+        --plugin-compile-in-process > "$DIR/snowgate.log" 2>&1 &
     SG=$!
     for _ in $(seq 600); do curl -sf -o /dev/null "127.0.0.1:$admin/readyz" && break; sleep 0.2; done
     curl -sf -o /dev/null "127.0.0.1:$admin/readyz" || { cat "$DIR/snowgate.log" >&2; exit 1; }
@@ -72,6 +73,10 @@ for binary in "$@"; do printf ' %16s' "$(basename "$binary" | cut -c1-16)"; done
 printf '   (instructions per request in the gateway, N=%s)\n' "$N"
 for ctype in ${CTYPES:-application/json text/plain}; do
     printf '%-18s' "$ctype"
-    for binary in "$@"; do printf ' %16s' "$(count "$binary" "$ctype")"; done
+    for binary in "$@"; do
+        # A failed count ends the run, not just its column.
+        per_request=$(count "$binary" "$ctype") || exit 1
+        printf ' %16s' "$per_request"
+    done
     printf '\n'
 done

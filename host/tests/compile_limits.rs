@@ -275,6 +275,46 @@ async fn a_gateway_killed_mid_compile_takes_its_compile_process_with_it() {
     reload.abort();
 }
 
+/// With `--plugin-compile-in-process` (for valgrind, or a seccomp profile
+/// without `execve`) builds are compiled in the gateway's own process: a
+/// reload of a build that takes a while to compile starts no child, and
+/// the flag beside a compile limit is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_compile_in_process_no_compile_process_is_started() {
+    let (_dir, path, gateway) =
+        serving("compile-in-process", &["--plugin-compile-in-process"]).await;
+    // A quarter of the bomb: some hundreds of milliseconds of compiling,
+    // in which a compile process would be seen.
+    rewrite_in_place(&path, &compile_bomb(BOMB_VALUES / 4));
+    let admin = gateway.admin;
+    let reload = tokio::spawn(async move { post_empty(admin, "/reload").await });
+    let pid = gateway.pid();
+    let mut children = Vec::new();
+    while !reload.is_finished() {
+        children.extend(children_of(pid));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let reply = reload.await.expect("the reload request");
+    assert!(children.is_empty(), "compile processes {children:?}");
+    // Compiled, then refused for what it is (a module, not a plugin).
+    assert_ne!(reply.status, 200, "{}", reply.text());
+    assert!(
+        !reply.text().contains("compile process"),
+        "{}",
+        reply.text()
+    );
+    gateway.stop().await;
+
+    let output = serve_until_it_exits(&[
+        "--plugin-compile-in-process",
+        "--plugin-compile-cpu-secs",
+        "5",
+    ]);
+    assert_eq!(output.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("cannot be used with"), "{stderr}");
+}
+
 /// Sends process `pid` `signal` with `kill`.
 fn signal(pid: u32, signal: &str) {
     let _ = Command::new("kill")

@@ -353,6 +353,10 @@ pub struct ConfigFile {
     pub plugin_compile_memory_mib: Option<u64>,
     /// See [`CompileLimits::cpu`](crate::CompileLimits::cpu), in seconds.
     pub plugin_compile_cpu_secs: Option<u64>,
+    /// Compile plugins in the gateway's own process, without the compile
+    /// limits: for where it cannot start itself again (valgrind, a seccomp
+    /// profile without `execve`).
+    pub plugin_compile_in_process: Option<bool>,
     /// Shutdown grace period in seconds.
     pub shutdown_grace_secs: Option<u64>,
     /// Reload debounce in milliseconds.
@@ -566,6 +570,9 @@ impl ConfigFile {
                  for a reload's check of a new build), not {n}"
             );
             config.plugin_limits.max_instances = n;
+        }
+        if self.plugin_compile_in_process == Some(true) {
+            config.compile_process = None;
         }
         if self.plugin_compile_memory_mib.is_some() || self.plugin_compile_cpu_secs.is_some() {
             let Some(process) = config.compile_process.as_mut() else {

@@ -121,6 +121,13 @@ pub struct ServeArgs {
     /// plugin build may use, in seconds [default: 600].
     #[arg(long, value_name = "SECS")]
     plugin_compile_cpu_secs: Option<u64>,
+    /// Compile plugin builds in the gateway's own process instead of a
+    /// child, without the two limits above: a build whose compile needs
+    /// too much then costs the gateway itself. Only where the gateway
+    /// cannot start itself again: under valgrind (where `/proc/self/exe`
+    /// is valgrind), or a seccomp profile without `execve`.
+    #[arg(long, conflicts_with_all = ["plugin_compile_memory_mib", "plugin_compile_cpu_secs"])]
+    plugin_compile_in_process: bool,
     /// How long in-flight requests may finish after SIGTERM, in seconds
     /// [default: 30]; a second SIGTERM or SIGINT, a second or more after
     /// the first, ends it at once. Without --etcd, the stop may then take
@@ -258,6 +265,7 @@ impl ServeArgs {
             plugin_instances: self.plugin_instances,
             plugin_compile_memory_mib: self.plugin_compile_memory_mib,
             plugin_compile_cpu_secs: self.plugin_compile_cpu_secs,
+            plugin_compile_in_process: self.plugin_compile_in_process.then_some(true),
             shutdown_grace_secs: self.shutdown_grace_secs,
             reload_debounce_ms: self.reload_debounce_ms,
             header_read_timeout_ms: self.header_read_timeout_ms,
