@@ -6,6 +6,7 @@
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 
 use crate::bindings::snowgate::middleware::header_edits;
+use crate::request::join_cookies;
 use crate::state::HostState;
 
 /// The most changes one call may make; more fail, naming the limit.
@@ -91,20 +92,12 @@ impl HeaderEdits {
                 HeaderEdit::Set(name, value) => {
                     headers.insert(name, value);
                 }
-                HeaderEdit::Append(name, value) if name == header::COOKIE => {
-                    let joined = headers
-                        .get_all(header::COOKIE)
-                        .iter()
-                        .chain([&value])
-                        .map(HeaderValue::as_bytes)
-                        .collect::<Vec<_>>()
-                        .join(&b"; "[..]);
-                    // Made of valid values and "; ": valid too.
-                    let joined = HeaderValue::from_bytes(&joined).unwrap_or(value);
-                    headers.insert(name, joined);
-                }
                 HeaderEdit::Append(name, value) => {
+                    let cookie = name == header::COOKIE;
                     headers.append(name, value);
+                    if cookie {
+                        join_cookies(headers);
+                    }
                 }
                 HeaderEdit::Remove(name) => {
                     headers.remove(name);

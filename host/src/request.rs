@@ -168,6 +168,28 @@ impl request_headers::Host for HostState {
     }
 }
 
+/// Joins the `cookie` fields of a request into one, `; ` between them, as
+/// RFC 9113 section 8.2.3 asks of a request going on over HTTP/1.1: HTTP/2
+/// clients send each cookie as a field of its own (and a plugin may append
+/// one), and HTTP/1 servers read one `Cookie` line (some only the first).
+pub(crate) fn join_cookies(headers: &mut HeaderMap) {
+    let mut cookies = headers.get_all(http::header::COOKIE).iter();
+    if cookies.next().is_none() || cookies.next().is_none() {
+        return;
+    }
+    let mut joined = Vec::new();
+    for cookie in headers.get_all(http::header::COOKIE) {
+        if !joined.is_empty() {
+            joined.extend_from_slice(b"; ");
+        }
+        joined.extend_from_slice(cookie.as_bytes());
+    }
+    // Made of valid field values and "; ": valid too.
+    if let Ok(value) = http::HeaderValue::from_bytes(&joined) {
+        headers.insert(http::header::COOKIE, value);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -264,7 +264,7 @@ impl HttpUpstream {
         // Host names the upstream, as proxies usually do.
         parts.headers.insert(header::HOST, self.host.clone());
         if parts.version >= http::Version::HTTP_2 {
-            join_cookies(&mut parts.headers);
+            crate::request::join_cookies(&mut parts.headers);
         }
         parts.version = http::Version::HTTP_11;
         // A body of unknown length goes on chunked. hyper's client does that
@@ -533,28 +533,6 @@ fn unusable<B>(response: &Response<B>) -> Option<String> {
     Some(format!(
         "answered with Transfer-Encoding {coding:?}; the gateway decodes only chunked"
     ))
-}
-
-/// Joins the `cookie` fields of an HTTP/2 request into one, `; ` between
-/// them, as RFC 9113 section 8.2.3 asks of a request going on over HTTP/1.1:
-/// HTTP/2 clients send each cookie as a field of its own, and HTTP/1
-/// servers read one `Cookie` line (some only the first).
-fn join_cookies(headers: &mut HeaderMap) {
-    let mut cookies = headers.get_all(header::COOKIE).iter();
-    if cookies.next().is_none() || cookies.next().is_none() {
-        return;
-    }
-    let mut joined = Vec::new();
-    for cookie in headers.get_all(header::COOKIE) {
-        if !joined.is_empty() {
-            joined.extend_from_slice(b"; ");
-        }
-        joined.extend_from_slice(cookie.as_bytes());
-    }
-    // Made of valid field values and "; ": valid too.
-    if let Ok(value) = header::HeaderValue::from_bytes(&joined) {
-        headers.insert(header::COOKIE, value);
-    }
 }
 
 /// Removes hop-by-hop headers, including those the `Connection` header names
