@@ -296,11 +296,11 @@ async fn an_idle_gateway_keeps_its_mark_ahead_of_the_clock() {
     gateway.stop().await;
 }
 
-/// The fdatasync shim (`tests/shims/slow_fdatasync.c`), built with the
+/// The fdatasync shim (`tests/shims/faulty_fdatasync.c`), built with the
 /// machine's C compiler into `dir`, when there is one.
-fn slow_fdatasync(dir: &Path) -> Option<PathBuf> {
-    let library = dir.join("slow_fdatasync.so");
-    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/shims/slow_fdatasync.c");
+fn faulty_fdatasync(dir: &Path) -> Option<PathBuf> {
+    let library = dir.join("faulty_fdatasync.so");
+    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/shims/faulty_fdatasync.c");
     let built = std::process::Command::new("cc")
         .args(["-shared", "-fPIC", "-o"])
         .arg(&library)
@@ -330,7 +330,7 @@ fn slow_fdatasync(dir: &Path) -> Option<PathBuf> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_disk_slow_to_sync_lengthens_the_lead_instead_of_refusing_ids() {
     let file = scratch("slow-disk");
-    let Some(library) = slow_fdatasync(file.parent().expect("a directory")) else {
+    let Some(library) = faulty_fdatasync(file.parent().expect("a directory")) else {
         return;
     };
     let library = library.display().to_string();
@@ -386,6 +386,142 @@ async fn a_disk_slow_to_sync_lengthens_the_lead_instead_of_refusing_ids() {
         mark_in(&file),
         last,
         "the stop writes the last id's millisecond"
+    );
+}
+
+/// Context-only requests, one after another, until one is refused (at most [`STEP`]): the ids of those stamped before it, and the
+/// refusal.
+async fn stamp_until_refused(gateway: &Gateway) -> (Vec<u64>, support::Reply) {
+    let deadline = Instant::now() + STEP;
+    let mut ids = Vec::new();
+    loop {
+        let reply = post_json(gateway.addr, "/v1/completions", CONTEXT_ONLY).await;
+        if reply.status != 200 {
+            return (ids, reply);
+        }
+        ids.push(stamped_id(reply.json()["body"].to_string().as_bytes()));
+        assert!(
+            Instant::now() < deadline,
+            "{} requests stamped in {STEP:?}, none refused; /status: {}",
+            ids.len(),
+            gateway.status().await
+        );
+    }
+}
+
+/// A disk that fails while the gateway serves: ids stop at the mark last
+/// written, with a 503 that says so; `/readyz` turns traffic away;
+/// `/status`, `/metrics` and the log name the failure. Once the disk takes
+/// writes again, ids resume without a restart. A stop while it fails still
+/// ends, and the file's mark still covers every id given out, which is
+/// where the next start continues.
+///
+/// The failing disk is the real file on the real disk with `fdatasync`
+/// failing (EIO) while a flag file exists, preloaded into the gateway:
+/// failing a real device needs root (`dm-flakey`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_disk_that_fails_mid_serve_stops_ids_at_the_mark_until_it_recovers() {
+    let file = scratch("failing-disk");
+    let dir = file.parent().expect("a directory");
+    let Some(library) = faulty_fdatasync(dir) else {
+        return;
+    };
+    let library = library.display().to_string();
+    let failing = dir.join("failing");
+    let gateway = Gateway::start_with_env(
+        &["--high-water-file", file.to_str().expect("UTF-8")],
+        &[
+            ("LD_PRELOAD", &library),
+            ("FAIL_FDATASYNC_WHILE", failing.to_str().expect("UTF-8")),
+        ],
+    )
+    .await;
+    let mut ids = stamp(&gateway, 20).await;
+
+    // The disk fails: ids go on until they reach the mark written before.
+    std::fs::write(&failing, b"").expect("the flag file");
+    let (stamped, refusal) = stamp_until_refused(&gateway).await;
+    ids.extend(stamped);
+    assert_eq!(refusal.status, 503, "{}", refusal.text());
+    assert!(
+        refusal.text().contains("past the high-water mark"),
+        "{}",
+        refusal.text()
+    );
+    let status = gateway.status().await;
+    let file_status = &status["high_water_file"];
+    let mark = file_status["mark"].as_u64().expect("a mark");
+    let last = ids.iter().copied().map(millis_of).max().expect("ids");
+    assert!(
+        last <= mark,
+        "an id of millisecond {last} left past the mark {mark}"
+    );
+    assert!(
+        file_status["failures"].as_u64().expect("a count") >= 1,
+        "{status}"
+    );
+    let error = file_status["last_error"].as_str().expect("the last error");
+    assert!(
+        error.contains("Input/output error") && error.contains(file.to_str().expect("UTF-8")),
+        "the error names the cause and the file: {error}"
+    );
+    assert!(
+        support::metric(
+            &gateway.metrics().await,
+            "snowgate_high_water_file_failures_total"
+        ) >= 1.0
+    );
+    let ready = support::get(gateway.admin, "/readyz").await;
+    assert_eq!(ready.status, 503, "{}", ready.text());
+    assert!(
+        ready.text().contains("high-water"),
+        "/readyz says why: {}",
+        ready.text()
+    );
+    gateway.wait_log("ids stop at the mark").await;
+
+    // The disk recovers: the next retry writes a mark and ids resume.
+    std::fs::remove_file(&failing).expect("removing the flag file");
+    let status = gateway
+        .wait_status("a mark written after the failure", STEP, |status| {
+            status["high_water_file"]["mark"]
+                .as_u64()
+                .is_some_and(|now| now > mark)
+        })
+        .await;
+    let ready = support::get(gateway.admin, "/readyz").await;
+    assert_eq!(ready.status, 200, "{}; {status}", ready.text());
+    ids.extend(stamp(&gateway, 20).await);
+    gateway
+        .wait_log("the high-water file takes writes again")
+        .await;
+
+    // It fails again, and the gateway is stopped meanwhile.
+    std::fs::write(&failing, b"").expect("the flag file");
+    let failures = status["high_water_file"]["failures"]
+        .as_u64()
+        .expect("a count");
+    gateway
+        .wait_status("a failed write", STEP, |status| {
+            status["high_water_file"]["failures"]
+                .as_u64()
+                .is_some_and(|now| now > failures)
+        })
+        .await;
+    ids.extend(stamp(&gateway, 5).await);
+    gateway.stop().await;
+    assert!(
+        gateway.stderr_text().contains("written before stands"),
+        "the stop says which mark stands: {}",
+        gateway.stderr_text()
+    );
+    std::fs::remove_file(&failing).expect("removing the flag file");
+    support::assert_unique(&ids);
+    let last = ids.iter().copied().map(millis_of).max().expect("ids");
+    assert!(
+        mark_in(&file) >= last,
+        "the file's mark {} is below the last id's millisecond {last}",
+        mark_in(&file)
     );
 }
 

@@ -1,0 +1,46 @@
+/*
+ * A disk that is slow to sync, or fails to, for tests: preloaded into a
+ * process (LD_PRELOAD), it changes what fdatasync(2) does.
+ *
+ *   SLOW_FDATASYNC_MS=N       each fdatasync waits N milliseconds before
+ *                             doing the real one; the data still reaches
+ *                             the disk.
+ *   FAIL_FDATASYNC_WHILE=PATH while PATH exists, fdatasync fails with EIO
+ *                             (what a failing device reports) without
+ *                             syncing; once PATH is removed, it syncs again.
+ *
+ * Nothing else changes. Built by the tests that use it, with the machine's
+ * C compiler:
+ *
+ *     cc -shared -fPIC -o faulty_fdatasync.so faulty_fdatasync.c -ldl
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <stdlib.h>
+#include <time.h>
+#include <unistd.h>
+
+int fdatasync(int fd) {
+    static int (*real)(int);
+    if (real == NULL) {
+        real = (int (*)(int))dlsym(RTLD_NEXT, "fdatasync");
+        if (real == NULL) {
+            errno = ENOSYS;
+            return -1;
+        }
+    }
+    const char *delay = getenv("SLOW_FDATASYNC_MS");
+    if (delay != NULL) {
+        long millis = atol(delay);
+        struct timespec wait = {millis / 1000, (millis % 1000) * 1000000L};
+        while (nanosleep(&wait, &wait) != 0 && errno == EINTR) {
+        }
+    }
+    const char *failing = getenv("FAIL_FDATASYNC_WHILE");
+    if (failing != NULL && access(failing, F_OK) == 0) {
+        errno = EIO;
+        return -1;
+    }
+    return real(fd);
+}
