@@ -1010,7 +1010,7 @@ async fn a_plugins_header_changes_reach_the_upstream() {
     };
     let reply = send(
         "set x-disagg-route prefill-1, remove x-tenant, append cookie c=3, \
-         set x-hostile-edits done",
+         append x-route-hint a, append x-route-hint b, set x-hostile-edits done",
     )
     .await;
     assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
@@ -1019,6 +1019,12 @@ async fn a_plugins_header_changes_reach_the_upstream() {
     assert_eq!(headers["x-disagg-route"], "prefill-1", "{received}");
     assert_eq!(headers["x-hostile-edits"], "done", "{received}");
     assert!(headers.get("x-tenant").is_none(), "removed: {received}");
+    // Appended lines reach the upstream as lines of their own, in order.
+    assert_eq!(
+        headers["x-route-hint"],
+        serde_json::json!(["a", "b"]),
+        "{received}"
+    );
     // One cookie line, as HTTP/1 servers read them (the echo would show
     // only the last of two lines).
     assert_eq!(headers["cookie"], "a=1; c=3", "{received}");

@@ -636,8 +636,9 @@ fn own(response: Response<Full<Bytes>>) -> Response<UpstreamBody> {
 }
 
 /// The built-in echo upstream: answers with the request it received, as
-/// `{"method":…,"path":…,"headers":{…},"body":…}`. A JSON body is embedded
-/// byte for byte; any other body as a string.
+/// `{"method":…,"path":…,"headers":{…},"body":…}`. A header sent once is a
+/// string; one sent on several lines, an array of its values in order. A
+/// JSON body is embedded byte for byte; any other body as a string.
 async fn echo(request: Request<UpstreamBody>) -> Response<UpstreamBody> {
     let (parts, body) = request.into_parts();
     let body = match read_limited(body, ECHO_MAX_BODY).await {
@@ -662,12 +663,18 @@ async fn echo(request: Request<UpstreamBody>) -> Response<UpstreamBody> {
     };
     let headers: serde_json::Map<String, serde_json::Value> = parts
         .headers
-        .iter()
-        .map(|(n, v)| {
-            (
-                n.as_str().to_string(),
-                String::from_utf8_lossy(v.as_bytes()).into_owned().into(),
-            )
+        .keys()
+        .map(|name| {
+            let mut values = parts
+                .headers
+                .get_all(name)
+                .iter()
+                .map(|v| serde_json::Value::from(String::from_utf8_lossy(v.as_bytes())));
+            let value = match (values.next(), values.next()) {
+                (Some(only), None) => only,
+                (first, second) => first.into_iter().chain(second).chain(values).collect(),
+            };
+            (name.as_str().to_string(), value)
         })
         .collect();
     let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
