@@ -209,9 +209,18 @@ impl Plugin {
     /// stderr) block on a runtime of their own, which cannot be done on an
     /// async runtime's thread. From async code use
     /// [`Plugin::handle_async`]. The changes the plugin made to the
-    /// request's headers are dropped (see [`Plugin::answer_async`]).
+    /// request's headers are dropped (see [`Plugin::answer`]).
     pub fn handle(&self, request: &Request) -> Result<Action, CallError> {
         self.handle_fenced(request).map(|fenced| fenced.action)
+    }
+
+    /// Like [`Plugin::handle`], with the changes the plugin made to the
+    /// request's headers (`header-edits`): none when the answer rejects
+    /// it. The sync counterpart of [`Plugin::answer_async`], for a tool
+    /// that shows a plugin's answer (`snowgate rewrite`).
+    pub fn answer(&self, request: &Request) -> Result<Answer, CallError> {
+        self.call_once(request)
+            .map(|(fenced, header_edits)| Answer::new(fenced.action, header_edits))
     }
 
     /// [`Plugin::handle`], telling also whether the host withheld the ids
@@ -219,6 +228,12 @@ impl Plugin {
     /// plugin's): what the gateway's self-check of a new build needs, since
     /// by the time it asks the host again, the reason may have passed.
     pub fn handle_fenced(&self, request: &Request) -> Result<Fenced, CallError> {
+        self.call_once(request).map(|(fenced, _)| fenced)
+    }
+
+    /// One call in a fresh instance: the fenced answer and the changes to
+    /// the request's headers the call asked for.
+    fn call_once(&self, request: &Request) -> Result<(Fenced, HeaderEdits), CallError> {
         let (mut store, instance) = self.instantiate()?;
         let handle = match self.configure(&mut store, instance) {
             Ok(Ok(handle)) => handle,
@@ -226,13 +241,15 @@ impl Plugin {
             Err(e) => return Err(self.classify(e, &store)),
         };
         store.data_mut().lend_headers(&request.headers);
-        let answer = match handle.call(&mut store, (RequestRecord::of(request),)) {
+        let answer = handle.call(&mut store, (RequestRecord::of(request),));
+        let header_edits = store.data_mut().take_back_headers();
+        let answer = match answer {
             Ok((answer,)) => answer,
             Err(e) => return Err(self.classify(e, &store)),
         };
         let action = answer.map_err(|e| plugin_error(e.message))?;
         let action = self.check(action)?;
-        Ok(self.fence(action, &store))
+        Ok((self.fence(action, &store), header_edits))
     }
 
     /// Like [`Plugin::handle`], for async callers (the gateway), and on an

@@ -58,6 +58,19 @@ pub enum HeaderEdit {
     Remove(HeaderName),
 }
 
+/// As a line of a tool's output: `set NAME: VALUE`, `append NAME: VALUE`
+/// or `remove NAME` (bytes of a value that are not UTF-8 shown as U+FFFD).
+impl std::fmt::Display for HeaderEdit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let shown = |value: &HeaderValue| String::from_utf8_lossy(value.as_bytes()).into_owned();
+        match self {
+            HeaderEdit::Set(name, value) => write!(f, "set {name}: {}", shown(value)),
+            HeaderEdit::Append(name, value) => write!(f, "append {name}: {}", shown(value)),
+            HeaderEdit::Remove(name) => write!(f, "remove {name}"),
+        }
+    }
+}
+
 /// The changes one call made, in the order it asked for them.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct HeaderEdits(Vec<HeaderEdit>);

@@ -377,6 +377,112 @@ fn rewrite_prints_a_rejection_with_control_characters_escaped() {
     assert!(!stderr.contains('\u{1b}'), "a raw escape: {stderr:?}");
 }
 
+/// `rewrite --header` and `--path` make the request the plugin sees, and
+/// the changes a plugin makes to the forwarded request's headers are told
+/// on stderr, while stdout carries only the body.
+#[test]
+fn rewrite_hands_the_plugin_headers_and_a_path_and_shows_its_header_changes() {
+    let path = scratch("hostile-request.wasm");
+    std::fs::write(&path, snowgate_test_fixtures::HOSTILE_WASM).expect("writing the fixture");
+    let rewrite = |extra: &[&str]| {
+        let mut args = vec![
+            "rewrite",
+            "--machine-id",
+            "7",
+            "--clock",
+            "fixed:1764000000000",
+            "--plugin",
+            path.to_str().expect("a UTF-8 path"),
+        ];
+        args.extend_from_slice(extra);
+        snowgate(&args, CONTEXT_ONLY.as_bytes())
+    };
+
+    let output = rewrite(&[
+        "-H",
+        "x-hostile: headers",
+        "--header",
+        "X-Tenant:  a ",
+        "-H",
+        "x-tenant: b",
+        "-H",
+        "x-hostile-get: x-tenant",
+    ]);
+    let report = success(&output);
+    assert!(
+        report.contains(r#"("content-type", "application/json"), ("x-hostile", "headers"), ("x-tenant", "a"), ("x-tenant", "b")"#),
+        "the default content type first, then the headers given, in order, names lowercased, \
+         values trimmed: {report}"
+    );
+    assert!(report.contains(r#"get=["a", "b"]"#), "{report}");
+    let output = rewrite(&["-H", "x-hostile: headers", "-H", "content-type: text/plain"]);
+    let report = success(&output);
+    assert!(
+        report.contains(r#"entries=[("x-hostile", "headers"), ("content-type", "text/plain")]"#),
+        "a content type given replaces the default: {report}"
+    );
+
+    let output = rewrite(&["-H", "x-hostile: request-line"]);
+    assert_eq!(success(&output), "POST /");
+    let output = rewrite(&[
+        "-H",
+        "x-hostile: request-line",
+        "--path",
+        "/v1/completions?stream=true",
+    ]);
+    assert_eq!(success(&output), "POST /v1/completions?stream=true");
+
+    let output = rewrite(&[
+        "-H",
+        "x-hostile: edit-headers",
+        "-H",
+        "x-hostile-edits: set x-route prefill-1, append cookie c=3, remove x-tenant",
+    ]);
+    let stdout = success(&output);
+    assert!(
+        stdout.starts_with(r#"{"prompt":"hi","disaggregated_params":{"request_type":"context_only","disagg_request_id":"#),
+        "only the stamped body on stdout: {stdout}"
+    );
+    assert!(
+        text(&output.stderr).contains(
+            "the plugin changes the forwarded request's headers:\n  set x-route: prefill-1\n  \
+             append cookie: c=3\n  remove x-tenant\n"
+        ),
+        "{}",
+        text(&output.stderr)
+    );
+    // A rejection drops the changes, as the gateway does.
+    let output = rewrite(&[
+        "-H",
+        "x-hostile: edit-headers",
+        "-H",
+        "x-hostile-edits: set x-route prefill-1",
+        "-H",
+        "x-hostile-then: reject",
+    ]);
+    failure(&output, 2, &["HTTP 418"]);
+    assert!(
+        !text(&output.stderr).contains("x-route"),
+        "{}",
+        text(&output.stderr)
+    );
+
+    for (flag, value, words) in [
+        ("-H", "x-tenant a", &["has no ':'"][..]),
+        ("-H", "x tenant: a", &["\"x tenant\" is not a header name"]),
+        (
+            "-H",
+            "x-tenant: a\u{7f}",
+            &["the value of x-tenant holds a control character"],
+        ),
+        ("--path", "v1/completions", &["is not a path"]),
+        ("--path", "/a b", &["is not a path"]),
+    ] {
+        let output = rewrite(&[flag, value]);
+        failure(&output, 2, words);
+    }
+}
+
 /// A plugin path that is a device or a FIFO is refused as `serve`
 /// refuses it, instead of reading /dev/zero until memory runs out.
 #[test]

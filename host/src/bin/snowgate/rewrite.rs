@@ -11,7 +11,7 @@ use snowgate_host::clock::MAX_CATCH_UP;
 use snowgate_host::gateway::config::{plugin_deadline, plugin_memory_bytes};
 use snowgate_host::gateway::plugin_file::read_plugin_file;
 use snowgate_host::{
-    plugin_text, Action, CallError, CompileCache, FixedClock, HostServices, IdClock,
+    plugin_text, Action, Answer, CallError, CompileCache, FixedClock, HostServices, IdClock,
     MachineIdentity, Plugin, PluginEngine, PluginLimits, Request,
 };
 use snowgate_plugin::{SnowflakeLayout, MSGPACK_HEADER};
@@ -47,6 +47,14 @@ pub struct RewriteArgs {
     /// that is slow to compile.
     #[arg(long, value_name = "DIR")]
     plugin_cache_dir: Option<PathBuf>,
+    /// A header of the request the plugin sees, as `NAME: VALUE`;
+    /// repeatable, in order. `content-type` replaces the default
+    /// `application/json`.
+    #[arg(long = "header", short = 'H', value_name = "NAME: VALUE", value_parser = parse_header)]
+    headers: Vec<(String, Vec<u8>)>,
+    /// The path (and query) of the request the plugin sees.
+    #[arg(long, default_value = "/", value_name = "PATH", value_parser = parse_path)]
+    path: String,
     /// The body is MessagePack, as TensorRT-LLM's orchestrator sends it with
     /// `X-TRTLLM-Msgpack: 1`, instead of JSON.
     #[arg(long)]
@@ -131,17 +139,21 @@ pub fn run(args: RewriteArgs) -> Result<(), Failure> {
     std::io::stdin()
         .read_to_end(&mut body)
         .context("reading the body from stdin")?;
-    let mut headers = vec![("content-type".to_string(), b"application/json".to_vec())];
+    let mut headers = Vec::new();
+    if !args.headers.iter().any(|(name, _)| name == "content-type") {
+        headers.push(("content-type".to_string(), b"application/json".to_vec()));
+    }
     if args.msgpack {
         headers.push((MSGPACK_HEADER.to_string(), b"1".to_vec()));
     }
+    headers.extend(args.headers);
     let request = Request {
         method: "POST".into(),
-        path: "/".into(),
+        path: args.path,
         headers: headers.into(),
         body,
     };
-    let answer = plugin.handle(&request);
+    let answer = plugin.answer(&request);
     // The next process on this machine id starts its clock at the wall
     // clock: after a burst (more ids than a millisecond's sequence space)
     // this one must not end before the wall clock has passed its last id.
@@ -153,7 +165,18 @@ pub fn run(args: RewriteArgs) -> Result<(), Failure> {
             eprintln!("snowgate: warning: {too_far}");
         }
     }
-    let action = answer.map_err(|e| call_failure(e, args.plugin.is_none(), request.body.len()))?;
+    let Answer {
+        action,
+        header_edits,
+    } = answer.map_err(|e| call_failure(e, args.plugin.is_none(), request.body.len()))?;
+    // Only the body goes to stdout; what a gateway would also change on
+    // the forwarded request is told on stderr.
+    if !header_edits.is_empty() {
+        eprintln!("snowgate: the plugin changes the forwarded request's headers:");
+        for edit in header_edits.iter() {
+            eprintln!("  {}", plugin_text(edit.to_string(), usize::MAX));
+        }
+    }
     let out = match &action {
         Action::Forward => &request.body,
         Action::ForwardWithBody(body) => body,
@@ -170,6 +193,30 @@ pub fn run(args: RewriteArgs) -> Result<(), Failure> {
     };
     crate::write_stdout(out)?;
     Ok(())
+}
+
+/// `--header NAME: VALUE`: a header name and value as HTTP allows them,
+/// the name lowercased, as the gateway hands headers to a plugin.
+fn parse_header(text: &str) -> Result<(String, Vec<u8>), String> {
+    let (name, value) = text
+        .split_once(':')
+        .ok_or_else(|| format!("{text:?} has no ':' between the header's name and value"))?;
+    let name = http::HeaderName::from_bytes(name.trim().as_bytes())
+        .map_err(|_| format!("{:?} is not a header name", name.trim()))?;
+    let value = http::HeaderValue::from_str(value.trim())
+        .map_err(|_| format!("the value of {name} holds a control character"))?;
+    Ok((name.as_str().to_string(), value.as_bytes().to_vec()))
+}
+
+/// `--path`: a request target's path and query, as the gateway hands it to
+/// a plugin.
+fn parse_path(text: &str) -> Result<String, String> {
+    match text.parse::<http::uri::PathAndQuery>() {
+        Ok(path) if path.as_str().starts_with('/') => Ok(path.as_str().to_string()),
+        _ => Err(format!(
+            "{text:?} is not a path: a path starts with '/' and holds no spaces or control characters"
+        )),
+    }
 }
 
 /// A flag's value out of its range: bad input, exit status 2.
