@@ -525,6 +525,173 @@ async fn a_disk_that_fails_mid_serve_stops_ids_at_the_mark_until_it_recovers() {
     );
 }
 
+/// `snowgate rewrite` of [`CONTEXT_ONLY`] with machine id [`MACHINE_ID`],
+/// `args` and `env` added, killed if it runs past [`STEP`].
+fn rewrite(args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
+    use std::io::Write as _;
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_snowgate"))
+        .args(["rewrite", "--machine-id", &MACHINE_ID.to_string()])
+        .args(args)
+        .envs(env.iter().copied())
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("the snowgate binary runs");
+    let mut stdin = child.stdin.take().expect("stdin is piped");
+    let _ = stdin.write_all(CONTEXT_ONLY.as_bytes());
+    drop(stdin);
+    let pid = child.id();
+    let (done, finished) = std::sync::mpsc::channel::<()>();
+    let watchdog = std::thread::spawn(move || {
+        if finished.recv_timeout(STEP).is_err() {
+            let _ = std::process::Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .status();
+        }
+    });
+    let output = child.wait_with_output().expect("waiting for snowgate");
+    let _ = done.send(());
+    watchdog.join().expect("the watchdog");
+    output
+}
+
+/// The id a successful `rewrite` wrote on stdout.
+fn rewritten_id(output: &std::process::Output) -> u64 {
+    assert!(
+        output.status.success(),
+        "{}: {}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    stamped_id(&output.stdout)
+}
+
+/// `snowgate rewrite --high-water-file` keeps a machine id's history as a
+/// gateway does, and shares it with gateways: each run continues after the
+/// mark the last run or gateway on the file wrote, also after the wall
+/// clock stepped back, and writes its last id's millisecond. Without the
+/// file the same step back puts a run's id before the last one's (the
+/// control, which shows the step is real).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rewrite_runs_on_a_high_water_file_continue_after_its_mark() {
+    let Some(library) = faketime() else { return };
+    let file = scratch("rewrite");
+    let file_arg = file.to_str().expect("a UTF-8 path");
+    let with_file = ["--high-water-file", file_arg];
+
+    let first = rewritten_id(&rewrite(&with_file, &[]));
+    assert_eq!(
+        mark_in(&file),
+        millis_of(first),
+        "a run writes its id's millisecond"
+    );
+
+    let stepped = faked_clock(&library, STEP_BACK_AFTER_A_STOP);
+    let control = rewritten_id(&rewrite(&[], &env_of(&stepped)));
+    assert!(
+        millis_of(control) < millis_of(first),
+        "the control's clock did not step back: {} ms after the first id",
+        millis_of(control) - millis_of(first)
+    );
+
+    let second = rewritten_id(&rewrite(&with_file, &env_of(&stepped)));
+    assert!(
+        second > first && millis_of(second) > millis_of(first),
+        "after the step back, id {second} (at {}) is not after {first} (at {})",
+        millis_of(second),
+        millis_of(first)
+    );
+    assert_eq!(mark_in(&file), millis_of(second));
+
+    // A gateway on the file, on the same stepped-back clock, continues
+    // after the run; a run after the gateway continues after its ids.
+    let gateway = Gateway::start_with_env(&with_file, &env_of(&stepped)).await;
+    let served = stamp(&gateway, 20).await;
+    gateway.stop().await;
+    assert!(
+        served.iter().all(|&id| millis_of(id) > millis_of(second)),
+        "the gateway's ids start at {}, not after the run's {}",
+        millis_of(*served.iter().min().expect("ids")),
+        millis_of(second)
+    );
+    let third = rewritten_id(&rewrite(&with_file, &env_of(&stepped)));
+    let last_served = served.iter().copied().map(millis_of).max().expect("ids");
+    assert!(
+        millis_of(third) > last_served,
+        "the run's id at {} is not after the gateway's last at {last_served}",
+        millis_of(third)
+    );
+    support::assert_unique(&[vec![first, second, third], served].concat());
+}
+
+/// A run cannot share a file with a gateway that holds it, writes no body
+/// whose ids it could not record, and needs the system clock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rewrite_writes_no_body_its_high_water_file_did_not_record() {
+    let file = scratch("rewrite-refused");
+    let dir = file.parent().expect("a directory");
+    let file_arg = file.to_str().expect("a UTF-8 path");
+    let with_file = ["--high-water-file", file_arg];
+
+    let gateway = Gateway::start(&with_file).await;
+    let refused = rewrite(&with_file, &[]);
+    gateway.stop().await;
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(1), "{stderr}");
+    assert!(refused.stdout.is_empty());
+    assert!(
+        stderr.contains("is in use by another process") && stderr.contains(file_arg),
+        "{stderr}"
+    );
+
+    let fixed = rewrite(
+        &[
+            "--clock",
+            "fixed:1764000000000",
+            "--high-water-file",
+            file_arg,
+        ],
+        &[],
+    );
+    assert_eq!(fixed.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&fixed.stderr).contains("--high-water-file needs --clock system"),
+        "{}",
+        String::from_utf8_lossy(&fixed.stderr)
+    );
+
+    let Some(library) = faulty_fdatasync(dir) else {
+        return;
+    };
+    let library = library.display().to_string();
+    let failing = dir.join("failing");
+    std::fs::write(&failing, b"").expect("the flag file");
+    let before = mark_in(&file);
+    let env = [
+        ("LD_PRELOAD", library.as_str()),
+        ("FAIL_FDATASYNC_WHILE", failing.to_str().expect("UTF-8")),
+    ];
+    let unrecorded = rewrite(&with_file, &env);
+    let stderr = String::from_utf8_lossy(&unrecorded.stderr);
+    assert_eq!(unrecorded.status.code(), Some(1), "{stderr}");
+    assert!(
+        unrecorded.stdout.is_empty(),
+        "a body went out with ids the file does not hold: {}",
+        String::from_utf8_lossy(&unrecorded.stdout)
+    );
+    assert!(
+        stderr.contains("the ids made are not recorded, so the body is not written")
+            && stderr.contains("Input/output error")
+            && stderr.contains(file_arg),
+        "{stderr}"
+    );
+    std::fs::remove_file(&failing).expect("removing the flag file");
+    let id = rewritten_id(&rewrite(&with_file, &env));
+    assert!(millis_of(id) > before);
+    assert_eq!(mark_in(&file), millis_of(id));
+}
+
 /// One file, one gateway: a second one on the same file is refused at
 /// start, naming the file, while the first serves on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -9,7 +9,7 @@
 //! that stops taking writes stops stamping within the lead, and never lets
 //! an id out that a restart could repeat.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
@@ -312,34 +312,56 @@ pub const START_LEAD: Duration = Duration::from_secs(7);
 
 /// Waits until the wall clock is within [`START_LEAD`] of `stored`,
 /// logging how long that takes, and again every 10 s.
-async fn wait_until_near(stored: u64, path: &std::path::Path) {
-    let near = stored.saturating_sub(START_LEAD.as_millis() as u64);
+async fn wait_until_near(stored: u64, path: &Path) {
     let mut said = None;
-    loop {
-        let now = millis_of(SystemTime::now());
-        if now >= near {
-            if said.is_some() {
-                tracing::info!("the wall clock is near the high-water file's mark: starting");
-            }
-            return;
-        }
-        let left = Duration::from_millis(near - now);
-        if said.is_none_or(|at: Instant| at.elapsed() >= Duration::from_secs(10)) {
-            tracing::warn!(
-                path = %path.display(),
-                "the high-water file's mark {} is {} s ahead of the wall clock (it stepped back, \
-                 or the last gateway crashed with its ids ahead of it): waiting {} s until it is \
-                 within {} s, as ids may not run further ahead",
-                format_millis(stored),
-                (stored - now) / 1000,
-                left.as_secs_f64().ceil(),
-                START_LEAD.as_secs()
-            );
-            said = Some(Instant::now());
-        }
-        // The wall clock may step again meanwhile: look at it each second.
-        tokio::time::sleep(left.min(Duration::from_secs(1))).await;
+    while let Some(left) = left_until_near(stored, path, &mut said) {
+        tokio::time::sleep(left).await;
     }
+}
+
+/// [`MarkKeeper::start`]'s wait for a stored mark far ahead of the wall
+/// clock, for a process without an async runtime (`snowgate rewrite`):
+/// blocks until the wall clock is within [`START_LEAD`] of `stored`,
+/// logging how long that takes, and again every 10 s.
+pub fn wait_until_near_blocking(stored: u64, path: &Path) {
+    let mut said = None;
+    while let Some(left) = left_until_near(stored, path, &mut said) {
+        std::thread::sleep(left);
+    }
+}
+
+/// How long to sleep before looking at the wall clock again, or `None`
+/// once it is within [`START_LEAD`] of `stored`; logs the wait when it
+/// starts, every 10 s (`said` is when it last did) and when it ends.
+fn left_until_near(
+    stored: u64,
+    path: &Path,
+    said: &mut Option<std::time::Instant>,
+) -> Option<Duration> {
+    let near = stored.saturating_sub(START_LEAD.as_millis() as u64);
+    let now = millis_of(SystemTime::now());
+    if now >= near {
+        if said.is_some() {
+            tracing::info!("the wall clock is near the high-water file's mark: starting");
+        }
+        return None;
+    }
+    let left = Duration::from_millis(near - now);
+    if said.is_none_or(|at| at.elapsed() >= Duration::from_secs(10)) {
+        tracing::warn!(
+            path = %path.display(),
+            "the high-water file's mark {} is {} s ahead of the wall clock (it stepped back, \
+             or the last gateway crashed with its ids ahead of it): waiting {} s until it is \
+             within {} s, as ids may not run further ahead",
+            format_millis(stored),
+            (stored - now) / 1000,
+            left.as_secs_f64().ceil(),
+            START_LEAD.as_secs()
+        );
+        *said = Some(std::time::Instant::now());
+    }
+    // The wall clock may step again meanwhile: look at it each second.
+    Some(left.min(Duration::from_secs(1)))
 }
 
 impl Shared {

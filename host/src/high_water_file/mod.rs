@@ -85,8 +85,9 @@ impl HighWaterFile {
             Ok(()) => {}
             Err(rustix::io::Errno::WOULDBLOCK) => anyhow::bail!(
                 "the high-water file {shown} is in use by another process, which holds its lock: \
-                 two gateways on one high-water file would issue the same ids; give each gateway \
-                 its own --machine-id and --high-water-file"
+                 two processes on one high-water file would issue the same ids; give each gateway \
+                 its own --machine-id and --high-water-file, and run `snowgate rewrite` on one \
+                 only while no gateway uses it"
             ),
             Err(e) => {
                 return Err(e).with_context(|| format!("locking the high-water file {shown}"))
@@ -207,7 +208,7 @@ fn read_record(contents: &[u8], now: u64) -> Result<Option<Record>, String> {
         });
         return Err(format!(
             "holds no readable high-water mark (first copy: {first}; second copy: {second}): it \
-             is damaged or not a high-water file, so this gateway cannot tell which ids its \
+             is damaged or not a high-water file, so snowgate cannot tell which ids its \
              machine id was used for. If the wall clock never stepped back, ids are safe again \
              20 seconds after the last gateway on the file stopped: then remove the file and \
              start again"

@@ -6,6 +6,7 @@ mod decode;
 mod huge_pages;
 mod open_files;
 mod rewrite;
+mod rewrite_high_water;
 mod serve;
 
 use std::process::ExitCode;
@@ -37,8 +38,9 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Read one request body on stdin, run the plugin on it as the body of
-    /// `POST /` with `content-type: application/json` (and
-    /// `x-trtllm-msgpack: 1` with --msgpack), write the result on stdout.
+    /// `POST /` (or --path) with `content-type: application/json` (and
+    /// `x-trtllm-msgpack: 1` with --msgpack, and the headers --header
+    /// gives), write the result on stdout.
     Rewrite(rewrite::RewriteArgs),
     /// Print the fields of an id: timestamp, machine id, sequence.
     ///

@@ -17,6 +17,7 @@ use snowgate_host::{
 use snowgate_plugin::{SnowflakeLayout, MSGPACK_HEADER};
 use snowgate_plugin_bundle::{memory_needed, IdDensity};
 
+use crate::rewrite_high_water::RunMark;
 use crate::Failure;
 
 /// Flags of `snowgate rewrite`.
@@ -42,6 +43,13 @@ pub struct RewriteArgs {
     /// for reproducible runs and examples.
     #[arg(long, default_value = "system", value_name = "CLOCK")]
     clock: ClockChoice,
+    /// Keep the machine id's high-water mark in FILE (created if missing,
+    /// locked while rewrite runs), as `serve --high-water-file` does: ids
+    /// continue after the mark the last run or gateway on the file wrote,
+    /// wherever the wall clock is, and the body is written only once the
+    /// last id's millisecond is on disk. Only with the system clock.
+    #[arg(long, value_name = "FILE")]
+    high_water_file: Option<PathBuf>,
     /// Keep the compiled plugin in DIR and read it from there next time,
     /// as `serve --plugin-cache-dir` does: for repeated runs of a plugin
     /// that is slow to compile.
@@ -100,6 +108,23 @@ pub fn run(args: RewriteArgs) -> Result<(), Failure> {
         ClockChoice::System => IdClock::system(),
         ClockChoice::Fixed(ms) => IdClock::new(FixedClock(ms)),
     });
+    // Before the plugin is loaded: every id it makes, in `configure` too,
+    // comes after the ids of the last run on the file.
+    let run_mark =
+        match (&args.high_water_file, args.clock) {
+            (None, _) => None,
+            (Some(path), ClockChoice::System) => Some(RunMark::take_over(
+                path,
+                args.layout,
+                args.machine_id,
+                &clock,
+            )?),
+            (Some(_), ClockChoice::Fixed(_)) => return Err(Failure::BadInput(
+                "--high-water-file needs --clock system: a fixed clock is for reproducible runs, \
+                 which ids continuing after a mark are not"
+                    .into(),
+            )),
+        };
     let services = HostServices {
         clock: clock.clone(),
         identity: Arc::new(identity),
@@ -154,17 +179,34 @@ pub fn run(args: RewriteArgs) -> Result<(), Failure> {
         body,
     };
     let answer = plugin.answer(&request);
-    // The next process on this machine id starts its clock at the wall
-    // clock: after a burst (more ids than a millisecond's sequence space)
-    // this one must not end before the wall clock has passed its last id.
-    // It waits before anything else, so that no error on the way out skips
-    // it.
-    // A fixed clock is for reproducible runs and never catches up.
-    if matches!(args.clock, ClockChoice::System) {
-        if let Err(too_far) = clock.wait_for_wall_clock(MAX_CATCH_UP) {
-            eprintln!("snowgate: warning: {too_far}");
+    let recorded = match &run_mark {
+        // The next run on the file continues after the mark written here.
+        Some(run_mark) => run_mark.record(&clock),
+        // The next process on this machine id starts its clock at the wall
+        // clock: after a burst (more ids than a millisecond's sequence
+        // space) this one must not end before the wall clock has passed
+        // its last id. It waits before anything else, so that no error on
+        // the way out skips it. A fixed clock is for reproducible runs and
+        // never catches up.
+        None => {
+            if matches!(args.clock, ClockChoice::System) {
+                if let Err(too_far) = clock.wait_for_wall_clock(MAX_CATCH_UP) {
+                    eprintln!("snowgate: warning: {too_far}");
+                }
+            }
+            Ok(())
         }
-    }
+    };
+    let answer = match (answer, recorded) {
+        (answer, Ok(())) => answer,
+        // Only what goes out needs its ids recorded: a failed call's
+        // error says more than the mark's.
+        (Err(e), Err(unrecorded)) => {
+            eprintln!("snowgate: warning: {unrecorded:#}");
+            Err(e)
+        }
+        (Ok(_), Err(unrecorded)) => return Err(Failure::Failed(unrecorded)),
+    };
     let Answer {
         action,
         header_edits,
