@@ -58,11 +58,13 @@ pub enum HeaderEdit {
     Remove(HeaderName),
 }
 
-/// As a line of a tool's output: `set NAME: VALUE`, `append NAME: VALUE`
-/// or `remove NAME` (bytes of a value that are not UTF-8 shown as U+FFFD).
+/// As a line of a tool's output or a log: `set NAME: VALUE`, `append
+/// NAME: VALUE` or `remove NAME`, the value's bytes other than printable
+/// ASCII escaped (`\t`, `\xe2`), so that no value can move a terminal's
+/// cursor or reorder its text, and none is lost.
 impl std::fmt::Display for HeaderEdit {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let shown = |value: &HeaderValue| String::from_utf8_lossy(value.as_bytes()).into_owned();
+        let shown = |value: &HeaderValue| value.as_bytes().escape_ascii().to_string();
         match self {
             HeaderEdit::Set(name, value) => write!(f, "set {name}: {}", shown(value)),
             HeaderEdit::Append(name, value) => write!(f, "append {name}: {}", shown(value)),

@@ -399,27 +399,46 @@ fn rewrite_hands_the_plugin_headers_and_a_path_and_shows_its_header_changes() {
     };
 
     let output = rewrite(&[
+        "--header",
+        "X-Tenant:  a\t",
         "-H",
         "x-hostile: headers",
-        "--header",
-        "X-Tenant:  a ",
         "-H",
         "x-tenant: b",
         "-H",
         "x-hostile-get: x-tenant",
+        "-H",
+        "connection: x-hop",
+        "-H",
+        "x-hop: 1",
+        "-H",
+        "upgrade: h2c",
     ]);
     let report = success(&output);
     assert!(
-        report.contains(r#"("content-type", "application/json"), ("x-hostile", "headers"), ("x-tenant", "a"), ("x-tenant", "b")"#),
-        "the default content type first, then the headers given, in order, names lowercased, \
-         values trimmed: {report}"
+        report.contains(
+            r#"entries=[("content-type", "application/json"), ("x-tenant", "a"), ("x-tenant", "b"), ("x-hostile", "headers"), ("x-hostile-get", "x-tenant")]"#
+        ),
+        "the default content type first, then the headers given, grouped by name as the \
+         gateway hands them on, names lowercased, values trimmed, hop-by-hop headers gone: \
+         {report}"
     );
     assert!(report.contains(r#"get=["a", "b"]"#), "{report}");
+    assert!(
+        !text(&output.stderr).contains("would not run the plugin"),
+        "{}",
+        text(&output.stderr)
+    );
     let output = rewrite(&["-H", "x-hostile: headers", "-H", "content-type: text/plain"]);
     let report = success(&output);
     assert!(
         report.contains(r#"entries=[("x-hostile", "headers"), ("content-type", "text/plain")]"#),
         "a content type given replaces the default: {report}"
+    );
+    assert!(
+        text(&output.stderr).contains("a gateway would not run the plugin on this request"),
+        "a content type the gateway streams through is pointed out: {}",
+        text(&output.stderr)
     );
 
     let output = rewrite(&["-H", "x-hostile: request-line"]);
@@ -451,6 +470,19 @@ fn rewrite_hands_the_plugin_headers_and_a_path_and_shows_its_header_changes() {
         "{}",
         text(&output.stderr)
     );
+    // What is not printable ASCII in a value shows escaped, whole.
+    let output = rewrite(&[
+        "-H",
+        "x-hostile: edit-headers",
+        "-H",
+        "x-hostile-edits: set x-a a%09b%E2%80%AEc",
+    ]);
+    success(&output);
+    assert!(
+        text(&output.stderr).contains("  set x-a: a\\tb\\xe2\\x80\\xaec\n"),
+        "{:?}",
+        text(&output.stderr)
+    );
     // A rejection drops the changes, as the gateway does.
     let output = rewrite(&[
         "-H",
@@ -472,11 +504,17 @@ fn rewrite_hands_the_plugin_headers_and_a_path_and_shows_its_header_changes() {
         ("-H", "x tenant: a", &["\"x tenant\" is not a header name"]),
         (
             "-H",
+            "x-tenant : a",
+            &["\"x-tenant \" is not a header name"],
+        ),
+        (
+            "-H",
             "x-tenant: a\u{7f}",
             &["the value of x-tenant holds a control character"],
         ),
         ("--path", "v1/completions", &["is not a path"]),
         ("--path", "/a b", &["is not a path"]),
+        ("--path", "/a#top", &["is not a path", "'#'"]),
     ] {
         let output = rewrite(&[flag, value]);
         failure(&output, 2, words);

@@ -1026,7 +1026,7 @@ async fn a_plugins_header_changes_reach_the_upstream() {
         "{received}"
     );
     // One cookie line, as HTTP/1 servers read them (the echo would show
-    // only the last of two lines).
+    // two lines as an array).
     assert_eq!(headers["cookie"], "a=1; c=3", "{received}");
     assert!(
         received["body"]["disaggregated_params"]["disagg_request_id"].is_u64(),

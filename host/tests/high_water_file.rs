@@ -489,8 +489,21 @@ async fn a_disk_that_fails_mid_serve_stops_ids_at_the_mark_until_it_recovers() {
                 .is_some_and(|now| now > mark)
         })
         .await;
-    let ready = support::get(gateway.admin, "/readyz").await;
-    assert_eq!(ready.status, 200, "{}; {status}", ready.text());
+    // /status shows the mark a moment before the ids are bound by it:
+    // ready once they are.
+    let deadline = Instant::now() + STEP;
+    loop {
+        let ready = support::get(gateway.admin, "/readyz").await;
+        if ready.status == 200 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not ready {STEP:?} after the mark was written: {}; {status}",
+            ready.text()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     ids.extend(stamp(&gateway, 20).await);
     gateway
         .wait_log("the high-water file takes writes again")

@@ -722,6 +722,18 @@ fn is_json_media(mime: &[u8]) -> bool {
             && mime[mime.len() - SUFFIX.len()..].eq_ignore_ascii_case(SUFFIX))
 }
 
+/// Whether the gateway runs the plugin on a request with `headers` and
+/// the whole `body`, or streams it through: for a tool that shows a
+/// plugin's answer (`snowgate rewrite`) and says when the gateway would
+/// not ask it.
+pub fn plugin_sees(headers: &HeaderMap, body: &[u8]) -> bool {
+    match body_label(headers, !body.is_empty()) {
+        BodyLabel::Json => true,
+        BodyLabel::Loose => could_be_json(body),
+        BodyLabel::Other => false,
+    }
+}
+
 /// What a request's headers say its body is: read once per request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum BodyLabel {

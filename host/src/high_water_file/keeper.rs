@@ -342,7 +342,7 @@ fn left_until_near(
     let now = millis_of(SystemTime::now());
     if now >= near {
         if said.is_some() {
-            tracing::info!("the wall clock is near the high-water file's mark: starting");
+            tracing::info!("the wall clock is near the high-water file's mark: going on");
         }
         return None;
     }
@@ -351,8 +351,8 @@ fn left_until_near(
         tracing::warn!(
             path = %path.display(),
             "the high-water file's mark {} is {} s ahead of the wall clock (it stepped back, \
-             or the last gateway crashed with its ids ahead of it): waiting {} s until it is \
-             within {} s, as ids may not run further ahead",
+             or the last process on the file ended with its ids ahead of it): waiting {} s until \
+             it is within {} s, as ids may not run further ahead",
             format_millis(stored),
             (stored - now) / 1000,
             left.as_secs_f64().ceil(),

@@ -38,7 +38,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Read one request body on stdin, run the plugin on it as the body of
-    /// `POST /` (or --path) with `content-type: application/json` (and
+    /// a POST to --path (`/`) with `content-type: application/json` (and
     /// `x-trtllm-msgpack: 1` with --msgpack, and the headers --header
     /// gives), write the result on stdout.
     Rewrite(rewrite::RewriteArgs),

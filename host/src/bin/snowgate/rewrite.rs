@@ -7,9 +7,12 @@ use std::sync::Arc;
 
 use anyhow::Context as _;
 use clap::Args;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use snowgate_host::clock::MAX_CATCH_UP;
 use snowgate_host::gateway::config::{plugin_deadline, plugin_memory_bytes};
+use snowgate_host::gateway::middleware::plugin_sees;
 use snowgate_host::gateway::plugin_file::read_plugin_file;
+use snowgate_host::gateway::upstream::strip_hop_by_hop;
 use snowgate_host::{
     plugin_text, Action, Answer, CallError, CompileCache, FixedClock, HostServices, IdClock,
     MachineIdentity, Plugin, PluginEngine, PluginLimits, Request,
@@ -56,10 +59,11 @@ pub struct RewriteArgs {
     #[arg(long, value_name = "DIR")]
     plugin_cache_dir: Option<PathBuf>,
     /// A header of the request the plugin sees, as `NAME: VALUE`;
-    /// repeatable, in order. `content-type` replaces the default
-    /// `application/json`.
+    /// repeatable. The plugin sees them as the gateway hands them on:
+    /// grouped by name, without hop-by-hop headers (`connection`, `te`,
+    /// ...). `content-type` replaces the default `application/json`.
     #[arg(long = "header", short = 'H', value_name = "NAME: VALUE", value_parser = parse_header)]
-    headers: Vec<(String, Vec<u8>)>,
+    headers: Vec<(HeaderName, HeaderValue)>,
     /// The path (and query) of the request the plugin sees.
     #[arg(long, default_value = "/", value_name = "PATH", value_parser = parse_path)]
     path: String,
@@ -164,14 +168,14 @@ pub fn run(args: RewriteArgs) -> Result<(), Failure> {
     std::io::stdin()
         .read_to_end(&mut body)
         .context("reading the body from stdin")?;
-    let mut headers = Vec::new();
-    if !args.headers.iter().any(|(name, _)| name == "content-type") {
-        headers.push(("content-type".to_string(), b"application/json".to_vec()));
+    let headers = request_headers(args.headers, args.msgpack);
+    if !plugin_sees(&headers, &body) {
+        eprintln!(
+            "snowgate: note: a gateway would not run the plugin on this request (its content \
+             type, or an empty body, says it is not JSON) but forward it unchanged; running it \
+             all the same"
+        );
     }
-    if args.msgpack {
-        headers.push((MSGPACK_HEADER.to_string(), b"1".to_vec()));
-    }
-    headers.extend(args.headers);
     let request = Request {
         method: "POST".into(),
         path: args.path,
@@ -179,31 +183,35 @@ pub fn run(args: RewriteArgs) -> Result<(), Failure> {
         body,
     };
     let answer = plugin.answer(&request);
-    let recorded = match &run_mark {
-        // The next run on the file continues after the mark written here.
-        Some(run_mark) => run_mark.record(&clock),
-        // The next process on this machine id starts its clock at the wall
-        // clock: after a burst (more ids than a millisecond's sequence
-        // space) this one must not end before the wall clock has passed
-        // its last id. It waits before anything else, so that no error on
-        // the way out skips it. A fixed clock is for reproducible runs and
-        // never catches up.
-        None => {
-            if matches!(args.clock, ClockChoice::System) {
-                if let Err(too_far) = clock.wait_for_wall_clock(MAX_CATCH_UP) {
-                    eprintln!("snowgate: warning: {too_far}");
-                }
-            }
-            Ok(())
+    // The next run on the file continues after the mark written here.
+    let recorded = run_mark
+        .as_ref()
+        .map_or(Ok(()), |run_mark| run_mark.record(&clock));
+    // A process on this machine id without the file starts its clock at
+    // the wall clock: after a burst (more ids than a millisecond's sequence
+    // space), or a start after a mark ahead of the wall clock, this one
+    // must not end before the wall clock has passed its last id. It waits
+    // before anything else, so that no error on the way out skips it. A
+    // fixed clock is for reproducible runs and never catches up.
+    if matches!(args.clock, ClockChoice::System) {
+        if let Err(too_far) = clock.wait_for_wall_clock(MAX_CATCH_UP) {
+            eprintln!("snowgate: warning: {too_far}");
         }
-    };
+    }
     let answer = match (answer, recorded) {
         (answer, Ok(())) => answer,
-        // Only what goes out needs its ids recorded: a failed call's
-        // error says more than the mark's.
-        (Err(e), Err(unrecorded)) => {
+        // Only a body that goes out needs its ids recorded: a failed
+        // call's error, or a rejection, says more than the mark's.
+        (
+            answer @ (Err(_)
+            | Ok(Answer {
+                action: Action::Reject(_),
+                ..
+            })),
+            Err(unrecorded),
+        ) => {
             eprintln!("snowgate: warning: {unrecorded:#}");
-            Err(e)
+            answer
         }
         (Ok(_), Err(unrecorded)) => return Err(Failure::Failed(unrecorded)),
     };
@@ -237,26 +245,53 @@ pub fn run(args: RewriteArgs) -> Result<(), Failure> {
     Ok(())
 }
 
-/// `--header NAME: VALUE`: a header name and value as HTTP allows them,
-/// the name lowercased, as the gateway hands headers to a plugin.
-fn parse_header(text: &str) -> Result<(String, Vec<u8>), String> {
+/// `--header NAME: VALUE`: a header name and value as HTTP allows them
+/// on a header line (spaces and tabs around the value are not part of
+/// it), the name lowercased.
+fn parse_header(text: &str) -> Result<(HeaderName, HeaderValue), String> {
     let (name, value) = text
         .split_once(':')
         .ok_or_else(|| format!("{text:?} has no ':' between the header's name and value"))?;
-    let name = http::HeaderName::from_bytes(name.trim().as_bytes())
-        .map_err(|_| format!("{:?} is not a header name", name.trim()))?;
-    let value = http::HeaderValue::from_str(value.trim())
+    let name = HeaderName::from_bytes(name.as_bytes())
+        .map_err(|_| format!("{name:?} is not a header name"))?;
+    let value = HeaderValue::from_str(value.trim_matches([' ', '\t']))
         .map_err(|_| format!("the value of {name} holds a control character"))?;
-    Ok((name.as_str().to_string(), value.as_bytes().to_vec()))
+    Ok((name, value))
+}
+
+/// The headers the plugin sees, as the gateway hands them to it: grouped
+/// by name (the first name given first, each name's values in order),
+/// without the hop-by-hop headers, which belong to the client's
+/// connection. `content-type: application/json` unless `given` names a
+/// content type, and `x-trtllm-msgpack: 1` with `msgpack`.
+fn request_headers(given: Vec<(HeaderName, HeaderValue)>, msgpack: bool) -> HeaderMap {
+    let mut headers = HeaderMap::new();
+    if !given.iter().any(|(name, _)| name == header::CONTENT_TYPE) {
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+    }
+    if msgpack {
+        headers.insert(MSGPACK_HEADER, HeaderValue::from_static("1"));
+    }
+    for (name, value) in given {
+        headers.append(name, value);
+    }
+    strip_hop_by_hop(&mut headers);
+    headers
 }
 
 /// `--path`: a request target's path and query, as the gateway hands it to
 /// a plugin.
 fn parse_path(text: &str) -> Result<String, String> {
     match text.parse::<http::uri::PathAndQuery>() {
-        Ok(path) if path.as_str().starts_with('/') => Ok(path.as_str().to_string()),
+        Ok(path) if path.as_str().starts_with('/') && !text.contains('#') => {
+            Ok(path.as_str().to_string())
+        }
         _ => Err(format!(
-            "{text:?} is not a path: a path starts with '/' and holds no spaces or control characters"
+            "{text:?} is not a path: a path starts with '/' and holds no spaces, control \
+             characters or '#' (a fragment, which a client never sends)"
         )),
     }
 }
