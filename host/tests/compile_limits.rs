@@ -251,7 +251,21 @@ async fn a_gateway_killed_mid_compile_takes_its_compile_process_with_it() {
     // The reload runs to its end even though this request is dropped.
     let admin = gateway.admin;
     let reload = tokio::spawn(async move { post_empty(admin, "/reload").await });
-    let pid = gateway.pid();
+    // Stopped, it cannot finish its compile and end by itself meanwhile:
+    // only a SIGKILL from the kernel, when its parent dies, ends it.
+    let child = Killed(compile_child_of(gateway.pid()));
+    signal(child.0, "STOP");
+    gateway.signal("KILL");
+    gateway.wait_exit(STEP).await;
+    poll_until("the compile process dies with the gateway", STEP, || {
+        is_dead(child.0)
+    });
+    reload.abort();
+}
+
+/// The compile process of the build a reload is compiling, once it has
+/// started (polled, at most [`STEP`]).
+fn compile_child_of(pid: u32) -> u32 {
     let mut child = 0;
     poll_until("the compile process starts", STEP, || {
         child = children_of(pid)
@@ -263,13 +277,35 @@ async fn a_gateway_killed_mid_compile_takes_its_compile_process_with_it() {
             .unwrap_or(0);
         child != 0
     });
-    // Stopped, it cannot finish its compile and end by itself meanwhile:
-    // only a SIGKILL from the kernel, when its parent dies, ends it.
-    let child = Killed(child);
+    child
+}
+
+/// A stop does not wait for a reload's compile: a compile may take
+/// minutes, and a stop that waited for it could be cut short by a
+/// SIGKILL before the gateway has accounted for its ids. Here the compile
+/// never ends (its process is stopped); the gateway still stops at once,
+/// writes its last id's millisecond to its high-water file, and its
+/// compile process ends with it. Before, the stop waited for the compile
+/// with the mark unwritten.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_does_not_wait_for_a_reloads_compile() {
+    let dir = TempDir::new("compile-stop");
+    let mark = dir.path().join("ids.mark");
+    let (_plugin_dir, path, gateway) =
+        serving("compile-stop", &["--high-water-file", arg(&mark)]).await;
+    assert_stamps(&gateway).await;
+    rewrite_in_place(&path, &compile_bomb(BOMB_VALUES));
+    let admin = gateway.admin;
+    let reload = tokio::spawn(async move { post_empty(admin, "/reload").await });
+    let child = Killed(compile_child_of(gateway.pid()));
     signal(child.0, "STOP");
-    gateway.signal("KILL");
-    gateway.wait_exit(STEP).await;
-    poll_until("the compile process dies with the gateway", STEP, || {
+    gateway.stop().await;
+    let log = gateway.stderr_text();
+    assert!(
+        log.contains("is the high-water file's mark"),
+        "the stop writes its last id's millisecond: {log}"
+    );
+    poll_until("the compile process ends with the gateway", STEP, || {
         is_dead(child.0)
     });
     reload.abort();

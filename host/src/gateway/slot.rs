@@ -82,9 +82,11 @@ pub struct PluginSlot {
     settings: Vec<(String, String)>,
     metrics: Arc<Metrics>,
     last_error: Mutex<Option<ReloadError>>,
-    /// One reload at a time; `true` once the slot is closed (see
-    /// [`PluginSlot::close`]).
-    reloading: tokio::sync::Mutex<bool>,
+    /// One reload at a time.
+    reloading: tokio::sync::Mutex<()>,
+    /// Held by a reload's self-check while it runs; `true` once the slot
+    /// is closed (see [`PluginSlot::close`]).
+    self_checks: Arc<tokio::sync::Mutex<bool>>,
 }
 
 impl PluginSlot {
@@ -113,13 +115,20 @@ impl PluginSlot {
             settings,
             metrics,
             last_error: Mutex::new(None),
-            reloading: tokio::sync::Mutex::new(false),
+            reloading: tokio::sync::Mutex::new(()),
+            self_checks: Arc::new(tokio::sync::Mutex::new(false)),
         })
     }
 
     /// The plugin serving now.
     pub fn current(&self) -> Arc<Plugin> {
         self.current.load_full()
+    }
+
+    /// The engine builds are loaded into, with the host services (the id
+    /// clock, the machine id) their calls use.
+    pub fn engine(&self) -> &PluginEngine {
+        &self.engine
     }
 
     /// The file the plugin is loaded from (`None`: bundled).
@@ -159,20 +168,23 @@ impl PluginSlot {
             })
     }
 
-    /// Ends reloading for good: waits for a reload in progress to finish,
-    /// and refuses every later one. A stopping gateway closes its slot
-    /// before it gives up its machine id, so that no reload's self-check
-    /// takes an id from the clock after the gateway's last one.
+    /// Ends reloading for good: waits for a reload's self-check under way
+    /// (one plugin call, within its deadline), and refuses every later
+    /// one. A stopping gateway closes its slot before it gives up its
+    /// machine id, so that no reload's self-check takes an id from the
+    /// clock after the gateway's last one. A reload still compiling is not
+    /// waited for: a compile may take minutes (up to
+    /// `--plugin-compile-cpu-secs` of CPU), and a stop that waited for it
+    /// could be cut short by a SIGKILL before its ids are accounted for.
+    /// It ends without a self-check, refused.
     pub async fn close(&self) {
-        *self.reloading.lock().await = true;
+        *self.self_checks.lock().await = true;
     }
 
     async fn reload_to_the_end(&self) -> Result<Reloaded, NoReload> {
-        let closed = self.reloading.lock().await;
-        if *closed {
-            return Err(NoReload::NotPossible(
-                "the gateway is stopping: reloads are over".to_string(),
-            ));
+        let _one_at_a_time = self.reloading.lock().await;
+        if *self.self_checks.lock().await {
+            return Err(NoReload::NotPossible(STOPPING.to_string()));
         }
         let Some(path) = self.source.clone() else {
             return Err(NoReload::NotPossible(
@@ -183,6 +195,7 @@ impl PluginSlot {
         let engine = self.engine.clone();
         let settings = self.settings.clone();
         let current_sha = self.current().info().sha256.clone();
+        let self_checks = self.self_checks.clone();
         // Reading and compiling take milliseconds: keep them off the
         // request threads.
         let outcome = tokio::task::spawn_blocking(move || -> anyhow::Result<Option<Plugin>> {
@@ -190,7 +203,7 @@ impl PluginSlot {
             if hex_sha256(&bytes) == current_sha {
                 return Ok(None);
             }
-            let plugin = load_checked(&engine, &bytes, &settings)
+            let plugin = load_gated(&engine, &bytes, &settings, Some(&self_checks))
                 .with_context(|| format!("loading the plugin {}", path.display()))?;
             Ok(Some(plugin))
         })
@@ -231,6 +244,9 @@ impl PluginSlot {
                 }
                 Ok(Reloaded::Unchanged)
             }
+            Err(e) if e.chain().any(|cause| cause.is::<Overtaken>()) => {
+                Err(NoReload::NotPossible(STOPPING.to_string()))
+            }
             Err(e) => {
                 let error = ReloadError {
                     message: format!("{e:#}"),
@@ -264,7 +280,44 @@ pub fn load_checked(
     bytes: &[u8],
     settings: &[(String, String)],
 ) -> anyhow::Result<Plugin> {
+    load_gated(engine, bytes, settings, None)
+}
+
+/// Why a reload that a stop overtook swaps nothing in.
+const STOPPING: &str = "the gateway is stopping: reloads are over";
+
+/// A reload's self-check refused because the slot closed while the build
+/// compiled: not the build's failure.
+#[derive(Debug)]
+struct Overtaken;
+
+impl std::fmt::Display for Overtaken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(STOPPING)
+    }
+}
+
+impl std::error::Error for Overtaken {}
+
+/// [`load_checked`], on a blocking thread; with `self_checks` (a
+/// reload's), the self-check runs only while it is `false`, holding it.
+fn load_gated(
+    engine: &PluginEngine,
+    bytes: &[u8],
+    settings: &[(String, String)],
+    self_checks: Option<&tokio::sync::Mutex<bool>>,
+) -> anyhow::Result<Plugin> {
     let plugin = Plugin::load(engine, bytes, settings)?;
+    let _open = match self_checks {
+        Some(gate) => {
+            let closed = gate.blocking_lock();
+            if *closed {
+                return Err(Overtaken.into());
+            }
+            Some(closed)
+        }
+        None => None,
+    };
     let answer = plugin
         .handle_fenced(&self_check_request())
         .context("self-check: the plugin failed on a canned context-only request")?;

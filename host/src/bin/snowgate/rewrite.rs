@@ -60,7 +60,7 @@ pub struct RewriteArgs {
     plugin_cache_dir: Option<PathBuf>,
     /// A header of the request the plugin sees, as `NAME: VALUE`;
     /// repeatable. The plugin sees them as the gateway hands them on:
-    /// grouped by name, without hop-by-hop headers (`connection`, `te`,
+    /// grouped by name, without hop-by-hop headers (`connection`, `upgrade`,
     /// ...). `content-type` replaces the default `application/json`.
     #[arg(long = "header", short = 'H', value_name = "NAME: VALUE", value_parser = parse_header)]
     headers: Vec<(HeaderName, HeaderValue)>,

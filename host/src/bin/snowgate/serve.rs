@@ -314,7 +314,7 @@ pub fn run(args: ServeArgs) -> Result<(), Failure> {
         .thread_name("snowgate")
         .build()
         .context("starting the async runtime")?;
-    runtime.block_on(async move {
+    let served = runtime.block_on(async move {
         let gateway = Gateway::bind(config.clone()).await?;
         // Listen for the stop signals before announcing readiness, so a
         // signal sent right after the ready line is handled, not fatal.
@@ -336,9 +336,13 @@ pub fn run(args: ServeArgs) -> Result<(), Failure> {
         gateway.serve_until(shutdown, cut_short).await?;
         tracing::info!("stopped");
         Ok::<_, anyhow::Error>(())
-    })?;
-    // Drop the runtime without waiting on blocking tasks (a plugin call is
-    // bounded by its deadline anyway).
+    });
+    // Every id is accounted for by now. A reload may still be compiling on
+    // a blocking thread (see `PluginSlot::close`), which dropping the
+    // runtime would wait for: leave it, and its compile process, to end
+    // with this one.
+    runtime.shutdown_background();
+    served?;
     Ok(())
 }
 
