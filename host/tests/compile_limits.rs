@@ -71,16 +71,6 @@ const BOMB_VALUES: usize = 400_000;
 /// the bomb's does.
 const MEMORY_LIMIT_MIB: u64 = 512;
 
-/// Peak resident memory of process `pid` (`VmHWM`), in KiB.
-fn peak_rss_kib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("read its status");
-    status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .expect("VmHWM in /proc/PID/status")
-}
-
 /// Runs `snowgate serve` with `args` (and `--machine-id 1`) on loopback,
 /// for a start that must fail: its output once it exits.
 fn serve_until_it_exits(args: &[&str]) -> std::process::Output {

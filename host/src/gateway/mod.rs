@@ -15,6 +15,7 @@ pub mod client_body;
 pub mod client_gone;
 pub mod config;
 mod dot_segments;
+pub mod echo;
 pub mod error_chain;
 pub mod metrics;
 pub mod middleware;

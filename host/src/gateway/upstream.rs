@@ -1,6 +1,6 @@
 //! Where requests go after the middleware: a real upstream over a pool of
 //! keep-alive connections ([`upstream_pool`](crate::gateway::upstream_pool)),
-//! or the built-in echo upstream.
+//! or the built-in echo upstream ([`echo`]).
 
 use std::convert::Infallible;
 use std::fmt;
@@ -24,9 +24,9 @@ use crate::gateway::client_body::{BodyProgress, ClientFault};
 use crate::gateway::config::without_credentials;
 use crate::gateway::config::UpstreamTimeouts;
 use crate::gateway::dot_segments;
+use crate::gateway::echo;
 use crate::gateway::error_chain;
 use crate::gateway::metrics::Metrics;
-use crate::gateway::read_body::{read_limited, ReadBodyError};
 use crate::gateway::responses;
 use crate::gateway::transfer_coding;
 use crate::gateway::upstream_pool::{
@@ -41,9 +41,6 @@ pub use crate::gateway::client_body::BoxError;
 /// A body on its way through the upstream: the request sent to it, or the
 /// response streamed from it or made here.
 pub type UpstreamBody = BoxBody<Bytes, BoxError>;
-
-/// The largest body the echo upstream reads back.
-const ECHO_MAX_BODY: usize = 64 << 20;
 
 /// Headers that describe one connection, not the message: a proxy must not
 /// forward them (RFC 9110 section 7.6.1). `Trailer` is not one of them: it
@@ -240,7 +237,7 @@ where
                 let http = http.clone();
                 Box::pin(async move { Ok(http.forward(request).await) })
             }
-            Upstream::Echo => Box::pin(async move { Ok(echo(request).await) }),
+            Upstream::Echo => Box::pin(async move { Ok(echo::echo(request).await) }),
         }
     }
 }
@@ -631,83 +628,9 @@ fn strip(headers: &mut HeaderMap, keep_te: bool) {
     }
 }
 
-fn own(response: Response<Full<Bytes>>) -> Response<UpstreamBody> {
+/// A response the gateway made, as an upstream's.
+pub(crate) fn own(response: Response<Full<Bytes>>) -> Response<UpstreamBody> {
     response.map(|body| body.map_err(|never| match never {}).boxed())
-}
-
-/// The built-in echo upstream: answers with the request it received, as
-/// `{"method":…,"path":…,"headers":{…},"body":…}`. A header sent once is a
-/// string; one sent on several lines, an array of its values in order. A
-/// JSON body is embedded byte for byte; any other body as a string.
-async fn echo(request: Request<UpstreamBody>) -> Response<UpstreamBody> {
-    let (parts, body) = request.into_parts();
-    let body = match read_limited(body, ECHO_MAX_BODY).await {
-        Ok(bytes) => bytes,
-        Err(ReadBodyError::TooLarge) => {
-            let message = "the request body is larger than the gateway's limit (--max-body-bytes) \
-                           or the echo upstream's (64 MiB)";
-            return own(responses::error(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "body_too_large",
-                message,
-            ));
-        }
-        Err(e) => {
-            let message = format!("the echo upstream could not read the body: {e:?}");
-            return own(responses::error(
-                StatusCode::BAD_REQUEST,
-                "body_read_error",
-                &message,
-            ));
-        }
-    };
-    let headers: serde_json::Map<String, serde_json::Value> = parts
-        .headers
-        .keys()
-        .map(|name| {
-            let mut values = parts
-                .headers
-                .get_all(name)
-                .iter()
-                .map(|v| serde_json::Value::from(String::from_utf8_lossy(v.as_bytes())));
-            let value = match (values.next(), values.next()) {
-                (Some(only), None) => only,
-                (first, second) => first.into_iter().chain(second).chain(values).collect(),
-            };
-            (name.as_str().to_string(), value)
-        })
-        .collect();
-    let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
-    let head = format!(
-        "{{\"method\":{},\"path\":{},\"headers\":{},\"body\":",
-        serde_json::Value::from(parts.method.as_str()),
-        serde_json::Value::from(path),
-        serde_json::Value::Object(headers)
-    );
-    let mut out = Vec::with_capacity(head.len() + body.len() + 16);
-    out.extend_from_slice(head.as_bytes());
-    if body.is_empty() {
-        out.extend_from_slice(b"null");
-    } else if serde_json::from_slice::<serde::de::IgnoredAny>(&body).is_ok() {
-        out.extend_from_slice(&body);
-    } else {
-        let text =
-            serde_json::Value::String(String::from_utf8_lossy(&body).into_owned()).to_string();
-        out.extend_from_slice(text.as_bytes());
-    }
-    out.extend_from_slice(b"}\n");
-    // Stated, so that a HEAD answer, whose body the server drops, still
-    // says the length a GET's would have.
-    let length = out.len();
-    let mut response = Response::new(Full::new(Bytes::from(out)));
-    response.headers_mut().insert(
-        header::CONTENT_TYPE,
-        header::HeaderValue::from_static("application/json"),
-    );
-    response
-        .headers_mut()
-        .insert(header::CONTENT_LENGTH, header::HeaderValue::from(length));
-    own(response)
 }
 
 #[cfg(test)]

@@ -1359,3 +1359,13 @@ pub async fn assert_stamps(gateway: &Gateway) -> u64 {
     assert_fresh_v1_id(id);
     id
 }
+
+/// Peak resident memory of process `pid` (`VmHWM`), in KiB.
+pub fn peak_rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("read its status");
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmHWM in /proc/PID/status")
+}
