@@ -2246,6 +2246,73 @@ async fn an_upstream_that_cannot_be_connected_to_gets_a_504_after_the_connect_ti
     drop(full);
 }
 
+/// An upstream named by a host whose DNS lookups hang (here: take 1.5 s,
+/// with a 200 ms connect timeout) costs each request a 504, not a blocking
+/// thread: one lookup runs at a time for the worker, whatever number of
+/// requests wait, and once it ends its addresses serve the requests after
+/// it. Before, every connection attempt started a lookup of its own, each
+/// holding a thread of the blocking pool until it ended: 16 at once here.
+///
+/// The slow DNS is a preloaded `getaddrinfo` (`tests/shims/slow_getaddrinfo.c`)
+/// that answers 127.0.0.1 late: a real resolver cannot be slowed here.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_name_that_resolves_slowly_is_looked_up_once_at_a_time() {
+    let dir = TempDir::new("slow-dns");
+    let Some(library) = built_shim(dir.path(), "slow_getaddrinfo") else {
+        return;
+    };
+    let log = dir.path().join("lookups.log");
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start_with_env(
+        &[
+            "--upstream",
+            &format!("http://upstream.test:{}", upstream.addr.port()),
+            "--upstream-connect-timeout-ms",
+            "200",
+            "--workers",
+            "1",
+        ],
+        &[
+            ("LD_PRELOAD", library.to_str().expect("UTF-8")),
+            ("SLOW_GETADDRINFO_HOST", "upstream.test"),
+            ("SLOW_GETADDRINFO_MS", "1500"),
+            ("SLOW_GETADDRINFO_LOG", log.to_str().expect("UTF-8")),
+        ],
+    )
+    .await;
+    let addr = gateway.addr;
+    let waiting: Vec<_> = (0..16)
+        .map(|_| tokio::spawn(async move { get(addr, "/v1/models").await }))
+        .collect();
+    for request in waiting {
+        let reply = request.await.expect("a request");
+        assert_eq!(
+            reply.status,
+            StatusCode::GATEWAY_TIMEOUT,
+            "{}",
+            reply.text()
+        );
+    }
+    // Requests one after another until the lookup under way has ended and
+    // its addresses serve (polled, at most STEP).
+    let deadline = Instant::now() + STEP;
+    loop {
+        let reply = get(addr, "/v1/models").await;
+        if reply.status == StatusCode::OK {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never served: {}", reply.text());
+    }
+    let lookups = std::fs::read_to_string(&log).expect("the shim's log");
+    let most_at_once = lookups
+        .lines()
+        .filter_map(|line| line.strip_prefix("start ")?.parse::<u32>().ok())
+        .max()
+        .expect("a lookup");
+    assert_eq!(most_at_once, 1, "lookups under way at once: {lookups}");
+    gateway.stop().await;
+}
+
 /// An upstream that takes the request and never answers costs the client
 /// a 504 after --upstream-response-timeout-ms, not a request that hangs;
 /// a response that starts in time streams on for as long as it lasts.

@@ -296,26 +296,10 @@ async fn an_idle_gateway_keeps_its_mark_ahead_of_the_clock() {
     gateway.stop().await;
 }
 
-/// The fdatasync shim (`tests/shims/faulty_fdatasync.c`), built with the
-/// machine's C compiler into `dir`, when there is one.
+/// The fdatasync shim (`tests/shims/faulty_fdatasync.c`), built into
+/// `dir`, when the machine has a C compiler.
 fn faulty_fdatasync(dir: &Path) -> Option<PathBuf> {
-    let library = dir.join("faulty_fdatasync.so");
-    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/shims/faulty_fdatasync.c");
-    let built = std::process::Command::new("cc")
-        .args(["-shared", "-fPIC", "-o"])
-        .arg(&library)
-        .arg(&source)
-        .arg("-ldl")
-        .output();
-    if let Ok(output) = &built {
-        assert!(
-            output.status.success(),
-            "building {}: {}",
-            source.display(),
-            String::from_utf8_lossy(&output.stderr)
-        );
-    }
-    tool_present(built.is_ok(), "a C compiler (cc)", "apt-get install gcc").then_some(library)
+    support::built_shim(dir, "faulty_fdatasync")
 }
 
 /// A disk slow to sync (each `fdatasync` 600 ms, so each mark's two copies

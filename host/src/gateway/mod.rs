@@ -31,6 +31,7 @@ mod transfer_coding;
 pub mod upstream;
 pub mod upstream_pool;
 pub mod upstream_read_timeout;
+pub mod upstream_resolve;
 pub mod wait_timer;
 pub mod watch;
 pub mod workers;

@@ -39,6 +39,7 @@ use tokio::task::AbortHandle;
 
 use crate::gateway::upstream::strip_trailers;
 use crate::gateway::upstream::UpstreamBody as RequestBody;
+use crate::gateway::upstream_resolve::{ResolveError, Resolver};
 
 /// The largest response head (status line and headers) taken from the
 /// upstream, in bytes: as large as the request heads clients may send by
@@ -56,10 +57,8 @@ pub struct ConnectionPool {
 
 /// What the pool and the response bodies it lends connections to share.
 struct Shared {
-    /// The host to connect to: a name or an IP address, without the
-    /// brackets of an IPv6 literal.
-    host: String,
-    port: u16,
+    /// The host and port to connect to.
+    resolver: Resolver,
     connect_timeout: Duration,
     idle_timeout: Duration,
     idle: Mutex<Idle>,
@@ -153,8 +152,7 @@ impl ConnectionPool {
             .unwrap_or(host);
         ConnectionPool {
             shared: Arc::new(Shared {
-                host: host.to_string(),
-                port,
+                resolver: Resolver::new(host, port),
                 connect_timeout,
                 idle_timeout,
                 idle: Mutex::new(Idle {
@@ -231,12 +229,14 @@ impl Shared {
     async fn connect(&self) -> Result<Connection, SendError> {
         let deadline = tokio::time::Instant::now() + self.connect_timeout;
         let timed_out = || SendError::ConnectTimedOut(self.connect_timeout);
-        let lookup = tokio::net::lookup_host((self.host.as_str(), self.port));
-        let addresses: Vec<SocketAddr> = tokio::time::timeout_at(deadline, lookup)
+        let addresses = self
+            .resolver
+            .addresses(deadline)
             .await
-            .map_err(|_elapsed| timed_out())?
-            .map_err(SendError::Connect)?
-            .collect();
+            .map_err(|e| match e {
+                ResolveError::TimedOut => timed_out(),
+                ResolveError::Failed(e) => SendError::Connect(e),
+            })?;
         let stream = connect_to_any(&addresses, deadline)
             .await
             .map_err(|e| e.unwrap_or_else(timed_out))?;
@@ -963,8 +963,8 @@ mod tests {
     #[test]
     fn an_ipv6_literal_is_connected_to_without_its_brackets() {
         let pool = ConnectionPool::new("[::1]", 8000, Duration::ZERO, Duration::ZERO);
-        assert_eq!(pool.shared.host, "::1");
+        assert_eq!(pool.shared.resolver.host(), "::1");
         let pool = ConnectionPool::new("upstream.test", 80, Duration::ZERO, Duration::ZERO);
-        assert_eq!(pool.shared.host, "upstream.test");
+        assert_eq!(pool.shared.resolver.host(), "upstream.test");
     }
 }

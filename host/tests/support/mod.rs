@@ -1369,3 +1369,25 @@ pub fn peak_rss_kib(pid: u32) -> u64 {
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
         .expect("VmHWM in /proc/PID/status")
 }
+
+/// The preloadable shim `tests/shims/NAME.c`, built with the machine's C
+/// compiler into `dir`, when there is one.
+pub fn built_shim(dir: &Path, name: &str) -> Option<PathBuf> {
+    let library = dir.join(format!("{name}.so"));
+    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/shims/{name}.c"));
+    let built = std::process::Command::new("cc")
+        .args(["-shared", "-fPIC", "-o"])
+        .arg(&library)
+        .arg(&source)
+        .arg("-ldl")
+        .output();
+    if let Ok(output) = &built {
+        assert!(
+            output.status.success(),
+            "building {}: {}",
+            source.display(),
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    tool_present(built.is_ok(), "a C compiler (cc)", "apt-get install gcc").then_some(library)
+}
