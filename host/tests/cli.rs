@@ -1,5 +1,7 @@
 //! The real `snowgate` binary, run as an operator runs it.
 
+mod support;
+
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -30,40 +32,8 @@ const COMMAND_BOUND: std::time::Duration = std::time::Duration::from_secs(120);
 
 /// Runs `command` with `stdin` on its standard input, for at most
 /// [`COMMAND_BOUND`].
-fn run(mut command: Command, stdin: &[u8]) -> Output {
-    let mut child = command
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("starting snowgate");
-    let pid = child.id() as libc::pid_t;
-    let (done, finished) = std::sync::mpsc::channel::<()>();
-    let watchdog = std::thread::spawn(move || {
-        let overran = matches!(
-            finished.recv_timeout(COMMAND_BOUND),
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout)
-        );
-        if overran {
-            // SAFETY: kill only sends a signal; the child is not yet
-            // reaped (the test thread waits on it), so `pid` is still it.
-            unsafe { libc::kill(pid, libc::SIGKILL) };
-        }
-        overran
-    });
-    let mut input = child.stdin.take().expect("stdin is piped");
-    // A command that fails before reading stdin closes it: ignore EPIPE.
-    let _ = input.write_all(stdin);
-    drop(input);
-    let output = child.wait_with_output().expect("waiting for snowgate");
-    let _ = done.send(());
-    let overran = watchdog.join().expect("the watchdog");
-    assert!(
-        !overran,
-        "{command:?} ran past {COMMAND_BOUND:?} and was killed; stderr: {}",
-        text(&output.stderr)
-    );
-    output
+fn run(command: Command, stdin: &[u8]) -> Output {
+    support::run_bounded(command, stdin, COMMAND_BOUND)
 }
 
 fn text(bytes: &[u8]) -> String {

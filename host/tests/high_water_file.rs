@@ -523,34 +523,14 @@ async fn a_disk_that_fails_mid_serve_stops_ids_at_the_mark_until_it_recovers() {
 }
 
 /// `snowgate rewrite` of [`CONTEXT_ONLY`] with machine id [`MACHINE_ID`],
-/// `args` and `env` added, killed if it runs past [`STEP`].
+/// `args` and `env` added; a run past [`STEP`] is killed and fails the test.
 fn rewrite(args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
-    use std::io::Write as _;
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_snowgate"))
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_snowgate"));
+    command
         .args(["rewrite", "--machine-id", &MACHINE_ID.to_string()])
         .args(args)
-        .envs(env.iter().copied())
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("the snowgate binary runs");
-    let mut stdin = child.stdin.take().expect("stdin is piped");
-    let _ = stdin.write_all(CONTEXT_ONLY.as_bytes());
-    drop(stdin);
-    let pid = child.id();
-    let (done, finished) = std::sync::mpsc::channel::<()>();
-    let watchdog = std::thread::spawn(move || {
-        if finished.recv_timeout(STEP).is_err() {
-            let _ = std::process::Command::new("kill")
-                .args(["-KILL", &pid.to_string()])
-                .status();
-        }
-    });
-    let output = child.wait_with_output().expect("waiting for snowgate");
-    let _ = done.send(());
-    watchdog.join().expect("the watchdog");
-    output
+        .envs(env.iter().copied());
+    support::run_bounded(command, CONTEXT_ONLY.as_bytes(), STEP)
 }
 
 /// The id a successful `rewrite` wrote on stdout.

@@ -64,6 +64,47 @@ pub const RELOAD_TIMEOUT: Duration = Duration::from_secs(60);
 /// A context-only body: the plugin must stamp it.
 pub const CONTEXT_ONLY: &str = r#"{"model":"m","prompt":"Hello","max_tokens":16,"stream":false,"disaggregated_params":{"request_type":"context_only"}}"#;
 
+/// Runs `command` with `stdin` on its standard input and waits for it, for
+/// at most `bound`: one that runs longer (a `serve` that should have been
+/// refused and started instead, a `rewrite` stuck on a lock) is killed and
+/// fails its test, instead of hanging the suite.
+pub fn run_bounded(mut command: Command, stdin: &[u8], bound: Duration) -> std::process::Output {
+    use std::io::Write as _;
+    let mut child = command
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting snowgate");
+    let pid = child.id() as libc::pid_t;
+    let (done, finished) = std::sync::mpsc::channel::<()>();
+    let watchdog = std::thread::spawn(move || {
+        let overran = matches!(
+            finished.recv_timeout(bound),
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout)
+        );
+        if overran {
+            // SAFETY: kill only sends a signal; the child is not yet
+            // reaped (the test thread waits on it), so `pid` is still it.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+        overran
+    });
+    let mut input = child.stdin.take().expect("stdin is piped");
+    // A command that fails before reading stdin closes it: ignore EPIPE.
+    let _ = input.write_all(stdin);
+    drop(input);
+    let output = child.wait_with_output().expect("waiting for snowgate");
+    let _ = done.send(());
+    let overran = watchdog.join().expect("the watchdog");
+    assert!(
+        !overran,
+        "{command:?} ran past {bound:?} and was killed; stderr: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    output
+}
+
 /// Whether a tool a test needs (`tool`, installed with `install`) is
 /// here. Where it is missing the test is skipped (it prints `SKIPPED`), but
 /// not in CI (`CI` set), where `.ci/run` installs it: there it fails.
