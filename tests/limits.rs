@@ -73,16 +73,46 @@ fn densest_json(size: usize) -> (Vec<u8>, usize) {
 /// ids: an array 32 of `{"disaggregated_params": {"request_type":
 /// "context_only"}}` maps.
 fn densest_msgpack(size: usize) -> (Vec<u8>, usize) {
+    let element = context_only_msgpack();
+    let count = size / element.len();
+    let mut body = vec![0xdd];
+    body.extend_from_slice(&(count as u32).to_be_bytes());
+    for _ in 0..count {
+        body.extend_from_slice(&element);
+    }
+    (body, count)
+}
+
+/// `{"disaggregated_params": {"request_type": "context_only"}}` in
+/// MessagePack.
+fn context_only_msgpack() -> Vec<u8> {
     let mut element = vec![0x81, 0xa0 | 20];
     element.extend_from_slice(b"disaggregated_params");
     element.extend_from_slice(&[0x81, 0xa0 | 12]);
     element.extend_from_slice(b"request_type");
     element.push(0xa0 | 12);
     element.extend_from_slice(b"context_only");
-    let count = size / element.len();
-    let mut body = vec![0xdd];
+    element
+}
+
+/// A MessagePack map of about `size` bytes whose keys are arrays (tuples,
+/// in Python) of 10,923 one-byte items and a distinct integer, each over
+/// one context-only params map; and its number of ids. Each key's
+/// canonical encoding, which the walk keeps to match later duplicates, is
+/// three times its bytes: kept whole, the walk's memory came to six times
+/// the body.
+fn tuple_keyed_msgpack(size: usize) -> (Vec<u8>, usize) {
+    let element = context_only_msgpack();
+    let pair = 3 + 10_923 + 3 + element.len();
+    let count = size / pair;
+    let mut body = vec![0xdf];
     body.extend_from_slice(&(count as u32).to_be_bytes());
-    for _ in 0..count {
+    for i in 0..count {
+        body.push(0xdc);
+        body.extend_from_slice(&10_924u16.to_be_bytes());
+        body.extend(std::iter::repeat_n(0x7f, 10_923));
+        body.push(0xcd);
+        body.extend_from_slice(&(i as u16).to_be_bytes());
         body.extend_from_slice(&element);
     }
     (body, count)
@@ -115,7 +145,9 @@ fn stamp_in(memory_bytes: u64, body: Vec<u8>, msgpack: bool) -> Result<usize, Ca
 
 /// The memory the bundled plugin says it needs (what the gateway's
 /// start-up warning and `rewrite`'s advice go by) stamps each kind of body
-/// in full: one with one id, and the densest JSON and MessagePack. And the
+/// in full: one with one id, the densest JSON and MessagePack, and
+/// MessagePack whose keys are long arrays (which took more before the
+/// walk bounded what it keeps of them). And the
 /// figure for the densest is close: at 85 % of it the densest MessagePack
 /// does not fit, so the warning does not cry wolf by much.
 #[test]
@@ -128,6 +160,8 @@ fn the_bundled_plugins_memory_figures_stamp_the_bodies_they_describe() {
     assert_eq!(stamp_in(densest, json, false), Ok(json_ids));
     let (msgpack, msgpack_ids) = densest_msgpack(size);
     assert_eq!(stamp_in(densest, msgpack.clone(), true), Ok(msgpack_ids));
+    let (tuple_keyed, tuple_keyed_ids) = tuple_keyed_msgpack(size);
+    assert_eq!(stamp_in(densest, tuple_keyed, true), Ok(tuple_keyed_ids));
     let tight = densest * 85 / 100;
     assert_eq!(
         stamp_in(tight, msgpack, true),

@@ -92,6 +92,7 @@ pub fn find_msgpack_edits(body: &[u8]) -> Result<Vec<MsgpackEdit>, MsgpackError>
         tuple_depth: 0,
         tuple: Vec::new(),
         tuple_incomparable: false,
+        tuple_keys_room: (body.len() / 2).max(MAX_TUPLE_KEY),
     };
     walk.value(false)?;
     if walk.pos != body.len() {
@@ -401,6 +402,13 @@ struct Walk<'a> {
     /// Whether that array key equals nothing: it holds a NaN, or its
     /// encoding outgrew [`MAX_TUPLE_KEY`] (and was dropped).
     tuple_incomparable: bool,
+    /// How many more bytes of array keys' encodings may be kept at once for
+    /// matching later duplicates: half the body (at least one key of
+    /// [`MAX_TUPLE_KEY`]). Each encoding is up to three times the bytes it
+    /// encodes, so without a bound on all of them together, a body of many
+    /// such keys over params maps took six times its size. An array key
+    /// past it is taken as equal to nothing, as a longer one is.
+    tuple_keys_room: usize,
 }
 
 impl<'a> Walk<'a> {
@@ -465,6 +473,27 @@ impl<'a> Walk<'a> {
         }
         if self.tuple_incomparable {
             self.tuple = Vec::new();
+        }
+    }
+
+    /// `key`, to be kept until its map ends for a later duplicate to match:
+    /// an array key only while its encoding fits in what is left of
+    /// [`Walk::tuple_keys_room`], and then without spare capacity.
+    fn kept(&mut self, key: Option<Key<'a>>) -> Option<Key<'a>> {
+        match key {
+            Some(Key::Tuple(mut items)) => {
+                self.tuple_keys_room = self.tuple_keys_room.checked_sub(items.len())?;
+                items.shrink_to_fit();
+                Some(Key::Tuple(items))
+            }
+            other => other,
+        }
+    }
+
+    /// Gives back the room of a key [`Walk::kept`] kept, once it is let go.
+    fn release(&mut self, kept: &Key<'a>) {
+        if let Key::Tuple(items) = kept {
+            self.tuple_keys_room += items.len();
         }
     }
 
@@ -680,8 +709,9 @@ impl<'a> Walk<'a> {
             let (_, key) = read_key?;
             let is = |name: &'a [u8]| key == Some(Key::Str(name));
             let (is_params, is_type, is_id) = (is(PARAMS_KEY), is(REQUEST_TYPE_KEY), is(ID_KEY));
-            if let Some(range) = key.as_ref().and_then(|k| with_edits.remove(k)) {
+            if let Some((kept, range)) = key.as_ref().and_then(|k| with_edits.remove_entry(k)) {
                 self.edits[range].iter_mut().for_each(|e| *e = None);
+                self.release(&kept);
             }
             let first_edit = self.edits.len();
             let value = self.value(is_params)?;
@@ -699,12 +729,15 @@ impl<'a> Walk<'a> {
                 };
             }
             if self.edits.len() > first_edit {
-                if let Some(key) = key {
+                if let Some(key) = self.kept(key) {
                     with_edits.insert(key, first_edit..self.edits.len());
                 }
             }
         }
         self.depth -= 1;
+        for kept in with_edits.keys() {
+            self.release(kept);
+        }
         if params && context_only {
             let edit = match id {
                 IdMember::Missing => {

@@ -1,0 +1,89 @@
+//! The MessagePack walk's memory on hostile array keys, measured with a
+//! counting allocator (this file's own: every test binary has one).
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use snowgate_plugin::find_msgpack_edits;
+
+struct Counting;
+
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+static PEAK: AtomicUsize = AtomicUsize::new(0);
+
+// SAFETY: every call goes to the system allocator unchanged; only the
+// counts are added.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let at = unsafe { System.alloc(layout) };
+        if !at.is_null() {
+            let live = LIVE.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
+            PEAK.fetch_max(live, Ordering::Relaxed);
+        }
+        at
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        unsafe { System.dealloc(ptr, layout) };
+        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+/// A map of `pairs` pairs, each an array key of 10,923 one-byte items and
+/// then `tail(i)`, over `{"disaggregated_params": {"request_type":
+/// "context_only"}}`. Each key's canonical encoding is about three times
+/// its 11 KB.
+fn tuple_keyed(pairs: u32, tail: impl Fn(u32) -> u16) -> Vec<u8> {
+    let mut params = vec![0x81, 0xb4];
+    params.extend_from_slice(b"disaggregated_params");
+    params.extend_from_slice(&[0x81, 0xac]);
+    params.extend_from_slice(b"request_type");
+    params.push(0xac);
+    params.extend_from_slice(b"context_only");
+    let mut body = vec![0xdf];
+    body.extend_from_slice(&pairs.to_be_bytes());
+    for i in 0..pairs {
+        body.push(0xdc);
+        body.extend_from_slice(&10_924u16.to_be_bytes());
+        body.extend(std::iter::repeat_n(0x7f, 10_923));
+        body.push(0xcd);
+        body.extend_from_slice(&tail(i).to_be_bytes());
+        body.extend_from_slice(&params);
+    }
+    body
+}
+
+/// The edits found in `body`, and the most memory the walk held beyond
+/// what was live before it.
+fn walk(body: &[u8]) -> (usize, usize) {
+    let before = LIVE.load(Ordering::Relaxed);
+    PEAK.store(before, Ordering::Relaxed);
+    let edits = find_msgpack_edits(body).expect("valid MessagePack").len();
+    (edits, PEAK.load(Ordering::Relaxed) - before)
+}
+
+/// Before, every such key was kept whole, with the spare capacity its
+/// growth left, until its map ended: the walk held six times the body. Now
+/// what it keeps of them is bounded by half the body; a key past that is
+/// taken as equal to nothing, which can only stamp a map Python drops.
+/// Distinct keys are all stamped, and 700 equal keys (each replacing the
+/// last, giving its room back) still leave one map to stamp.
+#[test]
+fn array_keys_over_params_hold_less_than_the_body() {
+    let distinct = tuple_keyed(700, |i| i as u16);
+    let (edits, held) = walk(&distinct);
+    assert_eq!(edits, 700);
+    assert!(
+        held <= distinct.len(),
+        "the walk held {held} bytes for a body of {}",
+        distinct.len()
+    );
+
+    let equal = tuple_keyed(700, |_| 7);
+    let (edits, held) = walk(&equal);
+    assert_eq!(edits, 1, "the last of equal keys counts");
+    assert!(held <= equal.len(), "{held} for {}", equal.len());
+}
