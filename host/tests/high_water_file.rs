@@ -522,6 +522,110 @@ async fn a_disk_that_fails_mid_serve_stops_ids_at_the_mark_until_it_recovers() {
     );
 }
 
+/// A new build reaches the plugin file while ids stop at the mark: its
+/// self-check could not tell a build that refuses every request with 503
+/// from one that refuses for want of an id, so its reload is put off, not
+/// passed (before, any 503 passed then, and a build refusing everything
+/// went on to serve once ids resumed). `/status` shows the build waiting
+/// and `POST /reload` answers 503 with `Retry-After`; the log says so once
+/// per build, though the file watch asks at every poll. Once ids resume,
+/// the file watch reloads it without being asked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_while_ids_stop_at_the_mark_waits_until_they_resume() {
+    let file = scratch("reload-at-the-mark");
+    let dir = file.parent().expect("a directory");
+    let Some(library) = faulty_fdatasync(dir) else {
+        return;
+    };
+    let library = library.display().to_string();
+    let failing = dir.join("failing");
+    let plugin = dir.join("plugin.wasm");
+    std::fs::write(&plugin, support::plugin_variant(1)).expect("the first build");
+    let gateway = Gateway::start_with_env(
+        &[
+            "--high-water-file",
+            file.to_str().expect("UTF-8"),
+            "--plugin",
+            plugin.to_str().expect("UTF-8"),
+        ],
+        &[
+            ("LD_PRELOAD", &library),
+            ("FAIL_FDATASYNC_WHILE", failing.to_str().expect("UTF-8")),
+        ],
+    )
+    .await;
+    let first = support::sha256_hex(&support::plugin_variant(1));
+    assert_eq!(gateway.status().await["plugin"]["sha256"], first.as_str());
+    std::fs::write(&failing, b"").expect("the flag file");
+    let (_, refusal) = stamp_until_refused(&gateway).await;
+    assert_eq!(refusal.status, 503, "{}", refusal.text());
+
+    let second = support::plugin_variant(2);
+    let second_sha = support::sha256_hex(&second);
+    support::replace_by_rename(&plugin, &second);
+    let status = gateway
+        .wait_status(
+            "the new build's reload put off",
+            support::RELOAD_TIMEOUT,
+            |status| status["deferred_reload"]["sha256"] == second_sha.as_str(),
+        )
+        .await;
+    assert_eq!(status["plugin"]["sha256"], first.as_str(), "{status}");
+    assert_eq!(status["reloads"]["failed"], 0, "{status}");
+    assert!(status["last_reload_error"].is_null(), "{status}");
+    let message = status["deferred_reload"]["message"].as_str().expect("why");
+    assert!(
+        message.contains("past the high-water mark") && message.contains("plugin.wasm"),
+        "says why, naming the file: {message}"
+    );
+    let asked = support::post_empty(gateway.admin, "/reload").await;
+    assert_eq!(asked.status, 503, "{}", asked.text());
+    assert_eq!(
+        asked.json()["error"]["code"],
+        "reload_deferred",
+        "{}",
+        asked.text()
+    );
+    assert!(
+        asked.headers.contains_key("retry-after"),
+        "{:?}",
+        asked.headers
+    );
+    assert_eq!(gateway.status().await["plugin"]["sha256"], first.as_str());
+    let metrics = gateway.metrics().await;
+    assert_eq!(
+        support::metric(&metrics, "snowgate_plugin_reload_deferred"),
+        1.0
+    );
+    assert_eq!(
+        support::metric(&metrics, "snowgate_plugin_reload_failing"),
+        0.0
+    );
+
+    // The disk recovers: ids resume, and the file watch reloads the build.
+    std::fs::remove_file(&failing).expect("removing the flag file");
+    let status = gateway
+        .wait_status("the new build serving", support::RELOAD_TIMEOUT, |status| {
+            status["plugin"]["sha256"] == second_sha.as_str()
+        })
+        .await;
+    assert!(status["deferred_reload"].is_null(), "{status}");
+    assert_eq!(status["reloads"]["failed"], 0, "{status}");
+    let metrics = gateway.metrics().await;
+    assert_eq!(
+        support::metric(&metrics, "snowgate_plugin_reload_deferred"),
+        0.0
+    );
+    stamp(&gateway, 3).await;
+    let log = gateway.stderr_text();
+    assert_eq!(
+        log.matches("plugin reload put off").count(),
+        1,
+        "put off once, said once: {log}"
+    );
+    gateway.stop().await;
+}
+
 /// `snowgate rewrite` of [`CONTEXT_ONLY`] with machine id [`MACHINE_ID`],
 /// `args` and `env` added; a run past [`STEP`] is killed and fails the test.
 fn rewrite(args: &[&str], env: &[(&str, &str)]) -> std::process::Output {

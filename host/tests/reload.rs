@@ -827,6 +827,75 @@ async fn a_closed_slot_lets_no_self_check_run_and_refuses_later_reloads() {
     assert_eq!(slot.last_error(), None);
 }
 
+/// While the host holds no machine id (a lease lapsed, say), a new build
+/// cannot show that it stamps: its reload is put off, neither passed nor
+/// counted as failed, and the previous build keeps serving. Once the host
+/// holds an id again, the same build reloads. A build that refuses every
+/// request with 503 is not let in meanwhile: before, any 503 passed the
+/// self-check while the host held no id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_machine_id_a_reload_is_put_off_until_one_is_held() {
+    use snowgate_host::gateway::NoReload;
+    let (_dir, path, slot) = library_slot("no-machine-id");
+    let engine = slot.engine().clone();
+    let identity = engine.services().identity.clone();
+    let first = slot.current().info().sha256.clone();
+    identity.withdraw("the lease lapsed (a test)");
+
+    let second = plugin_variant(2);
+    std::fs::write(&path, &second).expect("writing the second build");
+    for _ in 0..2 {
+        match slot.reload().await {
+            Err(NoReload::Deferred(message)) => assert!(
+                message.contains("the lease lapsed (a test)")
+                    && message.contains("cannot show that it stamps")
+                    && message.contains("plugin.wasm"),
+                "{message}"
+            ),
+            other => panic!("expected the reload put off, got {other:?}"),
+        }
+    }
+    assert_eq!(slot.current().info().sha256, first);
+    assert_eq!(slot.metrics().reloads(), (0, 0));
+    assert_eq!(slot.last_error(), None);
+    let deferred = slot.deferred().expect("the build put off");
+    assert_eq!(deferred.sha256, sha256_hex(&second));
+
+    // The self-check's own rule, reached when ids stop between the check
+    // before compiling and the self-check: a plugin's 503 cannot be judged.
+    let refuses_all = [("hostile-reject-all".to_string(), "503".to_string())];
+    let error = snowgate_host::gateway::slot::load_checked(
+        &engine,
+        snowgate_test_fixtures::HOSTILE_WASM,
+        &refuses_all,
+    )
+    .expect_err("a build refusing everything with 503 is not let in");
+    assert!(
+        format!("{error:#}").contains("cannot show that it stamps"),
+        "{error:#}"
+    );
+
+    identity.assign(MACHINE_ID).expect("in range");
+    assert_eq!(
+        slot.reload().await,
+        Ok(snowgate_host::gateway::Reloaded::Swapped(sha256_hex(
+            &second
+        )))
+    );
+    assert_eq!(slot.deferred(), None);
+    // With an id held, the same 503 is the build's own refusal.
+    let error = snowgate_host::gateway::slot::load_checked(
+        &engine,
+        snowgate_test_fixtures::HOSTILE_WASM,
+        &refuses_all,
+    )
+    .expect_err("refused");
+    assert!(
+        format!("{error:#}").contains("rejected a valid context-only request with 503"),
+        "{error:#}"
+    );
+}
+
 /// The files the compile cache holds: `*.cwasm`, sorted.
 fn cached_builds(dir: &Path) -> Vec<PathBuf> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)

@@ -174,6 +174,19 @@ impl Admin {
                 Err(NoReload::NotPossible(message)) => {
                     responses::error(StatusCode::CONFLICT, "reload_not_possible", &message)
                 }
+                Err(NoReload::Deferred(message)) => {
+                    let mut response = responses::error(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "reload_deferred",
+                        &message,
+                    );
+                    // The host holds a machine id again within a lease
+                    // renewal or a disk sync, seconds at most when healthy.
+                    response
+                        .headers_mut()
+                        .insert(header::RETRY_AFTER, header::HeaderValue::from_static("5"));
+                    response
+                }
             },
             (_, path @ ("/healthz" | "/readyz" | "/status" | "/metrics" | "/reload")) => {
                 let allow = if path == "/reload" {
@@ -209,6 +222,7 @@ impl Admin {
         let info = plugin.info();
         let loaded = millis_of(info.loaded_at) as f64 / 1000.0;
         let failing = u8::from(self.slot.last_error().is_some());
+        let deferred = u8::from(self.slot.deferred().is_some());
         format!(
             "# HELP snowgate_plugin_info The plugin serving now (always 1).\n\
              # TYPE snowgate_plugin_info gauge\n\
@@ -218,7 +232,10 @@ impl Admin {
              snowgate_plugin_loaded_timestamp_seconds {loaded:.3}\n\
              # HELP snowgate_plugin_reload_failing 1 while the last reload failed (an older build serves).\n\
              # TYPE snowgate_plugin_reload_failing gauge\n\
-             snowgate_plugin_reload_failing {failing}\n",
+             snowgate_plugin_reload_failing {failing}\n\
+             # HELP snowgate_plugin_reload_deferred 1 while a new build in the plugin file waits for the host to hold a machine id (an older build serves).\n\
+             # TYPE snowgate_plugin_reload_deferred gauge\n\
+             snowgate_plugin_reload_deferred {deferred}\n",
             label_value(&info.name),
             label_value(&info.version),
             label_value(&info.sha256),
@@ -266,6 +283,11 @@ impl Admin {
             "last_reload_error": self.slot.last_error().map(|e| serde_json::json!({
                 "message": e.message,
                 "at": format_millis(millis_of(e.at)),
+            })),
+            "deferred_reload": self.slot.deferred().map(|d| serde_json::json!({
+                "sha256": d.sha256,
+                "message": d.message,
+                "since": format_millis(millis_of(d.since)),
             })),
             "machine_id": machine_id,
             "machine_id_error": machine_id_error,

@@ -51,7 +51,7 @@ pub use config::{
 };
 pub use metrics::{Metrics, Outcome};
 pub use middleware::{Snowgate, SnowgateLayer};
-pub use slot::{NoReload, PluginSlot, ReloadError, Reloaded};
+pub use slot::{DeferredReload, NoReload, PluginSlot, ReloadError, Reloaded};
 pub use upstream::Upstream;
 
 use crate::clock::{IdClock, MAX_CATCH_UP};

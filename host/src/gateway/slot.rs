@@ -8,7 +8,7 @@ use std::time::SystemTime;
 use anyhow::Context as _;
 use arc_swap::ArcSwap;
 
-use crate::bindings::exports::snowgate::middleware::handler::Action;
+use crate::bindings::exports::snowgate::middleware::handler::{Action, Rejection};
 use crate::call::Fenced;
 use crate::engine::PluginEngine;
 use crate::gateway::metrics::Metrics;
@@ -31,6 +31,18 @@ pub struct ReloadError {
     pub at: SystemTime,
 }
 
+/// A new build in the plugin file whose reload is put off until the host
+/// holds a machine id again ([`NoReload::Deferred`]), as `/status` shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeferredReload {
+    /// The build's SHA-256.
+    pub sha256: String,
+    /// Why, naming the file.
+    pub message: String,
+    /// When its reload was first put off.
+    pub since: SystemTime,
+}
+
 /// Why a reload swapped no new build in.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum NoReload {
@@ -38,6 +50,13 @@ pub enum NoReload {
     /// serves and has no file to read. Nothing was read, logged or counted,
     /// and `/status` keeps what it showed.
     NotPossible(String),
+    /// The file holds a new build, but the host holds no machine id it may
+    /// use now (a lease lapsed or being claimed, ids at the high-water
+    /// file's mark), so the build cannot show in its self-check that it
+    /// stamps. The previous build keeps serving; logged at WARN, not
+    /// counted as a failure, and a reload the file watch started is tried
+    /// again after a pause. What the host holds instead is in the message.
+    Deferred(String),
     /// The file was read and its build refused: it did not load or failed
     /// its self-check. Logged at ERROR, counted as a failed reload and
     /// shown on `/status` until a reload succeeds; the previous build keeps
@@ -49,7 +68,7 @@ impl NoReload {
     /// What went wrong, in one line.
     pub fn message(&self) -> &str {
         match self {
-            NoReload::NotPossible(message) => message,
+            NoReload::NotPossible(message) | NoReload::Deferred(message) => message,
             NoReload::Failed(error) => &error.message,
         }
     }
@@ -82,6 +101,9 @@ pub struct PluginSlot {
     settings: Vec<(String, String)>,
     metrics: Arc<Metrics>,
     last_error: Mutex<Option<ReloadError>>,
+    /// The build whose reload was last put off, until a reload ends
+    /// otherwise.
+    deferred: Mutex<Option<DeferredReload>>,
     /// One reload at a time.
     reloading: tokio::sync::Mutex<()>,
     /// Held by a reload's self-check while it runs; `true` once the slot
@@ -115,6 +137,7 @@ impl PluginSlot {
             settings,
             metrics,
             last_error: Mutex::new(None),
+            deferred: Mutex::new(None),
             reloading: tokio::sync::Mutex::new(()),
             self_checks: Arc::new(tokio::sync::Mutex::new(false)),
         })
@@ -134,6 +157,15 @@ impl PluginSlot {
     /// The file the plugin is loaded from (`None`: bundled).
     pub fn source(&self) -> Option<&Path> {
         self.source.as_deref()
+    }
+
+    /// The build whose reload is put off, if the last reload of the file
+    /// was ([`NoReload::Deferred`]).
+    pub fn deferred(&self) -> Option<DeferredReload> {
+        self.deferred
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// The last reload failure since the last success, if any.
@@ -200,8 +232,14 @@ impl PluginSlot {
         // request threads.
         let outcome = tokio::task::spawn_blocking(move || -> anyhow::Result<Option<Plugin>> {
             let bytes = read_plugin_file(&path)?;
-            if hex_sha256(&bytes) == current_sha {
+            let sha256 = hex_sha256(&bytes);
+            if sha256 == current_sha {
                 return Ok(None);
+            }
+            // Not compiled while the check could not judge it anyway.
+            if let Some(reason) = why_no_ids_may_leave(&engine) {
+                return Err(anyhow::Error::new(CannotCheckNow { reason, sha256 }))
+                    .with_context(|| format!("loading the plugin {}", path.display()));
             }
             let plugin = load_gated(&engine, &bytes, &settings, Some(&self_checks))
                 .with_context(|| format!("loading the plugin {}", path.display()))?;
@@ -210,6 +248,15 @@ impl PluginSlot {
         .await
         .map_err(|e| anyhow::anyhow!("the reload task failed: {e}"))
         .and_then(|r| r);
+        // A reload that ended otherwise (a swap, a refusal, the serving
+        // build back in the file) ends the wait of a build put off.
+        let put_off = |e: &anyhow::Error| {
+            e.chain()
+                .any(|cause| cause.is::<CannotCheckNow>() || cause.is::<Overtaken>())
+        };
+        if !matches!(&outcome, Err(e) if put_off(e)) {
+            *self.deferred.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        }
         match outcome {
             Ok(Some(plugin)) => {
                 let sha = plugin.info().sha256.clone();
@@ -247,6 +294,29 @@ impl PluginSlot {
             Err(e) if e.chain().any(|cause| cause.is::<Overtaken>()) => {
                 Err(NoReload::NotPossible(STOPPING.to_string()))
             }
+            Err(e) if e.chain().any(|cause| cause.is::<CannotCheckNow>()) => {
+                let sha256 = e
+                    .chain()
+                    .find_map(|cause| cause.downcast_ref::<CannotCheckNow>())
+                    .map_or_else(String::new, |c| c.sha256.clone());
+                let message =
+                    format!("{e:#}; the file watch tries the build again once the host holds one");
+                let mut deferred = self.deferred.lock().unwrap_or_else(|p| p.into_inner());
+                // Said once per build: the file watch asks again at every
+                // poll while the host holds no machine id.
+                if deferred.as_ref().is_none_or(|d| d.sha256 != sha256) {
+                    tracing::warn!(
+                        error = %message,
+                        "plugin reload put off; the previous build keeps serving"
+                    );
+                    *deferred = Some(DeferredReload {
+                        sha256,
+                        message: message.clone(),
+                        since: SystemTime::now(),
+                    });
+                }
+                Err(NoReload::Deferred(message))
+            }
             Err(e) => {
                 let error = ReloadError {
                     message: format!("{e:#}"),
@@ -273,8 +343,11 @@ impl PluginSlot {
 /// does not replace a good one. A 503 passes without a warning when the
 /// host withheld the self-check's id (past the high-water mark, or the
 /// lease lapsed, at the time of the call: the mark may be raised a moment
-/// later, so that is not asked again after it), or when the host holds no
-/// machine id it may use now (the plugin's own 503 for want of one).
+/// later, so that is not asked again after it). A plugin's own 503 while
+/// the host holds no machine id it may use now (the bundled plugin's, for
+/// want of one) is neither passed nor refused: the build cannot be told
+/// from one that refuses everything, so the load fails saying it cannot be
+/// checked now, and a reload is put off ([`NoReload::Deferred`]).
 pub fn load_checked(
     engine: &PluginEngine,
     bytes: &[u8],
@@ -299,6 +372,29 @@ impl std::fmt::Display for Overtaken {
 
 impl std::error::Error for Overtaken {}
 
+/// A self-check that cannot judge a build now: the host holds no machine
+/// id it may use (why is inside), so the build's refusal for want of one
+/// cannot be told from a build that refuses everything.
+#[derive(Debug)]
+struct CannotCheckNow {
+    reason: String,
+    /// The build's.
+    sha256: String,
+}
+
+impl std::fmt::Display for CannotCheckNow {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "self-check: the host holds no machine id it may use now ({}), so the build cannot \
+             show that it stamps",
+            self.reason
+        )
+    }
+}
+
+impl std::error::Error for CannotCheckNow {}
+
 /// [`load_checked`], on a blocking thread; with `self_checks` (a
 /// reload's), the self-check runs only while it is `false`, holding it.
 fn load_gated(
@@ -321,7 +417,7 @@ fn load_gated(
     let answer = plugin
         .handle_fenced(&self_check_request())
         .context("self-check: the plugin failed on a canned context-only request")?;
-    judge_self_check(&plugin, answer, || ids_may_leave_now(engine))?;
+    judge_self_check(&plugin, answer, || why_no_ids_may_leave(engine))?;
     // Only a build that passed is kept for the next load of the same bytes.
     plugin.keep_compiled();
     Ok(plugin)
@@ -338,12 +434,12 @@ fn self_check_request() -> Request {
 }
 
 /// Whether the self-check's answer lets the build serve (see
-/// [`load_checked`]); `ids_may_leave` tells whether the host holds a
-/// machine id it may use now.
+/// [`load_checked`]); `no_ids_now` tells why the host holds no machine id
+/// it may use now, if it holds none.
 fn judge_self_check(
     plugin: &Plugin,
     answer: Fenced,
-    ids_may_leave: impl FnOnce() -> bool,
+    no_ids_now: impl FnOnce() -> Option<String>,
 ) -> anyhow::Result<()> {
     match answer.action {
         Action::ForwardWithBody(body) => {
@@ -353,10 +449,21 @@ fn judge_self_check(
                 anyhow::bail!("self-check: the plugin did not stamp an integer disagg_request_id on a context-only request");
             }
         }
-        // The host withheld the self-check's id, or holds no machine id
-        // now: the plugin cannot show it stamps, and that is not its fault.
+        // The host withheld the self-check's id: the plugin took a tick
+        // for it, and the refusal is the host's.
         Action::Reject(_) if answer.ids_withheld => {}
-        Action::Reject(r) if r.status == 503 && !ids_may_leave() => {}
+        // The plugin refused for want of a machine id, or refuses
+        // everything: which, cannot be told until the host holds one.
+        Action::Reject(r) if r.status == 503 => {
+            return Err(match no_ids_now() {
+                Some(reason) => CannotCheckNow {
+                    reason,
+                    sha256: plugin.info().sha256.clone(),
+                }
+                .into(),
+                None => refused(r),
+            });
+        }
         Action::Reject(r) if matches!(r.status, 401 | 403) => tracing::warn!(
             plugin = %plugin.info().name,
             "self-check: the plugin rejected the canned context-only request ({} {}: {}); it \
@@ -366,13 +473,7 @@ fn judge_self_check(
             plugin_text(r.code, MAX_PLUGIN_TEXT),
             plugin_text(r.message, MAX_PLUGIN_TEXT)
         ),
-        Action::Reject(r) => anyhow::bail!(
-            "self-check: the plugin rejected a valid context-only request with {} {}: {} (only \
-             401 and 403, for credentials the canned request cannot carry, may pass)",
-            r.status,
-            plugin_text(r.code, MAX_PLUGIN_TEXT),
-            plugin_text(r.message, MAX_PLUGIN_TEXT)
-        ),
+        Action::Reject(r) => return Err(refused(r)),
         Action::Forward => {
             anyhow::bail!("self-check: the plugin forwarded a context-only request without an id")
         }
@@ -380,12 +481,24 @@ fn judge_self_check(
     Ok(())
 }
 
-/// Whether the host would let an id out now: it holds a machine id, and (if
-/// leased) the latest tick is within the lease.
-fn ids_may_leave_now(engine: &PluginEngine) -> bool {
+/// The self-check's refusal of a build that rejected its valid request.
+fn refused(r: Rejection) -> anyhow::Error {
+    anyhow::anyhow!(
+        "self-check: the plugin rejected a valid context-only request with {} {}: {} (only 401 \
+         and 403, for credentials the canned request cannot carry, may pass)",
+        r.status,
+        plugin_text(r.code, MAX_PLUGIN_TEXT),
+        plugin_text(r.message, MAX_PLUGIN_TEXT)
+    )
+}
+
+/// Why the host would not let an id out now, if it would not: it holds no
+/// machine id, its lease may have lapsed, or the latest tick is past the
+/// id's ceiling.
+fn why_no_ids_may_leave(engine: &PluginEngine) -> Option<String> {
     let services = engine.services();
     let last = services.clock.last_tick().map_or(0, |tick| tick.millis);
-    services.identity.confirm(None, last).is_ok()
+    services.identity.confirm(None, last).err()
 }
 
 #[cfg(test)]
@@ -400,6 +513,45 @@ mod tests {
     use crate::identity::MachineIdentity;
     use crate::limits::PluginLimits;
     use crate::utc::millis_of;
+
+    /// A plugin's own 503 (no tick taken) is judged only while the host
+    /// holds a machine id: refused then, and while it holds none, neither
+    /// passed nor refused but put off, naming why.
+    #[test]
+    fn a_plugins_503_is_put_off_while_the_host_holds_no_machine_id() {
+        let identity = Arc::new(MachineIdentity::fixed(SnowflakeLayout::TrtllmV1, 3).unwrap());
+        let services = HostServices {
+            clock: Arc::new(IdClock::system()),
+            identity,
+        };
+        let engine = PluginEngine::new(services, PluginLimits::default()).expect("an engine");
+        let plugin =
+            Plugin::load(&engine, snowgate_plugin_bundle::PLUGIN_WASM, &[]).expect("loads");
+        let refusal = || Fenced {
+            action: Action::Reject(Rejection {
+                status: 503,
+                code: "no_machine_id".into(),
+                message: "no machine id".into(),
+            }),
+            ids_withheld: false,
+        };
+        let error = judge_self_check(&plugin, refusal(), || Some("the lease lapsed".into()))
+            .expect_err("not passed");
+        let put_off = error
+            .downcast_ref::<CannotCheckNow>()
+            .expect("put off, not refused");
+        assert_eq!(put_off.sha256, plugin.info().sha256);
+        assert!(
+            format!("{error:#}").contains("(the lease lapsed)"),
+            "{error:#}"
+        );
+        let error = judge_self_check(&plugin, refusal(), || None).expect_err("refused");
+        assert!(error.downcast_ref::<CannotCheckNow>().is_none());
+        assert!(
+            format!("{error:#}").contains("rejected a valid context-only request with 503"),
+            "{error:#}"
+        );
+    }
 
     /// A build's self-check whose id the host withheld at the high-water
     /// mark passes, though the mark is raised before the answer is judged
@@ -429,7 +581,7 @@ mod tests {
         );
         // The keeper raises the mark before the answer is judged.
         identity.ceiling_raised(past + 60_000, past + 30_000);
-        assert!(ids_may_leave_now(&engine), "the mark is raised");
+        assert_eq!(why_no_ids_may_leave(&engine), None, "the mark is raised");
         let Action::Reject(rejection) = &answer.action else {
             unreachable!()
         };
@@ -437,10 +589,10 @@ mod tests {
             action: Action::Reject(rejection.clone()),
             ids_withheld: false,
         };
-        judge_self_check(&plugin, answer, || ids_may_leave_now(&engine))
+        judge_self_check(&plugin, answer, || why_no_ids_may_leave(&engine))
             .expect("the host's 503 is not the plugin's fault");
         // What the check did before: the same 503, taken for the plugin's.
-        let error = judge_self_check(&plugin, as_if_the_plugins, || ids_may_leave_now(&engine))
+        let error = judge_self_check(&plugin, as_if_the_plugins, || why_no_ids_may_leave(&engine))
             .expect_err("a plugin's own 503 while ids may leave");
         assert!(
             format!("{error:#}").contains("rejected a valid context-only request with 503"),

@@ -191,15 +191,18 @@ pub fn watch_plugin_file(
             });
             let outcome = slot.reload().await;
             if let (Ok(seen), Some(failed_before)) = (seen, failed_before) {
-                let failures = match outcome {
-                    Ok(_) => 0,
-                    Err(NoReload::Failed(_)) => failed_before + 1,
+                let (failures, deferred) = match outcome {
+                    Ok(_) => (0, false),
+                    Err(NoReload::Failed(_)) => (failed_before + 1, false),
                     // Nothing was read: the file is neither good nor bad.
-                    Err(NoReload::NotPossible(_)) => failed_before,
+                    Err(NoReload::NotPossible(_)) => (failed_before, false),
+                    // Not judged: asked about again at the next poll.
+                    Err(NoReload::Deferred(_)) => (failed_before, true),
                 };
                 *lock(&tried) = Some(Tried {
                     fingerprint: seen,
                     failures,
+                    deferred,
                     at: tokio::time::Instant::now(),
                     reloading: false,
                 });
@@ -240,6 +243,10 @@ fn watch_anew(watcher: &Mutex<RecommendedWatcher>, dir: &Path) -> bool {
 struct Tried {
     fingerprint: Fingerprint,
     failures: u32,
+    /// Its last reload was put off until the host holds a machine id
+    /// (checked before the build is compiled, so asking at every poll
+    /// costs a read of the file).
+    deferred: bool,
     at: tokio::time::Instant,
     /// The reload of this file is still running.
     reloading: bool,
@@ -257,14 +264,15 @@ impl Tried {
         Tried {
             fingerprint,
             failures,
+            deferred: false,
             at: tokio::time::Instant::now(),
             reloading: true,
         }
     }
 
     /// Whether the file now at the path (`now`) is due for a reload: it is
-    /// another file, or this one failed and its pause is over (and it is
-    /// not being reloaded now).
+    /// another file, or this one's reload was put off, or it failed and its
+    /// pause is over (and it is not being reloaded now).
     fn due(&self, now: &Fingerprint) -> bool {
         self.due_after(now, self.at.elapsed())
     }
@@ -274,7 +282,13 @@ impl Tried {
         if *now != self.fingerprint {
             return true;
         }
-        if self.failures == 0 || self.reloading {
+        if self.reloading {
+            return false;
+        }
+        if self.deferred {
+            return true;
+        }
+        if self.failures == 0 {
             return false;
         }
         let pause = RETRY_PAUSE
@@ -306,7 +320,8 @@ pub fn reload_on_sighup(mut hangups: Signal, slot: Arc<PluginSlot>) {
     tokio::spawn(async move {
         while hangups.recv().await.is_some() {
             tracing::info!("SIGHUP: reloading the plugin");
-            // A swap and a failed load are logged by the reload itself;
+            // A swap, a failed load and one put off are logged by the
+            // reload itself;
             // what else comes of it is said here, where nobody else sees
             // it (`POST /reload` answers its client).
             match slot.reload().await {
@@ -314,7 +329,7 @@ pub fn reload_on_sighup(mut hangups: Signal, slot: Arc<PluginSlot>) {
                     "SIGHUP: the plugin file holds the build that serves; nothing changed"
                 ),
                 Ok(Reloaded::Swapped(_)) => {}
-                Err(NoReload::Failed(_)) => {}
+                Err(NoReload::Failed(_) | NoReload::Deferred(_)) => {}
                 Err(NoReload::NotPossible(message)) => {
                     tracing::warn!("SIGHUP: no reload: {message}")
                 }
@@ -343,6 +358,7 @@ mod tests {
         let tried = Tried {
             fingerprint: file(1),
             failures,
+            deferred: false,
             at: tokio::time::Instant::now(),
             reloading: false,
         };
@@ -376,5 +392,27 @@ mod tests {
         // At most five minutes, however many failures.
         assert!(!due(40, secs(299), &file(1)));
         assert!(due(40, secs(300), &file(1)));
+    }
+
+    /// A file whose reload was put off (the host held no machine id) is
+    /// asked about again at the next poll, failures before it or not, but
+    /// not while its reload runs.
+    #[test]
+    fn a_file_put_off_is_due_at_the_next_poll() {
+        for failures in [0, 2] {
+            let put_off = Tried {
+                fingerprint: file(1),
+                failures,
+                deferred: true,
+                at: tokio::time::Instant::now(),
+                reloading: false,
+            };
+            assert!(put_off.due_after(&file(1), Duration::ZERO));
+            let running = Tried {
+                reloading: true,
+                ..put_off
+            };
+            assert!(!running.due_after(&file(1), Duration::from_secs(3600)));
+        }
     }
 }
