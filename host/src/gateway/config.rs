@@ -154,7 +154,9 @@ pub struct ConnectionLimits {
     /// The largest request head (request line and headers) accepted, in
     /// bytes; larger heads get 431. At least 8192.
     pub max_header_bytes: usize,
-    /// Client connections served at once; more wait in the listen backlog.
+    /// Client connections served at once. At the limit the connection idle
+    /// longest (for at least a second) is closed to make room; with none
+    /// idle, new clients wait in the listen backlog.
     pub max_connections: usize,
 }
 
@@ -174,8 +176,8 @@ impl Default for ConnectionLimits {
 /// hangs costs a client a clear 504, not a request that never ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct UpstreamTimeouts {
-    /// Opening a TCP connection to the upstream (name resolution is not
-    /// included).
+    /// Opening a TCP connection to the upstream, its host name's lookup
+    /// included.
     pub connect: Duration,
     /// From handing a request to the upstream client until the upstream's
     /// response headers arrive: connecting and sending the request body

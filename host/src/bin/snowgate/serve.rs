@@ -70,8 +70,8 @@ pub struct ServeArgs {
     /// The most memory the request bodies read whole for the plugin may
     /// hold at once, until each is sent upstream, in MiB; at least
     /// --max-body-bytes. A body takes room for its declared length before
-    /// it is read (one that declares none, for --max-body-bytes until it is
-    /// read); a request that finds no room waits for it, in the order
+    /// it is read (one that declares none, for 1 MiB or --max-body-bytes if
+    /// smaller, taking more as it arrives where that is free); a request that finds no room waits for it, in the order
     /// requests came, at most --body-read-timeout-ms (at most 8 of one
     /// connection at once), and then gets 503 body_memory_full; a body given
     /// room must arrive whole within that time too. A body the plugin made
@@ -96,8 +96,9 @@ pub struct ServeArgs {
     /// it; 1 gives every request a fresh instance (slower; nothing a plugin
     /// keeps in its memory can reach the next request). An instance whose
     /// call trapped, ran out of time or memory, answered what the gateway
-    /// cannot use or wrote to stderr is never reused; one that returned its
-    /// own plugin-error is [default: 1000].
+    /// cannot use, wrote to stderr or grew its memory by more than 4 MiB
+    /// after configure is never reused; one that returned its own
+    /// plugin-error is [default: 1000].
     #[arg(long, value_name = "N")]
     plugin_calls_per_instance: Option<u32>,
     /// Plugin instances alive at once, 2 to 4096 [default: 64]: the slots
@@ -162,12 +163,14 @@ pub struct ServeArgs {
     /// when this allows one) [default: 65536, at least 8192].
     #[arg(long, value_name = "BYTES")]
     max_header_bytes: Option<usize>,
-    /// Client connections served at once; more wait in the listen backlog
-    /// [default: 4096].
+    /// Client connections served at once. At the limit, the connection
+    /// idle longest (for at least 1 s) is closed to make room (counted in
+    /// snowgate_connections_reclaimed_total); with none idle, new clients
+    /// wait in the listen backlog [default: 4096].
     #[arg(long, value_name = "N")]
     max_connections: Option<usize>,
-    /// How long opening a TCP connection to the upstream may take (name
-    /// resolution not included), in milliseconds; then the client gets 504
+    /// How long opening a TCP connection to the upstream may take, its host
+    /// name's lookup included, in milliseconds; then the client gets 504
     /// [default: 5000].
     #[arg(long, value_name = "MS")]
     upstream_connect_timeout_ms: Option<u64>,
