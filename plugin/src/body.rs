@@ -1,8 +1,10 @@
 //! Where ids go: a validating, byte-preserving walk over a JSON body that
 //! finds every effective `disaggregated_params` object needing an id.
 //!
-//! The walk reads JSON the way Python's `json` and serde_json do: keys match
-//! after unescaping, the last of duplicate keys wins (so only the effective
+//! The walk reads JSON the way Python's `json` and serde_json agree on (where
+//! they differ, see `README.md`: it refuses `NaN` and nesting past
+//! [`MAX_NESTING_DEPTH`], and takes lone surrogate escapes and `1e400`, as
+//! Python does): keys match after unescaping, the last of duplicate keys wins (so only the effective
 //! member's value counts), and string contents are data. It never rewrites
 //! anything: it returns the byte positions where an id must be inserted or
 //! where a `null` must be replaced, and [`crate::stamp`] splices ids in there.

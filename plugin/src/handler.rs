@@ -89,7 +89,9 @@ pub struct Rejection {
 pub enum Decision {
     /// Forward the request unchanged.
     Forward,
-    /// Forward it with this body; `ids` are the ids stamped, in body order.
+    /// Forward it with this body; `ids` are the ids stamped, in the order
+    /// the walk recorded them (JSON: where they land; MessagePack: by the
+    /// map headers they change).
     ForwardWithBody {
         /// The new body.
         body: Vec<u8>,

@@ -183,7 +183,8 @@ impl SnowflakeLayout {
     /// Reads the parts back out of an id this layout made. Exact for ids
     /// whose plain composition was below the rotation modulus, which holds
     /// for every timestamp before 2039 (v1) and for every masked v2 stamp
-    /// except the last 2^40 values before it wraps.
+    /// but those of the last 2^16 ms (65.536 s) before the 39-bit stamp
+    /// wraps, whose compositions are the last 2^40 values below 2^63.
     pub fn decode(self, id: u64) -> Result<IdParts, LayoutError> {
         let raw = id
             .checked_sub(self.min_id())

@@ -2,7 +2,8 @@
 //!
 //! Finds every context-only `disaggregated_params` object in a JSON (or
 //! MessagePack) request body and gives it a `disagg_request_id` in TensorRT-LLM's snowflake layout,
-//! changing no other byte of the body.
+//! changing no other byte of the body (in MessagePack, but for the count
+//! in the header of a map that gains the id).
 //!
 //! The crate is a pure core that compiles natively (tests, fuzzing,
 //! benchmarks, the host's `decode` command) and, for `wasm32`, a thin
