@@ -1389,7 +1389,7 @@ fn mp_document() -> BoxedStrategy<rmpv::Value> {
         .prop_map(rmpv::Value::from),
         prop::collection::vec(any::<u8>(), 0..4).prop_map(rmpv::Value::Binary),
     ];
-    let key = prop_oneof![
+    let scalar_key = prop_oneof![
         prop::sample::select(vec![
             "disaggregated_params",
             "request_type",
@@ -1399,7 +1399,16 @@ fn mp_document() -> BoxedStrategy<rmpv::Value> {
         ])
         .prop_map(rmpv::Value::from),
         (0i64..3).prop_map(rmpv::Value::from),
+        any::<bool>().prop_map(rmpv::Value::from),
         Just(rmpv::Value::Binary(b"disaggregated_params".to_vec())),
+    ];
+    // Arrays are tuples, and hashable, as dict keys in Python: equal item
+    // by item, nested ones too.
+    let key = prop_oneof![
+        4 => scalar_key.clone(),
+        1 => scalar_key.prop_recursive(2, 6, 3, |inner| {
+            prop::collection::vec(inner, 0..3).prop_map(rmpv::Value::Array)
+        }),
     ];
     leaf.prop_recursive(5, 64, 6, move |inner| {
         prop_oneof![
@@ -1411,11 +1420,23 @@ fn mp_document() -> BoxedStrategy<rmpv::Value> {
 }
 
 /// Two map keys Python takes for the same dict key (as far as the
-/// generator's keys go: strings, byte strings and small integers).
+/// generator's keys go: strings, byte strings, small integers, booleans,
+/// which equal 0 and 1, and tuples of them).
 fn mp_same_key(a: &rmpv::Value, b: &rmpv::Value) -> bool {
+    let number = |v: &rmpv::Value| match v {
+        rmpv::Value::Integer(i) => i.as_i64(),
+        rmpv::Value::Boolean(b) => Some(i64::from(*b)),
+        _ => None,
+    };
     match (a, b) {
-        (rmpv::Value::Integer(x), rmpv::Value::Integer(y)) => x.as_i64() == y.as_i64(),
-        _ => a == b,
+        (rmpv::Value::Array(x), rmpv::Value::Array(y)) => {
+            x.len() == y.len() && x.iter().zip(y).all(|(x, y)| mp_same_key(x, y))
+        }
+        _ => match (number(a), number(b)) {
+            (Some(x), Some(y)) => x == y,
+            (None, None) => a == b,
+            _ => false,
+        },
     }
 }
 
@@ -1543,24 +1564,66 @@ proptest! {
     /// document that needs none comes out byte for byte.
     #[test]
     fn messagepack_bodies_gain_exactly_the_expected_ids(doc in mp_document()) {
-        let body = mp_encode(&doc);
-        match decide_msgpack(&body) {
-            Decision::Forward => {
-                let mut expected = doc.clone();
-                mp_expected(&mut expected, false, &mut [].iter());
-                prop_assert_eq!(expected, doc);
-            }
-            Decision::ForwardWithBody { body: out, ids } => {
-                prop_assert_eq!(ids.iter().collect::<HashSet<_>>().len(), ids.len());
-                let mut expected = doc.clone();
-                let mut taken = ids.iter();
-                mp_expected(&mut expected, false, &mut taken);
-                prop_assert!(taken.next().is_none(), "more ids than the oracle expects");
-                prop_assert_eq!(mp_decode(&out), expected);
-            }
-            Decision::Reject(r) => prop_assert!(false, "rejected: {:?}", r),
-        }
+        check_mp_document(&doc)?;
     }
+
+    /// Maps whose keys are a few tuples, equal or not in Python, each over
+    /// params to stamp or nothing: the last of equal keys alone is stamped.
+    #[test]
+    fn messagepack_tuple_keys_are_compared_as_python_compares_them(doc in mp_tuple_keyed()) {
+        check_mp_document(&doc)?;
+    }
+}
+
+/// `doc` encoded comes out as rmpv reads it plus exactly the ids the
+/// oracle expects where it expects them, all distinct; a document that
+/// needs none comes out as it came.
+fn check_mp_document(doc: &rmpv::Value) -> Result<(), TestCaseError> {
+    let body = mp_encode(doc);
+    match decide_msgpack(&body) {
+        Decision::Forward => {
+            let mut expected = doc.clone();
+            mp_expected(&mut expected, false, &mut [].iter());
+            prop_assert_eq!(&expected, doc);
+        }
+        Decision::ForwardWithBody { body: out, ids } => {
+            prop_assert_eq!(ids.iter().collect::<HashSet<_>>().len(), ids.len());
+            let mut expected = doc.clone();
+            let mut taken = ids.iter();
+            mp_expected(&mut expected, false, &mut taken);
+            prop_assert!(taken.next().is_none(), "more ids than the oracle expects");
+            prop_assert_eq!(mp_decode(&out), expected);
+        }
+        Decision::Reject(r) => prop_assert!(false, "rejected: {:?}", r),
+    }
+    Ok(())
+}
+
+/// A map of a few pairs whose keys are tuples from a small set (with
+/// `1 == True` and `0 == False` inside), each over a map holding params
+/// to stamp, or over nil.
+fn mp_tuple_keyed() -> BoxedStrategy<rmpv::Value> {
+    use rmpv::Value;
+    let keys = vec![
+        Value::Array(vec![]),
+        Value::Array(vec![0.into()]),
+        Value::Array(vec![false.into()]),
+        Value::Array(vec![1.into(), "a".into()]),
+        Value::Array(vec![true.into(), "a".into()]),
+        Value::Array(vec![Value::Array(vec![0.into()])]),
+        Value::Array(vec![Value::Array(vec![])]),
+        Value::Array(vec![1.into(), Value::Array(vec![true.into()])]),
+    ];
+    let value = prop_oneof![
+        Just(mp_map(vec![(
+            "disaggregated_params",
+            mp_map(vec![("request_type", "context_only".into())]),
+        )])),
+        Just(Value::Nil),
+    ];
+    prop::collection::vec((prop::sample::select(keys), value), 1..6)
+        .prop_map(Value::Map)
+        .boxed()
 }
 
 #[test]
