@@ -214,6 +214,13 @@ impl IdClock {
         self.state().last
     }
 
+    /// The earliest millisecond the next tick can have: the wall clock's,
+    /// or the last tick's (or floor's) where that is later.
+    pub fn next_millis(&self) -> u64 {
+        let now = self.wall.now_millis();
+        self.last_tick().map_or(now, |last| last.millis.max(now))
+    }
+
     /// How long until the wall clock reads a later millisecond than every
     /// tick handed out and any floor set by [`IdClock::advance_past`]: zero
     /// when it already does, or when there is neither. The clock runs ahead

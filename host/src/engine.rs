@@ -101,6 +101,15 @@ pub struct HostServices {
     pub identity: Arc<MachineIdentity>,
 }
 
+impl HostServices {
+    /// Whether an id made now could leave the process, and if not, why: the
+    /// machine id is held (its lease alive, if leased), and the next tick's
+    /// millisecond is within the id's high-water mark, if it has one.
+    pub fn ids_may_leave_now(&self) -> Result<(), String> {
+        self.identity.confirm(None, self.clock.next_millis())
+    }
+}
+
 impl PluginEngine {
     /// Creates the engine and starts its epoch ticker thread (which ends when
     /// the last clone of the engine is dropped).

@@ -61,9 +61,7 @@ impl Admin {
         if self.stopping.load(Ordering::Relaxed) {
             return Err("the gateway is stopping".to_string());
         }
-        let now = crate::utc::millis_of(std::time::SystemTime::now());
-        let last = self.services.clock.last_tick().map_or(0, |t| t.millis);
-        self.services.identity.confirm(None, now.max(last))
+        self.services.ids_may_leave_now()
     }
 
     /// Serves admin requests on `listener` until the task is dropped: at

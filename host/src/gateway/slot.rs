@@ -53,9 +53,10 @@ pub enum NoReload {
     /// The file holds a new build, but the host holds no machine id it may
     /// use now (a lease lapsed or being claimed, ids at the high-water
     /// file's mark), so the build cannot show in its self-check that it
-    /// stamps. The previous build keeps serving; logged at WARN, not
-    /// counted as a failure, and a reload the file watch started is tried
-    /// again after a pause. What the host holds instead is in the message.
+    /// stamps. The previous build keeps serving; logged at WARN (once per
+    /// build), not counted as a failure, and shown on `/status`; the file
+    /// watch asks again at the first poll at which the host could check
+    /// it. Why it could not is in the message.
     Deferred(String),
     /// The file was read and its build refused: it did not load or failed
     /// its self-check. Logged at ERROR, counted as a failed reload and
@@ -302,19 +303,24 @@ impl PluginSlot {
                 let message =
                     format!("{e:#}; the file watch tries the build again once the host holds one");
                 let mut deferred = self.deferred.lock().unwrap_or_else(|p| p.into_inner());
-                // Said once per build: the file watch asks again at every
-                // poll while the host holds no machine id.
-                if deferred.as_ref().is_none_or(|d| d.sha256 != sha256) {
-                    tracing::warn!(
-                        error = %message,
-                        "plugin reload put off; the previous build keeps serving"
-                    );
-                    *deferred = Some(DeferredReload {
-                        sha256,
-                        message: message.clone(),
-                        since: SystemTime::now(),
-                    });
-                }
+                // Warned once per build (a SIGHUP or `POST /reload` says
+                // it again to whoever asked); the reason shown is the
+                // latest, since when the first.
+                let since = match deferred.take() {
+                    Some(d) if d.sha256 == sha256 => d.since,
+                    _ => {
+                        tracing::warn!(
+                            error = %message,
+                            "plugin reload put off; the previous build keeps serving"
+                        );
+                        SystemTime::now()
+                    }
+                };
+                *deferred = Some(DeferredReload {
+                    sha256,
+                    message: message.clone(),
+                    since,
+                });
                 Err(NoReload::Deferred(message))
             }
             Err(e) => {
@@ -340,14 +346,19 @@ impl PluginSlot {
 /// canned request cannot carry (an API key, a tenant's token) must be able
 /// to serve. Any other rejection is refused as before: a build that
 /// rejects valid requests (400 for the canned request's empty prompt, say)
-/// does not replace a good one. A 503 passes without a warning when the
-/// host withheld the self-check's id (past the high-water mark, or the
-/// lease lapsed, at the time of the call: the mark may be raised a moment
-/// later, so that is not asked again after it). A plugin's own 503 while
-/// the host holds no machine id it may use now (the bundled plugin's, for
-/// want of one) is neither passed nor refused: the build cannot be told
-/// from one that refuses everything, so the load fails saying it cannot be
-/// checked now, and a reload is put off ([`NoReload::Deferred`]).
+/// does not replace a good one.
+///
+/// Where the host kept the build from showing what it does, it is neither
+/// passed nor refused: the load fails saying it cannot be checked now, and
+/// a reload is put off ([`NoReload::Deferred`]). That is when the host
+/// withheld the id the self-check took (past the high-water mark, the
+/// lease lapsed: the build's answer is not known), and when the plugin
+/// answered 503 while the host held no machine id it may use, or one
+/// granted during the call (the bundled plugin's answer for want of one,
+/// which cannot be told from a build that refuses everything). An
+/// embedder's [`PluginSlot::load`] fails so too, where its host holds no
+/// machine id at the first load: the gateway gives its self-check a
+/// placeholder id (see `Gateway::bind`).
 pub fn load_checked(
     engine: &PluginEngine,
     bytes: &[u8],
@@ -414,10 +425,19 @@ fn load_gated(
         }
         None => None,
     };
+    let identity = &engine.services().identity;
+    let grant = identity.generation();
     let answer = plugin
         .handle_fenced(&self_check_request())
         .context("self-check: the plugin failed on a canned context-only request")?;
-    judge_self_check(&plugin, answer, || why_no_ids_may_leave(engine))?;
+    judge_self_check(&plugin, answer, || {
+        why_no_ids_may_leave(engine).or_else(|| {
+            // An id granted during the call: the plugin may have asked
+            // before, and found none.
+            (identity.generation() != grant)
+                .then(|| "the machine id changed during the self-check".to_string())
+        })
+    })?;
     // Only a build that passed is kept for the next load of the same bytes.
     plugin.keep_compiled();
     Ok(plugin)
@@ -449,9 +469,16 @@ fn judge_self_check(
                 anyhow::bail!("self-check: the plugin did not stamp an integer disagg_request_id on a context-only request");
             }
         }
-        // The host withheld the self-check's id: the plugin took a tick
-        // for it, and the refusal is the host's.
-        Action::Reject(_) if answer.ids_withheld => {}
+        // The host withheld the self-check's id: the plugin took a tick,
+        // and the refusal is the host's, so what the plugin would have
+        // sent on is not known.
+        Action::Reject(_) if answer.ids_withheld => {
+            return Err(CannotCheckNow {
+                reason: "it withheld the id the self-check took".to_string(),
+                sha256: plugin.info().sha256.clone(),
+            }
+            .into())
+        }
         // The plugin refused for want of a machine id, or refuses
         // everything: which, cannot be told until the host holds one.
         Action::Reject(r) if r.status == 503 => {
@@ -492,13 +519,10 @@ fn refused(r: Rejection) -> anyhow::Error {
     )
 }
 
-/// Why the host would not let an id out now, if it would not: it holds no
-/// machine id, its lease may have lapsed, or the latest tick is past the
-/// id's ceiling.
+/// Why the host would not let an id made now out, if it would not (see
+/// [`HostServices::ids_may_leave_now`]).
 fn why_no_ids_may_leave(engine: &PluginEngine) -> Option<String> {
-    let services = engine.services();
-    let last = services.clock.last_tick().map_or(0, |tick| tick.millis);
-    services.identity.confirm(None, last).err()
+    engine.services().ids_may_leave_now().err()
 }
 
 #[cfg(test)]
@@ -553,13 +577,16 @@ mod tests {
         );
     }
 
-    /// A build's self-check whose id the host withheld at the high-water
-    /// mark passes, though the mark is raised before the answer is judged
-    /// (the keeper raises it as soon as ids reach it): asking the host
-    /// again then would find ids may leave, and take the host's 503 for
-    /// the plugin's, refusing a good build.
+    /// A host idle past its high-water mark (the disk stopped taking
+    /// writes, no request since) holds no id it may let out, though no
+    /// tick has passed the mark yet: a build is not checked then. Before,
+    /// the question looked only at the last tick, the self-check's id was
+    /// withheld, and a withheld id passed the build unseen. A withheld id is
+    /// put off even once the mark is raised before the answer is judged (as
+    /// the keeper raises it as soon as ids reach it), not refused as the
+    /// plugin's own 503.
     #[test]
-    fn a_self_check_id_withheld_at_the_mark_passes_after_the_mark_is_raised() {
+    fn a_build_is_not_checked_past_the_mark_even_before_any_id_passes_it() {
         let identity = Arc::new(MachineIdentity::fixed(SnowflakeLayout::TrtllmV1, 3).unwrap());
         let past = millis_of(SystemTime::now()) - 1_000;
         identity.bound_by_file_mark(past, past);
@@ -568,34 +595,30 @@ mod tests {
             identity: identity.clone(),
         };
         let engine = PluginEngine::new(services, PluginLimits::default()).expect("an engine");
+        let idle = why_no_ids_may_leave(&engine).expect("past the mark, idle");
+        assert!(idle.contains("past the high-water mark"), "{idle}");
+        let error = load_checked(&engine, snowgate_plugin_bundle::PLUGIN_WASM, &[])
+            .expect_err("not checked past the mark");
+        assert!(
+            error.downcast_ref::<CannotCheckNow>().is_some(),
+            "{error:#}"
+        );
+
         let plugin =
             Plugin::load(&engine, snowgate_plugin_bundle::PLUGIN_WASM, &[]).expect("loads");
         let answer = plugin
             .handle_fenced(&self_check_request())
             .expect("answers");
         assert!(answer.ids_withheld, "{:?}", answer.action);
-        assert!(
-            matches!(&answer.action, Action::Reject(r) if r.status == 503),
-            "{:?}",
-            answer.action
-        );
         // The keeper raises the mark before the answer is judged.
         identity.ceiling_raised(past + 60_000, past + 30_000);
         assert_eq!(why_no_ids_may_leave(&engine), None, "the mark is raised");
-        let Action::Reject(rejection) = &answer.action else {
-            unreachable!()
-        };
-        let as_if_the_plugins = Fenced {
-            action: Action::Reject(rejection.clone()),
-            ids_withheld: false,
-        };
-        judge_self_check(&plugin, answer, || why_no_ids_may_leave(&engine))
-            .expect("the host's 503 is not the plugin's fault");
-        // What the check did before: the same 503, taken for the plugin's.
-        let error = judge_self_check(&plugin, as_if_the_plugins, || why_no_ids_may_leave(&engine))
-            .expect_err("a plugin's own 503 while ids may leave");
+        let error = judge_self_check(&plugin, answer, || why_no_ids_may_leave(&engine))
+            .expect_err("put off");
         assert!(
-            format!("{error:#}").contains("rejected a valid context-only request with 503"),
+            error
+                .downcast_ref::<CannotCheckNow>()
+                .is_some_and(|c| c.reason.contains("withheld")),
             "{error:#}"
         );
         // And with the mark raised, the build stamps.

@@ -131,6 +131,7 @@ pub fn watch_plugin_file(
     // write in place is not read half done).
     let poll_tried = tried.clone();
     let poll_look = look.clone();
+    let services = slot.engine().services().clone();
     tokio::spawn(async move {
         // The first look is not taken as the file already loaded: the file
         // may have been replaced between the load and this look, with the
@@ -153,7 +154,11 @@ pub fn watch_plugin_file(
                     watched = watch_anew(&watcher, &dir).then_some(dir_now);
                 }
             }
-            let due = lock(&poll_tried).as_ref().is_none_or(|t| t.due(&now));
+            // A build put off is asked about again only once the host
+            // could check it: asking reads and hashes the whole file.
+            let due = lock(&poll_tried).as_ref().is_none_or(|t| {
+                t.due(&now) && !(t.waits_for_an_id(&now) && services.ids_may_leave_now().is_err())
+            });
             if now == previous && due && tx.send(()).is_err() {
                 return; // the reload task is gone
             }
@@ -277,6 +282,12 @@ impl Tried {
         self.due_after(now, self.at.elapsed())
     }
 
+    /// Whether `now` is the file whose reload was put off until the host
+    /// holds a machine id it may use.
+    fn waits_for_an_id(&self, now: &Fingerprint) -> bool {
+        self.deferred && *now == self.fingerprint
+    }
+
     /// [`Tried::due`], `elapsed` after the reload.
     fn due_after(&self, now: &Fingerprint, elapsed: Duration) -> bool {
         if *now != self.fingerprint {
@@ -320,8 +331,7 @@ pub fn reload_on_sighup(mut hangups: Signal, slot: Arc<PluginSlot>) {
     tokio::spawn(async move {
         while hangups.recv().await.is_some() {
             tracing::info!("SIGHUP: reloading the plugin");
-            // A swap, a failed load and one put off are logged by the
-            // reload itself;
+            // A swap and a failed load are logged by the reload itself;
             // what else comes of it is said here, where nobody else sees
             // it (`POST /reload` answers its client).
             match slot.reload().await {
@@ -329,7 +339,12 @@ pub fn reload_on_sighup(mut hangups: Signal, slot: Arc<PluginSlot>) {
                     "SIGHUP: the plugin file holds the build that serves; nothing changed"
                 ),
                 Ok(Reloaded::Swapped(_)) => {}
-                Err(NoReload::Failed(_) | NoReload::Deferred(_)) => {}
+                Err(NoReload::Failed(_)) => {}
+                // The reload warns once per build; whoever sent this
+                // signal is told again.
+                Err(NoReload::Deferred(message)) => {
+                    tracing::info!("SIGHUP: reload put off: {message}")
+                }
                 Err(NoReload::NotPossible(message)) => {
                     tracing::warn!("SIGHUP: no reload: {message}")
                 }
@@ -408,6 +423,8 @@ mod tests {
                 reloading: false,
             };
             assert!(put_off.due_after(&file(1), Duration::ZERO));
+            assert!(put_off.waits_for_an_id(&file(1)));
+            assert!(!put_off.waits_for_an_id(&file(2)));
             let running = Tried {
                 reloading: true,
                 ..put_off
