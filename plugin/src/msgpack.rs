@@ -92,7 +92,7 @@ pub fn find_msgpack_edits(body: &[u8]) -> Result<Vec<MsgpackEdit>, MsgpackError>
         tuple_depth: 0,
         tuple: Vec::new(),
         tuple_incomparable: false,
-        tuple_keys_room: (body.len() / 2).max(MAX_TUPLE_KEY),
+        tuple_encoding_left: MAX_TUPLE_ENCODING,
     };
     walk.value(false)?;
     if walk.pos != body.len() {
@@ -265,8 +265,8 @@ enum Value {
 /// `True` are one key); nil equals nil; arrays (tuples in Python) item by
 /// item; timestamps (datetimes) to the microsecond msgspec rounds them
 /// to. A NaN equals nothing, not even another NaN, and neither does a
-/// tuple that holds one, or one too long to compare ([`MAX_TUPLE_KEY`]):
-/// such keys are `None` where keys are read.
+/// tuple that holds one, or one too long to compare ([`MAX_TUPLE_KEY`],
+/// [`MAX_TUPLE_ENCODING`]): such keys are `None` where keys are read.
 /// Strings and byte strings are borrowed from the body.
 #[derive(Clone, PartialEq, Eq, PartialOrd, Ord)]
 enum Key<'a> {
@@ -290,6 +290,34 @@ enum Key<'a> {
 /// push past the plugin's memory; and a missed duplicate only stamps a
 /// map Python then drops.
 const MAX_TUPLE_KEY: usize = 64 << 10;
+
+/// The most bytes of tuple keys' encodings a body's walk makes; a tuple key
+/// that would pass it is taken as equal to no other, as a longer one is.
+/// Each key kept is compared with others of its map byte by byte, so
+/// without a bound on all of them, a 32 MiB body of tuple keys a few bytes
+/// apart over params maps took the walk six times the body in memory and
+/// 150 instructions a byte, past the call's deadline (the walk's usual cost
+/// is a few).
+const MAX_TUPLE_ENCODING: usize = 1 << 20;
+
+/// The size of a value that is one integer, float, nil or boolean, by its
+/// first byte; 0 for any other value (and for `0xc1`, which is none).
+static SCALAR_SIZE: [u8; 256] = {
+    let mut sizes = [0u8; 256];
+    let mut marker = 0;
+    while marker < 256 {
+        sizes[marker] = match marker as u8 {
+            0x00..=0x7f | 0xe0..=0xff | 0xc0 | 0xc2 | 0xc3 => 1,
+            0xcc | 0xd0 => 2,
+            0xcd | 0xd1 => 3,
+            0xca | 0xce | 0xd2 => 5,
+            0xcb | 0xcf | 0xd3 => 9,
+            _ => 0,
+        };
+        marker += 1;
+    }
+    sizes
+};
 
 /// Canonical encoding tags of [`Key::encode`].
 const TAG_STR: u8 = 1;
@@ -400,15 +428,12 @@ struct Walk<'a> {
     /// [`Key::encode`]).
     tuple: Vec<u8>,
     /// Whether that array key equals nothing: it holds a NaN, or its
-    /// encoding outgrew [`MAX_TUPLE_KEY`] (and was dropped).
+    /// encoding outgrew [`MAX_TUPLE_KEY`] or what is left of
+    /// [`MAX_TUPLE_ENCODING`] (and was dropped).
     tuple_incomparable: bool,
-    /// How many more bytes of array keys' encodings may be kept at once for
-    /// matching later duplicates: half the body (at least one key of
-    /// [`MAX_TUPLE_KEY`]). Each encoding is up to three times the bytes it
-    /// encodes, so without a bound on all of them together, a body of many
-    /// such keys over params maps took six times its size. An array key
-    /// past it is taken as equal to nothing, as a longer one is.
-    tuple_keys_room: usize,
+    /// How many more bytes of array keys' encodings the walk may make
+    /// ([`MAX_TUPLE_ENCODING`]).
+    tuple_encoding_left: usize,
 }
 
 impl<'a> Walk<'a> {
@@ -465,36 +490,48 @@ impl<'a> Walk<'a> {
     }
 
     /// Gives up the array key being read as equal to nothing once its
-    /// encoding outgrows [`MAX_TUPLE_KEY`] (or it holds a NaN), and frees
-    /// the encoding.
+    /// encoding outgrows [`MAX_TUPLE_KEY`] or what is left of
+    /// [`MAX_TUPLE_ENCODING`] (or it holds a NaN), and frees the encoding,
+    /// counting what it made.
     fn check_tuple_length(&mut self) {
-        if self.tuple.len() > MAX_TUPLE_KEY {
+        let made = self.tuple.len();
+        if made > MAX_TUPLE_KEY || made > self.tuple_encoding_left {
             self.tuple_incomparable = true;
         }
         if self.tuple_incomparable {
+            self.tuple_encoding_left = self.tuple_encoding_left.saturating_sub(made);
             self.tuple = Vec::new();
         }
     }
 
-    /// `key`, to be kept until its map ends for a later duplicate to match:
-    /// an array key only while its encoding fits in what is left of
-    /// [`Walk::tuple_keys_room`], and then without spare capacity.
-    fn kept(&mut self, key: Option<Key<'a>>) -> Option<Key<'a>> {
-        match key {
-            Some(Key::Tuple(mut items)) => {
-                self.tuple_keys_room = self.tuple_keys_room.checked_sub(items.len())?;
-                items.shrink_to_fit();
-                Some(Key::Tuple(items))
+    /// Reads `count` items of an array. Integers, floats, nil and booleans
+    /// (a long prompt's token ids) are stepped over by their size without
+    /// the general read, where nothing is made of them: outside map keys,
+    /// and in an array key that equals nothing. One cut short is left to
+    /// the general read, which says so.
+    fn items(&mut self, count: usize) -> Result<(), MsgpackError> {
+        let outside_keys = self.in_key == 0;
+        for _ in 0..count {
+            if !((outside_keys || self.tuple_incomparable) && self.step_over_scalar()) {
+                self.value(false)?;
             }
-            other => other,
         }
+        Ok(())
     }
 
-    /// Gives back the room of a key [`Walk::kept`] kept, once it is let go.
-    fn release(&mut self, kept: &Key<'a>) {
-        if let Key::Tuple(items) = kept {
-            self.tuple_keys_room += items.len();
+    /// Steps over the value at `pos` if it is a whole integer, float, nil
+    /// or boolean; whether it did.
+    #[inline(always)]
+    fn step_over_scalar(&mut self) -> bool {
+        let size = self
+            .bytes
+            .get(self.pos)
+            .map_or(0, |&marker| usize::from(SCALAR_SIZE[usize::from(marker)]));
+        let whole = size != 0 && size <= self.bytes.len() - self.pos;
+        if whole {
+            self.pos += size;
         }
+        whole
     }
 
     /// [`Walk::value_and_key`] but for array keys.
@@ -650,22 +687,21 @@ impl<'a> Walk<'a> {
     fn array(&mut self, at: usize, count: usize) -> Result<(Value, Option<Key<'a>>), MsgpackError> {
         self.enter(at)?;
         if self.in_key == 0 {
-            for _ in 0..count {
-                self.value(false)?;
-            }
+            self.items(count)?;
             self.depth -= 1;
             return Ok((Value::Other, None));
         }
         // The outermost tuple's key holds its items' encodings; one inside
         // it adds its own, wrapped as `Key::encode` wraps them.
         let outermost = self.tuple_depth == 0;
+        if outermost && self.tuple_encoding_left == 0 {
+            self.tuple_incomparable = true;
+        }
         self.tuple_depth += 1;
         if !outermost && !self.tuple_incomparable {
             self.tuple.push(TAG_TUPLE_START);
         }
-        for _ in 0..count {
-            self.value(false)?;
-        }
+        self.items(count)?;
         self.tuple_depth -= 1;
         self.depth -= 1;
         if !outermost {
@@ -677,6 +713,10 @@ impl<'a> Walk<'a> {
         }
         let items = std::mem::take(&mut self.tuple);
         let comparable = !std::mem::replace(&mut self.tuple_incomparable, false);
+        if comparable {
+            // Within what was left: `check_tuple_length` saw to it.
+            self.tuple_encoding_left -= items.len();
+        }
         Ok((Value::Other, comparable.then_some(Key::Tuple(items))))
     }
 
@@ -709,9 +749,8 @@ impl<'a> Walk<'a> {
             let (_, key) = read_key?;
             let is = |name: &'a [u8]| key == Some(Key::Str(name));
             let (is_params, is_type, is_id) = (is(PARAMS_KEY), is(REQUEST_TYPE_KEY), is(ID_KEY));
-            if let Some((kept, range)) = key.as_ref().and_then(|k| with_edits.remove_entry(k)) {
+            if let Some(range) = key.as_ref().and_then(|k| with_edits.remove(k)) {
                 self.edits[range].iter_mut().for_each(|e| *e = None);
-                self.release(&kept);
             }
             let first_edit = self.edits.len();
             let value = self.value(is_params)?;
@@ -729,15 +768,12 @@ impl<'a> Walk<'a> {
                 };
             }
             if self.edits.len() > first_edit {
-                if let Some(key) = self.kept(key) {
+                if let Some(key) = key {
                     with_edits.insert(key, first_edit..self.edits.len());
                 }
             }
         }
         self.depth -= 1;
-        for kept in with_edits.keys() {
-            self.release(kept);
-        }
         if params && context_only {
             let edit = match id {
                 IdMember::Missing => {
@@ -908,6 +944,47 @@ mod tests {
         for (key, other) in &different {
             assert_eq!(ids_with_keys(key, other), 1, "{key:02x?} then {other:02x?}");
         }
+    }
+
+    /// The scalars an array's items are stepped over by: each whole one is
+    /// read, in an array and in an array key, and each cut short at any
+    /// byte gets the general read's error, at the byte after its marker.
+    #[test]
+    fn scalars_stepped_over_are_whole_or_refused_where_they_are_cut() {
+        for marker in 0..=255u8 {
+            let size = usize::from(SCALAR_SIZE[usize::from(marker)]);
+            if size == 0 {
+                continue;
+            }
+            let scalar: Vec<u8> = std::iter::once(marker)
+                .chain((1..size as u8).map(|b| b.wrapping_mul(37)))
+                .collect();
+            // [s, s] and {(s, s): nil}.
+            let array = [&[0x92][..], &scalar, &scalar].concat();
+            assert_eq!(
+                find_msgpack_edits(&array).map(|e| e.len()),
+                Ok(0),
+                "{marker:#x}"
+            );
+            let keyed = [&[0x81][..], &array, &[0xc0]].concat();
+            assert_eq!(
+                find_msgpack_edits(&keyed).map(|e| e.len()),
+                Ok(0),
+                "{marker:#x}"
+            );
+            for cut in 1..size {
+                let body = [&[0x92][..], &scalar, &scalar[..cut]].concat();
+                let error = find_msgpack_edits(&body).unwrap_err();
+                assert_eq!(
+                    (error.offset, error.problem),
+                    (1 + size + 1, "the body ends inside a value"),
+                    "{marker:#x} cut after {cut}"
+                );
+            }
+        }
+        // The one marker that is no value is refused in an array too.
+        let error = find_msgpack_edits(&[0x91, 0xc1]).unwrap_err();
+        assert_eq!(error.offset, 1);
     }
 
     /// A tuple key of a million items is read without its encoding
