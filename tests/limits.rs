@@ -118,6 +118,48 @@ fn tuple_keyed_msgpack(size: usize) -> (Vec<u8>, usize) {
     (body, count)
 }
 
+/// The `i`-th of a million 60-byte keys that share their first 55 bytes.
+fn long_key(i: usize) -> Vec<u8> {
+    let mut key = vec![b'k'; 55];
+    key.extend((0..5).map(|digit| b'a' + ((i >> (4 * digit)) & 15) as u8));
+    key
+}
+
+/// An object of about `size` bytes whose keys are [`long_key`]s, each over
+/// a context-only params object, as JSON or MessagePack; and its number
+/// of ids. Each key is compared with those held before it, which took the
+/// walk past its deadline while that was byte by byte.
+fn long_keyed(size: usize, msgpack: bool) -> (Vec<u8>, usize) {
+    let mut body = if msgpack {
+        vec![0xdf, 0, 0, 0, 0]
+    } else {
+        b"{".to_vec()
+    };
+    let mut count = 0;
+    while body.len() < size {
+        if msgpack {
+            body.extend_from_slice(&[0xd9, 60]);
+            body.extend_from_slice(&long_key(count));
+            body.extend_from_slice(&context_only_msgpack());
+        } else {
+            if count > 0 {
+                body.push(b',');
+            }
+            body.extend_from_slice(
+                format!("{:?}:", String::from_utf8(long_key(count)).unwrap()).as_bytes(),
+            );
+            body.extend_from_slice(common::CONTEXT_ONLY.as_bytes());
+        }
+        count += 1;
+    }
+    if msgpack {
+        body[1..5].copy_from_slice(&(count as u32).to_be_bytes());
+    } else {
+        body.push(b'}');
+    }
+    (body, count)
+}
+
 /// Runs `body` (MessagePack when `msgpack`) through a plugin with
 /// `memory_bytes` of memory: the ids in the answer, or the call's error.
 fn stamp_in(memory_bytes: u64, body: Vec<u8>, msgpack: bool) -> Result<usize, CallError> {
@@ -133,11 +175,16 @@ fn stamp_in(memory_bytes: u64, body: Vec<u8>, msgpack: bool) -> Result<usize, Ca
         request = common::with_header(request, "x-trtllm-msgpack", b"1");
     }
     match plugin.handle(&request) {
-        Ok(Action::ForwardWithBody(out)) if msgpack => Ok(out
-            .windows(17)
-            .filter(|w| *w == b"disagg_request_id")
-            .count()),
-        Ok(Action::ForwardWithBody(out)) => Ok(common::ids_in(&out).len()),
+        // Counted where they are written: ids nested under any key too.
+        Ok(Action::ForwardWithBody(out)) => {
+            if !msgpack {
+                serde_json::from_slice::<serde_json::Value>(&out).expect("the answer is JSON");
+            }
+            Ok(out
+                .windows(17)
+                .filter(|w| *w == b"disagg_request_id")
+                .count())
+        }
         Ok(other) => panic!("expected a stamped body, got {other:?}"),
         Err(e) => Err(e),
     }
@@ -145,9 +192,10 @@ fn stamp_in(memory_bytes: u64, body: Vec<u8>, msgpack: bool) -> Result<usize, Ca
 
 /// The memory the bundled plugin says it needs (what the gateway's
 /// start-up warning and `rewrite`'s advice go by) stamps each kind of body
-/// in full: one with one id, the densest JSON and MessagePack, and
-/// MessagePack whose keys are long arrays (which took more before the
-/// walk bounded what it keeps of them). And the
+/// in full: one with one id, the densest JSON and MessagePack, MessagePack
+/// whose keys are long arrays (which took more before the walk bounded
+/// what it keeps of them), and objects of long keys in both (whose edits
+/// are held by key in a hash map, which grows by doubling). And the
 /// figure for the densest is close: at 85 % of it the densest MessagePack
 /// does not fit, so the warning does not cry wolf by much.
 #[test]
@@ -162,6 +210,10 @@ fn the_bundled_plugins_memory_figures_stamp_the_bodies_they_describe() {
     assert_eq!(stamp_in(densest, msgpack.clone(), true), Ok(msgpack_ids));
     let (tuple_keyed, tuple_keyed_ids) = tuple_keyed_msgpack(size);
     assert_eq!(stamp_in(densest, tuple_keyed, true), Ok(tuple_keyed_ids));
+    for msgpack in [false, true] {
+        let (long_keyed, long_keyed_ids) = long_keyed(size, msgpack);
+        assert_eq!(stamp_in(densest, long_keyed, msgpack), Ok(long_keyed_ids));
+    }
     let tight = densest * 85 / 100;
     assert_eq!(
         stamp_in(tight, msgpack, true),

@@ -10,8 +10,9 @@
 //! where a `null` must be replaced, and [`crate::stamp`] splices ids in there.
 
 use std::borrow::Cow;
-use std::collections::BTreeMap;
 use std::fmt;
+
+use crate::edits_by_key::EditsByKey;
 
 mod scan;
 use scan::skip_plain_words;
@@ -445,10 +446,10 @@ impl<'a> Walk<'a> {
         let open = self.pos;
         self.enter()?;
         // The edits of each member whose value produced some, by unescaped
-        // key, so that a later duplicate key can cancel them. A map, not a
-        // list: scanning every earlier member for each key made bodies with
-        // many members quadratic (4 MiB took seconds).
-        let mut with_edits: BTreeMap<Cow<'a, [u8]>, std::ops::Range<usize>> = BTreeMap::new();
+        // key, so that a later duplicate key can cancel them. Not a list:
+        // scanning every earlier member for each key made bodies with many
+        // members quadratic (4 MiB took seconds).
+        let mut with_edits: EditsByKey<Cow<'a, [u8]>> = EditsByKey::new();
         let mut context_only = false;
         let mut id = IdMember::Missing;
         let mut last_value_end = None;

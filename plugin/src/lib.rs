@@ -49,6 +49,7 @@
 )]
 mod arena;
 pub mod body;
+mod edits_by_key;
 pub mod handler;
 pub mod layout;
 pub mod msgpack;

@@ -8,8 +8,9 @@
 //! returns where ids go; [`apply`] splices them in, touching no other byte
 //! but the count in the header of each map that gains a pair.
 
-use std::collections::BTreeMap;
 use std::fmt;
+
+use crate::edits_by_key::EditsByKey;
 
 use crate::body::{
     live_edits, CONTEXT_ONLY, ID_KEY, MAX_NESTING_DEPTH, PARAMS_KEY, REQUEST_TYPE_KEY,
@@ -268,7 +269,7 @@ enum Value {
 /// tuple that holds one, or one too long to compare ([`MAX_TUPLE_KEY`],
 /// [`MAX_TUPLE_ENCODING`]): such keys are `None` where keys are read.
 /// Strings and byte strings are borrowed from the body.
-#[derive(Clone, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Clone, PartialEq, Eq, Hash)]
 enum Key<'a> {
     Str(&'a [u8]),
     Bin(&'a [u8]),
@@ -292,12 +293,13 @@ enum Key<'a> {
 const MAX_TUPLE_KEY: usize = 64 << 10;
 
 /// The most bytes of tuple keys' encodings a body's walk makes; a tuple key
-/// that would pass it is taken as equal to no other, as a longer one is.
-/// Each key kept is compared with others of its map byte by byte, so
-/// without a bound on all of them, a 32 MiB body of tuple keys a few bytes
-/// apart over params maps took the walk six times the body in memory and
-/// 150 instructions a byte, past the call's deadline (the walk's usual cost
-/// is a few).
+/// that would pass it is taken as equal to no other, as a longer one is
+/// (`()` too, once none is left). An encoding is up to three times the
+/// bytes it encodes, and those of keys over edits are kept until their map
+/// ends: without a bound on all of them, a 32 MiB body of long tuple keys
+/// over params maps took the walk six times the body in memory and, with
+/// each key compared byte by byte in an ordered map, 160 instructions a
+/// byte, past the call's deadline.
 const MAX_TUPLE_ENCODING: usize = 1 << 20;
 
 /// The size of a value that is one integer, float, nil or boolean, by its
@@ -737,7 +739,7 @@ impl<'a> Walk<'a> {
         }
         self.enter(header)?;
         let header_len = self.pos - header;
-        let mut with_edits: BTreeMap<Key<'a>, std::ops::Range<usize>> = BTreeMap::new();
+        let mut with_edits: EditsByKey<Key<'a>> = EditsByKey::new();
         let mut context_only = false;
         let mut id = IdMember::Missing;
         for _ in 0..count {
