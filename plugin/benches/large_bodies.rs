@@ -34,6 +34,18 @@ const CASES: [&str; 5] = [
     "json_string_keys",
 ];
 
+/// `{"disaggregated_params": {"request_type": "context_only"}}` in
+/// MessagePack.
+fn context_only_params() -> Vec<u8> {
+    let mut params = vec![0x81, 0xb4];
+    params.extend_from_slice(b"disaggregated_params");
+    params.extend_from_slice(&[0x81, 0xac]);
+    params.extend_from_slice(b"request_type");
+    params.push(0xac);
+    params.extend_from_slice(b"context_only");
+    params
+}
+
 /// The `i`-th of a million 60-byte keys that share their first 55 bytes.
 fn long_key(i: usize) -> Vec<u8> {
     let mut key = vec![b'k'; 55];
@@ -44,12 +56,7 @@ fn long_key(i: usize) -> Vec<u8> {
 /// A MessagePack map of about [`SIZE`] bytes whose keys are
 /// [`long_key`]s, each over a context-only params map.
 fn string_keys() -> Vec<u8> {
-    let mut params = vec![0x81, 0xb4];
-    params.extend_from_slice(b"disaggregated_params");
-    params.extend_from_slice(&[0x81, 0xac]);
-    params.extend_from_slice(b"request_type");
-    params.push(0xac);
-    params.extend_from_slice(b"context_only");
+    let params = context_only_params();
     let pairs = (SIZE - 5) / (2 + 60 + params.len());
     let mut body = vec![0xdf];
     body.extend_from_slice(&(pairs as u32).to_be_bytes());
@@ -121,12 +128,7 @@ fn fixints() -> Vec<u8> {
 /// A map of about [`SIZE`] bytes whose keys are arrays of 10,923 one-byte
 /// items and a distinct integer, each over a context-only params map.
 fn tuple_keys() -> Vec<u8> {
-    let mut params = vec![0x81, 0xb4];
-    params.extend_from_slice(b"disaggregated_params");
-    params.extend_from_slice(&[0x81, 0xac]);
-    params.extend_from_slice(b"request_type");
-    params.push(0xac);
-    params.extend_from_slice(b"context_only");
+    let params = context_only_params();
     let pairs = (SIZE - 5) / (3 + 10_923 + 3 + params.len());
     let mut body = vec![0xdf];
     body.extend_from_slice(&(pairs as u32).to_be_bytes());
