@@ -10,11 +10,11 @@
 
 use std::fmt;
 
-use crate::edits_by_key::EditsByKey;
-
 use crate::body::{
     live_edits, CONTEXT_ONLY, ID_KEY, MAX_NESTING_DEPTH, PARAMS_KEY, REQUEST_TYPE_KEY,
 };
+use crate::edits_by_key::EditsByKey;
+
 /// `disagg_request_id` as a MessagePack fixstr (17 bytes).
 const ID_KEY_FIXSTR: u8 = 0xa0 | ID_KEY.len() as u8;
 /// The marker of a 64-bit unsigned integer, as MessagePack encoders write

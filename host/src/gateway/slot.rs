@@ -249,17 +249,25 @@ impl PluginSlot {
         .await
         .map_err(|e| anyhow::anyhow!("the reload task failed: {e}"))
         .and_then(|r| r);
-        // A reload that ended otherwise (a swap, a refusal, the serving
-        // build back in the file) ends the wait of a build put off.
-        let put_off = |e: &anyhow::Error| {
-            e.chain()
-                .any(|cause| cause.is::<CannotCheckNow>() || cause.is::<Overtaken>())
-        };
-        if !matches!(&outcome, Err(e) if put_off(e)) {
+        // A reload that ended without a verdict: a stop overtook it, or the
+        // host could not check the build (whose SHA-256 this is).
+        let overtaken =
+            matches!(&outcome, Err(e) if e.chain().any(|cause| cause.is::<Overtaken>()));
+        let put_off = outcome
+            .as_ref()
+            .err()
+            .and_then(|e| {
+                e.chain()
+                    .find_map(|cause| cause.downcast_ref::<CannotCheckNow>())
+            })
+            .map(|cannot| cannot.sha256.clone());
+        // One that ended otherwise (a swap, a refusal, the serving build
+        // back in the file) ends the wait of a build put off.
+        if !overtaken && put_off.is_none() {
             *self.deferred.lock().unwrap_or_else(|p| p.into_inner()) = None;
         }
-        match outcome {
-            Ok(Some(plugin)) => {
+        match (outcome, put_off) {
+            (Ok(Some(plugin)), _) => {
                 let sha = plugin.info().sha256.clone();
                 let compiled = plugin.info().compiled.name();
                 // Counted before the swap, and `/status` reads the serving
@@ -275,7 +283,7 @@ impl PluginSlot {
                 tracing::info!(sha256 = %sha, compiled, "plugin reloaded");
                 Ok(Reloaded::Swapped(sha))
             }
-            Ok(None) => {
+            (Ok(None), _) => {
                 // The file holds the serving build again: whatever failed
                 // before is no longer true, and the log, which said it
                 // failed, says so.
@@ -292,14 +300,8 @@ impl PluginSlot {
                 }
                 Ok(Reloaded::Unchanged)
             }
-            Err(e) if e.chain().any(|cause| cause.is::<Overtaken>()) => {
-                Err(NoReload::NotPossible(STOPPING.to_string()))
-            }
-            Err(e) if e.chain().any(|cause| cause.is::<CannotCheckNow>()) => {
-                let sha256 = e
-                    .chain()
-                    .find_map(|cause| cause.downcast_ref::<CannotCheckNow>())
-                    .map_or_else(String::new, |c| c.sha256.clone());
+            (Err(_), _) if overtaken => Err(NoReload::NotPossible(STOPPING.to_string())),
+            (Err(e), Some(sha256)) => {
                 let message =
                     format!("{e:#}; the file watch tries the build again once the host holds one");
                 let mut deferred = self.deferred.lock().unwrap_or_else(|p| p.into_inner());
@@ -323,7 +325,7 @@ impl PluginSlot {
                 });
                 Err(NoReload::Deferred(message))
             }
-            Err(e) => {
+            (Err(e), None) => {
                 let error = ReloadError {
                     message: format!("{e:#}"),
                     at: SystemTime::now(),
