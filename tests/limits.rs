@@ -3,6 +3,8 @@
 //! crash, and the same plugin serves the next request.
 
 mod common;
+#[path = "../plugin/tests/support/hostile_bodies.rs"]
+mod hostile_bodies;
 
 use std::time::Duration;
 
@@ -73,89 +75,12 @@ fn densest_json(size: usize) -> (Vec<u8>, usize) {
 /// ids: an array 32 of `{"disaggregated_params": {"request_type":
 /// "context_only"}}` maps.
 fn densest_msgpack(size: usize) -> (Vec<u8>, usize) {
-    let element = context_only_msgpack();
+    let element = hostile_bodies::context_only_params();
     let count = size / element.len();
     let mut body = vec![0xdd];
     body.extend_from_slice(&(count as u32).to_be_bytes());
     for _ in 0..count {
         body.extend_from_slice(&element);
-    }
-    (body, count)
-}
-
-/// `{"disaggregated_params": {"request_type": "context_only"}}` in
-/// MessagePack.
-fn context_only_msgpack() -> Vec<u8> {
-    let mut element = vec![0x81, 0xa0 | 20];
-    element.extend_from_slice(b"disaggregated_params");
-    element.extend_from_slice(&[0x81, 0xa0 | 12]);
-    element.extend_from_slice(b"request_type");
-    element.push(0xa0 | 12);
-    element.extend_from_slice(b"context_only");
-    element
-}
-
-/// A MessagePack map of about `size` bytes whose keys are arrays (tuples,
-/// in Python) of 10,923 one-byte items and a distinct integer, each over
-/// one context-only params map; and its number of ids. Each key's
-/// canonical encoding, which the walk keeps to match later duplicates, is
-/// three times its bytes: kept whole, the walk's memory came to six times
-/// the body.
-fn tuple_keyed_msgpack(size: usize) -> (Vec<u8>, usize) {
-    let element = context_only_msgpack();
-    let pair = 3 + 10_923 + 3 + element.len();
-    let count = size / pair;
-    let mut body = vec![0xdf];
-    body.extend_from_slice(&(count as u32).to_be_bytes());
-    for i in 0..count {
-        body.push(0xdc);
-        body.extend_from_slice(&10_924u16.to_be_bytes());
-        body.extend(std::iter::repeat_n(0x7f, 10_923));
-        body.push(0xcd);
-        body.extend_from_slice(&(i as u16).to_be_bytes());
-        body.extend_from_slice(&element);
-    }
-    (body, count)
-}
-
-/// The `i`-th of a million 60-byte keys that share their first 55 bytes.
-fn long_key(i: usize) -> Vec<u8> {
-    let mut key = vec![b'k'; 55];
-    key.extend((0..5).map(|digit| b'a' + ((i >> (4 * digit)) & 15) as u8));
-    key
-}
-
-/// An object of about `size` bytes whose keys are [`long_key`]s, each over
-/// a context-only params object, as JSON or MessagePack; and its number
-/// of ids. Each key is compared with those held before it, which took the
-/// walk past its deadline while that was byte by byte.
-fn long_keyed(size: usize, msgpack: bool) -> (Vec<u8>, usize) {
-    let mut body = if msgpack {
-        vec![0xdf, 0, 0, 0, 0]
-    } else {
-        b"{".to_vec()
-    };
-    let mut count = 0;
-    while body.len() < size {
-        if msgpack {
-            body.extend_from_slice(&[0xd9, 60]);
-            body.extend_from_slice(&long_key(count));
-            body.extend_from_slice(&context_only_msgpack());
-        } else {
-            if count > 0 {
-                body.push(b',');
-            }
-            body.extend_from_slice(
-                format!("{:?}:", String::from_utf8(long_key(count)).unwrap()).as_bytes(),
-            );
-            body.extend_from_slice(common::CONTEXT_ONLY.as_bytes());
-        }
-        count += 1;
-    }
-    if msgpack {
-        body[1..5].copy_from_slice(&(count as u32).to_be_bytes());
-    } else {
-        body.push(b'}');
     }
     (body, count)
 }
@@ -208,12 +133,12 @@ fn the_bundled_plugins_memory_figures_stamp_the_bodies_they_describe() {
     assert_eq!(stamp_in(densest, json, false), Ok(json_ids));
     let (msgpack, msgpack_ids) = densest_msgpack(size);
     assert_eq!(stamp_in(densest, msgpack.clone(), true), Ok(msgpack_ids));
-    let (tuple_keyed, tuple_keyed_ids) = tuple_keyed_msgpack(size);
+    let (tuple_keyed, tuple_keyed_ids) = hostile_bodies::tuple_keyed_within(size);
     assert_eq!(stamp_in(densest, tuple_keyed, true), Ok(tuple_keyed_ids));
-    for msgpack in [false, true] {
-        let (long_keyed, long_keyed_ids) = long_keyed(size, msgpack);
-        assert_eq!(stamp_in(densest, long_keyed, msgpack), Ok(long_keyed_ids));
-    }
+    let (string_keyed, string_keyed_ids) = hostile_bodies::string_keyed_within(size);
+    assert_eq!(stamp_in(densest, string_keyed, true), Ok(string_keyed_ids));
+    let (json_keyed, json_keyed_ids) = hostile_bodies::json_string_keyed_within(size);
+    assert_eq!(stamp_in(densest, json_keyed, false), Ok(json_keyed_ids));
     let tight = densest * 85 / 100;
     assert_eq!(
         stamp_in(tight, msgpack, true),

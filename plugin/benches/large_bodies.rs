@@ -22,6 +22,9 @@ use std::hint::black_box;
 use criterion::{Criterion, Throughput};
 use snowgate_plugin::{find_edits, find_msgpack_edits};
 
+#[path = "../tests/support/hostile_bodies.rs"]
+mod hostile_bodies;
+
 /// The gateway's default largest body: every body is at most this.
 const SIZE: usize = 32 << 20;
 
@@ -33,61 +36,6 @@ const CASES: [&str; 5] = [
     "string_keys",
     "json_string_keys",
 ];
-
-/// `{"disaggregated_params": {"request_type": "context_only"}}` in
-/// MessagePack.
-fn context_only_params() -> Vec<u8> {
-    let mut params = vec![0x81, 0xb4];
-    params.extend_from_slice(b"disaggregated_params");
-    params.extend_from_slice(&[0x81, 0xac]);
-    params.extend_from_slice(b"request_type");
-    params.push(0xac);
-    params.extend_from_slice(b"context_only");
-    params
-}
-
-/// The `i`-th of a million 60-byte keys that share their first 55 bytes.
-fn long_key(i: usize) -> Vec<u8> {
-    let mut key = vec![b'k'; 55];
-    key.extend((0..5).map(|digit| b'a' + ((i >> (4 * digit)) & 15) as u8));
-    key
-}
-
-/// A MessagePack map of about [`SIZE`] bytes whose keys are
-/// [`long_key`]s, each over a context-only params map.
-fn string_keys() -> Vec<u8> {
-    let params = context_only_params();
-    let pairs = (SIZE - 5) / (2 + 60 + params.len());
-    let mut body = vec![0xdf];
-    body.extend_from_slice(&(pairs as u32).to_be_bytes());
-    for i in 0..pairs {
-        body.extend_from_slice(&[0xd9, 60]);
-        body.extend_from_slice(&long_key(i));
-        body.extend_from_slice(&params);
-    }
-    body
-}
-
-/// The same as JSON: `{"<key>":{"disaggregated_params":{...}},...}`.
-fn json_string_keys() -> Vec<u8> {
-    let params = br#"{"disaggregated_params":{"request_type":"context_only"}}"#;
-    let mut body = b"{".to_vec();
-    let mut i = 0;
-    // A member (the comma, the quoted key, the colon and the params) and
-    // the closing brace.
-    while body.len() + 1 + 62 + 1 + params.len() < SIZE {
-        if i > 0 {
-            body.push(b',');
-        }
-        body.push(b'"');
-        body.extend_from_slice(&long_key(i));
-        body.extend_from_slice(b"\":");
-        body.extend_from_slice(params);
-        i += 1;
-    }
-    body.push(b'}');
-    body
-}
 
 /// `{"prompt_token_ids": [...]}` of about [`SIZE`] bytes: ids below
 /// 151,936 (a Qwen vocabulary), each a fixint, uint 16 or uint 32.
@@ -125,32 +73,14 @@ fn fixints() -> Vec<u8> {
     body
 }
 
-/// A map of about [`SIZE`] bytes whose keys are arrays of 10,923 one-byte
-/// items and a distinct integer, each over a context-only params map.
-fn tuple_keys() -> Vec<u8> {
-    let params = context_only_params();
-    let pairs = (SIZE - 5) / (3 + 10_923 + 3 + params.len());
-    let mut body = vec![0xdf];
-    body.extend_from_slice(&(pairs as u32).to_be_bytes());
-    for i in 0..pairs {
-        body.push(0xdc);
-        body.extend_from_slice(&10_924u16.to_be_bytes());
-        body.extend(std::iter::repeat_n(0x7f, 10_923));
-        body.push(0xcd);
-        body.extend_from_slice(&(i as u16).to_be_bytes());
-        body.extend_from_slice(&params);
-    }
-    body
-}
-
 /// The body of `case`, one of [`CASES`].
 fn body(case: &str) -> Vec<u8> {
     match case {
         "tokens" => tokens(),
         "fixints" => fixints(),
-        "tuple_keys" => tuple_keys(),
-        "string_keys" => string_keys(),
-        "json_string_keys" => json_string_keys(),
+        "tuple_keys" => hostile_bodies::tuple_keyed_within(SIZE).0,
+        "string_keys" => hostile_bodies::string_keyed_within(SIZE).0,
+        "json_string_keys" => hostile_bodies::json_string_keyed_within(SIZE).0,
         other => panic!("no case {other:?}: one of {CASES:?}"),
     }
 }

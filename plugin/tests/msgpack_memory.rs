@@ -4,7 +4,11 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use hostile_bodies::tuple_keyed;
 use snowgate_plugin::find_msgpack_edits;
+
+#[path = "support/hostile_bodies.rs"]
+mod hostile_bodies;
 
 struct Counting;
 
@@ -31,30 +35,6 @@ unsafe impl GlobalAlloc for Counting {
 
 #[global_allocator]
 static ALLOCATOR: Counting = Counting;
-
-/// A map of `pairs` pairs, each an array key of 10,923 one-byte items and
-/// then `tail(i)`, over `{"disaggregated_params": {"request_type":
-/// "context_only"}}`. Each key's canonical encoding is about three times
-/// its 11 KB.
-fn tuple_keyed(pairs: u32, tail: impl Fn(u32) -> u16) -> Vec<u8> {
-    let mut params = vec![0x81, 0xb4];
-    params.extend_from_slice(b"disaggregated_params");
-    params.extend_from_slice(&[0x81, 0xac]);
-    params.extend_from_slice(b"request_type");
-    params.push(0xac);
-    params.extend_from_slice(b"context_only");
-    let mut body = vec![0xdf];
-    body.extend_from_slice(&pairs.to_be_bytes());
-    for i in 0..pairs {
-        body.push(0xdc);
-        body.extend_from_slice(&10_924u16.to_be_bytes());
-        body.extend(std::iter::repeat_n(0x7f, 10_923));
-        body.push(0xcd);
-        body.extend_from_slice(&tail(i).to_be_bytes());
-        body.extend_from_slice(&params);
-    }
-    body
-}
 
 /// The edits found in `body`, and the most memory the walk held beyond
 /// what was live before it.
