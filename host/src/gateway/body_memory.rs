@@ -222,7 +222,9 @@ impl std::fmt::Display for NoRoom {
             ),
             NoRoomCause::Rewritten { answer, held } => write!(
                 f,
-                "the plugin made this request's body of {held} bytes (its room) into one of                  {answer} bytes, more than twice its size, where no room for the rest was                  free: retry later"
+                "the plugin made this request's body of {held} bytes (its room) into one of \
+                 {answer} bytes, more than twice its size, where no room for the rest was \
+                 free: retry later"
             ),
         }
     }
@@ -729,5 +731,31 @@ mod tests {
         assert!(memory.grow_now(&mut room, MIB / 2 + 1).is_err());
         assert_eq!(started.elapsed(), Duration::ZERO);
         assert_eq!(memory.held(), MIB / 2);
+    }
+
+    /// Each refusal reads as one sentence, whatever its cause: no line
+    /// break or source indentation leaks into what the client is told.
+    #[test]
+    fn every_refusal_names_its_flag_in_plain_text() {
+        let causes = [
+            NoRoomCause::WaitRanOut,
+            NoRoomCause::ConnectionFull,
+            NoRoomCause::Outgrown,
+            NoRoomCause::Rewritten {
+                answer: 3000,
+                held: 1024,
+            },
+        ];
+        for cause in causes {
+            let message = NoRoom {
+                limit: 1 << 30,
+                waited: Duration::from_millis(5),
+                cause,
+            }
+            .to_string();
+            assert!(message.contains("--body-memory-mib"), "{message}");
+            assert!(!message.contains("  "), "{cause:?}: {message}");
+            assert!(!message.contains('\n'), "{cause:?}: {message}");
+        }
     }
 }
