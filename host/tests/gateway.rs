@@ -1248,6 +1248,46 @@ async fn a_body_that_holds_room_without_arriving_gives_way_to_those_waiting() {
     the_waiter_gets_the_room(&gateway, &upstream, waiter).await;
 }
 
+/// A body of no declared length gives way too: an HTTP/2 stream that sent
+/// a JSON head and nothing more holds 1 MiB of room, and once a request
+/// waits for room it is cut off with 408 about 5 s after it got its room,
+/// told to declare its length; the waiting request gets the room. (Before,
+/// such a body was not paced, and held its room for the whole 60 s.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_of_no_declared_length_that_does_not_arrive_gives_way_too() {
+    let upstream = TestUpstream::start().await;
+    let gateway = with_one_mib_of_body_memory(&upstream, &[]).await;
+    let sender = http2_to(gateway.addr).await;
+    let started = Instant::now();
+    let (_chunks, channel) = tokio::sync::mpsc::channel(1);
+    let holder = post_json_h2(&sender, &gateway, ChannelBody(channel).boxed());
+    gateway
+        .wait_metric("snowgate_body_memory_bytes", 1048576.0)
+        .await;
+    let waiter = queue_for_room(&gateway, 1.0).await;
+    let cut_off = bounded("the holder to be cut off", Duration::from_secs(30), holder)
+        .await
+        .expect("joined")
+        .expect("a response");
+    let answer = Reply::read(cut_off).await;
+    assert_eq!(
+        answer.status,
+        StatusCode::REQUEST_TIMEOUT,
+        "{}",
+        answer.text()
+    );
+    let message = assert_openai_error(&answer.json(), "body_timeout", "invalid_request_error");
+    assert!(message.contains("of no declared length"), "{message}");
+    assert!(message.contains("64 KiB per 60000 ms"), "{message}");
+    assert!(message.contains("Content-Length"), "{message}");
+    assert!(
+        started.elapsed() >= snowgate_host::gateway::body_pace::PACE_SLACK,
+        "cut off within the slack: {:?}",
+        started.elapsed()
+    );
+    the_waiter_gets_the_room(&gateway, &upstream, waiter).await;
+}
+
 /// At most 8 requests of one connection wait for room at once (an HTTP/2
 /// stream that waits does not read its body, and sixteen such would use up
 /// the connection's flow-control window, leaving none for the streams that

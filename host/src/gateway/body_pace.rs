@@ -14,6 +14,19 @@
 //! waiting. Nobody waiting, a slow body keeps its room until the timeout.
 //! Holding room then costs a client the bandwidth to fill it, not a byte
 //! a second.
+//!
+//! A body of no declared length takes [`UNDECLARED_ROOM`] (1 MiB) without
+//! saying how much it will send, so it cannot be held to the pace of its
+//! length; nor to the pace of its room, which a small body sent slowly
+//! never fills (a review saw a 40 KB chunked body sent at 4 KB/s refused,
+//! held to 1 MiB in 60 s). It is held to the pace of
+//! [`UNDECLARED_PACED_BYTES`] (64 KiB) instead: about 1 KiB a second. Not
+//! pacing it at all let a client hold the whole body memory with heads
+//! alone: a review counted 1024 HTTP/2 streams that sent a JSON head and
+//! nothing more holding the default 1 GiB for 60 s, while every other
+//! request waited and got 503.
+//!
+//! [`UNDECLARED_ROOM`]: crate::gateway::body_memory::UNDECLARED_ROOM
 
 use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -28,6 +41,11 @@ use crate::gateway::body_memory::BodyMemory;
 /// a request made before its body) and the longest others wait for room
 /// behind a body that never comes.
 pub const PACE_SLACK: Duration = Duration::from_secs(5);
+
+/// The length a body of no declared length is paced as if it had: one
+/// that sends nothing, or less than about 1 KiB a second, gives way to
+/// those waiting (see the module's documentation).
+pub const UNDECLARED_PACED_BYTES: usize = 64 << 10;
 
 /// How often a body's pace is checked once [`PACE_SLACK`] is over.
 const CHECK_EVERY: Duration = Duration::from_millis(250);
@@ -45,12 +63,9 @@ pub enum TooSlow {
 /// Runs `read`, the read of a body that holds room in `memory` and has
 /// declared `length` bytes, which counts the bytes that have arrived in
 /// `arrived`: cut off once `within` has passed, or, while requests wait
-/// for room, once the body is behind the pace of its length (see the
-/// module's documentation). A body of no declared length is not paced: it
-/// holds at most [`UNDECLARED_ROOM`](crate::gateway::body_memory::UNDECLARED_ROOM)
-/// beyond what has arrived, and the pace of a room it may never fill would
-/// cut off a small body sent slowly (a review saw a 40 KB chunked body
-/// sent at 4 KB/s refused, held to 1 MiB in 60 s).
+/// for room, once the body is behind the pace of its length, or of
+/// [`UNDECLARED_PACED_BYTES`] when it declared none (see the module's
+/// documentation).
 pub async fn keeping_pace<F: Future>(
     read: F,
     arrived: &AtomicUsize,
@@ -69,8 +84,9 @@ pub async fn keeping_pace<F: Future>(
             biased;
             done = read.as_mut() => return Ok(done),
             () = timed_out.as_mut() => return Err(TooSlow::TimedOut),
-            _ = check.tick(), if length.is_some() => {
-                let (arrived, length) = (arrived.load(Ordering::Relaxed), length.unwrap_or(0));
+            _ = check.tick() => {
+                let arrived = arrived.load(Ordering::Relaxed);
+                let length = length.unwrap_or(UNDECLARED_PACED_BYTES);
                 if memory.waiting() > 0 && behind(arrived, length, started.elapsed(), within) {
                     return Err(TooSlow::BehindPace);
                 }
@@ -146,13 +162,23 @@ mod tests {
             "{:?}",
             started.elapsed()
         );
-        // A body of no declared length is not paced: only the timeout.
-        let started = Instant::now();
-        let never = std::future::pending::<()>();
+        // A body of no declared length that sent nothing is cut off as
+        // soon; one that sent 64 KiB keeps pace until the timeout (half
+        // the wait here, so that the waiter still waits).
         let within = WITHIN / 2;
-        let unpaced = keeping_pace(never, &arrived, None, within, &memory).await;
-        assert_eq!(unpaced, Err(TooSlow::TimedOut));
-        assert_eq!(started.elapsed(), within);
+        for (sent, cut_off) in [(0, true), (UNDECLARED_PACED_BYTES, false)] {
+            let arrived = AtomicUsize::new(sent);
+            let started = Instant::now();
+            let never = std::future::pending::<()>();
+            let read = keeping_pace(never, &arrived, None, within, &memory).await;
+            if cut_off {
+                assert_eq!(read, Err(TooSlow::BehindPace));
+                assert!(started.elapsed() <= PACE_SLACK + CHECK_EVERY);
+            } else {
+                assert_eq!(read, Err(TooSlow::TimedOut));
+                assert_eq!(started.elapsed(), within);
+            }
+        }
         drop(room);
         assert!(waiter.await.expect("joined"), "the waiter got the room");
     }

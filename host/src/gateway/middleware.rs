@@ -62,7 +62,7 @@ use tower_service::Service;
 use crate::bindings::exports::snowgate::middleware::handler::Action;
 use crate::gateway::body_limit::{BodyTooLarge, Capped};
 use crate::gateway::body_memory::{self, BodyMemory, NoRoom, Unreserved};
-use crate::gateway::body_pace::{keeping_pace, pace_kib_per_sec, TooSlow};
+use crate::gateway::body_pace::{keeping_pace, pace_kib_per_sec, TooSlow, UNDECLARED_PACED_BYTES};
 use crate::gateway::client_body::{BodyProgress, BoxError, ClientFault};
 use crate::gateway::client_gone::ClientGone;
 use crate::gateway::config::{ConnectionLimits, FailurePolicy};
@@ -359,8 +359,8 @@ impl Shared {
         // room, and keep pace while others wait for room, or a client
         // could hold room by sending a byte now and then (see `body_pace`).
         let within = self.body_memory.wait();
-        // Paced by its declared length; a body of none holds at most
-        // `UNDECLARED_ROOM` beyond what has arrived, and is not paced.
+        // Paced by its declared length, or, where it declared none, as if
+        // it were `UNDECLARED_PACED_BYTES` long.
         let arrived = AtomicUsize::new(0);
         // A body that is here already (most small ones) is read at once,
         // without arming a timer for it.
@@ -413,13 +413,23 @@ impl Shared {
                          it in the gateway's body memory (--body-read-timeout-ms); send it faster",
                         within.as_millis()
                     ),
-                    TooSlow::BehindPace => format!(
-                        "the request body arrived slower than {} KiB/s, the pace that brings it \
-                         whole within {} ms (--body-read-timeout-ms), while other requests waited \
-                         for room in the gateway's body memory; send it faster",
-                        pace_kib_per_sec(declared.unwrap_or(0), within),
-                        within.as_millis()
-                    ),
+                    TooSlow::BehindPace => match declared {
+                        Some(length) => format!(
+                            "the request body arrived slower than {} KiB/s, the pace that brings \
+                             it whole within {} ms (--body-read-timeout-ms), while other requests \
+                             waited for room in the gateway's body memory; send it faster",
+                            pace_kib_per_sec(length, within),
+                            within.as_millis()
+                        ),
+                        None => format!(
+                            "the request body, of no declared length, arrived slower than {} \
+                             KiB per {} ms (--body-read-timeout-ms) while other requests waited \
+                             for room in the gateway's body memory; send it faster, or declare \
+                             its length (Content-Length)",
+                            UNDECLARED_PACED_BYTES >> 10,
+                            within.as_millis()
+                        ),
+                    },
                 };
                 let (status, code) = ClientFault::Stalled.answer();
                 return own(responses::closing_error(status, code, &message));
