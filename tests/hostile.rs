@@ -1438,18 +1438,24 @@ async fn a_100_mib_answer_is_refused_by_the_gateway() {
 /// Through the gateway, a plugin reads the client's headers (the
 /// gateway's own `x-forwarded-for` included) through the
 /// `request-headers` import: the values of one name together, in the
-/// order the client sent them, and `get` by any case. What it answers is
-/// what the upstream receives.
+/// order the client sent them, and `get` by any case. The hop-by-hop
+/// headers are gone, and the others keep their order (removing them from
+/// the map in place moved the last header into the first one's place).
+/// What it answers is what the upstream receives.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_plugin_reads_the_clients_headers_through_the_gateway() {
     let gateway = start_gateway(HOSTILE_WASM, FailurePolicy::FailClosed, gateway_limits()).await;
     let reply = post(
         gateway.addr,
         &[
+            ("connection", "keep-alive, x-drop"),
             ("accept", "text/a"),
+            ("x-drop", "1"),
             ("x-hostile", "headers"),
+            ("keep-alive", "timeout=5"),
             ("x-hostile-get", "ACCEPT"),
             ("accept", "text/b"),
+            ("x-last", "z"),
         ],
     )
     .await;
@@ -1473,6 +1479,24 @@ async fn a_plugin_reads_the_clients_headers_through_the_gateway() {
         entries.contains(r#"("x-forwarded-for", "127.0.0.1")"#),
         "{entries}"
     );
+    let mut names: Vec<&str> = entries
+        .split("(\"")
+        .skip(1)
+        .filter_map(|entry| entry.split('"').next())
+        .collect();
+    names.dedup();
+    let sent = [
+        "host",
+        "content-type",
+        "accept",
+        "x-hostile",
+        "x-hostile-get",
+        "x-last",
+    ];
+    assert_eq!(names[..sent.len()], sent, "{entries}");
+    for gone in ["connection", "keep-alive", "x-drop"] {
+        assert!(!names.contains(&gone), "{gone}: {entries}");
+    }
     assert!(
         report.contains("\nget=[\"text/a\", \"text/b\"]\n"),
         "{report}"

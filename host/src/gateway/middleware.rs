@@ -66,6 +66,7 @@ use crate::gateway::body_pace::{keeping_pace, pace_kib_per_sec, TooSlow, UNDECLA
 use crate::gateway::client_body::{BodyProgress, BoxError, ClientFault};
 use crate::gateway::client_gone::ClientGone;
 use crate::gateway::config::{ConnectionLimits, FailurePolicy};
+use crate::gateway::header_order::remove_in_order;
 use crate::gateway::metrics::{Metrics, Outcome};
 use crate::gateway::queued::Queued;
 use crate::gateway::read_body::{read_limited_in, ReadBodyError};
@@ -319,7 +320,7 @@ impl Shared {
         let (mut parts, body) = request.into_parts();
         // The body is forwarded whole from memory, without the client's
         // trailers: no `Trailer` header may promise them.
-        parts.headers.remove(header::TRAILER);
+        remove_in_order(&mut parts.headers, &header::TRAILER);
         // Room for the body before any of it is read: its declared length
         // (never more than the limit, checked above), or, when it declares
         // none, `UNDECLARED_ROOM`, grown as it arrives where that is free

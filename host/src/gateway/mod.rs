@@ -17,6 +17,7 @@ pub mod config;
 mod dot_segments;
 pub mod echo;
 pub mod error_chain;
+pub mod header_order;
 pub mod metrics;
 pub mod middleware;
 pub mod plugin_file;

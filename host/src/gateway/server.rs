@@ -30,6 +30,7 @@ use crate::gateway::client_body::{BodyProgress, ClientBody};
 use crate::gateway::client_gone::{ClientGone, ClientSocket, CLIENT_GONE_STATUS};
 use crate::gateway::config::ConnectionLimits;
 use crate::gateway::error_chain;
+use crate::gateway::header_order::remove_in_order;
 use crate::gateway::metrics::{Metrics, Outcome};
 use crate::gateway::middleware::SnowgateLayer;
 use crate::gateway::reclaim::OpenConnections;
@@ -239,7 +240,7 @@ pub async fn serve(
             // must not be asked again, for a body that is already on its
             // way (one that refuses expectations answered 417 to a body
             // the client was told to send). nginx never forwards it either.
-            request.headers_mut().remove(http::header::EXPECT);
+            remove_in_order(request.headers_mut(), &http::header::EXPECT);
             append_forwarded_for(&mut request, &forwarded_for);
             // A body may pause at most the body read timeout (see
             // `ClientBody` for HTTP/2); how it ends travels with the

@@ -26,6 +26,7 @@ use crate::gateway::config::UpstreamTimeouts;
 use crate::gateway::dot_segments;
 use crate::gateway::echo;
 use crate::gateway::error_chain;
+use crate::gateway::header_order::{rebuild_in_order, Change};
 use crate::gateway::metrics::Metrics;
 use crate::gateway::responses;
 use crate::gateway::transfer_coding;
@@ -567,9 +568,12 @@ pub fn strip_trailers(frame: Frame<Bytes>) -> Frame<Bytes> {
     }
 }
 
-/// Removes hop-by-hop headers; with `keep_te`, a `TE` that accepts
-/// trailers becomes `TE: trailers`.
-fn strip(headers: &mut HeaderMap, keep_te: bool) {
+/// Removes hop-by-hop headers. With `request`, a `TE` that accepts
+/// trailers becomes `TE: trailers`, and the headers that stay keep their
+/// order (see [`header_order`](crate::gateway::header_order): the plugin
+/// reads them); a response's or trailers' may be reordered, as removing
+/// from the map in place does.
+fn strip(headers: &mut HeaderMap, request: bool) {
     let mut present = [false; HOP_BY_HOP_COUNT];
     let mut upgrade = false;
     for name in headers.keys().filter(|name| may_be_hop_by_hop(name)) {
@@ -581,7 +585,7 @@ fn strip(headers: &mut HeaderMap, keep_te: bool) {
     if !upgrade && !present.contains(&true) {
         return;
     }
-    let accepts_trailers = keep_te
+    let accepts_trailers = request
         && present[HOP_BY_HOP_TE]
         && headers
             .get_all(header::TE)
@@ -613,6 +617,21 @@ fn strip(headers: &mut HeaderMap, keep_te: bool) {
     } else {
         Vec::new()
     };
+    if request {
+        rebuild_in_order(headers, |name| {
+            if accepts_trailers && name == header::TE {
+                Change::Replace(header::HeaderValue::from_static("trailers"))
+            } else if named.contains(name)
+                || (may_be_hop_by_hop(name) && HOP_BY_HOP.contains(name))
+                || name == header::UPGRADE
+            {
+                Change::Remove
+            } else {
+                Change::Keep
+            }
+        });
+        return;
+    }
     for name in &named {
         headers.remove(name);
     }
@@ -622,9 +641,6 @@ fn strip(headers: &mut HeaderMap, keep_te: bool) {
     // `Upgrade` goes only with a `Connection: upgrade`, which was just removed.
     if upgrade {
         headers.remove(header::UPGRADE);
-    }
-    if accepts_trailers {
-        headers.insert(header::TE, header::HeaderValue::from_static("trailers"));
     }
 }
 
