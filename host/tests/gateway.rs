@@ -3271,6 +3271,61 @@ async fn echoes_the_stamped_request_without_an_upstream() {
     assert_eq!(gateway.status().await["upstream"], "built-in echo");
 }
 
+/// The echo answers a streamed body's faults as an upstream's are answered,
+/// and counts them so: 408 `body_timeout` for a body that stalls, 413
+/// `body_too_large` for one past `--max-body-bytes`, counted as
+/// `client_error` and `too_large`. (It answered 400 with a debug dump for
+/// the first, and counted the second as passed through.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_echo_answers_a_streamed_bodys_faults_as_the_clients() {
+    let gateway =
+        Gateway::start(&["--body-read-timeout-ms", "500", "--max-body-bytes", "1024"]).await;
+    let head = "POST /upload HTTP/1.1\r\nHost: gw\r\nContent-Type: text/plain\r\n\
+                Transfer-Encoding: chunked\r\n\r\n";
+    // A first chunk, then nothing.
+    let stalled = format!("{head}3\r\nabc\r\n");
+    let raw = bounded(
+        "408 once the body stalls",
+        Duration::from_secs(10),
+        raw_exchange(gateway.addr, stalled.as_bytes()),
+    )
+    .await;
+    assert_eq!(raw.status, 408, "{:?}", String::from_utf8_lossy(&raw.body));
+    let message = assert_openai_error(&raw.json(), "body_timeout", "invalid_request_error");
+    assert!(message.contains("could not be read"), "{message}");
+    assert!(!message.contains("Failed("), "{message}");
+
+    let filler = "a".repeat(600);
+    let too_large = format!("{head}258\r\n{filler}\r\n258\r\n{filler}\r\n");
+    let raw = bounded(
+        "413 once the limit is passed",
+        Duration::from_secs(10),
+        raw_exchange(gateway.addr, too_large.as_bytes()),
+    )
+    .await;
+    assert_eq!(raw.status, 413, "{:?}", String::from_utf8_lossy(&raw.body));
+    assert_openai_error(&raw.json(), "body_too_large", "invalid_request_error");
+    let metrics = gateway.metrics().await;
+    assert_eq!(
+        metric(
+            &metrics,
+            "snowgate_requests_total{outcome=\"client_error\"}"
+        ),
+        1.0
+    );
+    assert_eq!(
+        metric(&metrics, "snowgate_requests_total{outcome=\"too_large\"}"),
+        1.0
+    );
+    assert_eq!(
+        metric(
+            &metrics,
+            "snowgate_requests_total{outcome=\"passed_through\"}"
+        ),
+        0.0
+    );
+}
+
 // ---------------------------------------------------------------------------
 // Admin endpoints
 // ---------------------------------------------------------------------------

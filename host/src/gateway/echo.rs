@@ -7,6 +7,7 @@
 //! six times its size (`\u0000`), which the echo never holds whole.
 
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
@@ -15,9 +16,9 @@ use http::{Request, Response, StatusCode};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 
+use crate::gateway::client_body::{BodyProgress, ClientFault};
 use crate::gateway::read_body::{read_limited, ReadBodyError};
-use crate::gateway::responses;
-use crate::gateway::upstream::{own, UpstreamBody};
+use crate::gateway::upstream::{client_fault, UpstreamBody};
 
 /// The largest body the echo upstream reads back.
 const ECHO_MAX_BODY: usize = 64 << 20;
@@ -33,24 +34,28 @@ const PIECE: usize = 64 << 10;
 /// that are not UTF-8 as U+FFFD); none as `null`.
 pub async fn echo(request: Request<UpstreamBody>) -> Response<UpstreamBody> {
     let (parts, body) = request.into_parts();
+    // A body that fails is the client's fault, answered and counted as an
+    // upstream's would be: 413 for one too large, 408 for one that
+    // stalled, 400 for one broken off.
     let body = match read_limited(body, ECHO_MAX_BODY).await {
         Ok(bytes) => bytes,
         Err(ReadBodyError::TooLarge) => {
             let message = "the request body is larger than the gateway's limit (--max-body-bytes) \
                            or the echo upstream's (64 MiB)";
-            return own(responses::error(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "body_too_large",
-                message,
-            ));
+            return client_fault(ClientFault::TooLarge, message);
         }
-        Err(e) => {
-            let message = format!("the echo upstream could not read the body: {e:?}");
-            return own(responses::error(
-                StatusCode::BAD_REQUEST,
-                "body_read_error",
-                &message,
-            ));
+        Err(ReadBodyError::Failed(why)) => {
+            let fault = parts
+                .extensions
+                .get::<Arc<BodyProgress>>()
+                .and_then(|progress| progress.fault())
+                .unwrap_or(ClientFault::Broken);
+            let message = format!("the request body could not be read: {why}");
+            return client_fault(fault, &message);
+        }
+        // The echo reads into no body memory.
+        Err(ReadBodyError::NoRoom(no_room)) => {
+            return client_fault(ClientFault::Broken, &no_room.to_string())
         }
     };
     let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());

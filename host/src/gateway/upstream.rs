@@ -449,7 +449,7 @@ fn unforwardable(path: &str, e: &dyn fmt::Display) -> String {
 
 /// The answer to a request whose body the client stalled or broke off:
 /// 408 or 400, marked with the [`ClientFault`] for the request counters.
-fn client_fault(fault: ClientFault, message: &str) -> Response<UpstreamBody> {
+pub(crate) fn client_fault(fault: ClientFault, message: &str) -> Response<UpstreamBody> {
     tracing::debug!(?fault, message, "request body failed on the client's side");
     let (status, code) = fault.answer();
     let mut response = own(responses::error(status, code, message));
