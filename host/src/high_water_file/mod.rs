@@ -113,8 +113,9 @@ impl HighWaterFile {
         let mark = record.map(|record| record.millis);
         if mark.is_none() && !contents.is_empty() {
             tracing::warn!(
-                "the high-water file {shown} holds {} bytes but no mark (zeros: a gateway \
-                 stopped before its first write reached the disk); taken as a new file",
+                "the high-water file {shown} holds {} bytes but no mark: a gateway stopped \
+                 before its first write was whole on disk (its second copy was never written, so \
+                 no id was let out against it); taken as a new file",
                 contents.len()
             );
         }
@@ -200,6 +201,13 @@ fn read_record(contents: &[u8], now: u64) -> Result<Option<Record>, String> {
         .max_by_key(|record| record.millis);
     if newest.is_none() {
         if copies.iter().all(|(_, read)| matches!(read, Ok(None))) {
+            return Ok(None);
+        }
+        // The first write of a new file, torn by a crash or power loss: its
+        // second copy was never written, so that write never ended, and no
+        // id was let out against the file. Refusing it would keep every
+        // restart from starting until someone removed the file.
+        if matches!(copies[1].1, Ok(None)) && record::starts_like_a_record(first) {
             return Ok(None);
         }
         let [first, second] = copies.map(|(_, read)| match read {
@@ -315,6 +323,36 @@ mod tests {
             Ok(Some(NOW))
         );
         assert_eq!(read_mark(&record(NOW), NOW), Ok(Some(NOW)));
+    }
+
+    /// A new file's first write torn by a crash: whatever part of the
+    /// first copy reached the disk, with the second never written, it is
+    /// a new file, not a damaged one. Only the start of a record counts:
+    /// other bytes, or a second copy written, are still refused.
+    #[test]
+    fn a_first_write_torn_before_its_second_copy_is_a_new_file() {
+        let whole = record(NOW);
+        for cut in [1, 10, 27, 28, 200, BLOCK - 1] {
+            let mut torn = [0u8; BLOCK];
+            torn[..cut].copy_from_slice(&whole[..cut]);
+            assert_eq!(read_mark(&torn, NOW), Ok(None), "zeros from byte {cut}");
+            assert_eq!(read_mark(&whole[..cut], NOW), Ok(None), "cut at byte {cut}");
+            let with_second = file_of(&torn, &[0; BLOCK]);
+            assert_eq!(
+                read_mark(&with_second, NOW),
+                Ok(None),
+                "second zeros, {cut}"
+            );
+        }
+        let mut damaged = whole;
+        damaged[30] = b'9';
+        assert!(read_mark(&damaged, NOW).is_err(), "a whole block, damaged");
+        assert!(read_mark(&file_of(&damaged, &damaged), NOW).is_err());
+        assert!(read_mark(b"snowgate-high-water-mark v2 ", NOW).is_err());
+        assert!(read_mark(b"snowmelt", NOW).is_err());
+        let mut late = [0u8; BLOCK];
+        late[512..].copy_from_slice(&whole[512..]);
+        assert!(read_mark(&late, NOW).is_err(), "no start of a record");
     }
 
     #[test]

@@ -115,6 +115,24 @@ pub(super) fn decode(block: &[u8]) -> Result<Option<Record>, String> {
     }
 }
 
+/// Whether `block` (the first copy), which does not read as a record,
+/// holds what a write of one leaves when it is cut short: the record's
+/// start, up to where the bytes that reached the disk end (zeros after it,
+/// or the file's end). A record damaged otherwise, or bytes that are not
+/// a record's, are not.
+pub(super) fn starts_like_a_record(block: &[u8]) -> bool {
+    let written = block
+        .iter()
+        .rposition(|&b| b != 0)
+        .map_or(0, |last| last + 1);
+    if written == 0 || written == BLOCK {
+        // Nothing at all, or the whole block: not a write cut short.
+        return false;
+    }
+    let start = &block[..written.min(MAGIC.len())];
+    MAGIC.as_bytes().starts_with(start) && (written <= MAGIC.len() || block[MAGIC.len()] == b' ')
+}
+
 /// The start of a line, quoted, for a message.
 fn shown(line: &str) -> String {
     let start: String = line.chars().take(120).collect();
