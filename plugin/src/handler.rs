@@ -4,7 +4,7 @@
 use std::fmt;
 
 use crate::body::{find_edits, BodyError, Edit};
-use crate::layout::SnowflakeLayout;
+use crate::layout::{LayoutError, SnowflakeLayout};
 use crate::msgpack::{self, find_msgpack_edits, MsgpackEdit, MsgpackError};
 use crate::stamp;
 
@@ -193,9 +193,22 @@ pub fn decide(
     let mut stamped = Vec::with_capacity(edits.len());
     for _ in 0..edits.len() {
         let tick = ids.next_tick(space);
-        let id = layout
-            .compose(tick.millis, machine.value, tick.sequence)
-            .map_err(|e| PluginFailure(format!("the host's clock gave an unusable tick: {e}")))?;
+        let id = match layout.compose_unique(tick.millis, machine.value, tick.sequence) {
+            Ok(id) => id,
+            // For 65.536 s every 17.4 years: a wait, not a fault.
+            Err(e @ LayoutError::StampFolds { .. }) => {
+                return Ok(Decision::Reject(Rejection {
+                    status: 503,
+                    code: "no_unique_id",
+                    message: format!("this gateway cannot issue request ids right now: {e}"),
+                }))
+            }
+            Err(e) => {
+                return Err(PluginFailure(format!(
+                    "the host's clock gave an unusable tick: {e}"
+                )))
+            }
+        };
         stamped.push(id);
     }
     let body = match &edits {
@@ -221,5 +234,67 @@ impl Edits {
 
     fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A host whose clock reads `millis`, one sequence after another.
+    struct ClockAt {
+        millis: u64,
+        sequence: u32,
+    }
+
+    impl IdSource for ClockAt {
+        fn machine_id(&mut self) -> Result<MachineId, String> {
+            Ok(MachineId {
+                value: 7,
+                layout: SnowflakeLayout::TrtllmV2,
+            })
+        }
+
+        fn next_tick(&mut self, _sequence_space: u32) -> Tick {
+            self.sequence += 1;
+            Tick {
+                millis: self.millis,
+                sequence: self.sequence - 1,
+            }
+        }
+    }
+
+    /// In the 65.536 s before trtllm-v2's stamp wraps, where its ids would
+    /// repeat those made after the wrap, a request that needs one is
+    /// answered 503 saying why, not stamped, and not a plugin failure
+    /// (which fail-open would forward unstamped); after the wrap it is
+    /// stamped again.
+    #[test]
+    fn a_v2_request_in_the_window_before_the_stamp_wraps_waits_with_503() {
+        let config = Config {
+            layout: SnowflakeLayout::TrtllmV2,
+        };
+        let body = br#"{"disaggregated_params":{"request_type":"context_only"}}"#;
+        let wrap = 4u64 << 39;
+        let mut before = ClockAt {
+            millis: wrap - 1000,
+            sequence: 0,
+        };
+        match decide(&config, false, body, &mut before) {
+            Ok(Decision::Reject(rejection)) => {
+                assert_eq!(rejection.status, 503);
+                assert_eq!(rejection.code, "no_unique_id");
+                assert!(rejection.message.contains("wraps"), "{}", rejection.message);
+            }
+            other => panic!("not a 503: {other:?}"),
+        }
+        let mut after = ClockAt {
+            millis: wrap + 64_536,
+            sequence: 0,
+        };
+        assert!(matches!(
+            decide(&config, false, body, &mut after),
+            Ok(Decision::ForwardWithBody { .. })
+        ));
     }
 }

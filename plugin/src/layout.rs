@@ -65,6 +65,16 @@ pub enum LayoutError {
         /// The id given.
         id: u64,
     },
+    /// A `trtllm-v2` id in the last 65.536 s before its 39-bit timestamp
+    /// wraps (every 2^39 ms, about 17.4 years; next on
+    /// 2039-09-07T15:47:35.552Z): TensorRT-LLM's rotation would give it
+    /// the id of one made 65.536 s later, after the wrap, so none is made.
+    StampFolds {
+        /// The layout asked for.
+        layout: SnowflakeLayout,
+        /// The millisecond given (Unix time).
+        millis: u64,
+    },
     /// A layout name that is not known.
     UnknownLayout(String),
 }
@@ -91,6 +101,12 @@ impl fmt::Display for LayoutError {
                 f,
                 "id {id} was not made by layout {layout}: it is at or above 2^63 - 1, or its machine id field is outside 0..={}",
                 layout.max_machine_id()
+            ),
+            LayoutError::StampFolds { layout, millis } => write!(
+                f,
+                "layout {layout} makes no unique id at millisecond {millis}: it is in the last \
+                 65.536 s before the layout's 39-bit timestamp wraps, where its ids would repeat \
+                 those of the 65.536 s after the wrap; ids resume once it has wrapped"
             ),
             LayoutError::UnknownLayout(name) => {
                 write!(f, "unknown id layout {name:?}: use trtllm-v1 or trtllm-v2")
@@ -150,7 +166,36 @@ impl SnowflakeLayout {
         Ok(())
     }
 
-    /// Packs one id, exactly as TensorRT-LLM does.
+    /// Packs one id that no other (millisecond, machine id, sequence)
+    /// packs to: [`SnowflakeLayout::compose`], refusing the ids
+    /// TensorRT-LLM's `trtllm-v2` would repeat ([`LayoutError::StampFolds`]).
+    /// What the plugin stamps with.
+    pub fn compose_unique(
+        self,
+        millis: u64,
+        machine_id: u32,
+        sequence: u32,
+    ) -> Result<u64, LayoutError> {
+        let id = self.compose(millis, machine_id, sequence)?;
+        // A v2 stamp masked to 39 bits ends each period (its last 2^16 ms)
+        // in compositions at or above the rotation's modulus, which fold
+        // onto those of the next period's first 2^16 ms: exactly the ids
+        // that do not read back as what they were made of. (v1's fold
+        // begins in 2039 too, but onto compositions of 1970, which no
+        // gateway made.)
+        if self == SnowflakeLayout::TrtllmV2
+            && self.decode(id).map(|parts| parts.millis) != Ok(millis & ((1 << 39) - 1))
+        {
+            return Err(LayoutError::StampFolds {
+                layout: self,
+                millis,
+            });
+        }
+        Ok(id)
+    }
+
+    /// Packs one id, exactly as TensorRT-LLM does, folds included (see
+    /// [`SnowflakeLayout::compose_unique`]).
     pub fn compose(self, millis: u64, machine_id: u32, sequence: u32) -> Result<u64, LayoutError> {
         self.check_machine_id(machine_id)?;
         if sequence >= self.sequence_space() {
@@ -329,6 +374,73 @@ mod tests {
             assert!(layout.decode(i64::MAX as u64).is_err());
             assert!(layout.decode(u64::MAX).is_err());
         }
+    }
+
+    /// In the 2^16 ms before trtllm-v2's 39-bit stamp wraps, TensorRT-LLM's
+    /// rotation folds ids onto those made after the wrap: the review's pair
+    /// made 65.536 s apart was one id. Those are refused; every id made
+    /// around the wrap reads back as what it was made of (so no two are
+    /// equal), and the ids of either side of the window are made.
+    #[test]
+    fn v2_makes_no_id_its_rotation_would_repeat_across_the_stamp_wrap() {
+        let v2 = SnowflakeLayout::TrtllmV2;
+        // 2039-09-07T15:47:35.552Z.
+        let wrap = 4u64 << 39;
+        let folds = |result| matches!(result, Err(LayoutError::StampFolds { .. }));
+        // TensorRT-LLM's formula, which the vectors hold, makes them.
+        assert_eq!(
+            v2.compose(wrap - 1000, 7, 5),
+            v2.compose(wrap + 64_536, 7, 6)
+        );
+        assert!(folds(v2.compose_unique(wrap - 1000, 7, 5)));
+        let after = v2
+            .compose_unique(wrap + 64_536, 7, 6)
+            .expect("after the wrap");
+        assert_eq!(v2.decode(after).map(|p| p.millis), Ok(64_536));
+        let err = v2.compose_unique(wrap - 1, 0, 0).unwrap_err().to_string();
+        assert!(err.contains("65.536 s before"), "{err}");
+        let (top_machine, top_sequence) = (v2.max_machine_id(), v2.sequence_space() - 1);
+        // The window's first millisecond folds only its very last id.
+        let first = wrap - (1 << 16) - 1;
+        assert!(folds(v2.compose_unique(first, top_machine, top_sequence)));
+        v2.compose_unique(first, top_machine, top_sequence - 1)
+            .expect("below the fold");
+        v2.compose_unique(first - 1, top_machine, top_sequence)
+            .expect("before the window");
+        let mut refused = 0;
+        for millis in (first - 3..first + 3)
+            .chain(wrap - 3..wrap + 3)
+            .chain(wrap + (1 << 16) - 3..wrap + (1 << 16) + 3)
+        {
+            for (machine_id, sequence) in [
+                (0, 0),
+                (7, 5),
+                (top_machine, top_sequence),
+                (top_machine, 0),
+                (0, top_sequence),
+            ] {
+                match v2.compose_unique(millis, machine_id, sequence) {
+                    Ok(id) => assert_eq!(
+                        v2.decode(id),
+                        Ok(IdParts {
+                            millis: millis & ((1 << 39) - 1),
+                            machine_id,
+                            sequence
+                        }),
+                        "{millis} {machine_id} {sequence}"
+                    ),
+                    Err(e) => {
+                        assert!(millis >= first && millis < wrap, "{millis}: {e}");
+                        refused += 1;
+                    }
+                }
+            }
+        }
+        assert!(refused > 0);
+        // trtllm-v1 folds from 2039 too, onto 1970's ids: made all the same.
+        SnowflakeLayout::TrtllmV1
+            .compose_unique(wrap - 1000, 7, 5)
+            .expect("v1 in 2039");
     }
 
     #[test]
