@@ -7,9 +7,11 @@ use std::time::SystemTime;
 
 use anyhow::Context as _;
 use arc_swap::ArcSwap;
+use snowgate_plugin::SnowflakeLayout;
 
 use crate::bindings::exports::snowgate::middleware::handler::{Action, Rejection};
 use crate::call::Fenced;
+use crate::clock::Tick;
 use crate::engine::PluginEngine;
 use crate::gateway::metrics::Metrics;
 use crate::gateway::plugin_file::read_plugin_file;
@@ -340,8 +342,9 @@ impl PluginSlot {
 }
 
 /// Loads a plugin and runs the self-check: a canned context-only request
-/// must not be forwarded without an integer `disagg_request_id`, nor make
-/// the plugin fail.
+/// must not be forwarded without an integer `disagg_request_id` made of
+/// the host's layout, its machine id and a tick the plugin took from the
+/// host's id clock during the call, nor make the plugin fail.
 ///
 /// A rejection for want of credentials (401, 403) passes, with a warning:
 /// it sends nothing on unstamped, and a plugin that also checks what the
@@ -428,11 +431,19 @@ fn load_gated(
         None => None,
     };
     let identity = &engine.services().identity;
+    let clock = &engine.services().clock;
     let grant = identity.generation();
+    let before = clock.last_tick();
     let answer = plugin
         .handle_fenced(&self_check_request())
         .context("self-check: the plugin failed on a canned context-only request")?;
-    judge_self_check(&plugin, answer, || {
+    let made = TicksOfTheCall {
+        layout: identity.layout(),
+        machine_id: identity.current().ok().map(|machine| machine.value),
+        before,
+        after: clock.last_tick(),
+    };
+    judge_self_check(&plugin, answer, &made, || {
         why_no_ids_may_leave(engine).or_else(|| {
             // An id granted during the call: the plugin may have asked
             // before, and found none.
@@ -455,20 +466,86 @@ fn self_check_request() -> Request {
     }
 }
 
+/// What the self-check's id must be made of: the host's layout and
+/// machine id, and a tick of the host's id clock taken during the call
+/// (after `before`, up to `after`, its last ticks before and after).
+struct TicksOfTheCall {
+    layout: SnowflakeLayout,
+    machine_id: Option<u32>,
+    before: Option<Tick>,
+    after: Option<Tick>,
+}
+
+impl TicksOfTheCall {
+    /// Why `id` was not made as the contract says (see [`load_checked`]),
+    /// if it was not. A build whose id is its own (a counter, a constant,
+    /// another layout or machine id) would repeat ids, and the host's
+    /// check of each call's ids, which looks at the ticks it took, would
+    /// not see it.
+    fn misfit(&self, id: u64) -> Option<String> {
+        let layout = self.layout;
+        let parts = match layout.decode(id) {
+            Ok(parts) => parts,
+            Err(e) => return Some(format!("it is not an id of layout {layout}: {e}")),
+        };
+        if let Some(machine_id) = self.machine_id.filter(|&held| held != parts.machine_id) {
+            return Some(format!(
+                "it carries machine id {}, not the host's {machine_id}",
+                parts.machine_id
+            ));
+        }
+        let Some(after) = self.after.filter(|&after| Some(after) != self.before) else {
+            return Some("the plugin took no tick of the host's id clock to make it".to_string());
+        };
+        // trtllm-v2 keeps 39 bits of the millisecond.
+        let mask = match layout {
+            SnowflakeLayout::TrtllmV1 => u64::MAX,
+            SnowflakeLayout::TrtllmV2 => (1 << 39) - 1,
+        };
+        let from = self.before.map_or(0, |before| before.millis) & mask;
+        let to = after.millis & mask;
+        // Across a 39-bit wrap (2039) the window is not checked.
+        if from <= to && !(from..=to).contains(&parts.millis) {
+            return Some(format!(
+                "its millisecond {} is not one the host's id clock gave during the call ({from} \
+                 to {to})",
+                parts.millis
+            ));
+        }
+        None
+    }
+}
+
 /// Whether the self-check's answer lets the build serve (see
-/// [`load_checked`]); `no_ids_now` tells why the host holds no machine id
-/// it may use now, if it holds none.
+/// [`load_checked`]); `made` is what its id must be made of, and
+/// `no_ids_now` tells why the host holds no machine id it may use now, if
+/// it holds none.
 fn judge_self_check(
     plugin: &Plugin,
     answer: Fenced,
+    made: &TicksOfTheCall,
     no_ids_now: impl FnOnce() -> Option<String>,
 ) -> anyhow::Result<()> {
     match answer.action {
         Action::ForwardWithBody(body) => {
             let value: serde_json::Value = serde_json::from_slice(&body)
                 .context("self-check: the plugin answered a body that is not JSON")?;
-            if !value["disaggregated_params"]["disagg_request_id"].is_u64() {
+            let Some(id) = value["disaggregated_params"]["disagg_request_id"].as_u64() else {
                 anyhow::bail!("self-check: the plugin did not stamp an integer disagg_request_id on a context-only request");
+            };
+            if let Some(misfit) = made.misfit(id) {
+                // The machine id changed after the host let the id out.
+                if let Some(reason) = no_ids_now() {
+                    return Err(CannotCheckNow {
+                        reason,
+                        sha256: plugin.info().sha256.clone(),
+                    }
+                    .into());
+                }
+                anyhow::bail!(
+                    "self-check: the plugin stamped the id {id}, which is not made of the host's \
+                     clock and machine id, so it could repeat: {misfit}"
+                );
             }
         }
         // The host withheld the self-check's id: the plugin took a tick,
@@ -561,8 +638,10 @@ mod tests {
             }),
             ids_withheld: false,
         };
-        let error = judge_self_check(&plugin, refusal(), || Some("the lease lapsed".into()))
-            .expect_err("not passed");
+        let error = judge_self_check(&plugin, refusal(), &no_ticks(), || {
+            Some("the lease lapsed".into())
+        })
+        .expect_err("not passed");
         let put_off = error
             .downcast_ref::<CannotCheckNow>()
             .expect("put off, not refused");
@@ -571,7 +650,8 @@ mod tests {
             format!("{error:#}").contains("(the lease lapsed)"),
             "{error:#}"
         );
-        let error = judge_self_check(&plugin, refusal(), || None).expect_err("refused");
+        let error =
+            judge_self_check(&plugin, refusal(), &no_ticks(), || None).expect_err("refused");
         assert!(error.downcast_ref::<CannotCheckNow>().is_none());
         assert!(
             format!("{error:#}").contains("rejected a valid context-only request with 503"),
@@ -615,8 +695,10 @@ mod tests {
         // The keeper raises the mark before the answer is judged.
         identity.ceiling_raised(past + 60_000, past + 30_000);
         assert_eq!(why_no_ids_may_leave(&engine), None, "the mark is raised");
-        let error = judge_self_check(&plugin, answer, || why_no_ids_may_leave(&engine))
-            .expect_err("put off");
+        let error = judge_self_check(&plugin, answer, &no_ticks(), || {
+            why_no_ids_may_leave(&engine)
+        })
+        .expect_err("put off");
         assert!(
             error
                 .downcast_ref::<CannotCheckNow>()
@@ -624,6 +706,96 @@ mod tests {
             "{error:#}"
         );
         // And with the mark raised, the build stamps.
+        load_checked(&engine, snowgate_plugin_bundle::PLUGIN_WASM, &[]).expect("stamps");
+    }
+
+    /// A call that took no tick, with machine id 3 in trtllm-v1.
+    fn no_ticks() -> TicksOfTheCall {
+        TicksOfTheCall {
+            layout: SnowflakeLayout::TrtllmV1,
+            machine_id: Some(3),
+            before: None,
+            after: None,
+        }
+    }
+
+    /// A build that stamps an id of its own, not made of the tick it took
+    /// and the host's machine id, would repeat ids, and the host's check
+    /// of each call, which looks at the ticks taken, does not see it: the
+    /// self-check refuses it, saying what is wrong with the id. An id made
+    /// of the call's tick and the host's machine id passes.
+    #[test]
+    fn a_build_that_stamps_an_id_of_its_own_is_refused() {
+        let identity = Arc::new(MachineIdentity::fixed(SnowflakeLayout::TrtllmV1, 3).unwrap());
+        let services = HostServices {
+            clock: Arc::new(IdClock::system()),
+            identity,
+        };
+        let engine = PluginEngine::new(services, PluginLimits::default()).expect("an engine");
+        let plugin =
+            Plugin::load(&engine, snowgate_plugin_bundle::PLUGIN_WASM, &[]).expect("loads");
+        let v1 = SnowflakeLayout::TrtllmV1;
+        let now = millis_of(SystemTime::now());
+        let took = TicksOfTheCall {
+            before: Some(Tick {
+                millis: now - 5,
+                sequence: 0,
+            }),
+            after: Some(Tick {
+                millis: now,
+                sequence: 2,
+            }),
+            ..no_ticks()
+        };
+        let stamped = |id: u64| {
+            Fenced {
+            action: Action::ForwardWithBody(
+                format!(r#"{{"disaggregated_params":{{"request_type":"context_only","disagg_request_id":{id}}}}}"#)
+                    .into_bytes(),
+            ),
+            ids_withheld: false,
+        }
+        };
+        let judged = |id: u64, made: &TicksOfTheCall| {
+            judge_self_check(&plugin, stamped(id), made, || None).map_err(|e| format!("{e:#}"))
+        };
+        let good = v1.compose(now - 2, 3, 7).unwrap();
+        assert_eq!(judged(good, &took), Ok(()));
+        for (id, made, says) in [
+            // A constant, below the layout's smallest id.
+            (1_099_511_628_800, &took, "not an id of layout trtllm-v1"),
+            (
+                v1.compose(now - 2, 4, 7).unwrap(),
+                &took,
+                "machine id 4, not the host's 3",
+            ),
+            (
+                v1.compose(now - 60_000, 3, 7).unwrap(),
+                &took,
+                "not one the host's id clock gave",
+            ),
+            (
+                v1.compose(now + 1, 3, 0).unwrap(),
+                &took,
+                "not one the host's id clock gave",
+            ),
+            (good, &no_ticks(), "took no tick"),
+        ] {
+            let error = judged(id, made).expect_err(says);
+            assert!(error.contains(says), "{error}");
+            assert!(error.contains("could repeat"), "{error}");
+        }
+        // Where the machine id changed meanwhile, the build is put off.
+        let other = v1.compose(now - 2, 4, 7).unwrap();
+        let error = judge_self_check(&plugin, stamped(other), &took, || {
+            Some("the machine id changed during the self-check".into())
+        })
+        .expect_err("put off");
+        assert!(
+            error.downcast_ref::<CannotCheckNow>().is_some(),
+            "{error:#}"
+        );
+        // The bundled plugin's id passes, through the real call.
         load_checked(&engine, snowgate_plugin_bundle::PLUGIN_WASM, &[]).expect("stamps");
     }
 }
