@@ -17,7 +17,9 @@
 # gateway process (every thread) divided by N. `application/json` goes
 # through the plugin; `text/plain`, the same bytes, streams through without
 # it. The kernel's share (about half the CPU, see BENCHMARKS.md) is not
-# counted. Environment: N (2000), CTYPES ('application/json text/plain').
+# counted. Environment: N (2000), CTYPES ('application/json text/plain'),
+# HEADER (one more request header, e.g. 'Connection: keep-alive', as
+# Python's requests and httpx send).
 # Needs valgrind, nginx, oha (on PATH or in /opt/oha/bin), curl, python3.
 set -euo pipefail
 if [ $# -lt 1 ]; then
@@ -41,7 +43,7 @@ start_upstream "$DIR" "$UP"
 
 send() { # PORT CTYPE COUNT: COUNT requests, all of which must be answered 200
     local out
-    out=$(oha -n "$3" -c 4 --no-tui -m POST -H "Content-Type: $2" -D "$DIR/body.json" \
+    out=$(oha -n "$3" -c 4 --no-tui -m POST -H "Content-Type: $2" ${HEADER:+-H "$HEADER"} -D "$DIR/body.json" \
         "http://127.0.0.1:$1/v1/chat/completions")
     grep -q "\[200\] $3 responses" <<<"$out" || { echo "$0: not every request got 200:" >&2; echo "$out" >&2; exit 1; }
 }
