@@ -74,8 +74,9 @@ impl fmt::Display for MsgpackError {
 
 impl std::error::Error for MsgpackError {}
 
-/// Validates `body` as one MessagePack value and returns, in the order of
-/// their maps' headers, the edits that give every effective context-only
+/// Validates `body` as one MessagePack value and returns, in byte order of
+/// their first change (a map's header when a pair is appended, the `nil`
+/// when one is replaced), the edits that give every effective context-only
 /// `disaggregated_params` map without an id its id.
 pub fn find_msgpack_edits(body: &[u8]) -> Result<Vec<MsgpackEdit>, MsgpackError> {
     if body.is_empty() {
