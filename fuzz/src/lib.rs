@@ -1,5 +1,6 @@
 //! Shared code of the snowgate fuzz targets.
 
+pub mod mp_oracle;
 pub mod oracle;
 
 /// serde_json without its recursion limit (snowgate allows one level more

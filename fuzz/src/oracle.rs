@@ -253,7 +253,7 @@ fn check_body_error(body: &[u8], e: &BodyError) {
 
 /// The ids: one per edit, distinct, in body order, made from the source's
 /// ticks and machine id.
-fn check_ids(ids: &[u64], edits: usize, source: &CounterIds, layout: SnowflakeLayout) {
+pub fn check_ids(ids: &[u64], edits: usize, source: &CounterIds, layout: SnowflakeLayout) {
     assert_eq!(ids.len(), edits, "one id per edit");
     assert_eq!(source.machine_calls, 1, "machine id asked once");
     assert_eq!(source.ticks.len(), ids.len(), "one tick per id");
