@@ -1301,8 +1301,15 @@ async fn one_connection_has_at_most_8_requests_waiting_for_room() {
     let sender = http2_to(gateway.addr).await;
     let send = |body| post_json_h2(&sender, &gateway, body);
     // A body of no declared length takes all the room while it comes.
+    // It opens with as much JSON whitespace as keeps its pace while the
+    // others wait, so that a slow run does not see it cut off.
     let (chunks, channel) = tokio::sync::mpsc::channel(2);
     let holder = send(ChannelBody(channel).boxed());
+    let paced = snowgate_host::gateway::body_pace::UNDECLARED_PACED_BYTES;
+    chunks
+        .send(Bytes::from(vec![b' '; paced]))
+        .await
+        .expect("the holder's whitespace");
     gateway
         .wait_metric("snowgate_body_memory_bytes", 1048576.0)
         .await;
