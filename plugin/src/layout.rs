@@ -239,22 +239,43 @@ impl SnowflakeLayout {
         if id >= i64::MAX as u64 {
             return Err(not_made);
         }
+        self.parts_of(u128::from(raw)).ok_or(not_made)
+    }
+
+    /// Every reading of `id` as (millisecond, machine id, sequence) this
+    /// layout could have packed: [`SnowflakeLayout::decode`]'s, and for
+    /// `trtllm-v1` the one its rotation folded, which
+    /// [`SnowflakeLayout::compose_unique`] makes from 2039-09-07
+    /// 15:30:06.976 UTC on (millis from 2^41 - 2^20). Empty for an id the
+    /// layout cannot have made.
+    pub fn readings(self, id: u64) -> impl Iterator<Item = IdParts> {
+        let folded = match self {
+            SnowflakeLayout::TrtllmV1 => id.checked_sub(self.min_id()).and_then(|raw| {
+                self.parts_of(u128::from(raw) + (MAX_INT64 - u128::from(self.min_id())))
+            }),
+            // Its folded ids are the ones `compose_unique` refuses.
+            SnowflakeLayout::TrtllmV2 => None,
+        };
+        self.decode(id).ok().into_iter().chain(folded)
+    }
+
+    /// The parts of a plain composition `raw` (before the rotation), if
+    /// its machine id is one the layout gives out.
+    fn parts_of(self, raw: u128) -> Option<IdParts> {
         let parts = match self {
             SnowflakeLayout::TrtllmV1 => IdParts {
-                millis: raw >> 22,
+                millis: u64::try_from(raw >> 22).ok()?,
                 machine_id: ((raw >> 12) & 0x3ff) as u32,
                 sequence: (raw & 0xfff) as u32,
             },
             SnowflakeLayout::TrtllmV2 => IdParts {
-                millis: raw >> 24,
+                millis: u64::try_from(raw >> 24).ok().filter(|&m| m < 1 << 39)?,
                 machine_id: (((raw >> 16) & 0xff) * 64 + ((raw >> 10) & 0x3f)) as u32,
                 sequence: (raw & 0x3ff) as u32,
             },
         };
-        match self.check_machine_id(parts.machine_id) {
-            Ok(()) => Ok(parts),
-            Err(_) => Err(not_made),
-        }
+        self.check_machine_id(parts.machine_id).ok()?;
+        Some(parts)
     }
 }
 
@@ -437,10 +458,20 @@ mod tests {
             }
         }
         assert!(refused > 0);
-        // trtllm-v1 folds from 2039 too, onto 1970's ids: made all the same.
-        SnowflakeLayout::TrtllmV1
-            .compose_unique(wrap - 1000, 7, 5)
-            .expect("v1 in 2039");
+        // trtllm-v1 folds from 2039 too, onto 1970's ids: made all the same,
+        // and read back as made among its readings.
+        let v1 = SnowflakeLayout::TrtllmV1;
+        for millis in [wrap - (1 << 20) - 1, wrap - 1000, wrap, wrap + 5] {
+            let id = v1.compose_unique(millis, 7, 5).expect("v1 in 2039");
+            let made = IdParts {
+                millis,
+                machine_id: 7,
+                sequence: 5,
+            };
+            assert!(v1.readings(id).any(|p| p == made), "{millis}");
+        }
+        assert_eq!(v1.readings(5).count(), 0, "below the range");
+        assert_eq!(v2.readings(after).count(), 1);
     }
 
     #[test]

@@ -484,15 +484,8 @@ impl TicksOfTheCall {
     /// not see it.
     fn misfit(&self, id: u64) -> Option<String> {
         let layout = self.layout;
-        let parts = match layout.decode(id) {
-            Ok(parts) => parts,
-            Err(e) => return Some(format!("it is not an id of layout {layout}: {e}")),
-        };
-        if let Some(machine_id) = self.machine_id.filter(|&held| held != parts.machine_id) {
-            return Some(format!(
-                "it carries machine id {}, not the host's {machine_id}",
-                parts.machine_id
-            ));
+        if let Err(e) = layout.decode(id) {
+            return Some(format!("it is not an id of layout {layout}: {e}"));
         }
         let Some(after) = self.after.filter(|&after| Some(after) != self.before) else {
             return Some("the plugin took no tick of the host's id clock to make it".to_string());
@@ -504,15 +497,31 @@ impl TicksOfTheCall {
         };
         let from = self.before.map_or(0, |before| before.millis) & mask;
         let to = after.millis & mask;
-        // Across a 39-bit wrap (2039) the window is not checked.
-        if from <= to && !(from..=to).contains(&parts.millis) {
-            return Some(format!(
+        // Across a 39-bit wrap (2039) any millisecond is taken.
+        let in_call = |millis: u64| from > to || (from..=to).contains(&millis);
+        // A v1 id from 2039 on reads two ways (see `readings`).
+        let readings: Vec<_> = layout.readings(id).collect();
+        let machine = |machine_id: u32| self.machine_id.is_none_or(|held| held == machine_id);
+        if readings
+            .iter()
+            .any(|p| machine(p.machine_id) && in_call(p.millis))
+        {
+            return None;
+        }
+        let read = readings[0];
+        Some(
+            match self.machine_id.filter(|&held| held != read.machine_id) {
+                Some(held) => format!(
+                    "it carries machine id {}, not the host's {held}",
+                    read.machine_id
+                ),
+                None => format!(
                 "its millisecond {} is not one the host's id clock gave during the call ({from} \
                  to {to})",
-                parts.millis
-            ));
-        }
-        None
+                read.millis
+            ),
+            },
+        )
     }
 }
 
@@ -785,6 +794,24 @@ mod tests {
             assert!(error.contains(says), "{error}");
             assert!(error.contains("could repeat"), "{error}");
         }
+        // A v1 id from 2039-09-07 15:30:06.976 UTC on is folded by the
+        // rotation, and decodes as a 1970 time: it passes, read as made.
+        let late = (1u64 << 41) + 5;
+        let folded = v1.compose_unique(late, 3, 7).unwrap();
+        assert_ne!(v1.decode(folded).unwrap().millis, late);
+        let in_2039 = TicksOfTheCall {
+            before: Some(Tick {
+                millis: late - 1,
+                sequence: 0,
+            }),
+            after: Some(Tick {
+                millis: late,
+                sequence: 7,
+            }),
+            ..no_ticks()
+        };
+        assert_eq!(judged(folded, &in_2039), Ok(()));
+        assert!(judged(v1.compose_unique(late, 4, 7).unwrap(), &in_2039).is_err());
         // Where the machine id changed meanwhile, the build is put off.
         let other = v1.compose(now - 2, 4, 7).unwrap();
         let error = judge_self_check(&plugin, stamped(other), &took, || {
