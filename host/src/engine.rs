@@ -103,10 +103,20 @@ pub struct HostServices {
 
 impl HostServices {
     /// Whether an id made now could leave the process, and if not, why: the
-    /// machine id is held (its lease alive, if leased), and the next tick's
-    /// millisecond is within the id's high-water mark, if it has one.
+    /// machine id is held (its lease alive, if leased), the next tick's
+    /// millisecond is within the id's high-water mark, if it has one, and
+    /// the layout makes unique ids in it (not `trtllm-v2` in the 65.536 s
+    /// before its stamp wraps, see [`SnowflakeLayout::compose_unique`]).
+    ///
+    /// [`SnowflakeLayout::compose_unique`]: snowgate_plugin::SnowflakeLayout::compose_unique
     pub fn ids_may_leave_now(&self) -> Result<(), String> {
-        self.identity.confirm(None, self.clock.next_millis())
+        let next = self.clock.next_millis();
+        self.identity.confirm(None, next)?;
+        let layout = self.identity.layout();
+        layout
+            .compose_unique(next, layout.max_machine_id(), layout.sequence_space() - 1)
+            .map(drop)
+            .map_err(|e| e.to_string())
     }
 }
 

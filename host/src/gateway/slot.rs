@@ -718,6 +718,41 @@ mod tests {
         load_checked(&engine, snowgate_plugin_bundle::PLUGIN_WASM, &[]).expect("stamps");
     }
 
+    /// In the 65.536 s before trtllm-v2's stamp wraps, where the plugin
+    /// answers 503 `no_unique_id`, the host says no id may leave (so
+    /// `/readyz` answers 503), and a build is put off, not refused as one
+    /// that rejects valid requests.
+    #[test]
+    fn a_build_is_put_off_in_the_minute_before_the_v2_stamp_wraps() {
+        let v2 = SnowflakeLayout::TrtllmV2;
+        let wrap = 4u64 << 39;
+        let services = |millis: u64| HostServices {
+            clock: Arc::new(IdClock::new(crate::clock::FixedClock(millis))),
+            identity: Arc::new(MachineIdentity::fixed(v2, 3).unwrap()),
+        };
+        let settings = [("id-layout".to_string(), "trtllm-v2".to_string())];
+        let folding = services(wrap - 1000);
+        let why = folding.ids_may_leave_now().expect_err("no unique id");
+        assert!(
+            why.contains("before the layout's 39-bit timestamp wraps"),
+            "{why}"
+        );
+        let engine = PluginEngine::new(folding, PluginLimits::default()).expect("an engine");
+        let error = load_checked(&engine, snowgate_plugin_bundle::PLUGIN_WASM, &settings)
+            .expect_err("not checked");
+        assert!(
+            error.downcast_ref::<CannotCheckNow>().is_some(),
+            "{error:#}"
+        );
+        for millis in [wrap - (1 << 16) - 2, wrap] {
+            let engine =
+                PluginEngine::new(services(millis), PluginLimits::default()).expect("an engine");
+            assert_eq!(engine.services().ids_may_leave_now(), Ok(()), "{millis}");
+            load_checked(&engine, snowgate_plugin_bundle::PLUGIN_WASM, &settings)
+                .unwrap_or_else(|e| panic!("{millis}: {e:#}"));
+        }
+    }
+
     /// A call that took no tick, with machine id 3 in trtllm-v1.
     fn no_ticks() -> TicksOfTheCall {
         TicksOfTheCall {
