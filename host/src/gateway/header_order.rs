@@ -24,7 +24,10 @@ pub enum Change {
 /// a name), keeping the order of what stays.
 pub fn rebuild_in_order(headers: &mut HeaderMap, mut change: impl FnMut(&HeaderName) -> Change) {
     let old = std::mem::take(headers);
-    headers.reserve(old.len());
+    // Room for its names, not its values: a name's values are not bounded
+    // by the map's capacity, and `reserve` panics past 24,576 entries,
+    // which an HTTP/2 client with a large `--max-header-bytes` could send.
+    headers.reserve(old.keys_len());
     // `into_iter` gives a name with its first value only.
     let mut current: Option<(HeaderName, Change)> = None;
     for (name, value) in old {
@@ -73,6 +76,21 @@ mod tests {
         map.iter()
             .map(|(n, v)| (n.to_string(), v.to_str().expect("text").to_string()))
             .collect()
+    }
+
+    /// More values of one name than a map's capacity may hold (40,000
+    /// `a` lines, as an HTTP/2 client may send with a large header limit)
+    /// are rebuilt, not refused with a panic.
+    #[test]
+    fn many_values_of_one_name_are_rebuilt() {
+        let mut headers = HeaderMap::new();
+        headers.append("connection", HeaderValue::from_static("close"));
+        for _ in 0..40_000 {
+            headers.append("a", HeaderValue::from_static("1"));
+        }
+        remove_in_order(&mut headers, &http::header::CONNECTION);
+        assert_eq!(headers.len(), 40_000);
+        assert_eq!(headers.keys_len(), 1);
     }
 
     #[test]
