@@ -618,6 +618,18 @@ fn strip(headers: &mut HeaderMap, request: bool) {
         Vec::new()
     };
     if request {
+        // The usual `TE` of a request (gRPC clients send it) is left as it
+        // is, without a rebuild: one `TE: trailers`, nothing else to go.
+        let te_alone = accepts_trailers
+            && !upgrade
+            && named.is_empty()
+            && present.iter().filter(|here| **here).count() == 1;
+        if te_alone {
+            let mut values = headers.get_all(header::TE).iter();
+            if values.next().is_some_and(|v| v == "trailers") && values.next().is_none() {
+                return;
+            }
+        }
         rebuild_in_order(headers, |name| {
             if accepts_trailers && name == header::TE {
                 Change::Replace(header::HeaderValue::from_static("trailers"))
