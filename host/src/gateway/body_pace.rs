@@ -60,16 +60,22 @@ pub enum TooSlow {
     BehindPace,
 }
 
-/// Runs `read`, the read of a body that holds room in `memory` and has
-/// declared `length` bytes, which counts the bytes that have arrived in
-/// `arrived`: cut off once `within` has passed, or, while requests wait
-/// for room, once the body is behind the pace of its length, or of
-/// [`UNDECLARED_PACED_BYTES`] when it declared none (see the module's
-/// documentation).
+/// The length a body is paced by: the one it declared, or, where it
+/// declared none, [`UNDECLARED_PACED_BYTES`], or its `room` where that is
+/// smaller (`--max-body-bytes` below 1 MiB).
+pub fn paced_length(declared: Option<usize>, room: usize) -> usize {
+    declared.unwrap_or(UNDECLARED_PACED_BYTES.min(room))
+}
+
+/// Runs `read`, the read of a body that holds room in `memory`, paced by
+/// `length` bytes (see [`paced_length`]), which counts the bytes that have
+/// arrived in `arrived`: cut off once `within` has passed, or, while
+/// requests wait for room, once the body is behind the pace of `length`
+/// (see the module's documentation).
 pub async fn keeping_pace<F: Future>(
     read: F,
     arrived: &AtomicUsize,
-    length: Option<usize>,
+    length: usize,
     within: Duration,
     memory: &BodyMemory,
 ) -> Result<F::Output, TooSlow> {
@@ -86,7 +92,6 @@ pub async fn keeping_pace<F: Future>(
             () = timed_out.as_mut() => return Err(TooSlow::TimedOut),
             _ = check.tick() => {
                 let arrived = arrived.load(Ordering::Relaxed);
-                let length = length.unwrap_or(UNDECLARED_PACED_BYTES);
                 if memory.waiting() > 0 && behind(arrived, length, started.elapsed(), within) {
                     return Err(TooSlow::BehindPace);
                 }
@@ -119,6 +124,16 @@ mod tests {
     const MIB: usize = 1 << 20;
     const WITHIN: Duration = Duration::from_secs(60);
 
+    /// A body of no declared length is paced as 64 KiB, or as its room
+    /// where `--max-body-bytes` makes that smaller; a declared one by its
+    /// length.
+    #[test]
+    fn a_body_is_paced_by_its_length_or_at_most_64_kib() {
+        assert_eq!(paced_length(Some(5 * MIB), MIB), 5 * MIB);
+        assert_eq!(paced_length(None, MIB), UNDECLARED_PACED_BYTES);
+        assert_eq!(paced_length(None, 16 << 10), 16 << 10);
+    }
+
     #[test]
     fn a_body_is_behind_once_it_lags_the_pace_after_the_slack() {
         // 60 MiB in 60 s: 1 MiB a second, from 5 s on.
@@ -142,7 +157,7 @@ mod tests {
         let arrived = AtomicUsize::new(1024);
         let never = std::future::pending::<()>();
         let started = Instant::now();
-        let alone = keeping_pace(never, &arrived, Some(MIB), WITHIN, &memory).await;
+        let alone = keeping_pace(never, &arrived, MIB, WITHIN, &memory).await;
         assert_eq!(alone, Err(TooSlow::TimedOut));
         assert_eq!(started.elapsed(), WITHIN);
 
@@ -155,7 +170,7 @@ mod tests {
         }
         let started = Instant::now();
         let never = std::future::pending::<()>();
-        let cut = keeping_pace(never, &arrived, Some(MIB), WITHIN, &memory).await;
+        let cut = keeping_pace(never, &arrived, MIB, WITHIN, &memory).await;
         assert_eq!(cut, Err(TooSlow::BehindPace));
         assert!(
             started.elapsed() <= PACE_SLACK + CHECK_EVERY,
@@ -170,7 +185,8 @@ mod tests {
             let arrived = AtomicUsize::new(sent);
             let started = Instant::now();
             let never = std::future::pending::<()>();
-            let read = keeping_pace(never, &arrived, None, within, &memory).await;
+            let read =
+                keeping_pace(never, &arrived, paced_length(None, MIB), within, &memory).await;
             if cut_off {
                 assert_eq!(read, Err(TooSlow::BehindPace));
                 assert!(started.elapsed() <= PACE_SLACK + CHECK_EVERY);
@@ -206,7 +222,7 @@ mod tests {
         let read = keeping_pace(
             read,
             &arrived,
-            Some(MIB),
+            MIB,
             WITHIN + Duration::from_secs(1),
             &memory,
         );

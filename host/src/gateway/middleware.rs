@@ -62,7 +62,7 @@ use tower_service::Service;
 use crate::bindings::exports::snowgate::middleware::handler::Action;
 use crate::gateway::body_limit::{BodyTooLarge, Capped};
 use crate::gateway::body_memory::{self, BodyMemory, NoRoom, Unreserved};
-use crate::gateway::body_pace::{keeping_pace, pace_kib_per_sec, TooSlow, UNDECLARED_PACED_BYTES};
+use crate::gateway::body_pace::{keeping_pace, pace_kib_per_sec, paced_length, TooSlow};
 use crate::gateway::client_body::{BodyProgress, BoxError, ClientFault};
 use crate::gateway::client_gone::ClientGone;
 use crate::gateway::config::{ConnectionLimits, FailurePolicy};
@@ -361,7 +361,8 @@ impl Shared {
         // could hold room by sending a byte now and then (see `body_pace`).
         let within = self.body_memory.wait();
         // Paced by its declared length, or, where it declared none, as if
-        // it were `UNDECLARED_PACED_BYTES` long.
+        // it were `UNDECLARED_PACED_BYTES` long (at most its room).
+        let paced = paced_length(declared, first_room);
         let arrived = AtomicUsize::new(0);
         // A body that is here already (most small ones) is read at once,
         // without arming a timer for it.
@@ -379,7 +380,7 @@ impl Shared {
                 Poll::Ready(read) => Ok(read),
                 Poll::Pending => {
                     let memory = &self.body_memory;
-                    keeping_pace(read, &arrived, declared, within, memory).await
+                    keeping_pace(read, &arrived, paced, within, memory).await
                 }
             }
         };
@@ -427,7 +428,7 @@ impl Shared {
                              KiB per {} ms (--body-read-timeout-ms) while other requests waited \
                              for room in the gateway's body memory; send it faster, or declare \
                              its length (Content-Length)",
-                            UNDECLARED_PACED_BYTES >> 10,
+                            paced.div_ceil(1024),
                             within.as_millis()
                         ),
                     },
