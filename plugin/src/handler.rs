@@ -193,7 +193,15 @@ pub fn decide(
     let mut stamped = Vec::with_capacity(edits.len());
     for _ in 0..edits.len() {
         let tick = ids.next_tick(space);
-        let id = match layout.compose_unique(tick.millis, machine.value, tick.sequence) {
+        // The reading a refusing clock gives (millis 2^64 - 1) makes an id
+        // the host withholds, answering why itself (`id_rate_exceeded`):
+        // it is not refused here as one in the v2 stamp's last minute.
+        let made = if tick.millis == u64::MAX {
+            layout.compose(tick.millis, machine.value, tick.sequence)
+        } else {
+            layout.compose_unique(tick.millis, machine.value, tick.sequence)
+        };
+        let id = match made {
             Ok(id) => id,
             // For 65.536 s every 17.4 years: a wait, not a fault.
             Err(e @ LayoutError::StampFolds { .. }) => {
@@ -294,6 +302,17 @@ mod tests {
         };
         assert!(matches!(
             decide(&config, false, body, &mut after),
+            Ok(Decision::ForwardWithBody { .. })
+        ));
+        // The refusing clock's reading (2^64 - 1 ms, whose 39 bits are in
+        // that window too) is forwarded as before: the host withholds its
+        // id and answers 503 `id_rate_exceeded` itself.
+        let mut refused = ClockAt {
+            millis: u64::MAX,
+            sequence: 0,
+        };
+        assert!(matches!(
+            decide(&config, false, body, &mut refused),
             Ok(Decision::ForwardWithBody { .. })
         ));
     }
