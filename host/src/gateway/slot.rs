@@ -626,11 +626,9 @@ mod tests {
     use crate::limits::PluginLimits;
     use crate::utc::millis_of;
 
-    /// A plugin's own 503 (no tick taken) is judged only while the host
-    /// holds a machine id: refused then, and while it holds none, neither
-    /// passed nor refused but put off, naming why.
-    #[test]
-    fn a_plugins_503_is_put_off_while_the_host_holds_no_machine_id() {
+    /// An engine on the system clock with machine id 3 in trtllm-v1, and
+    /// the bundled plugin loaded in it (not checked).
+    fn bundled_with_machine_id_3() -> (PluginEngine, Plugin) {
         let identity = Arc::new(MachineIdentity::fixed(SnowflakeLayout::TrtllmV1, 3).unwrap());
         let services = HostServices {
             clock: Arc::new(IdClock::system()),
@@ -639,6 +637,15 @@ mod tests {
         let engine = PluginEngine::new(services, PluginLimits::default()).expect("an engine");
         let plugin =
             Plugin::load(&engine, snowgate_plugin_bundle::PLUGIN_WASM, &[]).expect("loads");
+        (engine, plugin)
+    }
+
+    /// A plugin's own 503 (no tick taken) is judged only while the host
+    /// holds a machine id: refused then, and while it holds none, neither
+    /// passed nor refused but put off, naming why.
+    #[test]
+    fn a_plugins_503_is_put_off_while_the_host_holds_no_machine_id() {
+        let (_engine, plugin) = bundled_with_machine_id_3();
         let refusal = || Fenced {
             action: Action::Reject(Rejection {
                 status: 503,
@@ -770,14 +777,7 @@ mod tests {
     /// of the call's tick and the host's machine id passes.
     #[test]
     fn a_build_that_stamps_an_id_of_its_own_is_refused() {
-        let identity = Arc::new(MachineIdentity::fixed(SnowflakeLayout::TrtllmV1, 3).unwrap());
-        let services = HostServices {
-            clock: Arc::new(IdClock::system()),
-            identity,
-        };
-        let engine = PluginEngine::new(services, PluginLimits::default()).expect("an engine");
-        let plugin =
-            Plugin::load(&engine, snowgate_plugin_bundle::PLUGIN_WASM, &[]).expect("loads");
+        let (engine, plugin) = bundled_with_machine_id_3();
         let v1 = SnowflakeLayout::TrtllmV1;
         let now = millis_of(SystemTime::now());
         let took = TicksOfTheCall {
