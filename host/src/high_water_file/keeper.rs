@@ -561,7 +561,7 @@ mod tests {
     fn a_first_mark_that_cannot_be_written_fails_the_start() {
         let path = scratch("read-only");
         let (mut file, _) = open(&path);
-        file.file = File::open(&path).expect("opens read-only");
+        file.file = std::sync::Mutex::new(File::open(&path).expect("opens read-only"));
         let services = services();
         let error = runtime()
             .block_on(MarkKeeper::start(file, None, services.clone()))

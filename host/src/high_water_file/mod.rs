@@ -23,6 +23,7 @@ use std::io::Read as _;
 use std::os::unix::fs::{FileExt as _, OpenOptionsExt as _};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
 use std::time::{Duration, SystemTime};
 
 use anyhow::Context as _;
@@ -42,7 +43,10 @@ pub const FURTHEST_AHEAD: Duration = Duration::from_secs(86_400);
 /// An open high-water file, locked for this process until dropped.
 #[derive(Debug)]
 pub struct HighWaterFile {
-    file: File,
+    /// The file the path led to when it was last written; another one
+    /// when the path was found leading elsewhere (see
+    /// [`HighWaterFile::write`]).
+    file: Mutex<File>,
     path: PathBuf,
     layout: SnowflakeLayout,
     machine_id: u32,
@@ -120,7 +124,7 @@ impl HighWaterFile {
             );
         }
         let found = HighWaterFile {
-            file,
+            file: Mutex::new(file),
             path: path.to_path_buf(),
             layout,
             machine_id,
@@ -139,7 +143,43 @@ impl HighWaterFile {
     /// a crash or power loss reads this mark or a later one. Blocks for
     /// two `fdatasync`s (and, on the first write to a new file, a sync of
     /// its directory).
+    ///
+    /// The path must still lead to the file written: a mark written to a
+    /// file that was removed (or replaced by another) while the gateway
+    /// ran would not be read by the next start. So where the path leads
+    /// elsewhere, the file there is opened as at a start (made anew when
+    /// there is none, locked, its mark read), logged at WARN, and the
+    /// higher of the two marks written to it. One another process holds
+    /// locked is an error, as at a start.
     pub fn write(&self, millis: u64) -> anyhow::Result<()> {
+        let mut file = self.file.lock().unwrap_or_else(|p| p.into_inner());
+        self.write_to(&file, millis)?;
+        if self.still_at_path(&file)? {
+            return Ok(());
+        }
+        let (found, stored) = HighWaterFile::open(&self.path, self.layout, self.machine_id)
+            .context("the high-water file was removed or replaced while this gateway ran")?;
+        let found = found.file.into_inner().unwrap_or_else(|p| p.into_inner());
+        self.entry_synced.store(false, Ordering::Relaxed);
+        let mark = millis.max(stored.unwrap_or(0));
+        self.write_to(&found, mark)?;
+        tracing::warn!(
+            "the high-water file {} was removed or replaced while this gateway ran: its marks \
+             went to a file the path no longer leads to, which the next start would not read; \
+             they go to the file now at the path ({}), from the mark {}",
+            self.path.display(),
+            match stored {
+                Some(stored) => format!("holding the mark {}", format_millis(stored)),
+                None => "made anew".to_string(),
+            },
+            format_millis(mark)
+        );
+        *file = found;
+        Ok(())
+    }
+
+    /// [`HighWaterFile::write`] to `file`, whatever the path leads to.
+    fn write_to(&self, file: &File, millis: u64) -> anyhow::Result<()> {
         let block = record::encode(&Record {
             millis,
             layout: self.layout,
@@ -147,9 +187,8 @@ impl HighWaterFile {
         });
         let shown = self.path.display();
         for (copy, offset) in [("first", 0), ("second", BLOCK as u64)] {
-            self.file
-                .write_all_at(&block, offset)
-                .and_then(|()| self.file.sync_data())
+            file.write_all_at(&block, offset)
+                .and_then(|()| file.sync_data())
                 .with_context(|| {
                     format!("writing the {copy} copy of the high-water mark to {shown}")
                 })?;
@@ -161,6 +200,21 @@ impl HighWaterFile {
             self.entry_synced.store(true, Ordering::Relaxed);
         }
         Ok(())
+    }
+
+    /// Whether the path still leads to `file` (`false` when it leads
+    /// nowhere).
+    fn still_at_path(&self, file: &File) -> anyhow::Result<bool> {
+        use std::os::unix::fs::MetadataExt as _;
+        let shown = self.path.display();
+        let ours = file
+            .metadata()
+            .with_context(|| format!("reading the metadata of the high-water file {shown}"))?;
+        match std::fs::metadata(&self.path) {
+            Ok(there) => Ok(there.dev() == ours.dev() && there.ino() == ours.ino()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+            Err(e) => Err(e).with_context(|| format!("looking up the high-water file {shown}")),
+        }
     }
 }
 
@@ -415,6 +469,45 @@ mod tests {
         contents[10] = b'X';
         std::fs::write(&path, &contents).expect("damaged");
         assert_eq!(open(&path).expect("one copy reads").1, Some(NOW));
+    }
+
+    /// A file removed while its gateway runs would take the marks to a
+    /// file no path leads to, and the next start would find none: the
+    /// next write makes it anew at the path, locked, with the mark. One
+    /// replaced by another file (a restored copy) is taken over, keeping
+    /// the higher mark. One that another process holds locked is refused,
+    /// as at a start: two processes on one file would issue the same ids.
+    #[test]
+    fn a_file_removed_or_replaced_while_in_use_is_made_anew_at_its_path() {
+        let path = scratch("removed");
+        let (file, _) = open(&path).expect("a new file");
+        file.write(NOW).expect("written");
+        std::fs::remove_file(&path).expect("removed");
+        file.write(NOW + 1_000).expect("written anew");
+        let message = format!("{:#}", open(&path).expect_err("locked by the writer"));
+        assert!(message.contains("in use by another process"), "{message}");
+        let read = |path: &Path| read_mark(&std::fs::read(path).expect("there"), NOW);
+        assert_eq!(read(&path), Ok(Some(NOW + 1_000)));
+
+        // Replaced by a copy holding a higher mark: the higher one stays.
+        let copy = path.with_extension("copy");
+        std::fs::write(&copy, file_of(&record(NOW + 9_000), &record(NOW + 9_000))).expect("copy");
+        std::fs::rename(&copy, &path).expect("replaced");
+        file.write(NOW + 2_000).expect("taken over");
+        assert_eq!(read(&path), Ok(Some(NOW + 9_000)));
+        file.write(NOW + 10_000).expect("written");
+        assert_eq!(read(&path), Ok(Some(NOW + 10_000)));
+
+        // Removed, and a second gateway made it anew first: refused.
+        std::fs::remove_file(&path).expect("removed");
+        let (second, _) = open(&path).expect("another gateway's new file");
+        let message = format!("{:#}", file.write(NOW + 11_000).expect_err("in use"));
+        assert!(
+            message.contains("removed or replaced while this gateway ran"),
+            "{message}"
+        );
+        assert!(message.contains("in use by another process"), "{message}");
+        drop(second);
     }
 
     #[test]
