@@ -176,27 +176,38 @@ impl SnowflakeLayout {
         machine_id: u32,
         sequence: u32,
     ) -> Result<u64, LayoutError> {
-        let id = self.compose(millis, machine_id, sequence)?;
+        let raw = self.composition(millis, machine_id, sequence)?;
         // A v2 stamp masked to 39 bits ends each period (its last 2^16 ms)
         // in compositions at or above the rotation's modulus, which fold
-        // onto those of the next period's first 2^16 ms: exactly the ids
-        // that do not read back as what they were made of. (v1's fold
-        // begins in 2039 too, but onto compositions of 1970, which no
-        // gateway made.)
-        if self == SnowflakeLayout::TrtllmV2
-            && self.decode(id).map(|parts| parts.millis) != Ok(millis & ((1 << 39) - 1))
-        {
+        // onto those of the next period's first 2^16 ms. (v1's fold begins
+        // in 2039 too, but onto compositions of 1970, which no gateway
+        // made.)
+        if self == SnowflakeLayout::TrtllmV2 && raw >= self.modulus() {
             return Err(LayoutError::StampFolds {
                 layout: self,
                 millis,
             });
         }
-        Ok(id)
+        Ok(self.rotate(raw))
     }
 
     /// Packs one id, exactly as TensorRT-LLM does, folds included (see
     /// [`SnowflakeLayout::compose_unique`]).
     pub fn compose(self, millis: u64, machine_id: u32, sequence: u32) -> Result<u64, LayoutError> {
+        Ok(self.rotate(self.composition(millis, machine_id, sequence)?))
+    }
+
+    /// The millisecond as the layout keeps it: whole in `trtllm-v1`, its
+    /// low 39 bits in `trtllm-v2` (as [`IdParts::millis`] reads back).
+    pub fn stamp(self, millis: u64) -> u64 {
+        match self {
+            SnowflakeLayout::TrtllmV1 => millis,
+            SnowflakeLayout::TrtllmV2 => millis & ((1 << 39) - 1),
+        }
+    }
+
+    /// The plain composition of an id, before the rotation.
+    fn composition(self, millis: u64, machine_id: u32, sequence: u32) -> Result<u128, LayoutError> {
         self.check_machine_id(machine_id)?;
         if sequence >= self.sequence_space() {
             return Err(LayoutError::SequenceOutOfRange {
@@ -206,23 +217,30 @@ impl SnowflakeLayout {
         }
         // Python's integers do not overflow: v1 timestamps past 2^41 carry
         // into higher bits before the rotation, so compute in 128 bits.
-        let raw: u128 = match self {
+        let stamp = u128::from(self.stamp(millis));
+        Ok(match self {
             SnowflakeLayout::TrtllmV1 => {
-                (u128::from(millis) << 22) | (u128::from(machine_id) << 12) | u128::from(sequence)
+                (stamp << 22) | (u128::from(machine_id) << 12) | u128::from(sequence)
             }
             SnowflakeLayout::TrtllmV2 => {
-                let masked = u128::from(millis) & ((1 << 39) - 1);
                 let (node, process) = (machine_id / 64, machine_id % 64);
-                (masked << 24)
+                (stamp << 24)
                     | (u128::from(node) << 16)
                     | (u128::from(process) << 10)
                     | u128::from(sequence)
             }
-        };
-        let min = u128::from(self.min_id());
-        let id = raw % (MAX_INT64 - min) + min;
-        // In range by construction: `id < MAX_INT64`.
-        Ok(id as u64)
+        })
+    }
+
+    /// The rotation's modulus: compositions at or above it fold.
+    fn modulus(self) -> u128 {
+        MAX_INT64 - u128::from(self.min_id())
+    }
+
+    /// A composition rotated into the layout's range, as TensorRT-LLM
+    /// does; below `MAX_INT64` by construction.
+    fn rotate(self, raw: u128) -> u64 {
+        (raw % self.modulus() + u128::from(self.min_id())) as u64
     }
 
     /// Reads the parts back out of an id this layout made. Exact for ids
@@ -250,9 +268,9 @@ impl SnowflakeLayout {
     /// layout cannot have made.
     pub fn readings(self, id: u64) -> impl Iterator<Item = IdParts> {
         let folded = match self {
-            SnowflakeLayout::TrtllmV1 => id.checked_sub(self.min_id()).and_then(|raw| {
-                self.parts_of(u128::from(raw) + (MAX_INT64 - u128::from(self.min_id())))
-            }),
+            SnowflakeLayout::TrtllmV1 => id
+                .checked_sub(self.min_id())
+                .and_then(|raw| self.parts_of(u128::from(raw) + self.modulus())),
             // Its folded ids are the ones `compose_unique` refuses.
             SnowflakeLayout::TrtllmV2 => None,
         };

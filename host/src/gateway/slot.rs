@@ -490,13 +490,9 @@ impl TicksOfTheCall {
         let Some(after) = self.after.filter(|&after| Some(after) != self.before) else {
             return Some("the plugin took no tick of the host's id clock to make it".to_string());
         };
-        // trtllm-v2 keeps 39 bits of the millisecond.
-        let mask = match layout {
-            SnowflakeLayout::TrtllmV1 => u64::MAX,
-            SnowflakeLayout::TrtllmV2 => (1 << 39) - 1,
-        };
-        let from = self.before.map_or(0, |before| before.millis) & mask;
-        let to = after.millis & mask;
+        // As the layout keeps the millisecond (39 bits of it in trtllm-v2).
+        let from = layout.stamp(self.before.map_or(0, |before| before.millis));
+        let to = layout.stamp(after.millis);
         // Across a 39-bit wrap (2039) any millisecond is taken.
         let in_call = |millis: u64| from > to || (from..=to).contains(&millis);
         // A v1 id from 2039 on reads two ways (see `readings`).
