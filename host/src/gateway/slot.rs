@@ -398,6 +398,16 @@ struct CannotCheckNow {
     sha256: String,
 }
 
+impl CannotCheckNow {
+    /// `plugin`'s build cannot be checked now, for `reason`.
+    fn of(plugin: &Plugin, reason: String) -> CannotCheckNow {
+        CannotCheckNow {
+            reason,
+            sha256: plugin.info().sha256.clone(),
+        }
+    }
+}
+
 impl std::fmt::Display for CannotCheckNow {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
@@ -541,11 +551,7 @@ fn judge_self_check(
             if let Some(misfit) = made.misfit(id) {
                 // The machine id changed after the host let the id out.
                 if let Some(reason) = no_ids_now() {
-                    return Err(CannotCheckNow {
-                        reason,
-                        sha256: plugin.info().sha256.clone(),
-                    }
-                    .into());
+                    return Err(CannotCheckNow::of(plugin, reason).into());
                 }
                 anyhow::bail!(
                     "self-check: the plugin stamped the id {id}, which is not made of the host's \
@@ -557,21 +563,15 @@ fn judge_self_check(
         // and the refusal is the host's, so what the plugin would have
         // sent on is not known.
         Action::Reject(_) if answer.ids_withheld => {
-            return Err(CannotCheckNow {
-                reason: "it withheld the id the self-check took".to_string(),
-                sha256: plugin.info().sha256.clone(),
-            }
-            .into())
+            return Err(
+                CannotCheckNow::of(plugin, "it withheld the id the self-check took".into()).into(),
+            )
         }
         // The plugin refused for want of a machine id, or refuses
         // everything: which, cannot be told until the host holds one.
         Action::Reject(r) if r.status == 503 => {
             return Err(match no_ids_now() {
-                Some(reason) => CannotCheckNow {
-                    reason,
-                    sha256: plugin.info().sha256.clone(),
-                }
-                .into(),
+                Some(reason) => CannotCheckNow::of(plugin, reason).into(),
                 None => refused(r),
             });
         }
