@@ -864,16 +864,17 @@ async fn without_a_machine_id_a_reload_is_put_off_until_one_is_held() {
     // The self-check's own rule, reached when ids stop between the check
     // before compiling and the self-check: a plugin's 503 cannot be judged.
     let refuses_all = [("hostile-reject-all".to_string(), "503".to_string())];
-    let error = snowgate_host::gateway::slot::load_checked(
-        &engine,
-        snowgate_test_fixtures::HOSTILE_WASM,
-        &refuses_all,
-    )
-    .expect_err("a build refusing everything with 503 is not let in");
-    assert!(
-        format!("{error:#}").contains("cannot show that it stamps"),
-        "{error:#}"
-    );
+    let load_refusing_all = || {
+        let error = snowgate_host::gateway::slot::load_checked(
+            &engine,
+            snowgate_test_fixtures::HOSTILE_WASM,
+            &refuses_all,
+        )
+        .expect_err("a build refusing everything with 503 is not let in");
+        format!("{error:#}")
+    };
+    let error = load_refusing_all();
+    assert!(error.contains("cannot show that it stamps"), "{error}");
 
     identity.assign(MACHINE_ID).expect("in range");
     assert_eq!(
@@ -884,15 +885,10 @@ async fn without_a_machine_id_a_reload_is_put_off_until_one_is_held() {
     );
     assert_eq!(slot.deferred(), None);
     // With an id held, the same 503 is the build's own refusal.
-    let error = snowgate_host::gateway::slot::load_checked(
-        &engine,
-        snowgate_test_fixtures::HOSTILE_WASM,
-        &refuses_all,
-    )
-    .expect_err("refused");
+    let error = load_refusing_all();
     assert!(
-        format!("{error:#}").contains("rejected a valid context-only request with 503"),
-        "{error:#}"
+        error.contains("rejected a valid context-only request with 503"),
+        "{error}"
     );
 }
 
