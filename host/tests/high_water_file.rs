@@ -296,10 +296,35 @@ async fn an_idle_gateway_keeps_its_mark_ahead_of_the_clock() {
     gateway.stop().await;
 }
 
-/// The fdatasync shim (`tests/shims/faulty_fdatasync.c`), built into
-/// `dir`, when the machine has a C compiler.
-fn faulty_fdatasync(dir: &Path) -> Option<PathBuf> {
-    support::built_shim(dir, "faulty_fdatasync")
+/// The disk under a test's directory, made faulty: the fdatasync shim
+/// (`tests/shims/faulty_fdatasync.c`), preloaded, fails every `fdatasync`
+/// with EIO while the flag file exists ([`FaultyDisk::env`]), or slows
+/// each by `SLOW_FDATASYNC_MS`.
+struct FaultyDisk {
+    /// The shim, for `LD_PRELOAD`.
+    library: String,
+    /// While this file exists, `fdatasync` fails.
+    flag: PathBuf,
+}
+
+impl FaultyDisk {
+    /// The shim built into `dir`, when the machine has a C compiler.
+    fn in_dir(dir: &Path) -> Option<FaultyDisk> {
+        let library = support::built_shim(dir, "faulty_fdatasync")?;
+        Some(FaultyDisk {
+            library: library.display().to_string(),
+            flag: dir.join("failing"),
+        })
+    }
+
+    /// The environment that preloads the shim into a child process, to
+    /// fail while the flag file exists.
+    fn env(&self) -> [(&str, &str); 2] {
+        [
+            ("LD_PRELOAD", self.library.as_str()),
+            ("FAIL_FDATASYNC_WHILE", self.flag.to_str().expect("UTF-8")),
+        ]
+    }
 }
 
 /// A disk slow to sync (each `fdatasync` 600 ms, so each mark's two copies
@@ -314,13 +339,12 @@ fn faulty_fdatasync(dir: &Path) -> Option<PathBuf> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_disk_slow_to_sync_lengthens_the_lead_instead_of_refusing_ids() {
     let file = scratch("slow-disk");
-    let Some(library) = faulty_fdatasync(file.parent().expect("a directory")) else {
+    let Some(disk) = FaultyDisk::in_dir(file.parent().expect("a directory")) else {
         return;
     };
-    let library = library.display().to_string();
     let gateway = Gateway::start_with_env(
         &["--high-water-file", file.to_str().expect("UTF-8")],
-        &[("LD_PRELOAD", &library), ("SLOW_FDATASYNC_MS", "600")],
+        &[("LD_PRELOAD", &disk.library), ("SLOW_FDATASYNC_MS", "600")],
     )
     .await;
     // Requests one after another for some seven raises.
@@ -407,23 +431,19 @@ async fn stamp_until_refused(gateway: &Gateway) -> (Vec<u64>, support::Reply) {
 async fn a_disk_that_fails_mid_serve_stops_ids_at_the_mark_until_it_recovers() {
     let file = scratch("failing-disk");
     let dir = file.parent().expect("a directory");
-    let Some(library) = faulty_fdatasync(dir) else {
+    let Some(disk) = FaultyDisk::in_dir(dir) else {
         return;
     };
-    let library = library.display().to_string();
-    let failing = dir.join("failing");
+    let failing = &disk.flag;
     let gateway = Gateway::start_with_env(
         &["--high-water-file", file.to_str().expect("UTF-8")],
-        &[
-            ("LD_PRELOAD", &library),
-            ("FAIL_FDATASYNC_WHILE", failing.to_str().expect("UTF-8")),
-        ],
+        &disk.env(),
     )
     .await;
     let mut ids = stamp(&gateway, 20).await;
 
     // The disk fails: ids go on until they reach the mark written before.
-    std::fs::write(&failing, b"").expect("the flag file");
+    std::fs::write(failing, b"").expect("the flag file");
     let (stamped, refusal) = stamp_until_refused(&gateway).await;
     ids.extend(stamped);
     assert_eq!(refusal.status, 503, "{}", refusal.text());
@@ -465,7 +485,7 @@ async fn a_disk_that_fails_mid_serve_stops_ids_at_the_mark_until_it_recovers() {
     gateway.wait_log("ids stop at the mark").await;
 
     // The disk recovers: the next retry writes a mark and ids resume.
-    std::fs::remove_file(&failing).expect("removing the flag file");
+    std::fs::remove_file(failing).expect("removing the flag file");
     let status = gateway
         .wait_status("a mark written after the failure", STEP, |status| {
             status["high_water_file"]["mark"]
@@ -494,7 +514,7 @@ async fn a_disk_that_fails_mid_serve_stops_ids_at_the_mark_until_it_recovers() {
         .await;
 
     // It fails again, and the gateway is stopped meanwhile.
-    std::fs::write(&failing, b"").expect("the flag file");
+    std::fs::write(failing, b"").expect("the flag file");
     let failures = status["high_water_file"]["failures"]
         .as_u64()
         .expect("a count");
@@ -512,7 +532,7 @@ async fn a_disk_that_fails_mid_serve_stops_ids_at_the_mark_until_it_recovers() {
         "the stop says which mark stands: {}",
         gateway.stderr_text()
     );
-    std::fs::remove_file(&failing).expect("removing the flag file");
+    std::fs::remove_file(failing).expect("removing the flag file");
     support::assert_unique(&ids);
     let last = ids.iter().copied().map(millis_of).max().expect("ids");
     assert!(
@@ -534,11 +554,10 @@ async fn a_disk_that_fails_mid_serve_stops_ids_at_the_mark_until_it_recovers() {
 async fn a_reload_while_ids_stop_at_the_mark_waits_until_they_resume() {
     let file = scratch("reload-at-the-mark");
     let dir = file.parent().expect("a directory");
-    let Some(library) = faulty_fdatasync(dir) else {
+    let Some(disk) = FaultyDisk::in_dir(dir) else {
         return;
     };
-    let library = library.display().to_string();
-    let failing = dir.join("failing");
+    let failing = &disk.flag;
     let plugin = dir.join("plugin.wasm");
     std::fs::write(&plugin, support::plugin_variant(1)).expect("the first build");
     let gateway = Gateway::start_with_env(
@@ -548,15 +567,12 @@ async fn a_reload_while_ids_stop_at_the_mark_waits_until_they_resume() {
             "--plugin",
             plugin.to_str().expect("UTF-8"),
         ],
-        &[
-            ("LD_PRELOAD", &library),
-            ("FAIL_FDATASYNC_WHILE", failing.to_str().expect("UTF-8")),
-        ],
+        &disk.env(),
     )
     .await;
     let first = support::sha256_hex(&support::plugin_variant(1));
     assert_eq!(gateway.status().await["plugin"]["sha256"], first.as_str());
-    std::fs::write(&failing, b"").expect("the flag file");
+    std::fs::write(failing, b"").expect("the flag file");
     let (_, refusal) = stamp_until_refused(&gateway).await;
     assert_eq!(refusal.status, 503, "{}", refusal.text());
 
@@ -603,7 +619,7 @@ async fn a_reload_while_ids_stop_at_the_mark_waits_until_they_resume() {
     );
 
     // The disk recovers: ids resume, and the file watch reloads the build.
-    std::fs::remove_file(&failing).expect("removing the flag file");
+    std::fs::remove_file(failing).expect("removing the flag file");
     let status = gateway
         .wait_status("the new build serving", support::RELOAD_TIMEOUT, |status| {
             status["plugin"]["sha256"] == second_sha.as_str()
@@ -742,17 +758,13 @@ async fn rewrite_writes_no_body_its_high_water_file_did_not_record() {
         String::from_utf8_lossy(&fixed.stderr)
     );
 
-    let Some(library) = faulty_fdatasync(dir) else {
+    let Some(disk) = FaultyDisk::in_dir(dir) else {
         return;
     };
-    let library = library.display().to_string();
-    let failing = dir.join("failing");
-    std::fs::write(&failing, b"").expect("the flag file");
+    let failing = &disk.flag;
+    std::fs::write(failing, b"").expect("the flag file");
     let before = mark_in(&file);
-    let env = [
-        ("LD_PRELOAD", library.as_str()),
-        ("FAIL_FDATASYNC_WHILE", failing.to_str().expect("UTF-8")),
-    ];
+    let env = disk.env();
     let unrecorded = rewrite(&with_file, &env);
     let stderr = String::from_utf8_lossy(&unrecorded.stderr);
     assert_eq!(unrecorded.status.code(), Some(1), "{stderr}");
@@ -767,7 +779,7 @@ async fn rewrite_writes_no_body_its_high_water_file_did_not_record() {
             && stderr.contains(file_arg),
         "{stderr}"
     );
-    std::fs::remove_file(&failing).expect("removing the flag file");
+    std::fs::remove_file(failing).expect("removing the flag file");
     let id = rewritten_id(&rewrite(&with_file, &env));
     assert!(millis_of(id) > before);
     assert_eq!(mark_in(&file), millis_of(id));
