@@ -1219,6 +1219,23 @@ async fn the_waiter_gets_the_room(
     gateway.wait_metric("snowgate_body_memory_bytes", 0.0).await;
 }
 
+/// A holder of room cut off for its pace was cut off no sooner than the
+/// slack after `started` (before it got its room), and the request that
+/// waited behind it goes through.
+async fn it_gave_way_after_the_slack(
+    started: Instant,
+    gateway: &Gateway,
+    upstream: &TestUpstream,
+    waiter: tokio::task::JoinHandle<Reply>,
+) {
+    assert!(
+        started.elapsed() >= snowgate_host::gateway::body_pace::PACE_SLACK,
+        "cut off within the slack: {:?}",
+        started.elapsed()
+    );
+    the_waiter_gets_the_room(gateway, upstream, waiter).await;
+}
+
 /// A body that holds room while it does not arrive gives way to those
 /// waiting: with the default 60 s body read timeout, a client that declared
 /// 700 KiB and sent 1 KiB is cut off with 408 once a request waits for
@@ -1240,12 +1257,7 @@ async fn a_body_that_holds_room_without_arriving_gives_way_to_those_waiting() {
     let message = body_timeout_message(&answer);
     assert!(message.contains("slower than 12 KiB/s"), "{message}");
     assert!(message.contains("while other requests waited"), "{message}");
-    assert!(
-        started.elapsed() >= snowgate_host::gateway::body_pace::PACE_SLACK,
-        "cut off within the slack: {:?}",
-        started.elapsed()
-    );
-    the_waiter_gets_the_room(&gateway, &upstream, waiter).await;
+    it_gave_way_after_the_slack(started, &gateway, &upstream, waiter).await;
 }
 
 /// A body of no declared length gives way too: an HTTP/2 stream that sent
@@ -1280,12 +1292,7 @@ async fn a_body_of_no_declared_length_that_does_not_arrive_gives_way_too() {
     assert!(message.contains("of no declared length"), "{message}");
     assert!(message.contains("64 KiB per 60000 ms"), "{message}");
     assert!(message.contains("Content-Length"), "{message}");
-    assert!(
-        started.elapsed() >= snowgate_host::gateway::body_pace::PACE_SLACK,
-        "cut off within the slack: {:?}",
-        started.elapsed()
-    );
-    the_waiter_gets_the_room(&gateway, &upstream, waiter).await;
+    it_gave_way_after_the_slack(started, &gateway, &upstream, waiter).await;
 }
 
 /// At most 8 requests of one connection wait for room at once (an HTTP/2
