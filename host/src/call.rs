@@ -13,6 +13,7 @@ use crate::bindings::exports::snowgate::middleware::handler::{
 };
 use crate::bindings::Middleware;
 use crate::call_clock::{excluding_waits, CallClock};
+use crate::clock::TicksTaken;
 use crate::engine::EPOCH_TICK;
 use crate::header_edits::HeaderEdits;
 #[cfg(doc)]
@@ -199,6 +200,8 @@ pub struct Fenced {
     /// the high-water mark), answering 503 `no_machine_id` in place of
     /// the plugin's answer.
     pub ids_withheld: bool,
+    /// The ticks of the host's id clock the call took, if it took any.
+    pub ticks: Option<TicksTaken>,
 }
 
 impl Plugin {
@@ -211,7 +214,8 @@ impl Plugin {
     /// [`Plugin::handle_async`]. The changes the plugin made to the
     /// request's headers are dropped (see [`Plugin::answer`]).
     pub fn handle(&self, request: &Request) -> Result<Action, CallError> {
-        self.handle_fenced(request).map(|fenced| fenced.action)
+        self.call_once(request, false)
+            .map(|(fenced, _)| fenced.action)
     }
 
     /// Like [`Plugin::handle`], with the changes the plugin made to the
@@ -219,21 +223,33 @@ impl Plugin {
     /// it. The sync counterpart of [`Plugin::answer_async`], for a tool
     /// that shows a plugin's answer (`snowgate rewrite`).
     pub fn answer(&self, request: &Request) -> Result<Answer, CallError> {
-        self.call_once(request)
+        self.call_once(request, false)
             .map(|(fenced, header_edits)| Answer::new(fenced.action, header_edits))
     }
 
-    /// [`Plugin::handle`], telling also whether the host withheld the ids
-    /// the call made (its answer is then the host's 503 in place of the
-    /// plugin's): what the gateway's self-check of a new build needs, since
-    /// by the time it asks the host again, the reason may have passed.
-    pub fn handle_fenced(&self, request: &Request) -> Result<Fenced, CallError> {
-        self.call_once(request).map(|(fenced, _)| fenced)
+    /// [`Plugin::handle`], as the gateway's self-check of a new build
+    /// needs it: telling also whether the host withheld the ids the call
+    /// made (its answer is then the host's 503 in place of the plugin's;
+    /// by the time the check asks the host again, the reason may have
+    /// passed), and which ticks of the id clock the call took.
+    ///
+    /// Before the plugin's first tick the host takes one of its own and
+    /// drops it, so that the plugin's is not the first of its millisecond
+    /// (sequence 0) but by the rarest chance: a build that stamps the
+    /// millisecond and drops the sequence then shows it.
+    pub fn handle_for_self_check(&self, request: &Request) -> Result<Fenced, CallError> {
+        self.call_once(request, true).map(|(fenced, _)| fenced)
     }
 
     /// One call in a fresh instance: the fenced answer and the changes to
-    /// the request's headers the call asked for.
-    fn call_once(&self, request: &Request) -> Result<(Fenced, HeaderEdits), CallError> {
+    /// the request's headers the call asked for; with `spare_first`, the
+    /// host drops a tick before the call's first (see
+    /// [`Plugin::handle_for_self_check`]).
+    fn call_once(
+        &self,
+        request: &Request,
+        spare_first: bool,
+    ) -> Result<(Fenced, HeaderEdits), CallError> {
         let (mut store, instance) = self.instantiate()?;
         let handle = match self.configure(&mut store, instance) {
             Ok(Ok(handle)) => handle,
@@ -241,6 +257,7 @@ impl Plugin {
             Err(e) => return Err(self.classify(e, &store)),
         };
         store.data_mut().lend_headers(&request.headers);
+        store.data_mut().issued.spare_first = spare_first;
         let answer = handle.call(&mut store, (RequestRecord::of(request),));
         let header_edits = store.data_mut().take_back_headers();
         let answer = match answer {
@@ -606,12 +623,13 @@ impl Plugin {
     /// there is no machine id, whatever the plugin answered. Only answers
     /// that forward are checked; a call that took no tick made no id.
     fn fence(&self, action: Action, store: &Store<HostState>) -> Fenced {
+        let state = store.data();
+        let issued = state.issued;
         let let_out = |action| Fenced {
             action,
             ids_withheld: false,
+            ticks: issued.taken,
         };
-        let state = store.data();
-        let issued = state.issued;
         if issued.last_millis.is_none() && issued.grant.is_none() {
             return let_out(action);
         }
@@ -656,6 +674,7 @@ impl Plugin {
                         ),
                     }),
                     ids_withheld: true,
+                    ticks: issued.taken,
                 }
             }
         }

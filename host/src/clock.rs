@@ -10,6 +10,18 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 pub use snowgate_plugin::Tick;
 
+/// The ticks one plugin call took from the id clock: the first, the last,
+/// and how many. Other calls' ticks may fall between the two.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TicksTaken {
+    /// The first tick the call took.
+    pub first: Tick,
+    /// The last tick the call took.
+    pub last: Tick,
+    /// How many ticks the call took.
+    pub count: u64,
+}
+
 /// A source of wall-clock milliseconds. It may step backwards; [`IdClock`]
 /// never does.
 pub trait WallClock: Send + Sync {

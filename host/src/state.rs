@@ -10,7 +10,7 @@ use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
 use crate::bindings::snowgate::middleware::{clock, identity, log, types};
 use crate::call_clock::{CallClock, OnTick};
-use crate::clock::NoTick;
+use crate::clock::{NoTick, TicksTaken};
 use crate::engine::{HostServices, MAX_PLUGIN_HANDLES, MAX_TABLE_ELEMENTS};
 use crate::header_edits::HeaderEdits;
 use crate::log_throttle::{LineBudget, LogThrottle};
@@ -63,6 +63,11 @@ pub(crate) struct Issued {
     pub(crate) last_millis: Option<u64>,
     /// Why the clock refused a tick it asked for, if it did.
     pub(crate) refused: Option<NoTick>,
+    /// The ticks the clock gave it (its refusals not counted).
+    pub(crate) taken: Option<TicksTaken>,
+    /// Whether the host takes a tick of its own, and drops it, before the
+    /// call's first (see [`crate::Plugin::handle_for_self_check`]).
+    pub(crate) spare_first: bool,
 }
 
 /// The most random bytes one WASI call may ask for (`get-random-bytes`,
@@ -275,10 +280,28 @@ impl clock::Host for HostState {
             millis: u64::MAX,
             sequence: 0,
         };
+        if std::mem::take(&mut self.issued.spare_first) {
+            // Where it refuses, so does the call's own tick, next.
+            let _dropped = self.services.clock.next_tick(sequence_space);
+        }
         let tick = match self.issued.refused {
             Some(_) => refused_tick,
             None => match self.services.clock.next_tick(sequence_space) {
-                Ok(tick) => tick,
+                Ok(tick) => {
+                    self.issued.taken = Some(match self.issued.taken {
+                        None => TicksTaken {
+                            first: tick,
+                            last: tick,
+                            count: 1,
+                        },
+                        Some(taken) => TicksTaken {
+                            last: tick,
+                            count: taken.count + 1,
+                            ..taken
+                        },
+                    });
+                    tick
+                }
                 Err(refused) => {
                     self.issued.refused = Some(refused);
                     refused_tick

@@ -1176,3 +1176,57 @@ fn the_compile_cache_keeps_only_accepted_builds_and_names_the_memory_limit() {
         "{error:#}"
     );
 }
+
+/// A build whose ids are not made of the ticks it took is refused by the
+/// self-check, even while other requests take ticks of the same clock.
+/// Before, the check asked only for a millisecond between the clock's last
+/// ticks before and after the call: under traffic a build that made ids of
+/// the wall clock and a counter of its own, taking no tick, passed, as did
+/// at any time one that stamped the tick's millisecond with sequence 0.
+/// The bundled plugin still passes under the same traffic.
+#[test]
+fn a_build_whose_ids_are_not_its_ticks_is_refused_under_traffic() {
+    use snowgate_host::gateway::slot::load_checked;
+    use snowgate_host::{HostServices, IdClock, MachineIdentity, PluginEngine, PluginLimits};
+    use snowgate_plugin::SnowflakeLayout;
+
+    let clock = Arc::new(IdClock::system());
+    let services = HostServices {
+        clock: clock.clone(),
+        identity: Arc::new(MachineIdentity::fixed(SnowflakeLayout::TrtllmV1, 1).unwrap()),
+    };
+    let engine = PluginEngine::new(services, PluginLimits::default()).expect("an engine");
+    // Other requests' ticks, one at a time, until the checks are over.
+    let checks_over = Arc::new(AtomicBool::new(false));
+    let traffic = std::thread::spawn({
+        let (clock, over) = (clock.clone(), checks_over.clone());
+        move || {
+            let mut taken = 0u64;
+            while !over.load(Ordering::Relaxed) {
+                clock.next_tick(4096).expect("a tick");
+                taken += 1;
+            }
+            taken
+        }
+    });
+    for (ids, says) in [
+        ("own-clock", "took no tick of the host's id clock"),
+        (
+            "no-sequence",
+            "is not a tick the host's id clock gave the call",
+        ),
+    ] {
+        let settings = [("hostile-ids".to_string(), ids.to_string())];
+        let error =
+            load_checked(&engine, snowgate_test_fixtures::HOSTILE_WASM, &settings).expect_err(ids);
+        let error = format!("{error:#}");
+        assert!(
+            error.contains(says) && error.contains("could repeat"),
+            "{ids}: {error}"
+        );
+    }
+    load_checked(&engine, snowgate_plugin_bundle::PLUGIN_WASM, &[]).expect("the bundled plugin");
+    checks_over.store(true, Ordering::Relaxed);
+    let taken = traffic.join().expect("the traffic thread");
+    assert!(taken > 0, "no traffic ran");
+}

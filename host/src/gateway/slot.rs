@@ -11,7 +11,7 @@ use snowgate_plugin::SnowflakeLayout;
 
 use crate::bindings::exports::snowgate::middleware::handler::{Action, Rejection};
 use crate::call::Fenced;
-use crate::clock::Tick;
+use crate::clock::{Tick, TicksTaken};
 use crate::engine::PluginEngine;
 use crate::gateway::metrics::Metrics;
 use crate::gateway::plugin_file::read_plugin_file;
@@ -441,17 +441,13 @@ fn load_gated(
         None => None,
     };
     let identity = &engine.services().identity;
-    let clock = &engine.services().clock;
     let grant = identity.generation();
-    let before = clock.last_tick();
     let answer = plugin
-        .handle_fenced(&self_check_request())
+        .handle_for_self_check(&self_check_request())
         .context("self-check: the plugin failed on a canned context-only request")?;
-    let made = TicksOfTheCall {
+    let made = HostIds {
         layout: identity.layout(),
         machine_id: identity.current().ok().map(|machine| machine.value),
-        before,
-        after: clock.last_tick(),
     };
     judge_self_check(&plugin, answer, &made, || {
         why_no_ids_may_leave(engine).or_else(|| {
@@ -476,45 +472,52 @@ fn self_check_request() -> Request {
     }
 }
 
-/// What the self-check's id must be made of: the host's layout and
-/// machine id, and a tick of the host's id clock taken during the call
-/// (after `before`, up to `after`, its last ticks before and after).
-struct TicksOfTheCall {
+/// What the self-check's id must carry besides a tick of the call: the
+/// host's layout and machine id.
+struct HostIds {
     layout: SnowflakeLayout,
     machine_id: Option<u32>,
-    before: Option<Tick>,
-    after: Option<Tick>,
 }
 
-impl TicksOfTheCall {
+impl HostIds {
     /// Why `id` was not made as the contract says (see [`load_checked`]),
-    /// if it was not. A build whose id is its own (a counter, a constant,
-    /// another layout or machine id) would repeat ids, and the host's
-    /// check of each call's ids, which looks at the ticks it took, would
-    /// not see it.
-    fn misfit(&self, id: u64) -> Option<String> {
+    /// if it was not: of this layout and machine id, and of a tick the call
+    /// took (`taken`). A build whose id is its own (a counter, a constant,
+    /// another layout or machine id, the millisecond without the sequence)
+    /// would repeat ids, and the host's check of each call's ids, which
+    /// looks at the ticks it took, would not see it.
+    fn misfit(&self, id: u64, taken: Option<TicksTaken>) -> Option<String> {
         let layout = self.layout;
         if let Err(e) = layout.decode(id) {
             return Some(format!("it is not an id of layout {layout}: {e}"));
         }
-        let Some(after) = self.after.filter(|&after| Some(after) != self.before) else {
+        let Some(taken) = taken else {
             return Some("the plugin took no tick of the host's id clock to make it".to_string());
         };
         // As the layout keeps the millisecond (39 bits of it in trtllm-v2).
-        let from = layout.stamp(self.before.map_or(0, |before| before.millis));
-        let to = layout.stamp(after.millis);
-        // Across a 39-bit wrap (2039) any millisecond is taken.
-        let in_call = |millis: u64| from > to || (from..=to).contains(&millis);
+        let kept = |tick: Tick| (layout.stamp(tick.millis), tick.sequence);
+        let (first, last) = (kept(taken.first), kept(taken.last));
+        // One tick taken: the id must be made of it. More: of one from the
+        // first to the last (other calls' ticks fall between), any across
+        // a 39-bit wrap (2039).
+        let of_the_call = |made: (u64, u32)| match taken.count {
+            1 => made == first,
+            _ => first > last || (first..=last).contains(&made),
+        };
         // A v1 id from 2039 on reads two ways (see `readings`).
         let readings: Vec<_> = layout.readings(id).collect();
         let machine = |machine_id: u32| self.machine_id.is_none_or(|held| held == machine_id);
         if readings
             .iter()
-            .any(|p| machine(p.machine_id) && in_call(p.millis))
+            .any(|p| machine(p.machine_id) && of_the_call((p.millis, p.sequence)))
         {
             return None;
         }
         let read = readings[0];
+        let ticks = match taken.count {
+            1 => format!("the one it took, {first:?}"),
+            n => format!("from its first, {first:?}, to its last, {last:?} ({n} taken)"),
+        };
         Some(
             match self.machine_id.filter(|&held| held != read.machine_id) {
                 Some(held) => format!(
@@ -522,10 +525,10 @@ impl TicksOfTheCall {
                     read.machine_id
                 ),
                 None => format!(
-                "its millisecond {} is not one the host's id clock gave during the call ({from} \
-                 to {to})",
-                read.millis
-            ),
+                    "its (millisecond, sequence), ({}, {}), is not a tick the host's id clock \
+                     gave the call: {ticks}",
+                    read.millis, read.sequence
+                ),
             },
         )
     }
@@ -538,7 +541,7 @@ impl TicksOfTheCall {
 fn judge_self_check(
     plugin: &Plugin,
     answer: Fenced,
-    made: &TicksOfTheCall,
+    made: &HostIds,
     no_ids_now: impl FnOnce() -> Option<String>,
 ) -> anyhow::Result<()> {
     match answer.action {
@@ -548,7 +551,7 @@ fn judge_self_check(
             let Some(id) = value["disaggregated_params"]["disagg_request_id"].as_u64() else {
                 anyhow::bail!("self-check: the plugin did not stamp an integer disagg_request_id on a context-only request");
             };
-            if let Some(misfit) = made.misfit(id) {
+            if let Some(misfit) = made.misfit(id, answer.ticks) {
                 // The machine id changed after the host let the id out.
                 if let Some(reason) = no_ids_now() {
                     return Err(CannotCheckNow::of(plugin, reason).into());
@@ -649,8 +652,9 @@ mod tests {
                 message: "no machine id".into(),
             }),
             ids_withheld: false,
+            ticks: None,
         };
-        let error = judge_self_check(&plugin, refusal(), &no_ticks(), || {
+        let error = judge_self_check(&plugin, refusal(), &host_ids(), || {
             Some("the lease lapsed".into())
         })
         .expect_err("not passed");
@@ -663,7 +667,7 @@ mod tests {
             "{error:#}"
         );
         let error =
-            judge_self_check(&plugin, refusal(), &no_ticks(), || None).expect_err("refused");
+            judge_self_check(&plugin, refusal(), &host_ids(), || None).expect_err("refused");
         assert!(error.downcast_ref::<CannotCheckNow>().is_none());
         assert!(
             format!("{error:#}").contains("rejected a valid context-only request with 503"),
@@ -701,13 +705,13 @@ mod tests {
         let plugin =
             Plugin::load(&engine, snowgate_plugin_bundle::PLUGIN_WASM, &[]).expect("loads");
         let answer = plugin
-            .handle_fenced(&self_check_request())
+            .handle_for_self_check(&self_check_request())
             .expect("answers");
         assert!(answer.ids_withheld, "{:?}", answer.action);
         // The keeper raises the mark before the answer is judged.
         identity.ceiling_raised(past + 60_000, past + 30_000);
         assert_eq!(why_no_ids_may_leave(&engine), None, "the mark is raised");
-        let error = judge_self_check(&plugin, answer, &no_ticks(), || {
+        let error = judge_self_check(&plugin, answer, &host_ids(), || {
             why_no_ids_may_leave(&engine)
         })
         .expect_err("put off");
@@ -756,17 +760,25 @@ mod tests {
         }
     }
 
-    /// A call that took no tick, with machine id 3 in trtllm-v1.
-    fn no_ticks() -> TicksOfTheCall {
-        TicksOfTheCall {
+    /// Machine id 3 in trtllm-v1.
+    fn host_ids() -> HostIds {
+        HostIds {
             layout: SnowflakeLayout::TrtllmV1,
             machine_id: Some(3),
-            before: None,
-            after: None,
         }
     }
 
-    /// A build that stamps an id of its own, not made of the tick it took
+    /// The ticks of a call that took `count`, from `first` to `last`.
+    fn took(first: (u64, u32), last: (u64, u32), count: u64) -> Option<TicksTaken> {
+        let tick = |(millis, sequence)| Tick { millis, sequence };
+        Some(TicksTaken {
+            first: tick(first),
+            last: tick(last),
+            count,
+        })
+    }
+
+    /// A build that stamps an id of its own, not made of a tick it took
     /// and the host's machine id, would repeat ids, and the host's check
     /// of each call, which looks at the ticks taken, does not see it: the
     /// self-check refuses it, saying what is wrong with the id. An id made
@@ -776,52 +788,55 @@ mod tests {
         let (engine, plugin) = bundled_with_machine_id_3();
         let v1 = SnowflakeLayout::TrtllmV1;
         let now = millis_of(SystemTime::now());
-        let took = TicksOfTheCall {
-            before: Some(Tick {
-                millis: now - 5,
-                sequence: 0,
-            }),
-            after: Some(Tick {
-                millis: now,
-                sequence: 2,
-            }),
-            ..no_ticks()
-        };
-        let stamped = |id: u64| {
+        let stamped = |id: u64, ticks: Option<TicksTaken>| {
             Fenced {
             action: Action::ForwardWithBody(
                 format!(r#"{{"disaggregated_params":{{"request_type":"context_only","disagg_request_id":{id}}}}}"#)
                     .into_bytes(),
             ),
             ids_withheld: false,
+            ticks,
         }
         };
-        let judged = |id: u64, made: &TicksOfTheCall| {
-            judge_self_check(&plugin, stamped(id), made, || None).map_err(|e| format!("{e:#}"))
+        let judged = |id: u64, ticks: Option<TicksTaken>| {
+            judge_self_check(&plugin, stamped(id, ticks), &host_ids(), || None)
+                .map_err(|e| format!("{e:#}"))
         };
+        let one = took((now - 2, 7), (now - 2, 7), 1);
+        // Three ticks, with other calls' ticks between them.
+        let three = took((now - 5, 0), (now, 2), 3);
         let good = v1.compose(now - 2, 3, 7).unwrap();
-        assert_eq!(judged(good, &took), Ok(()));
-        for (id, made, says) in [
+        assert_eq!(judged(good, one), Ok(()));
+        assert_eq!(judged(good, three), Ok(()));
+        for (id, ticks, says) in [
             // A constant, below the layout's smallest id.
-            (1_099_511_628_800, &took, "not an id of layout trtllm-v1"),
+            (1_099_511_628_800, one, "not an id of layout trtllm-v1"),
             (
                 v1.compose(now - 2, 4, 7).unwrap(),
-                &took,
+                one,
                 "machine id 4, not the host's 3",
             ),
             (
                 v1.compose(now - 60_000, 3, 7).unwrap(),
-                &took,
-                "not one the host's id clock gave",
+                one,
+                "not a tick the host's id clock gave the call: the one it took",
             ),
+            // The tick's millisecond, its sequence dropped.
             (
-                v1.compose(now + 1, 3, 0).unwrap(),
-                &took,
-                "not one the host's id clock gave",
+                v1.compose(now - 2, 3, 0).unwrap(),
+                one,
+                "is not a tick the host's id clock gave the call",
             ),
-            (good, &no_ticks(), "took no tick"),
+            // Another call's tick, between this one's.
+            (
+                v1.compose(now - 2, 3, 8).unwrap(),
+                one,
+                "is not a tick the host's id clock gave the call",
+            ),
+            (v1.compose(now + 1, 3, 0).unwrap(), three, "(3 taken)"),
+            (good, None, "took no tick"),
         ] {
-            let error = judged(id, made).expect_err(says);
+            let error = judged(id, ticks).expect_err(says);
             assert!(error.contains(says), "{error}");
             assert!(error.contains("could repeat"), "{error}");
         }
@@ -830,22 +845,12 @@ mod tests {
         let late = (1u64 << 41) + 5;
         let folded = v1.compose_unique(late, 3, 7).unwrap();
         assert_ne!(v1.decode(folded).unwrap().millis, late);
-        let in_2039 = TicksOfTheCall {
-            before: Some(Tick {
-                millis: late - 1,
-                sequence: 0,
-            }),
-            after: Some(Tick {
-                millis: late,
-                sequence: 7,
-            }),
-            ..no_ticks()
-        };
-        assert_eq!(judged(folded, &in_2039), Ok(()));
-        assert!(judged(v1.compose_unique(late, 4, 7).unwrap(), &in_2039).is_err());
+        let in_2039 = took((late, 7), (late, 7), 1);
+        assert_eq!(judged(folded, in_2039), Ok(()));
+        assert!(judged(v1.compose_unique(late, 4, 7).unwrap(), in_2039).is_err());
         // Where the machine id changed meanwhile, the build is put off.
         let other = v1.compose(now - 2, 4, 7).unwrap();
-        let error = judge_self_check(&plugin, stamped(other), &took, || {
+        let error = judge_self_check(&plugin, stamped(other, one), &host_ids(), || {
             Some("the machine id changed during the self-check".into())
         })
         .expect_err("put off");
