@@ -93,6 +93,43 @@ async fn an_atomic_rename_is_picked_up() {
     assert!(after > before, "ids keep increasing across a swap");
 }
 
+/// A gateway the system gives no file watch (out of inotify instances, as
+/// a busy node runs out) starts all the same, says so, and a new build is
+/// picked up by the poll. Before, the gateway refused to start.
+///
+/// The missing instances are a preloaded `inotify_init1` that fails with
+/// `EMFILE` (`tests/shims/no_inotify.c`): the machine's own limit is the
+/// whole user's, which a test must not use up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_without_file_watches_starts_and_polls() {
+    let dir = TempDir::new("no-inotify");
+    let Some(library) = built_shim(dir.path(), "no_inotify") else {
+        return;
+    };
+    let path = dir.path().join("plugin.wasm");
+    std::fs::write(&path, plugin_variant(0)).unwrap();
+    let gateway = Gateway::start_with_env(
+        &["--plugin", arg(&path), "--reload-debounce-ms", "50"],
+        &[("LD_PRELOAD", library.to_str().expect("UTF-8"))],
+    )
+    .await;
+    gateway
+        .wait_log("could not watch the plugin directory")
+        .await;
+    assert_stamps(&gateway).await;
+    let new = sha256_hex(&plugin_variant(1));
+    replace_by_rename(&path, &plugin_variant(1));
+    let status = gateway
+        .wait_status(
+            "the new build to serve, seen by the poll",
+            RELOAD_TIMEOUT,
+            |s| sha_of(s) == new,
+        )
+        .await;
+    assert_eq!(reloads(&status), (1, 0), "{status:#}");
+    assert_stamps(&gateway).await;
+}
+
 /// An in-place rewrite (truncate, then write the same path) is seen too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_in_place_rewrite_is_picked_up() {

@@ -281,6 +281,7 @@ impl Admin {
             "last_reload_error": self.slot.last_error().map(|e| serde_json::json!({
                 "message": e.message,
                 "at": format_millis(millis_of(e.at)),
+                "may_pass": e.may_pass,
             })),
             "deferred_reload": self.slot.deferred().map(|d| serde_json::json!({
                 "sha256": d.sha256,

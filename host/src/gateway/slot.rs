@@ -10,8 +10,9 @@ use arc_swap::ArcSwap;
 use snowgate_plugin::SnowflakeLayout;
 
 use crate::bindings::exports::snowgate::middleware::handler::{Action, Rejection};
-use crate::call::Fenced;
+use crate::call::{CallError, Fenced};
 use crate::clock::{Tick, TicksTaken};
+use crate::compile_process::CompileFailure;
 use crate::engine::PluginEngine;
 use crate::gateway::metrics::Metrics;
 use crate::gateway::plugin_file::read_plugin_file;
@@ -31,6 +32,9 @@ pub struct ReloadError {
     pub message: String,
     /// When.
     pub at: SystemTime,
+    /// Whether the same build may load at another time (see
+    /// [`may_pass`]); if not, the file watch does not try it again.
+    pub may_pass: bool,
 }
 
 /// A new build in the plugin file whose reload is put off until the host
@@ -331,6 +335,7 @@ impl PluginSlot {
                 let error = ReloadError {
                     message: format!("{e:#}"),
                     at: SystemTime::now(),
+                    may_pass: may_pass(&e),
                 };
                 tracing::error!(error = %error.message, "plugin reload failed; the previous build keeps serving");
                 *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(error.clone());
@@ -339,6 +344,26 @@ impl PluginSlot {
             }
         }
     }
+}
+
+/// Whether a reload that failed with `error` may pass with the same build
+/// at another time: a call to it (the self-check, `configure`) ran out of
+/// time or found no instance free, as on a busy machine, or the compile
+/// process could not start or was killed by a signal that may not have
+/// been its own CPU limit's (the system's out-of-memory killer sends the
+/// same). A build refused for what it is (not a component, not of the
+/// world, over the compile's memory limit, its self-check's answer) would
+/// be refused again, at the cost of compiling it again.
+fn may_pass(error: &anyhow::Error) -> bool {
+    error.chain().any(|cause| {
+        matches!(
+            cause.downcast_ref::<CallError>(),
+            Some(CallError::Deadline(_) | CallError::Busy(_))
+        ) || matches!(
+            cause.downcast_ref::<CompileFailure>(),
+            Some(CompileFailure::Other(_) | CompileFailure::OutOfCpuTime { killed: true, .. })
+        )
+    })
 }
 
 /// Loads a plugin and runs the self-check: a canned context-only request
@@ -430,7 +455,7 @@ fn load_gated(
     self_checks: Option<&tokio::sync::Mutex<bool>>,
 ) -> anyhow::Result<Plugin> {
     let plugin = Plugin::load(engine, bytes, settings)?;
-    let _open = match self_checks {
+    let open = match self_checks {
         Some(gate) => {
             let closed = gate.blocking_lock();
             if *closed {
@@ -457,7 +482,10 @@ fn load_gated(
                 .then(|| "the machine id changed during the self-check".to_string())
         })
     })?;
-    // Only a build that passed is kept for the next load of the same bytes.
+    // Only a build that passed is kept for the next load of the same bytes;
+    // a stop need not wait for the cache's write (hundreds of MB, synced,
+    // for a large build), only for the self-check.
+    drop(open);
     plugin.keep_compiled();
     Ok(plugin)
 }

@@ -28,7 +28,10 @@ pub const POLL_INTERVAL: Duration = Duration::from_secs(2);
 
 /// The watch of a plugin file's directory: it lasts as long as this lives.
 pub struct PluginWatch {
-    _watcher: Arc<Mutex<RecommendedWatcher>>,
+    /// The directory's watch, where the system gave one.
+    _watcher: Option<Arc<Mutex<RecommendedWatcher>>>,
+    /// The poll and the reload task end once this is dropped.
+    _events: mpsc::UnboundedSender<()>,
 }
 
 /// The directory a watch is on, as the file system knows it: another
@@ -73,10 +76,11 @@ pub fn watch_plugin_file(
         _ => std::path::PathBuf::from("."),
     };
     let (events, mut rx) = mpsc::unbounded_channel();
-    // The poll holds a weak sender: once the watcher (which holds the
-    // strong one) is dropped, the poll and the reload task end.
+    // The poll holds a weak sender: once the watch (which holds the strong
+    // ones) is dropped, the poll and the reload task end.
     let polls = events.downgrade();
-    let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
+    let watch_events = events.clone();
+    let watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
         let Ok(event) = event else { return };
         // The plugin file's own finished write, rename into place, or
         // removal (not its creation, nor the modify events in the middle of
@@ -100,23 +104,48 @@ pub fn watch_plugin_file(
             _ => false,
         };
         if trigger {
-            let _ = events.send(());
+            let _ = watch_events.send(());
         }
-    })
-    .context("starting the plugin file watcher")?;
-    watcher
-        .watch(&dir, RecursiveMode::NonRecursive)
-        .with_context(|| format!("watching the plugin directory {}", dir.display()))?;
+    });
+    // Where the system gives no watch (inotify's limits on instances and
+    // watches are per user, and a busy node runs out), the gateway serves
+    // on, and the poll sees every change, only later.
+    let unwatched = |e: &dyn std::fmt::Display| {
+        tracing::warn!(
+            error = %e,
+            "could not watch the plugin directory {}: its changes are seen by the poll every \
+             {} s",
+            dir.display(),
+            POLL_INTERVAL.as_secs()
+        );
+    };
+    let watcher = match watcher {
+        Ok(mut watcher) => match watcher.watch(&dir, RecursiveMode::NonRecursive) {
+            Ok(()) => Some(watcher),
+            Err(e) => {
+                unwatched(&e);
+                None
+            }
+        },
+        Err(e) => {
+            unwatched(&e);
+            None
+        }
+    };
+    // The directory the watch was last set up for, whether that worked or
+    // not: it is tried again only for another directory, not at every poll.
     let mut watched = DirIdentity::of(&dir);
-    let watcher = Arc::new(Mutex::new(watcher));
-    let rewatch = Arc::downgrade(&watcher);
+    let watcher = watcher.map(|watcher| Arc::new(Mutex::new(watcher)));
+    let rewatch = watcher.as_ref().map(Arc::downgrade);
 
     // What the file behind the path was when a reload last read it, and
     // how that went: the poll asks about a file no reload has read yet,
-    // and about one whose reload failed only after a pause (15 s, doubling
-    // with each failure up to 5 min): a failure may have been passing,
-    // such as a self-check that ran out of time on a busy machine, but a
-    // bad build is not to be refused, and counted, every two seconds.
+    // and about one whose reload failed in a way that may pass (a
+    // self-check that ran out of time on a busy machine) only after a
+    // pause (15 s, doubling with each failure up to 5 min), so that such a
+    // build is not refused, and counted, every two seconds. A build refused
+    // for what it is is not tried again until the file changes: compiling
+    // it (minutes of both CPUs, for a large one) would refuse it again.
     let tried = Arc::new(Mutex::new(None::<Tried>));
     let look = {
         let path = path.clone();
@@ -149,9 +178,11 @@ pub fn watch_plugin_file(
                 let dir = dir.clone();
                 tokio::task::spawn_blocking(move || DirIdentity::of(&dir)).await
             };
-            if let (Ok(Some(dir_now)), Some(watcher)) = (dir_now, rewatch.upgrade()) {
+            let watcher = rewatch.as_ref().and_then(std::sync::Weak::upgrade);
+            if let (Ok(Some(dir_now)), Some(watcher)) = (dir_now, watcher) {
                 if watched != Some(dir_now) {
-                    watched = watch_anew(&watcher, &dir).then_some(dir_now);
+                    watch_anew(&watcher, &dir);
+                    watched = Some(dir_now);
                 }
             }
             // A build put off is asked about again only once the host
@@ -196,30 +227,34 @@ pub fn watch_plugin_file(
             });
             let outcome = slot.reload().await;
             if let (Ok(seen), Some(failed_before)) = (seen, failed_before) {
-                let (failures, deferred) = match outcome {
-                    Ok(_) => (0, false),
-                    Err(NoReload::Failed(_)) => (failed_before + 1, false),
+                let (failures, deferred, refused) = match outcome {
+                    Ok(_) => (0, false, false),
+                    Err(NoReload::Failed(e)) => (failed_before + 1, false, !e.may_pass),
                     // Nothing was read: the file is neither good nor bad.
-                    Err(NoReload::NotPossible(_)) => (failed_before, false),
+                    Err(NoReload::NotPossible(_)) => (failed_before, false, false),
                     // Not judged: asked about again at the next poll.
-                    Err(NoReload::Deferred(_)) => (failed_before, true),
+                    Err(NoReload::Deferred(_)) => (failed_before, true, false),
                 };
                 *lock(&tried) = Some(Tried {
                     fingerprint: seen,
                     failures,
                     deferred,
+                    refused,
                     at: tokio::time::Instant::now(),
                     reloading: false,
                 });
             }
         }
     });
-    Ok(Some(PluginWatch { _watcher: watcher }))
+    Ok(Some(PluginWatch {
+        _watcher: watcher,
+        _events: events,
+    }))
 }
 
 /// Watches `dir` again after it was replaced by another directory (the
-/// old watch went with the old one); whether that worked.
-fn watch_anew(watcher: &Mutex<RecommendedWatcher>, dir: &Path) -> bool {
+/// old watch went with the old one); says in the log whether that worked.
+fn watch_anew(watcher: &Mutex<RecommendedWatcher>, dir: &Path) {
     let mut watcher = lock(watcher);
     // The old directory's watch, if it still exists somewhere.
     let _ = watcher.unwatch(dir);
@@ -229,7 +264,6 @@ fn watch_anew(watcher: &Mutex<RecommendedWatcher>, dir: &Path) -> bool {
                 "the plugin directory {} was replaced by another: watching the new one",
                 dir.display()
             );
-            true
         }
         Err(e) => {
             tracing::warn!(
@@ -239,7 +273,6 @@ fn watch_anew(watcher: &Mutex<RecommendedWatcher>, dir: &Path) -> bool {
                 dir.display(),
                 POLL_INTERVAL.as_secs()
             );
-            false
         }
     }
 }
@@ -252,6 +285,9 @@ struct Tried {
     /// (checked before the build is compiled, so asking at every poll
     /// costs a read of the file).
     deferred: bool,
+    /// Its last reload refused its build for what it is (see
+    /// `ReloadError::may_pass`): not tried again.
+    refused: bool,
     at: tokio::time::Instant,
     /// The reload of this file is still running.
     reloading: bool,
@@ -270,6 +306,7 @@ impl Tried {
             fingerprint,
             failures,
             deferred: false,
+            refused: false,
             at: tokio::time::Instant::now(),
             reloading: true,
         }
@@ -277,7 +314,7 @@ impl Tried {
 
     /// Whether the file now at the path (`now`) is due for a reload: it is
     /// another file, or this one's reload was put off, or it failed and its
-    /// pause is over (and it is not being reloaded now).
+    /// pause is over, and it may pass (and it is not being reloaded now).
     fn due(&self, now: &Fingerprint) -> bool {
         self.due_after(now, self.at.elapsed())
     }
@@ -299,7 +336,7 @@ impl Tried {
         if self.deferred {
             return true;
         }
-        if self.failures == 0 {
+        if self.failures == 0 || self.refused {
             return false;
         }
         let pause = RETRY_PAUSE
@@ -370,14 +407,20 @@ mod tests {
     /// Whether `now` is due `ago` after a reload of file 1 that made
     /// `failures` failures in a row.
     fn due(failures: u32, ago: Duration, now: &Fingerprint) -> bool {
-        let tried = Tried {
+        tried(failures).due_after(now, ago)
+    }
+
+    /// A reload of file 1 that made `failures` failures in a row, each of
+    /// which may pass.
+    fn tried(failures: u32) -> Tried {
+        Tried {
             fingerprint: file(1),
             failures,
             deferred: false,
+            refused: false,
             at: tokio::time::Instant::now(),
             reloading: false,
-        };
-        tried.due_after(now, ago)
+        }
     }
 
     #[test]
@@ -409,6 +452,18 @@ mod tests {
         assert!(due(40, secs(300), &file(1)));
     }
 
+    /// A build refused for what it is is not compiled again, however long
+    /// ago; another file at the path is due at once.
+    #[test]
+    fn a_build_refused_for_what_it_is_is_not_tried_again() {
+        let refused = Tried {
+            refused: true,
+            ..tried(1)
+        };
+        assert!(!refused.due_after(&file(1), Duration::from_secs(86_400)));
+        assert!(refused.due_after(&file(2), Duration::ZERO));
+    }
+
     /// A file whose reload was put off (the host held no machine id) is
     /// asked about again at the next poll, failures before it or not, but
     /// not while its reload runs.
@@ -416,11 +471,8 @@ mod tests {
     fn a_file_put_off_is_due_at_the_next_poll() {
         for failures in [0, 2] {
             let put_off = Tried {
-                fingerprint: file(1),
-                failures,
                 deferred: true,
-                at: tokio::time::Instant::now(),
-                reloading: false,
+                ..tried(failures)
             };
             assert!(put_off.due_after(&file(1), Duration::ZERO));
             assert!(put_off.waits_for_an_id(&file(1)));
