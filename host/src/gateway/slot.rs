@@ -788,6 +788,44 @@ mod tests {
         }
     }
 
+    /// Only failures that may pass with the same build are retried by the
+    /// file watch: a call out of time or without a free instance, a
+    /// compile process that did not start or was killed; not a build
+    /// refused for what it is.
+    #[test]
+    fn only_failures_that_may_pass_are_tried_again() {
+        let wrapped = |error: anyhow::Error| error.context("self-check").context("reloading");
+        let passing = [
+            anyhow::Error::new(CallError::Deadline(std::time::Duration::from_millis(500))),
+            anyhow::Error::new(CallError::Busy(64)),
+            anyhow::Error::new(CompileFailure::Other("fork: EAGAIN".into())),
+            anyhow::Error::new(CompileFailure::OutOfCpuTime {
+                limit: std::time::Duration::from_secs(600),
+                killed: true,
+            }),
+        ];
+        for error in passing {
+            let error = wrapped(error);
+            assert!(may_pass(&error), "{error:#}");
+        }
+        let for_good = [
+            anyhow::Error::new(CallError::Trap("unreachable".into())),
+            anyhow::Error::new(CallError::MemoryLimit(64 << 20)),
+            anyhow::Error::new(CompileFailure::OutOfMemory {
+                limit_bytes: 1 << 30,
+            }),
+            anyhow::Error::new(CompileFailure::OutOfCpuTime {
+                limit: std::time::Duration::from_secs(600),
+                killed: false,
+            }),
+            anyhow::anyhow!("self-check: the plugin stamped the id 1, which could repeat"),
+        ];
+        for error in for_good {
+            let error = wrapped(error);
+            assert!(!may_pass(&error), "{error:#}");
+        }
+    }
+
     /// Machine id 3 in trtllm-v1.
     fn host_ids() -> HostIds {
         HostIds {
