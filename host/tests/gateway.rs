@@ -2367,6 +2367,134 @@ async fn a_host_name_that_resolves_slowly_is_looked_up_once_at_a_time() {
     gateway.stop().await;
 }
 
+/// A gateway that found the upstream's addresses goes on connecting to
+/// them while the DNS server fails or hangs: a request that needs a new
+/// connection is answered, and the name is looked up again in the
+/// background meanwhile. Before, addresses over a second old were not used
+/// again, and each such request got 502 (a failing lookup) or 504 (one
+/// that hangs), though the upstream answered at them.
+///
+/// The DNS server is the preloaded `getaddrinfo` of
+/// `tests/shims/slow_getaddrinfo.c`, told what to do through a file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn addresses_found_before_serve_while_the_dns_server_fails_or_hangs() {
+    let dir = TempDir::new("failing-dns");
+    let Some(library) = built_shim(dir.path(), "slow_getaddrinfo") else {
+        return;
+    };
+    let (log, control) = (dir.path().join("lookups.log"), dir.path().join("dns"));
+    std::fs::write(&control, "127.0.0.1").expect("the DNS control file");
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start_with_env(
+        &[
+            "--upstream",
+            &format!("http://upstream.test:{}", upstream.addr.port()),
+            "--upstream-connect-timeout-ms",
+            "300",
+            // Every request after a pause needs a new connection.
+            "--upstream-idle-timeout-ms",
+            "1",
+            "--workers",
+            "1",
+        ],
+        &[
+            ("LD_PRELOAD", library.to_str().expect("UTF-8")),
+            ("SLOW_GETADDRINFO_HOST", "upstream.test"),
+            ("SLOW_GETADDRINFO_MS", "5000"),
+            ("SLOW_GETADDRINFO_LOG", log.to_str().expect("UTF-8")),
+            ("SLOW_GETADDRINFO_CONTROL", control.to_str().expect("UTF-8")),
+        ],
+    )
+    .await;
+    let lookups = || {
+        std::fs::read_to_string(&log)
+            .map(|text| text.lines().count())
+            .unwrap_or(0)
+    };
+    let reply = get(gateway.addr, "/v1/models").await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    // "hang": the lookup answers only after 5 s.
+    for dns in ["fail", "hang"] {
+        std::fs::write(&control, dns).expect("the DNS control file");
+        let before = lookups();
+        // The time under test: the addresses age past the second they are
+        // kept as they are (KEEP_ADDRESSES).
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+        let reply = get(gateway.addr, "/v1/models").await;
+        assert_eq!(reply.status, StatusCode::OK, "{dns}: {}", reply.text());
+        // And the name was looked up again meanwhile (polled, at most STEP).
+        let deadline = Instant::now() + STEP;
+        while lookups() == before {
+            assert!(Instant::now() < deadline, "{dns}: no lookup was tried");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    gateway.stop().await;
+}
+
+/// A gateway whose upstream name comes to resolve to another address (a
+/// service moved, a blue/green switch by DNS) sends its requests there
+/// within about a second, even on connections it keeps busy: a kept
+/// connection to an address the name no longer has is closed, not reused.
+/// Before, a client that kept sending held its first connection, and the
+/// old address, for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kept_upstream_connections_follow_the_name_to_its_new_address() {
+    let dir = TempDir::new("moving-dns");
+    let Some(library) = built_shim(dir.path(), "slow_getaddrinfo") else {
+        return;
+    };
+    let control = dir.path().join("dns");
+    std::fs::write(&control, "127.0.0.1").expect("the DNS control file");
+    let old = TestUpstream::start().await;
+    let new = TestUpstream::start_at(&format!("127.0.0.2:{}", old.addr.port())).await;
+    let gateway = Gateway::start_with_env(
+        &[
+            "--upstream",
+            &format!("http://upstream.test:{}", old.addr.port()),
+            "--workers",
+            "1",
+        ],
+        &[
+            ("LD_PRELOAD", library.to_str().expect("UTF-8")),
+            ("SLOW_GETADDRINFO_HOST", "upstream.test"),
+            ("SLOW_GETADDRINFO_CONTROL", control.to_str().expect("UTF-8")),
+        ],
+    )
+    .await;
+    let mut client = Client::connect(gateway.addr).await;
+    let reply = client.get("/v1/models").await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    assert_eq!(old.seen().len(), 1);
+
+    std::fs::write(&control, "127.0.0.2").expect("the DNS control file");
+    // Requests one after another (the gateway's upstream connection never
+    // idles) until one reaches the new address, polled for at most 10 s.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while new.seen().is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "still on the old address after {} requests",
+            old.seen().len()
+        );
+        let reply = client.get("/v1/models").await;
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let on_old = old.seen().len();
+    for _ in 0..20 {
+        let reply = client.get("/v1/models").await;
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    }
+    assert_eq!(
+        old.seen().len(),
+        on_old,
+        "a request went to the old address"
+    );
+    assert_eq!(new.seen().len(), 21);
+    gateway.stop().await;
+}
+
 /// An upstream that takes the request and never answers costs the client
 /// a 504 after --upstream-response-timeout-ms, not a request that hangs;
 /// a response that starts in time streams on for as long as it lasts.

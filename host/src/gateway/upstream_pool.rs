@@ -24,6 +24,7 @@ use std::collections::VecDeque;
 use std::fmt;
 use std::net::SocketAddr;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::task::{ready, Context, Poll};
 use std::time::{Duration, Instant};
@@ -62,6 +63,9 @@ struct Shared {
     connect_timeout: Duration,
     idle_timeout: Duration,
     idle: Mutex<Idle>,
+    /// Which of the addresses a new connection tries first (see
+    /// [`in_turn`]).
+    turn: AtomicUsize,
 }
 
 /// The connections waiting for a request, oldest first.
@@ -76,6 +80,8 @@ struct Idle {
 struct Connection {
     sender: SendRequest<RequestBody>,
     task: AbortHandle,
+    /// The address it went to.
+    peer: SocketAddr,
 }
 
 /// Aborts a connection's task when dropped, unless disarmed first.
@@ -159,6 +165,7 @@ impl ConnectionPool {
                     connections: VecDeque::new(),
                     reaper: false,
                 }),
+                turn: AtomicUsize::new(0),
             }),
         }
     }
@@ -176,7 +183,11 @@ impl ConnectionPool {
                 Some(connection) => (connection, true),
                 None => (self.shared.connect().await?, false),
             };
-            let Connection { mut sender, task } = connection;
+            let Connection {
+                mut sender,
+                task,
+                peer,
+            } = connection;
             // Until the response head arrives, dropping this future (the
             // response timeout, a client gone) closes the connection.
             let abandoned = CloseOnDrop(Some(task));
@@ -187,6 +198,7 @@ impl ConnectionPool {
                         connection: Connection {
                             sender,
                             task: abandoned.disarm(),
+                            peer,
                         },
                     };
                     return Ok(response.map(|body| PooledBody::new(body, back)));
@@ -212,13 +224,24 @@ impl Shared {
         self.idle.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The newest idle connection that is still ready; those that closed
-    /// meanwhile are dropped.
+    /// The newest idle connection that is still ready, to an address the
+    /// upstream's name still has; the others are closed. Under steady
+    /// load a connection never idles long enough to be closed, so without
+    /// the second rule the gateway stayed on the addresses of its first
+    /// connections for good, whatever the name came to resolve to (a
+    /// service moved, blue/green by DNS).
     fn checkout(&self) -> Option<Connection> {
+        let current = self.resolver.current();
         let mut idle = self.lock();
         while let Some(waiting) = idle.connections.pop_back() {
-            if waiting.connection.sender.is_ready() {
-                return Some(waiting.connection);
+            let connection = waiting.connection;
+            let moved = current
+                .as_ref()
+                .is_some_and(|addresses| !addresses.contains(&connection.peer));
+            if moved {
+                connection.task.abort();
+            } else if connection.sender.is_ready() {
+                return Some(connection);
             }
         }
         None
@@ -237,7 +260,8 @@ impl Shared {
                 ResolveError::TimedOut => timed_out(),
                 ResolveError::Failed(e) => SendError::Connect(e),
             })?;
-        let stream = connect_to_any(&addresses, deadline)
+        let turn = self.turn.fetch_add(1, Ordering::Relaxed);
+        let (stream, peer) = connect_to_any(&in_turn(&addresses, turn), deadline)
             .await
             .map_err(|e| e.unwrap_or_else(timed_out))?;
         stream.set_nodelay(true).map_err(SendError::Connect)?;
@@ -257,6 +281,7 @@ impl Shared {
         Ok(Connection {
             sender,
             task: task.abort_handle(),
+            peer,
         })
     }
 
@@ -275,9 +300,13 @@ impl Shared {
             };
             let pool = self.clone();
             runtime.spawn(async move {
-                let Connection { mut sender, task } = connection;
+                let Connection {
+                    mut sender,
+                    task,
+                    peer,
+                } = connection;
                 match tokio::time::timeout(pool.idle_timeout, sender.ready()).await {
-                    Ok(Ok(())) => pool.put_ready(Connection { sender, task }),
+                    Ok(Ok(())) => pool.put_ready(Connection { sender, task, peer }),
                     Ok(Err(_closed)) => {}
                     Err(_still_sending) => task.abort(),
                 }
@@ -310,7 +339,7 @@ impl Shared {
 async fn connect_to_any(
     addresses: &[SocketAddr],
     deadline: tokio::time::Instant,
-) -> Result<TcpStream, Option<SendError>> {
+) -> Result<(TcpStream, SocketAddr), Option<SendError>> {
     let mut last = Some(SendError::Connect(std::io::Error::new(
         std::io::ErrorKind::NotFound,
         "the upstream's host name resolves to no address",
@@ -319,12 +348,32 @@ async fn connect_to_any(
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
         let share = left / u32::try_from(addresses.len() - i).unwrap_or(u32::MAX);
         match tokio::time::timeout(share, TcpStream::connect(address)).await {
-            Ok(Ok(stream)) => return Ok(stream),
+            Ok(Ok(stream)) => return Ok((stream, *address)),
             Ok(Err(e)) => last = Some(SendError::Connect(e)),
             Err(_elapsed) => last = None,
         }
     }
     Err(last)
+}
+
+/// `addresses` in the order a new connection tries them, its `turn`-th:
+/// those of the first one's family (the one the system prefers) in turn,
+/// each first in its turn, so that new connections spread over a name's
+/// addresses (the replicas behind a headless service) rather than all
+/// going to the first; then the others, in their order, so that an
+/// address family that does not answer (an IPv6 route that drops packets)
+/// is tried only after the preferred one.
+fn in_turn(addresses: &[SocketAddr], turn: usize) -> Vec<SocketAddr> {
+    let Some(first) = addresses.first() else {
+        return Vec::new();
+    };
+    let (mut preferred, others): (Vec<SocketAddr>, Vec<SocketAddr>) = addresses
+        .iter()
+        .partition(|address| address.is_ipv4() == first.is_ipv4());
+    let len = preferred.len();
+    preferred.rotate_left(turn % len);
+    preferred.extend(others);
+    preferred
 }
 
 /// Closes the pool's connections as their idle time runs out, then ends
@@ -732,6 +781,26 @@ mod tests {
         assert_eq!(seen.closed.load(Ordering::SeqCst), 2);
     }
 
+    /// New connections take the preferred family's addresses in turn, each
+    /// first in its turn, and the other family's after them, in order.
+    #[test]
+    fn new_connections_take_the_preferred_familys_addresses_in_turn() {
+        let at = |text: &str| text.parse::<SocketAddr>().expect("an address");
+        let (a, b, c, v6) = (
+            at("10.0.0.1:80"),
+            at("10.0.0.2:80"),
+            at("10.0.0.3:80"),
+            at("[::1]:80"),
+        );
+        let addresses = [a, v6, b, c];
+        assert_eq!(in_turn(&addresses, 0), [a, b, c, v6]);
+        assert_eq!(in_turn(&addresses, 1), [b, c, a, v6]);
+        assert_eq!(in_turn(&addresses, 2), [c, a, b, v6]);
+        assert_eq!(in_turn(&addresses, 3), [a, b, c, v6]);
+        assert_eq!(in_turn(&[v6, a], 1), [v6, a]);
+        assert_eq!(in_turn(&[], 5), []);
+    }
+
     /// An idle connection the upstream closed before the gateway noticed:
     /// the request, never written, goes on a new connection.
     #[tokio::test]
@@ -753,7 +822,11 @@ mod tests {
             sender.is_ready(),
             "the connection has not yet seen its peer go"
         );
-        pool.shared.put_ready(Connection { sender, task });
+        pool.shared.put_ready(Connection {
+            sender,
+            task,
+            peer: addr,
+        });
 
         let response = pool.send(get("/fixed")).await.unwrap();
         assert_eq!(read_to_end(response).await, "ok");
@@ -773,7 +846,11 @@ mod tests {
                 // Given back while the request waits for its answer.
                 tokio::task::yield_now().await;
                 assert!(!sender.is_ready() && !sender.is_closed());
-                pool.shared.put(Connection { sender, task });
+                pool.shared.put(Connection {
+                    sender,
+                    task,
+                    peer: addr,
+                });
                 assert_eq!(pool.idle_count(), 0);
                 answer.await
             },
@@ -934,10 +1011,10 @@ mod tests {
         };
         let started = tokio::time::Instant::now();
         let deadline = started + Duration::from_secs(6);
-        let stream = connect_to_any(&[silent, refused, live], deadline)
+        let (stream, peer) = connect_to_any(&[silent, refused, live], deadline)
             .await
             .expect("the live address takes the connection");
-        assert_eq!(stream.peer_addr().unwrap(), live);
+        assert_eq!((stream.peer_addr().unwrap(), peer), (live, live));
         // The silent address was tried for its third of the time (2 s),
         // not for all of it (6 s): the two other attempts take
         // microseconds on loopback, which leaves 2 s of margin.

@@ -1,5 +1,7 @@
 //! The upstream's host name, resolved for one connection pool: one lookup
-//! at a time, its addresses kept for [`KEEP_ADDRESSES`].
+//! at a time, its addresses kept for [`KEEP_ADDRESSES`], and served past
+//! that while the next lookup runs, fails or hangs, for up to
+//! [`STALE_ADDRESSES`].
 //!
 //! A lookup runs on the blocking thread pool (`getaddrinfo`), and a
 //! connect timeout stops waiting for it but cannot stop it. Each new
@@ -8,7 +10,13 @@
 //! tokio's 512 per runtime, until the resolver's own timeout. Here a
 //! lookup runs on a task of its own that holds the pool's one lookup slot
 //! until the lookup ends, whoever still waits for it; callers wait for the
-//! slot or the addresses within their own deadline.
+//! slot or the addresses within their own deadline only when there are no
+//! addresses to go on with.
+//!
+//! Before, addresses over a second old were never used again: while a
+//! DNS server restarted or lost packets, every request that needed a new
+//! connection got 502 or 504, though the upstream still answered at the
+//! addresses found a second before.
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -16,10 +24,18 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use crate::log_throttle::LogThrottle;
+
 /// How long a lookup's addresses serve new connections before the name
 /// is looked up again: short, so that a changed DNS record (a service
 /// moved) is followed within a second.
 pub const KEEP_ADDRESSES: Duration = Duration::from_secs(1);
+
+/// How long the last addresses found go on serving while the lookups
+/// after them fail or hang: a DNS outage of up to five minutes costs no
+/// request to an upstream that is still where it was. Past that, callers
+/// wait for a lookup again, and fail with it.
+pub const STALE_ADDRESSES: Duration = Duration::from_secs(300);
 
 /// The last addresses a lookup found, and when it ended.
 type Found = Option<(Arc<[SocketAddr]>, Instant)>;
@@ -32,6 +48,10 @@ pub struct Resolver {
     literal: Option<IpAddr>,
     /// The last addresses found, and when.
     found: Arc<Mutex<Found>>,
+    /// When the last lookup in the background started: one a
+    /// [`KEEP_ADDRESSES`] at most, however many requests ask while the
+    /// DNS server fails at once.
+    refreshed: Mutex<Option<Instant>>,
     /// Held by the lookup under way, until it ends.
     lookup: Arc<tokio::sync::Mutex<()>>,
 }
@@ -54,6 +74,7 @@ impl Resolver {
             port,
             literal: host.parse().ok(),
             found: Arc::new(Mutex::new(None)),
+            refreshed: Mutex::new(None),
             lookup: Arc::new(tokio::sync::Mutex::new(())),
         }
     }
@@ -63,35 +84,25 @@ impl Resolver {
         &self.host
     }
 
-    /// The addresses to try, by `deadline`.
+    /// The addresses to try, by `deadline`: those found within
+    /// [`KEEP_ADDRESSES`]; or older ones, up to [`STALE_ADDRESSES`], at
+    /// once, while a lookup in the background looks for newer ones; or
+    /// what a lookup finds by `deadline`.
     pub async fn addresses(&self, deadline: Instant) -> Result<Arc<[SocketAddr]>, ResolveError> {
         if let Some(ip) = self.literal {
             return Ok(Arc::from([SocketAddr::new(ip, self.port)]));
         }
-        if let Some(fresh) = self.fresh() {
-            return Ok(fresh);
+        if let Some(known) = self.known() {
+            return Ok(known);
         }
         let slot = tokio::time::timeout_at(deadline, self.lookup.clone().lock_owned())
             .await
             .map_err(|_elapsed| ResolveError::TimedOut)?;
         // Found by the lookup this caller waited behind.
-        if let Some(fresh) = self.fresh() {
-            return Ok(fresh);
+        if let Some(known) = self.known() {
+            return Ok(known);
         }
-        let host = self.host.clone();
-        let port = self.port;
-        let kept = self.found.clone();
-        // The lookup keeps the slot, and keeps what it finds for the
-        // callers after it, even if this caller stops waiting.
-        let lookup = tokio::spawn(async move {
-            let addresses: Arc<[SocketAddr]> = tokio::net::lookup_host((host.as_str(), port))
-                .await?
-                .collect();
-            *kept.lock().unwrap_or_else(PoisonError::into_inner) =
-                Some((addresses.clone(), Instant::now()));
-            drop(slot);
-            Ok::<_, std::io::Error>(addresses)
-        });
+        let lookup = tokio::spawn(self.look_up(slot));
         tokio::time::timeout_at(deadline, lookup)
             .await
             .map_err(|_elapsed| ResolveError::TimedOut)?
@@ -99,12 +110,92 @@ impl Resolver {
             .map_err(ResolveError::Failed)
     }
 
-    /// The last addresses found, if found within [`KEEP_ADDRESSES`].
-    fn fresh(&self) -> Option<Arc<[SocketAddr]>> {
-        let found = self.found.lock().unwrap_or_else(PoisonError::into_inner);
-        found
-            .as_ref()
-            .filter(|(_, at)| at.elapsed() < KEEP_ADDRESSES)
-            .map(|(addresses, _)| addresses.clone())
+    /// The addresses a new connection would go to now, without waiting
+    /// (see [`Resolver::addresses`]), if any are known: for the pool to
+    /// tell a kept connection to an address the name no longer has.
+    /// `None` for an IP address, whose connections all go to it.
+    pub fn current(&self) -> Option<Arc<[SocketAddr]>> {
+        match self.literal {
+            Some(_) => None,
+            None => self.known(),
+        }
+    }
+
+    /// The last addresses found, if found within [`KEEP_ADDRESSES`], or
+    /// within [`STALE_ADDRESSES`] (then a lookup in the background is
+    /// started, if none ran for a [`KEEP_ADDRESSES`]).
+    fn known(&self) -> Option<Arc<[SocketAddr]>> {
+        let (addresses, age) = {
+            let found = self.found.lock().unwrap_or_else(PoisonError::into_inner);
+            let (addresses, at) = found.as_ref()?;
+            (addresses.clone(), at.elapsed())
+        };
+        if age < KEEP_ADDRESSES {
+            return Some(addresses);
+        }
+        if age >= STALE_ADDRESSES {
+            return None;
+        }
+        self.refresh();
+        Some(addresses)
+    }
+
+    /// Starts a lookup in the background, unless one is under way or
+    /// started within a [`KEEP_ADDRESSES`] (or this thread runs no tokio
+    /// runtime).
+    fn refresh(&self) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        {
+            let mut refreshed = self
+                .refreshed
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            if refreshed.is_some_and(|at| at.elapsed() < KEEP_ADDRESSES) {
+                return;
+            }
+            *refreshed = Some(Instant::now());
+        }
+        let Ok(slot) = self.lookup.clone().try_lock_owned() else {
+            return;
+        };
+        let lookup = self.look_up(slot);
+        let host = self.host.clone();
+        runtime.spawn(async move {
+            if let Err(e) = lookup.await {
+                // While the DNS server is down every lookup fails alike.
+                static FAILED: LogThrottle = LogThrottle::new();
+                if let Some(held_back) = FAILED.admit() {
+                    tracing::warn!(
+                        error = %e,
+                        "looking up the upstream host {host} failed; the addresses found before \
+                         serve for up to {} s after they were found {held_back}",
+                        STALE_ADDRESSES.as_secs()
+                    );
+                }
+            }
+        });
+    }
+
+    /// A lookup of the name, holding `slot` until it ends, that keeps what
+    /// it finds for the callers after it, whoever still waits for it.
+    fn look_up(
+        &self,
+        slot: tokio::sync::OwnedMutexGuard<()>,
+    ) -> impl std::future::Future<Output = std::io::Result<Arc<[SocketAddr]>>> + Send + 'static
+    {
+        let host = self.host.clone();
+        let port = self.port;
+        let kept = self.found.clone();
+        async move {
+            let addresses: Arc<[SocketAddr]> = tokio::net::lookup_host((host.as_str(), port))
+                .await?
+                .collect();
+            *kept.lock().unwrap_or_else(PoisonError::into_inner) =
+                Some((addresses.clone(), Instant::now()));
+            drop(slot);
+            Ok(addresses)
+        }
     }
 }

@@ -583,9 +583,14 @@ type UpstreamBody = BoxBody<Bytes, Infallible>;
 impl TestUpstream {
     /// Binds and starts serving.
     pub async fn start() -> TestUpstream {
-        let listener = TcpListener::bind("127.0.0.1:0")
+        TestUpstream::start_at("127.0.0.1:0").await
+    }
+
+    /// Binds `addr` and starts serving.
+    pub async fn start_at(addr: &str) -> TestUpstream {
+        let listener = TcpListener::bind(addr)
             .await
-            .expect("bind upstream");
+            .unwrap_or_else(|e| panic!("bind upstream at {addr}: {e}"));
         let addr = listener.local_addr().expect("upstream address");
         let state = Arc::new(UpstreamState::default());
         let shared = state.clone();
