@@ -2694,9 +2694,18 @@ async fn a_chunked_response_with_a_stale_content_length_reaches_the_client_whole
 
 /// An upstream that answers 101 Switching Protocols to a request that asked
 /// for no upgrade (the gateway forwards none) is failing: the client gets
-/// 502, and its connection serves the next request.
+/// 502, and its connection serves the next request. The 502 says not to
+/// retry, as the upstream would answer so again; one for a connection
+/// closed before any answer does not.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unasked_101_from_the_upstream_is_a_502() {
+    let closes = RawUpstream::start(b"").await;
+    let gateway = Gateway::start(&["--upstream", &closes.url()]).await;
+    let reply = get(gateway.addr, "/v1/models").await;
+    assert_eq!(reply.status, StatusCode::BAD_GATEWAY, "{}", reply.text());
+    assert_openai_error(&reply.json(), "upstream_failed", "server_error");
+    assert_eq!(reply.header("x-should-retry"), None);
+
     let upstream = RawUpstream::start(
         b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n",
     )
@@ -2708,6 +2717,8 @@ async fn an_unasked_101_from_the_upstream_is_a_502() {
         assert_eq!(reply.status, StatusCode::BAD_GATEWAY, "{}", reply.text());
         let message = assert_openai_error(&reply.json(), "upstream_failed", "server_error");
         assert!(message.contains("101 Switching Protocols"), "{message}");
+        // It would answer so again: OpenAI's clients are told not to retry.
+        assert_eq!(reply.header("x-should-retry"), Some("false"));
     }
 }
 
@@ -2740,6 +2751,7 @@ async fn an_upstream_response_head_over_64_kib_is_a_502() {
         assert_eq!(reply.status, StatusCode::BAD_GATEWAY, "{}", reply.text());
         let message = assert_openai_error(&reply.json(), "upstream_failed", "server_error");
         assert!(message.contains("response head over 64 KiB"), "{message}");
+        assert_eq!(reply.header("x-should-retry"), Some("false"));
     }
 }
 
@@ -2758,6 +2770,7 @@ async fn an_upstream_transfer_coding_other_than_chunked_is_a_502() {
     assert_eq!(reply.status, StatusCode::BAD_GATEWAY, "{}", reply.text());
     let message = assert_openai_error(&reply.json(), "upstream_failed", "server_error");
     assert!(message.contains("\"gzip, chunked\""), "{message}");
+    assert_eq!(reply.header("x-should-retry"), Some("false"));
 }
 
 /// `TE` is a request header: one an upstream sends back is not passed on

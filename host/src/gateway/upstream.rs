@@ -288,7 +288,7 @@ impl HttpUpstream {
         let answer = tokio::time::timeout(self.timeouts.response, self.pool.send(request));
         let failure = match answer.await {
             Ok(Ok(response)) => match unusable(&response) {
-                Some(why) => UpstreamFailure::Failed(why),
+                Some(why) => UpstreamFailure::Unusable(why),
                 None => return self.pass_on(response, client_takes_trailers, path),
             },
             Ok(Err(e)) => {
@@ -330,6 +330,10 @@ impl HttpUpstream {
         static UNREACHABLE: LogThrottle = LogThrottle::new();
         static FAILED: LogThrottle = LogThrottle::new();
         static TOO_SLOW: LogThrottle = LogThrottle::new();
+        // The upstream answered, with what the gateway cannot pass on: it
+        // would answer the same request so again, and a non-streaming
+        // completion answers only once it has generated it all.
+        let fails_again = matches!(failure, UpstreamFailure::Unusable(_));
         let (status, code, problem, throttle) = match failure {
             UpstreamFailure::Unreachable(why) => (
                 StatusCode::BAD_GATEWAY,
@@ -337,7 +341,7 @@ impl HttpUpstream {
                 why,
                 &UNREACHABLE,
             ),
-            UpstreamFailure::Failed(why) => {
+            UpstreamFailure::Failed(why) | UpstreamFailure::Unusable(why) => {
                 (StatusCode::BAD_GATEWAY, "upstream_failed", why, &FAILED)
             }
             UpstreamFailure::TooSlow(why) => (
@@ -359,7 +363,11 @@ impl HttpUpstream {
         // operator's (it is in the warning above), as nginx's 502 page
         // names none.
         let message = format!("the upstream {problem}");
-        own(responses::error(status, code, &message))
+        let mut response = responses::error(status, code, &message);
+        if fails_again {
+            responses::would_fail_again(&mut response);
+        }
+        own(response)
     }
 
     /// The upstream's `response` as the client gets it, its body streamed
@@ -463,6 +471,9 @@ enum UpstreamFailure {
     Unreachable(String),
     /// The connection failed after the request was sent (502).
     Failed(String),
+    /// The upstream answered with a response the gateway cannot pass on
+    /// (502, `x-should-retry: false`).
+    Unusable(String),
     /// A timeout ran out (504).
     TooSlow(String),
 }
@@ -489,7 +500,7 @@ impl UpstreamFailure {
             SendError::Connect(e) => {
                 UpstreamFailure::Unreachable(format!("could not be reached: {e}"))
             }
-            SendError::Request(e) if e.is_parse_too_large() => UpstreamFailure::Failed(format!(
+            SendError::Request(e) if e.is_parse_too_large() => UpstreamFailure::Unusable(format!(
                 "answered with a response head over {} KiB or of more than 100 header \
                  fields, more than the gateway takes (its status line and headers; the body \
                  is not limited)",
