@@ -65,10 +65,16 @@ pub(crate) const MAX_PLUGIN_HANDLES: usize = 1024;
 
 /// Per plugin instance, how many core instances, tables and memories a
 /// component may use; the pool holds this many for each of
-/// `max_instances`. Rust plugins built for `wasm32-wasip2` use three core
-/// instances, two tables and one memory.
-const CORE_INSTANCES_PER_PLUGIN: u32 = 8;
-const TABLES_PER_PLUGIN: u32 = 4;
+/// `max_instances`, and a component that needs more is refused when it is
+/// loaded, naming what it needs. Rust plugins built for `wasm32-wasip2` use
+/// three core instances, two tables and one memory; runtimes linked from
+/// many libraries (Python's) use more core instances, which cost the pool
+/// nothing until used. Before, a component was not bounded by these: one
+/// of two memories (a composition of two plugins) passed its self-check,
+/// then took two of the pool's memories an instance, and requests found
+/// the pool full (503 `busy`) at half the instances it was sized for.
+const CORE_INSTANCES_PER_PLUGIN: u32 = 32;
+const TABLES_PER_PLUGIN: u32 = 8;
 const MEMORIES_PER_PLUGIN: u32 = 1;
 
 /// The process-wide plugin runtime: one engine, one linker, and the shared
@@ -249,6 +255,9 @@ fn pooling_config(limits: &PluginLimits) -> PoolingAllocationConfig {
         .total_core_instances(instances.saturating_mul(CORE_INSTANCES_PER_PLUGIN))
         .total_memories(instances.saturating_mul(MEMORIES_PER_PLUGIN))
         .total_tables(instances.saturating_mul(TABLES_PER_PLUGIN))
+        .max_core_instances_per_component(CORE_INSTANCES_PER_PLUGIN)
+        .max_memories_per_component(MEMORIES_PER_PLUGIN)
+        .max_tables_per_component(TABLES_PER_PLUGIN)
         // Async calls (the gateway's) run on a fiber stack from the pool.
         .total_stacks(instances)
         .max_memory_size(max_memory)

@@ -393,4 +393,56 @@ mod tests {
             format!("snowgate:middleware/handler@{CONTRACT_VERSION}")
         );
     }
+
+    /// A component of `memories` core modules that each define a memory
+    /// and are each instantiated.
+    fn component_of_memories(memories: u32) -> Vec<u8> {
+        let mut module = wasm_encoder::Module::new();
+        let mut memory = wasm_encoder::MemorySection::new();
+        memory.memory(wasm_encoder::MemoryType {
+            minimum: 1,
+            maximum: None,
+            memory64: false,
+            shared: false,
+            page_size_log2: None,
+        });
+        module.section(&memory);
+        let mut component = wasm_encoder::Component::new();
+        let mut instances = wasm_encoder::InstanceSection::new();
+        for index in 0..memories {
+            component.section(&wasm_encoder::ModuleSection(&module));
+            instances.instantiate(index, std::iter::empty::<(&str, wasm_encoder::ModuleArg)>());
+        }
+        component.section(&instances);
+        component.finish()
+    }
+
+    /// A component that needs more of the instance pool than a plugin
+    /// instance may take (here two memories, where the pool holds one an
+    /// instance) is refused when it is loaded, saying so. Before, it loaded,
+    /// and then took two of the pool's memories for each instance.
+    #[test]
+    fn a_component_that_needs_more_of_the_pool_than_an_instance_may_take_is_refused() {
+        let services = crate::engine::HostServices {
+            clock: std::sync::Arc::new(crate::clock::IdClock::system()),
+            identity: std::sync::Arc::new(
+                crate::identity::MachineIdentity::fixed(
+                    snowgate_plugin::SnowflakeLayout::TrtllmV1,
+                    1,
+                )
+                .expect("machine id 1"),
+            ),
+        };
+        let engine =
+            PluginEngine::new(services, crate::limits::PluginLimits::default()).expect("an engine");
+        let error = compile(&engine, &component_of_memories(2)).expect_err("two memories");
+        let error = format!("{error:#}");
+        assert!(
+            error.contains("2 Wasm linear memories") && error.contains("maximum of 1"),
+            "{error}"
+        );
+        // One memory fits (the component is then refused for the world it
+        // lacks, later in the load).
+        compile(&engine, &component_of_memories(1)).expect("one memory");
+    }
 }
