@@ -117,23 +117,37 @@ impl Keeper {
         let (lease_id, id) = (earlier.lease_id, earlier.machine_id);
         // Revoked if the gateway stops during the attempt.
         self.granted = Some((client.clone(), lease_id));
-        let alive_since = match renew_once(client, lease_id, self.call_wait()).await {
-            Ok(sent) => sent,
-            Err(e) if gone(&e) => {
-                tracing::info!(
-                    machine_id = id,
-                    lease_id,
-                    "the lease etcd did not confirm in time is gone; claiming a machine id anew"
-                );
-                return Ok(None);
-            }
-            Err(e) => {
-                self.unconfirmed = Some(earlier);
-                return Err(e.context(format!(
-                    "checking whether the lease of machine id {id} is still alive"
-                )));
+        // Whether the lease is alive: when a renewal etcd confirms was
+        // sent, `None` if the lease is gone.
+        let wait = self.call_wait();
+        let alive = |client: &mut Client| {
+            let mut client = client.clone();
+            async move {
+                match renew_once(&mut client, lease_id, wait).await {
+                    Ok(sent) => Ok(Some(sent)),
+                    Err(e) if gone(&e) => {
+                        tracing::info!(
+                            machine_id = id,
+                            lease_id,
+                            "the lease etcd did not confirm in time is gone; claiming a machine \
+                             id anew"
+                        );
+                        Ok(None)
+                    }
+                    Err(e) => Err(e.context(format!(
+                        "checking whether the lease of machine id {id} is still alive"
+                    ))),
+                }
             }
         };
+        match alive(client).await {
+            Ok(Some(_)) => {}
+            Ok(None) => return Ok(None),
+            Err(e) => {
+                self.unconfirmed = Some(earlier);
+                return Err(e);
+            }
+        }
         let ceiling = match self.reserve(client, id, lease_id, 0).await {
             Ok(Reserved::Raised(mark)) => mark,
             Ok(Reserved::NotOurs) => {
@@ -146,6 +160,19 @@ impl Keeper {
                 return Err(e.context(format!(
                     "raising the high-water mark of machine id {id} to resume it"
                 )));
+            }
+        };
+        // Renewed again once the mark is written, as a claim does: the
+        // hold's deadline counts from here. Counted from the first renewal,
+        // a slow etcd (writes of a second each, with a 3 s TTL) left the
+        // hold no time at all: it ended unconfirmed at once, and resumed
+        // again, round after round, never stamping.
+        let alive_since = match alive(client).await {
+            Ok(Some(sent)) => sent,
+            Ok(None) => return Ok(None),
+            Err(e) => {
+                self.unconfirmed = Some(earlier);
+                return Err(e);
             }
         };
         self.start_holding(id, lease_id, alive_since, ceiling)?;

@@ -38,6 +38,10 @@ pub(super) enum Raise {
     Failed,
     /// The member did not answer in time, or the connection to it failed.
     Unanswered,
+    /// The renewal due next came first: the write was given less time
+    /// than a member has to answer, and that ran out. Not the member's
+    /// fault; the renewal raises the mark right after.
+    GaveWay,
     /// The slot is no longer ours.
     Lost(Ended),
 }
@@ -108,8 +112,9 @@ impl Keeper {
         let mut confirmed_at = alive_since.at;
         let unconfirmed = || {
             Ended::Unconfirmed(format!(
-                "no renewal confirmed by etcd within {} s",
-                ttl.as_secs()
+                "no renewal confirmed by etcd within {} ms of sending the last one it confirmed \
+                 (the TTL less a safety margin; time this process was frozen counts)",
+                (ttl - SAFETY_MARGIN).as_millis()
             ))
         };
         // Opening the stream renews once and waits for etcd to confirm it.
@@ -311,6 +316,8 @@ impl Keeper {
                     false
                 }
                 Raise::Unanswered => false,
+                // Until the renewal, which raises it, nothing else asks.
+                Raise::GaveWay => false,
                 Raise::Lost(lost) => return lost,
             };
         }
@@ -405,6 +412,19 @@ impl Keeper {
                 } else {
                     Raise::Failed
                 }
+            }
+            // A raise asked for just before a renewal is due has only the
+            // time until then: running out of it says nothing of etcd.
+            // Before, it was taken for a member that does not answer
+            // writes ("etcd did not answer within 0 ms"), and the keeper
+            // moved to another member for nothing.
+            Err(_timeout) if within < self.call_wait() => {
+                tracing::debug!(
+                    "raising the high-water mark gave way to the lease renewal due in {} ms, \
+                     which raises it",
+                    within.as_millis()
+                );
+                Raise::GaveWay
             }
             Err(_timeout) => {
                 tracing::warn!(

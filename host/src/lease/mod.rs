@@ -365,13 +365,17 @@ impl Keeper {
                     return;
                 }
                 Ended::Lost(reason) => {
-                    self.lost(machine_id, reason);
+                    tracing::error!(machine_id, reason = %reason, "machine id lease lost; stamping stopped until a new claim");
+                    self.lost(reason);
                     // The old lease may still be alive in etcd: let go of it
                     // if etcd answers, so the slot frees up sooner.
                     let _ = tokio::time::timeout(RETRY_PAUSE, client.lease_revoke(lease_id)).await;
                 }
                 Ended::Unconfirmed(reason) => {
-                    self.lost(machine_id, reason);
+                    // Not lost yet: the next claim first asks etcd whether
+                    // the lease is alive.
+                    tracing::error!(machine_id, reason = %reason, "machine id lease unconfirmed; stamping stopped until etcd confirms it alive (stamping then resumes with the same id) or a new claim succeeds");
+                    self.lost(reason);
                     // Kept, not revoked: if etcd confirms the lease alive
                     // when it answers again, the replica stamps with the
                     // same id at once (see `Keeper::resume`).
@@ -399,8 +403,7 @@ impl Keeper {
 
     /// A hold ended for `reason` without a stop: withdraws the machine id
     /// (requests that need one get 503) until a claim succeeds.
-    fn lost(&self, machine_id: u32, reason: String) {
-        tracing::error!(machine_id, reason = %reason, "machine id lease lost; stamping stopped until a new claim");
+    fn lost(&self, reason: String) {
         self.services
             .identity
             .withdraw(format!("the machine id lease was lost ({reason})"));
