@@ -1276,6 +1276,46 @@ async fn an_http2_json_body_reset_without_a_declared_length_is_not_forwarded() {
     http2_body_reset_with_no_error(None, &sent[..sent.len() / 2], "rejected").await;
 }
 
+/// An HTTP/2 client is told how many requests it may have open at once:
+/// `--max-streams-per-connection`, 128 by default, as nginx's. Before, it
+/// was hyper's 200, which the gateway did not choose, and each of them may
+/// hold an upstream connection of its own.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_http2_client_is_told_how_many_requests_it_may_have_open() {
+    let upstream = TestUpstream::start().await;
+    for (flags, told) in [
+        (&[][..], 128),
+        (&["--max-streams-per-connection", "3"][..], 3),
+    ] {
+        let mut args = vec!["--upstream", upstream.url().leak()];
+        args.extend_from_slice(flags);
+        let gateway = Gateway::start(&args).await;
+        let stream = TcpStream::connect(gateway.addr).await.expect("connect");
+        let (client, mut connection) = h2::client::handshake(stream)
+            .await
+            .expect("an HTTP/2 handshake");
+        // The server's settings have come once a response has; the
+        // connection is driven meanwhile, and asked after.
+        let exchange = async {
+            let mut client = client.ready().await.expect("ready");
+            let request = http::Request::get(format!("http://{}/v1/models", gateway.addr))
+                .body(())
+                .expect("a request");
+            let (response, _) = client.send_request(request, true).expect("send");
+            response.await.expect("a response")
+        };
+        let response = bounded("the answer", STEP, async {
+            tokio::select! {
+                ended = &mut connection => panic!("the connection ended first: {ended:?}"),
+                response = exchange => response,
+            }
+        })
+        .await;
+        assert_eq!(response.status(), 200);
+        assert_eq!(connection.max_concurrent_send_streams(), told, "{flags:?}");
+    }
+}
+
 /// Over HTTP/2, sends one whole context-only request, then a second whose
 /// body is `part` (under a content-length of `declared`, if any) followed
 /// by a reset with NO_ERROR; asserts that the second counts as `outcome`

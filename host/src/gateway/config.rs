@@ -38,6 +38,9 @@ const MAX_COMPILE_CPU_SECS: u64 = 86_400;
 /// The most client connections a configuration may allow at once.
 const MAX_CONNECTIONS: usize = 1 << 20;
 
+/// The most `--max-streams-per-connection` may be.
+const MAX_STREAMS_PER_CONNECTION: u32 = 10_000;
+
 /// The shortest machine-id lease: renewals come a third of it apart.
 const MIN_MACHINE_ID_TTL_SECS: u64 = 3;
 
@@ -158,6 +161,11 @@ pub struct ConnectionLimits {
     /// longest (for at least a second) is closed to make room; with none
     /// idle, new clients wait in the listen backlog.
     pub max_connections: usize,
+    /// Requests one HTTP/2 connection may have open at once (its
+    /// `SETTINGS_MAX_CONCURRENT_STREAMS`): each may hold an upstream
+    /// connection of its own, so this bounds what one client connection
+    /// costs the upstream and the gateway's file descriptors.
+    pub max_streams_per_connection: u32,
 }
 
 impl Default for ConnectionLimits {
@@ -168,6 +176,7 @@ impl Default for ConnectionLimits {
             send_timeout: Duration::from_secs(60),
             max_header_bytes: 64 << 10,
             max_connections: 4096,
+            max_streams_per_connection: 128,
         }
     }
 }
@@ -373,6 +382,8 @@ pub struct ConfigFile {
     pub max_header_bytes: Option<usize>,
     /// See [`ConnectionLimits::max_connections`].
     pub max_connections: Option<usize>,
+    /// See [`ConnectionLimits::max_streams_per_connection`].
+    pub max_streams_per_connection: Option<u32>,
     /// See [`UpstreamTimeouts::connect`], in milliseconds.
     pub upstream_connect_timeout_ms: Option<u64>,
     /// See [`UpstreamTimeouts::response`], in milliseconds.
@@ -649,6 +660,14 @@ impl ConfigFile {
                 "max-connections must be between 1 and {MAX_CONNECTIONS}, not {n}"
             );
             config.connections.max_connections = n;
+        }
+        if let Some(n) = self.max_streams_per_connection {
+            anyhow::ensure!(
+                (1..=MAX_STREAMS_PER_CONNECTION).contains(&n),
+                "max-streams-per-connection must be between 1 and {MAX_STREAMS_PER_CONNECTION}, \
+                 not {n}"
+            );
+            config.connections.max_streams_per_connection = n;
         }
         let timeouts = &mut config.upstream_timeouts;
         for (name, ms, field) in [
@@ -1134,6 +1153,10 @@ mod tests {
             (
                 "max-connections = 3000000000000000000",
                 "max-connections must be between 1 and 1048576, not 3000000000000000000",
+            ),
+            (
+                "max-streams-per-connection = 0",
+                "max-streams-per-connection must be between 1 and 10000, not 0",
             ),
             (
                 "machine-id-ttl = 18446744073709551615",

@@ -135,7 +135,10 @@ pub async fn serve(
         .timer(TokioTimer::new())
         .initial_stream_window_size(HTTP2_STREAM_WINDOW)
         .initial_connection_window_size(HTTP2_CONNECTION_WINDOW)
-        .max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX));
+        .max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX))
+        // Stated: hyper's default (200) is not the gateway's to keep, and
+        // each stream may hold an upstream connection of its own.
+        .max_concurrent_streams(limits.max_streams_per_connection);
     let slots = Arc::new(Semaphore::new(limits.max_connections));
     layer.metrics().gauge_connections(limits.max_connections);
     let graceful = GracefulShutdown::new();

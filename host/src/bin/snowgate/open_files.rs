@@ -17,8 +17,11 @@ const BESIDES_CONNECTIONS: u64 = 128;
 /// kernel's default `fs.nr_open`, above which `setrlimit` fails.
 const UNLIMITED_AS: u64 = 1 << 20;
 
-/// Descriptors `max_connections` client connections need at most: each
-/// client's, and an upstream connection for each.
+/// Descriptors `max_connections` client connections need with a request
+/// each: each client's, and an upstream connection for each. An HTTP/2
+/// client's connection carries up to `--max-streams-per-connection`
+/// requests, each with an upstream connection of its own: too many to
+/// count on (128 times 4096), so the warning says so instead.
 fn needed(max_connections: usize) -> u64 {
     (max_connections as u64)
         .saturating_mul(2)
@@ -53,7 +56,8 @@ pub fn raise_for(max_connections: usize) {
         tracing::warn!(
             "the open file limit ({soft}, hard limit {hard}) is below the {needed} that \
              --max-connections {max_connections} may need (a client and an upstream connection \
-             each, and {BESIDES_CONNECTIONS} more): past it new clients cannot connect and the \
+             each, and {BESIDES_CONNECTIONS} more; an HTTP/2 connection's requests each take an \
+             upstream connection of their own): past it new clients cannot connect and the \
              admin endpoints stop answering; raise it (LimitNOFILE= under systemd, ulimit -n) \
              or lower --max-connections to {}",
             (soft.saturating_sub(BESIDES_CONNECTIONS) / 2).max(1)

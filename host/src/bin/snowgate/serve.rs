@@ -169,6 +169,12 @@ pub struct ServeArgs {
     /// wait in the listen backlog [default: 4096].
     #[arg(long, value_name = "N")]
     max_connections: Option<usize>,
+    /// Requests one HTTP/2 client connection may have open at once (its
+    /// SETTINGS_MAX_CONCURRENT_STREAMS, as nginx's
+    /// http2_max_concurrent_streams); each may hold an upstream connection
+    /// of its own [default: 128, at most 10000].
+    #[arg(long, value_name = "N")]
+    max_streams_per_connection: Option<u32>,
     /// How long opening a TCP connection to the upstream may take, its host
     /// name's lookup included, in milliseconds; then the client gets 504
     /// [default: 5000].
@@ -276,6 +282,7 @@ impl ServeArgs {
             send_timeout_ms: self.send_timeout_ms,
             max_header_bytes: self.max_header_bytes,
             max_connections: self.max_connections,
+            max_streams_per_connection: self.max_streams_per_connection,
             upstream_connect_timeout_ms: self.upstream_connect_timeout_ms,
             upstream_response_timeout_ms: self.upstream_response_timeout_ms,
             upstream_read_timeout_ms: self.upstream_read_timeout_ms,
