@@ -68,8 +68,9 @@ pub(crate) const MAX_PLUGIN_HANDLES: usize = 1024;
 /// `max_instances`, and a component that needs more is refused when it is
 /// loaded, naming what it needs. Rust plugins built for `wasm32-wasip2` use
 /// three core instances, two tables and one memory; runtimes linked from
-/// many libraries (Python's) use more core instances, which cost the pool
-/// nothing until used. Before, a component was not bounded by these: one
+/// many libraries use more core instances, which cost the pool nothing
+/// until used (componentize-py 0.25.1's: 14, two tables and one memory;
+/// componentize-js 0.23.0's: 3, 2 and 1). Before, a component was not bounded by these: one
 /// of two memories (a composition of two plugins) passed its self-check,
 /// then took two of the pool's memories an instance, and requests found
 /// the pool full (503 `busy`) at half the instances it was sized for.
