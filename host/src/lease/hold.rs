@@ -275,7 +275,9 @@ impl Keeper {
             let until = renewals
                 .renew_at
                 .min(renewals.confirmed_at + ttl - SAFETY_MARGIN);
-            let raising = self.raise_mark(client, id, lease_id, until);
+            // Right after a renewal the raise has all the time there is
+            // until the next one; otherwise, less may be left.
+            let raising = self.raise_mark(client, id, lease_id, until, !renew);
             let Some(raised) = unless_stopped(&mut stop, raising).await else {
                 return Ended::Stopped;
             };
@@ -393,6 +395,7 @@ impl Keeper {
         id: u32,
         lease_id: i64,
         deadline: Instant,
+        may_give_way: bool,
     ) -> Raise {
         let within = deadline.saturating_duration_since(Instant::now());
         match tokio::time::timeout(within, self.reserve(client, id, lease_id, 0)).await {
@@ -417,8 +420,12 @@ impl Keeper {
             // time until then: running out of it says nothing of etcd.
             // Before, it was taken for a member that does not answer
             // writes ("etcd did not answer within 0 ms"), and the keeper
-            // moved to another member for nothing.
-            Err(_timeout) if within < self.call_wait() => {
+            // moved to another member for nothing. Not so for the raise
+            // right after a renewal: with a TTL up to 6 s its time, a
+            // renewal's interval, is less than a member's answer wait too,
+            // and its running out is the sign of a member whose writes
+            // stall, which the keeper must leave.
+            Err(_timeout) if may_give_way && within < self.call_wait() => {
                 tracing::debug!(
                     "raising the high-water mark gave way to the lease renewal due in {} ms, \
                      which raises it",
