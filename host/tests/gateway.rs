@@ -2434,8 +2434,8 @@ async fn addresses_found_before_serve_while_the_dns_server_fails_or_hangs() {
 
 /// A gateway whose upstream name comes to resolve to another address (a
 /// service moved, a blue/green switch by DNS) sends its requests there
-/// within about a second, even on connections it keeps busy: a kept
-/// connection to an address the name no longer has is closed, not reused.
+/// within about 15 s, even on connections it keeps busy: a kept connection
+/// to an address no lookup has returned for 10 s is closed, not reused.
 /// Before, a client that kept sending held its first connection, and the
 /// old address, for good.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -2469,8 +2469,8 @@ async fn kept_upstream_connections_follow_the_name_to_its_new_address() {
 
     std::fs::write(&control, "127.0.0.2").expect("the DNS control file");
     // Requests one after another (the gateway's upstream connection never
-    // idles) until one reaches the new address, polled for at most 10 s.
-    let deadline = Instant::now() + Duration::from_secs(10);
+    // idles) until one reaches the new address, polled for at most 30 s.
+    let deadline = Instant::now() + Duration::from_secs(30);
     while new.seen().is_empty() {
         assert!(
             Instant::now() < deadline,
@@ -2479,7 +2479,7 @@ async fn kept_upstream_connections_follow_the_name_to_its_new_address() {
         );
         let reply = client.get("/v1/models").await;
         assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
-        tokio::time::sleep(Duration::from_millis(10)).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let on_old = old.seen().len();
     for _ in 0..20 {

@@ -225,20 +225,16 @@ impl Shared {
     }
 
     /// The newest idle connection that is still ready, to an address the
-    /// upstream's name still has; the others are closed. Under steady
-    /// load a connection never idles long enough to be closed, so without
-    /// the second rule the gateway stayed on the addresses of its first
-    /// connections for good, whatever the name came to resolve to (a
-    /// service moved, blue/green by DNS).
+    /// upstream's name still has (see [`Resolver::moved_from`]); the
+    /// others are closed. Under steady load a connection never idles long
+    /// enough to be closed, so without the second rule the gateway stayed
+    /// on the addresses of its first connections for good, whatever the
+    /// name came to resolve to (a service moved, blue/green by DNS).
     fn checkout(&self) -> Option<Connection> {
-        let current = self.resolver.current();
         let mut idle = self.lock();
         while let Some(waiting) = idle.connections.pop_back() {
             let connection = waiting.connection;
-            let moved = current
-                .as_ref()
-                .is_some_and(|addresses| !addresses.contains(&connection.peer));
-            if moved {
+            if self.resolver.moved_from(connection.peer) {
                 connection.task.abort();
             } else if connection.sender.is_ready() {
                 return Some(connection);

@@ -17,7 +17,11 @@
 //! DNS server restarted or lost packets, every request that needed a new
 //! connection got 502 or 504, though the upstream still answered at the
 //! addresses found a second before.
+//!
+//! The lookups also tell the pool which kept connections go to an address
+//! the name no longer has ([`Resolver::moved_from`]).
 
+use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -37,8 +41,26 @@ pub const KEEP_ADDRESSES: Duration = Duration::from_secs(1);
 /// wait for a lookup again, and fail with it.
 pub const STALE_ADDRESSES: Duration = Duration::from_secs(300);
 
-/// The last addresses a lookup found, and when it ended.
-type Found = Option<(Arc<[SocketAddr]>, Instant)>;
+/// How long an address the lookups stopped returning stays the name's,
+/// for the connections kept to it: DNS servers that answer with a subset
+/// of a name's addresses (Route 53's multivalue answers, Consul's record
+/// limit) or that lose the AAAA answer now and then would otherwise have
+/// healthy connections closed at every lookup.
+pub const MOVED_AFTER: Duration = Duration::from_secs(10);
+
+/// How often the name is looked up again for the connections kept to it,
+/// while none is needed anew.
+pub const RECHECK_KEPT: Duration = Duration::from_secs(5);
+
+/// What the lookups found.
+#[derive(Default)]
+struct Found {
+    /// The last addresses found, and when the lookup ended.
+    last: Option<(Arc<[SocketAddr]>, Instant)>,
+    /// Every address a lookup returned within [`MOVED_AFTER`], and when
+    /// one last did.
+    seen: HashMap<SocketAddr, Instant>,
+}
 
 /// A host and port, resolved as connections need it.
 pub struct Resolver {
@@ -73,7 +95,7 @@ impl Resolver {
             host: host.to_string(),
             port,
             literal: host.parse().ok(),
-            found: Arc::new(Mutex::new(None)),
+            found: Arc::new(Mutex::new(Found::default())),
             refreshed: Mutex::new(None),
             lookup: Arc::new(tokio::sync::Mutex::new(())),
         }
@@ -110,34 +132,43 @@ impl Resolver {
             .map_err(ResolveError::Failed)
     }
 
-    /// The addresses a new connection would go to now, without waiting
-    /// (see [`Resolver::addresses`]), if any are known: for the pool to
-    /// tell a kept connection to an address the name no longer has.
-    /// `None` for an IP address, whose connections all go to it.
-    pub fn current(&self) -> Option<Arc<[SocketAddr]>> {
-        match self.literal {
-            Some(_) => None,
-            None => self.known(),
+    /// Whether the name no longer has `peer`, the address of a kept
+    /// connection: no lookup returned it in the [`MOVED_AFTER`] up to the
+    /// last one (so a DNS outage, in which no lookup ends, moves nothing).
+    /// Asking starts a lookup in the background where the last is older
+    /// than [`RECHECK_KEPT`]. Never for an IP address, whose connections
+    /// all go to it.
+    pub fn moved_from(&self, peer: SocketAddr) -> bool {
+        if self.literal.is_some() {
+            return false;
         }
+        let (last, seen) = {
+            let found = self.found.lock().unwrap_or_else(PoisonError::into_inner);
+            let Some((_, last)) = found.last else {
+                return false;
+            };
+            (last, found.seen.get(&peer).copied())
+        };
+        if last.elapsed() >= RECHECK_KEPT {
+            self.refresh();
+        }
+        seen.is_none_or(|seen| last.duration_since(seen) >= MOVED_AFTER)
     }
 
     /// The last addresses found, if found within [`KEEP_ADDRESSES`], or
-    /// within [`STALE_ADDRESSES`] (then a lookup in the background is
-    /// started, if none ran for a [`KEEP_ADDRESSES`]).
+    /// within [`STALE_ADDRESSES`]. A lookup in the background is started
+    /// for any older (if none ran for a [`KEEP_ADDRESSES`]).
     fn known(&self) -> Option<Arc<[SocketAddr]>> {
         let (addresses, age) = {
             let found = self.found.lock().unwrap_or_else(PoisonError::into_inner);
-            let (addresses, at) = found.as_ref()?;
+            let (addresses, at) = found.last.as_ref()?;
             (addresses.clone(), at.elapsed())
         };
         if age < KEEP_ADDRESSES {
             return Some(addresses);
         }
-        if age >= STALE_ADDRESSES {
-            return None;
-        }
         self.refresh();
-        Some(addresses)
+        (age < STALE_ADDRESSES).then_some(addresses)
     }
 
     /// Starts a lookup in the background, unless one is under way or
@@ -192,10 +223,71 @@ impl Resolver {
             let addresses: Arc<[SocketAddr]> = tokio::net::lookup_host((host.as_str(), port))
                 .await?
                 .collect();
-            *kept.lock().unwrap_or_else(PoisonError::into_inner) =
-                Some((addresses.clone(), Instant::now()));
+            // Not a name's addresses to go on with: the ones found before
+            // serve instead.
+            if addresses.is_empty() {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    "the upstream's host name resolves to no address",
+                ));
+            }
+            let now = Instant::now();
+            let mut found = kept.lock().unwrap_or_else(PoisonError::into_inner);
+            found
+                .seen
+                .retain(|_, at| now.duration_since(*at) < MOVED_AFTER);
+            found
+                .seen
+                .extend(addresses.iter().map(|&address| (address, now)));
+            found.last = Some((addresses.clone(), now));
+            drop(found);
             drop(slot);
             Ok(addresses)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A kept connection's address counts as moved only once the lookups
+    /// up to the last have not returned it for [`MOVED_AFTER`]: an answer
+    /// that leaves it out now and then (a subset of the name's addresses)
+    /// closes nothing, and neither does a DNS outage, in which no lookup
+    /// ends.
+    #[test]
+    fn an_address_moves_only_once_the_lookups_leave_it_out_for_ten_seconds() {
+        let at = |text: &str| text.parse::<SocketAddr>().expect("an address");
+        let (a, b) = (at("10.0.0.1:80"), at("10.0.0.2:80"));
+        let resolver = Resolver::new("upstream.test", 80);
+        assert!(!resolver.moved_from(a), "nothing looked up yet");
+        let last = Instant::now();
+        let before = |secs: u64| {
+            last.checked_sub(Duration::from_secs(secs))
+                .expect("a machine up for a minute")
+        };
+        let found = |seen: &[(SocketAddr, Instant)]| {
+            let mut found = resolver.found.lock().expect("not poisoned");
+            found.last = Some((Arc::from([b]), last));
+            found.seen = seen.iter().copied().collect();
+        };
+        found(&[(a, before(9)), (b, last)]);
+        assert!(!resolver.moved_from(a), "left out of the last answer only");
+        assert!(!resolver.moved_from(b));
+        found(&[(a, before(10)), (b, last)]);
+        assert!(resolver.moved_from(a), "left out for 10 s");
+        found(&[(b, last)]);
+        assert!(resolver.moved_from(a), "never returned");
+        // The last lookup long ago (DNS down since): judged as of then.
+        let mut kept = resolver.found.lock().expect("not poisoned");
+        kept.last = Some((Arc::from([a]), before(60)));
+        kept.seen = [(a, before(60))].into_iter().collect();
+        drop(kept);
+        assert!(!resolver.moved_from(a));
+        assert!(
+            !Resolver::new("10.0.0.1", 80).moved_from(b),
+            "an IP address"
+        );
     }
 }
