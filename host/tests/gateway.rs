@@ -5,7 +5,7 @@
 mod support;
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -2300,6 +2300,38 @@ async fn an_upstream_that_cannot_be_connected_to_gets_a_504_after_the_connect_ti
     drop(full);
 }
 
+/// A gateway, started with `args`, whose upstream is `upstream.test` at
+/// `port`, looked up through the preloaded `getaddrinfo` of
+/// `tests/shims/slow_getaddrinfo.c` (built in `dir`) as `shim` sets it up:
+/// its `SLOW_GETADDRINFO_*` variables, named without the prefix. `None`
+/// where there is no C compiler to build it.
+async fn gateway_with_shim_dns(
+    dir: &Path,
+    port: u16,
+    args: &[&str],
+    shim: &[(&str, String)],
+) -> Option<Gateway> {
+    let library = text(&built_shim(dir, "slow_getaddrinfo")?);
+    let upstream = format!("http://upstream.test:{port}");
+    let mut all = vec!["--upstream", upstream.as_str()];
+    all.extend_from_slice(args);
+    let named: Vec<(String, &str)> = shim
+        .iter()
+        .map(|(name, value)| (format!("SLOW_GETADDRINFO_{name}"), value.as_str()))
+        .collect();
+    let mut env = vec![
+        ("LD_PRELOAD", library.as_str()),
+        ("SLOW_GETADDRINFO_HOST", "upstream.test"),
+    ];
+    env.extend(named.iter().map(|(name, value)| (name.as_str(), *value)));
+    Some(Gateway::start_with_env(&all, &env).await)
+}
+
+/// `path` as the text an environment variable holds.
+fn text(path: &Path) -> String {
+    path.to_str().expect("a UTF-8 path").to_string()
+}
+
 /// An upstream named by a host whose DNS lookups hang (here: take 1.5 s,
 /// with a 200 ms connect timeout) costs each request a 504, not a blocking
 /// thread: one lookup runs at a time for the worker, whatever number of
@@ -2312,28 +2344,18 @@ async fn an_upstream_that_cannot_be_connected_to_gets_a_504_after_the_connect_ti
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_host_name_that_resolves_slowly_is_looked_up_once_at_a_time() {
     let dir = TempDir::new("slow-dns");
-    let Some(library) = built_shim(dir.path(), "slow_getaddrinfo") else {
-        return;
-    };
     let log = dir.path().join("lookups.log");
     let upstream = TestUpstream::start().await;
-    let gateway = Gateway::start_with_env(
-        &[
-            "--upstream",
-            &format!("http://upstream.test:{}", upstream.addr.port()),
-            "--upstream-connect-timeout-ms",
-            "200",
-            "--workers",
-            "1",
-        ],
-        &[
-            ("LD_PRELOAD", library.to_str().expect("UTF-8")),
-            ("SLOW_GETADDRINFO_HOST", "upstream.test"),
-            ("SLOW_GETADDRINFO_MS", "1500"),
-            ("SLOW_GETADDRINFO_LOG", log.to_str().expect("UTF-8")),
-        ],
+    let Some(gateway) = gateway_with_shim_dns(
+        dir.path(),
+        upstream.addr.port(),
+        &["--upstream-connect-timeout-ms", "200", "--workers", "1"],
+        &[("MS", "1500".into()), ("LOG", text(&log))],
     )
-    .await;
+    .await
+    else {
+        return;
+    };
     let addr = gateway.addr;
     let waiting: Vec<_> = (0..16)
         .map(|_| tokio::spawn(async move { get(addr, "/v1/models").await }))
@@ -2379,16 +2401,13 @@ async fn a_host_name_that_resolves_slowly_is_looked_up_once_at_a_time() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn addresses_found_before_serve_while_the_dns_server_fails_or_hangs() {
     let dir = TempDir::new("failing-dns");
-    let Some(library) = built_shim(dir.path(), "slow_getaddrinfo") else {
-        return;
-    };
     let (log, control) = (dir.path().join("lookups.log"), dir.path().join("dns"));
     std::fs::write(&control, "127.0.0.1").expect("the DNS control file");
     let upstream = TestUpstream::start().await;
-    let gateway = Gateway::start_with_env(
+    let Some(gateway) = gateway_with_shim_dns(
+        dir.path(),
+        upstream.addr.port(),
         &[
-            "--upstream",
-            &format!("http://upstream.test:{}", upstream.addr.port()),
             "--upstream-connect-timeout-ms",
             "300",
             // Every request after a pause needs a new connection.
@@ -2398,14 +2417,15 @@ async fn addresses_found_before_serve_while_the_dns_server_fails_or_hangs() {
             "1",
         ],
         &[
-            ("LD_PRELOAD", library.to_str().expect("UTF-8")),
-            ("SLOW_GETADDRINFO_HOST", "upstream.test"),
-            ("SLOW_GETADDRINFO_MS", "5000"),
-            ("SLOW_GETADDRINFO_LOG", log.to_str().expect("UTF-8")),
-            ("SLOW_GETADDRINFO_CONTROL", control.to_str().expect("UTF-8")),
+            ("MS", "5000".into()),
+            ("LOG", text(&log)),
+            ("CONTROL", text(&control)),
         ],
     )
-    .await;
+    .await
+    else {
+        return;
+    };
     let lookups = || {
         std::fs::read_to_string(&log)
             .map(|text| text.lines().count())
@@ -2441,27 +2461,20 @@ async fn addresses_found_before_serve_while_the_dns_server_fails_or_hangs() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kept_upstream_connections_follow_the_name_to_its_new_address() {
     let dir = TempDir::new("moving-dns");
-    let Some(library) = built_shim(dir.path(), "slow_getaddrinfo") else {
-        return;
-    };
     let control = dir.path().join("dns");
     std::fs::write(&control, "127.0.0.1").expect("the DNS control file");
     let old = TestUpstream::start().await;
     let new = TestUpstream::start_at(&format!("127.0.0.2:{}", old.addr.port())).await;
-    let gateway = Gateway::start_with_env(
-        &[
-            "--upstream",
-            &format!("http://upstream.test:{}", old.addr.port()),
-            "--workers",
-            "1",
-        ],
-        &[
-            ("LD_PRELOAD", library.to_str().expect("UTF-8")),
-            ("SLOW_GETADDRINFO_HOST", "upstream.test"),
-            ("SLOW_GETADDRINFO_CONTROL", control.to_str().expect("UTF-8")),
-        ],
+    let Some(gateway) = gateway_with_shim_dns(
+        dir.path(),
+        old.addr.port(),
+        &["--workers", "1"],
+        &[("CONTROL", text(&control))],
     )
-    .await;
+    .await
+    else {
+        return;
+    };
     let mut client = Client::connect(gateway.addr).await;
     let reply = client.get("/v1/models").await;
     assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
