@@ -21,13 +21,29 @@ pub fn read_plugin_file(path: &Path) -> anyhow::Result<Vec<u8>> {
     read_regular_file(path, "the plugin", MAX_PLUGIN_FILE_BYTES)
 }
 
+/// A file that could not be read, as opposed to one read and refused (not
+/// a regular file, too large): the system's error may pass (an NFS server
+/// away, a file being replaced). What was read, where and why is in the
+/// message.
+#[derive(Debug)]
+pub struct ReadFailed(pub(crate) String);
+
+impl std::fmt::Display for ReadFailed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for ReadFailed {}
+
 /// Reads `path` (following symlinks), `what` it is in messages ("the
 /// plugin"): only a regular file (a FIFO would block the read until a
 /// writer comes, a device could be endless) of at most `limit` bytes,
 /// refused otherwise with a message that names the path.
 pub fn read_regular_file(path: &Path, what: &str, limit: u64) -> anyhow::Result<Vec<u8>> {
     let shown = path.display();
-    let failed = |e: std::io::Error| anyhow::anyhow!("reading {what} {shown}: {e}");
+    let failed =
+        |e: std::io::Error| anyhow::Error::new(ReadFailed(format!("reading {what} {shown}: {e}")));
     // Non-blocking: opening a FIFO for reading would wait for a writer.
     let file = OpenOptions::new()
         .read(true)

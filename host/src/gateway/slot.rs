@@ -15,7 +15,7 @@ use crate::clock::{Tick, TicksTaken};
 use crate::compile_process::CompileFailure;
 use crate::engine::PluginEngine;
 use crate::gateway::metrics::Metrics;
-use crate::gateway::plugin_file::read_plugin_file;
+use crate::gateway::plugin_file::{read_plugin_file, ReadFailed};
 use crate::plugin::{hex_sha256, Plugin};
 use crate::request::Request;
 use crate::text_limits::{plugin_text, MAX_PLUGIN_TEXT};
@@ -235,6 +235,7 @@ impl PluginSlot {
         let settings = self.settings.clone();
         let current_sha = self.current().info().sha256.clone();
         let self_checks = self.self_checks.clone();
+        let file = path.display().to_string();
         // Reading and compiling take milliseconds: keep them off the
         // request threads.
         let outcome = tokio::task::spawn_blocking(move || -> anyhow::Result<Option<Plugin>> {
@@ -253,7 +254,7 @@ impl PluginSlot {
             Ok(Some(plugin))
         })
         .await
-        .map_err(|e| anyhow::anyhow!("the reload task failed: {e}"))
+        .map_err(|e| anyhow::Error::new(e).context(format!("the reload task of {file} failed")))
         .and_then(|r| r);
         // A reload that ended without a verdict: a stop overtook it, or the
         // host could not check the build (whose SHA-256 this is).
@@ -347,22 +348,26 @@ impl PluginSlot {
 }
 
 /// Whether a reload that failed with `error` may pass with the same build
-/// at another time: a call to it (the self-check, `configure`) ran out of
-/// time or found no instance free, as on a busy machine, or the compile
-/// process could not start or was killed by a signal that may not have
-/// been its own CPU limit's (the system's out-of-memory killer sends the
-/// same). A build refused for what it is (not a component, not of the
-/// world, over the compile's memory limit, its self-check's answer) would
-/// be refused again, at the cost of compiling it again.
+/// at another time: the file could not be read, a call to the build (the
+/// self-check, `configure`) ran out of time or found no instance free, as
+/// on a busy machine, the compile process could not start or was killed
+/// by a signal that may not have been its own CPU limit's (the system's
+/// out-of-memory killer sends the same), or the reload's task ended
+/// without an answer. A build refused for what it is (not a component,
+/// not of the world, over the compile's memory limit, its self-check's
+/// answer) would be refused again, at the cost of compiling it again.
 fn may_pass(error: &anyhow::Error) -> bool {
     error.chain().any(|cause| {
-        matches!(
-            cause.downcast_ref::<CallError>(),
-            Some(CallError::Deadline(_) | CallError::Busy(_))
-        ) || matches!(
-            cause.downcast_ref::<CompileFailure>(),
-            Some(CompileFailure::Other(_) | CompileFailure::OutOfCpuTime { killed: true, .. })
-        )
+        cause.is::<ReadFailed>()
+            || cause.is::<tokio::task::JoinError>()
+            || matches!(
+                cause.downcast_ref::<CallError>(),
+                Some(CallError::Deadline(_) | CallError::Busy(_))
+            )
+            || matches!(
+                cause.downcast_ref::<CompileFailure>(),
+                Some(CompileFailure::Other(_) | CompileFailure::OutOfCpuTime { killed: true, .. })
+            )
     })
 }
 
@@ -854,6 +859,7 @@ mod tests {
             anyhow::Error::new(CallError::Deadline(std::time::Duration::from_millis(500))),
             anyhow::Error::new(CallError::Busy(64)),
             anyhow::Error::new(CompileFailure::Other("fork: EAGAIN".into())),
+            anyhow::Error::new(ReadFailed("reading the plugin p: I/O error".into())),
             anyhow::Error::new(CompileFailure::OutOfCpuTime {
                 limit: std::time::Duration::from_secs(600),
                 killed: true,
