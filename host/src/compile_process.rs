@@ -196,6 +196,7 @@ impl CompileProcess {
             let seconds = self.limits.cpu.as_secs().max(1) as libc::rlim_t;
             // SIGXCPU at the limit, SIGKILL a second later.
             let cpu = within(libc::RLIMIT_CPU, seconds, seconds + 1);
+            let wall = u32::try_from(self.wall_limit().as_secs()).unwrap_or(u32::MAX);
             let gateway = std::process::id() as libc::pid_t;
             // SAFETY: between fork and exec only async-signal-safe calls
             // (setrlimit, setpriority, prctl, getppid) are made, on plain
@@ -217,6 +218,9 @@ impl CompileProcess {
                     // A child killed at its limit writes no core file of
                     // gigabytes.
                     set(libc::RLIMIT_CORE, 0, 0)?;
+                    // The wall-clock bound: SIGALRM, whose default ends
+                    // the process, and whose timer `exec` keeps.
+                    libc::alarm(wall);
                     // Requests first: the compile takes the CPU they leave.
                     libc::setpriority(libc::PRIO_PROCESS, 0, 10);
                     if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
@@ -230,6 +234,17 @@ impl CompileProcess {
                 });
             }
         }
+    }
+
+    /// The longest a compile may take in wall-clock time: twice its CPU
+    /// time. A compile at a low priority on a saturated machine may get
+    /// little CPU, and it holds the reload that waits on it; before, only
+    /// its CPU time was bounded.
+    fn wall_limit(&self) -> Duration {
+        self.limits
+            .cpu
+            .max(Duration::from_secs(1))
+            .saturating_mul(2)
     }
 
     /// What the child's end says: refused, a limit hit, or a failure.
@@ -267,6 +282,12 @@ impl CompileProcess {
                 killed: signal == Some(libc::SIGKILL),
             };
         }
+        #[cfg(unix)]
+        if signal == Some(libc::SIGALRM) {
+            return CompileFailure::OutOfWallTime {
+                limit: self.wall_limit(),
+            };
+        }
         if status.code() == Some(REFUSED_STATUS) {
             return CompileFailure::Refused(message);
         }
@@ -302,6 +323,12 @@ pub enum CompileFailure {
         /// Whether the child was killed rather than told to stop.
         killed: bool,
     },
+    /// The compile ran past its wall-clock bound (twice its CPU time): the
+    /// machine left it too little CPU, which may pass.
+    OutOfWallTime {
+        /// The bound.
+        limit: Duration,
+    },
     /// The child could not be started, or failed otherwise; why.
     Other(String),
 }
@@ -327,6 +354,12 @@ impl std::fmt::Display for CompileFailure {
                 } else {
                     ""
                 }
+            ),
+            CompileFailure::OutOfWallTime { limit } => write!(
+                f,
+                "compiling the plugin took longer than {} s of wall-clock time (twice \
+                 --plugin-compile-cpu-secs): the machine left it too little CPU",
+                limit.as_secs()
             ),
             CompileFailure::Other(message) => write!(f, "{message}"),
         }
@@ -441,6 +474,36 @@ mod tests {
             .to_string()
             .contains("was killed at its 3 s of CPU time"));
         assert!(failure.to_string().contains("for want of memory"));
+    }
+
+    /// A compile that takes longer than twice its CPU time in wall-clock
+    /// time, however little CPU it uses (here a child that only sleeps),
+    /// is ended, and says so; before, only CPU time was bounded.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_compile_past_twice_its_cpu_time_in_wall_clock_time_is_ended() {
+        let limits = CompileLimits {
+            memory_bytes: 512 << 20,
+            cpu: Duration::from_secs(1),
+        };
+        // SAFETY: the program's output is never loaded: it only sleeps.
+        let sleeper = unsafe { CompileProcess::of_program("sleep", &["30"], limits) };
+        let started = std::time::Instant::now();
+        let failure = sleeper.compile(b"").expect_err("ended");
+        assert_eq!(
+            failure,
+            CompileFailure::OutOfWallTime {
+                limit: Duration::from_secs(2)
+            }
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "{:?}",
+            started.elapsed()
+        );
+        assert!(failure
+            .to_string()
+            .contains("longer than 2 s of wall-clock time"));
     }
 
     #[test]

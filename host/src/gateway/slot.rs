@@ -366,7 +366,11 @@ fn may_pass(error: &anyhow::Error) -> bool {
             )
             || matches!(
                 cause.downcast_ref::<CompileFailure>(),
-                Some(CompileFailure::Other(_) | CompileFailure::OutOfCpuTime { killed: true, .. })
+                Some(
+                    CompileFailure::Other(_)
+                        | CompileFailure::OutOfCpuTime { killed: true, .. }
+                        | CompileFailure::OutOfWallTime { .. }
+                )
             )
     })
 }
@@ -860,6 +864,9 @@ mod tests {
             anyhow::Error::new(CallError::Busy(64)),
             anyhow::Error::new(CompileFailure::Other("fork: EAGAIN".into())),
             anyhow::Error::new(ReadFailed("reading the plugin p: I/O error".into())),
+            anyhow::Error::new(CompileFailure::OutOfWallTime {
+                limit: std::time::Duration::from_secs(1200),
+            }),
             anyhow::Error::new(CompileFailure::OutOfCpuTime {
                 limit: std::time::Duration::from_secs(600),
                 killed: true,
