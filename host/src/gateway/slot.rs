@@ -49,6 +49,10 @@ pub struct DeferredReload {
     pub since: SystemTime,
 }
 
+/// Where the answer of a reload that runs next comes: `None` until it
+/// ends.
+type Answer = tokio::sync::watch::Receiver<Option<Result<Reloaded, NoReload>>>;
+
 /// Why a reload swapped no new build in.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum NoReload {
@@ -113,6 +117,9 @@ pub struct PluginSlot {
     deferred: Mutex<Option<DeferredReload>>,
     /// One reload at a time.
     reloading: tokio::sync::Mutex<()>,
+    /// The reload asked for while another runs: it starts once that one
+    /// ends, and every caller that asks before it starts gets its answer.
+    queued: Mutex<Option<Answer>>,
     /// Held by a reload's self-check while it runs; `true` once the slot
     /// is closed (see [`PluginSlot::close`]).
     self_checks: Arc<tokio::sync::Mutex<bool>>,
@@ -146,6 +153,7 @@ impl PluginSlot {
             last_error: Mutex::new(None),
             deferred: Mutex::new(None),
             reloading: tokio::sync::Mutex::new(()),
+            queued: Mutex::new(None),
             self_checks: Arc::new(tokio::sync::Mutex::new(false)),
         })
     }
@@ -195,16 +203,49 @@ impl PluginSlot {
     /// The reload runs to the end on a task of its own even if the caller
     /// stops waiting (an admin client that hangs up): a reload half done
     /// would let the next one run beside its check, and drop a good build.
+    ///
+    /// Callers that ask while a reload runs share the one that runs next,
+    /// which reads the file after they asked. Before, each queued a reload
+    /// of its own: an admin client that retried `POST /reload` on a
+    /// timeout while a large build compiled queued a full compile per try.
     pub async fn reload(self: &Arc<Self>) -> Result<Reloaded, NoReload> {
+        let mut answer = self.ask_for_reload();
+        let answered = answer.wait_for(Option::is_some).await;
+        match answered.as_deref() {
+            Ok(Some(result)) => result.clone(),
+            // The runtime ended the reload's task: the gateway stops.
+            Ok(None) | Err(_) => Err(NoReload::NotPossible(STOPPING.to_string())),
+        }
+    }
+
+    /// Joins the reload that runs next, starting it if none waits: where
+    /// its answer will come.
+    fn ask_for_reload(self: &Arc<Self>) -> Answer {
+        let mut queued = self.queued.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(waiting) = queued.as_ref() {
+            return waiting.clone();
+        }
+        let (tell, answer) = tokio::sync::watch::channel(None);
+        *queued = Some(answer.clone());
         let slot = Arc::clone(self);
-        tokio::spawn(async move { slot.reload_to_the_end().await })
-            .await
-            // A task that panicked recorded nothing: its caller says it.
-            .unwrap_or_else(|e| {
+        let reload = tokio::spawn(async move { slot.reload_to_the_end().await });
+        let slot = Arc::clone(self);
+        let ours = answer.clone();
+        tokio::spawn(async move {
+            // A task that panicked recorded nothing: its callers say it.
+            let result = reload.await.unwrap_or_else(|e| {
                 Err(NoReload::NotPossible(format!(
                     "the reload task failed: {e}"
                 )))
-            })
+            });
+            let _ = tell.send(Some(result));
+            // Still queued if it ended before it began (a panic).
+            let mut queued = slot.queued.lock().unwrap_or_else(|p| p.into_inner());
+            if queued.as_ref().is_some_and(|q| q.same_channel(&ours)) {
+                *queued = None;
+            }
+        });
+        answer
     }
 
     /// Ends reloading for good: waits for a reload's self-check under way
@@ -222,6 +263,9 @@ impl PluginSlot {
 
     async fn reload_to_the_end(&self) -> Result<Reloaded, NoReload> {
         let _one_at_a_time = self.reloading.lock().await;
+        // From here on, a caller waits for the reload after this one,
+        // which reads the file after it asked.
+        self.queued.lock().unwrap_or_else(|p| p.into_inner()).take();
         if *self.self_checks.lock().await {
             return Err(NoReload::NotPossible(STOPPING.to_string()));
         }
@@ -850,6 +894,40 @@ mod tests {
             ticks_taken(IdClock::new(racing)),
             2 * (1 + SELF_CHECK_RETRIES as u64)
         );
+    }
+
+    /// Reloads asked for while one runs share the one that runs next:
+    /// five asked while a reload holds the lock are one reload, one
+    /// failure counted, one answer for all. Before, each queued a reload
+    /// (and a compile) of its own.
+    #[tokio::test]
+    async fn reloads_asked_for_while_one_runs_are_one() {
+        let dir = std::env::temp_dir().join(format!("snowgate-queued-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("a directory");
+        let path = dir.join("plugin.wasm");
+        std::fs::write(&path, snowgate_plugin_bundle::PLUGIN_WASM).expect("the plugin");
+        let (engine, _) = bundled_with_machine_id_3();
+        let metrics = Arc::new(Metrics::default());
+        let slot = Arc::new(
+            PluginSlot::load(engine, Some(path.clone()), Vec::new(), metrics.clone())
+                .expect("loads"),
+        );
+        std::fs::write(&path, b"not a component").expect("a bad build");
+        let running = slot.reloading.lock().await;
+        let answers: Vec<Answer> = (0..5).map(|_| slot.ask_for_reload()).collect();
+        drop(running);
+        for mut answer in answers {
+            let answered = answer.wait_for(Option::is_some).await.expect("an answer");
+            assert!(
+                matches!(answered.as_ref(), Some(Err(NoReload::Failed(_)))),
+                "{answered:?}"
+            );
+        }
+        assert_eq!(metrics.reloads(), (0, 1));
+        // One asked for after it ends runs again.
+        assert!(matches!(slot.reload().await, Err(NoReload::Failed(_))));
+        assert_eq!(metrics.reloads(), (0, 2));
+        std::fs::remove_dir_all(&dir).expect("clean up");
     }
 
     /// Only failures that may pass with the same build are retried by the
