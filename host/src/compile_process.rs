@@ -129,6 +129,9 @@ impl CompileProcess {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
         self.limit(&mut command);
+        // Compiles run one at a time: what the children used meanwhile is
+        // this one's.
+        let cpu_before = children_cpu();
         let mut child = command.spawn().map_err(|e| {
             CompileFailure::Other(format!(
                 "starting the compile process {}: {e}",
@@ -163,7 +166,8 @@ impl CompileProcess {
         if output.status.success() {
             return Ok(output.stdout);
         }
-        Err(self.failure(output.status, &output.stderr))
+        let cpu_used = children_cpu().saturating_sub(cpu_before);
+        Err(self.failure(output.status, &output.stderr, cpu_used))
     }
 
     /// Sets the child's limits and priority, and ties its life to the
@@ -199,7 +203,8 @@ impl CompileProcess {
             let wall = u32::try_from(self.wall_limit().as_secs()).unwrap_or(u32::MAX);
             let gateway = std::process::id() as libc::pid_t;
             // SAFETY: between fork and exec only async-signal-safe calls
-            // (setrlimit, setpriority, prctl, getppid) are made, on plain
+            // (setrlimit, setpriority, signal, sigemptyset, sigaddset,
+            // sigprocmask, alarm, prctl, getppid) are made, on plain
             // values, and nothing is allocated.
             unsafe {
                 command.pre_exec(move || {
@@ -219,7 +224,15 @@ impl CompileProcess {
                     // gigabytes.
                     set(libc::RLIMIT_CORE, 0, 0)?;
                     // The wall-clock bound: SIGALRM, whose default ends
-                    // the process, and whose timer `exec` keeps.
+                    // the process, and whose timer `exec` keeps. Its
+                    // disposition and the signal mask pass through exec:
+                    // one ignored or blocked by whoever started the
+                    // gateway would keep the alarm from ending the child.
+                    libc::signal(libc::SIGALRM, libc::SIG_DFL);
+                    let mut alarm_only = std::mem::zeroed::<libc::sigset_t>();
+                    libc::sigemptyset(&mut alarm_only);
+                    libc::sigaddset(&mut alarm_only, libc::SIGALRM);
+                    libc::sigprocmask(libc::SIG_UNBLOCK, &alarm_only, std::ptr::null_mut());
                     libc::alarm(wall);
                     // Requests first: the compile takes the CPU they leave.
                     libc::setpriority(libc::PRIO_PROCESS, 0, 10);
@@ -237,18 +250,16 @@ impl CompileProcess {
     }
 
     /// The longest a compile may take in wall-clock time: twice its CPU
-    /// time. A compile at a low priority on a saturated machine may get
-    /// little CPU, and it holds the reload that waits on it; before, only
-    /// its CPU time was bounded.
+    /// time, and at least [`MIN_WALL_LIMIT`]. A compile at a low priority
+    /// on a saturated machine may get little CPU, and it holds the reload
+    /// that waits on it; before, only its CPU time was bounded.
     fn wall_limit(&self) -> Duration {
-        self.limits
-            .cpu
-            .max(Duration::from_secs(1))
-            .saturating_mul(2)
+        self.limits.cpu.saturating_mul(2).max(MIN_WALL_LIMIT)
     }
 
-    /// What the child's end says: refused, a limit hit, or a failure.
-    fn failure(&self, status: ExitStatus, stderr: &[u8]) -> CompileFailure {
+    /// What the child's end says: refused, a limit hit, or a failure;
+    /// `cpu_used` is the CPU time it used.
+    fn failure(&self, status: ExitStatus, stderr: &[u8], cpu_used: Duration) -> CompileFailure {
         let message = String::from_utf8_lossy(&stderr[..stderr.len().min(MAX_CHILD_MESSAGE)])
             .trim()
             .to_string();
@@ -286,6 +297,8 @@ impl CompileProcess {
         if signal == Some(libc::SIGALRM) {
             return CompileFailure::OutOfWallTime {
                 limit: self.wall_limit(),
+                cpu_used,
+                starved: cpu_used < self.limits.cpu / 2,
             };
         }
         if status.code() == Some(REFUSED_STATUS) {
@@ -328,6 +341,13 @@ pub enum CompileFailure {
     OutOfWallTime {
         /// The bound.
         limit: Duration,
+        /// The CPU time the compile used by then.
+        cpu_used: Duration,
+        /// Whether that was under half its CPU time: the machine starved
+        /// it, which may pass. Otherwise the build's cost is most of it (a
+        /// parallel compile on an idle machine reaches its CPU limit
+        /// first), and it would run out again.
+        starved: bool,
     },
     /// The child could not be started, or failed otherwise; why.
     Other(String),
@@ -355,11 +375,22 @@ impl std::fmt::Display for CompileFailure {
                     ""
                 }
             ),
-            CompileFailure::OutOfWallTime { limit } => write!(
+            CompileFailure::OutOfWallTime {
+                limit,
+                cpu_used,
+                starved,
+            } => write!(
                 f,
                 "compiling the plugin took longer than {} s of wall-clock time (twice \
-                 --plugin-compile-cpu-secs): the machine left it too little CPU",
-                limit.as_secs()
+                 --plugin-compile-cpu-secs, at least {} s), having used {:.1} s of CPU time{}",
+                limit.as_secs(),
+                MIN_WALL_LIMIT.as_secs(),
+                cpu_used.as_secs_f64(),
+                if *starved {
+                    ": the machine left it too little CPU"
+                } else {
+                    ""
+                }
             ),
             CompileFailure::Other(message) => write!(f, "{message}"),
         }
@@ -367,6 +398,52 @@ impl std::fmt::Display for CompileFailure {
 }
 
 impl std::error::Error for CompileFailure {}
+
+impl CompileFailure {
+    /// Whether the same component may compile at another time: the child
+    /// could not start or failed otherwise, was killed by a SIGKILL the
+    /// system's out-of-memory killer also sends, or ran out of wall-clock
+    /// time starved of CPU. Not a refusal, nor a limit the component's own
+    /// cost reaches.
+    pub fn may_pass(&self) -> bool {
+        match self {
+            CompileFailure::Other(_) => true,
+            CompileFailure::OutOfCpuTime { killed, .. } => *killed,
+            CompileFailure::OutOfWallTime { starved, .. } => *starved,
+            CompileFailure::Refused(_) | CompileFailure::OutOfMemory { .. } => false,
+        }
+    }
+}
+
+/// The least wall-clock time a compile is given (see
+/// `CompileProcess::wall_limit`): starting the child (a large binary, at a
+/// low priority) takes part of it.
+const MIN_WALL_LIMIT: Duration = Duration::from_secs(10);
+
+/// The CPU time of the children this process has waited for
+/// (`RUSAGE_CHILDREN`).
+fn children_cpu() -> Duration {
+    #[cfg(unix)]
+    {
+        let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+        // SAFETY: getrusage writes the struct it is given, all of it when
+        // it succeeds.
+        if unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, usage.as_mut_ptr()) } != 0 {
+            return Duration::ZERO;
+        }
+        // SAFETY: written above.
+        let usage = unsafe { usage.assume_init() };
+        let time = |t: libc::timeval| {
+            Duration::from_secs(t.tv_sec.max(0) as u64)
+                + Duration::from_micros(t.tv_usec.max(0) as u64)
+        };
+        time(usage.ru_utime) + time(usage.ru_stime)
+    }
+    #[cfg(not(unix))]
+    {
+        Duration::ZERO
+    }
+}
 
 /// The child's side: reads a component on `input`, compiles it with the
 /// engine's compile settings and writes the build on `output`. An error
@@ -437,6 +514,7 @@ mod tests {
         let failure = process().failure(
             killed_by(libc::SIGABRT),
             b"memory allocation of 1048576 bytes failed\n",
+            Duration::ZERO,
         );
         assert_eq!(
             failure,
@@ -451,13 +529,14 @@ mod tests {
         let failure = process().failure(
             exited(1),
             b"failed to mmap: Cannot allocate memory (os error 12)",
+            Duration::ZERO,
         );
         assert!(matches!(failure, CompileFailure::OutOfMemory { .. }));
     }
 
     #[test]
     fn the_cpu_limits_signals_are_the_cpu_limit() {
-        let failure = process().failure(killed_by(libc::SIGXCPU), b"");
+        let failure = process().failure(killed_by(libc::SIGXCPU), b"", Duration::ZERO);
         assert_eq!(
             failure,
             CompileFailure::OutOfCpuTime {
@@ -469,7 +548,7 @@ mod tests {
             failure.to_string(),
             "compiling the plugin used up its 3 s of CPU time (--plugin-compile-cpu-secs)"
         );
-        let failure = process().failure(killed_by(libc::SIGKILL), b"");
+        let failure = process().failure(killed_by(libc::SIGKILL), b"", Duration::ZERO);
         assert!(failure
             .to_string()
             .contains("was killed at its 3 s of CPU time"));
@@ -477,8 +556,9 @@ mod tests {
     }
 
     /// A compile that takes longer than twice its CPU time in wall-clock
-    /// time, however little CPU it uses (here a child that only sleeps),
-    /// is ended, and says so; before, only CPU time was bounded.
+    /// time (at least 10 s), however little CPU it uses (here a child that
+    /// only sleeps), is ended, and says so; before, only CPU time was
+    /// bounded.
     #[cfg(target_os = "linux")]
     #[test]
     fn a_compile_past_twice_its_cpu_time_in_wall_clock_time_is_ended() {
@@ -487,28 +567,46 @@ mod tests {
             cpu: Duration::from_secs(1),
         };
         // SAFETY: the program's output is never loaded: it only sleeps.
-        let sleeper = unsafe { CompileProcess::of_program("sleep", &["30"], limits) };
+        let sleeper = unsafe { CompileProcess::of_program("sleep", &["60"], limits) };
         let started = std::time::Instant::now();
         let failure = sleeper.compile(b"").expect_err("ended");
-        assert_eq!(
-            failure,
-            CompileFailure::OutOfWallTime {
-                limit: Duration::from_secs(2)
-            }
-        );
+        // It slept: it used no CPU to speak of, starved, which may pass.
         assert!(
-            started.elapsed() < Duration::from_secs(20),
+            matches!(
+                failure,
+                CompileFailure::OutOfWallTime { limit, starved: true, .. }
+                    if limit == Duration::from_secs(10)
+            ),
+            "{failure:?}"
+        );
+        assert!(failure.may_pass());
+        assert!(
+            started.elapsed() < Duration::from_secs(25),
             "{:?}",
             started.elapsed()
         );
         assert!(failure
             .to_string()
-            .contains("longer than 2 s of wall-clock time"));
+            .contains("longer than 10 s of wall-clock time"));
+        assert!(failure
+            .to_string()
+            .contains("the machine left it too little CPU"));
+        // One that used most of its CPU time by then would run out again.
+        let costly = process().failure(killed_by(libc::SIGALRM), b"", Duration::from_secs(2));
+        assert!(
+            matches!(costly, CompileFailure::OutOfWallTime { starved: false, .. }),
+            "{costly:?}"
+        );
+        assert!(!costly.may_pass());
     }
 
     #[test]
     fn a_refusal_carries_the_childs_words() {
-        let failure = process().failure(exited(REFUSED_STATUS), b"failed to parse: bad magic\n");
+        let failure = process().failure(
+            exited(REFUSED_STATUS),
+            b"failed to parse: bad magic\n",
+            Duration::ZERO,
+        );
         assert_eq!(
             failure,
             CompileFailure::Refused("failed to parse: bad magic".to_string())
@@ -517,7 +615,11 @@ mod tests {
 
     #[test]
     fn any_other_end_names_the_status_and_the_childs_words() {
-        let failure = process().failure(exited(101), b"thread 'main' panicked at oops");
+        let failure = process().failure(
+            exited(101),
+            b"thread 'main' panicked at oops",
+            Duration::ZERO,
+        );
         let text = failure.to_string();
         assert!(
             text.starts_with("the compile process /proc/self/exe failed (exit status: 101)"),
@@ -526,7 +628,9 @@ mod tests {
         assert!(text.ends_with(": thread 'main' panicked at oops"), "{text}");
         // A child's message is kept to a bounded length.
         let long = vec![b'x'; 10 * MAX_CHILD_MESSAGE];
-        let text = process().failure(exited(1), &long).to_string();
+        let text = process()
+            .failure(exited(1), &long, Duration::ZERO)
+            .to_string();
         assert!(text.len() < 2 * MAX_CHILD_MESSAGE, "{}", text.len());
     }
 

@@ -26,11 +26,29 @@ pub fn read_plugin_file(path: &Path) -> anyhow::Result<Vec<u8>> {
 /// away, a file being replaced). What was read, where and why is in the
 /// message.
 #[derive(Debug)]
-pub struct ReadFailed(pub(crate) String);
+pub struct ReadFailed {
+    /// What was read, and where.
+    reading: String,
+    /// Why it could not be.
+    error: std::io::Error,
+}
+
+impl ReadFailed {
+    /// `reading` ("reading the plugin PATH") failed with `error`.
+    pub fn new(reading: String, error: std::io::Error) -> ReadFailed {
+        ReadFailed { reading, error }
+    }
+
+    /// Whether reading again may work: not for a file that is not there,
+    /// which is read again once it is.
+    pub fn may_pass(&self) -> bool {
+        self.error.kind() != std::io::ErrorKind::NotFound
+    }
+}
 
 impl std::fmt::Display for ReadFailed {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
+        write!(f, "{}: {}", self.reading, self.error)
     }
 }
 
@@ -42,8 +60,9 @@ impl std::error::Error for ReadFailed {}
 /// refused otherwise with a message that names the path.
 pub fn read_regular_file(path: &Path, what: &str, limit: u64) -> anyhow::Result<Vec<u8>> {
     let shown = path.display();
-    let failed =
-        |e: std::io::Error| anyhow::Error::new(ReadFailed(format!("reading {what} {shown}: {e}")));
+    let failed = |e: std::io::Error| {
+        anyhow::Error::new(ReadFailed::new(format!("reading {what} {shown}"), e))
+    };
     // Non-blocking: opening a FIFO for reading would wait for a writer.
     let file = OpenOptions::new()
         .read(true)

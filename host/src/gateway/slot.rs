@@ -392,30 +392,29 @@ impl PluginSlot {
 }
 
 /// Whether a reload that failed with `error` may pass with the same build
-/// at another time: the file could not be read, a call to the build (the
-/// self-check, `configure`) ran out of time or found no instance free, as
-/// on a busy machine, the compile process could not start or was killed
-/// by a signal that may not have been its own CPU limit's (the system's
-/// out-of-memory killer sends the same), or the reload's task ended
-/// without an answer. A build refused for what it is (not a component,
-/// not of the world, over the compile's memory limit, its self-check's
-/// answer) would be refused again, at the cost of compiling it again.
+/// at another time: the file was there but could not be read, a call to
+/// the build (the self-check, `configure`) ran out of time or found no
+/// instance free, as on a busy machine, the compile may pass (see
+/// [`CompileFailure::may_pass`]), or the reload's task was cancelled. A
+/// build refused for what it is (not a component, not of the world, over
+/// the compile's limits, its self-check's answer, a panic while loading
+/// it) would be refused again, at the cost of compiling it again; a file
+/// that is not there is read again once it is (its fingerprint changes).
 fn may_pass(error: &anyhow::Error) -> bool {
     error.chain().any(|cause| {
-        cause.is::<ReadFailed>()
-            || cause.is::<tokio::task::JoinError>()
+        cause
+            .downcast_ref::<ReadFailed>()
+            .is_some_and(ReadFailed::may_pass)
+            || cause
+                .downcast_ref::<tokio::task::JoinError>()
+                .is_some_and(tokio::task::JoinError::is_cancelled)
             || matches!(
                 cause.downcast_ref::<CallError>(),
                 Some(CallError::Deadline(_) | CallError::Busy(_))
             )
-            || matches!(
-                cause.downcast_ref::<CompileFailure>(),
-                Some(
-                    CompileFailure::Other(_)
-                        | CompileFailure::OutOfCpuTime { killed: true, .. }
-                        | CompileFailure::OutOfWallTime { .. }
-                )
-            )
+            || cause
+                .downcast_ref::<CompileFailure>()
+                .is_some_and(CompileFailure::may_pass)
     })
 }
 
@@ -941,9 +940,14 @@ mod tests {
             anyhow::Error::new(CallError::Deadline(std::time::Duration::from_millis(500))),
             anyhow::Error::new(CallError::Busy(64)),
             anyhow::Error::new(CompileFailure::Other("fork: EAGAIN".into())),
-            anyhow::Error::new(ReadFailed("reading the plugin p: I/O error".into())),
+            anyhow::Error::new(ReadFailed::new(
+                "reading the plugin p".into(),
+                std::io::Error::from_raw_os_error(libc::EIO),
+            )),
             anyhow::Error::new(CompileFailure::OutOfWallTime {
                 limit: std::time::Duration::from_secs(1200),
+                cpu_used: std::time::Duration::from_secs(100),
+                starved: true,
             }),
             anyhow::Error::new(CompileFailure::OutOfCpuTime {
                 limit: std::time::Duration::from_secs(600),
@@ -965,6 +969,15 @@ mod tests {
                 killed: false,
             }),
             anyhow::anyhow!("self-check: the plugin stamped the id 1, which could repeat"),
+            anyhow::Error::new(ReadFailed::new(
+                "reading the plugin p".into(),
+                std::io::Error::from(std::io::ErrorKind::NotFound),
+            )),
+            anyhow::Error::new(CompileFailure::OutOfWallTime {
+                limit: std::time::Duration::from_secs(1200),
+                cpu_used: std::time::Duration::from_secs(500),
+                starved: false,
+            }),
         ];
         for error in for_good {
             let error = wrapped(error);

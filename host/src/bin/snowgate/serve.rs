@@ -120,7 +120,7 @@ pub struct ServeArgs {
     plugin_compile_memory_mib: Option<u64>,
     /// CPU time, over all its threads, the process that compiles each
     /// plugin build may use, in seconds; it may run for twice that in
-    /// wall-clock time [default: 600].
+    /// wall-clock time, at least 10 s [default: 600].
     #[arg(long, value_name = "SECS")]
     plugin_compile_cpu_secs: Option<u64>,
     /// Compile plugin builds in the gateway's own process instead of a
