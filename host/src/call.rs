@@ -630,7 +630,7 @@ impl Plugin {
             ids_withheld: false,
             ticks: issued.taken,
         };
-        if issued.last_millis.is_none() && issued.grant.is_none() {
+        if !issued.asked_for_ticks() && issued.grant.is_none() {
             return let_out(action);
         }
         if matches!(action, Action::Reject(_)) {
@@ -649,7 +649,10 @@ impl Plugin {
             self.engine
                 .services
                 .identity
-                .confirm(Some(state.created_under), issued.last_millis.unwrap_or(0))
+                .confirm(
+                    Some(state.created_under),
+                    issued.taken.map_or(0, |taken| taken.last.millis),
+                )
                 .map_err(|reason| ("no_machine_id", reason))
         };
         match confirmed {

@@ -59,8 +59,6 @@ pub(crate) struct Issued {
     pub(crate) grant: Option<u64>,
     /// Whether it was given machine ids of more than one grant.
     pub(crate) mixed: bool,
-    /// The latest millisecond of the ticks it took, if it took any.
-    pub(crate) last_millis: Option<u64>,
     /// Why the clock refused a tick it asked for, if it did.
     pub(crate) refused: Option<NoTick>,
     /// The ticks the clock gave it (its refusals not counted).
@@ -68,6 +66,13 @@ pub(crate) struct Issued {
     /// Whether the host takes a tick of its own, and drops it, before the
     /// call's first (see [`crate::Plugin::handle_for_self_check`]).
     pub(crate) spare_first: bool,
+}
+
+impl Issued {
+    /// Whether it asked the clock for a tick, given or refused.
+    pub(crate) fn asked_for_ticks(&self) -> bool {
+        self.taken.is_some() || self.refused.is_some()
+    }
 }
 
 /// The most random bytes one WASI call may ask for (`get-random-bytes`,
@@ -308,7 +313,6 @@ impl clock::Host for HostState {
                 }
             },
         };
-        self.issued.last_millis = Some(tick.millis);
         clock::Tick {
             millis: tick.millis,
             sequence: tick.sequence,
