@@ -258,11 +258,16 @@ fn a_sleep_within_the_deadline_sleeps_and_the_call_goes_on() {
 
 #[test]
 fn one_deadline_covers_a_fresh_instances_configure_and_first_call() {
-    // With `hostile-configure=nap`, configure sleeps 20 ms; a `nap`
-    // request sleeps 20 ms more. 40 ms of waits do not fit a 30 ms
+    // With `hostile-configure=nap`, configure sleeps 200 ms; a `nap`
+    // request sleeps 200 ms more. 400 ms of waits do not fit a 300 ms
     // deadline when it covers both (as it must); they would if the first
-    // call got a deadline of its own.
-    let settings = [("hostile-configure".to_string(), "nap".to_string())];
+    // call got a deadline of its own. The load's check, configure and one
+    // small call, has 100 ms to spare (with naps of 20 ms and a deadline of
+    // 30, a busy machine could take its 10 ms).
+    let settings = [
+        ("hostile-configure".to_string(), "nap".to_string()),
+        ("hostile-nap-ms".to_string(), "200".to_string()),
+    ];
     let plugin = |deadline| {
         Plugin::load(
             &engine(PluginLimits {
@@ -274,7 +279,7 @@ fn one_deadline_covers_a_fresh_instances_configure_and_first_call() {
         )
         .unwrap_or_else(|e| panic!("loading the hostile fixture: {e:#}"))
     };
-    let tight = Duration::from_millis(30);
+    let tight = Duration::from_millis(300);
     let (answer, _) = misbehave_async(&plugin(tight), "nap");
     match answer {
         Err(error) => assert_eq!(error, CallError::Deadline(tight)),

@@ -74,11 +74,13 @@ mod tests {
             assert!(now >= last, "{now:?} after {last:?}");
             last = now;
         }
-        // The monotonic span began first and is read first, so the boot
-        // span (which counts at least as much time) is not longer; the loop
-        // ran 20 ms, so it is not much shorter either.
-        let mono = instant.elapsed();
+        // The monotonic span began first and is read last, so it holds the
+        // boot span, which counts the same time (the machine does not
+        // suspend within the test): the boot span is not longer, whatever
+        // runs between the readings; the loop ran 20 ms, so it is not much
+        // shorter either.
         let boot = BootTime::now().since(start);
+        let mono = instant.elapsed();
         assert!(
             boot <= mono + Duration::from_millis(1),
             "{boot:?} vs {mono:?}"

@@ -579,8 +579,11 @@ async fn an_http2_client_that_grants_no_window_loses_its_connection() {
     use http_body_util::Full;
 
     let mut upstream = StreamingUpstream::start(None).await;
+    // 1000 ms: the connection is closed 1 to 2 s after its window ran
+    // out, room for at least ten of the requests below, of which five must
+    // be answered even on a busy machine.
     let gateway =
-        Gateway::start(&["--upstream", &upstream.url(), "--send-timeout-ms", "500"]).await;
+        Gateway::start(&["--upstream", &upstream.url(), "--send-timeout-ms", "1000"]).await;
     let stream = TcpStream::connect(gateway.addr).await.expect("connect");
     let (mut sender, connection) =
         hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())

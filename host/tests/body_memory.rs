@@ -78,7 +78,13 @@ async fn a_stamped_request_holds_only_its_new_body_while_it_is_upstream() -> any
         clock: Arc::new(IdClock::system()),
         identity: Arc::new(MachineIdentity::fixed(SnowflakeLayout::TrtllmV1, 3)?),
     };
-    let engine = PluginEngine::new(services, PluginLimits::default())?;
+    // A deadline of 20 s, not the default second: the test is about
+    // memory, and a debug build reads and copies the 16 MiB body slowly.
+    let limits = PluginLimits {
+        deadline: Duration::from_secs(20),
+        ..PluginLimits::default()
+    };
+    let engine = PluginEngine::new(services, limits)?;
     let metrics = Arc::new(Metrics::default());
     let slot = Arc::new(PluginSlot::load(engine, None, Vec::new(), metrics.clone())?);
     let layer = SnowgateLayer::new(slot, metrics, FailurePolicy::FailClosed, 32 << 20);
