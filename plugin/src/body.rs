@@ -108,7 +108,9 @@ impl BodyError {
 impl fmt::Display for BodyError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            BodyError::Empty => f.write_str("the request body is empty; send a JSON object"),
+            BodyError::Empty => {
+                f.write_str("the request body is empty or only whitespace; send a JSON object")
+            }
             BodyError::InvalidUtf8 { offset } => {
                 write!(f, "the request body is not valid UTF-8 (first bad byte at offset {offset}); JSON must be UTF-8")
             }

@@ -601,7 +601,12 @@ fn find_edits_reports_positions_in_body_order() {
 /// `(what, body, code, words the message must contain)`.
 const BAD_BODIES: &[(&str, &[u8], &str, &str)] = &[
     ("empty body", b"", "empty_body", "empty"),
-    ("whitespace only", b" \t\r\n ", "empty_body", "empty"),
+    (
+        "whitespace only",
+        b" \t\r\n ",
+        "empty_body",
+        "only whitespace",
+    ),
     (
         "truncated object",
         br#"{"a":1"#,
