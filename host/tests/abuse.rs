@@ -1208,14 +1208,35 @@ async fn an_admin_listener_off_loopback_refuses_to_start_without_a_token() {
     );
 }
 
+/// With a token, every admin request must carry it but the health
+/// probes', `GET` or `HEAD` of `/healthz` and `/readyz`: a Kubernetes
+/// probe reaches an admin listener off loopback and cannot take a token
+/// from a Secret.
 #[tokio::test(flavor = "multi_thread")]
-async fn with_a_token_every_admin_request_must_carry_it() {
+async fn with_a_token_every_admin_request_but_a_probe_must_carry_it() {
     let gateway = Gateway::start(&["--admin-token", "s3cret-token"]).await;
-    for path in ["/status", "/metrics", "/healthz"] {
+    for path in ["/status", "/metrics", "/nowhere"] {
         let denied = get(gateway.admin, path).await;
         assert_eq!(denied.status, 401, "{path} without the token");
     }
     let mut client = support::Client::connect(gateway.admin).await;
+    for (method, path, status) in [
+        (http::Method::GET, "/healthz", 200),
+        (http::Method::GET, "/readyz", 200),
+        (http::Method::HEAD, "/readyz", 200),
+        (http::Method::POST, "/reload", 401),
+        (http::Method::POST, "/healthz", 401),
+    ] {
+        let reply = client
+            .send(
+                client
+                    .builder(method.clone(), path)
+                    .body(Default::default())
+                    .expect("request"),
+            )
+            .await;
+        assert_eq!(reply.status, status, "{method} {path} without the token");
+    }
     // The scheme's name is matched ignoring case (RFC 9110 section 11.1).
     for (authorization, status) in [
         ("Bearer s3cret-tokeX", 401),

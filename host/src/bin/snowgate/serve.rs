@@ -220,8 +220,9 @@ pub struct ServeArgs {
     /// `/snowgate`, so it is refused) [default: /snowgate].
     #[arg(long, value_name = "PREFIX")]
     etcd_prefix: Option<String>,
-    /// Bearer token the admin endpoints require; required when
-    /// --admin-listen is not a loopback address.
+    /// Bearer token the admin endpoints require (all but the health probes,
+    /// GET or HEAD of /healthz and /readyz); required when --admin-listen
+    /// is not a loopback address.
     #[arg(
         long,
         env = "SNOWGATE_ADMIN_TOKEN",
