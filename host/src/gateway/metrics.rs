@@ -357,7 +357,7 @@ impl Metrics {
             );
         }
         out.push_str(
-            "# HELP snowgate_ids_stamped_total Request ids the plugin took from the clock, one per loaded build's self-check included (that id never leaves the process).\n",
+            "# HELP snowgate_ids_stamped_total Request ids taken from the id clock, with two for each loaded build's self-check (the build's and one the host takes just before it; more where the check is asked again), which never leave the process.\n",
         );
         out.push_str("# TYPE snowgate_ids_stamped_total counter\n");
         let _ = writeln!(out, "snowgate_ids_stamped_total {ids_issued}");
@@ -471,7 +471,7 @@ impl Metrics {
             gauge(
                 &mut out,
                 "snowgate_body_memory_bytes",
-                "Memory taken now in the body memory by request bodies read whole (for the plugin) and not yet sent upstream, in whole KiB per body: the room each took (its declared length, or --max-body-bytes while a body that declared none is read), and what the request first in line for room has gathered.",
+                "Memory taken now in the body memory by request bodies read whole (for the plugin) and not yet sent upstream, in whole KiB per body: the room each took (its declared length, or 1 MiB at first and more as it arrives for a body that declared none), and what the request first in line for room has gathered.",
                 memory.held(),
             );
             gauge(
