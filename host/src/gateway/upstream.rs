@@ -98,7 +98,7 @@ pub struct HttpUpstream {
 }
 
 /// The base URL `url` of an upstream, checked for what the gateway can use
-/// (`http://host:port[/prefix]`, no credentials, no query), and the `Host`
+/// (`http://host:port[/prefix]`, no credentials, query or fragment), and the `Host`
 /// header its requests get. Errors name the problem and the URL, its
 /// credentials shown as `***`.
 pub fn base_url(url: &str) -> anyhow::Result<(Uri, header::HeaderValue)> {
@@ -132,6 +132,12 @@ pub fn base_url(url: &str) -> anyhow::Result<(Uri, header::HeaderValue)> {
     anyhow::ensure!(
         base.query().is_none(),
         "--upstream {shown:?}: a query is not supported; give the upstream's base URL"
+    );
+    // The URI parser ends the authority or path at a `#` and drops the
+    // rest, which would leave a fragment's text silently unused.
+    anyhow::ensure!(
+        !url.contains('#'),
+        "--upstream {shown:?}: a fragment (#...) is not supported; give the upstream's base URL"
     );
     let host = host_header(&base)
         .with_context(|| format!("--upstream {shown:?}: its host cannot be a Host header"))?;
@@ -692,6 +698,14 @@ mod tests {
                 "credentials in the URL are not supported",
             ),
             ("http://127.0.0.1:8000/v1?x=1", "a query is not supported"),
+            (
+                "http://127.0.0.1:8000/v1#v2",
+                "a fragment (#...) is not supported",
+            ),
+            (
+                "http://127.0.0.1:8000#v2",
+                "a fragment (#...) is not supported",
+            ),
         ] {
             let err = upstream(url).expect_err(url).to_string();
             assert!(err.contains(named), "{url}: {err}");
