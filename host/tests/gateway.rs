@@ -3722,12 +3722,17 @@ async fn metrics_count_requests_by_outcome() {
 // ---------------------------------------------------------------------------
 
 /// SIGTERM: the listener closes at once (new connections are refused),
-/// `/readyz` says not ready, the request in flight finishes with 200, then
-/// the process exits 0.
+/// `/readyz` says not ready, reloads are refused (a new build in the
+/// plugin file is not compiled), the request in flight finishes with 200,
+/// then the process exits 0.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_stops_accepting_and_drains_in_flight_requests() {
+    let dir = TempDir::new("drain");
+    let plugin = dir.path().join("plugin.wasm");
+    std::fs::write(&plugin, plugin_variant(0)).expect("write the plugin");
     let upstream = TestUpstream::start().await;
-    let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
+    let gateway = Gateway::start(&["--upstream", &upstream.url(), "--plugin", arg(&plugin)]).await;
+    let serving = get(gateway.admin, "/status").await.json()["plugin"]["sha256"].clone();
 
     let addr = gateway.addr;
     let in_flight =
@@ -3750,6 +3755,17 @@ async fn sigterm_stops_accepting_and_drains_in_flight_requests() {
     let readiness = get(gateway.admin, "/readyz").await;
     assert_eq!(readiness.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(readiness.text(), "not ready: the gateway is stopping\n");
+    replace_by_rename(&plugin, &plugin_variant(1));
+    let reload = post_empty(gateway.admin, "/reload").await;
+    assert_eq!(reload.status, StatusCode::CONFLICT, "{}", reload.text());
+    let message = assert_openai_error(
+        &reload.json(),
+        "reload_not_possible",
+        "invalid_request_error",
+    );
+    assert!(message.contains("stopping"), "{message}");
+    let status = get(gateway.admin, "/status").await.json();
+    assert_eq!(status["plugin"]["sha256"], serving, "{status}");
 
     upstream.state.release.notify_one();
     let reply = bounded("the in-flight request", STEP, in_flight)

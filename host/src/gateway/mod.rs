@@ -225,13 +225,17 @@ impl Gateway {
             Some(config) => Some(lease::start(config.clone(), self.services.clone())?),
             None => None,
         };
-        // Readiness ends as soon as the stop begins, before the drain.
+        // Readiness ends as soon as the stop begins, before the drain; so
+        // do reloads, as README promises (a compile would only take the
+        // drain's CPU).
         let stopping = Arc::new(AtomicBool::new(false));
         let shutdown = {
             let stopping = stopping.clone();
+            let slot = self.slot.clone();
             async move {
                 shutdown.await;
                 stopping.store(true, Ordering::Relaxed);
+                slot.stop_reloads();
             }
         };
         let admin = Arc::new(admin::Admin {

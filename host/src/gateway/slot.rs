@@ -123,6 +123,8 @@ pub struct PluginSlot {
     /// Held by a reload's self-check while it runs; `true` once the slot
     /// is closed (see [`PluginSlot::close`]).
     self_checks: Arc<tokio::sync::Mutex<bool>>,
+    /// Set once the gateway begins to stop: no reload starts after it.
+    reloads_over: std::sync::atomic::AtomicBool,
 }
 
 impl PluginSlot {
@@ -155,6 +157,7 @@ impl PluginSlot {
             reloading: tokio::sync::Mutex::new(()),
             queued: Mutex::new(None),
             self_checks: Arc::new(tokio::sync::Mutex::new(false)),
+            reloads_over: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -258,7 +261,17 @@ impl PluginSlot {
     /// could be cut short by a SIGKILL before its ids are accounted for.
     /// It ends without a self-check, refused.
     pub async fn close(&self) {
+        self.stop_reloads();
         *self.self_checks.lock().await = true;
+    }
+
+    /// Refuses every reload that has not started yet, at once, as a
+    /// stopping gateway does while it drains (a compile would only take
+    /// the drain's CPU). A reload under way runs on until
+    /// [`PluginSlot::close`].
+    pub fn stop_reloads(&self) {
+        self.reloads_over
+            .store(true, std::sync::atomic::Ordering::Relaxed);
     }
 
     async fn reload_to_the_end(&self) -> Result<Reloaded, NoReload> {
@@ -266,7 +279,9 @@ impl PluginSlot {
         // From here on, a caller waits for the reload after this one,
         // which reads the file after it asked.
         self.queued.lock().unwrap_or_else(|p| p.into_inner()).take();
-        if *self.self_checks.lock().await {
+        if self.reloads_over.load(std::sync::atomic::Ordering::Relaxed)
+            || *self.self_checks.lock().await
+        {
             return Err(NoReload::NotPossible(STOPPING.to_string()));
         }
         let Some(path) = self.source.clone() else {
