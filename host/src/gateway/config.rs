@@ -429,12 +429,28 @@ pub fn plugin_deadline(ms: u64) -> anyhow::Result<Duration> {
 
 impl ConfigFile {
     /// Reads and parses a TOML configuration file: a regular file of at
-    /// most [`MAX_CONFIG_FILE_BYTES`] in UTF-8.
+    /// most [`MAX_CONFIG_FILE_BYTES`] in UTF-8. Relative paths in it
+    /// (`plugin`, `high-water-file`, `plugin-cache-dir`) are taken from the
+    /// file's directory, not from wherever the gateway was started: under
+    /// systemd that is `/`, where a relative `high-water-file` would be
+    /// another, empty file, with none of the ids made before.
     pub fn read(path: &Path) -> anyhow::Result<ConfigFile> {
         let bytes = read_regular_file(path, "the config file", MAX_CONFIG_FILE_BYTES)?;
         let text = String::from_utf8(bytes)
             .with_context(|| format!("reading the config file {}", path.display()))?;
-        toml::from_str(&text).with_context(|| format!("parsing the config file {}", path.display()))
+        let mut file: ConfigFile = toml::from_str(&text)
+            .with_context(|| format!("parsing the config file {}", path.display()))?;
+        let dir = path.parent().unwrap_or(Path::new(""));
+        for setting in [
+            &mut file.plugin,
+            &mut file.high_water_file,
+            &mut file.plugin_cache_dir,
+        ] {
+            if let Some(relative) = setting.as_mut().filter(|p| p.is_relative()) {
+                *relative = dir.join(&*relative);
+            }
+        }
+        Ok(file)
     }
 
     /// Checks settings that only make sense together, or whole: the
@@ -508,7 +524,11 @@ impl ConfigFile {
         Ok(())
     }
 
-    /// Lays this file's settings over `config`.
+    /// Lays this file's settings over `config`. The machine id comes from
+    /// one source: settings that name one (`machine-id`, or `etcd`) put
+    /// aside the other source's settings that `config` had from a layer
+    /// before (the file, under the flags), so that a flag can move one
+    /// replica from a fixed id to a leased one, or back.
     pub fn apply(self, config: &mut GatewayConfig) -> anyhow::Result<()> {
         macro_rules! set {
             ($field:ident) => {
@@ -538,6 +558,15 @@ impl ConfigFile {
         }
         set!(failure_policy);
         set!(plugin_settings);
+        match (self.machine_id.is_some(), self.etcd.is_some()) {
+            (true, false) => config.lease = None,
+            (false, true) => {
+                config.machine_id = None;
+                config.high_water_file = None;
+            }
+            // Both (refused by `check`), or neither: nothing is put aside.
+            _ => {}
+        }
         if self.upstream.is_some() {
             config.upstream = self.upstream;
         }
@@ -871,6 +900,77 @@ mod tests {
             Some(Path::new("/var/lib/snowgate/ids.mark"))
         );
         ConfigFile::check(&config).expect("a fixed id with a high-water file");
+    }
+
+    /// A layer that names the machine id's source puts aside the other
+    /// source's settings from the layer before: the flags can move one
+    /// replica between a fixed id and a leased one. Within one layer both
+    /// are still refused.
+    #[test]
+    fn a_later_layer_that_names_the_machine_ids_source_replaces_the_other() {
+        let layer = |text: &str| toml::from_str::<ConfigFile>(text).expect("valid config");
+        let fixed = "machine-id = 3\nhigh-water-file = \"/var/lib/snowgate/ids.mark\"";
+        let leased = "etcd = \"http://127.0.0.1:2379\"\nmachine-id-ttl = 30";
+
+        let mut config = GatewayConfig::default();
+        layer(fixed).apply(&mut config).unwrap();
+        layer("etcd = \"http://10.0.0.1:2379\"")
+            .apply(&mut config)
+            .unwrap();
+        assert_eq!(
+            (config.machine_id, config.high_water_file.as_ref()),
+            (None, None)
+        );
+        let lease = config.lease.as_ref().expect("a lease");
+        assert_eq!(lease.endpoints, ["http://10.0.0.1:2379"]);
+        ConfigFile::check(&config).expect("a leased id alone");
+
+        let mut config = GatewayConfig::default();
+        layer(leased).apply(&mut config).unwrap();
+        layer("machine-id = 7").apply(&mut config).unwrap();
+        assert_eq!(config.machine_id, Some(7));
+        assert!(config.lease.is_none(), "{:?}", config.lease);
+        ConfigFile::check(&config).expect("a fixed id alone");
+
+        // A layer that names neither keeps what came before.
+        let mut config = GatewayConfig::default();
+        layer(leased).apply(&mut config).unwrap();
+        layer("workers = 2").apply(&mut config).unwrap();
+        assert_eq!(config.lease.expect("kept").ttl, Duration::from_secs(30));
+
+        for both in [
+            "machine-id = 3\netcd = \"http://127.0.0.1:2379\"",
+            "etcd = \"http://127.0.0.1:2379\"\nhigh-water-file = \"ids.mark\"",
+        ] {
+            let mut config = GatewayConfig::default();
+            layer(fixed).apply(&mut config).unwrap();
+            layer(both).apply(&mut config).unwrap();
+            assert!(ConfigFile::check(&config).is_err(), "{both}");
+        }
+    }
+
+    /// Relative paths in a config file are taken from its directory;
+    /// absolute ones as they are.
+    #[test]
+    fn relative_paths_in_a_config_file_are_taken_from_its_directory() {
+        let dir = std::env::temp_dir().join(format!("snowgate-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("snowgate.toml");
+        std::fs::write(
+            &path,
+            "plugin = \"plugins/p.wasm\"\nhigh-water-file = \"ids.mark\"\n\
+             plugin-cache-dir = \"/var/cache/snowgate\"\n",
+        )
+        .unwrap();
+        let file = ConfigFile::read(&path);
+        std::fs::remove_dir_all(&dir).unwrap();
+        let file = file.expect("read");
+        assert_eq!(file.plugin, Some(dir.join("plugins/p.wasm")));
+        assert_eq!(file.high_water_file, Some(dir.join("ids.mark")));
+        assert_eq!(
+            file.plugin_cache_dir,
+            Some(PathBuf::from("/var/cache/snowgate"))
+        );
     }
 
     #[test]

@@ -17,7 +17,9 @@ use crate::Failure;
 #[derive(Args)]
 pub struct ServeArgs {
     /// TOML file with any of these settings (same names, kebab-case);
-    /// flags override it.
+    /// flags override it (--machine-id or --etcd also puts aside the
+    /// file's settings of the other). Relative paths in it are taken from
+    /// its directory.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
     /// Address clients connect to [default: 127.0.0.1:8080].
