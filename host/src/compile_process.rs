@@ -228,11 +228,16 @@ impl CompileProcess {
                     // disposition and the signal mask pass through exec:
                     // one ignored or blocked by whoever started the
                     // gateway would keep the alarm from ending the child.
-                    libc::signal(libc::SIGALRM, libc::SIG_DFL);
-                    let mut alarm_only = std::mem::zeroed::<libc::sigset_t>();
-                    libc::sigemptyset(&mut alarm_only);
-                    libc::sigaddset(&mut alarm_only, libc::SIGALRM);
-                    libc::sigprocmask(libc::SIG_UNBLOCK, &alarm_only, std::ptr::null_mut());
+                    // So would SIGXCPU's keep the soft CPU limit from
+                    // ending it: the hard limit's SIGKILL would, later,
+                    // and look like the OOM killer's.
+                    let mut ours = std::mem::zeroed::<libc::sigset_t>();
+                    libc::sigemptyset(&mut ours);
+                    for signal in [libc::SIGALRM, libc::SIGXCPU] {
+                        libc::signal(signal, libc::SIG_DFL);
+                        libc::sigaddset(&mut ours, signal);
+                    }
+                    libc::sigprocmask(libc::SIG_UNBLOCK, &ours, std::ptr::null_mut());
                     libc::alarm(wall);
                     // Requests first: the compile takes the CPU they leave.
                     libc::setpriority(libc::PRIO_PROCESS, 0, 10);

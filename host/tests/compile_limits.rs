@@ -138,8 +138,17 @@ async fn a_build_whose_compile_needs_more_memory_than_its_limit_is_refused_and_t
     assert_stamps(&gateway).await;
 }
 
+/// A build whose compile runs past `--plugin-compile-cpu-secs` is refused
+/// for good (`may_pass` false), even where whoever started the gateway
+/// ignores SIGXCPU, which `exec` passes on: the child must still end at
+/// its soft limit, not be killed at the hard one, which looks like the
+/// out-of-memory killer's SIGKILL and would be tried again and again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_build_whose_compile_takes_more_cpu_than_its_limit_is_refused() {
+    // SAFETY: sets a signal's disposition, which nothing in this test
+    // process relies on; every gateway this binary starts inherits it, and
+    // must work with it.
+    unsafe { libc::signal(libc::SIGXCPU, libc::SIG_IGN) };
     let (_dir, path, gateway) = serving(
         "compile-cpu",
         &[
@@ -156,6 +165,11 @@ async fn a_build_whose_compile_takes_more_cpu_than_its_limit_is_refused() {
     assert!(
         message.contains("1 s of CPU time (--plugin-compile-cpu-secs)"),
         "names the limit: {message}"
+    );
+    let status = get(gateway.admin, "/status").await.json();
+    assert_eq!(
+        status["last_reload_error"]["may_pass"], false,
+        "refused for good: {status}"
     );
     assert_eq!(
         gateway.plugin_sha().await,
