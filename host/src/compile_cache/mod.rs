@@ -129,6 +129,10 @@ impl CompileCache {
                 what()
             )
         })?;
+        // What stores that died left behind goes now, not only at the
+        // next store: a gateway killed while storing, again and again,
+        // would otherwise leave a build's worth of disk at every start.
+        cache.evict(None);
         Ok(cache)
     }
 
@@ -188,7 +192,7 @@ impl CompileCache {
             return;
         }
         // First, so that a full disk has room for the newest build.
-        self.evict(&name);
+        self.evict(Some(&name));
         match self.write(component, sha256, &name) {
             Ok(()) => {
                 tracing::debug!(file = %self.path.join(&name).display(), "plugin compiled and stored in the compile cache")
@@ -308,6 +312,13 @@ impl CompileCache {
             .map_err(anyhow::Error::from)
             .context("serializing the compiled plugin")?;
         bytes.extend_from_slice(&trailer::of(&bytes, sha256));
+        // `read` refuses it: writing it would cost a write at every start.
+        anyhow::ensure!(
+            bytes.len() as u64 <= MAX_BUILD_BYTES,
+            "the build is {} bytes, more than a build read back may be ({MAX_BUILD_BYTES} \
+             bytes); not stored",
+            bytes.len()
+        );
         let temporary = names::temporary(name);
         let written = rustix::fs::openat(
             &self.dir,
@@ -317,13 +328,15 @@ impl CompileCache {
         )
         .map_err(std::io::Error::from)
         .and_then(|file| {
+            // Locked while the store is under way, renamed included: a
+            // temporary file nobody holds locked is a store that died (see
+            // `evict`).
+            rustix::fs::flock(&file, rustix::fs::FlockOperation::LockExclusive)?;
             let mut file = fs::File::from(file);
             file.write_all(&bytes)?;
-            file.sync_all()
-        })
-        .and_then(|()| {
-            rustix::fs::renameat(&self.dir, &*temporary, &self.dir, name)
-                .map_err(std::io::Error::from)
+            file.sync_all()?;
+            rustix::fs::renameat(&self.dir, &*temporary, &self.dir, name)?;
+            Ok(())
         });
         if let Err(e) = written {
             let _ = rustix::fs::unlinkat(&self.dir, &*temporary, AtFlags::empty());
