@@ -58,7 +58,7 @@ impl Admin {
     /// not stopping, holds a machine id (with a live lease, if leased), and
     /// the next id would be within the slot's confirmed high-water mark.
     fn readiness(&self) -> Result<(), String> {
-        if self.stopping.load(Ordering::Relaxed) {
+        if self.stopping.load(Ordering::Acquire) {
             return Err("the gateway is stopping".to_string());
         }
         self.services.ids_may_leave_now()

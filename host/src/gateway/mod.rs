@@ -234,8 +234,10 @@ impl Gateway {
             let slot = self.slot.clone();
             async move {
                 shutdown.await;
-                stopping.store(true, Ordering::Relaxed);
+                // Reloads first: whoever sees readiness end finds them
+                // refused too.
                 slot.stop_reloads();
+                stopping.store(true, Ordering::Release);
             }
         };
         let admin = Arc::new(admin::Admin {

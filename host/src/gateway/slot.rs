@@ -123,8 +123,9 @@ pub struct PluginSlot {
     /// Held by a reload's self-check while it runs; `true` once the slot
     /// is closed (see [`PluginSlot::close`]).
     self_checks: Arc<tokio::sync::Mutex<bool>>,
-    /// Set once the gateway begins to stop: no reload starts after it.
-    reloads_over: std::sync::atomic::AtomicBool,
+    /// `true` once the gateway begins to stop: no reload starts after it,
+    /// and callers waiting for one are answered then.
+    reloads_over: tokio::sync::watch::Sender<bool>,
 }
 
 impl PluginSlot {
@@ -157,7 +158,7 @@ impl PluginSlot {
             reloading: tokio::sync::Mutex::new(()),
             queued: Mutex::new(None),
             self_checks: Arc::new(tokio::sync::Mutex::new(false)),
-            reloads_over: std::sync::atomic::AtomicBool::new(false),
+            reloads_over: tokio::sync::watch::Sender::new(false),
         })
     }
 
@@ -212,6 +213,9 @@ impl PluginSlot {
     /// of its own: an admin client that retried `POST /reload` on a
     /// timeout while a large build compiled queued a full compile per try.
     pub async fn reload(self: &Arc<Self>) -> Result<Reloaded, NoReload> {
+        if *self.reloads_over.borrow() {
+            return Err(NoReload::NotPossible(STOPPING.to_string()));
+        }
         let mut answer = self.ask_for_reload();
         let answered = answer.wait_for(Option::is_some).await;
         match answered.as_deref() {
@@ -267,21 +271,24 @@ impl PluginSlot {
 
     /// Refuses every reload that has not started yet, at once, as a
     /// stopping gateway does while it drains (a compile would only take
-    /// the drain's CPU). A reload under way runs on until
-    /// [`PluginSlot::close`].
+    /// the drain's CPU); callers waiting behind a reload under way are
+    /// answered now. That reload runs on until [`PluginSlot::close`].
     pub fn stop_reloads(&self) {
-        self.reloads_over
-            .store(true, std::sync::atomic::Ordering::Relaxed);
+        self.reloads_over.send_replace(true);
     }
 
     async fn reload_to_the_end(&self) -> Result<Reloaded, NoReload> {
-        let _one_at_a_time = self.reloading.lock().await;
+        let mut over = self.reloads_over.subscribe();
+        let _one_at_a_time = tokio::select! {
+            one = self.reloading.lock() => one,
+            _ = over.wait_for(|over| *over) => {
+                return Err(NoReload::NotPossible(STOPPING.to_string()))
+            }
+        };
         // From here on, a caller waits for the reload after this one,
         // which reads the file after it asked.
         self.queued.lock().unwrap_or_else(|p| p.into_inner()).take();
-        if self.reloads_over.load(std::sync::atomic::Ordering::Relaxed)
-            || *self.self_checks.lock().await
-        {
+        if *self.reloads_over.borrow() || *self.self_checks.lock().await {
             return Err(NoReload::NotPossible(STOPPING.to_string()));
         }
         let Some(path) = self.source.clone() else {
@@ -941,6 +948,48 @@ mod tests {
         // One asked for after it ends runs again.
         assert!(matches!(slot.reload().await, Err(NoReload::Failed(_))));
         assert_eq!(metrics.reloads(), (0, 2));
+        std::fs::remove_dir_all(&dir).expect("clean up");
+    }
+
+    /// Once reloads stop (a stop begins), callers waiting behind a reload
+    /// under way are answered at once, and later ones without waiting:
+    /// before, they waited for that reload to end, minutes for a large
+    /// build's compile, and an admin client could get no answer at all.
+    #[tokio::test]
+    async fn callers_waiting_behind_a_reload_are_answered_when_reloads_stop() {
+        let dir = std::env::temp_dir().join(format!("snowgate-stopped-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("a directory");
+        let path = dir.join("plugin.wasm");
+        std::fs::write(&path, snowgate_plugin_bundle::PLUGIN_WASM).expect("the plugin");
+        let (engine, _) = bundled_with_machine_id_3();
+        let metrics = Arc::new(Metrics::default());
+        let slot = Arc::new(
+            PluginSlot::load(engine, Some(path), Vec::new(), metrics.clone()).expect("loads"),
+        );
+        // A reload under way, for as long as this test holds its lock.
+        let running = slot.reloading.lock().await;
+        let mut waiting = slot.ask_for_reload();
+        slot.stop_reloads();
+        // Bounded: before, this waited for the reload under way, for ever.
+        let answered = tokio::time::timeout(
+            std::time::Duration::from_secs(30),
+            waiting.wait_for(Option::is_some),
+        )
+        .await
+        .expect("answered without waiting for the reload under way")
+        .expect("an answer");
+        assert!(
+            matches!(answered.as_ref(), Some(Err(NoReload::NotPossible(m))) if m == STOPPING),
+            "{answered:?}"
+        );
+        drop(answered);
+        let later = slot.reload().await;
+        assert!(
+            matches!(&later, Err(NoReload::NotPossible(m)) if m == STOPPING),
+            "{later:?}"
+        );
+        drop(running);
+        assert_eq!(metrics.reloads(), (0, 0));
         std::fs::remove_dir_all(&dir).expect("clean up");
     }
 
