@@ -473,15 +473,11 @@ impl ConfigFile {
                 !lease.endpoints.is_empty(),
                 "--machine-id-ttl and --etcd-prefix need --etcd URL[,URL...] to lease machine ids from"
             );
-            anyhow::ensure!(
-                config.machine_id.is_none(),
-                "use either --machine-id (a fixed id) or --etcd (a leased id), not both"
-            );
-            anyhow::ensure!(
-                config.high_water_file.is_none(),
-                "--high-water-file is for a fixed --machine-id; with --etcd the high-water mark \
-                 is kept in etcd"
-            );
+            one_machine_id_source(
+                config.machine_id.is_some(),
+                config.high_water_file.is_some(),
+                true,
+            )?;
         }
         if let Some(limit) = config.body_memory {
             anyhow::ensure!(
@@ -558,14 +554,19 @@ impl ConfigFile {
         }
         set!(failure_policy);
         set!(plugin_settings);
-        match (self.machine_id.is_some(), self.etcd.is_some()) {
-            (true, false) => config.lease = None,
-            (false, true) => {
-                config.machine_id = None;
-                config.high_water_file = None;
-            }
-            // Both (refused by `check`), or neither: nothing is put aside.
-            _ => {}
+        // Both in one layer are refused here: the next layer's choice
+        // would put one aside, hiding the contradiction.
+        one_machine_id_source(
+            self.machine_id.is_some(),
+            self.high_water_file.is_some(),
+            self.etcd.is_some(),
+        )?;
+        if self.machine_id.is_some() {
+            config.lease = None;
+        }
+        if self.etcd.is_some() {
+            config.machine_id = None;
+            config.high_water_file = None;
         }
         if self.upstream.is_some() {
             config.upstream = self.upstream;
@@ -813,6 +814,21 @@ impl ConfigFile {
     }
 }
 
+/// Refuses a fixed machine id (or a high-water file, which is for one) set
+/// together with a leased one.
+fn one_machine_id_source(fixed: bool, high_water_file: bool, leased: bool) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        !(fixed && leased),
+        "use either --machine-id (a fixed id) or --etcd (a leased id), not both"
+    );
+    anyhow::ensure!(
+        !(high_water_file && leased),
+        "--high-water-file is for a fixed --machine-id; with --etcd the high-water mark is kept \
+         in etcd"
+    );
+    Ok(())
+}
+
 /// `url` with everything between its scheme and its last `@` shown as
 /// `***`: for error messages and `/status`, which must not repeat a
 /// password. A password may hold `/`, `?` or `#` unescaped (base64 does),
@@ -938,14 +954,14 @@ mod tests {
         layer("workers = 2").apply(&mut config).unwrap();
         assert_eq!(config.lease.expect("kept").ttl, Duration::from_secs(30));
 
+        // Both in one layer are refused, whatever the next layer says.
         for both in [
             "machine-id = 3\netcd = \"http://127.0.0.1:2379\"",
             "etcd = \"http://127.0.0.1:2379\"\nhigh-water-file = \"ids.mark\"",
         ] {
             let mut config = GatewayConfig::default();
-            layer(fixed).apply(&mut config).unwrap();
-            layer(both).apply(&mut config).unwrap();
-            assert!(ConfigFile::check(&config).is_err(), "{both}");
+            let err = layer(both).apply(&mut config).unwrap_err().to_string();
+            assert!(err.contains("--etcd"), "{both}: {err}");
         }
     }
 
