@@ -10,7 +10,7 @@ use rustix::fs::{AtFlags, FileType, FlockOperation, Mode, OFlags};
 use super::{names, CompileCache, KEPT_BUILDS};
 
 /// A temporary file this old is a store that died, not one under way,
-/// even where its lock cannot be tried.
+/// whatever its lock: the rule for filesystems without locks.
 const ABANDONED_AFTER: Duration = Duration::from_secs(3600);
 
 /// A temporary file that nobody holds locked is a store that died once it

@@ -330,8 +330,10 @@ impl CompileCache {
         .and_then(|file| {
             // Locked while the store is under way, renamed included: a
             // temporary file nobody holds locked is a store that died (see
-            // `evict`).
-            rustix::fs::flock(&file, rustix::fs::FlockOperation::LockExclusive)?;
+            // `evict`). Where the filesystem has no locks (NFS without its
+            // lock service) none is held, and none can be taken to evict
+            // it: it is left for the hour's rule.
+            let _ = rustix::fs::flock(&file, rustix::fs::FlockOperation::LockExclusive);
             let mut file = fs::File::from(file);
             file.write_all(&bytes)?;
             file.sync_all()?;
