@@ -262,8 +262,7 @@ fn one_deadline_covers_a_fresh_instances_configure_and_first_call() {
     // request sleeps 200 ms more. 400 ms of waits do not fit a 300 ms
     // deadline when it covers both (as it must); they would if the first
     // call got a deadline of its own. The load's check, configure and one
-    // small call, has 100 ms to spare (with naps of 20 ms and a deadline of
-    // 30, a busy machine could take its 10 ms).
+    // small call, has 100 ms to spare on a busy machine.
     let settings = [
         ("hostile-configure".to_string(), "nap".to_string()),
         ("hostile-nap-ms".to_string(), "200".to_string()),

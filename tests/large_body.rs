@@ -30,7 +30,7 @@ pub fn token_ids_body(size: usize) -> Vec<u8> {
 }
 
 #[test]
-fn a_24_mib_prompt_token_ids_body_is_stamped_within_the_default_limits() {
+fn a_24_mib_prompt_token_ids_body_is_stamped_within_the_default_memory_limits() {
     let defaults = PluginLimits::default();
     let limits = PluginLimits {
         deadline: if cfg!(debug_assertions) {

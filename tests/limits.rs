@@ -150,16 +150,17 @@ fn the_bundled_plugins_memory_figures_stamp_the_bodies_they_describe() {
 fn a_call_past_its_deadline_is_a_deadline_error_not_a_crash() {
     // 50 ms: the load-time check (one instantiation and three tiny calls,
     // a few ms each in a debug build) runs under the same deadline and must
-    // pass reliably on a busy machine, while reading and copying 30 MiB
-    // takes far longer (hundreds of ms in a debug build). At 10 ms, a
-    // machine busy compiling beside the test left the check too little.
+    // pass on a busy machine, while stamping a batch of 300,000 params
+    // takes far longer, in a release build too (some 0.2 s).
     let deadline = Duration::from_millis(50);
     let plugin = plugin_with_limits(PluginLimits {
         deadline,
         ..PluginLimits::default()
     });
 
-    let answer = plugin.handle(&common::json_request(big_body(30 << 20)));
+    let params = r#"{"disaggregated_params":{"request_type":"context_only"}}"#;
+    let batch = format!("[{}]", vec![params; 300_000].join(","));
+    let answer = plugin.handle(&common::json_request(batch));
     assert_eq!(
         answer.as_ref().map(|_| "an answer"),
         Err(&CallError::Deadline(deadline)),

@@ -78,8 +78,7 @@ async fn a_stamped_request_holds_only_its_new_body_while_it_is_upstream() -> any
         clock: Arc::new(IdClock::system()),
         identity: Arc::new(MachineIdentity::fixed(SnowflakeLayout::TrtllmV1, 3)?),
     };
-    // A deadline of 20 s, not the default second: the test is about
-    // memory, and a debug build reads and copies the 16 MiB body slowly.
+    // The test is about memory, not time: a debug build copies 16 MiB slowly.
     let limits = PluginLimits {
         deadline: Duration::from_secs(20),
         ..PluginLimits::default()
