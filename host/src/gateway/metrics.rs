@@ -471,7 +471,7 @@ impl Metrics {
             gauge(
                 &mut out,
                 "snowgate_body_memory_bytes",
-                "Memory taken now in the body memory by request bodies read whole (for the plugin) and not yet sent upstream, in whole KiB per body: the room each took (its declared length, or 1 MiB at first and more as it arrives for a body that declared none), and what the request first in line for room has gathered.",
+                "Memory taken now in the body memory by request bodies read whole (for the plugin) and not yet sent upstream, in whole KiB per body: the room each took (its declared length, or, for a body that declared none, 1 MiB at first (--max-body-bytes where that is less) and more as it arrives), and what the request first in line for room has gathered.",
                 memory.held(),
             );
             gauge(
