@@ -13,8 +13,9 @@ mod support;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use http::StatusCode;
 use snowgate_plugin::SnowflakeLayout;
-use support::{post_json, stamped_id, tool_present, Gateway, CONTEXT_ONLY, MACHINE_ID, STEP};
+use support::{get, post_json, stamped_id, tool_present, Gateway, CONTEXT_ONLY, MACHINE_ID, STEP};
 
 /// How far the faked wall clock steps back after a clean stop: less than
 /// the id clock's 9 s lead, so that a gateway that continues after the
@@ -798,6 +799,38 @@ async fn a_second_gateway_on_the_same_file_is_refused() {
     assert!(stderr.contains(file_arg), "{stderr}");
     stamp(&first, 1).await;
     first.stop().await;
+}
+
+/// A gateway whose file was removed while it ran, and then taken by a
+/// second gateway of the same machine id, stops stamping at its next
+/// raise: the second starts from the wall clock, while the first's ids
+/// could run seconds ahead, over the same milliseconds. The second serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_whose_file_another_took_stops_stamping() {
+    let file = scratch("taken");
+    let file_arg = file.to_str().expect("a UTF-8 path");
+    let first = Gateway::start(&["--high-water-file", file_arg]).await;
+    stamp(&first, 1).await;
+    std::fs::remove_file(&file).expect("removed");
+    let second = Gateway::start(&["--high-water-file", file_arg]).await;
+    first.wait_log("this gateway stops stamping").await;
+    let refused = post_json(first.addr, "/v1/completions", CONTEXT_ONLY).await;
+    assert_eq!(
+        refused.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        refused.text()
+    );
+    assert!(
+        refused.text().contains("in use by another process"),
+        "{}",
+        refused.text()
+    );
+    let readiness = get(first.admin, "/readyz").await;
+    assert_eq!(readiness.status, StatusCode::SERVICE_UNAVAILABLE);
+    stamp(&second, 1).await;
+    first.stop().await;
+    second.stop().await;
 }
 
 /// A file last written for another machine id (a machine id moved, a

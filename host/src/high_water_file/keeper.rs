@@ -20,7 +20,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::lead::{Lead, LONGEST_LEAD, RAISE_EVERY, SHORTEST_LEAD};
-use super::HighWaterFile;
+use super::{HighWaterFile, InUseByAnother};
 use crate::engine::HostServices;
 use crate::log_throttle::LogThrottle;
 use crate::utc::{format_millis, millis_of};
@@ -214,9 +214,14 @@ impl MarkKeeper {
                 "ids continue after the high-water file's mark {}",
                 format_millis(stored)
             ),
-            None => tracing::info!(
+            // Said loudly: a file lost (kept where a restart does not find
+            // it) looks the same, and then the last gateway's ids, up to
+            // seconds ahead of the wall clock, may come again.
+            None => tracing::warn!(
                 path = %shared.file.path().display(),
-                "a new high-water file: its mark starts at {}",
+                "a new high-water file: its mark starts at {}; if a gateway used this machine id \
+                 before, its file was lost, and ids it made ahead of the wall clock may repeat: \
+                 keep the file on storage that outlives the process and its host",
                 format_millis(first)
             ),
         }
@@ -473,6 +478,22 @@ impl Shared {
                     }
                     failing = false;
                     due = began + RAISE_EVERY;
+                }
+                Err(e) if e.chain().any(|cause| cause.is::<InUseByAnother>()) => {
+                    // The file at the path is another process's: it was
+                    // removed or replaced, and another gateway started on
+                    // it, from its own mark. Ids made now up to this
+                    // process's mark, seconds ahead, could be the same as
+                    // the other's: none are made from here on.
+                    let reason = format!(
+                        "{e:#}; this gateway stops stamping: restart it with a --machine-id and \
+                         --high-water-file of its own"
+                    );
+                    tracing::error!("{reason}");
+                    identity.withdraw(reason.clone());
+                    *self.status.last_error() = Some(reason);
+                    self.status.failures.fetch_add(1, Ordering::Relaxed);
+                    return;
                 }
                 Err(e) => {
                     self.status.failures.fetch_add(1, Ordering::Relaxed);

@@ -40,6 +40,19 @@ use record::{Record, BLOCK, FILE_BYTES};
 /// rather than wait that out.
 pub const FURTHEST_AHEAD: Duration = Duration::from_secs(86_400);
 
+/// Why a high-water file could not be taken: another process holds its
+/// lock (the cause under the message that says so).
+#[derive(Debug)]
+pub struct InUseByAnother;
+
+impl std::fmt::Display for InUseByAnother {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("another process holds the file's lock")
+    }
+}
+
+impl std::error::Error for InUseByAnother {}
+
 /// An open high-water file, locked for this process until dropped.
 #[derive(Debug)]
 pub struct HighWaterFile {
@@ -87,12 +100,14 @@ impl HighWaterFile {
         );
         match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
             Ok(()) => {}
-            Err(rustix::io::Errno::WOULDBLOCK) => anyhow::bail!(
-                "the high-water file {shown} is in use by another process, which holds its lock: \
-                 two processes on one high-water file would issue the same ids; give each gateway \
-                 its own --machine-id and --high-water-file, and run `snowgate rewrite` on one \
-                 only while no gateway uses it"
-            ),
+            Err(rustix::io::Errno::WOULDBLOCK) => {
+                return Err(anyhow::Error::new(InUseByAnother).context(format!(
+                    "the high-water file {shown} is in use by another process, which holds its \
+                     lock: two processes on one high-water file would issue the same ids; give \
+                     each gateway its own --machine-id and --high-water-file, and run `snowgate \
+                     rewrite` on one only while no gateway uses it"
+                )))
+            }
             Err(e) => {
                 return Err(e).with_context(|| format!("locking the high-water file {shown}"))
             }
@@ -128,7 +143,10 @@ impl HighWaterFile {
             path: path.to_path_buf(),
             layout,
             machine_id,
-            entry_synced: AtomicBool::new(!contents.is_empty()),
+            // Synced once by each process, even for a file that holds a
+            // mark: whoever wrote it may have died before syncing its
+            // entry, or it may have been copied in.
+            entry_synced: AtomicBool::new(false),
         };
         Ok((found, mark))
     }
