@@ -2637,6 +2637,72 @@ async fn an_upstream_that_stops_mid_body_is_cut_off_after_the_read_timeout() {
     assert_eq!(metric(&metrics, "snowgate_upstream_errors_total"), 0.0);
 }
 
+/// `--max-upstream-requests` bounds the requests in flight to the
+/// upstream: with 1, while one is held, another that finds no turn within
+/// `--upstream-connect-timeout-ms` gets 503 `upstream_busy` with
+/// `Retry-After` and never reaches the upstream; one that is waiting when
+/// the held response ends goes next; and the gauges show it all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_beyond_max_upstream_requests_wait_their_turn_or_get_503() {
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start(&[
+        "--upstream",
+        &upstream.url(),
+        "--max-upstream-requests",
+        "1",
+        "--upstream-connect-timeout-ms",
+        "3000",
+    ])
+    .await;
+    let addr = gateway.addr;
+    let held = tokio::spawn(post_json(addr, "/hold/v1/completions", CONTEXT_ONLY));
+    bounded(
+        "the held request to reach the upstream",
+        STEP,
+        upstream.state.held.notified(),
+    )
+    .await;
+
+    let busy = post_json(addr, "/v1/completions", CONTEXT_ONLY).await;
+    assert_eq!(
+        busy.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        busy.text()
+    );
+    assert_eq!(busy.header("retry-after"), Some("1"));
+    let message = assert_openai_error(&busy.json(), "upstream_busy", "server_error");
+    assert!(
+        message.contains("--max-upstream-requests") && message.contains("3000 ms"),
+        "{message}"
+    );
+
+    let waiting = tokio::spawn(post_json(addr, "/v1/completions", CONTEXT_ONLY));
+    let metrics = gateway
+        .wait_metric("snowgate_upstream_requests_waiting", 1.0)
+        .await;
+    assert_eq!(
+        metric(&metrics, "snowgate_upstream_requests_in_flight"),
+        1.0
+    );
+    assert_eq!(metric(&metrics, "snowgate_upstream_requests_max"), 1.0);
+    assert_eq!(metric(&metrics, "snowgate_upstream_busy_total"), 1.0);
+    upstream.state.release.notify_one();
+    let held = bounded("the held request", STEP, held)
+        .await
+        .expect("joined");
+    assert_eq!(held.status, StatusCode::OK, "{}", held.text());
+    let waited = bounded("the waiting request", STEP, waiting)
+        .await
+        .expect("joined");
+    assert_eq!(waited.status, StatusCode::OK, "{}", waited.text());
+    // The refused request never reached the upstream.
+    assert_eq!(upstream.seen().len(), 2);
+    gateway
+        .wait_metric("snowgate_upstream_requests_in_flight", 0.0)
+        .await;
+}
+
 /// An upstream whose connection fails within a response body (a worker
 /// that crashed mid-stream): the client sees the response end short, and
 /// the gateway logs it as a warning naming the path and counts it as a

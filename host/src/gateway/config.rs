@@ -12,6 +12,7 @@ use snowgate_plugin::SnowflakeLayout;
 use crate::compile_process::CompileProcess;
 use crate::gateway::body_memory::default_limit;
 use crate::gateway::plugin_file::read_regular_file;
+use crate::gateway::upstream_turns::MAX_UPSTREAM_REQUESTS;
 use crate::lease::LeaseConfig;
 use crate::limits::PluginLimits;
 
@@ -130,6 +131,11 @@ pub struct GatewayConfig {
     pub connections: ConnectionLimits,
     /// How long the gateway waits on the upstream.
     pub upstream_timeouts: UpstreamTimeouts,
+    /// The most requests in flight to the upstream at once (each holds a
+    /// connection until its response has ended); more wait for a turn up
+    /// to the connect timeout, then get 503 `upstream_busy`. `None`: no
+    /// bound, as nginx's `max_conns` has none by default.
+    pub max_upstream_requests: Option<usize>,
     /// Bearer token every admin request must carry; required when the
     /// admin listener is not on a loopback address.
     pub admin_token: Option<String>,
@@ -239,6 +245,7 @@ impl Default for GatewayConfig {
             reload_debounce: Duration::from_millis(200),
             connections: ConnectionLimits::default(),
             upstream_timeouts: UpstreamTimeouts::default(),
+            max_upstream_requests: None,
             admin_token: None,
             lease: None,
             workers: None,
@@ -384,6 +391,8 @@ pub struct ConfigFile {
     pub max_connections: Option<usize>,
     /// See [`ConnectionLimits::max_streams_per_connection`].
     pub max_streams_per_connection: Option<u32>,
+    /// See [`GatewayConfig::max_upstream_requests`].
+    pub max_upstream_requests: Option<usize>,
     /// See [`UpstreamTimeouts::connect`], in milliseconds.
     pub upstream_connect_timeout_ms: Option<u64>,
     /// See [`UpstreamTimeouts::response`], in milliseconds.
@@ -462,6 +471,13 @@ impl ConfigFile {
         if let Some(url) = &config.upstream {
             crate::gateway::upstream::base_url(url)?;
         }
+        // The echo upstream answers at once, and is not bounded: a bound
+        // given for it is a mistake, not to be ignored.
+        anyhow::ensure!(
+            config.max_upstream_requests.is_none() || config.upstream.is_some(),
+            "--max-upstream-requests bounds the requests sent to --upstream URL, which is not set \
+             (the built-in echo answers)"
+        );
         if let Some(id) = config.machine_id {
             config
                 .layout
@@ -698,6 +714,13 @@ impl ConfigFile {
                  not {n}"
             );
             config.connections.max_streams_per_connection = n;
+        }
+        if let Some(n) = self.max_upstream_requests {
+            anyhow::ensure!(
+                (1..=MAX_UPSTREAM_REQUESTS).contains(&n),
+                "max-upstream-requests must be between 1 and {MAX_UPSTREAM_REQUESTS}, not {n}"
+            );
+            config.max_upstream_requests = Some(n);
         }
         let timeouts = &mut config.upstream_timeouts;
         for (name, ms, field) in [
@@ -1017,6 +1040,22 @@ mod tests {
         );
     }
 
+    /// A bound on upstream requests needs an upstream: the echo answers
+    /// at once and is not bounded.
+    #[test]
+    fn a_bound_on_upstream_requests_needs_an_upstream() {
+        let mut config = GatewayConfig::default();
+        toml::from_str::<ConfigFile>("max-upstream-requests = 64")
+            .unwrap()
+            .apply(&mut config)
+            .unwrap();
+        assert_eq!(config.max_upstream_requests, Some(64));
+        let err = ConfigFile::check(&config).unwrap_err().to_string();
+        assert!(err.contains("--upstream URL, which is not set"), "{err}");
+        config.upstream = Some("http://127.0.0.1:8000".to_string());
+        ConfigFile::check(&config).expect("with an upstream");
+    }
+
     #[test]
     fn an_exposed_admin_listener_needs_a_token() {
         let mut config = GatewayConfig {
@@ -1210,6 +1249,10 @@ mod tests {
     #[test]
     fn counts_and_plugin_limits_out_of_range_are_refused_by_name() {
         for (text, named) in [
+            (
+                "max-upstream-requests = 0",
+                "max-upstream-requests must be between 1 and 1000000, not 0",
+            ),
             ("workers = 0", "workers must be between 1 and 1024, not 0"),
             (
                 "workers = 5000",

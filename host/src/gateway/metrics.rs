@@ -182,6 +182,8 @@ pub struct Metrics {
     requests: [AtomicU64; Outcome::ALL.len()],
     upstream_errors: AtomicU64,
     upstream_cut_offs: AtomicU64,
+    /// Requests that found no turn for the upstream in time.
+    upstream_busy: AtomicU64,
     /// Idle connections closed to make room at the connection limit.
     connections_reclaimed: AtomicU64,
     reloads_succeeded: AtomicU64,
@@ -203,6 +205,9 @@ pub struct Metrics {
     /// The memory bodies read whole hold, once the middleware has it (the
     /// last one given).
     body_memory: ArcSwapOption<BodyMemory>,
+    /// Turns for requests to the upstream, and the requests waiting for
+    /// one, when `--max-upstream-requests` bounds them.
+    upstream_requests: OnceLock<(InUse, Arc<AtomicUsize>)>,
 }
 
 impl Default for Metrics {
@@ -211,6 +216,7 @@ impl Default for Metrics {
             requests: Default::default(),
             upstream_errors: AtomicU64::new(0),
             upstream_cut_offs: AtomicU64::new(0),
+            upstream_busy: AtomicU64::new(0),
             connections_reclaimed: AtomicU64::new(0),
             reloads_succeeded: AtomicU64::new(0),
             reloads_failed: AtomicU64::new(0),
@@ -223,6 +229,7 @@ impl Default for Metrics {
             connections_max: OnceLock::new(),
             plugin_calls_in_use: OnceLock::new(),
             body_memory: ArcSwapOption::empty(),
+            upstream_requests: OnceLock::new(),
         }
     }
 }
@@ -263,6 +270,26 @@ impl Metrics {
     /// call replaces an earlier one.
     pub(crate) fn gauge_body_memory(&self, memory: Arc<BodyMemory>) {
         self.body_memory.store(Some(memory));
+    }
+
+    /// Reports requests in flight to the upstream from their turns (`total`
+    /// permits of `permits`, one held per request) and the requests
+    /// `waiting` for one. The first call counts; later ones are ignored.
+    pub(crate) fn gauge_upstream_requests(
+        &self,
+        permits: Arc<Semaphore>,
+        total: usize,
+        waiting: Arc<AtomicUsize>,
+    ) {
+        let _ = self
+            .upstream_requests
+            .set((InUse { permits, total }, waiting));
+    }
+
+    /// Counts a request that found no turn for the upstream in time
+    /// (answered 503 `upstream_busy`).
+    pub fn upstream_busy(&self) {
+        self.upstream_busy.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Counts a request that got no upstream response (answered 502 or 504).
@@ -379,6 +406,17 @@ impl Metrics {
             "snowgate_upstream_cut_offs_total {}",
             load(&self.upstream_cut_offs)
         );
+        if self.upstream_requests.get().is_some() {
+            out.push_str(
+                "# HELP snowgate_upstream_busy_total Requests answered 503 upstream_busy: --max-upstream-requests were in flight, and none ended within --upstream-connect-timeout-ms.\n",
+            );
+            out.push_str("# TYPE snowgate_upstream_busy_total counter\n");
+            let _ = writeln!(
+                out,
+                "snowgate_upstream_busy_total {}",
+                load(&self.upstream_busy)
+            );
+        }
         out.push_str(
             "# HELP snowgate_connections_reclaimed_total Idle client connections closed to make room for a new client at --max-connections.\n",
         );
@@ -464,6 +502,26 @@ impl Metrics {
                 &mut out,
                 "snowgate_plugin_calls_waiting",
                 "Requests with a body read, waiting for a plugin call slot.",
+                waiting.load(Ordering::Relaxed),
+            );
+        }
+        if let Some((requests, waiting)) = self.upstream_requests.get() {
+            gauge(
+                &mut out,
+                "snowgate_upstream_requests_in_flight",
+                "Requests sent to the upstream whose response has not ended yet.",
+                requests.now(),
+            );
+            gauge(
+                &mut out,
+                "snowgate_upstream_requests_max",
+                "Requests in flight to the upstream at once (--max-upstream-requests); more wait for a turn.",
+                requests.total,
+            );
+            gauge(
+                &mut out,
+                "snowgate_upstream_requests_waiting",
+                "Requests waiting for a turn to go to the upstream.",
                 waiting.load(Ordering::Relaxed),
             );
         }

@@ -33,6 +33,7 @@ pub mod upstream;
 pub mod upstream_pool;
 pub mod upstream_read_timeout;
 pub mod upstream_resolve;
+pub mod upstream_turns;
 pub mod wait_timer;
 pub mod watch;
 pub mod workers;
@@ -153,7 +154,13 @@ impl Gateway {
         .context("the plugin loading task failed")??;
         let slot = Arc::new(slot);
         let upstream = match &config.upstream {
-            Some(url) => Upstream::http(url, config.upstream_timeouts, metrics.clone())?,
+            Some(url) => {
+                let upstream = Upstream::http(url, config.upstream_timeouts, metrics.clone())?;
+                match config.max_upstream_requests {
+                    Some(max) => upstream.bounded(max),
+                    None => upstream,
+                }
+            }
             None => {
                 tracing::warn!("no --upstream given: the built-in echo upstream answers every request with the request itself, headers included; give --upstream URL to proxy to a server");
                 Upstream::Echo

@@ -34,6 +34,7 @@ use crate::gateway::upstream_pool::{
     ConnectionPool, PooledBody, SendError, MAX_RESPONSE_HEAD_BYTES,
 };
 use crate::gateway::upstream_read_timeout::UpstreamReadTimeout;
+use crate::gateway::upstream_turns::UpstreamTurns;
 use crate::log_throttle::LogThrottle;
 
 /// Any error a body may carry (defined with the client's body).
@@ -95,6 +96,8 @@ pub struct HttpUpstream {
     timeouts: UpstreamTimeouts,
     metrics: Arc<Metrics>,
     pool: ConnectionPool,
+    /// The bound on requests in flight, shared by every worker's pool.
+    turns: Option<Arc<UpstreamTurns>>,
 }
 
 /// The base URL `url` of an upstream, checked for what the gateway can use
@@ -160,7 +163,25 @@ impl Upstream {
             timeouts,
             metrics,
             pool,
+            turns: None,
         })))
+    }
+
+    /// The same upstream with at most `max` requests in flight to it at
+    /// once (`--max-upstream-requests`); more wait for a turn. The echo
+    /// upstream is not bounded.
+    pub fn bounded(self, max: usize) -> Upstream {
+        match self {
+            Upstream::Http(http) => Upstream::Http(Arc::new(HttpUpstream {
+                base: http.base.clone(),
+                host: http.host.clone(),
+                timeouts: http.timeouts,
+                metrics: http.metrics.clone(),
+                pool: connection_pool(&http.base, http.timeouts),
+                turns: Some(UpstreamTurns::new(max, &http.metrics)),
+            })),
+            Upstream::Echo => Upstream::Echo,
+        }
     }
 
     /// The same upstream with a connection pool of its own, for one worker
@@ -174,6 +195,7 @@ impl Upstream {
                 timeouts: http.timeouts,
                 metrics: http.metrics.clone(),
                 pool: connection_pool(&http.base, http.timeouts),
+                turns: http.turns.clone(),
             })),
             Upstream::Echo => Upstream::Echo,
         }
@@ -289,13 +311,24 @@ impl HttpUpstream {
         // For the log, should the response be cut off.
         let path = parts.uri.path_and_query().cloned();
         let request = Request::from_parts(parts, body);
+        // Held until the response body has ended or gone.
+        let turn = match &self.turns {
+            None => None,
+            Some(turns) => match turns.take(self.timeouts.connect).await {
+                Some(turn) => Some(turn),
+                None => return self.busy(turns),
+            },
+        };
         // Connecting and sending the request body count too: the timeout is
         // for the whole wait for a response head, not for the body after it.
         let answer = tokio::time::timeout(self.timeouts.response, self.pool.send(request));
         let failure = match answer.await {
             Ok(Ok(response)) => match unusable(&response) {
                 Some(why) => UpstreamFailure::Unusable(why),
-                None => return self.pass_on(response, client_takes_trailers, path),
+                None => {
+                    let response = response.map(|body| body.holding(turn));
+                    return self.pass_on(response, client_takes_trailers, path);
+                }
             },
             Ok(Err(e)) => {
                 // The request body is the client's: when reading it failed,
@@ -373,6 +406,33 @@ impl HttpUpstream {
         if fails_again {
             responses::would_fail_again(&mut response);
         }
+        own(response)
+    }
+
+    /// The answer to a request that found no turn within the connect
+    /// timeout: 503 `upstream_busy`, to be tried again.
+    fn busy(&self, turns: &UpstreamTurns) -> Response<UpstreamBody> {
+        self.metrics.upstream_busy();
+        static BUSY: LogThrottle = LogThrottle::new();
+        if let Some(held_back) = BUSY.admit() {
+            tracing::warn!(
+                upstream = %self.base,
+                max = turns.max(),
+                "a request found no turn for the upstream in time (--max-upstream-requests) {held_back}"
+            );
+        }
+        let message = format!(
+            "the upstream has {} requests in flight, as many as the gateway sends it at once \
+             (--max-upstream-requests), and none ended within {} ms \
+             (--upstream-connect-timeout-ms); try again",
+            turns.max(),
+            self.timeouts.connect.as_millis()
+        );
+        let mut response =
+            responses::error(StatusCode::SERVICE_UNAVAILABLE, "upstream_busy", &message);
+        response
+            .headers_mut()
+            .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
         own(response)
     }
 

@@ -41,6 +41,7 @@ use tokio::task::AbortHandle;
 use crate::gateway::upstream::strip_trailers;
 use crate::gateway::upstream::UpstreamBody as RequestBody;
 use crate::gateway::upstream_resolve::{ResolveError, Resolver};
+use crate::gateway::upstream_turns::Turn;
 
 /// The largest response head (status line and headers) taken from the
 /// upstream, in bytes: as large as the request heads clients may send by
@@ -418,6 +419,9 @@ struct GiveBack {
 pub struct PooledBody {
     body: Incoming,
     give_back: Option<GiveBack>,
+    /// The request's turn, if turns bound requests in flight (see
+    /// [`PooledBody::holding`]).
+    turn: Option<Turn>,
 }
 
 impl PooledBody {
@@ -425,6 +429,7 @@ impl PooledBody {
         let mut pooled = PooledBody {
             body,
             give_back: Some(give_back),
+            turn: None,
         };
         // A response without a body (HEAD, 204, `Content-Length: 0`) may
         // never be polled.
@@ -434,10 +439,21 @@ impl PooledBody {
         pooled
     }
 
+    /// This body, holding `turn` until it has ended or gone: the request
+    /// is in flight until then.
+    pub fn holding(mut self, turn: Option<Turn>) -> PooledBody {
+        // A body that has ended already gave its connection back.
+        if self.give_back.is_some() {
+            self.turn = turn;
+        }
+        self
+    }
+
     fn ended(&mut self) {
         if let Some(GiveBack { pool, connection }) = self.give_back.take() {
             pool.put(connection);
         }
+        self.turn = None;
     }
 
     /// Closes the connection of a body that will not end.
@@ -445,6 +461,7 @@ impl PooledBody {
         if let Some(back) = self.give_back.take() {
             back.connection.task.abort();
         }
+        self.turn = None;
     }
 }
 

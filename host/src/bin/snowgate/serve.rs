@@ -178,6 +178,13 @@ pub struct ServeArgs {
     /// of its own [default: 128, at most 10000].
     #[arg(long, value_name = "N")]
     max_streams_per_connection: Option<u32>,
+    /// Requests in flight to --upstream at once, each holding one upstream
+    /// connection until its response has ended (a stream included); more
+    /// wait for a turn, in order, up to --upstream-connect-timeout-ms, then
+    /// get 503 upstream_busy with Retry-After [default: no bound, at most
+    /// 1000000].
+    #[arg(long, value_name = "N")]
+    max_upstream_requests: Option<usize>,
     /// How long opening a TCP connection to the upstream may take, its host
     /// name's lookup included, in milliseconds; then the client gets 504
     /// [default: 5000].
@@ -287,6 +294,7 @@ impl ServeArgs {
             max_header_bytes: self.max_header_bytes,
             max_connections: self.max_connections,
             max_streams_per_connection: self.max_streams_per_connection,
+            max_upstream_requests: self.max_upstream_requests,
             upstream_connect_timeout_ms: self.upstream_connect_timeout_ms,
             upstream_response_timeout_ms: self.upstream_response_timeout_ms,
             upstream_read_timeout_ms: self.upstream_read_timeout_ms,
