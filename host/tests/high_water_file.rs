@@ -801,18 +801,26 @@ async fn a_second_gateway_on_the_same_file_is_refused() {
     first.stop().await;
 }
 
-/// A gateway whose file was removed while it ran, and then taken by a
-/// second gateway of the same machine id, stops stamping at its next
-/// raise: the second starts from the wall clock, while the first's ids
-/// could run seconds ahead, over the same milliseconds. The second serves.
+/// A gateway whose file was replaced while it ran by one another process
+/// holds (a second gateway of the same machine id, started on the path)
+/// stops stamping at its next raise: the other starts from its own mark,
+/// while the first's ids could run seconds ahead, over the same
+/// milliseconds. Here the test holds the new file's lock, put in place by
+/// a rename so that the first cannot make a file of its own there first;
+/// then a second gateway takes it and serves.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gateway_whose_file_another_took_stops_stamping() {
+    use std::os::fd::AsRawFd as _;
     let file = scratch("taken");
     let file_arg = file.to_str().expect("a UTF-8 path");
     let first = Gateway::start(&["--high-water-file", file_arg]).await;
     stamp(&first, 1).await;
-    std::fs::remove_file(&file).expect("removed");
-    let second = Gateway::start(&["--high-water-file", file_arg]).await;
+    let replacement = file.with_extension("new");
+    let held = std::fs::File::create(&replacement).expect("created");
+    // SAFETY: locks a file this test opened and keeps open.
+    let locked = unsafe { libc::flock(held.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    assert_eq!(locked, 0, "the replacement locked");
+    std::fs::rename(&replacement, &file).expect("put in place");
     first.wait_log("this gateway stops stamping").await;
     let refused = post_json(first.addr, "/v1/completions", CONTEXT_ONLY).await;
     assert_eq!(
@@ -828,6 +836,8 @@ async fn a_gateway_whose_file_another_took_stops_stamping() {
     );
     let readiness = get(first.admin, "/readyz").await;
     assert_eq!(readiness.status, StatusCode::SERVICE_UNAVAILABLE);
+    drop(held);
+    let second = Gateway::start(&["--high-water-file", file_arg]).await;
     stamp(&second, 1).await;
     first.stop().await;
     second.stop().await;

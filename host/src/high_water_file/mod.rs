@@ -213,7 +213,7 @@ impl HighWaterFile {
         }
         if !self.entry_synced.load(Ordering::Relaxed) {
             sync_directory_of(&self.path).with_context(|| {
-                format!("syncing the directory of the new high-water file {shown}")
+                format!("syncing the directory entry of the high-water file {shown}")
             })?;
             self.entry_synced.store(true, Ordering::Relaxed);
         }
