@@ -2651,7 +2651,7 @@ async fn requests_beyond_max_upstream_requests_wait_their_turn_or_get_503() {
         "--max-upstream-requests",
         "1",
         "--upstream-connect-timeout-ms",
-        "3000",
+        "5000",
     ])
     .await;
     let addr = gateway.addr;
@@ -2673,7 +2673,7 @@ async fn requests_beyond_max_upstream_requests_wait_their_turn_or_get_503() {
     assert_eq!(busy.header("retry-after"), Some("1"));
     let message = assert_openai_error(&busy.json(), "upstream_busy", "server_error");
     assert!(
-        message.contains("--max-upstream-requests") && message.contains("3000 ms"),
+        message.contains("--max-upstream-requests") && message.contains("5000 ms"),
         "{message}"
     );
 

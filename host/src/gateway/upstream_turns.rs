@@ -3,8 +3,8 @@
 //! a request waits for its turn, in the order requests came, for at most a
 //! given time, and holds it until its response body has ended or gone.
 //! Each request in flight holds one upstream connection, so the bound is
-//! also one on connections in use, and, as a connection is opened only
-//! when none is idle, on those open.
+//! also one on the connections in use (each worker keeps its own idle
+//! ones, for the idle timeout, beside them).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -29,8 +29,10 @@ pub struct UpstreamTurns {
 pub type Turn = OwnedSemaphorePermit;
 
 impl UpstreamTurns {
-    /// `max` turns, reported in `metrics`.
+    /// `max` turns, reported in `metrics`; 0 is taken as 1 (none would
+    /// refuse every request).
     pub fn new(max: usize, metrics: &Metrics) -> Arc<UpstreamTurns> {
+        let max = max.max(1);
         let turns = UpstreamTurns {
             permits: Arc::new(Semaphore::new(max)),
             max,
