@@ -917,23 +917,27 @@ mod tests {
         );
     }
 
+    /// A slot loaded from the bundled plugin's file in a new directory
+    /// named for `tag` (to be removed by the test), with its metrics.
+    fn slot_from_a_file(tag: &str) -> (PathBuf, Arc<PluginSlot>, Arc<Metrics>) {
+        let dir = std::env::temp_dir().join(format!("snowgate-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("a directory");
+        let path = dir.join("plugin.wasm");
+        std::fs::write(&path, snowgate_plugin_bundle::PLUGIN_WASM).expect("the plugin");
+        let (engine, _) = bundled_with_machine_id_3();
+        let metrics = Arc::new(Metrics::default());
+        let slot = PluginSlot::load(engine, Some(path), Vec::new(), metrics.clone());
+        (dir, Arc::new(slot.expect("loads")), metrics)
+    }
+
     /// Reloads asked for while one runs share the one that runs next:
     /// five asked while a reload holds the lock are one reload, one
     /// failure counted, one answer for all. Before, each queued a reload
     /// (and a compile) of its own.
     #[tokio::test]
     async fn reloads_asked_for_while_one_runs_are_one() {
-        let dir = std::env::temp_dir().join(format!("snowgate-queued-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("a directory");
-        let path = dir.join("plugin.wasm");
-        std::fs::write(&path, snowgate_plugin_bundle::PLUGIN_WASM).expect("the plugin");
-        let (engine, _) = bundled_with_machine_id_3();
-        let metrics = Arc::new(Metrics::default());
-        let slot = Arc::new(
-            PluginSlot::load(engine, Some(path.clone()), Vec::new(), metrics.clone())
-                .expect("loads"),
-        );
-        std::fs::write(&path, b"not a component").expect("a bad build");
+        let (dir, slot, metrics) = slot_from_a_file("queued");
+        std::fs::write(dir.join("plugin.wasm"), b"not a component").expect("a bad build");
         let running = slot.reloading.lock().await;
         let answers: Vec<Answer> = (0..5).map(|_| slot.ask_for_reload()).collect();
         drop(running);
@@ -957,15 +961,7 @@ mod tests {
     /// build's compile, and an admin client could get no answer at all.
     #[tokio::test]
     async fn callers_waiting_behind_a_reload_are_answered_when_reloads_stop() {
-        let dir = std::env::temp_dir().join(format!("snowgate-stopped-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("a directory");
-        let path = dir.join("plugin.wasm");
-        std::fs::write(&path, snowgate_plugin_bundle::PLUGIN_WASM).expect("the plugin");
-        let (engine, _) = bundled_with_machine_id_3();
-        let metrics = Arc::new(Metrics::default());
-        let slot = Arc::new(
-            PluginSlot::load(engine, Some(path), Vec::new(), metrics.clone()).expect("loads"),
-        );
+        let (dir, slot, metrics) = slot_from_a_file("stopped");
         // A reload under way, for as long as this test holds its lock.
         let running = slot.reloading.lock().await;
         let mut waiting = slot.ask_for_reload();

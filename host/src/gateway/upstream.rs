@@ -172,14 +172,10 @@ impl Upstream {
     /// upstream is not bounded.
     pub fn bounded(self, max: usize) -> Upstream {
         match self {
-            Upstream::Http(http) => Upstream::Http(Arc::new(HttpUpstream {
-                base: http.base.clone(),
-                host: http.host.clone(),
-                timeouts: http.timeouts,
-                metrics: http.metrics.clone(),
-                pool: connection_pool(&http.base, http.timeouts),
-                turns: Some(UpstreamTurns::new(max, &http.metrics)),
-            })),
+            Upstream::Http(http) => {
+                let turns = UpstreamTurns::new(max, &http.metrics);
+                Upstream::Http(Arc::new(http.with_new_pool(Some(turns))))
+            }
             Upstream::Echo => Upstream::Echo,
         }
     }
@@ -187,16 +183,12 @@ impl Upstream {
     /// The same upstream with a connection pool of its own, for one worker
     /// thread: a pooled connection is driven by the thread that opened it,
     /// so sharing a pool between threads would hand requests across them.
+    /// The bound on requests in flight, if any, is shared.
     pub fn with_own_pool(&self) -> Upstream {
         match self {
-            Upstream::Http(http) => Upstream::Http(Arc::new(HttpUpstream {
-                base: http.base.clone(),
-                host: http.host.clone(),
-                timeouts: http.timeouts,
-                metrics: http.metrics.clone(),
-                pool: connection_pool(&http.base, http.timeouts),
-                turns: http.turns.clone(),
-            })),
+            Upstream::Http(http) => {
+                Upstream::Http(Arc::new(http.with_new_pool(http.turns.clone())))
+            }
             Upstream::Echo => Upstream::Echo,
         }
     }
@@ -272,6 +264,18 @@ where
 }
 
 impl HttpUpstream {
+    /// The same upstream with a new, empty connection pool and `turns`.
+    fn with_new_pool(&self, turns: Option<Arc<UpstreamTurns>>) -> HttpUpstream {
+        HttpUpstream {
+            base: self.base.clone(),
+            host: self.host.clone(),
+            timeouts: self.timeouts,
+            metrics: self.metrics.clone(),
+            pool: connection_pool(&self.base, self.timeouts),
+            turns,
+        }
+    }
+
     async fn forward(&self, request: Request<UpstreamBody>) -> Response<UpstreamBody> {
         let (mut parts, body) = request.into_parts();
         // Origin form: the connection is to the upstream itself.
