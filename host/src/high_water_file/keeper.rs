@@ -489,8 +489,10 @@ impl Shared {
                         "{e:#}; this gateway stops stamping: restart it with a --machine-id and \
                          --high-water-file of its own"
                     );
-                    tracing::error!("{reason}");
+                    // Withdrawn before it is said: whoever reads the log
+                    // line finds no id made after it.
                     identity.withdraw(reason.clone());
+                    tracing::error!("{reason}");
                     *self.status.last_error() = Some(reason);
                     self.status.failures.fetch_add(1, Ordering::Relaxed);
                     return;
