@@ -3983,6 +3983,9 @@ async fn stop_with_a_stuck_request(grace: &str, second: Option<&str>) -> String 
     gateway.signal("TERM");
     if let Some(second) = second {
         // The same stop twice, as `timeout` sends it: the drain goes on.
+        // Sent once the first is seen: a signal sent while the same one is
+        // still pending is merged with it by the kernel.
+        gateway.wait_log("SIGTERM: shutting down").await;
         gateway.signal("TERM");
         gateway
             .wait_log("a further SIGTERM or SIGINT stops at once")
