@@ -2703,6 +2703,89 @@ async fn requests_beyond_max_upstream_requests_wait_their_turn_or_get_503() {
         .await;
 }
 
+/// An HTTP/1 client that goes away while its request waits for a turn to
+/// the upstream (`--max-upstream-requests`) gives its place up at once: its
+/// body streams through, so nothing reads the connection while it waits,
+/// and the gateway watches the socket for the hang-up. The request is
+/// counted as abandoned, logged as 499 and never reaches the upstream;
+/// without the watch it would wait out the two-minute connect timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_gone_while_waiting_for_an_upstream_turn_leaves_the_line() {
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start_logging(
+        &[
+            "--upstream",
+            &upstream.url(),
+            "--max-upstream-requests",
+            "1",
+            "--upstream-connect-timeout-ms",
+            "120000",
+        ],
+        "info,snowgate::access=debug",
+    )
+    .await;
+    let held = tokio::spawn(post_json(
+        gateway.addr,
+        "/hold/v1/completions",
+        CONTEXT_ONLY,
+    ));
+    bounded(
+        "the held request to reach the upstream",
+        STEP,
+        upstream.state.held.notified(),
+    )
+    .await;
+
+    // Not JSON, so not read for the plugin: it streams through once its
+    // turn comes. hyper reads ahead one piece of a body nobody reads yet,
+    // and watches a connection itself once the whole body is read; a body
+    // larger than that piece is what leaves the client unwatched. The part
+    // sent fits the socket buffers, so the client's close is not queued
+    // behind unsent bytes.
+    let mut waiting = TcpStream::connect(gateway.addr).await.expect("connect");
+    waiting
+        .write_all(
+            b"POST /v1/upload HTTP/1.1\r\nHost: gw\r\nContent-Type: text/plain\r\n\
+              Content-Length: 4194304\r\n\r\n",
+        )
+        .await
+        .expect("the head");
+    waiting
+        .write_all(&vec![b'x'; 64 << 10])
+        .await
+        .expect("part of the body");
+    gateway
+        .wait_metric("snowgate_upstream_requests_waiting", 1.0)
+        .await;
+    drop(waiting);
+    gateway
+        .wait_metric("snowgate_upstream_requests_waiting", 0.0)
+        .await;
+    gateway
+        .wait_log_until("a 499 line for the request that waited", |log| {
+            log.lines()
+                .any(|l| l.contains("path=\"/v1/upload\"") && l.contains("status=499"))
+        })
+        .await;
+    let metrics = gateway
+        .wait_metric(r#"snowgate_requests_total{outcome="abandoned"}"#, 1.0)
+        .await;
+    assert_eq!(
+        metric(&metrics, "snowgate_upstream_requests_in_flight"),
+        1.0,
+        "the held request keeps its turn: {metrics}"
+    );
+    assert_eq!(metric(&metrics, "snowgate_upstream_busy_total"), 0.0);
+
+    upstream.state.release.notify_one();
+    let held = bounded("the held request", STEP, held)
+        .await
+        .expect("joined");
+    assert_eq!(held.status, StatusCode::OK, "{}", held.text());
+    let seen = upstream.seen();
+    assert_eq!(seen.len(), 1, "only the held request: {seen:#?}");
+}
+
 /// An upstream whose connection fails within a response body (a worker
 /// that crashed mid-stream): the client sees the response end short, and
 /// the gateway logs it as a warning naming the path and counts it as a

@@ -53,7 +53,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::gateway::client_gone::ClientSocket;
+use crate::gateway::client_gone::{self, ClientSocket};
 use crate::gateway::queued::Queued;
 
 /// Room is counted in units of this many bytes.
@@ -312,13 +312,7 @@ impl BodyMemory {
                 };
                 let _in_line = Queued::join(&self.waiting);
                 let acquire = self.units.clone().acquire_many_owned(units);
-                let socket = connection.as_ref().and_then(|c| c.socket);
-                let gone = async move {
-                    match socket {
-                        Some(socket) => socket.gone().await,
-                        None => std::future::pending().await,
-                    }
-                };
+                let gone = client_gone::gone(connection.as_ref().and_then(|c| c.socket));
                 tokio::select! {
                     acquired = tokio::time::timeout(self.wait, acquire) => match acquired {
                         Ok(Ok(permit)) => permit,

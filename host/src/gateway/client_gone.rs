@@ -18,6 +18,12 @@
 
 use std::os::fd::RawFd;
 
+use bytes::Bytes;
+use http::{Response, StatusCode};
+use http_body_util::Full;
+
+use crate::gateway::responses;
+
 /// Marks the answer to a request whose client went away while it waited:
 /// nobody is meant to read it, so the server counts no response for it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,6 +63,32 @@ impl ClientSocket {
         }
         std::future::pending::<()>().await
     }
+}
+
+/// Resolves once the client of `socket` has gone; with no socket to watch
+/// (an HTTP/2 request, or one from a server that tells of none), never.
+pub async fn gone(socket: Option<ClientSocket>) {
+    match socket {
+        Some(socket) => socket.gone().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// The answer to a request whose client went away while it waited for
+/// `waited_for`: nobody is meant to read it (a client that only shut down
+/// its sending side could); it ends the connection, and the server counts
+/// it as no answer.
+pub fn answer(waited_for: &str) -> Response<Full<Bytes>> {
+    let mut response = responses::closing_error(
+        StatusCode::BAD_REQUEST,
+        "client_gone",
+        &format!(
+            "the client closed its connection, or shut down its sending side, while its \
+             request waited for {waited_for}"
+        ),
+    );
+    response.extensions_mut().insert(ClientGone);
+    response
 }
 
 #[cfg(target_os = "linux")]

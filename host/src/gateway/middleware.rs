@@ -64,7 +64,7 @@ use crate::gateway::body_limit::{BodyTooLarge, Capped};
 use crate::gateway::body_memory::{self, BodyMemory, NoRoom, Unreserved};
 use crate::gateway::body_pace::{keeping_pace, pace_kib_per_sec, paced_length, TooSlow};
 use crate::gateway::client_body::{BodyProgress, BoxError, ClientFault};
-use crate::gateway::client_gone::ClientGone;
+use crate::gateway::client_gone::{self, ClientGone};
 use crate::gateway::config::{ConnectionLimits, FailurePolicy};
 use crate::gateway::header_order::remove_in_order;
 use crate::gateway::metrics::{Metrics, Outcome};
@@ -292,6 +292,11 @@ impl Shared {
                 Some(_) => verdict.fallback = Outcome::ClientError,
                 None => {}
             }
+            // It went away while its request waited for a turn to the
+            // upstream.
+            if response.extensions().get::<ClientGone>().is_some() {
+                verdict.fallback = Outcome::Abandoned;
+            }
             return Ok(response.map(Either::Right));
         }
         // Neither the plugin nor the server behind it (vLLM, TensorRT-LLM)
@@ -337,14 +342,7 @@ impl Shared {
             // the server counts it as no answer.
             Err(Unreserved::ClientGone) => {
                 verdict.count(Outcome::Abandoned);
-                let mut response = responses::closing_error(
-                    StatusCode::BAD_REQUEST,
-                    "client_gone",
-                    "the client closed its connection, or shut down its sending side, while its \
-                     request waited for room in the gateway's body memory",
-                );
-                response.extensions_mut().insert(ClientGone);
-                return own(response);
+                return own(client_gone::answer("room in the gateway's body memory"));
             }
         };
         // Read whole, the body's waits are the client's, over HTTP/2 too.

@@ -21,6 +21,7 @@ use tower_service::Service;
 
 use crate::gateway::body_limit::BodyTooLarge;
 use crate::gateway::client_body::{BodyProgress, ClientFault};
+use crate::gateway::client_gone;
 use crate::gateway::config::without_credentials;
 use crate::gateway::config::UpstreamTimeouts;
 use crate::gateway::dot_segments;
@@ -318,9 +319,24 @@ impl HttpUpstream {
         // Held until the response body has ended or gone.
         let turn = match &self.turns {
             None => None,
-            Some(turns) => match turns.take(self.timeouts.connect).await {
-                Some(turn) => Some(turn),
-                None => return self.busy(turns),
+            // An HTTP/1 client's socket is watched while the request
+            // waits: a request whose body streams through has not had its
+            // body read yet, so hyper would not see the client go, and the
+            // request would keep its place until the wait ran out.
+            Some(turns) => tokio::select! {
+                // A free turn is taken without setting up the watch.
+                biased;
+                turn = turns.take(self.timeouts.connect) => match turn {
+                    Some(turn) => Some(turn),
+                    None => return self.busy(turns),
+                },
+                () = client_gone::gone(
+                    progress.as_ref().and_then(|p| p.connection()).and_then(|c| c.socket),
+                ) => {
+                    return own(client_gone::answer(
+                        "a turn to the upstream (--max-upstream-requests)",
+                    ));
+                }
             },
         };
         // Connecting and sending the request body count too: the timeout is
