@@ -186,7 +186,13 @@ impl Etcd {
 
     /// Waits (at most a few TTLs) until machine id `id` is free.
     async fn wait_free(&self, id: u32) {
-        let deadline = Instant::now() + Duration::from_secs(TTL_SECS * 4);
+        self.wait_free_within(id, Duration::from_secs(TTL_SECS * 4))
+            .await
+    }
+
+    /// Waits until slot `id` is free, for at most `bound`.
+    async fn wait_free_within(&self, id: u32, bound: Duration) {
+        let deadline = Instant::now() + bound;
         while self.claimed().await.contains(&id) {
             assert!(
                 Instant::now() < deadline,
@@ -415,24 +421,49 @@ async fn replicas_started_at_once_get_distinct_ids_and_never_share_a_request_id(
 async fn a_killed_replicas_slot_is_free_after_the_ttl_and_a_stopped_ones_at_once() {
     let Some(binary) = etcd_binary() else { return };
     let etcd = Etcd::start(binary).await;
-    let first = replica(&etcd, &[]).await;
+    // A lease long enough that the second replica's start, seconds in a
+    // debug build on a busy machine, ends well inside it: once the lease
+    // runs out, the second could rightly take slot 0.
+    const FIRST_TTL: Duration = Duration::from_secs(12);
+    let first_ttl = FIRST_TTL.as_secs().to_string();
+    let url = etcd.url();
+    let first = Gateway::start(&["--etcd", &url, "--machine-id-ttl", &first_ttl]).await;
     assert_eq!(leased_id(&first).await, 0);
 
     first.signal("KILL");
     first.wait_exit(STEP).await;
     let killed_at = Instant::now();
-    // The lease outlives the process until its TTL: a new replica must not
-    // take slot 0 meanwhile.
+    // The lease outlives the process until its TTL: slot 0 stays claimed,
+    // and a new replica must not take it meanwhile.
+    assert!(
+        etcd.claimed().await.contains(&0),
+        "slot 0 was freed when its holder was killed, before its TTL"
+    );
     let second = replica(&etcd, &[]).await;
-    let second_id = leased_id(&second).await;
-    if killed_at.elapsed() < Duration::from_secs(TTL_SECS) {
-        assert_eq!(
-            second_id, 1,
-            "slot 0 was taken while its lease could still be alive"
+    // Its claim comes long before its lease is in use (it waits out a
+    // never-held slot's floor): seen in etcd beside slot 0's, the claim was
+    // made while slot 0's lease could still be alive.
+    let deadline = Instant::now() + STEP;
+    let claims = loop {
+        let claims = etcd.claimed().await;
+        if claims.len() > 1 || !claims.contains(&0) {
+            break claims;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the second replica claimed no slot; claimed: {claims:?}"
         );
-    }
-    etcd.wait_free(0).await;
-    assert!(killed_at.elapsed() >= Duration::from_secs(TTL_SECS) - Duration::from_millis(500));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(
+        claims,
+        HashSet::from([0, 1]),
+        "the second replica's claim, {:?} after the kill (the killed one's TTL is {FIRST_TTL:?})",
+        killed_at.elapsed()
+    );
+    assert_eq!(leased_id(&second).await, 1);
+    etcd.wait_free_within(0, FIRST_TTL * 2).await;
+    assert!(killed_at.elapsed() >= FIRST_TTL - Duration::from_millis(500));
     let third = replica(&etcd, &[]).await;
     assert_eq!(
         leased_id(&third).await,
