@@ -7,13 +7,13 @@
 mod support;
 
 use std::net::SocketAddr;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use snowgate_host::gateway::admin::MAX_ADMIN_CONNECTIONS;
 use support::{
-    bounded, connect_many, get, held_request, metric, post_json, read_raw_response, Gateway,
-    TestUpstream, CONTEXT_ONLY, STEP,
+    bounded, connect_many, get, held_request, metric, post_json, read_raw_response, run_bounded,
+    Gateway, TestUpstream, CONTEXT_ONLY, STEP,
 };
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
@@ -464,8 +464,10 @@ async fn a_stopping_gateway_sends_the_last_bytes_of_a_response_to_a_slow_http2_r
         "the answer ends within the third piece: {declared} bytes"
     );
     gateway.signal("TERM");
-    // The time under test: the client reads nothing for longer than a
-    // stopping gateway keeps a connection with nothing in flight (1 s).
+    // The time under test, from the stop's start: the client reads nothing
+    // for longer than a stopping gateway keeps a connection with nothing
+    // in flight (1 s).
+    gateway.wait_log("SIGTERM: shutting down").await;
     tokio::time::sleep(Duration::from_millis(2500)).await;
     let body = bounded(
         "the rest of the body",
@@ -1186,7 +1188,8 @@ async fn the_admin_listener_holds_no_more_connections_open_than_its_cap() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn an_admin_listener_off_loopback_refuses_to_start_without_a_token() {
-    let output = Command::new(env!("CARGO_BIN_EXE_snowgate"))
+    let mut command = Command::new(env!("CARGO_BIN_EXE_snowgate"));
+    command
         .args([
             "serve",
             "--listen",
@@ -1196,10 +1199,9 @@ async fn an_admin_listener_off_loopback_refuses_to_start_without_a_token() {
             "--machine-id",
             "1",
         ])
-        .env_remove("SNOWGATE_ADMIN_TOKEN")
-        .stdin(Stdio::null())
-        .output()
-        .expect("run snowgate");
+        .env_remove("SNOWGATE_ADMIN_TOKEN");
+    // One that starts instead is killed, and fails the test.
+    let output = run_bounded(command, b"", STEP);
     assert!(!output.status.success(), "it must not start");
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(

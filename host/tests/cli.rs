@@ -779,23 +779,53 @@ fn serve_fits_a_limited_address_space_with_fewer_plugin_instances() {
     while_serving(child, |_| ());
 }
 
-/// Waits for the ready line of `child` (a `serve` with piped stdout and
-/// stderr), runs `look` on its pid while it serves, then stops it; what
-/// `look` saw, and the gateway's output. Fails the test, with the
-/// gateway's stderr, if it stopped before it was ready.
+/// Waits (at most [`COMMAND_BOUND`]) for the ready line of `child` (a
+/// `serve` with piped stdout and stderr), runs `look` on its pid while it
+/// serves, then stops it; what `look` saw, and the gateway's output. Fails
+/// the test, with the gateway's stderr, if it stopped before it was ready
+/// or was not ready in time. The gateway is killed however the test ends.
 fn while_serving<T>(mut child: std::process::Child, look: impl FnOnce(u32) -> T) -> (T, Output) {
     use std::io::{BufRead, BufReader};
-    let mut ready = String::new();
-    // Its ready line, or end of file if it stopped.
-    let read = BufReader::new(child.stdout.take().expect("piped stdout")).read_line(&mut ready);
-    let seen = look(child.id());
+    /// Kills the gateway should the test fail while it serves.
+    struct Serving(Option<std::process::Child>);
+    impl Drop for Serving {
+        fn drop(&mut self) {
+            if let Some(child) = &mut self.0 {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+    }
+    let stdout = child.stdout.take().expect("piped stdout");
+    let mut serving = Serving(Some(child));
+    // Its ready line, or end of file if it stopped; read on a thread of its
+    // own, so that a gateway that neither serves nor stops is not waited
+    // for without end.
+    let (line, read) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut ready = String::new();
+        let _ = BufReader::new(stdout).read_line(&mut ready);
+        let _ = line.send(ready);
+    });
+    let ready = read.recv_timeout(COMMAND_BOUND).ok();
+    let serves = ready
+        .as_deref()
+        .is_some_and(|line| line.starts_with("snowgate listening on "));
+    let mut child = serving.0.take().expect("the gateway");
+    if !serves {
+        let _ = child.kill();
+        let output = child.wait_with_output().expect("waiting for snowgate");
+        panic!(
+            "no ready line within {COMMAND_BOUND:?} ({ready:?}); stderr: {}",
+            text(&output.stderr)
+        );
+    }
+    let pid = child.id();
+    serving.0 = Some(child);
+    let seen = look(pid);
+    let mut child = serving.0.take().expect("the gateway");
     let _ = child.kill();
     let output = child.wait_with_output().expect("waiting for snowgate");
-    assert!(
-        read.is_ok() && ready.starts_with("snowgate listening on "),
-        "no ready line ({ready:?}); stderr: {}",
-        text(&output.stderr)
-    );
     (seen, output)
 }
 

@@ -26,16 +26,12 @@ const STEP_BACK_AFTER_A_STOP: &str = "-7s";
 /// The same after a crash, whose mark is up to 2 s further ahead.
 const STEP_BACK_AFTER_A_CRASH: &str = "-5s";
 
-/// A directory of the test's own, empty, and the high-water file's path in
-/// it.
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!(
-        "snowgate-high-water-test-{name}-{}",
-        std::process::id()
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("a temporary directory");
-    dir.join("ids.mark")
+/// A directory of the test's own, empty and removed when dropped, and the
+/// high-water file's path in it.
+fn scratch(name: &str) -> (support::TempDir, PathBuf) {
+    let dir = support::TempDir::new(&format!("high-water-{name}"));
+    let file = dir.path().join("ids.mark");
+    (dir, file)
 }
 
 /// libfaketime's library, when installed.
@@ -118,11 +114,10 @@ fn now_millis() -> u64 {
 /// `snowgate serve` with `args` that must fail to start: its status and
 /// stderr.
 fn failed_start(args: &[&str]) -> (Option<i32>, String) {
-    let output = std::process::Command::new(env!("CARGO_BIN_EXE_snowgate"))
-        .args(support::SERVE_ON_LOOPBACK)
-        .args(args)
-        .output()
-        .expect("the snowgate binary runs");
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_snowgate"));
+    command.args(support::SERVE_ON_LOOPBACK).args(args);
+    // One that starts instead is killed, and fails the test.
+    let output = support::run_bounded(command, b"", STEP);
     (
         output.status.code(),
         String::from_utf8_lossy(&output.stderr).into_owned(),
@@ -136,7 +131,7 @@ fn failed_start(args: &[&str]) -> (Option<i32>, String) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_stop_and_a_step_back_ids_continue_after_the_last() {
     let Some(library) = faketime() else { return };
-    let file = scratch("step-back");
+    let (_dir, file) = scratch("step-back");
     let file_arg = file.to_str().expect("a UTF-8 path");
 
     let first = Gateway::start(&["--high-water-file", file_arg]).await;
@@ -188,7 +183,7 @@ async fn after_a_stop_and_a_step_back_ids_continue_after_the_last() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_crash_ids_continue_after_the_mark_kept_ahead() {
     let Some(library) = faketime() else { return };
-    let file = scratch("crash");
+    let (_dir, file) = scratch("crash");
     let file_arg = file.to_str().expect("a UTF-8 path");
 
     let first = Gateway::start(&["--high-water-file", file_arg]).await;
@@ -233,7 +228,7 @@ async fn after_a_crash_ids_continue_after_the_mark_kept_ahead() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_start_waits_for_a_mark_beyond_the_id_clocks_lead() {
     let Some(library) = faketime() else { return };
-    let file = scratch("far-ahead");
+    let (_dir, file) = scratch("far-ahead");
     let file_arg = file.to_str().expect("a UTF-8 path");
     let ahead = faked_clock(&library, "+12s");
     let first = Gateway::start_with_env(&["--high-water-file", file_arg], &env_of(&ahead)).await;
@@ -265,7 +260,7 @@ async fn a_start_waits_for_a_mark_beyond_the_id_clocks_lead() {
 /// raising it: the next request is stamped, not refused at the old mark.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_gateway_keeps_its_mark_ahead_of_the_clock() {
-    let file = scratch("idle");
+    let (_dir, file) = scratch("idle");
     let gateway = Gateway::start(&["--high-water-file", file.to_str().expect("UTF-8")]).await;
     let first_mark = gateway.status().await["high_water_file"]["mark"]
         .as_u64()
@@ -339,7 +334,7 @@ impl FaultyDisk {
 /// root (`dm-delay`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_disk_slow_to_sync_lengthens_the_lead_instead_of_refusing_ids() {
-    let file = scratch("slow-disk");
+    let (_dir, file) = scratch("slow-disk");
     let Some(disk) = FaultyDisk::in_dir(file.parent().expect("a directory")) else {
         return;
     };
@@ -430,7 +425,7 @@ async fn stamp_until_refused(gateway: &Gateway) -> (Vec<u64>, support::Reply) {
 /// failing a real device needs root (`dm-flakey`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_disk_that_fails_mid_serve_stops_ids_at_the_mark_until_it_recovers() {
-    let file = scratch("failing-disk");
+    let (_dir, file) = scratch("failing-disk");
     let dir = file.parent().expect("a directory");
     let Some(disk) = FaultyDisk::in_dir(dir) else {
         return;
@@ -553,7 +548,7 @@ async fn a_disk_that_fails_mid_serve_stops_ids_at_the_mark_until_it_recovers() {
 /// the file watch reloads it without being asked.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reload_while_ids_stop_at_the_mark_waits_until_they_resume() {
-    let file = scratch("reload-at-the-mark");
+    let (_dir, file) = scratch("reload-at-the-mark");
     let dir = file.parent().expect("a directory");
     let Some(disk) = FaultyDisk::in_dir(dir) else {
         return;
@@ -674,7 +669,7 @@ fn rewritten_id(output: &std::process::Output) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rewrite_runs_on_a_high_water_file_continue_after_its_mark() {
     let Some(library) = faketime() else { return };
-    let file = scratch("rewrite");
+    let (_dir, file) = scratch("rewrite");
     let file_arg = file.to_str().expect("a UTF-8 path");
     let with_file = ["--high-water-file", file_arg];
 
@@ -727,7 +722,7 @@ async fn rewrite_runs_on_a_high_water_file_continue_after_its_mark() {
 /// whose ids it could not record, and needs the system clock.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rewrite_writes_no_body_its_high_water_file_did_not_record() {
-    let file = scratch("rewrite-refused");
+    let (_dir, file) = scratch("rewrite-refused");
     let dir = file.parent().expect("a directory");
     let file_arg = file.to_str().expect("a UTF-8 path");
     let with_file = ["--high-water-file", file_arg];
@@ -790,7 +785,7 @@ async fn rewrite_writes_no_body_its_high_water_file_did_not_record() {
 /// start, naming the file, while the first serves on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_gateway_on_the_same_file_is_refused() {
-    let file = scratch("locked");
+    let (_dir, file) = scratch("locked");
     let file_arg = file.to_str().expect("a UTF-8 path");
     let first = Gateway::start(&["--high-water-file", file_arg]).await;
     let (status, stderr) = failed_start(&["--machine-id", "8", "--high-water-file", file_arg]);
@@ -811,7 +806,7 @@ async fn a_second_gateway_on_the_same_file_is_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gateway_whose_file_another_took_stops_stamping() {
     use std::os::fd::AsRawFd as _;
-    let file = scratch("taken");
+    let (_dir, file) = scratch("taken");
     let file_arg = file.to_str().expect("a UTF-8 path");
     let first = Gateway::start(&["--high-water-file", file_arg]).await;
     stamp(&first, 1).await;
@@ -848,7 +843,7 @@ async fn a_gateway_whose_file_another_took_stops_stamping() {
 /// the start says whose history it holds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_file_of_another_machine_id_is_used_and_named_at_start() {
-    let file = scratch("another-id");
+    let (_dir, file) = scratch("another-id");
     let file_arg = file.to_str().expect("a UTF-8 path");
     let first = Gateway::start(&["--high-water-file", file_arg]).await;
     let before = stamp(&first, 5).await;
@@ -891,7 +886,7 @@ async fn a_file_of_another_machine_id_is_used_and_named_at_start() {
 /// a message that says so; so does the flag beside --etcd.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_file_that_does_not_read_stops_the_start_saying_why() {
-    let file = scratch("damaged");
+    let (_dir, file) = scratch("damaged");
     let file_arg = file.to_str().expect("a UTF-8 path");
     std::fs::write(&file, "not a mark\n").expect("written");
     let (status, stderr) = failed_start(&["--machine-id", "7", "--high-water-file", file_arg]);

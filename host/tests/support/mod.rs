@@ -320,13 +320,28 @@ impl Gateway {
         self.pid
     }
 
-    /// Sends a signal (`TERM`, `INT`, `HUP`, ...) with `kill`.
+    /// Sends a signal (`TERM`, `INT`, `HUP`, `KILL`, `STOP`, `CONT`), at
+    /// once: through `kill(2)`, not a `kill` process, whose start could
+    /// take longer than a test's window between two signals.
     pub fn signal(&self, signal: &str) {
-        let status = Command::new("kill")
-            .args([format!("-{signal}"), self.pid.to_string()])
-            .status()
-            .expect("running kill");
-        assert!(status.success(), "kill -{signal} {} failed", self.pid);
+        let number = match signal {
+            "TERM" => libc::SIGTERM,
+            "INT" => libc::SIGINT,
+            "HUP" => libc::SIGHUP,
+            "KILL" => libc::SIGKILL,
+            "STOP" => libc::SIGSTOP,
+            "CONT" => libc::SIGCONT,
+            other => panic!("no signal named {other} here"),
+        };
+        // SAFETY: kill only sends a signal.
+        let sent = unsafe { libc::kill(self.pid as libc::pid_t, number) };
+        assert_eq!(
+            sent,
+            0,
+            "kill -{signal} {}: {}",
+            self.pid,
+            std::io::Error::last_os_error()
+        );
     }
 
     /// Stops it as an operator does (SIGTERM) and checks that it exits
