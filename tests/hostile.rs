@@ -258,14 +258,14 @@ fn a_sleep_within_the_deadline_sleeps_and_the_call_goes_on() {
 
 #[test]
 fn one_deadline_covers_a_fresh_instances_configure_and_first_call() {
-    // With `hostile-configure=nap`, configure sleeps 200 ms; a `nap`
-    // request sleeps 200 ms more. 400 ms of waits do not fit a 300 ms
+    // With `hostile-configure=nap`, configure sleeps 1000 ms; a `nap`
+    // request sleeps 1000 ms more. 2000 ms of waits do not fit a 1500 ms
     // deadline when it covers both (as it must); they would if the first
     // call got a deadline of its own. The load's check, configure and one
-    // small call, has 100 ms to spare on a busy machine.
+    // small call, has 500 ms to spare on a busy machine.
     let settings = [
         ("hostile-configure".to_string(), "nap".to_string()),
-        ("hostile-nap-ms".to_string(), "200".to_string()),
+        ("hostile-nap-ms".to_string(), "1000".to_string()),
     ];
     let plugin = |deadline| {
         Plugin::load(
@@ -278,7 +278,7 @@ fn one_deadline_covers_a_fresh_instances_configure_and_first_call() {
         )
         .unwrap_or_else(|e| panic!("loading the hostile fixture: {e:#}"))
     };
-    let tight = Duration::from_millis(300);
+    let tight = Duration::from_millis(1500);
     let (answer, _) = misbehave_async(&plugin(tight), "nap");
     match answer {
         Err(error) => assert_eq!(error, CallError::Deadline(tight)),

@@ -3980,6 +3980,7 @@ async fn a_client_gone_while_the_upstream_works_is_logged_as_499_and_cancelled_u
     let response = sender.send_request(request);
     let abandoned = tokio::spawn(response);
     waited("the HTTP/2 request to reach the upstream").await;
+    let closed_before = closed();
     abandoned.abort();
     gateway
         .wait_log_until("a 499 line for the HTTP/2 request", |log| {
@@ -3987,6 +3988,16 @@ async fn a_client_gone_while_the_upstream_works_is_logged_as_499_and_cancelled_u
                 .any(|l| l.contains("path=\"/hold/h2\"") && l.contains("status=499"))
         })
         .await;
+    bounded(
+        "the HTTP/2 request's upstream connection to close",
+        STEP,
+        async {
+            while closed() == closed_before {
+                upstream.state.closed_one.notified().await;
+            }
+        },
+    )
+    .await;
     let request = http::Request::get(format!("http://{}/v1/models", gateway.addr))
         .body(Full::default())
         .expect("a request");
@@ -4519,7 +4530,10 @@ async fn metrics_show_connections_and_plugin_calls_in_use() {
     config.connections.max_connections = 64;
     config.plugin_limits.max_instances = 3;
     config.plugin_limits.calls_per_instance = 1;
-    config.plugin_limits.deadline = Duration::from_millis(1500);
+    // The state waited for below lasts from the third request's arrival
+    // until the first two calls reach their deadline: seconds, for a busy
+    // machine to queue the third and show it.
+    config.plugin_limits.deadline = Duration::from_secs(5);
     let LibraryServing {
         addr,
         admin,

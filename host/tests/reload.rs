@@ -1233,15 +1233,16 @@ fn a_build_whose_ids_are_not_its_ticks_is_refused_under_traffic() {
         identity: Arc::new(MachineIdentity::fixed(SnowflakeLayout::TrtllmV1, 1).unwrap()),
     };
     let engine = PluginEngine::new(services, PluginLimits::default()).expect("an engine");
-    // Other requests' ticks, one at a time, until the checks are over.
+    // Other requests' ticks, one at a time, until the checks are over,
+    // counted so that each check is seen to run under them.
     let checks_over = Arc::new(AtomicBool::new(false));
+    let taken = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let traffic = std::thread::spawn({
-        let (clock, over) = (clock.clone(), checks_over.clone());
+        let (clock, over, taken) = (clock.clone(), checks_over.clone(), taken.clone());
         move || {
-            let mut taken = 0u64;
             while !over.load(Ordering::Relaxed) {
                 let tick = clock.next_tick(4096).expect("a tick");
-                taken += 1;
+                taken.fetch_add(1, Ordering::Relaxed);
                 // Paced to the wall clock: a lead past 9 s would refuse
                 // ticks, the checks' too.
                 let now = std::time::SystemTime::now()
@@ -1252,9 +1253,22 @@ fn a_build_whose_ids_are_not_its_ticks_is_refused_under_traffic() {
                     std::thread::sleep(Duration::from_millis(1));
                 }
             }
-            taken
         }
     });
+    let started = std::time::Instant::now();
+    while taken.load(Ordering::Relaxed) == 0 {
+        assert!(started.elapsed() < STEP, "the traffic never began");
+        std::thread::yield_now();
+    }
+    // Asserts that the traffic went on while `check` ran.
+    let under_traffic = |what: &str, check: &mut dyn FnMut()| {
+        let before = taken.load(Ordering::Relaxed);
+        check();
+        assert!(
+            taken.load(Ordering::Relaxed) > before,
+            "{what}: no traffic ran during the check"
+        );
+    };
     for (ids, says) in [
         ("own-clock", "took no tick of the host's id clock"),
         (
@@ -1262,17 +1276,21 @@ fn a_build_whose_ids_are_not_its_ticks_is_refused_under_traffic() {
             "is not a tick the host's id clock gave the call",
         ),
     ] {
-        let settings = [("hostile-ids".to_string(), ids.to_string())];
-        let error =
-            load_checked(&engine, snowgate_test_fixtures::HOSTILE_WASM, &settings).expect_err(ids);
-        let error = format!("{error:#}");
-        assert!(
-            error.contains(says) && error.contains("could repeat"),
-            "{ids}: {error}"
-        );
+        under_traffic(ids, &mut || {
+            let settings = [("hostile-ids".to_string(), ids.to_string())];
+            let error = load_checked(&engine, snowgate_test_fixtures::HOSTILE_WASM, &settings)
+                .expect_err(ids);
+            let error = format!("{error:#}");
+            assert!(
+                error.contains(says) && error.contains("could repeat"),
+                "{ids}: {error}"
+            );
+        });
     }
-    load_checked(&engine, snowgate_plugin_bundle::PLUGIN_WASM, &[]).expect("the bundled plugin");
+    under_traffic("the bundled plugin", &mut || {
+        load_checked(&engine, snowgate_plugin_bundle::PLUGIN_WASM, &[])
+            .expect("the bundled plugin");
+    });
     checks_over.store(true, Ordering::Relaxed);
-    let taken = traffic.join().expect("the traffic thread");
-    assert!(taken > 0, "no traffic ran");
+    traffic.join().expect("the traffic thread");
 }
