@@ -1745,22 +1745,36 @@ async fn refuses_a_path_that_climbs_out_of_the_upstream_base_path() {
 /// A request body sent with a transfer coding other than chunked (`gzip,
 /// chunked`, which hyper reads as chunked) gets 501, as RFC 9112 asks, and
 /// nothing goes upstream: forwarded, it would reach the upstream gzipped
-/// and unlabelled. `Chunked` in any case is read as usual.
+/// and unlabelled. So does one chunked twice, in one line or two: hyper
+/// takes one layer off, and the other would go on as the body. `Chunked`
+/// in any case is read as usual.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refuses_a_transfer_coding_other_than_chunked_with_501() {
     let upstream = TestUpstream::start().await;
     let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
-    for content_type in ["text/plain", "application/json"] {
-        let request = format!(
-            "POST /upload HTTP/1.1\r\nHost: gw\r\nContent-Type: {content_type}\r\n\
-             Transfer-Encoding: gzip, chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n"
-        );
-        let raw = raw_exchange(gateway.addr, request.as_bytes()).await;
-        assert_eq!(raw.status, 501, "{:?}", String::from_utf8_lossy(&raw.body));
-        let message =
-            assert_openai_error(&raw.json(), "unsupported_transfer_encoding", "server_error");
-        assert!(message.contains("gzip, chunked"), "{message}");
-        assert_eq!(raw.header("connection"), Some("close"));
+    // `abc` chunked (13 bytes), chunked again.
+    let twice = "d\r\n3\r\nabc\r\n0\r\n\r\n\r\n0\r\n\r\n";
+    for (coding, body, named) in [
+        ("gzip, chunked", "3\r\nabc\r\n0\r\n\r\n", "gzip, chunked"),
+        ("chunked, chunked", twice, "chunked, chunked"),
+        (
+            "chunked\r\nTransfer-Encoding: chunked",
+            twice,
+            "chunked, chunked",
+        ),
+    ] {
+        for content_type in ["text/plain", "application/json"] {
+            let request = format!(
+                "POST /upload HTTP/1.1\r\nHost: gw\r\nContent-Type: {content_type}\r\n\
+                 Transfer-Encoding: {coding}\r\n\r\n{body}"
+            );
+            let raw = raw_exchange(gateway.addr, request.as_bytes()).await;
+            assert_eq!(raw.status, 501, "{:?}", String::from_utf8_lossy(&raw.body));
+            let message =
+                assert_openai_error(&raw.json(), "unsupported_transfer_encoding", "server_error");
+            assert!(message.contains(named), "{message}");
+            assert_eq!(raw.header("connection"), Some("close"));
+        }
     }
     assert!(upstream.seen().is_empty(), "nothing went upstream");
     let raw = raw_exchange(
@@ -2926,20 +2940,31 @@ async fn an_upstream_response_head_over_64_kib_is_a_502() {
 
 /// An upstream response in a transfer coding other than chunked (`gzip,
 /// chunked`) is a 502: hyper takes it out of its chunks only, and passed on
-/// it would reach the client as gzip bytes with nothing saying so.
+/// it would reach the client as gzip bytes with nothing saying so. So is
+/// one chunked twice, whose inner chunks would reach the client as the
+/// body.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstream_transfer_coding_other_than_chunked_is_a_502() {
-    let upstream = RawUpstream::start(
-        b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nTransfer-Encoding: gzip, chunked\r\n\r\n\
-          5\r\nhello\r\n0\r\n\r\n",
-    )
-    .await;
-    let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
-    let reply = get(gateway.addr, "/coded").await;
-    assert_eq!(reply.status, StatusCode::BAD_GATEWAY, "{}", reply.text());
-    let message = assert_openai_error(&reply.json(), "upstream_failed", "server_error");
-    assert!(message.contains("\"gzip, chunked\""), "{message}");
-    assert_eq!(reply.header("x-should-retry"), Some("false"));
+    for (response, named) in [
+        (
+            &b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nTransfer-Encoding: gzip, chunked\r\n\r\n\
+               5\r\nhello\r\n0\r\n\r\n"[..],
+            "\"gzip, chunked\"",
+        ),
+        (
+            &b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nTransfer-Encoding: chunked\r\n\
+               Transfer-Encoding: chunked\r\n\r\nf\r\n5\r\nhello\r\n0\r\n\r\n\r\n0\r\n\r\n"[..],
+            "\"chunked, chunked\"",
+        ),
+    ] {
+        let upstream = RawUpstream::start(response).await;
+        let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
+        let reply = get(gateway.addr, "/coded").await;
+        assert_eq!(reply.status, StatusCode::BAD_GATEWAY, "{}", reply.text());
+        let message = assert_openai_error(&reply.json(), "upstream_failed", "server_error");
+        assert!(message.contains(named), "{message}");
+        assert_eq!(reply.header("x-should-retry"), Some("false"));
+    }
 }
 
 /// `TE` is a request header: one an upstream sends back is not passed on

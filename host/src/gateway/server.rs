@@ -678,8 +678,8 @@ pub type ResponseBody = BoxBody<Bytes, BodyError>;
 /// not decode.
 fn not_implemented(coding: &str) -> http::Response<http_body_util::Full<Bytes>> {
     let message = format!(
-        "the request has Transfer-Encoding {coding:?}; this gateway decodes only chunked: send \
-         the body without another transfer coding"
+        "the request has Transfer-Encoding {coding:?}; this gateway decodes only chunked, \
+         applied once: send the body without another transfer coding"
     );
     responses::closing_error(
         http::StatusCode::NOT_IMPLEMENTED,

@@ -1,25 +1,34 @@
-//! Transfer codings the gateway cannot pass on. It decodes `chunked` and
-//! nothing else, in either direction: a body in another coding (`gzip,
+//! Transfer codings the gateway cannot pass on. It decodes `chunked`, once,
+//! and nothing else, in either direction: a body in another coding (`gzip,
 //! chunked`) would otherwise go on with its coding's label dropped, as
-//! `Transfer-Encoding` is hop-by-hop, and arrive as undecodable bytes.
+//! `Transfer-Encoding` is hop-by-hop, and arrive as undecodable bytes. So
+//! would a body chunked twice (`chunked, chunked`, which RFC 9112 section
+//! 6.1 forbids a sender to make): hyper decodes one layer and would pass
+//! the other on as the body.
 
 use http::header::TRANSFER_ENCODING;
 use http::HeaderMap;
 
-/// The `Transfer-Encoding` of `headers`, when it names a coding other than
-/// `chunked`: a request's gets 501 (RFC 9112 section 6.1), an upstream
+/// The `Transfer-Encoding` of `headers`, in all its lines, when it names a
+/// coding other than `chunked`, or `chunked` more than once: a request's
+/// gets 501 (RFC 9112 section 6.1, as nginx answers), an upstream
 /// response's 502.
 pub(crate) fn unsupported(headers: &HeaderMap) -> Option<String> {
     let values = headers.get_all(TRANSFER_ENCODING);
-    let understood = values.iter().all(|value| {
+    let mut chunked = 0;
+    let only_chunked = values.iter().all(|value| {
         value.to_str().is_ok_and(|codings| {
             codings
                 .split(',')
                 .map(str::trim)
-                .all(|coding| coding.is_empty() || coding.eq_ignore_ascii_case("chunked"))
+                .filter(|coding| !coding.is_empty())
+                .all(|coding| {
+                    chunked += 1;
+                    coding.eq_ignore_ascii_case("chunked")
+                })
         })
     });
-    if understood {
+    if only_chunked && chunked <= 1 {
         return None;
     }
     let named: Vec<String> = values
@@ -34,7 +43,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn only_chunked_is_understood() {
+    fn only_chunked_once_is_understood() {
         let coded = |values: &[&str]| {
             let mut headers = HeaderMap::new();
             for value in values {
@@ -48,5 +57,14 @@ mod tests {
         assert_eq!(coded(&["gzip, chunked"]), Some("gzip, chunked".into()));
         assert_eq!(coded(&["gzip", "chunked"]), Some("gzip, chunked".into()));
         assert_eq!(coded(&["chunked, gzip"]), Some("chunked, gzip".into()));
+        assert_eq!(coded(&["chunked, "]), None);
+        assert_eq!(
+            coded(&["chunked, chunked"]),
+            Some("chunked, chunked".into())
+        );
+        assert_eq!(
+            coded(&["chunked", "chunked"]),
+            Some("chunked, chunked".into())
+        );
     }
 }

@@ -626,7 +626,8 @@ fn unusable<B>(response: &Response<B>) -> Option<String> {
     }
     let coding = transfer_coding::unsupported(response.headers())?;
     Some(format!(
-        "answered with Transfer-Encoding {coding:?}; the gateway decodes only chunked"
+        "answered with Transfer-Encoding {coding:?}; the gateway decodes only chunked, \
+         applied once"
     ))
 }
 
