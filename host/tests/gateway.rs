@@ -2983,6 +2983,55 @@ async fn an_upstreams_te_header_does_not_reach_the_client() {
     assert_eq!(reply.header("keep-alive"), None);
 }
 
+/// A `Content-Length` sent more than once with one value (`2, 2`, or in
+/// two lines), which hyper accepts from an upstream and h2 from an HTTP/2
+/// client, goes on as one value: passed on as it came, clients that refuse
+/// such a list (llhttp, h11, every HTTP/2 stack) would fail the response.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_content_length_sent_more_than_once_goes_on_as_one_value() {
+    let lengths = |headers: &[(String, String)]| -> Vec<String> {
+        headers
+            .iter()
+            .filter(|(name, _)| name == "content-length")
+            .map(|(_, value)| value.clone())
+            .collect()
+    };
+    let upstream = RawUpstream::start(
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2, 2\r\nContent-Length: 2\r\n\r\nok",
+    )
+    .await;
+    let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
+    let raw = raw_exchange(
+        gateway.addr,
+        b"GET /twice HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert_eq!(raw.status, 200, "{:?}", String::from_utf8_lossy(&raw.body));
+    assert_eq!(lengths(&raw.headers), ["2"]);
+    assert_eq!(raw.body, b"ok");
+
+    // An HTTP/2 client's two `content-length` fields (hyper refuses them
+    // from an HTTP/1 one).
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
+    let mut sender = http2_to::<Full<Bytes>>(gateway.addr).await;
+    let request = http::Request::post(format!("http://{}/upload", gateway.addr))
+        .version(http::Version::HTTP_2)
+        .header("content-type", "text/plain")
+        .header("content-length", "3")
+        .header("content-length", "3")
+        .body(Full::new(Bytes::from_static(b"abc")))
+        .unwrap();
+    let response = bounded("an answer", STEP, sender.send_request(request))
+        .await
+        .expect("an answer");
+    assert_eq!(response.status(), StatusCode::OK);
+    let seen = upstream.only_seen();
+    assert_eq!(seen.body, "abc");
+    let seen_lengths: Vec<_> = seen.headers.get_all("content-length").iter().collect();
+    assert_eq!(seen_lengths, ["3"]);
+}
+
 /// An upstream 204 with a `Content-Length` reaches an HTTP/2 client
 /// without it, as it reaches HTTP/1 ones (RFC 9110 section 8.6).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -285,6 +285,7 @@ impl HttpUpstream {
             Err(e) => return own(responses::error(StatusCode::BAD_REQUEST, "bad_path", &e)),
         };
         strip_hop_by_hop(&mut parts.headers);
+        one_content_length(&mut parts.headers);
         // Set by the server when the body came from a client: says whether
         // a failure is the client's.
         let progress = parts.extensions.get::<Arc<BodyProgress>>().cloned();
@@ -478,6 +479,7 @@ impl HttpUpstream {
             parts.headers.remove(header::CONTENT_LENGTH);
         }
         strip_response_hop_by_hop(&mut parts.headers);
+        one_content_length(&mut parts.headers);
         // The gateway speaks its own HTTP version to the client (RFC 9110
         // section 6.2): an HTTP/1.0 upstream must not turn off keep-alive
         // and chunking for HTTP/1.1 clients.
@@ -631,6 +633,35 @@ fn unusable<B>(response: &Response<B>) -> Option<String> {
     ))
 }
 
+/// Makes a `Content-Length` sent more than once (`42, 42`, or in two
+/// lines) one value. hyper takes such a length when its values agree, as
+/// RFC 9110 section 8.6 lets a recipient do, but a sender must not pass
+/// the list on: many clients refuse it (llhttp, h11, HTTP/2 stacks) or
+/// read to the connection's end. Values that disagree never get here:
+/// hyper refuses the message.
+fn one_content_length(headers: &mut HeaderMap) {
+    let mut values = headers.get_all(header::CONTENT_LENGTH).iter();
+    let Some(first) = values.next() else {
+        return;
+    };
+    if values.next().is_none() && !first.as_bytes().contains(&b',') {
+        return;
+    }
+    let length = first
+        .to_str()
+        .ok()
+        .and_then(|list| list.split(',').next())
+        .and_then(|value| value.trim().parse::<u64>().ok());
+    match length {
+        Some(length) => {
+            headers.insert(header::CONTENT_LENGTH, length.into());
+        }
+        None => {
+            headers.remove(header::CONTENT_LENGTH);
+        }
+    }
+}
+
 /// Removes hop-by-hop headers, including those the `Connection` header names
 /// (except `Content-Length`, `Content-Type`, `Content-Encoding` and `Host`,
 /// which a sender must not name there). A `TE` that accepts trailers
@@ -762,6 +793,31 @@ pub(crate) fn own(response: Response<Full<Bytes>>) -> Response<UpstreamBody> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_length_sent_more_than_once_goes_on_as_one() {
+        let lengths = |values: &[&str]| {
+            let mut headers = HeaderMap::new();
+            headers.insert(header::CONTENT_TYPE, "text/plain".parse().unwrap());
+            for value in values {
+                headers.append(header::CONTENT_LENGTH, value.parse().unwrap());
+            }
+            one_content_length(&mut headers);
+            assert!(headers.contains_key(header::CONTENT_TYPE));
+            let left: Vec<_> = headers
+                .get_all(header::CONTENT_LENGTH)
+                .iter()
+                .map(|v| v.to_str().unwrap().to_string())
+                .collect();
+            left
+        };
+        assert_eq!(lengths(&[]), Vec::<String>::new());
+        assert_eq!(lengths(&["42"]), ["42"]);
+        assert_eq!(lengths(&["42, 42"]), ["42"]);
+        assert_eq!(lengths(&["42,42, 42"]), ["42"]);
+        assert_eq!(lengths(&["42", "42"]), ["42"]);
+        assert_eq!(lengths(&["x, y"]), Vec::<String>::new());
+    }
 
     #[test]
     fn upstream_urls_that_cannot_work_are_refused_by_name() {
