@@ -1435,3 +1435,43 @@ async fn http2_body_reset_with_no_error(declared: Option<usize>, part: &[u8], ou
         upstream.seen()
     );
 }
+
+/// An HTTP/2 head as large as `--max-header-bytes` may allow (512 KiB),
+/// packed with as many fields as fit (three-letter names, empty values:
+/// some 14,900), is served: the bound keeps the fields within what a
+/// header map holds, beside the ones the gateway adds. A limit of about
+/// 860 KB would let a client fill the map, and the gateway's own
+/// `X-Forwarded-For` would then panic its connection's task.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_largest_http2_head_allowed_fits_a_header_map() {
+    let gateway = Gateway::start(&["--max-header-bytes", "524288"]).await;
+    let mut sender = support::http2_to::<http_body_util::Full<bytes::Bytes>>(gateway.addr).await;
+    let letters = b'a'..=b'z';
+    let names = letters.clone().flat_map(|a| {
+        let letters = letters.clone();
+        letters.clone().flat_map(move |b| {
+            letters
+                .clone()
+                .map(move |c| String::from_utf8(vec![a, b, c]).expect("letters"))
+        })
+    });
+    // Each field counts its name, its value and 32 bytes; the pseudo
+    // fields take some 200 bytes.
+    let fields = (524_288 - 1024) / (32 + 3);
+    let mut request = http::Request::post(format!("http://{}/v1/echo", gateway.addr))
+        .body(http_body_util::Full::new(bytes::Bytes::from_static(b"{}")))
+        .expect("a request");
+    for name in names.take(fields) {
+        request.headers_mut().append(
+            http::HeaderName::from_bytes(name.as_bytes()).expect("a name"),
+            http::HeaderValue::from_static(""),
+        );
+    }
+    assert_eq!(request.headers().len(), fields);
+    let response = bounded("an answer", STEP, sender.send_request(request))
+        .await
+        .expect("an answer");
+    assert_eq!(response.status(), http::StatusCode::OK);
+    still_serves(&gateway).await;
+    assert!(!gateway.stderr_text().contains("panicked"));
+}

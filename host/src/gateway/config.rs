@@ -39,6 +39,14 @@ const MAX_COMPILE_CPU_SECS: u64 = 86_400;
 /// The most client connections a configuration may allow at once.
 const MAX_CONNECTIONS: usize = 1 << 20;
 
+/// The largest request head `--max-header-bytes` may allow: 512 KiB. An
+/// HTTP/2 header list counts 32 bytes beside each field's name and value,
+/// so one this large holds at most some 15,000 fields. A map of headers
+/// holds at most 24,576, and adding one to a full map panics: a limit of
+/// about 860 KB would let a client's 24,576 three-letter names fill it
+/// before the gateway adds its own (`X-Forwarded-For`, `Host`).
+pub const MAX_HEADER_BYTES: usize = 512 << 10;
+
 /// The most `--max-streams-per-connection` may be.
 const MAX_STREAMS_PER_CONNECTION: u32 = 10_000;
 
@@ -161,7 +169,8 @@ pub struct ConnectionLimits {
     /// used up); then its connection is closed.
     pub send_timeout: Duration,
     /// The largest request head (request line and headers) accepted, in
-    /// bytes; larger heads get 431. At least 8192.
+    /// bytes; larger heads get 431. At least 8192; at most
+    /// [`MAX_HEADER_BYTES`] is used.
     pub max_header_bytes: usize,
     /// Client connections served at once. At the limit the connection idle
     /// longest (for at least a second) is closed to make room; with none
@@ -695,8 +704,8 @@ impl ConfigFile {
         }
         if let Some(bytes) = self.max_header_bytes {
             anyhow::ensure!(
-                bytes >= 8192,
-                "max-header-bytes must be at least 8192, not {bytes}"
+                (8192..=MAX_HEADER_BYTES).contains(&bytes),
+                "max-header-bytes must be between 8192 and {MAX_HEADER_BYTES} (512 KiB), not {bytes}"
             );
             config.connections.max_header_bytes = bytes;
         }
@@ -1276,6 +1285,14 @@ mod tests {
                 "plugin-instances = 5000",
                 "plugin-instances must be between 2 and 4096 (one slot is kept for a reload's \
                  check of a new build), not 5000",
+            ),
+            (
+                "max-header-bytes = 8191",
+                "max-header-bytes must be between 8192 and 524288 (512 KiB), not 8191",
+            ),
+            (
+                "max-header-bytes = 524289",
+                "max-header-bytes must be between 8192 and 524288 (512 KiB), not 524289",
             ),
             (
                 "max-body-bytes = 0",

@@ -28,7 +28,7 @@ use crate::gateway::activity::{ActiveBody, Activity};
 use crate::gateway::body_memory::{ClientConnection, ConnectionWaits};
 use crate::gateway::client_body::{BodyProgress, ClientBody};
 use crate::gateway::client_gone::{ClientGone, ClientSocket, CLIENT_GONE_STATUS};
-use crate::gateway::config::ConnectionLimits;
+use crate::gateway::config::{ConnectionLimits, MAX_HEADER_BYTES};
 use crate::gateway::error_chain;
 use crate::gateway::header_order::remove_in_order;
 use crate::gateway::metrics::{Metrics, Outcome};
@@ -124,18 +124,21 @@ pub async fn serve(
     for worker in 0..workers.len() {
         workers.spawn(worker, keep_a_timer_armed(limits.header_read_timeout / 2));
     }
+    // Within what a header map holds, for an embedder's configuration too
+    // (see `MAX_HEADER_BYTES`).
+    let header_bytes = limits.max_header_bytes.clamp(8192, MAX_HEADER_BYTES);
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
         .timer(TokioTimer::new())
         .header_read_timeout(limits.header_read_timeout)
-        .max_buf_size(limits.max_header_bytes.max(8192));
+        .max_buf_size(header_bytes);
     builder
         .http2()
         .timer(TokioTimer::new())
         .initial_stream_window_size(HTTP2_STREAM_WINDOW)
         .initial_connection_window_size(HTTP2_CONNECTION_WINDOW)
-        .max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX))
+        .max_header_list_size(header_bytes as u32)
         // Stated: hyper's default (200) is not the gateway's to keep, and
         // each stream may hold an upstream connection of its own.
         .max_concurrent_streams(limits.max_streams_per_connection);

@@ -163,7 +163,7 @@ pub struct ServeArgs {
     send_timeout_ms: Option<u64>,
     /// Largest request head (request line plus headers) in bytes; larger
     /// ones get 431 (414 for a request target over 65,534 bytes,
-    /// when this allows one) [default: 65536, at least 8192].
+    /// when this allows one) [default: 65536, 8192 to 524288].
     #[arg(long, value_name = "BYTES")]
     max_header_bytes: Option<usize>,
     /// Client connections served at once. At the limit, the connection
