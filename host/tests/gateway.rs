@@ -1645,8 +1645,9 @@ async fn refuses_a_chunked_body_streamed_through_over_max_body_bytes_with_413() 
 
 /// HTTP/1.1 heads hyper lets through but RFC 9112 refuses get 400 and
 /// reach no upstream: no `Host`, two `Host`s, and a target in authority
-/// form on a method other than CONNECT (it went on as `/`), and the
-/// target `*` on a method other than OPTIONS (it went on as it came). A
+/// form on a method other than CONNECT (it went on as `/`), in HTTP/1.0
+/// too, and the target `*` on a method other than OPTIONS (it went on as
+/// it came). A
 /// TRACE gets 405: it would echo the request's cookies back. HTTP/1.0
 /// needs no Host.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1662,6 +1663,11 @@ async fn refuses_heads_without_one_host_or_with_an_authority_target_and_trace() 
         ),
         (
             b"GET evil.example:80 HTTP/1.1\r\nHost: evil.example\r\n\r\n",
+            400,
+            "authority form",
+        ),
+        (
+            b"POST evil.example:80 HTTP/1.0\r\nContent-Length: 2\r\n\r\n{}",
             400,
             "authority form",
         ),

@@ -706,15 +706,8 @@ fn malformed_head<B>(request: &Request<B>) -> Option<String> {
             request.method()
         ));
     }
-    if request.version() != http::Version::HTTP_11 {
-        return None;
-    }
-    let hosts = request.headers().get_all(http::header::HOST).iter().count();
-    if hosts != 1 {
-        return Some(format!(
-            "an HTTP/1.1 request needs exactly one Host header, and this one has {hosts}"
-        ));
-    }
+    // In any version: an HTTP/1.0 one would otherwise go on as `/`. (An
+    // HTTP/2 request's target has a scheme beside its authority.)
     let uri = request.uri();
     if request.method() != http::Method::CONNECT
         && uri.scheme().is_none()
@@ -722,6 +715,15 @@ fn malformed_head<B>(request: &Request<B>) -> Option<String> {
     {
         return Some(format!(
             "the request target {uri} is in authority form, which only CONNECT uses: send a path"
+        ));
+    }
+    if request.version() != http::Version::HTTP_11 {
+        return None;
+    }
+    let hosts = request.headers().get_all(http::header::HOST).iter().count();
+    if hosts != 1 {
+        return Some(format!(
+            "an HTTP/1.1 request needs exactly one Host header, and this one has {hosts}"
         ));
     }
     None
