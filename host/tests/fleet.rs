@@ -81,6 +81,8 @@ impl Etcd {
     /// Starts etcd on free ports. A port found free can be taken by
     /// another test's listener before etcd binds it (the tests run in
     /// parallel); etcd then exits at once, and is started on other ports.
+    /// Another test's etcd answering on the port is told apart by its
+    /// member name.
     async fn start(binary: PathBuf) -> Etcd {
         Etcd::start_with(binary, &[]).await
     }
@@ -123,11 +125,20 @@ impl Etcd {
         );
     }
 
+    /// Its member name, its own among the tests' etcds (the data
+    /// directory's name), so that an etcd of another test that took its
+    /// port is not taken for it.
+    fn name(&self) -> String {
+        let dir = self.data.path().file_name().expect("a directory name");
+        dir.to_string_lossy().into_owned()
+    }
+
     /// Starts etcd and waits until it serves; false if it exited first.
     async fn try_launch(&mut self) -> bool {
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
+        let name = self.name();
         let child = Command::new(&self.binary)
-            .args(["--name", "snowgate-test", "--data-dir"])
+            .args(["--name", &name, "--data-dir"])
             .arg(self.data.path().join("data"))
             .args([
                 "--listen-client-urls",
@@ -141,7 +152,7 @@ impl Etcd {
                 "--initial-advertise-peer-urls",
                 &peer,
             ])
-            .args(["--initial-cluster", &format!("snowgate-test={peer}")])
+            .args(["--initial-cluster", &format!("{name}={peer}")])
             .args(&self.flags)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -149,11 +160,15 @@ impl Etcd {
             .spawn()
             .expect("etcd starts");
         self.child = Some(child);
-        // Ready when a client can write through it.
+        // Ready when a client can write through it, and it is this one.
         let deadline = Instant::now() + STEP;
         loop {
             if let Ok(mut client) = Client::connect([self.url()], None).await {
-                if client.put("/snowgate-test/ready", "1", None).await.is_ok() {
+                let ours = client
+                    .member_list()
+                    .await
+                    .is_ok_and(|list| list.members().iter().any(|m| m.name() == name));
+                if ours && client.put("/snowgate-test/ready", "1", None).await.is_ok() {
                     return true;
                 }
             }

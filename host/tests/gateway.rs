@@ -1647,9 +1647,8 @@ async fn refuses_a_chunked_body_streamed_through_over_max_body_bytes_with_413() 
 /// reach no upstream: no `Host`, two `Host`s, and a target in authority
 /// form on a method other than CONNECT (it went on as `/`), in HTTP/1.0
 /// too, and the target `*` on a method other than OPTIONS (it went on as
-/// it came). A
-/// TRACE gets 405: it would echo the request's cookies back. HTTP/1.0
-/// needs no Host.
+/// it came). A TRACE gets 405: it would echo the request's cookies back.
+/// HTTP/1.0 needs no Host.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refuses_heads_without_one_host_or_with_an_authority_target_and_trace() {
     let upstream = TestUpstream::start().await;
