@@ -276,6 +276,10 @@ impl types::Host for HostState {}
 
 impl clock::Host for HostState {
     fn next_tick(&mut self, sequence_space: u32) -> clock::Tick {
+        // At most the layout's own space: sequences past it do not fit the
+        // ids' sequence bits, and would spill into the machine id's (the
+        // ids of another machine). Fewer is the plugin's to choose.
+        let sequence_space = sequence_space.min(self.services.identity.layout().sequence_space());
         // A clock that refuses gives a tick it may have given before, and
         // the call's ids are withheld (see `Call::fence`). After a refusal
         // the call takes no more ticks: those it would take as the wall
@@ -405,6 +409,47 @@ impl log::Host for HostState {
             types::LogLevel::Error => {
                 tracing::error!(target: "snowgate::plugin", plugin, "{message}")
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use snowgate_plugin::SnowflakeLayout;
+
+    use super::*;
+    use crate::clock::{FixedClock, IdClock};
+    use crate::identity::MachineIdentity;
+
+    /// A plugin that asks for more sequence numbers a millisecond than its
+    /// layout's ids hold gets the layout's: a millisecond's ticks end at
+    /// the last sequence its ids can carry, and the next tick is in the
+    /// next millisecond. Fewer, it gets as it asked.
+    #[test]
+    fn a_tick_never_holds_a_sequence_past_the_layouts() {
+        const MS: u64 = 1_796_448_728_439;
+        for layout in [SnowflakeLayout::TrtllmV1, SnowflakeLayout::TrtllmV2] {
+            let services = HostServices {
+                clock: Arc::new(IdClock::new(FixedClock(MS))),
+                identity: Arc::new(MachineIdentity::fixed(layout, 1).expect("a machine id")),
+            };
+            let mut state = HostState::new(services, 1 << 20, Arc::from("test"));
+            let space = layout.sequence_space();
+            let ticks: Vec<_> = (0..space + 1)
+                .map(|_| clock::Host::next_tick(&mut state, u32::MAX))
+                .collect();
+            assert!(ticks[..space as usize]
+                .iter()
+                .enumerate()
+                .all(|(n, t)| t.millis == MS && t.sequence == n as u32));
+            let next = &ticks[space as usize];
+            assert_eq!((next.millis, next.sequence), (MS + 1, 0), "{layout}");
+            // Two a millisecond, as asked.
+            let small: Vec<_> = (0..3)
+                .map(|_| clock::Host::next_tick(&mut state, 2))
+                .map(|t| (t.millis, t.sequence))
+                .collect();
+            assert_eq!(small, [(MS + 1, 1), (MS + 2, 0), (MS + 2, 1)], "{layout}");
         }
     }
 }
