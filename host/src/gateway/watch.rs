@@ -31,7 +31,18 @@ pub struct PluginWatch {
     /// The directory's watch, where the system gave one.
     _watcher: Option<Arc<Mutex<RecommendedWatcher>>>,
     /// The poll and the reload task end once this is dropped.
-    _events: mpsc::UnboundedSender<()>,
+    _events: mpsc::UnboundedSender<Nudge>,
+}
+
+/// Why the reload task is asked for a reload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Nudge {
+    /// The watch saw the file (or its directory) change.
+    Changed,
+    /// The poll found a build no reload has read yet, unchanged for a
+    /// whole poll interval. It asks again at each poll until a reload has
+    /// read it.
+    Due,
 }
 
 /// The directory a watch is on, as the file system knows it: another
@@ -57,7 +68,7 @@ impl DirIdentity {
 /// path, and reloads once the file has been quiet for `debounce` (at most
 /// ten times that in all) after a finished write, a rename, or a change of
 /// which file the path leads to. A directory replaced by another (`mv
-/// dir.new dir`) is watched anew once the poll sees it: its watch went
+/// dir dir.old && mv dir.new dir`) is watched anew once the poll sees it: its watch went
 /// with the old directory, and later changes would otherwise wait for the
 /// poll. The watch lasts as long as the returned [`PluginWatch`] lives.
 pub fn watch_plugin_file(
@@ -101,10 +112,12 @@ pub fn watch_plugin_file(
                 plugin_file || kubernetes
             }
             EventKind::Create(_) => kubernetes,
-            _ => false,
+            // The system's queue of events overflowed: any of them may
+            // have been the plugin file's.
+            _ => event.need_rescan(),
         };
         if trigger {
-            let _ = watch_events.send(());
+            let _ = watch_events.send(Nudge::Changed);
         }
     });
     // Where the system gives no watch (inotify's limits on instances and
@@ -190,7 +203,7 @@ pub fn watch_plugin_file(
             let due = lock(&poll_tried).as_ref().is_none_or(|t| {
                 t.due(&now) && !(t.waits_for_an_id(&now) && services.ids_may_leave_now().is_err())
             });
-            if now == previous && due && tx.send(()).is_err() {
+            if now == previous && due && tx.send(Nudge::Due).is_err() {
                 return; // the reload task is gone
             }
             previous = now;
@@ -199,17 +212,8 @@ pub fn watch_plugin_file(
 
     tokio::spawn(async move {
         while rx.recv().await.is_some() {
-            // Debounce: wait until the file has been quiet for a while, but
-            // no longer than ten quiet times in all (a directory that never
-            // goes quiet must not put reloads off for ever).
-            let give_up = tokio::time::Instant::now() + debounce.saturating_mul(10);
-            loop {
-                let quiet = tokio::time::Instant::now() + debounce;
-                match tokio::time::timeout_at(quiet.min(give_up), rx.recv()).await {
-                    Ok(Some(())) => continue,
-                    Ok(None) => return,
-                    Err(_quiet) => break,
-                }
+            if !quiet_for(&mut rx, debounce).await {
+                return;
             }
             let seen = look().await;
             // While this reload runs, the file it read is not due: a build
@@ -250,6 +254,27 @@ pub fn watch_plugin_file(
         _watcher: watcher,
         _events: events,
     }))
+}
+
+/// The debounce, after a first nudge: waits until the file has been quiet
+/// for `debounce`, but no longer than ten quiet times in all (a directory
+/// that never goes quiet must not put reloads off for ever). Only a change
+/// starts the quiet time again: the poll, asking every 2 s about a build it
+/// found unchanged for 2 s, says nothing new, and with a debounce over 2 s
+/// it kept every reload waiting the ten quiet times. False once the
+/// senders are gone.
+async fn quiet_for(rx: &mut mpsc::UnboundedReceiver<Nudge>, debounce: Duration) -> bool {
+    let start = tokio::time::Instant::now();
+    let give_up = start + debounce.saturating_mul(10);
+    let mut quiet = start + debounce;
+    loop {
+        match tokio::time::timeout_at(quiet.min(give_up), rx.recv()).await {
+            Ok(Some(Nudge::Changed)) => quiet = tokio::time::Instant::now() + debounce,
+            Ok(Some(Nudge::Due)) => {}
+            Ok(None) => return false,
+            Err(_quiet) => return true,
+        }
+    }
 }
 
 /// Watches `dir` again after it was replaced by another directory (the
@@ -392,6 +417,63 @@ pub fn reload_on_sighup(mut hangups: Signal, slot: Arc<PluginSlot>) {
 
 #[cfg(test)]
 mod tests {
+    /// The poll's asking does not put a reload off; changes do, up to ten
+    /// quiet times.
+    #[tokio::test(start_paused = true)]
+    async fn only_changes_extend_the_debounce() {
+        use super::{quiet_for, Nudge};
+        use std::time::Duration;
+        use tokio::time::Instant;
+
+        let debounce = Duration::from_secs(5);
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        // The poll asks every 2 s, for a minute.
+        let poll = tokio::spawn({
+            let tx = tx.clone();
+            async move {
+                for _ in 0..30 {
+                    tokio::time::sleep(Duration::from_secs(2)).await;
+                    let _ = tx.send(Nudge::Due);
+                }
+            }
+        });
+        let start = Instant::now();
+        assert!(quiet_for(&mut rx, debounce).await);
+        assert_eq!(start.elapsed(), debounce);
+        poll.abort();
+
+        // A change every second: given up on after ten quiet times.
+        let changes = tokio::spawn({
+            let tx = tx.clone();
+            async move {
+                for _ in 0..100 {
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    let _ = tx.send(Nudge::Changed);
+                }
+            }
+        });
+        let start = Instant::now();
+        assert!(quiet_for(&mut rx, debounce).await);
+        assert_eq!(start.elapsed(), debounce * 10);
+        changes.abort();
+
+        // A change 3 s in starts the quiet time again.
+        while rx.try_recv().is_ok() {}
+        let late = tokio::spawn({
+            let tx = tx.clone();
+            async move {
+                tokio::time::sleep(Duration::from_secs(3)).await;
+                let _ = tx.send(Nudge::Changed);
+            }
+        });
+        let start = Instant::now();
+        assert!(quiet_for(&mut rx, debounce).await);
+        assert_eq!(start.elapsed(), Duration::from_secs(8));
+        late.await.expect("the change was sent");
+        drop(tx);
+        assert!(!quiet_for(&mut rx, debounce).await, "the senders are gone");
+    }
+
     use super::*;
 
     fn file(ino: u64) -> Fingerprint {
