@@ -4269,6 +4269,35 @@ async fn serve_library_gateway(config: GatewayConfig) -> LibraryServing {
     }
 }
 
+/// A library gateway that has stopped lets its plugin slot go (its engine,
+/// its pooled instances' address space, its build): an embedder that runs
+/// one gateway after another in one process does not keep every stopped
+/// one. The SIGHUP task held it for as long as the runtime lived.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_library_gateway_lets_its_plugin_slot_go() {
+    let gateway = LibraryGateway::bind(library_config())
+        .await
+        .unwrap_or_else(|e| panic!("starting the gateway: {e:#}"));
+    let slot = Arc::downgrade(gateway.slot());
+    let addr = gateway.local_addr().expect("the gateway's address");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let served = tokio::spawn(gateway.serve(async move {
+        let _ = stopped.await;
+    }));
+    let _ = echoed_id(addr).await;
+    let _ = stop.send(());
+    bounded("the gateway to stop", STEP, served)
+        .await
+        .expect("the serving task")
+        .expect("served");
+    bounded("the plugin slot to be let go", STEP, async {
+        while slot.upgrade().is_some() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+}
+
 /// The id the echo shows the plugin stamped into [`CONTEXT_ONLY`].
 async fn echoed_id(addr: SocketAddr) -> u64 {
     let reply = post_json(addr, "/v1/completions", CONTEXT_ONLY).await;

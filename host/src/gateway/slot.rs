@@ -277,6 +277,13 @@ impl PluginSlot {
         self.reloads_over.send_replace(true);
     }
 
+    /// Resolves once reloads are over (see [`PluginSlot::stop_reloads`]).
+    pub async fn reloads_stopped(&self) {
+        let mut over = self.reloads_over.subscribe();
+        // The sender lives as long as the slot.
+        let _ = over.wait_for(|over| *over).await;
+    }
+
     async fn reload_to_the_end(&self) -> Result<Reloaded, NoReload> {
         let mut over = self.reloads_over.subscribe();
         let _one_at_a_time = tokio::select! {

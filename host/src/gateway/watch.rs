@@ -388,10 +388,20 @@ pub fn catch_sighup() -> anyhow::Result<Signal> {
 }
 
 /// Reloads the plugin on every SIGHUP caught by `hangups` (from
-/// [`catch_sighup`]), including one that came before this call.
+/// [`catch_sighup`]), including one that came before this call, until the
+/// slot's reloads are over: then the task ends, and lets the slot go (a
+/// signal stream never ends by itself, and an embedder that runs one
+/// gateway after another kept every stopped one's engine and plugin).
 pub fn reload_on_sighup(mut hangups: Signal, slot: Arc<PluginSlot>) {
     tokio::spawn(async move {
-        while hangups.recv().await.is_some() {
+        loop {
+            let hangup = tokio::select! {
+                hangup = hangups.recv() => hangup,
+                () = slot.reloads_stopped() => None,
+            };
+            if hangup.is_none() {
+                return;
+            }
             tracing::info!("SIGHUP: reloading the plugin");
             // A swap and a failed load are logged by the reload itself;
             // what else comes of it is said here, where nobody else sees
