@@ -2946,8 +2946,9 @@ async fn an_upstream_response_head_over_64_kib_is_a_502() {
 /// An upstream response in a transfer coding other than chunked (`gzip,
 /// chunked`) is a 502: hyper takes it out of its chunks only, and passed on
 /// it would reach the client as gzip bytes with nothing saying so. So is
-/// one chunked twice, whose inner chunks would reach the client as the
-/// body.
+/// one chunked twice, or whose coding list ends in an empty element (hyper
+/// reads that one to the connection's end), whose chunks would reach the
+/// client as the body.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstream_transfer_coding_other_than_chunked_is_a_502() {
     for (response, named) in [
@@ -2960,6 +2961,13 @@ async fn an_upstream_transfer_coding_other_than_chunked_is_a_502() {
             &b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nTransfer-Encoding: chunked\r\n\
                Transfer-Encoding: chunked\r\n\r\nf\r\n5\r\nhello\r\n0\r\n\r\n\r\n0\r\n\r\n"[..],
             "\"chunked, chunked\"",
+        ),
+        // Ending in an empty element, which hyper takes as not chunked.
+        (
+            &b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nTransfer-Encoding: chunked, \r\n\r\n\
+               5\r\nhello\r\n0\r\n\r\n"[..],
+            // hyper trims the value's trailing space.
+            "\"chunked,\"",
         ),
     ] {
         let upstream = RawUpstream::start(response).await;

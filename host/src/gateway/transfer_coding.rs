@@ -9,12 +9,19 @@
 use http::header::TRANSFER_ENCODING;
 use http::HeaderMap;
 
-/// The `Transfer-Encoding` of `headers`, in all its lines, when it names a
-/// coding other than `chunked`, or `chunked` more than once: a request's
-/// gets 501 (RFC 9112 section 6.1, as nginx answers), an upstream
-/// response's 502.
+/// The `Transfer-Encoding` of `headers`, in all its lines, unless it is
+/// `chunked` once and nothing else, as hyper reads it: a request's gets
+/// 501 (RFC 9112 section 6.1, as nginx answers), an upstream response's
+/// 502. hyper frames a message as chunked when the last element of the
+/// last line is `chunked`, so a list that ends in an empty element
+/// (`chunked, `, or a `chunked` line and an empty one) is refused too: a
+/// response so framed is read to the connection's end, its chunks passed
+/// on as the body.
 pub(crate) fn unsupported(headers: &HeaderMap) -> Option<String> {
     let values = headers.get_all(TRANSFER_ENCODING);
+    if values.iter().next().is_none() {
+        return None;
+    }
     let mut chunked = 0;
     let only_chunked = values.iter().all(|value| {
         value.to_str().is_ok_and(|codings| {
@@ -28,7 +35,13 @@ pub(crate) fn unsupported(headers: &HeaderMap) -> Option<String> {
                 })
         })
     });
-    if only_chunked && chunked <= 1 {
+    let last_chunked = values
+        .iter()
+        .last()
+        .and_then(|value| value.to_str().ok())
+        .and_then(|codings| codings.rsplit(',').next())
+        .is_some_and(|coding| coding.trim().eq_ignore_ascii_case("chunked"));
+    if only_chunked && chunked == 1 && last_chunked {
         return None;
     }
     let named: Vec<String> = values
@@ -57,7 +70,11 @@ mod tests {
         assert_eq!(coded(&["gzip, chunked"]), Some("gzip, chunked".into()));
         assert_eq!(coded(&["gzip", "chunked"]), Some("gzip, chunked".into()));
         assert_eq!(coded(&["chunked, gzip"]), Some("chunked, gzip".into()));
-        assert_eq!(coded(&["chunked, "]), None);
+        // hyper reads these as not chunked, to the connection's end.
+        assert_eq!(coded(&["chunked, "]), Some("chunked, ".into()));
+        assert_eq!(coded(&["chunked", ""]), Some("chunked, ".into()));
+        assert_eq!(coded(&[""]), Some("".into()));
+        assert_eq!(coded(&[" chunked "]), None);
         assert_eq!(
             coded(&["chunked, chunked"]),
             Some("chunked, chunked".into())
