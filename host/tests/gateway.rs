@@ -4277,10 +4277,11 @@ async fn serve_library_gateway(config: GatewayConfig) -> LibraryServing {
     }
 }
 
-/// A library gateway that has stopped lets its plugin slot go (its engine,
-/// its pooled instances' address space, its build): an embedder that runs
-/// one gateway after another in one process does not keep every stopped
-/// one. The SIGHUP task held it for as long as the runtime lived.
+/// A library gateway that has stopped, or was bound and dropped, lets its
+/// plugin slot go (its engine, its pooled instances' address space, its
+/// build): an embedder that runs one gateway after another in one process
+/// does not keep every stopped one. The SIGHUP task held it for as long as
+/// the runtime lived.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_library_gateway_lets_its_plugin_slot_go() {
     let gateway = LibraryGateway::bind(library_config())
@@ -4299,6 +4300,19 @@ async fn a_stopped_library_gateway_lets_its_plugin_slot_go() {
         .expect("the serving task")
         .expect("served");
     bounded("the plugin slot to be let go", STEP, async {
+        while slot.upgrade().is_some() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+
+    // So does one bound and dropped without serving.
+    let gateway = LibraryGateway::bind(library_config())
+        .await
+        .unwrap_or_else(|e| panic!("starting the gateway: {e:#}"));
+    let slot = Arc::downgrade(gateway.slot());
+    drop(gateway);
+    bounded("the unserved gateway's slot to be let go", STEP, async {
         while slot.upgrade().is_some() {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }

@@ -77,6 +77,19 @@ pub struct Gateway {
     upstream: Upstream,
     /// Watches the plugin file while the gateway lives.
     _watcher: Option<watch::PluginWatch>,
+    /// Ends reloads (and with them the SIGHUP task, which holds the slot)
+    /// however the gateway ends: served to the end, failed on its way to
+    /// serving, or never served.
+    _reloads_end: ReloadsEnd,
+}
+
+/// Stops its slot's reloads when dropped.
+struct ReloadsEnd(Arc<PluginSlot>);
+
+impl Drop for ReloadsEnd {
+    fn drop(&mut self) {
+        self.0.stop_reloads();
+    }
 }
 
 impl Gateway {
@@ -178,6 +191,7 @@ impl Gateway {
             config,
             listener,
             admin_listener,
+            _reloads_end: ReloadsEnd(slot.clone()),
             slot,
             services,
             high_water,
