@@ -26,7 +26,8 @@ pub struct BodyProgress {
     /// Whether the reader takes the whole body into memory as it comes.
     read_whole: AtomicBool,
     /// The body's client connection, where the server tells (for its
-    /// requests waiting for room in the body memory).
+    /// requests waiting for room in the body memory, or for a turn to the
+    /// upstream).
     connection: Option<ClientConnection>,
 }
 

@@ -3,9 +3,10 @@
 //!
 //! hyper's HTTP/1 server reads a connection only while something reads the
 //! request's body (or the request has ended). A request waiting for room in
-//! the body memory reads nothing, so a client that closes its connection
-//! meanwhile would keep the request's place in line, and the connection's
-//! slot, until the wait runs out (60 s by default). Here the connection's
+//! the body memory, or for a turn to the upstream with its body unread,
+//! reads nothing, so a client that closes its connection meanwhile would
+//! keep the request's place in line, and the connection's slot, until the
+//! wait runs out (60 s by default for room). Here the connection's
 //! socket is watched for the client closing or resetting it, through an
 //! epoll instance of the request's own, apart from the runtime's: it asks
 //! only for the hang-up (`EPOLLRDHUP`), so body bytes the client has sent

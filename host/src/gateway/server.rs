@@ -214,7 +214,8 @@ pub async fn serve(
         // How many of this connection's requests wait for room in the body
         // memory (see `body_memory::MAX_WAITING_PER_CONNECTION`).
         let waits = Arc::new(ConnectionWaits::default());
-        // Watched while one of its HTTP/1 requests waits for that room.
+        // Watched while one of its HTTP/1 requests waits for that room, or
+        // for a turn to the upstream (`--max-upstream-requests`).
         // SAFETY: given below only to HTTP/1 requests, whose futures the
         // connection runs inside its own and drops with it.
         let socket = unsafe { ClientSocket::new(stream.as_raw_fd()) };
@@ -691,13 +692,13 @@ fn not_implemented(coding: &str) -> http::Response<http_body_util::Full<Bytes>> 
     )
 }
 
-/// What is wrong with an HTTP/1.1 request's head that hyper lets through:
-/// a `Host` missing or repeated (RFC 9112 section 3.2 answers both with
-/// 400, as nginx does), or a target in authority form (`host:port`), which
-/// only CONNECT may use and which would otherwise go on as `/`; and, in
-/// any version, the target `*` (asterisk form) on a method other than
-/// OPTIONS, the only one it serves (RFC 9112 section 3.2.4): it went on
-/// to the upstream as it came.
+/// What is wrong with a request's head that hyper lets through: in an
+/// HTTP/1.1 one, a `Host` missing or repeated (RFC 9112 section 3.2
+/// answers both with 400, as nginx does); in any version, a target in
+/// authority form (`host:port`), which only CONNECT may use and which
+/// would otherwise go on as `/`, or the target `*` (asterisk form) on a
+/// method other than OPTIONS, the only one it serves (RFC 9112 section
+/// 3.2.4): it went on to the upstream as it came.
 fn malformed_head<B>(request: &Request<B>) -> Option<String> {
     if request.uri().path() == "*" && request.method() != http::Method::OPTIONS {
         return Some(format!(

@@ -637,8 +637,10 @@ fn unusable<B>(response: &Response<B>) -> Option<String> {
 /// lines) one value. hyper takes such a length when its values agree, as
 /// RFC 9110 section 8.6 lets a recipient do, but a sender must not pass
 /// the list on: many clients refuse it (llhttp, h11, HTTP/2 stacks) or
-/// read to the connection's end. Values that disagree never get here:
-/// hyper refuses the message.
+/// read to the connection's end. hyper refuses a message whose values
+/// disagree, except where it reads no length (a response to HEAD, a 204 or
+/// a 304) and an HTTP/2 request (h2 reads the first field): there the
+/// first value goes on, as hyper or h2 itself takes it.
 fn one_content_length(headers: &mut HeaderMap) {
     let mut values = headers.get_all(header::CONTENT_LENGTH).iter();
     let Some(first) = values.next() else {
