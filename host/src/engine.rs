@@ -38,14 +38,12 @@ const MAX_32BIT_MEMORY: usize = 4 << 30;
 /// The wasm page size: linear memories grow in these.
 const WASM_PAGE: usize = 64 << 10;
 
-/// How much of a pooled linear memory is kept resident between calls. The
-/// pages a call dirtied in this range are reset in place to the initial
-/// image (found with the `PAGEMAP_SCAN` ioctl) instead of being given back
-/// to the kernel and faulted in again by the next call, which is what makes
-/// a fresh instance cheap. Addresses, not dirty bytes: it must
-/// cover the plugin's stack (the first MiB of a Rust plugin's memory), its
-/// data and its usual heap; 4 MiB covers a 1 MiB body. Larger calls give
-/// the rest back.
+/// How far a kept instance's memory may grow and the instance still be
+/// called again: it must cover the plugin's stack (the first MiB of a Rust
+/// plugin's memory), its data and its usual heap; 4 MiB covers a 1 MiB
+/// body. (It was also how much of a memory stayed resident between
+/// instances, reset in place where `PAGEMAP_SCAN` found pages written;
+/// that is off, see `pooling_config`.)
 pub(crate) const MEMORY_KEEP_RESIDENT: usize = 4 << 20;
 
 /// The same for tables: a plugin's tables are a few hundred entries, and
@@ -269,13 +267,18 @@ fn pooling_config(limits: &PluginLimits) -> PoolingAllocationConfig {
         // memory stays bounded by the busiest moment, not by the reloads.
         .max_unused_warm_slots(0)
         .table_keep_resident(TABLE_KEEP_RESIDENT);
-    // Without PAGEMAP_SCAN (Linux before 6.7, other systems) keeping memory
-    // resident would mean `memset`ting it from address 0 up on every call,
-    // the plugin's whole stack included, which costs more than the page
-    // faults it saves: memory is then given back with `madvise`.
-    if PoolingAllocationConfig::is_pagemap_scan_available() {
-        pool.pagemap_scan(Enabled::Yes)
-            .linear_memory_keep_resident(MEMORY_KEEP_RESIDENT);
-    }
+    // Linear memories are given back with `madvise` when an instance goes,
+    // and faulted in again by the next one. Keeping them resident instead,
+    // reset in place where `PAGEMAP_SCAN` finds the pages written, is off:
+    // wasmtime 48's scan asks for pages written *and present*, so a written
+    // page the kernel has swapped out is neither reset nor given back, and
+    // the next instance in the slot reads the last one's bytes (another
+    // user's request; bytecodealliance/wasmtime#14357, open). Without the
+    // scan, keeping memory resident would mean `memset`ting it from address
+    // 0 up, the plugin's whole stack included, which costs more than the
+    // page faults it saves. Tables are still kept resident: without the
+    // scan that is a `memset` of their few pages, which a swapped-out page
+    // does not escape.
+    pool.pagemap_scan(Enabled::No);
     pool
 }
