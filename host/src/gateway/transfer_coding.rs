@@ -19,9 +19,8 @@ use http::HeaderMap;
 /// on as the body.
 pub(crate) fn unsupported(headers: &HeaderMap) -> Option<String> {
     let values = headers.get_all(TRANSFER_ENCODING);
-    if values.iter().next().is_none() {
-        return None;
-    }
+    // No header at all: nothing to decode.
+    values.iter().next()?;
     let mut chunked = 0;
     let only_chunked = values.iter().all(|value| {
         value.to_str().is_ok_and(|codings| {
@@ -37,7 +36,7 @@ pub(crate) fn unsupported(headers: &HeaderMap) -> Option<String> {
     });
     let last_chunked = values
         .iter()
-        .last()
+        .next_back()
         .and_then(|value| value.to_str().ok())
         .and_then(|codings| codings.rsplit(',').next())
         .is_some_and(|coding| coding.trim().eq_ignore_ascii_case("chunked"));
