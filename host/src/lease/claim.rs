@@ -563,8 +563,10 @@ impl Keeper {
     /// second.
     pub(super) fn report_bad_mark(&mut self, id: u32, value: &str, problem: &str) {
         let advice = format!(
-            "{problem}: skipping machine id {id}; delete the key, or set it to the last \
-             millisecond any holder of id {id} may have used"
+            "{problem}: skipping machine id {id}; set the key to the last millisecond any \
+             holder of id {id} may have used (a mark too far ahead may be right: then wait until \
+             this host's clock passes it, or set the clock right). Deleting the key is safe only \
+             once every holder of id {id} has been stopped for longer than its clock was ahead"
         );
         if self.reported.get(&id).map(String::as_str) != Some(value) {
             self.reported.insert(id, value.to_string());
