@@ -205,6 +205,26 @@ impl MachineIdentity {
         let Some(ceiling) = held.ceiling else {
             return Ok(());
         };
+        // A leased id's ids stay within the id clock's lead of this host's
+        // wall clock as it reads now, not only as it read at its highest:
+        // a replica that takes the slot after etcd lost its mark starts
+        // that lead (and the fleet's other margins) ahead of its own clock,
+        // and would meet ids this one made ahead of a clock that stepped
+        // back by more. (A fixed id's mark stays in its file, which a
+        // next start always reads.)
+        if ceiling.kept_in == MarkStore::Etcd {
+            let now = crate::utc::millis_of(std::time::SystemTime::now());
+            let lead = crate::clock::MAX_LEAD.as_millis() as u64;
+            if last_millis > now.saturating_add(lead) {
+                return Err(format!(
+                    "ids reached millisecond {last_millis}, more than {} s ahead of this host's \
+                     wall clock ({now}): it stepped back while the gateway ran; stamping resumes \
+                     once it catches up (a replica taking this slot after etcd lost its data \
+                     would start too close to these ids)",
+                    lead / 1000
+                ));
+            }
+        }
         if last_millis > ceiling.millis {
             self.ceiling_near.notify_one();
             let mark = ceiling.millis;
@@ -416,6 +436,28 @@ mod tests {
         identity.ceiling_raised(2_000, 1_500);
         assert_eq!(identity.confirm(Some(grant), 4_999), Ok(()));
         assert!(identity.confirm(Some(grant), 5_001).is_err());
+    }
+
+    /// A leased id's ids more than the id clock's lead ahead of the wall
+    /// clock as it reads now (after it stepped back) are refused, even
+    /// under the mark etcd confirmed; a fixed id's under its file's mark
+    /// are not.
+    #[test]
+    fn leased_ids_far_ahead_of_the_wall_clock_now_are_refused() {
+        let now = crate::utc::millis_of(std::time::SystemTime::now());
+        let lead = crate::clock::MAX_LEAD.as_millis() as u64;
+        let identity = leased(Duration::from_secs(60), now + 60_000);
+        let grant = identity.grant().expect("held").generation;
+        assert_eq!(identity.confirm(Some(grant), now + lead - 1_000), Ok(()));
+        let refused = identity
+            .confirm(Some(grant), now + 30_000)
+            .expect_err("30 s ahead of the wall clock");
+        assert!(refused.contains("stepped back"), "{refused}");
+
+        let fixed = MachineIdentity::fixed(SnowflakeLayout::TrtllmV1, 4).expect("in range");
+        fixed.bound_by_file_mark(now + 60_000, now + 50_000);
+        let grant = fixed.grant().expect("held").generation;
+        assert_eq!(fixed.confirm(Some(grant), now + 30_000), Ok(()));
     }
 
     #[test]
