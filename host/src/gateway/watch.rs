@@ -437,31 +437,25 @@ mod tests {
 
         let debounce = Duration::from_secs(5);
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-        // The poll asks every 2 s, for a minute.
-        let poll = tokio::spawn({
+        // `nudge` sent `times` times, `every` apart.
+        let send_every = |every: u64, times: usize, nudge: Nudge| {
             let tx = tx.clone();
-            async move {
-                for _ in 0..30 {
-                    tokio::time::sleep(Duration::from_secs(2)).await;
-                    let _ = tx.send(Nudge::Due);
+            tokio::spawn(async move {
+                for _ in 0..times {
+                    tokio::time::sleep(Duration::from_secs(every)).await;
+                    let _ = tx.send(nudge);
                 }
-            }
-        });
+            })
+        };
+        // The poll asks every 2 s, for a minute.
+        let poll = send_every(2, 30, Nudge::Due);
         let start = Instant::now();
         assert!(quiet_for(&mut rx, debounce).await);
         assert_eq!(start.elapsed(), debounce);
         poll.abort();
 
         // A change every second: given up on after ten quiet times.
-        let changes = tokio::spawn({
-            let tx = tx.clone();
-            async move {
-                for _ in 0..100 {
-                    tokio::time::sleep(Duration::from_secs(1)).await;
-                    let _ = tx.send(Nudge::Changed);
-                }
-            }
-        });
+        let changes = send_every(1, 100, Nudge::Changed);
         let start = Instant::now();
         assert!(quiet_for(&mut rx, debounce).await);
         assert_eq!(start.elapsed(), debounce * 10);
@@ -469,13 +463,7 @@ mod tests {
 
         // A change 3 s in starts the quiet time again.
         while rx.try_recv().is_ok() {}
-        let late = tokio::spawn({
-            let tx = tx.clone();
-            async move {
-                tokio::time::sleep(Duration::from_secs(3)).await;
-                let _ = tx.send(Nudge::Changed);
-            }
-        });
+        let late = send_every(3, 1, Nudge::Changed);
         let start = Instant::now();
         assert!(quiet_for(&mut rx, debounce).await);
         assert_eq!(start.elapsed(), Duration::from_secs(8));
