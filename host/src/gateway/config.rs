@@ -640,6 +640,16 @@ impl ConfigFile {
             config.plugin_limits.max_instances = n;
         }
         if self.plugin_compile_in_process == Some(true) {
+            // Limits an earlier layer (the config file, under the flags)
+            // set are not dropped without a word.
+            if let Some(process) = &config.compile_process {
+                anyhow::ensure!(
+                    process.limits == crate::CompileLimits::default(),
+                    "plugin-compile-in-process leaves out the process plugins are compiled in, \
+                     whose limits were set (plugin-compile-memory-mib or plugin-compile-cpu-secs, \
+                     in the config file): remove them, or compile in a process of its own"
+                );
+            }
             config.compile_process = None;
         }
         if self.plugin_compile_memory_mib.is_some() || self.plugin_compile_cpu_secs.is_some() {
@@ -1218,6 +1228,38 @@ mod tests {
             file().apply(&mut GatewayConfig::default()).unwrap_err()
         );
         assert!(err.contains("compiles them in its own"), "{err}");
+
+        // In-process compiling given over limits set before (a flag over
+        // the file's) is refused, not left to drop them.
+        let mut config = GatewayConfig {
+            compile_process: Some(CompileProcess::this_binary(
+                &["compile-plugin"],
+                crate::CompileLimits::default(),
+            )),
+            ..Default::default()
+        };
+        file().apply(&mut config).unwrap();
+        let in_process = ConfigFile {
+            plugin_compile_in_process: Some(true),
+            ..Default::default()
+        };
+        let err = format!("{:#}", in_process.apply(&mut config).unwrap_err());
+        assert!(err.contains("whose limits were set"), "{err}");
+        // Over the default limits it is taken.
+        let mut config = GatewayConfig {
+            compile_process: Some(CompileProcess::this_binary(
+                &["compile-plugin"],
+                crate::CompileLimits::default(),
+            )),
+            ..Default::default()
+        };
+        ConfigFile {
+            plugin_compile_in_process: Some(true),
+            ..Default::default()
+        }
+        .apply(&mut config)
+        .unwrap();
+        assert!(config.compile_process.is_none());
     }
 
     /// An empty token, which would match a request without one, or one no
