@@ -12,7 +12,7 @@
 
 mod support;
 
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use http::StatusCode;
@@ -366,12 +366,10 @@ async fn with_compile_in_process_no_compile_process_is_started() {
     assert!(stderr.contains("cannot be used with"), "{stderr}");
 }
 
-/// Sends process `pid` `signal` with `kill`.
+/// Sends process `pid` `signal`, if it is still there.
 fn signal(pid: u32, signal: &str) {
-    let _ = Command::new("kill")
-        .args([format!("-{signal}"), pid.to_string()])
-        .stderr(Stdio::null())
-        .status();
+    // It may have gone already.
+    let _ = send_signal(pid, signal);
 }
 
 /// A process killed when the test ends, pass or fail.

@@ -192,11 +192,7 @@ impl Etcd {
     /// Sends etcd `signal` (`STOP`, `CONT`).
     fn signal(&self, signal: &str) {
         let pid = self.child.as_ref().expect("etcd is running").id();
-        let status = Command::new("kill")
-            .args([format!("-{signal}"), pid.to_string()])
-            .status()
-            .expect("kill runs");
-        assert!(status.success(), "kill -{signal} {pid} failed");
+        support::send_signal(pid, signal).unwrap_or_else(|e| panic!("kill -{signal} {pid}: {e}"));
     }
 
     /// Waits (at most a few TTLs) until machine id `id` is free.

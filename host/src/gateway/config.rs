@@ -1203,18 +1203,21 @@ mod tests {
     /// gateway compiles in its own process, they are refused, not ignored.
     #[test]
     fn compile_limits_set_the_compile_process_or_are_refused_without_one() {
-        let file = || ConfigFile {
-            plugin_compile_memory_mib: Some(1024),
-            plugin_compile_cpu_secs: Some(30),
-            ..Default::default()
-        };
-        let mut config = GatewayConfig {
+        // A gateway that compiles in `snowgate compile-plugin`, under the
+        // default limits, as `snowgate serve`'s does.
+        let with_compile_process = || GatewayConfig {
             compile_process: Some(CompileProcess::this_binary(
                 &["compile-plugin"],
                 crate::CompileLimits::default(),
             )),
             ..Default::default()
         };
+        let file = || ConfigFile {
+            plugin_compile_memory_mib: Some(1024),
+            plugin_compile_cpu_secs: Some(30),
+            ..Default::default()
+        };
+        let mut config = with_compile_process();
         file().apply(&mut config).unwrap();
         assert_eq!(
             config.compile_process.expect("a process").limits,
@@ -1231,13 +1234,7 @@ mod tests {
 
         // In-process compiling given over limits set before (a flag over
         // the file's) is refused, not left to drop them.
-        let mut config = GatewayConfig {
-            compile_process: Some(CompileProcess::this_binary(
-                &["compile-plugin"],
-                crate::CompileLimits::default(),
-            )),
-            ..Default::default()
-        };
+        let mut config = with_compile_process();
         file().apply(&mut config).unwrap();
         let in_process = ConfigFile {
             plugin_compile_in_process: Some(true),
@@ -1246,13 +1243,7 @@ mod tests {
         let err = format!("{:#}", in_process.apply(&mut config).unwrap_err());
         assert!(err.contains("whose limits were set"), "{err}");
         // Over the default limits it is taken.
-        let mut config = GatewayConfig {
-            compile_process: Some(CompileProcess::this_binary(
-                &["compile-plugin"],
-                crate::CompileLimits::default(),
-            )),
-            ..Default::default()
-        };
+        let mut config = with_compile_process();
         ConfigFile {
             plugin_compile_in_process: Some(true),
             ..Default::default()

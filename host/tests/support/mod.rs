@@ -119,6 +119,28 @@ pub fn tool_present(present: bool, tool: &str, install: &str) -> bool {
     present
 }
 
+/// Sends process `pid` the signal named `signal` (`TERM`, `INT`, `HUP`,
+/// `KILL`, `STOP`, `CONT`), at once: through `kill(2)`, not a `kill`
+/// process, whose start could take longer than a test's window between
+/// two signals.
+pub fn send_signal(pid: u32, signal: &str) -> std::io::Result<()> {
+    let number = match signal {
+        "TERM" => libc::SIGTERM,
+        "INT" => libc::SIGINT,
+        "HUP" => libc::SIGHUP,
+        "KILL" => libc::SIGKILL,
+        "STOP" => libc::SIGSTOP,
+        "CONT" => libc::SIGCONT,
+        other => panic!("no signal named {other} here"),
+    };
+    // SAFETY: kill only sends a signal.
+    if unsafe { libc::kill(pid as libc::pid_t, number) } == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
 /// Awaits `future` for at most `bound`, panicking with `what` on timeout.
 pub async fn bounded<F: std::future::Future>(what: &str, bound: Duration, future: F) -> F::Output {
     match tokio::time::timeout(bound, future).await {
@@ -321,27 +343,10 @@ impl Gateway {
     }
 
     /// Sends a signal (`TERM`, `INT`, `HUP`, `KILL`, `STOP`, `CONT`), at
-    /// once: through `kill(2)`, not a `kill` process, whose start could
-    /// take longer than a test's window between two signals.
+    /// once (see [`send_signal`]).
     pub fn signal(&self, signal: &str) {
-        let number = match signal {
-            "TERM" => libc::SIGTERM,
-            "INT" => libc::SIGINT,
-            "HUP" => libc::SIGHUP,
-            "KILL" => libc::SIGKILL,
-            "STOP" => libc::SIGSTOP,
-            "CONT" => libc::SIGCONT,
-            other => panic!("no signal named {other} here"),
-        };
-        // SAFETY: kill only sends a signal.
-        let sent = unsafe { libc::kill(self.pid as libc::pid_t, number) };
-        assert_eq!(
-            sent,
-            0,
-            "kill -{signal} {}: {}",
-            self.pid,
-            std::io::Error::last_os_error()
-        );
+        send_signal(self.pid, signal)
+            .unwrap_or_else(|e| panic!("kill -{signal} {}: {e}", self.pid));
     }
 
     /// Stops it as an operator does (SIGTERM) and checks that it exits
