@@ -47,6 +47,10 @@ const MAX_CONNECTIONS: usize = 1 << 20;
 /// before the gateway adds its own (`X-Forwarded-For`, `Host`).
 pub const MAX_HEADER_BYTES: usize = 512 << 10;
 
+/// The smallest request head `--max-header-bytes` may allow: hyper's
+/// HTTP/1 read buffer is no smaller.
+pub const MIN_HEADER_BYTES: usize = 8192;
+
 /// The most `--max-streams-per-connection` may be.
 const MAX_STREAMS_PER_CONNECTION: u32 = 10_000;
 
@@ -169,7 +173,7 @@ pub struct ConnectionLimits {
     /// used up); then its connection is closed.
     pub send_timeout: Duration,
     /// The largest request head (request line and headers) accepted, in
-    /// bytes; larger heads get 431. At least 8192; at most
+    /// bytes; larger heads get 431. At least [`MIN_HEADER_BYTES`]; at most
     /// [`MAX_HEADER_BYTES`] is used.
     pub max_header_bytes: usize,
     /// Client connections served at once. At the limit the connection idle
@@ -714,8 +718,9 @@ impl ConfigFile {
         }
         if let Some(bytes) = self.max_header_bytes {
             anyhow::ensure!(
-                (8192..=MAX_HEADER_BYTES).contains(&bytes),
-                "max-header-bytes must be between 8192 and {MAX_HEADER_BYTES} (512 KiB), not {bytes}"
+                (MIN_HEADER_BYTES..=MAX_HEADER_BYTES).contains(&bytes),
+                "max-header-bytes must be between {MIN_HEADER_BYTES} and {MAX_HEADER_BYTES} \
+                 (512 KiB), not {bytes}"
             );
             config.connections.max_header_bytes = bytes;
         }

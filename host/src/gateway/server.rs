@@ -28,7 +28,7 @@ use crate::gateway::activity::{ActiveBody, Activity};
 use crate::gateway::body_memory::{ClientConnection, ConnectionWaits};
 use crate::gateway::client_body::{BodyProgress, ClientBody};
 use crate::gateway::client_gone::{ClientGone, ClientSocket, CLIENT_GONE_STATUS};
-use crate::gateway::config::{ConnectionLimits, MAX_HEADER_BYTES};
+use crate::gateway::config::{ConnectionLimits, MAX_HEADER_BYTES, MIN_HEADER_BYTES};
 use crate::gateway::error_chain;
 use crate::gateway::header_order::remove_in_order;
 use crate::gateway::metrics::{Metrics, Outcome};
@@ -124,9 +124,11 @@ pub async fn serve(
     for worker in 0..workers.len() {
         workers.spawn(worker, keep_a_timer_armed(limits.header_read_timeout / 2));
     }
-    // Within what a header map holds, for an embedder's configuration too
-    // (see `MAX_HEADER_BYTES`).
-    let header_bytes = limits.max_header_bytes.clamp(8192, MAX_HEADER_BYTES);
+    // Within the bounds the configuration checks, for an embedder's too
+    // (see `MAX_HEADER_BYTES`: what a header map holds).
+    let header_bytes = limits
+        .max_header_bytes
+        .clamp(MIN_HEADER_BYTES, MAX_HEADER_BYTES);
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
