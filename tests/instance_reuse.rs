@@ -219,9 +219,18 @@ fn varied_bodies() -> Vec<Request> {
     .collect();
     requests.push(json_request(vec![b'['; 1000]));
     requests.push(json_request(b"{\"a\":\"\xff\"}".to_vec()));
-    let mut msgpack = json_request(vec![0x81, 0xa1, b'a', 0x01]);
-    msgpack.headers = vec![("content-type".into(), b"application/msgpack".to_vec())].into();
-    requests.push(msgpack);
+    // MessagePack, as TensorRT-LLM marks it: a map to stamp, one left
+    // alone, and one cut short.
+    let mut to_stamp = vec![0x81, 0xb4];
+    to_stamp.extend_from_slice(b"disaggregated_params");
+    to_stamp.extend_from_slice(&[0x81, 0xac]);
+    to_stamp.extend_from_slice(b"request_type");
+    to_stamp.push(0xac);
+    to_stamp.extend_from_slice(b"context_only");
+    let cut_short = to_stamp[..to_stamp.len() - 3].to_vec();
+    for body in [to_stamp, vec![0x81, 0xa1, b'a', 0x01], cut_short] {
+        requests.push(with_header(json_request(body), "x-trtllm-msgpack", b"1"));
+    }
     let mut large = br#"{"prompt_token_ids":["#.to_vec();
     for i in 0..50_000 {
         large.extend_from_slice(format!("{i},").as_bytes());
@@ -251,9 +260,18 @@ fn the_bundled_plugin_answers_a_reused_instance_as_it_answers_a_fresh_one() {
     let sync = plugin(1000);
     let requests = varied_bodies();
     runtime().block_on(async {
+        let mut kinds = Vec::new();
         for round in 0..3 {
             for (i, request) in requests.iter().enumerate() {
                 let expected = exact(&fresh.handle_async(request).await);
+                let format = match request.headers.values("x-trtllm-msgpack").is_empty() {
+                    true => "json",
+                    false => "msgpack",
+                };
+                kinds.push(format!(
+                    "{format} {}",
+                    expected.split(' ').next().unwrap_or_default()
+                ));
                 assert_eq!(
                     exact(&reused.handle_async(request).await),
                     expected,
@@ -265,6 +283,13 @@ fn the_bundled_plugin_answers_a_reused_instance_as_it_answers_a_fresh_one() {
                     expected,
                     "round {round}, body {i}: the sync path answered otherwise"
                 );
+            }
+        }
+        // The bodies do take each kind of answer, MessagePack's too.
+        for kind in ["forward", "forward-with-body", "reject"] {
+            for format in ["json", "msgpack"] {
+                let kind = format!("{format} {kind}");
+                assert!(kinds.contains(&kind), "no {kind} among {kinds:?}");
             }
         }
     });
