@@ -1422,13 +1422,75 @@ fn mp_document() -> BoxedStrategy<rmpv::Value> {
             prop::collection::vec(inner, 0..3).prop_map(rmpv::Value::Array)
         }),
     ];
+    // Params maps as a router sends them, among other pairs: without them
+    // a random map rarely holds `disaggregated_params` over a map that
+    // holds `request_type: context_only` (about one document in a
+    // thousand), and the stamping path went all but unchecked.
+    let request_type =
+        prop::sample::select(vec!["context_only", "CONTEXT_ONLY", "generation_only"])
+            .prop_map(rmpv::Value::from);
+    let id = prop_oneof![
+        Just(None),
+        Just(Some(rmpv::Value::Nil)),
+        any::<u64>().prop_map(|n| Some(rmpv::Value::from(n))),
+    ];
     leaf.prop_recursive(5, 64, 6, move |inner| {
+        let params = (
+            request_type.clone(),
+            id.clone(),
+            prop::collection::vec((key.clone(), inner.clone()), 0..3),
+        )
+            .prop_map(|(request_type, id, mut pairs)| {
+                pairs.insert(0, ("request_type".into(), request_type));
+                if let Some(id) = id {
+                    pairs.push(("disagg_request_id".into(), id));
+                }
+                rmpv::Value::Map(pairs)
+            });
+        let with_params = (
+            prop::collection::vec((key.clone(), inner.clone()), 0..3),
+            params,
+        )
+            .prop_map(|(mut pairs, params)| {
+                pairs.push(("disaggregated_params".into(), params));
+                rmpv::Value::Map(pairs)
+            });
         prop_oneof![
-            prop::collection::vec(inner.clone(), 0..5).prop_map(rmpv::Value::Array),
-            prop::collection::vec((key.clone(), inner), 0..6).prop_map(rmpv::Value::Map),
+            2 => prop::collection::vec(inner.clone(), 0..5).prop_map(rmpv::Value::Array),
+            2 => prop::collection::vec((key.clone(), inner), 0..6).prop_map(rmpv::Value::Map),
+            3 => with_params,
         ]
     })
     .boxed()
+}
+
+/// The MessagePack documents of the property tests do reach the
+/// stamping path: at least a fifth of them get ids.
+#[test]
+fn the_messagepack_property_tests_mostly_reach_the_stamping_path() {
+    use proptest::strategy::ValueTree as _;
+    use proptest::test_runner::TestRunner;
+    let mut runner = TestRunner::deterministic();
+    let strategy = mp_document();
+    let summaries: Vec<String> = (0..500)
+        .map(|_| {
+            let doc = strategy
+                .new_tree(&mut runner)
+                .expect("a document")
+                .current();
+            mp_oracle::check_msgpack_body(&mp_encode(&doc))
+        })
+        .collect();
+    let stamped = summaries.iter().filter(|s| s.starts_with("stamp")).count();
+    let nil_replaced = summaries
+        .iter()
+        .filter(|s| s.starts_with("stamp") && !s.contains("-nil0-"))
+        .count();
+    assert!(stamped >= 100, "{stamped} of 500 stamped");
+    assert!(
+        nil_replaced >= 20,
+        "{nil_replaced} of 500 had a nil id replaced"
+    );
 }
 
 /// The host lets a plugin answer with twice the largest body it takes
