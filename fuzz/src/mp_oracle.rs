@@ -325,14 +325,19 @@ pub fn timestamp(data: &[u8]) -> Result<(i64, u32), String> {
     if nanos >= 1_000_000_000 {
         return Err("a timestamp with a billion nanoseconds or more".into());
     }
+    // Checked before rounding too: msgspec refuses the last microsecond
+    // before the year 1 (second -62,135,596,801, 999,999,500 ns), which
+    // rounds up into it.
+    if !DATETIME_SECONDS.contains(&secs) {
+        return Err("a timestamp outside the years 1 to 9999".into());
+    }
     let micros = (nanos + 500) / 1000;
     let (secs, micros) = if micros == 1_000_000 {
         (secs.checked_add(1).ok_or("a timestamp out of range")?, 0)
     } else {
         (secs, micros as u32)
     };
-    // Checked after rounding: what rounds past the year 9999 is refused,
-    // and nothing before the year 1 rounds into it.
+    // And after: what rounds past the year 9999 is refused.
     if !DATETIME_SECONDS.contains(&secs) {
         return Err("a timestamp outside the years 1 to 9999".into());
     }
