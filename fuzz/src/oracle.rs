@@ -116,8 +116,14 @@ enum Verdict {
 /// Runs every check on `body`: `decide` never fails or panics; it agrees
 /// with `find_edits`; it refuses exactly what is not JSON (with 400); what
 /// it stamps is the input plus ids, byte for byte, at exactly the effective
-/// context-only params serde_json finds; and stamping is idempotent.
-pub fn check_body(body: &[u8], parse: Parse) {
+/// context-only params serde_json finds, replacing a `null` id exactly
+/// where serde_json reads one; and stamping is idempotent.
+///
+/// Returns a short summary of what happened, which names regression
+/// inputs: `stamp2-null1-valid` (two ids, one replacing `null`, the body
+/// valid JSON to the oracle), `reject-invalid_json-invalid`,
+/// `forward-unknown` (the oracle does not judge it, see the module docs).
+pub fn check_body(body: &[u8], parse: Parse) -> String {
     assert_eq!(
         MAX_NESTING_DEPTH, DOCUMENTED_DEPTH,
         "the nesting limit moved"
@@ -128,8 +134,13 @@ pub fn check_body(body: &[u8], parse: Parse) {
     let decision = decide(&Config::default(), false, body, &mut source)
         .unwrap_or_else(|e| panic!("plugin failure: {e}"));
     let verdict = oracle(body, parse);
+    let verdict_name = match &verdict {
+        Verdict::Valid(_) => "valid",
+        Verdict::Invalid(_) => "invalid",
+        Verdict::Unknown => "unknown",
+    };
 
-    match (&found, &decision) {
+    let what = match (&found, &decision) {
         (Err(e), Decision::Reject(r)) => {
             check_body_error(body, e);
             assert_eq!(r.status, 400, "rejection {r:?}");
@@ -139,6 +150,7 @@ pub fn check_body(body: &[u8], parse: Parse) {
             if let Verdict::Valid(_) = verdict {
                 panic!("serde_json accepts the body, snowgate rejects it: {r:?}");
             }
+            format!("reject-{}", r.code)
         }
         (Ok(edits), Decision::Forward) => {
             assert!(edits.is_empty(), "forwarded despite edits {edits:?}");
@@ -155,6 +167,7 @@ pub fn check_body(body: &[u8], parse: Parse) {
                 Verdict::Invalid(e) => panic!("serde_json rejects ({e}), snowgate forwards"),
                 Verdict::Unknown => {}
             }
+            "forward".to_string()
         }
         (Ok(edits), Decision::ForwardWithBody { body: output, ids }) => {
             assert!(!edits.is_empty(), "stamped without edits");
@@ -175,12 +188,36 @@ pub fn check_body(body: &[u8], parse: Parse) {
                 "stamping again would change the body: {}",
                 String::from_utf8_lossy(output)
             );
+            let nulls = edits
+                .iter()
+                .filter(|e| matches!(e, Edit::ReplaceNull { .. }))
+                .count();
             if let Verdict::Valid(value) = &verdict {
                 check_against_serde(value, output, ids, parse);
+                assert_eq!(
+                    nulls,
+                    null_ids_needed(value),
+                    "ids replacing null where serde_json reads none, or added beside one: {}",
+                    String::from_utf8_lossy(output)
+                );
             }
+            format!("stamp{}-null{nulls}", edits.len())
         }
         (found, decision) => panic!("find_edits gave {found:?} but decide gave {decision:?}"),
-    }
+    };
+    format!("{what}-{verdict_name}")
+}
+
+/// How many of the params that need an id (see [`paths_needing_ids`])
+/// hold a `null` one, which the id must replace: added beside it, the
+/// object would hold the key twice, and a reader that keeps the first, or
+/// refuses duplicates, would see no id.
+fn null_ids_needed(value: &Value) -> usize {
+    let mut value = value.clone();
+    paths_needing_ids(&value)
+        .iter()
+        .filter(|path| at_path(&mut value, path).get("disagg_request_id") == Some(&Value::Null))
+        .count()
 }
 
 /// What serde_json (with the documented differences handled) says of `body`.

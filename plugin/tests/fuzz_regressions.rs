@@ -2,13 +2,13 @@
 //! checks of the `stamp_core` fuzz target, which live in
 //! `fuzz/src/oracle.rs` and are included here as a module.
 //!
-//! The inputs: every crash the fuzzer found (`crash-*`), a minimized,
-//! diverse slice of its corpus, named `<what decide does>-<what serde_json
-//! says>-<corpus file name>` (e.g. `stamp3-null2-valid-lone-...`: three ids,
-//! two of them replacing `null`; valid JSON once lone surrogates are mapped),
-//! both in `tests/fuzz_regressions/`, and the fuzzers' hand-written seeds
-//! (`fuzz/seeds/stamp_core/`). To add an input, drop the file in the
-//! directory.
+//! The inputs: every crash the fuzzer found and a minimized, diverse slice
+//! of its corpus, in `tests/fuzz_regressions/`, each named `<what the
+//! oracle's check returns>-<what it is>` (e.g. `stamp3-null2-valid-lone-...`:
+//! three ids, two of them replacing `null`; valid JSON once lone surrogates
+//! are mapped), which the test holds it to; and the fuzzers' hand-written
+//! seeds (`fuzz/seeds/stamp_core/`). To add an input, drop the file in the
+//! directory under such a name.
 //!
 //! MessagePack bodies go through the checks of the `stamp_msgpack` fuzz
 //! target (`fuzz/src/mp_oracle.rs`): the inputs in
@@ -80,9 +80,10 @@ fn every_fuzz_regression_input_keeps_the_stamp_core_invariants() {
     let failures: Vec<String> = inputs
         .iter()
         .filter_map(|(path, body)| {
-            catch_unwind(AssertUnwindSafe(|| oracle::check_body(body, parse)))
-                .err()
-                .map(|panic| format!("{}: {}", path.display(), panic_message(&*panic)))
+            match catch_unwind(AssertUnwindSafe(|| oracle::check_body(body, parse))) {
+                Err(panic) => Some(format!("{}: {}", path.display(), panic_message(&*panic))),
+                Ok(summary) => changed_outcome(path, "fuzz_regressions", &summary),
+            }
         })
         .collect();
     assert!(
@@ -92,6 +93,16 @@ fn every_fuzz_regression_input_keeps_the_stamp_core_invariants() {
         inputs.len(),
         failures.join("\n")
     );
+}
+
+/// A regression input's name starts with what the check says of it (a
+/// seed's need not), so that a change of outcome shows: a message saying
+/// so when the input, in the directory `regressions`, is named otherwise.
+fn changed_outcome(path: &std::path::Path, regressions: &str, summary: &str) -> Option<String> {
+    let name = path.file_name()?.to_string_lossy();
+    let is_regression = path.parent().is_some_and(|p| p.ends_with(regressions));
+    (is_regression && !name.starts_with(&format!("{summary}-")))
+        .then(|| format!("{}: now {summary}", path.display()))
 }
 
 /// The panic message of a failed check.
@@ -130,14 +141,7 @@ fn msgpack_failures(inputs: &[(PathBuf, Vec<u8>)]) -> Vec<String> {
         .filter_map(|(path, body)| {
             match catch_unwind(AssertUnwindSafe(|| mp_oracle::check_msgpack_body(body))) {
                 Err(panic) => Some(format!("{}: {}", path.display(), panic_message(&*panic))),
-                // A regression input's name starts with what the check
-                // says of it, so a change of outcome shows.
-                Ok(summary) => {
-                    let name = path.file_name().unwrap().to_string_lossy();
-                    let is_regression = path.parent().is_some_and(|p| p.ends_with("msgpack"));
-                    (is_regression && !name.starts_with(&format!("{summary}-")))
-                        .then(|| format!("{}: now {summary}", path.display()))
-                }
+                Ok(summary) => changed_outcome(path, "msgpack", &summary),
             }
         })
         .collect();
