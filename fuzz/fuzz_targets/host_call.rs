@@ -4,11 +4,19 @@
 //! (the gateway's path: an instance reused across inputs, so one instance
 //! sees a long run of arbitrary bodies). Neither call fails, and each
 //! answer is the native core's decision: the same refusal, the same
-//! forward, or the same edits filled with ids from the host's clock.
+//! forward, or the same edits filled with ids from the host's clock; and
+//! every id of the run is greater than every id before it, whichever path
+//! made it.
+//!
+//! A body that starts with a MessagePack map or array marker (0x80 to
+//! 0x9f, 0xdc to 0xdf: never the first byte of UTF-8 text, so never JSON)
+//! goes with `X-TRTLLM-Msgpack: 1`, and is compared with the native core's
+//! MessagePack decision: the wasm32 build is the only one whose `usize`
+//! has 32 bits, where the MessagePack walk's lengths could overflow.
 
 #![no_main]
 
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use libfuzzer_sys::fuzz_target;
@@ -18,7 +26,10 @@ use snowgate_host::{
     Request,
 };
 use snowgate_plugin::stamp::apply;
-use snowgate_plugin::{decide, find_edits, Config, Decision, Edit, SnowflakeLayout};
+use snowgate_plugin::{
+    decide, find_edits, find_msgpack_edits, msgpack, Config, Decision, Edit, MsgpackEdit,
+    SnowflakeLayout,
+};
 
 /// The machine id the host hands the plugin.
 const MACHINE: u32 = 7;
@@ -114,22 +125,138 @@ fn call(request: &Request, reused: bool) -> Result<Action, CallError> {
     }
 }
 
+/// Whether the body goes as MessagePack: it starts with a map or array
+/// marker.
+fn is_msgpack(data: &[u8]) -> bool {
+    matches!(data.first(), Some(0x80..=0x9f | 0xdc..=0xdf))
+}
+
 fuzz_target!(|data: &[u8]| {
+    let msgpack = is_msgpack(data);
+    let mut headers = vec![("content-type".into(), b"application/json".to_vec())];
+    if msgpack {
+        headers.push(("x-trtllm-msgpack".into(), b"1".to_vec()));
+    }
     let request = Request {
         method: "POST".into(),
         path: "/v1/completions".into(),
-        headers: vec![("content-type".into(), b"application/json".to_vec())],
+        headers: headers.into(),
         body: data.to_vec(),
     };
     for reused in [false, true] {
         let action = call(&request, reused)
             .unwrap_or_else(|e| panic!("the call failed (reused instance: {reused}): {e}"));
-        check(data, action);
+        let ids = if msgpack {
+            check_msgpack(data, action)
+        } else {
+            check(data, action)
+        };
+        check_after_all_before(&ids, reused);
     }
 });
 
-/// `action` is what the native core decides for `data`.
-fn check(data: &[u8], action: Action) {
+/// The ids of one answer are each greater than every id the run has seen:
+/// the host's clock gives each tick once per process, to any instance.
+fn check_after_all_before(ids: &[u64], reused: bool) {
+    static LAST: Mutex<u64> = Mutex::new(0);
+    let mut last = LAST.lock().unwrap_or_else(|p| p.into_inner());
+    for &id in ids {
+        assert!(
+            id > *last,
+            "id {id} after {} (reused instance: {reused}): repeated or gone back",
+            *last
+        );
+        *last = id;
+    }
+}
+
+/// `action` is what the native core decides for the MessagePack body
+/// `data`; returns the ids the plugin gave.
+fn check_msgpack(data: &[u8], action: Action) -> Vec<u64> {
+    let native = decide(
+        &Config { layout: LAYOUT },
+        true,
+        data,
+        &mut CounterIds::new(LAYOUT),
+    )
+    .expect("no native plugin failure");
+    match (native, action) {
+        (Decision::Forward, Action::Forward) => Vec::new(),
+        (Decision::Reject(native), Action::Reject(r)) => {
+            assert_eq!(
+                (r.status, r.code.as_str(), r.message.as_str()),
+                (native.status, native.code, native.message.as_str()),
+                "the plugin's refusal differs from the native one"
+            );
+            Vec::new()
+        }
+        (Decision::ForwardWithBody { .. }, Action::ForwardWithBody(output)) => {
+            let edits = find_msgpack_edits(data).expect("stamped bodies are valid");
+            let ids = read_back_msgpack_ids(data, &output, &edits);
+            assert_eq!(
+                output,
+                msgpack::apply(data, &edits, &ids),
+                "not the native edits"
+            );
+            check_made_here(&ids);
+            assert_eq!(
+                find_msgpack_edits(&output),
+                Ok(vec![]),
+                "the stamped body needs ids still"
+            );
+            ids
+        }
+        (native, action) => panic!("native decision {native:?}, plugin answer {action:?}"),
+    }
+}
+
+/// Reads back the ids the plugin wrote into `output` at `edits`: each is a
+/// `uint 64` whose eight bytes are where the native splice of an id of all
+/// ones differs from that of an id of zero.
+fn read_back_msgpack_ids(data: &[u8], output: &[u8], edits: &[MsgpackEdit]) -> Vec<u64> {
+    let zeros = vec![0; edits.len()];
+    let blank = msgpack::apply(data, edits, &zeros);
+    assert_eq!(output.len(), blank.len(), "not the native edits' length");
+    (0..edits.len())
+        .map(|edit| {
+            let mut marked = zeros.clone();
+            marked[edit] = u64::MAX;
+            let at = msgpack::apply(data, edits, &marked)
+                .iter()
+                .zip(&blank)
+                .position(|(a, b)| a != b)
+                .expect("an id of all ones differs from one of zero");
+            let bytes = output[at..at + 8].try_into().expect("eight bytes");
+            u64::from_be_bytes(bytes)
+        })
+        .collect()
+}
+
+/// The ids are increasing, of the host's machine id, and near now.
+fn check_made_here(ids: &[u64]) {
+    assert!(
+        ids.windows(2).all(|w| w[0] < w[1]),
+        "ids not increasing: {ids:?}"
+    );
+    for id in ids {
+        let parts = LAYOUT.decode(*id).expect("a v1 id");
+        assert_eq!(parts.machine_id, MACHINE, "id {id}");
+        // Made from the host's clock: near now.
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("after 1970")
+            .as_millis() as u64;
+        assert!(
+            parts.millis <= now + 60_000 && parts.millis + 3_600_000 >= now,
+            "id {id} has time {} ms, now is {now}",
+            parts.millis
+        );
+    }
+}
+
+/// `action` is what the native core decides for the JSON body `data`;
+/// returns the ids the plugin gave.
+fn check(data: &[u8], action: Action) -> Vec<u64> {
     let native = decide(
         &Config { layout: LAYOUT },
         false,
@@ -138,48 +265,27 @@ fn check(data: &[u8], action: Action) {
     )
     .expect("no native plugin failure");
     match (native, action) {
-        (Decision::Forward, Action::Forward) => {}
+        (Decision::Forward, Action::Forward) => Vec::new(),
         (Decision::Reject(native), Action::Reject(r)) => {
             assert_eq!(
                 (r.status, r.code.as_str(), r.message.as_str()),
                 (native.status, native.code, native.message.as_str()),
                 "the plugin's refusal differs from the native one"
             );
+            Vec::new()
         }
-        (
-            Decision::ForwardWithBody {
-                ids: native_ids, ..
-            },
-            Action::ForwardWithBody(output),
-        ) => {
+        (Decision::ForwardWithBody { .. }, Action::ForwardWithBody(output)) => {
             let edits = find_edits(data).expect("stamped bodies are valid");
             let ids = read_back_ids(&output, &edits);
-            assert_eq!(ids.len(), native_ids.len());
             assert_eq!(output, apply(data, &edits, &ids), "not the native edits");
             assert_only_ids_spliced_in(data, &output, &edits, &ids);
-            assert!(
-                ids.windows(2).all(|w| w[0] < w[1]),
-                "ids not increasing: {ids:?}"
-            );
-            for id in &ids {
-                let parts = LAYOUT.decode(*id).expect("a v1 id");
-                assert_eq!(parts.machine_id, MACHINE, "id {id}");
-                // Made from the host's clock: near now.
-                let now = std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .expect("after 1970")
-                    .as_millis() as u64;
-                assert!(
-                    parts.millis <= now + 60_000 && parts.millis + 3_600_000 >= now,
-                    "id {id} has time {} ms, now is {now}",
-                    parts.millis
-                );
-            }
+            check_made_here(&ids);
             assert_eq!(
                 find_edits(&output),
                 Ok(vec![]),
                 "the stamped body needs ids still"
             );
+            ids
         }
         (native, action) => panic!("native decision {native:?}, plugin answer {action:?}"),
     }
