@@ -47,7 +47,7 @@ one_run() { # $1: content type
     # Past wrk's connection set-up and the first instances.
     sleep 2
     local before; before=$(requests)
-    perf record -q -F 1999 -p "$SG" -o "$DIR/perf.data" -- sleep 4 > /dev/null 2>&1
+    perf record -q -e task-clock -F 1999 -p "$SG" -o "$DIR/perf.data" -- sleep 4 > /dev/null 2>&1
     local after; after=$(requests)
     wait "$wrk"
     kill -TERM "$SG"; wait "$SG" || true

@@ -48,7 +48,10 @@ send() { # PORT CTYPE COUNT: COUNT requests, all of which must be answered 200
     grep -q "\[200\] $3 responses" <<<"$out" || { echo "$0: not every request got 200:" >&2; echo "$out" >&2; exit 1; }
 }
 
-count() { # BINARY CTYPE -> instructions per request
+count() ( # BINARY CTYPE -> instructions per request
+    # A subshell with a trap of its own: it runs in $(...), where the EXIT
+    # trap above does not run and does not see this SG, so on a failure it
+    # stops its own snowgate before the trap above deletes $DIR.
     local port admin
     port=$(free_port); admin=$(free_port)
     rm -f "$DIR"/cg.out*
@@ -57,6 +60,7 @@ count() { # BINARY CTYPE -> instructions per request
         --upstream "http://127.0.0.1:$UP" --machine-id 1 --workers 1 --plugin-instances 8 \
         --plugin-compile-in-process > "$DIR/snowgate.log" 2>&1 &
     SG=$!
+    trap '[ -z "$SG" ] || { kill "$SG" 2>/dev/null; wait "$SG" 2>/dev/null; } || true' EXIT
     for _ in $(seq 600); do curl -sf -o /dev/null "127.0.0.1:$admin/readyz" && break; sleep 0.2; done
     curl -sf -o /dev/null "127.0.0.1:$admin/readyz" || { cat "$DIR/snowgate.log" >&2; exit 1; }
     send "$port" "$2" 200
@@ -68,7 +72,7 @@ count() { # BINARY CTYPE -> instructions per request
     local total
     total=$(sed -n 's/^summary: //p' "$DIR/cg.out.1")
     echo $((total / N))
-}
+)
 
 printf '%-18s' "content type"
 for binary in "$@"; do printf ' %16s' "$(basename "$binary" | cut -c1-16)"; done

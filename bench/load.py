@@ -24,7 +24,8 @@ upstream), and drives each in turns with wrk, round after round, on a 1 KiB chat
 a 64 KiB request (both context-only, no id). Then, if `oha` is on the PATH, it measures the
 latency at a fixed rate of half of snowgate-plugin's peak.
 
-Writes bench/results/latest.json and bench/results/load.svg and stops everything on exit.
+Writes bench/results/latest.json, latest.md and load.svg (or into --out) and stops everything
+on exit.
 Installs nothing: a missing tool is reported with the command that installs it.
 Python standard library only.
 """
@@ -1277,7 +1278,6 @@ def main() -> None:
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGHUP, _on_signal)
-    atexit.register(_stop_all)
 
     load_start = os.getloadavg()
     started_at = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
@@ -1288,8 +1288,10 @@ def main() -> None:
               "the load tool, the servers and whatever else runs share the CPUs, so the numbers "
               "will be noisy. The 'everything else' CPU column shows how much each run lost.")
     bench = Bench(args)
+    # atexit runs the last registered first: stop the processes, then remove their directory
     if not args.keep_tmp:
         atexit.register(lambda: shutil.rmtree(bench.tmp, ignore_errors=True))
+    atexit.register(_stop_all)
     bench.start_all()
     print("started: " + ", ".join(f"{t} :{bench.ports[t]}" for t in TARGETS))
     checks = bench.check()

@@ -296,9 +296,10 @@ def main() -> None:
             sys.exit(f"{path} not found: cargo build --release --locked")
     signal.signal(signal.SIGTERM, load._on_signal)
     signal.signal(signal.SIGINT, load._on_signal)
-    atexit.register(load._stop_all)
     run = Run(args)
+    # atexit runs the last registered first: stop the processes, then remove their directory
     atexit.register(lambda: shutil.rmtree(run.tmp, ignore_errors=True))
+    atexit.register(load._stop_all)
     result = run.main()
     text = markdown(result)
     load.write_report(args.out, "reloads-under-load", result, text)

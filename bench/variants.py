@@ -67,9 +67,10 @@ def compare(args: argparse.Namespace, variants: dict[str, dict[str, str]], title
         sys.exit("needs nginx and wrk: apt-get install nginx wrk")
     signal.signal(signal.SIGTERM, load._on_signal)
     signal.signal(signal.SIGINT, load._on_signal)
-    atexit.register(load._stop_all)
     tmp = tempfile.mkdtemp(prefix="snowgate-variants-")
+    # atexit runs the last registered first: stop the processes, then remove their directory
     atexit.register(lambda: shutil.rmtree(tmp, ignore_errors=True))
+    atexit.register(load._stop_all)
     os.chmod(tmp, 0o755)
     snowgate = load.private_copy(args.snowgate, tmp)
 
