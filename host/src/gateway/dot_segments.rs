@@ -11,8 +11,8 @@
 //! Servers disagree on what a segment is, so the count is the one that
 //! climbs furthest under any common reading: `%2e` is a dot; `\`, `%2f` and
 //! `%5c` end a segment as `/` does (Windows servers, and servers that decode
-//! before they resolve); a segment ends its name at `;` (`..;x` is `..` to
-//! Tomcat); and an empty segment does not count as a level, as servers that
+//! before they resolve); a segment ends its name at `;` or `%3b` (`..;x` is
+//! `..` to Tomcat); and an empty segment does not count as a level, as servers that
 //! merge slashes drop it. Only the path is read, never the query.
 
 /// Whether `path` (a request's path, without its query) has more `..`
@@ -45,12 +45,15 @@ pub(crate) fn climbs_above_root(path: &str) -> bool {
 }
 
 /// The byte a `%XX` escape at the start of `bytes` stands for, when it is
-/// one of those that matter here: a dot, a slash or a backslash.
+/// one of those that matter here: a dot, a slash, a backslash or a
+/// semicolon (`..%3b` is `..;`, so `..`, to a server that decodes before it
+/// cuts a segment's parameters off).
 fn escaped(bytes: &[u8]) -> Option<u8> {
     let hex = bytes.get(1..3)?;
     match [hex[0].to_ascii_lowercase(), hex[1].to_ascii_lowercase()] {
         [b'2', b'e'] => Some(b'.'),
         [b'2', b'f'] => Some(b'/'),
+        [b'3', b'b'] => Some(b';'),
         [b'5', b'c'] => Some(b'\\'),
         _ => None,
     }
@@ -118,6 +121,8 @@ mod tests {
             "/v1\\..\\..\\admin",
             "/..;/admin",
             "/..;jsessionid=1/admin",
+            "/..%3b/admin",
+            "/..%3Bx/admin",
             // An empty segment is no level: merged, `//` is `/`.
             "/v1//../../admin",
             "/./../admin",
