@@ -1747,6 +1747,103 @@ async fn refuses_a_path_that_climbs_out_of_the_upstream_base_path() {
     assert_eq!(upstream.only_seen().path, "/api/v1/x/../models?q=..");
 }
 
+/// An HTTP/2 `:path` without its leading `/` reaches no upstream. Joined
+/// to the base path as it came, `x/../admin` under `/api` would ask for
+/// `/apix/../admin` (which resolves to `/admin`) and `-internal/keys` for
+/// `/api-internal/keys`. h2 checks only that the path is not empty; the
+/// `http` crate refuses the rest (since 1.4.1), and the stream is reset; the
+/// upstream path's own check stands behind it. Sent as raw frames: no
+/// HTTP/2 client here sends such a path.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_path_without_its_leading_slash_reaches_no_upstream() {
+    let upstream = TestUpstream::start().await;
+    let base = format!("{}/api", upstream.url());
+    let gateway = Gateway::start(&["--upstream", &base]).await;
+    for path in ["x/../admin", "-internal/keys"] {
+        let mut stream = TcpStream::connect(gateway.addr).await.expect("connect");
+        let mut block = Vec::new();
+        for (name, value) in [
+            (":method", "GET"),
+            (":scheme", "http"),
+            (":authority", "a"),
+            (":path", path),
+        ] {
+            // A literal field, not indexed, name and value as they are.
+            block.push(0x00);
+            block.push(name.len() as u8);
+            block.extend_from_slice(name.as_bytes());
+            block.push(value.len() as u8);
+            block.extend_from_slice(value.as_bytes());
+        }
+        let mut frames =
+            b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00".to_vec();
+        // HEADERS on stream 1, END_STREAM and END_HEADERS.
+        frames.extend_from_slice(&(block.len() as u32).to_be_bytes()[1..]);
+        frames.extend_from_slice(&[0x01, 0x05, 0, 0, 0, 1]);
+        frames.extend_from_slice(&block);
+        stream.write_all(&frames).await.expect("write");
+        let answer = bounded(
+            "the gateway's answer to stream 1",
+            Duration::from_secs(10),
+            stream_1_answer(&mut stream),
+        )
+        .await;
+        // A reset, or 400 (`:status` 400 is HPACK's static entry 12).
+        assert!(
+            answer == H2Answer::Reset || answer == H2Answer::Headers(0x8c),
+            "{path}: {answer:?}"
+        );
+    }
+    assert!(upstream.seen().is_empty(), "{:?}", upstream.seen());
+    // With its `/`, a path goes through, after the base path.
+    let mut sender = http2_to::<Full<Bytes>>(gateway.addr).await;
+    let request = http::Request::get(format!("http://{}/v1/models", gateway.addr))
+        .body(Full::new(Bytes::new()))
+        .expect("a request");
+    let response = sender.send_request(request).await.expect("an answer");
+    assert_eq!(response.status(), 200);
+    assert_eq!(upstream.only_seen().path, "/api/v1/models");
+}
+
+/// How the gateway answered an HTTP/2 stream 1.
+#[derive(Debug, PartialEq, Eq)]
+enum H2Answer {
+    /// RST_STREAM.
+    Reset,
+    /// HEADERS, whose field block starts with this byte.
+    Headers(u8),
+    /// GOAWAY, or the connection closed first.
+    Closed,
+}
+
+/// Reads frames until one answers stream 1.
+async fn stream_1_answer(stream: &mut TcpStream) -> H2Answer {
+    use tokio::io::AsyncReadExt as _;
+    loop {
+        let mut head = [0u8; 9];
+        if stream.read_exact(&mut head).await.is_err() {
+            return H2Answer::Closed;
+        }
+        let length = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+        let mut payload = vec![0u8; length];
+        if stream.read_exact(&mut payload).await.is_err() {
+            return H2Answer::Closed;
+        }
+        let stream_id = u32::from_be_bytes([head[5], head[6], head[7], head[8]]) & 0x7fff_ffff;
+        match (head[3], stream_id) {
+            (0x03, 1) => return H2Answer::Reset,
+            (0x01, 1) => {
+                // PADDED and PRIORITY put bytes before the field block.
+                let padded = usize::from(head[4] & 0x08 != 0);
+                let priority = if head[4] & 0x20 != 0 { 5 } else { 0 };
+                return H2Answer::Headers(payload.get(padded + priority).copied().unwrap_or(0));
+            }
+            (0x07, _) => return H2Answer::Closed,
+            _ => {}
+        }
+    }
+}
+
 /// A request body sent with a transfer coding other than chunked (`gzip,
 /// chunked`, which hyper reads as chunked) gets 501, as RFC 9112 asks, and
 /// nothing goes upstream: forwarded, it would reach the upstream gzipped

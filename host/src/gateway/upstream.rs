@@ -530,6 +530,14 @@ impl HttpUpstream {
                     return Err(problem);
                 }
                 let own = own.map_or("/", |p| p.as_str());
+                // Joined as it came, a path without its `/` would leave the
+                // base path: `x/../admin` under `/api` is `/apix/../admin`,
+                // `/admin`. The `http` crate refuses such a path (since
+                // 1.4.1; h2 checks only that `:path` is not empty), so this
+                // only stands behind it.
+                if !uri.path().starts_with('/') {
+                    return Err(unforwardable(own, &"it does not start with /"));
+                }
                 PathAndQuery::try_from(format!("{prefix}{own}"))
                     .map_err(|e| unforwardable(own, &e))?
             }
