@@ -348,10 +348,12 @@ impl<B: Body<Data = Bytes> + Unpin> Body for ActiveBody<B> {
     fn size_hint(&self) -> SizeHint {
         let mut hint = self.inner.size_hint();
         let rest = self.rest.len() as u64;
-        hint.set_lower(hint.lower() + rest);
+        // The upper bound first: `set_lower` asserts it is not above the
+        // upper one, which an exact hint of the inner body's rest would be.
         if let Some(upper) = hint.upper() {
             hint.set_upper(upper + rest);
         }
+        hint.set_lower(hint.lower() + rest);
         hint
     }
 }
@@ -652,9 +654,14 @@ mod tests {
         let activity = Activity::default();
         let mut body = ActiveBody::new(Full::new(whole.clone()), activity.begin(Version::HTTP_2));
         let mut pieces = Vec::new();
+        let mut left = whole.len() as u64;
         while let Some(frame) = body.frame().await {
             pieces.push(frame.expect("data").into_data().expect("data"));
             assert_eq!(*activity.in_flight.borrow(), 1);
+            // What is left, the pieces held back counted: `Full` has
+            // handed all of it over after the first frame.
+            left -= pieces.last().map_or(0, |p| p.len() as u64);
+            assert_eq!(body.size_hint().exact(), Some(left));
         }
         let sizes: Vec<usize> = pieces.iter().map(Bytes::len).collect();
         assert_eq!(sizes, [HTTP2_PIECE, HTTP2_PIECE, HTTP2_PIECE, 5]);
