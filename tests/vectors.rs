@@ -112,6 +112,15 @@ fn check_every_vector(layout: SnowflakeLayout, key: &str) {
             let rejection = common::reject(&plugin, &common::json_request(body));
             assert_eq!(rejection.status, 503, "vector {vector:?}");
             assert_eq!(rejection.code, "no_unique_id", "vector {vector:?}");
+            // It is the vector's id that would be made again: TensorRT-LLM
+            // makes it from these fields, as the plain layout does.
+            assert_eq!(
+                layout
+                    .compose(vector.timestamp_ms, vector.machine_id, vector.counter)
+                    .ok(),
+                Some(vector.id),
+                "vector {vector:?}"
+            );
             folded += 1;
             continue;
         }
