@@ -1,7 +1,9 @@
 //! Ids never repeat across calls, across threads calling the same plugin at
 //! once, and across a plugin swap (a second plugin loaded from the same bytes
 //! into the same engine while calls are running): the counter lives in the
-//! host, not in a plugin instance.
+//! host, not in a plugin instance. Half the threads call as the gateway
+//! does (`handle_async`, instances reused across calls), half with a fresh
+//! instance per call (`handle`), in both layouts.
 
 mod common;
 
@@ -11,9 +13,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, RwLock};
 use std::thread;
+use std::time::Duration;
 
-use common::{batch_body, fixed_plugin, ids_in, load_bundled, START_MILLIS};
-use snowgate_host::Plugin;
+use common::{
+    batch_body, describe, fixed_plugin, ids_in, json_request, load_bundled, START_MILLIS,
+};
+use snowgate_host::{Action, Plugin};
 use snowgate_plugin::SnowflakeLayout;
 
 const WORKERS: usize = 4;
@@ -30,11 +35,30 @@ struct Report {
     ids: Vec<u64>,
 }
 
-/// One call on `plugin`: the ids it stamped, or why it failed (a worker
-/// reports a failure instead of panicking, so the main thread, which waits
-/// for the workers' progress, is never left waiting for a dead worker).
-fn call(plugin: &Plugin, body: &str) -> Result<Vec<u64>, String> {
-    let call = AssertUnwindSafe(|| ids_in(&common::stamp(plugin, body.as_bytes())));
+/// The longest the main thread waits for the workers' next report: far
+/// more than any call takes, so only a worker stuck for good runs it out.
+const REPORT_WAIT: Duration = Duration::from_secs(120);
+
+/// One call on `plugin`, with a fresh instance, or, with `runtime`, on the
+/// gateway's path, where an instance serves many calls: the ids it stamped,
+/// or why it failed (a worker reports a failure instead of panicking, so
+/// the main thread, which waits for the workers' progress, is never left
+/// waiting for a dead worker).
+fn call(
+    plugin: &Plugin,
+    body: &str,
+    runtime: Option<&tokio::runtime::Runtime>,
+) -> Result<Vec<u64>, String> {
+    let call = AssertUnwindSafe(|| match runtime {
+        None => ids_in(&common::stamp(plugin, body.as_bytes())),
+        Some(runtime) => {
+            let request = json_request(body.as_bytes());
+            match runtime.block_on(plugin.handle_async(&request)) {
+                Ok(Action::ForwardWithBody(out)) => ids_in(&out),
+                other => panic!("expected a stamped body, got {}", describe(&other)),
+            }
+        }
+    });
     std::panic::catch_unwind(call).map_err(|panic| {
         panic
             .downcast_ref::<String>()
@@ -45,11 +69,20 @@ fn call(plugin: &Plugin, body: &str) -> Result<Vec<u64>, String> {
 }
 
 #[test]
-fn ids_stay_unique_across_calls_threads_and_a_plugin_swap() {
+fn v1_ids_stay_unique_across_calls_threads_instances_and_a_plugin_swap() {
+    ids_stay_unique(SnowflakeLayout::TrtllmV1);
+}
+
+#[test]
+fn v2_ids_stay_unique_across_calls_threads_instances_and_a_plugin_swap() {
+    ids_stay_unique(SnowflakeLayout::TrtllmV2);
+}
+
+fn ids_stay_unique(layout: SnowflakeLayout) {
     // A clock stuck in one millisecond: uniqueness then rests entirely on
     // the host's sequence, which a per-instance or per-plugin counter would
     // break at once.
-    let first = fixed_plugin(SnowflakeLayout::TrtllmV1, MACHINE, START_MILLIS);
+    let first = fixed_plugin(layout, MACHINE, START_MILLIS);
     let engine = first.engine().clone();
     // The plugin the workers use now, and its generation (0, then 1).
     let current: Arc<RwLock<(usize, Arc<Plugin>)>> = Arc::new(RwLock::new((0, Arc::new(first))));
@@ -63,12 +96,19 @@ fn ids_stay_unique_across_calls_threads_and_a_plugin_swap() {
             let reports = reports.clone();
             thread::spawn(move || {
                 let body = batch_body(PER_CALL);
+                // Odd workers call as the gateway does.
+                let runtime = (worker % 2 == 1).then(|| {
+                    tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .expect("a runtime")
+                });
                 while !stop.load(Ordering::SeqCst) {
                     let (generation, plugin) = {
                         let guard = current.read().unwrap_or_else(|p| p.into_inner());
                         (guard.0, guard.1.clone())
                     };
-                    let report = call(&plugin, &body).map(|ids| Report {
+                    let report = call(&plugin, &body, runtime.as_ref()).map(|ids| Report {
                         worker,
                         generation,
                         ids,
@@ -92,13 +132,17 @@ fn ids_stay_unique_across_calls_threads_and_a_plugin_swap() {
             calls[report.worker] += 1;
         }
         while calls.iter().any(|&c| c < CALLS_PER_PHASE) {
-            let report = match progress.recv() {
+            let report = match progress.recv_timeout(REPORT_WAIT) {
                 Ok(Ok(report)) => report,
                 Ok(Err(failure)) => {
                     stop.store(true, Ordering::SeqCst);
                     panic!("a call failed: {failure}");
                 }
-                Err(_) => panic!("every worker stopped early"),
+                Err(mpsc::RecvTimeoutError::Disconnected) => panic!("every worker stopped early"),
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    stop.store(true, Ordering::SeqCst);
+                    panic!("no worker reported for {REPORT_WAIT:?}: {calls:?} calls so far");
+                }
             };
             if report.generation == generation {
                 calls[report.worker] += 1;
@@ -126,7 +170,7 @@ fn ids_stay_unique_across_calls_threads_and_a_plugin_swap() {
         assert_eq!(report.ids.len(), PER_CALL);
         for &id in &report.ids {
             assert!(seen.insert(id), "id {id} was issued twice");
-            let parts = SnowflakeLayout::TrtllmV1.decode(id).expect("decodes");
+            let parts = layout.decode(id).expect("decodes");
             assert_eq!(parts.machine_id, MACHINE);
         }
     }
