@@ -5,8 +5,11 @@
 mod common;
 
 use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use common::{batch_body, ids_in, plugin_with, HandClock, START_MILLIS};
+use snowgate_host::WallClock;
 use snowgate_plugin::{IdParts, SnowflakeLayout};
 
 const MACHINE: u32 = 3;
@@ -57,7 +60,9 @@ fn ids_keep_increasing_and_never_repeat_when_the_wall_clock_steps_back() {
     wall.set(START_MILLIS - 10_000);
     let burst = stamp(&batch_body(5000));
     let last = decode(*burst.last().expect("5000 ids"));
-    assert!(last.millis > START_MILLIS, "{last:?}");
+    // 13 sequences of START_MILLIS were used before: 4083 more fill it,
+    // and the other 917 take the next millisecond's first ones.
+    assert_eq!((last.millis, last.sequence), (START_MILLIS + 1, 916));
 
     // Once the wall clock is ahead again, ids follow it from sequence 0.
     wall.set(START_MILLIS + 60_000);
@@ -88,4 +93,44 @@ fn ids_keep_increasing_and_never_repeat_when_the_wall_clock_steps_back() {
     );
     let distinct: HashSet<u64> = issued.iter().copied().collect();
     assert_eq!(distinct.len(), issued.len(), "ids repeat");
+}
+
+/// A wall clock a millisecond further back at every reading.
+struct FallingClock(Arc<AtomicU64>);
+
+impl WallClock for FallingClock {
+    fn now_millis(&self) -> u64 {
+        self.0.fetch_sub(1, Ordering::SeqCst)
+    }
+}
+
+/// The wall clock stepping back while one body is stamped, at every tick
+/// of its 5,000: its ids still strictly increase from the first reading,
+/// moving on a millisecond each time one's sequence space is used up, in
+/// both layouts.
+#[test]
+fn ids_keep_increasing_when_the_wall_clock_steps_back_within_one_body() {
+    for layout in [SnowflakeLayout::TrtllmV1, SnowflakeLayout::TrtllmV2] {
+        let wall = Arc::new(AtomicU64::new(START_MILLIS));
+        let plugin = plugin_with(layout, MACHINE, FallingClock(wall.clone()));
+        let ids = ids_in(&common::stamp(&plugin, batch_body(5000)));
+        assert_eq!(ids.len(), 5000, "{layout:?}");
+        assert!(
+            wall.load(Ordering::SeqCst) < START_MILLIS - 1000,
+            "{layout:?}: the clock was read at most {} times",
+            START_MILLIS - wall.load(Ordering::SeqCst)
+        );
+        let space = u64::from(layout.sequence_space());
+        for (n, &id) in ids.iter().enumerate() {
+            // From the first reading, a millisecond per sequence space:
+            // never back to the earlier readings.
+            let n = n as u64;
+            let (millis, sequence) = (START_MILLIS + n / space, (n % space) as u32);
+            assert_eq!(
+                Ok(id),
+                layout.compose(millis, MACHINE, sequence),
+                "{layout:?}: id {n} is not ({millis}, {sequence})"
+            );
+        }
+    }
 }
