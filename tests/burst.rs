@@ -107,16 +107,32 @@ fn ids_past_the_clock_s_lead_are_refused_until_the_wall_clock_moves_on() {
             .contains("faster than the id layout can make them"),
         "{refused:?}"
     );
-    // Once the wall clock has moved on, ids come again, after every id
-    // given before (the refused request's own are never given out).
-    wall.set(START_MILLIS + 10);
+    // The refused request took ticks before it was refused (its ids were
+    // withheld), in the millisecond past the first two.
+    let taken_by_refused = common::clock_of(&plugin).last_tick().expect("ticks taken");
+    assert_eq!(
+        taken_by_refused.millis,
+        START_MILLIS + 2,
+        "{taken_by_refused:?}"
+    );
+    // Once the wall clock has moved on into that millisecond, ids come
+    // again, after every tick taken before, the refused request's too: its
+    // ticks are never given out.
+    wall.set(START_MILLIS + 2);
     let later = ids_in(&common::stamp(&plugin, batch_body(3)));
     let layout = SnowflakeLayout::TrtllmV2;
-    let last_before = layout.decode(*first.last().unwrap()).unwrap();
-    let first_after = layout.decode(later[0]).unwrap();
-    assert!(
-        (first_after.millis, first_after.sequence) > (last_before.millis, last_before.sequence),
-        "{first_after:?} after {last_before:?}"
+    let (millis, sequence) = match taken_by_refused.sequence + 1 {
+        next if (next as usize) < space => (taken_by_refused.millis, next),
+        _ => (taken_by_refused.millis + 1, 0),
+    };
+    assert_eq!(
+        Ok(later[0]),
+        layout.compose(millis, 5, sequence),
+        "the first id after the refusal, after {taken_by_refused:?}"
     );
-    assert_eq!(first_after.millis, (START_MILLIS + 10) & ((1 << 39) - 1));
+    let last_before = layout.decode(*first.last().unwrap()).unwrap();
+    assert_eq!(
+        (last_before.millis, last_before.sequence),
+        ((START_MILLIS + 1) & ((1 << 39) - 1), space as u32 - 1)
+    );
 }
