@@ -419,7 +419,11 @@ fn a_messagepack_body_is_stamped_in_messagepack() {
         b"1",
     );
     let rejection = reject(plugin(), &request);
-    assert_eq!(rejection.status, 400, "{rejection:?}");
+    assert_eq!(
+        (rejection.status, rejection.code.as_str()),
+        (400, "invalid_msgpack"),
+        "{rejection:?}"
+    );
     assert!(
         rejection.message.contains("not valid MessagePack"),
         "{:?}",
@@ -436,12 +440,22 @@ fn a_messagepack_body_is_stamped_in_messagepack() {
         b"1",
     );
     let rejection = reject(plugin(), &request);
-    assert_eq!(rejection.status, 400, "{rejection:?}");
+    assert_eq!(
+        (rejection.status, rejection.code.as_str()),
+        (400, "invalid_msgpack"),
+        "{rejection:?}"
+    );
+    assert!(
+        rejection.message.contains("ends inside"),
+        "{:?}",
+        rejection.message
+    );
 
-    // A header that is present but not `1` is not MessagePack.
+    // A header that is present but not `1` is not MessagePack: the body is
+    // stamped as JSON.
     let request = with_header(json_request(common::CONTEXT_ONLY), "x-trtllm-msgpack", b"0");
-    assert!(matches!(
-        plugin().handle(&request),
-        Ok(Action::ForwardWithBody(_))
-    ));
+    match plugin().handle(&request) {
+        Ok(Action::ForwardWithBody(out)) => assert_eq!(common::ids_in(&out).len(), 1),
+        other => panic!("expected a stamped body, got {}", common::describe(&other)),
+    }
 }

@@ -1,6 +1,7 @@
 //! The `header-edits` import (contract 0.2.1): a plugin changes the headers
-//! of the request it forwards, with the real plugin (the hostile fixture's
-//! `edit-headers`) in the real host; the host refuses, naming why, what a
+//! of the request it forwards, with a real component (the hostile test
+//! fixture's `edit-headers`; the bundled plugin edits no header) in the
+//! real host; the host refuses, naming why, what a
 //! plugin may not set; and a plugin built for 0.2.0, before the import,
 //! still loads and stamps.
 

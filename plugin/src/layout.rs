@@ -398,10 +398,35 @@ mod tests {
             err.to_string(),
             "machine id 1023 is out of range for layout trtllm-v1: use 0..=1022"
         );
-        assert!(SnowflakeLayout::TrtllmV2.compose(0, 16384, 0).is_err());
-        assert!(SnowflakeLayout::TrtllmV2.compose(0, 16383, 1024).is_err());
-        assert!(SnowflakeLayout::TrtllmV1.compose(0, 0, 4096).is_err());
-        assert!(SnowflakeLayout::TrtllmV1.decode(5).is_err());
+        use SnowflakeLayout::{TrtllmV1, TrtllmV2};
+        assert_eq!(
+            TrtllmV2.compose(0, 16384, 0),
+            Err(LayoutError::MachineIdOutOfRange {
+                layout: TrtllmV2,
+                machine_id: 16384
+            })
+        );
+        assert_eq!(
+            TrtllmV2.compose(0, 16383, 1024),
+            Err(LayoutError::SequenceOutOfRange {
+                layout: TrtllmV2,
+                sequence: 1024
+            })
+        );
+        assert_eq!(
+            TrtllmV1.compose(0, 0, 4096),
+            Err(LayoutError::SequenceOutOfRange {
+                layout: TrtllmV1,
+                sequence: 4096
+            })
+        );
+        assert_eq!(
+            TrtllmV1.decode(5),
+            Err(LayoutError::IdBelowRange {
+                layout: TrtllmV1,
+                id: 5
+            })
+        );
         // Machine id 1023, which trtllm-v1 never gives out.
         let id = SnowflakeLayout::TrtllmV1.min_id() + (1023 << 12);
         let err = SnowflakeLayout::TrtllmV1
