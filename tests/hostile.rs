@@ -588,11 +588,16 @@ fn assert_nobody_connected(listener: &std::net::TcpListener) {
 fn files_environment_and_sockets_give_the_plugin_nothing() {
     let plugin = hostile_plugin(PluginLimits::default());
     let (listener, port) = bait_listener();
-    let marker_file = Path::new("/tmp/snowgate-hostile");
-    let marker_existed = marker_file.exists();
+    // A path of this test's own, so that nothing else made it.
+    let dir = TempDir::new("escape");
+    let marker_file = dir.0.join("created-by-the-plugin");
+    let marker = marker_file.to_str().expect("a UTF-8 temp path");
 
     let port = port.to_string();
-    let answer = plugin.handle(&request(Some("escape"), &[("x-hostile-port", &port)]));
+    let answer = plugin.handle(&request(
+        Some("escape"),
+        &[("x-hostile-port", &port), ("x-hostile-file", marker)],
+    ));
     let Ok(Action::ForwardWithBody(report)) = &answer else {
         panic!("expected a report, got {}", describe(&answer));
     };
@@ -617,9 +622,7 @@ fn files_environment_and_sockets_give_the_plugin_nothing() {
         );
     }
     assert_nobody_connected(&listener);
-    if !marker_existed {
-        assert!(!marker_file.exists(), "the plugin created {marker_file:?}");
-    }
+    assert!(!marker_file.exists(), "the plugin created {marker_file:?}");
     assert_next_request_is_stamped(&plugin);
 }
 
