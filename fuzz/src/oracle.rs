@@ -20,8 +20,8 @@
 //!   are parsed); with the default parser, a body nested exactly 128 deep
 //!   gets every check but the comparison with serde_json.
 //! - integers of more than 4300 digits: snowgate refuses them, as Python's
-//!   `json.loads` does; serde_json reads them. Bodies with a run of more
-//!   than 4300 digits anywhere are not given to the oracle.
+//!   `json.loads` does; serde_json reads them. A body serde_json reads with
+//!   such an integer (not a float, not digits in a string) is one to refuse.
 //!
 //! One quirk of the oracle itself is avoided: with `arbitrary_precision`,
 //! serde_json reads an object whose first key is
@@ -226,14 +226,19 @@ fn oracle(body: &[u8], parse: Parse) -> Verdict {
     if depth > DOCUMENTED_DEPTH {
         return Verdict::Invalid(format!("brackets nest {depth} deep"));
     }
-    if mentions_serde_number_token(body) || has_a_run_of_digits_longer_than_python_reads(body) {
+    if mentions_serde_number_token(body) {
         return Verdict::Unknown;
     }
     let Some(mapped) = map_lone_surrogates(body) else {
         return Verdict::Unknown;
     };
     match parse(&mapped) {
-        Ok(value) => Verdict::Valid(value),
+        Ok(value) => match longest_integer(body) {
+            digits if digits > MAX_INTEGER_DIGITS => Verdict::Invalid(format!(
+                "an integer of {digits} digits, which Python refuses"
+            )),
+            _ => Verdict::Valid(value),
+        },
         Err(e) if e.to_string().contains("recursion limit exceeded") => {
             // Only the default parser, only at exactly snowgate's limit.
             assert_eq!(depth, DOCUMENTED_DEPTH, "serde_json: {e}");
@@ -553,11 +558,45 @@ pub fn map_lone_surrogates(body: &[u8]) -> Option<Cow<'_, [u8]>> {
     })
 }
 
-/// Whether `body` holds more than 4300 digits in a row: perhaps an integer
-/// Python refuses (and snowgate with it), perhaps text in a string.
-fn has_a_run_of_digits_longer_than_python_reads(body: &[u8]) -> bool {
-    body.split(|b| !b.is_ascii_digit())
-        .any(|run| run.len() > 4300)
+/// The most digits Python's `json.loads` reads in an integer
+/// (`sys.int_info.default_max_str_digits`); a float's are not counted.
+const MAX_INTEGER_DIGITS: usize = 4300;
+
+/// The digits of the longest integer (no fraction, no exponent) in
+/// `body`, valid JSON: read from the text, not from serde_json's value,
+/// which keeps only the last of duplicate keys (Python reads every number
+/// before it drops one).
+fn longest_integer(body: &[u8]) -> usize {
+    let (mut longest, mut at) = (0, 0);
+    let (mut in_string, mut escaped) = (false, false);
+    while at < body.len() {
+        let b = body[at];
+        at += 1;
+        if in_string {
+            if escaped {
+                escaped = false;
+            } else if b == b'\\' {
+                escaped = true;
+            } else if b == b'"' {
+                in_string = false;
+            }
+        } else if b == b'"' {
+            in_string = true;
+        } else if b.is_ascii_digit() {
+            let digits = 1 + body[at..].iter().take_while(|b| b.is_ascii_digit()).count();
+            at += digits - 1;
+            if !matches!(body.get(at), Some(b'.' | b'e' | b'E')) {
+                longest = longest.max(digits);
+            }
+            // A fraction's or an exponent's digits are the float's.
+            while at < body.len()
+                && matches!(body[at], b'.' | b'e' | b'E' | b'+' | b'-' | b'0'..=b'9')
+            {
+                at += 1;
+            }
+        }
+    }
+    longest
 }
 
 /// Whether serde_json's private number token may appear in a string of
