@@ -1299,6 +1299,81 @@ async fn a_body_of_no_declared_length_that_does_not_arrive_gives_way_too() {
     it_gave_way_after_the_slack(started, &gateway, &upstream, waiter).await;
 }
 
+/// A body of no declared length that keeps its pace does not keep the
+/// room it does not use: an HTTP/2 stream that sent 64 KiB holds 1 MiB, the
+/// whole body memory, and once a request waits for room it keeps, from
+/// about 5 s (the slack) on, what has arrived and 64 KiB more. The waiting
+/// request gets the rest and goes through while the stream still comes;
+/// the stream then ends and goes through too. (Before, it held its 1 MiB
+/// at a pace of about 1 KiB a second for the whole 60 s.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_of_no_declared_length_keeps_only_what_it_uses_while_others_wait() {
+    let upstream = TestUpstream::start().await;
+    let gateway = with_one_mib_of_body_memory(&upstream, &[]).await;
+    let sender = http2_to(gateway.addr).await;
+    let started = Instant::now();
+    let (chunks, channel) = tokio::sync::mpsc::channel(1);
+    let holder = post_json_h2(&sender, &gateway, ChannelBody(channel).boxed());
+    let paced = snowgate_host::gateway::body_pace::UNDECLARED_PACED_BYTES;
+    chunks
+        .send(Bytes::from(vec![b' '; paced]))
+        .await
+        .expect("the holder's whitespace");
+    gateway
+        .wait_metric("snowgate_body_memory_bytes", 1048576.0)
+        .await;
+    let waiter = queue_for_room(&gateway, 1.0).await;
+    the_waiter_gets_the_room_meanwhile(started, &gateway, &upstream, waiter).await;
+    let headroom = snowgate_host::gateway::body_pace::UNDECLARED_HEADROOM;
+    gateway
+        .wait_metric("snowgate_body_memory_bytes", (paced + headroom) as f64)
+        .await;
+    assert!(!holder.is_finished(), "the holder is still sending");
+    chunks
+        .send(Bytes::from(CONTEXT_ONLY))
+        .await
+        .expect("the holder's body");
+    drop(chunks);
+    let held = bounded("the holder", STEP, holder)
+        .await
+        .expect("joined")
+        .expect("a response");
+    assert_eq!(held.status(), StatusCode::OK);
+    gateway.wait_metric("snowgate_body_memory_bytes", 0.0).await;
+    let ids: Vec<u64> = upstream
+        .seen()
+        .iter()
+        .map(|s| stamped_id(&s.body))
+        .collect();
+    assert_eq!(ids.len(), 2);
+    assert_unique(&ids);
+}
+
+/// The request `waiter`, which waited for room behind a body that keeps
+/// coming, goes through stamped, no sooner than the slack after `started`
+/// (before the holder got its room).
+async fn the_waiter_gets_the_room_meanwhile(
+    started: Instant,
+    gateway: &Gateway,
+    upstream: &TestUpstream,
+    waiter: tokio::task::JoinHandle<Reply>,
+) {
+    let waited = bounded("the waiting request", STEP, waiter)
+        .await
+        .expect("joined");
+    assert_eq!(waited.status, StatusCode::OK, "{}", waited.text());
+    assert!(
+        started.elapsed() >= snowgate_host::gateway::body_pace::PACE_SLACK,
+        "room given back within the slack: {:?}",
+        started.elapsed()
+    );
+    assert_fresh_v1_id(stamped_id(&upstream.only_seen().body));
+    assert_eq!(
+        metric(&gateway.metrics().await, "snowgate_body_memory_waiting"),
+        0.0
+    );
+}
+
 /// At most 8 requests of one connection wait for room at once (an HTTP/2
 /// stream that waits does not read its body, and sixteen such would use up
 /// the connection's flow-control window, leaving none for the streams that
@@ -1313,12 +1388,13 @@ async fn one_connection_has_at_most_8_requests_waiting_for_room() {
     let send = |body| post_json_h2(&sender, &gateway, body);
     // A body of no declared length takes all the room while it comes.
     // It opens with as much JSON whitespace as keeps its pace while the
-    // others wait, so that a slow run does not see it cut off.
+    // others wait, and uses all but the headroom of its room, so that a
+    // slow run sees it neither cut off nor giving room back.
     let (chunks, channel) = tokio::sync::mpsc::channel(2);
     let holder = send(ChannelBody(channel).boxed());
-    let paced = snowgate_host::gateway::body_pace::UNDECLARED_PACED_BYTES;
+    let headroom = snowgate_host::gateway::body_pace::UNDECLARED_HEADROOM;
     chunks
-        .send(Bytes::from(vec![b' '; paced]))
+        .send(Bytes::from(vec![b' '; (1 << 20) - headroom]))
         .await
         .expect("the holder's whitespace");
     gateway

@@ -26,15 +26,27 @@
 //! nothing more holding the default 1 GiB for 60 s, while every other
 //! request waited and got 503.
 //!
+//! Nor may it hold its 1 MiB at that pace: 1024 streams each sending a
+//! little over 1 KiB a second held the whole default 1 GiB for the timeout,
+//! a sixteenth of what declared bodies pay for as much (a review's count).
+//! So while others wait, from [`PACE_SLACK`] on, such a body keeps only
+//! what has arrived and [`UNDECLARED_HEADROOM`] (64 KiB) more, given back at
+//! each check ([`CHECK_EVERY`]). A body that arrives at up to 256 KiB a
+//! second never outgrows that between two checks, and one faster has
+//! arrived past its 1 MiB before the slack is over: only bursts over 64 KiB
+//! after a pause need more, where none is free while others wait (503,
+//! which says to declare the length).
+//!
 //! [`UNDECLARED_ROOM`]: crate::gateway::body_memory::UNDECLARED_ROOM
 
 use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use tokio::time::{Instant, MissedTickBehavior};
 
-use crate::gateway::body_memory::BodyMemory;
+use crate::gateway::body_memory::{BodyMemory, Room};
 
 /// How long after it got its room a body is first held to its pace: the
 /// time a client may take to start sending (a connection's slow start,
@@ -49,6 +61,10 @@ pub const UNDECLARED_PACED_BYTES: usize = 64 << 10;
 
 /// How often a body's pace is checked once [`PACE_SLACK`] is over.
 const CHECK_EVERY: Duration = Duration::from_millis(250);
+
+/// What a body of no declared length keeps beyond what has arrived while
+/// others wait for room (see the module's documentation).
+pub const UNDECLARED_HEADROOM: usize = 64 << 10;
 
 /// Why a body with room was cut off.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,13 +87,16 @@ pub fn paced_length(declared: Option<usize>, room: usize) -> usize {
 /// `length` bytes (see [`paced_length`]), which counts the bytes that have
 /// arrived in `arrived`: cut off once `within` has passed, or, while
 /// requests wait for room, once the body is behind the pace of `length`
-/// (see the module's documentation).
+/// (see the module's documentation). With `undeclared_room` (the room of a
+/// body of no declared length, which `read` grows), it keeps meanwhile
+/// only what has arrived and [`UNDECLARED_HEADROOM`] more.
 pub async fn keeping_pace<F: Future>(
     read: F,
     arrived: &AtomicUsize,
     length: usize,
     within: Duration,
     memory: &BodyMemory,
+    undeclared_room: Option<&Mutex<Room>>,
 ) -> Result<F::Output, TooSlow> {
     let started = Instant::now();
     let timed_out = tokio::time::sleep_until(started + within);
@@ -91,9 +110,17 @@ pub async fn keeping_pace<F: Future>(
             done = read.as_mut() => return Ok(done),
             () = timed_out.as_mut() => return Err(TooSlow::TimedOut),
             _ = check.tick() => {
+                if memory.waiting() == 0 {
+                    continue;
+                }
                 let arrived = arrived.load(Ordering::Relaxed);
-                if memory.waiting() > 0 && behind(arrived, length, started.elapsed(), within) {
+                if behind(arrived, length, started.elapsed(), within) {
                     return Err(TooSlow::BehindPace);
+                }
+                if let Some(room) = undeclared_room {
+                    room.lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .shrink_to(arrived.saturating_add(UNDECLARED_HEADROOM));
                 }
             }
         }
@@ -157,7 +184,7 @@ mod tests {
         let arrived = AtomicUsize::new(1024);
         let never = std::future::pending::<()>();
         let started = Instant::now();
-        let alone = keeping_pace(never, &arrived, MIB, WITHIN, &memory).await;
+        let alone = keeping_pace(never, &arrived, MIB, WITHIN, &memory, None).await;
         assert_eq!(alone, Err(TooSlow::TimedOut));
         assert_eq!(started.elapsed(), WITHIN);
 
@@ -170,7 +197,7 @@ mod tests {
         }
         let started = Instant::now();
         let never = std::future::pending::<()>();
-        let cut = keeping_pace(never, &arrived, MIB, WITHIN, &memory).await;
+        let cut = keeping_pace(never, &arrived, MIB, WITHIN, &memory, None).await;
         assert_eq!(cut, Err(TooSlow::BehindPace));
         assert!(
             started.elapsed() <= PACE_SLACK + CHECK_EVERY,
@@ -185,8 +212,15 @@ mod tests {
             let arrived = AtomicUsize::new(sent);
             let started = Instant::now();
             let never = std::future::pending::<()>();
-            let read =
-                keeping_pace(never, &arrived, paced_length(None, MIB), within, &memory).await;
+            let read = keeping_pace(
+                never,
+                &arrived,
+                paced_length(None, MIB),
+                within,
+                &memory,
+                None,
+            )
+            .await;
             if cut_off {
                 assert_eq!(read, Err(TooSlow::BehindPace));
                 assert!(started.elapsed() <= PACE_SLACK + CHECK_EVERY);
@@ -197,6 +231,52 @@ mod tests {
         }
         drop(room);
         assert!(waiter.await.expect("joined"), "the waiter got the room");
+    }
+
+    /// A body of no declared length that keeps its 64 KiB pace, but holds
+    /// the whole memory: while another request waits, it keeps what has
+    /// arrived and 64 KiB more from the slack on, and the waiter gets the
+    /// rest; a body with a declared length keeps all of its room.
+    #[tokio::test(start_paused = true)]
+    async fn a_body_of_no_declared_length_gives_back_what_it_does_not_use_while_others_wait() {
+        for undeclared in [true, false] {
+            let memory = Arc::new(BodyMemory::new(MIB, WITHIN));
+            let room = Mutex::new(memory.reserve(MIB, || None).await.expect("room"));
+            let waiter = {
+                let memory = memory.clone();
+                tokio::spawn(async move { memory.reserve(MIB / 2, || None).await.ok() })
+            };
+            while memory.waiting() == 0 {
+                tokio::task::yield_now().await;
+            }
+            // Sent at the pace exactly: never behind it before the timeout.
+            let arrived = AtomicUsize::new(UNDECLARED_PACED_BYTES);
+            let never = std::future::pending::<()>();
+            let within = WITHIN / 2;
+            let started = Instant::now();
+            let read = keeping_pace(
+                never,
+                &arrived,
+                UNDECLARED_PACED_BYTES,
+                within,
+                &memory,
+                undeclared.then_some(&room),
+            )
+            .await;
+            assert_eq!(read, Err(TooSlow::TimedOut));
+            assert_eq!(started.elapsed(), within);
+            let kept = room.lock().unwrap().bytes();
+            if undeclared {
+                assert_eq!(kept, UNDECLARED_PACED_BYTES + UNDECLARED_HEADROOM);
+                let got = waiter.await.expect("joined").expect("the waiter got room");
+                assert_eq!(got.bytes(), MIB / 2);
+                assert_eq!(memory.held(), kept + MIB / 2);
+            } else {
+                assert_eq!(kept, MIB);
+                assert_eq!(memory.waiting(), 1, "the waiter still waits");
+                waiter.abort();
+            }
+        }
     }
 
     /// A body that keeps pace is never cut off while others wait.
@@ -225,6 +305,7 @@ mod tests {
             MIB,
             WITHIN + Duration::from_secs(1),
             &memory,
+            None,
         );
         assert_eq!(read.await, Ok(()));
         waiter.abort();

@@ -47,7 +47,7 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::AtomicUsize;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -331,8 +331,8 @@ impl Shared {
         let reserved = self.body_memory.reserve(first_room, || {
             progress.as_ref().and_then(|p| p.connection())
         });
-        let mut room = match reserved.await {
-            Ok(room) => room,
+        let room = match reserved.await {
+            Ok(room) => Mutex::new(room),
             Err(Unreserved::NoRoom(no_room)) => {
                 verdict.count(Outcome::BodyMemoryFull);
                 return own(body_memory_full(no_room));
@@ -365,7 +365,7 @@ impl Shared {
                 self.max_body_bytes,
                 declared,
                 &self.body_memory,
-                &mut room,
+                &room,
                 &arrived,
             );
             let mut read = std::pin::pin!(read);
@@ -373,10 +373,12 @@ impl Shared {
                 Poll::Ready(read) => Ok(read),
                 Poll::Pending => {
                     let memory = &self.body_memory;
-                    keeping_pace(read, &arrived, paced, within, memory).await
+                    let undeclared = declared.is_none().then_some(&room);
+                    keeping_pace(read, &arrived, paced, within, memory, undeclared).await
                 }
             }
         };
+        let mut room = room.into_inner().unwrap_or_else(|p| p.into_inner());
         let bytes = match read {
             Ok(Ok(bytes)) => bytes,
             Ok(Err(ReadBodyError::TooLarge)) => {

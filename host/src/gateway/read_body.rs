@@ -1,6 +1,7 @@
 //! Reading a request body into memory, never past a limit.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
 
 use bytes::{Bytes, BytesMut};
 use http_body::Body;
@@ -45,13 +46,14 @@ where
 /// [`ReadBodyError::NoRoom`]. `declared` is the body's declared length,
 /// which sizes its buffer at once. The bytes read so far are counted in
 /// `arrived`, for whoever times the read (see
-/// [`body_pace`](crate::gateway::body_pace)).
+/// [`body_pace`](crate::gateway::body_pace)), which may give back some of
+/// `room` meanwhile.
 pub async fn read_limited_in<B>(
     body: B,
     limit: usize,
     declared: Option<usize>,
     memory: &BodyMemory,
-    room: &mut Room,
+    room: &Mutex<Room>,
     arrived: &AtomicUsize,
 ) -> Result<Bytes, ReadBodyError>
 where
@@ -68,7 +70,7 @@ async fn read<B>(
     body: B,
     limit: usize,
     declared: Option<usize>,
-    mut memory: Option<(&BodyMemory, &mut Room, &AtomicUsize)>,
+    memory: Option<(&BodyMemory, &Mutex<Room>, &AtomicUsize)>,
 ) -> Result<Bytes, ReadBodyError>
 where
     B: Body<Data = Bytes>,
@@ -96,10 +98,14 @@ where
         if needed > limit {
             return Err(ReadBodyError::TooLarge);
         }
-        if let Some((memory, room, arrived)) = &mut memory {
+        if let Some((memory, room, arrived)) = memory {
+            // Shared with the body's pace, which may give some back; never
+            // held across an await.
+            let mut room = room.lock().unwrap_or_else(|p| p.into_inner());
             if needed > room.bytes() {
+                let more = needed - room.bytes();
                 memory
-                    .grow_now(room, needed - room.bytes())
+                    .grow_now(&mut room, more)
                     .map_err(ReadBodyError::NoRoom)?;
             }
             arrived.store(needed, Ordering::Relaxed);
@@ -179,21 +185,21 @@ pub(crate) mod tests {
     #[tokio::test]
     async fn takes_room_for_every_byte_past_what_it_held() {
         let memory = BodyMemory::new(4 << 10, Duration::from_secs(1));
-        let mut room = memory.reserve(1024, || None).await.expect("room");
+        let room = Mutex::new(memory.reserve(1024, || None).await.expect("room"));
         let arrived = AtomicUsize::new(0);
         let whole = read_limited_in(
             chunks(&[KIB, KIB, b"x"]),
             8 << 10,
             None,
             &memory,
-            &mut room,
+            &room,
             &arrived,
         )
         .await
         .expect("within the memory");
         assert_eq!(whole.len(), 2049);
         assert_eq!(arrived.load(Ordering::Relaxed), 2049, "the bytes counted");
-        assert_eq!(room.bytes(), 3 << 10);
+        assert_eq!(room.lock().unwrap().bytes(), 3 << 10);
         assert_eq!(memory.held(), 3 << 10);
     }
 
@@ -202,13 +208,13 @@ pub(crate) mod tests {
         let memory = BodyMemory::new(1 << 20, Duration::from_secs(1));
         let parts: Vec<&'static [u8]> = vec![KIB; 5];
         for declared in [Some(5 << 10), None] {
-            let mut room = memory.reserve(5 << 10, || None).await.expect("room");
+            let room = Mutex::new(memory.reserve(5 << 10, || None).await.expect("room"));
             let whole = read_limited_in(
                 chunks(&parts),
                 1 << 20,
                 declared,
                 &memory,
-                &mut room,
+                &room,
                 &AtomicUsize::new(0),
             )
             .await
@@ -226,13 +232,13 @@ pub(crate) mod tests {
     #[tokio::test]
     async fn stops_where_no_room_is_free_and_keeps_what_it_took() {
         let memory = BodyMemory::new(2 << 10, Duration::from_secs(3600));
-        let mut room = Room::none();
+        let room = Mutex::new(Room::none());
         let refused = read_limited_in(
             chunks(&[KIB, KIB, KIB]),
             8 << 10,
             None,
             &memory,
-            &mut room,
+            &room,
             &AtomicUsize::new(0),
         )
         .await;
@@ -243,6 +249,6 @@ pub(crate) mod tests {
             ),
             "{refused:?}"
         );
-        assert_eq!(room.bytes(), 2 << 10);
+        assert_eq!(room.lock().unwrap().bytes(), 2 << 10);
     }
 }
