@@ -568,7 +568,7 @@ async fn an_http1_client_that_never_reads_its_response_loses_its_connection() {
     closes_within(&mut client, STEP).await;
     // The log says why.
     gateway
-        .wait_log("the client took none of its response for 500 ms (--send-timeout-ms)")
+        .wait_log("the client took next to none of its response for 500 ms (--send-timeout-ms)")
         .await;
 }
 

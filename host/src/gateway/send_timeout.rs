@@ -26,8 +26,10 @@ use crate::gateway::wait_timer::WaitTimer;
 /// so of its send buffer (up to megabytes) is free, so a client that
 /// reads steadily but slowly can leave a write waiting longer than the
 /// timeout. When the timeout runs out, the socket's send queue is looked
-/// at: if the client took some of it since the wait began, a new wait
-/// begins instead.
+/// at: if the client took [`MIN_TAKEN`] of it since the wait began (or a
+/// third of what it held, where that is less), a new wait begins instead.
+/// Any take at all let a client that acknowledged a segment a minute keep
+/// a streamed response, and the upstream's behind it, for ever.
 pub struct SendTimeout<S> {
     inner: S,
     timer: WaitTimer,
@@ -39,6 +41,12 @@ pub struct SendTimeout<S> {
     /// Where to count the bytes read from the client, if anywhere.
     read: Option<Arc<AtomicU64>>,
 }
+
+/// What a client must take of a full send queue within a timeout to keep
+/// its connection (or a third of what the queue held, where less): about
+/// 1 KiB a second at the default 60 s, far less than the third of a send
+/// buffer of up to megabytes that nginx's `send_timeout` waits for.
+pub const MIN_TAKEN: usize = 64 << 10;
 
 /// A connection that can tell how much of what was written to it its
 /// peer has not yet taken.
@@ -83,7 +91,7 @@ impl<S: SendQueue> SendTimeout<S> {
             inner,
             timer: WaitTimer::new(
                 timeout,
-                "the client took none of its response",
+                "the client took next to none of its response",
                 "--send-timeout-ms",
             ),
             queued: None,
@@ -122,8 +130,11 @@ impl<S: SendQueue> SendTimeout<S> {
         };
         while self.timer.expired(cx) {
             match (queued, self.inner.queued()) {
-                // The client took some: it is reading, a new wait begins.
-                (Some(before), Some(now)) if now < before => {
+                // The client took enough: it is reading, a new wait
+                // begins.
+                (Some(before), Some(now))
+                    if before.saturating_sub(now) >= MIN_TAKEN.min(before.div_ceil(3)) =>
+                {
                     queued = Some(now);
                     self.queued = Some(queued);
                     self.timer.progressed();
@@ -249,7 +260,7 @@ mod tests {
         }
     }
 
-    /// A client that takes some of the send queue within each timeout
+    /// A client that takes 64 KiB of the send queue within each timeout
     /// keeps its connection though the socket never turns writable (the
     /// kernel waits for a third of the buffer); one that stops taking
     /// loses it one timeout later.
@@ -278,6 +289,41 @@ mod tests {
         assert_eq!(error.kind(), io::ErrorKind::TimedOut);
         // Five takes kept it five timeouts; then one more timeout.
         assert_eq!(started.elapsed(), 6 * TIMEOUT);
+    }
+
+    /// A client that takes a segment's worth of the send queue a timeout
+    /// (1448 bytes, one acknowledgement a minute) loses its connection at
+    /// the first timeout: taking anything at all kept it for ever. Near
+    /// the end of a response, a third of what is left is enough.
+    #[tokio::test(start_paused = true)]
+    async fn a_client_taking_a_trickle_of_a_full_queue_loses_its_connection() {
+        for (queued, taken, kept) in [
+            (4 << 20, 1448, false),
+            (4 << 20, MIN_TAKEN - 1, false),
+            (4 << 20, MIN_TAKEN, true),
+            (3000, 1000, true),
+            (3000, 999, false),
+        ] {
+            let queue = Arc::new(AtomicUsize::new(queued));
+            let client = queue.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(TIMEOUT - Duration::from_millis(1)).await;
+                client.fetch_sub(taken, Ordering::Relaxed);
+            });
+            let mut gateway = SendTimeout::new(FullSocket(queue), TIMEOUT, Arc::default());
+            let started = Instant::now();
+            let error = tokio::time::timeout(20 * TIMEOUT, gateway.write_all(b"more"))
+                .await
+                .expect("the write ended")
+                .expect_err("the client took nothing more");
+            assert_eq!(error.kind(), io::ErrorKind::TimedOut);
+            let timeouts = if kept { 2 } else { 1 };
+            assert_eq!(
+                started.elapsed(),
+                timeouts * TIMEOUT,
+                "{taken} of {queued} taken"
+            );
+        }
     }
 
     /// The timeout is per wait: a client that takes something before each
