@@ -161,6 +161,7 @@ impl PluginEngine {
         crate::sleeps::bound_by_the_deadline(&mut linker)?;
         Middleware::add_to_linker::<HostState, HasSelf<HostState>>(&mut linker, |state| state)
             .context("linking the snowgate:middleware imports")?;
+        crate::in_place_imports::read_in_place(&mut linker)?;
         let mut async_linker = Linker::new(&engine);
         wasmtime_wasi::p2::add_to_linker_async(&mut async_linker)
             .context("linking WASI into the async plugin linker")?;
@@ -169,6 +170,7 @@ impl PluginEngine {
             state
         })
         .context("linking the snowgate:middleware imports into the async linker")?;
+        crate::in_place_imports::read_in_place(&mut async_linker)?;
 
         let weak = engine.weak();
         thread::Builder::new()

@@ -166,7 +166,7 @@ fn editable_name(name: &str) -> Result<HeaderName, String> {
 }
 
 /// `value` as a header value, or why not.
-fn header_value(name: &HeaderName, value: Vec<u8>) -> Result<HeaderValue, String> {
+fn header_value(name: &HeaderName, value: &[u8]) -> Result<HeaderValue, String> {
     if value.len() > MAX_HEADER_VALUE_BYTES {
         return Err(format!(
             "the value for the header {} is {} bytes long, over the {MAX_HEADER_VALUE_BYTES} \
@@ -175,7 +175,7 @@ fn header_value(name: &HeaderName, value: Vec<u8>) -> Result<HeaderValue, String
             value.len()
         ));
     }
-    HeaderValue::from_bytes(&value).map_err(|_| {
+    HeaderValue::from_bytes(value).map_err(|_| {
         format!(
             "the value for the header {} holds a carriage return, a line feed, a NUL or \
              another control byte, which a header value may not",
@@ -191,37 +191,83 @@ fn shown(name: &str) -> String {
     format!("{start:?}{more}")
 }
 
+/// What a plugin asks of a header through the `header-edits` import.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum EditAsked {
+    /// `set`.
+    Set,
+    /// `append`.
+    Append,
+    /// `remove`.
+    Remove,
+}
+
+impl EditAsked {
+    /// Its function's name in the import.
+    pub(crate) fn function(self) -> &'static str {
+        match self {
+            EditAsked::Set => "set",
+            EditAsked::Append => "append",
+            EditAsked::Remove => "remove",
+        }
+    }
+}
+
 impl HostState {
-    /// Records `edit` for the request being handled, or why it cannot be.
-    fn edit(
-        &mut self,
+    /// The change `asked` of the header `name` (to `value`, which `remove`
+    /// ignores), if the call may make it now, or why not. Reads `name` and
+    /// `value` where they lie (in the plugin's memory, for the import) and
+    /// copies them only once they are within their limits.
+    pub(crate) fn header_edit(
+        &self,
+        asked: EditAsked,
         name: &str,
-        make: impl FnOnce(HeaderName) -> Result<HeaderEdit, String>,
-    ) -> Result<(), String> {
-        let Some(edits) = self.header_edits_mut() else {
+        value: &[u8],
+    ) -> Result<HeaderEdit, String> {
+        if !self.takes_header_edits() {
             return Err("headers can be changed only while handling a request".to_string());
-        };
-        edits.push(make(editable_name(name)?)?)
+        }
+        let name = editable_name(name)?;
+        Ok(match asked {
+            EditAsked::Set => {
+                let value = header_value(&name, value)?;
+                HeaderEdit::Set(name, value)
+            }
+            EditAsked::Append => {
+                let value = header_value(&name, value)?;
+                HeaderEdit::Append(name, value)
+            }
+            EditAsked::Remove => HeaderEdit::Remove(name),
+        })
+    }
+
+    /// Records `edit` (from [`HostState::header_edit`]) for the request
+    /// being handled, within the call's limits, or why it cannot be.
+    pub(crate) fn record_header_edit(&mut self, edit: HeaderEdit) -> Result<(), String> {
+        match self.header_edits_mut() {
+            Some(edits) => edits.push(edit),
+            None => Err("headers can be changed only while handling a request".to_string()),
+        }
+    }
+
+    /// [`HostState::header_edit`], then [`HostState::record_header_edit`].
+    fn edit(&mut self, asked: EditAsked, name: &str, value: &[u8]) -> Result<(), String> {
+        let edit = self.header_edit(asked, name, value)?;
+        self.record_header_edit(edit)
     }
 }
 
 impl header_edits::Host for HostState {
     fn set(&mut self, name: String, value: Vec<u8>) -> Result<(), String> {
-        self.edit(&name, |name| {
-            let value = header_value(&name, value)?;
-            Ok(HeaderEdit::Set(name, value))
-        })
+        self.edit(EditAsked::Set, &name, &value)
     }
 
     fn append(&mut self, name: String, value: Vec<u8>) -> Result<(), String> {
-        self.edit(&name, |name| {
-            let value = header_value(&name, value)?;
-            Ok(HeaderEdit::Append(name, value))
-        })
+        self.edit(EditAsked::Append, &name, &value)
     }
 
     fn remove(&mut self, name: String) -> Result<(), String> {
-        self.edit(&name, |name| Ok(HeaderEdit::Remove(name)))
+        self.edit(EditAsked::Remove, &name, &[])
     }
 }
 
@@ -331,17 +377,14 @@ mod tests {
     fn values_with_line_breaks_or_over_the_limit_are_refused() {
         let header = name("x-a");
         for bad in [&b"a\r\nInjected: 1"[..], b"a\nb", b"a\0b", b"\x7f"] {
-            let problem = header_value(&header, bad.to_vec()).expect_err("refused");
+            let problem = header_value(&header, bad).expect_err("refused");
             assert!(problem.contains("x-a"), "{problem}");
         }
-        assert!(header_value(&header, vec![b'v'; MAX_HEADER_VALUE_BYTES]).is_ok());
+        assert!(header_value(&header, &[b'v'; MAX_HEADER_VALUE_BYTES]).is_ok());
         let problem =
-            header_value(&header, vec![b'v'; MAX_HEADER_VALUE_BYTES + 1]).expect_err("too long");
+            header_value(&header, &[b'v'; MAX_HEADER_VALUE_BYTES + 1]).expect_err("too long");
         assert!(problem.contains("over the 8192 byte limit"), "{problem}");
-        assert_eq!(
-            header_value(&header, b"\xff tab\t".to_vec()).map(|_| ()),
-            Ok(())
-        );
+        assert_eq!(header_value(&header, b"\xff tab\t").map(|_| ()), Ok(()));
     }
 
     /// Changes are taken only during `handle` (the headers are lent), and

@@ -52,6 +52,7 @@ pub mod gateway;
 pub mod header_edits;
 pub mod high_water_file;
 pub mod identity;
+mod in_place_imports;
 pub mod lease;
 pub mod limits;
 mod log_throttle;

@@ -16,7 +16,7 @@ use crate::header_edits::HeaderEdits;
 use crate::log_throttle::{LineBudget, LogThrottle};
 use crate::request::Headers;
 use crate::text_limits::{
-    plugin_text, MAX_LOG_LINES_PER_CALL, MAX_LOG_LINES_PER_SECOND, MAX_PLUGIN_TEXT,
+    plugin_text_of, MAX_LOG_LINES_PER_CALL, MAX_LOG_LINES_PER_SECOND, MAX_PLUGIN_TEXT,
 };
 use snowgate_plugin::SnowflakeLayout;
 
@@ -177,7 +177,14 @@ impl HostState {
         self.header_edits.take().unwrap_or_default()
     }
 
-    /// The changes of the `handle` call running, if one is.
+    /// Whether a `handle` call is running, whose request the plugin may
+    /// change the headers of.
+    pub(crate) fn takes_header_edits(&self) -> bool {
+        self.header_edits.is_some()
+    }
+
+    /// The header changes of the request being handled, if a `handle`
+    /// call is running.
     pub(crate) fn header_edits_mut(&mut self) -> Option<&mut HeaderEdits> {
         self.header_edits.as_mut()
     }
@@ -345,6 +352,18 @@ impl identity::Host for HostState {
 
 impl log::Host for HostState {
     fn write(&mut self, level: types::LogLevel, message: String) {
+        if self.log_line_admitted(level) {
+            self.write_log_line(level, &message);
+        }
+    }
+}
+
+impl HostState {
+    /// Whether the plugin's log line at `level` goes to the log: one the
+    /// log leaves out, or past the call's or the second's line limits (said
+    /// once), does not. Asked before the line is read out of the plugin's
+    /// memory.
+    pub(crate) fn log_line_admitted(&mut self, level: types::LogLevel) -> bool {
         let plugin = &*self.plugin_name;
         let enabled = match level {
             types::LogLevel::Debug => {
@@ -362,7 +381,7 @@ impl log::Host for HostState {
         };
         // Lines the log leaves out count for neither limit below.
         if !enabled {
-            return;
+            return false;
         }
         // A plugin that logs in a loop must not flood the gateway's log
         // from one request.
@@ -381,7 +400,7 @@ impl log::Host for HostState {
                     );
                 }
             }
-            return;
+            return false;
         }
         static BUDGET: LineBudget = LineBudget::new(MAX_LOG_LINES_PER_SECOND);
         static OVER_BUDGET: LogThrottle = LogThrottle::new();
@@ -393,9 +412,16 @@ impl log::Host for HostState {
                      {MAX_LOG_LINES_PER_SECOND} lines a second in all {held_back}"
                 );
             }
-            return;
+            return false;
         }
-        let message = plugin_text(message, MAX_PLUGIN_TEXT);
+        true
+    }
+
+    /// Writes the plugin's log line `message` at `level`, at most
+    /// [`MAX_PLUGIN_TEXT`] bytes of it, escaped (see [`plugin_text_of`]).
+    pub(crate) fn write_log_line(&self, level: types::LogLevel, message: &str) {
+        let plugin = &*self.plugin_name;
+        let message = plugin_text_of(message, MAX_PLUGIN_TEXT);
         match level {
             types::LogLevel::Debug => {
                 tracing::debug!(target: "snowgate::plugin", plugin, "{message}")

@@ -56,6 +56,15 @@ pub fn plugin_text(text: String, max: usize) -> String {
     if text.len() <= max && !text.chars().any(escaped) {
         return text;
     }
+    plugin_text_of(&text, max)
+}
+
+/// [`plugin_text`] of text the plugin still holds (in its memory): only
+/// what is kept is copied.
+pub fn plugin_text_of(text: &str, max: usize) -> String {
+    if text.len() <= max && !text.chars().any(escaped) {
+        return text.to_owned();
+    }
     let mut shown = String::with_capacity(max.min(text.len()) + 32);
     let mut taken = 0;
     for c in text.chars() {
