@@ -30,8 +30,9 @@
 //! little over 1 KiB a second held the whole default 1 GiB for the timeout,
 //! a sixteenth of what declared bodies pay for as much (a review's count).
 //! So while others wait, from [`PACE_SLACK`] on, such a body keeps only
-//! what has arrived and [`UNDECLARED_HEADROOM`] (64 KiB) more, given back at
-//! each check ([`CHECK_EVERY`]). A body that arrives at up to 256 KiB a
+//! what its read holds (what has arrived, in a buffer of up to twice that)
+//! and [`UNDECLARED_HEADROOM`] (64 KiB) more, given back at each check
+//! ([`CHECK_EVERY`]). A body that arrives at up to 256 KiB a
 //! second never outgrows that between two checks, and one faster has
 //! arrived past its 1 MiB before the slack is over: only bursts over 64 KiB
 //! after a pause need more, where none is free while others wait (503,
@@ -40,13 +41,14 @@
 //! [`UNDECLARED_ROOM`]: crate::gateway::body_memory::UNDECLARED_ROOM
 
 use std::future::Future;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Mutex;
 use std::time::Duration;
 
 use tokio::time::{Instant, MissedTickBehavior};
 
 use crate::gateway::body_memory::{BodyMemory, Room};
+use crate::gateway::read_body::ReadProgress;
 
 /// How long after it got its room a body is first held to its pace: the
 /// time a client may take to start sending (a connection's slow start,
@@ -85,14 +87,15 @@ pub fn paced_length(declared: Option<usize>, room: usize) -> usize {
 
 /// Runs `read`, the read of a body that holds room in `memory`, paced by
 /// `length` bytes (see [`paced_length`]), which counts the bytes that have
-/// arrived in `arrived`: cut off once `within` has passed, or, while
+/// arrived in `progress`: cut off once `within` has passed, or, while
 /// requests wait for room, once the body is behind the pace of `length`
 /// (see the module's documentation). With `undeclared_room` (the room of a
 /// body of no declared length, which `read` grows), it keeps meanwhile
-/// only what has arrived and [`UNDECLARED_HEADROOM`] more.
+/// only what the read holds (what has arrived, or its buffer where that is
+/// larger) and [`UNDECLARED_HEADROOM`] more.
 pub async fn keeping_pace<F: Future>(
     read: F,
-    arrived: &AtomicUsize,
+    progress: &ReadProgress,
     length: usize,
     within: Duration,
     memory: &BodyMemory,
@@ -113,14 +116,17 @@ pub async fn keeping_pace<F: Future>(
                 if memory.waiting() == 0 {
                     continue;
                 }
-                let arrived = arrived.load(Ordering::Relaxed);
+                let arrived = progress.arrived.load(Ordering::Relaxed);
                 if behind(arrived, length, started.elapsed(), within) {
                     return Err(TooSlow::BehindPace);
                 }
                 if let Some(room) = undeclared_room {
+                    // Never below what the read's buffer holds, which
+                    // grows by doubling: the room counts that memory.
+                    let held = arrived.max(progress.buffered.load(Ordering::Relaxed));
                     room.lock()
                         .unwrap_or_else(|p| p.into_inner())
-                        .shrink_to(arrived.saturating_add(UNDECLARED_HEADROOM));
+                        .shrink_to(held.saturating_add(UNDECLARED_HEADROOM));
                 }
             }
         }
@@ -150,6 +156,14 @@ mod tests {
 
     const MIB: usize = 1 << 20;
     const WITHIN: Duration = Duration::from_secs(60);
+
+    /// A read that has `arrived` bytes, held in as many.
+    fn progress_of(arrived: usize) -> ReadProgress {
+        ReadProgress {
+            arrived: arrived.into(),
+            buffered: arrived.into(),
+        }
+    }
 
     /// A body of no declared length is paced as 64 KiB, or as its room
     /// where `--max-body-bytes` makes that smaller; a declared one by its
@@ -181,7 +195,7 @@ mod tests {
     async fn a_stalled_body_is_cut_off_only_while_others_wait() {
         let memory = Arc::new(BodyMemory::new(MIB, WITHIN));
         let room = memory.reserve(MIB, || None).await.expect("room");
-        let arrived = AtomicUsize::new(1024);
+        let arrived = progress_of(1024);
         let never = std::future::pending::<()>();
         let started = Instant::now();
         let alone = keeping_pace(never, &arrived, MIB, WITHIN, &memory, None).await;
@@ -209,7 +223,7 @@ mod tests {
         // the wait here, so that the waiter still waits).
         let within = WITHIN / 2;
         for (sent, cut_off) in [(0, true), (UNDECLARED_PACED_BYTES, false)] {
-            let arrived = AtomicUsize::new(sent);
+            let arrived = progress_of(sent);
             let started = Instant::now();
             let never = std::future::pending::<()>();
             let read = keeping_pace(
@@ -250,7 +264,7 @@ mod tests {
                 tokio::task::yield_now().await;
             }
             // Sent at the pace exactly: never behind it before the timeout.
-            let arrived = AtomicUsize::new(UNDECLARED_PACED_BYTES);
+            let arrived = progress_of(UNDECLARED_PACED_BYTES);
             let never = std::future::pending::<()>();
             let within = WITHIN / 2;
             let started = Instant::now();
@@ -279,6 +293,42 @@ mod tests {
         }
     }
 
+    /// The room given back never goes below what the read's buffer holds,
+    /// which grows by doubling past what has arrived: the room counts that
+    /// memory.
+    #[tokio::test(start_paused = true)]
+    async fn a_body_of_no_declared_length_keeps_room_for_its_whole_buffer() {
+        let memory = Arc::new(BodyMemory::new(MIB, WITHIN));
+        let room = Mutex::new(memory.reserve(MIB, || None).await.expect("room"));
+        let waiter = {
+            let memory = memory.clone();
+            tokio::spawn(async move { memory.reserve(MIB / 2, || None).await.is_ok() })
+        };
+        while memory.waiting() == 0 {
+            tokio::task::yield_now().await;
+        }
+        let progress = ReadProgress {
+            arrived: UNDECLARED_PACED_BYTES.into(),
+            buffered: (MIB / 2).into(),
+        };
+        let never = std::future::pending::<()>();
+        let within = WITHIN / 2;
+        let read = keeping_pace(
+            never,
+            &progress,
+            UNDECLARED_PACED_BYTES,
+            within,
+            &memory,
+            Some(&room),
+        )
+        .await;
+        assert_eq!(read, Err(TooSlow::TimedOut));
+        assert_eq!(room.lock().unwrap().bytes(), MIB / 2 + UNDECLARED_HEADROOM);
+        // What is left, 448 KiB, is too little for the waiter's 512 KiB.
+        assert_eq!(memory.waiting(), 1, "the waiter still waits");
+        waiter.abort();
+    }
+
     /// A body that keeps pace is never cut off while others wait.
     #[tokio::test(start_paused = true)]
     async fn a_body_keeping_pace_is_read_whole() {
@@ -291,12 +341,12 @@ mod tests {
         while memory.waiting() == 0 {
             tokio::task::yield_now().await;
         }
-        let arrived = AtomicUsize::new(0);
+        let arrived = progress_of(0);
         let read = async {
             // A sixtieth of the room a second, the pace exactly.
             for _ in 0..60 {
                 tokio::time::sleep(Duration::from_secs(1)).await;
-                arrived.fetch_add(MIB / 60, Ordering::Relaxed);
+                arrived.arrived.fetch_add(MIB / 60, Ordering::Relaxed);
             }
         };
         let read = keeping_pace(

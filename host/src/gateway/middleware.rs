@@ -69,7 +69,7 @@ use crate::gateway::config::{ConnectionLimits, FailurePolicy};
 use crate::gateway::header_order::remove_in_order;
 use crate::gateway::metrics::{Metrics, Outcome};
 use crate::gateway::queued::Queued;
-use crate::gateway::read_body::{read_limited_in, ReadBodyError};
+use crate::gateway::read_body::{read_limited_in, ReadBodyError, ReadProgress};
 use crate::gateway::responses;
 use crate::gateway::slot::PluginSlot;
 use crate::log_throttle::LogThrottle;
@@ -324,8 +324,9 @@ impl Shared {
         // Room for the body before any of it is read: its declared length
         // (never more than the limit, checked above), or, when it declares
         // none, `UNDECLARED_ROOM`, grown as it arrives where that is free
-        // at once; shrunk to the body once it is read. Nothing is held
-        // while it waits.
+        // at once, and cut to what it holds and 64 KiB while others wait
+        // (see `body_pace`); shrunk to the body once it is read. Nothing is
+        // held while it waits.
         let declared = declared.map(|len| len as usize);
         let first_room = declared.unwrap_or(self.max_body_bytes.min(body_memory::UNDECLARED_ROOM));
         let reserved = self.body_memory.reserve(first_room, || {
@@ -356,7 +357,7 @@ impl Shared {
         // Paced by its declared length, or, where it declared none, as if
         // it were `UNDECLARED_PACED_BYTES` long (at most its room).
         let paced = paced_length(declared, first_room);
-        let arrived = AtomicUsize::new(0);
+        let read_progress = ReadProgress::default();
         // A body that is here already (most small ones) is read at once,
         // without arming a timer for it.
         let read = {
@@ -366,7 +367,7 @@ impl Shared {
                 declared,
                 &self.body_memory,
                 &room,
-                &arrived,
+                &read_progress,
             );
             let mut read = std::pin::pin!(read);
             match std::future::poll_fn(|cx| Poll::Ready(read.as_mut().poll(cx))).await {
@@ -374,7 +375,7 @@ impl Shared {
                 Poll::Pending => {
                     let memory = &self.body_memory;
                     let undeclared = declared.is_none().then_some(&room);
-                    keeping_pace(read, &arrived, paced, within, memory, undeclared).await
+                    keeping_pace(read, &read_progress, paced, within, memory, undeclared).await
                 }
             }
         };

@@ -40,12 +40,25 @@ where
     read(body, limit, known, None).await
 }
 
+/// What a body read into the body memory counts as it arrives, for whoever
+/// times the read or judges its room (see
+/// [`body_pace`](crate::gateway::body_pace)).
+#[derive(Debug, Default)]
+pub struct ReadProgress {
+    /// The bytes that have arrived.
+    pub arrived: AtomicUsize,
+    /// The bytes the read holds for them: a body that came in several
+    /// chunks is copied into a buffer that grows by doubling, to as much
+    /// as twice what has arrived.
+    pub buffered: AtomicUsize,
+}
+
 /// [`read_limited`], with room in `memory` for every byte: a byte past what
 /// `room` holds takes more room as it arrives where that is free at once
 /// ([`BodyMemory::grow_now`]), or the read stops with
 /// [`ReadBodyError::NoRoom`]. `declared` is the body's declared length,
-/// which sizes its buffer at once. The bytes read so far are counted in
-/// `arrived`, for whoever times the read (see
+/// which sizes its buffer at once. The bytes read so far, and those held
+/// for them, are counted in `progress`, for whoever times the read (see
 /// [`body_pace`](crate::gateway::body_pace)), which may give back some of
 /// `room` meanwhile.
 pub async fn read_limited_in<B>(
@@ -54,13 +67,13 @@ pub async fn read_limited_in<B>(
     declared: Option<usize>,
     memory: &BodyMemory,
     room: &Mutex<Room>,
-    arrived: &AtomicUsize,
+    progress: &ReadProgress,
 ) -> Result<Bytes, ReadBodyError>
 where
     B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
-    read(body, limit, declared, Some((memory, room, arrived))).await
+    read(body, limit, declared, Some((memory, room, progress))).await
 }
 
 /// The body in memory takes no more than its length and a quarter: a
@@ -70,7 +83,7 @@ async fn read<B>(
     body: B,
     limit: usize,
     declared: Option<usize>,
-    memory: Option<(&BodyMemory, &Mutex<Room>, &AtomicUsize)>,
+    memory: Option<(&BodyMemory, &Mutex<Room>, &ReadProgress)>,
 ) -> Result<Bytes, ReadBodyError>
 where
     B: Body<Data = Bytes>,
@@ -98,7 +111,7 @@ where
         if needed > limit {
             return Err(ReadBodyError::TooLarge);
         }
-        if let Some((memory, room, arrived)) = memory {
+        if let Some((memory, room, progress)) = memory {
             // Shared with the body's pace, which may give some back; never
             // held across an await.
             let mut room = room.lock().unwrap_or_else(|p| p.into_inner());
@@ -108,7 +121,7 @@ where
                     .grow_now(&mut room, more)
                     .map_err(ReadBodyError::NoRoom)?;
             }
-            arrived.store(needed, Ordering::Relaxed);
+            progress.arrived.store(needed, Ordering::Relaxed);
         }
         // One chunk (the usual case for small bodies) needs no copy.
         match first.take() {
@@ -120,6 +133,10 @@ where
                 buffer.extend_from_slice(&chunk);
                 buffer.extend_from_slice(&data);
             }
+        }
+        if let Some((_, _, progress)) = memory {
+            let held = first.as_ref().map_or(0, Bytes::len) + buffer.capacity();
+            progress.buffered.store(held, Ordering::Relaxed);
         }
     }
     Ok(match first {
@@ -186,19 +203,25 @@ pub(crate) mod tests {
     async fn takes_room_for_every_byte_past_what_it_held() {
         let memory = BodyMemory::new(4 << 10, Duration::from_secs(1));
         let room = Mutex::new(memory.reserve(1024, || None).await.expect("room"));
-        let arrived = AtomicUsize::new(0);
+        let progress = ReadProgress::default();
         let whole = read_limited_in(
             chunks(&[KIB, KIB, b"x"]),
             8 << 10,
             None,
             &memory,
             &room,
-            &arrived,
+            &progress,
         )
         .await
         .expect("within the memory");
         assert_eq!(whole.len(), 2049);
-        assert_eq!(arrived.load(Ordering::Relaxed), 2049, "the bytes counted");
+        assert_eq!(
+            progress.arrived.load(Ordering::Relaxed),
+            2049,
+            "the bytes counted"
+        );
+        let buffered = progress.buffered.load(Ordering::Relaxed);
+        assert!((2049..=2 * 2049).contains(&buffered), "{buffered} held");
         assert_eq!(room.lock().unwrap().bytes(), 3 << 10);
         assert_eq!(memory.held(), 3 << 10);
     }
@@ -215,7 +238,7 @@ pub(crate) mod tests {
                 declared,
                 &memory,
                 &room,
-                &AtomicUsize::new(0),
+                &ReadProgress::default(),
             )
             .await
             .expect("within the limits");
@@ -239,7 +262,7 @@ pub(crate) mod tests {
             None,
             &memory,
             &room,
-            &AtomicUsize::new(0),
+            &ReadProgress::default(),
         )
         .await;
         assert!(

@@ -466,15 +466,28 @@ impl Gateway {
     /// Polls `/metrics` (every 20 ms, at most [`STEP`]) until the sample
     /// `sample` reads `value`; returns that text.
     pub async fn wait_metric(&self, sample: &str, value: f64) -> String {
+        self.wait_metric_where(sample, &format!("{value}"), |v| v == value)
+            .await
+    }
+
+    /// Polls `/metrics` until `sample`'s value passes `check` (`what` says
+    /// what it waits for, for the failure message), at most [`STEP`];
+    /// returns the last text.
+    pub async fn wait_metric_where(
+        &self,
+        sample: &str,
+        what: &str,
+        check: impl Fn(f64) -> bool,
+    ) -> String {
         let deadline = Instant::now() + STEP;
         loop {
             let text = self.metrics().await;
-            if metric(&text, sample) == value {
+            if check(metric(&text, sample)) {
                 return text;
             }
             assert!(
                 Instant::now() < deadline,
-                "timed out after {STEP:?} waiting for {sample} {value}; last /metrics:\n{text}"
+                "timed out after {STEP:?} waiting for {sample} {what}; last /metrics:\n{text}"
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
