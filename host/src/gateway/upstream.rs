@@ -505,7 +505,19 @@ impl HttpUpstream {
         let prefix = self.prefix();
         let path = uri.path();
         // `OPTIONS *` asks about the server and goes as it came.
-        if prefix.is_empty() || path == "*" || !dot_segments::climbs_above_root(path) {
+        if prefix.is_empty() || path == "*" {
+            return None;
+        }
+        // Joined as it came, a path without its `/` would leave the base
+        // path: `x/../admin` under `/api` is `/apix/../admin`, `/admin`.
+        // The `http` crate refuses such a path (since 1.4.1; h2 checks
+        // only that `:path` is not empty), so this only stands behind it.
+        // (An authority-form target, whose path is empty, is refused with
+        // the head.)
+        if !path.is_empty() && !path.starts_with('/') {
+            return Some(unforwardable(path, &"it does not start with /"));
+        }
+        if !dot_segments::climbs_above_root(path) {
             return None;
         }
         Some(unforwardable(
@@ -530,14 +542,6 @@ impl HttpUpstream {
                     return Err(problem);
                 }
                 let own = own.map_or("/", |p| p.as_str());
-                // Joined as it came, a path without its `/` would leave the
-                // base path: `x/../admin` under `/api` is `/apix/../admin`,
-                // `/admin`. The `http` crate refuses such a path (since
-                // 1.4.1; h2 checks only that `:path` is not empty), so this
-                // only stands behind it.
-                if !uri.path().starts_with('/') {
-                    return Err(unforwardable(own, &"it does not start with /"));
-                }
                 PathAndQuery::try_from(format!("{prefix}{own}"))
                     .map_err(|e| unforwardable(own, &e))?
             }
