@@ -10,7 +10,14 @@
 //! memory ([`WasmStr`], [`WasmList`]) and copy only what they keep, after
 //! the limits are checked: `log.write`, `request-headers.get`, and
 //! `header-edits`' `set`, `append` and `remove`. What each does is
-//! unchanged (see `state`, `request` and `header_edits`).
+//! unchanged (see `state`, `request` and `header_edits`), but for a log
+//! line the log leaves out, which is now not read at all (so not checked
+//! for UTF-8 either: dropped, where the bindings trapped on it).
+//!
+//! This holds for a plugin whose strings are UTF-8 (Rust's, Go's and
+//! Python's): one built with UTF-16
+//! strings has each string transcoded whole by [`WasmStr::to_str`], as the
+//! bindings did.
 //!
 //! WASI's own imports (a write to stdout or stderr) still copy: they are
 //! wasmtime-wasi's. A plugin's stdout goes nowhere, and its stderr into a
@@ -90,4 +97,25 @@ pub(crate) fn read_in_place(linker: &mut Linker<HostState>) -> anyhow::Result<()
         .context("replacing header-edits.remove")?;
     linker.allow_shadowing(false);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The interfaces replaced are those of the contract's version: a
+    /// version bump that left these behind would make `instance` define new,
+    /// empty interfaces, and the replacements would never be called.
+    #[test]
+    fn the_replaced_interfaces_are_at_the_contracts_version() {
+        let wit = include_str!("../../wit/middleware.wit");
+        let version = wit
+            .lines()
+            .find_map(|line| line.strip_prefix("package snowgate:middleware@"))
+            .and_then(|rest| rest.strip_suffix(';'))
+            .expect("the package line");
+        for interface in [LOG, REQUEST_HEADERS, HEADER_EDITS] {
+            assert!(interface.ends_with(&format!("@{version}")), "{interface}");
+        }
+    }
 }
