@@ -133,7 +133,7 @@ impl<S: SendQueue> SendTimeout<S> {
                 // The client took enough: it is reading, a new wait
                 // begins.
                 (Some(before), Some(now))
-                    if before.saturating_sub(now) >= MIN_TAKEN.min(before.div_ceil(3)) =>
+                    if now < before && before - now >= MIN_TAKEN.min(before.div_ceil(3)) =>
                 {
                     queued = Some(now);
                     self.queued = Some(queued);
