@@ -9,7 +9,8 @@
 //! made it.
 //!
 //! A body that starts with a MessagePack map or array marker (0x80 to
-//! 0x9f, 0xdc to 0xdf: never the first byte of UTF-8 text, so never JSON)
+//! 0x9f, 0xdc to 0xdf: never the first byte of a JSON body, whose first
+//! byte that is not whitespace is ASCII)
 //! goes with `X-TRTLLM-Msgpack: 1`, and is compared with the native core's
 //! MessagePack decision: the wasm32 build is the only one whose `usize`
 //! has 32 bits, where the MessagePack walk's lengths could overflow.
