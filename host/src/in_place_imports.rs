@@ -15,9 +15,8 @@
 //! for UTF-8 either: dropped, where the bindings trapped on it).
 //!
 //! This holds for a plugin whose strings are UTF-8 (Rust's, Go's and
-//! Python's): one built with UTF-16
-//! strings has each string transcoded whole by [`WasmStr::to_str`], as the
-//! bindings did.
+//! Python's): one built with UTF-16 strings has each string transcoded
+//! whole by [`WasmStr::to_str`], as the bindings did.
 //!
 //! WASI's own imports (a write to stdout or stderr) still copy: they are
 //! wasmtime-wasi's. A plugin's stdout goes nowhere, and its stderr into a
