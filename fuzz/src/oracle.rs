@@ -464,8 +464,24 @@ pub fn assert_only_ids_spliced_in(input: &[u8], output: &[u8], edits: &[Edit], i
 /// it finds an error.
 pub fn bracket_depth(body: &[u8]) -> usize {
     let (mut depth, mut max) = (0usize, 0usize);
+    for b in outside_strings(body) {
+        match b {
+            b'[' | b'{' => {
+                depth += 1;
+                max = max.max(depth);
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    max
+}
+
+/// The bytes of `body` outside its strings (the quotes left out too), as
+/// a reader that knows only quotes and backslash escapes finds them.
+fn outside_strings(body: &[u8]) -> impl Iterator<Item = u8> + '_ {
     let (mut in_string, mut escaped) = (false, false);
-    for &b in body {
+    body.iter().copied().filter(move |&b| {
         if in_string {
             if escaped {
                 escaped = false;
@@ -474,19 +490,14 @@ pub fn bracket_depth(body: &[u8]) -> usize {
             } else if b == b'"' {
                 in_string = false;
             }
+            false
+        } else if b == b'"' {
+            in_string = true;
+            false
         } else {
-            match b {
-                b'"' => in_string = true,
-                b'[' | b'{' => {
-                    depth += 1;
-                    max = max.max(depth);
-                }
-                b']' | b'}' => depth = depth.saturating_sub(1),
-                _ => {}
-            }
+            true
         }
-    }
-    max
+    })
 }
 
 /// `body` with every lone surrogate escape (one not part of a high-low
@@ -567,36 +578,24 @@ const MAX_INTEGER_DIGITS: usize = 4300;
 /// which keeps only the last of duplicate keys (Python reads every number
 /// before it drops one).
 fn longest_integer(body: &[u8]) -> usize {
-    let (mut longest, mut at) = (0, 0);
-    let (mut in_string, mut escaped) = (false, false);
-    while at < body.len() {
-        let b = body[at];
-        at += 1;
-        if in_string {
-            if escaped {
-                escaped = false;
-            } else if b == b'\\' {
-                escaped = true;
-            } else if b == b'"' {
-                in_string = false;
-            }
-        } else if b == b'"' {
-            in_string = true;
-        } else if b.is_ascii_digit() {
-            let digits = 1 + body[at..].iter().take_while(|b| b.is_ascii_digit()).count();
-            at += digits - 1;
-            if !matches!(body.get(at), Some(b'.' | b'e' | b'E')) {
-                longest = longest.max(digits);
-            }
-            // A fraction's or an exponent's digits are the float's.
-            while at < body.len()
-                && matches!(body[at], b'.' | b'e' | b'E' | b'+' | b'-' | b'0'..=b'9')
-            {
-                at += 1;
+    // A run of digits, and whether the number has turned out a float (its
+    // fraction's and exponent's digits, and the run before, are not an
+    // integer's). In valid JSON a number ends at a byte that is none of
+    // these; the `e` of `true` and `false` is followed by such a byte.
+    let (mut longest, mut run, mut float) = (0, 0, false);
+    for b in outside_strings(body) {
+        match b {
+            b'0'..=b'9' if !float => run += 1,
+            b'0'..=b'9' => {}
+            b'.' | b'e' | b'E' => (run, float) = (0, true),
+            b'+' | b'-' if float => {}
+            _ => {
+                longest = longest.max(run);
+                (run, float) = (0, false);
             }
         }
     }
-    longest
+    longest.max(run)
 }
 
 /// Whether serde_json's private number token may appear in a string of
