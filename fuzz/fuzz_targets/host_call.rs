@@ -147,11 +147,7 @@ fuzz_target!(|data: &[u8]| {
     for reused in [false, true] {
         let action = call(&request, reused)
             .unwrap_or_else(|e| panic!("the call failed (reused instance: {reused}): {e}"));
-        let ids = if msgpack {
-            check_msgpack(data, action)
-        } else {
-            check(data, action)
-        };
+        let ids = check(data, msgpack, action);
         check_after_all_before(&ids, reused);
     }
 });
@@ -171,12 +167,12 @@ fn check_after_all_before(ids: &[u64], reused: bool) {
     }
 }
 
-/// `action` is what the native core decides for the MessagePack body
-/// `data`; returns the ids the plugin gave.
-fn check_msgpack(data: &[u8], action: Action) -> Vec<u64> {
+/// `action` is what the native core decides for `data`, a MessagePack
+/// body if `msgpack`, else JSON; returns the ids the plugin gave.
+fn check(data: &[u8], msgpack: bool, action: Action) -> Vec<u64> {
     let native = decide(
         &Config { layout: LAYOUT },
-        true,
+        msgpack,
         data,
         &mut CounterIds::new(LAYOUT),
     )
@@ -192,19 +188,33 @@ fn check_msgpack(data: &[u8], action: Action) -> Vec<u64> {
             Vec::new()
         }
         (Decision::ForwardWithBody { .. }, Action::ForwardWithBody(output)) => {
-            let edits = find_msgpack_edits(data).expect("stamped bodies are valid");
-            let ids = read_back_msgpack_ids(data, &output, &edits);
-            assert_eq!(
-                output,
-                msgpack::apply(data, &edits, &ids),
-                "not the native edits"
-            );
+            let ids = if msgpack {
+                let edits = find_msgpack_edits(data).expect("stamped bodies are valid");
+                let ids = read_back_msgpack_ids(data, &output, &edits);
+                assert_eq!(
+                    output,
+                    msgpack::apply(data, &edits, &ids),
+                    "not the native edits"
+                );
+                assert_eq!(
+                    find_msgpack_edits(&output),
+                    Ok(vec![]),
+                    "the stamped body needs ids still"
+                );
+                ids
+            } else {
+                let edits = find_edits(data).expect("stamped bodies are valid");
+                let ids = read_back_ids(&output, &edits);
+                assert_eq!(output, apply(data, &edits, &ids), "not the native edits");
+                assert_only_ids_spliced_in(data, &output, &edits, &ids);
+                assert_eq!(
+                    find_edits(&output),
+                    Ok(vec![]),
+                    "the stamped body needs ids still"
+                );
+                ids
+            };
             check_made_here(&ids);
-            assert_eq!(
-                find_msgpack_edits(&output),
-                Ok(vec![]),
-                "the stamped body needs ids still"
-            );
             ids
         }
         (native, action) => panic!("native decision {native:?}, plugin answer {action:?}"),
@@ -252,42 +262,5 @@ fn check_made_here(ids: &[u64]) {
             "id {id} has time {} ms, now is {now}",
             parts.millis
         );
-    }
-}
-
-/// `action` is what the native core decides for the JSON body `data`;
-/// returns the ids the plugin gave.
-fn check(data: &[u8], action: Action) -> Vec<u64> {
-    let native = decide(
-        &Config { layout: LAYOUT },
-        false,
-        data,
-        &mut CounterIds::new(LAYOUT),
-    )
-    .expect("no native plugin failure");
-    match (native, action) {
-        (Decision::Forward, Action::Forward) => Vec::new(),
-        (Decision::Reject(native), Action::Reject(r)) => {
-            assert_eq!(
-                (r.status, r.code.as_str(), r.message.as_str()),
-                (native.status, native.code, native.message.as_str()),
-                "the plugin's refusal differs from the native one"
-            );
-            Vec::new()
-        }
-        (Decision::ForwardWithBody { .. }, Action::ForwardWithBody(output)) => {
-            let edits = find_edits(data).expect("stamped bodies are valid");
-            let ids = read_back_ids(&output, &edits);
-            assert_eq!(output, apply(data, &edits, &ids), "not the native edits");
-            assert_only_ids_spliced_in(data, &output, &edits, &ids);
-            check_made_here(&ids);
-            assert_eq!(
-                find_edits(&output),
-                Ok(vec![]),
-                "the stamped body needs ids still"
-            );
-            ids
-        }
-        (native, action) => panic!("native decision {native:?}, plugin answer {action:?}"),
     }
 }
