@@ -1340,6 +1340,23 @@ async fn a_body_of_no_declared_length_keeps_only_what_it_uses_while_others_wait(
         "the holder keeps {held} bytes of room"
     );
     assert!(!holder.is_finished(), "the holder is still sending");
+    the_holder_ends_and_goes_through(chunks, holder).await;
+    gateway.wait_metric("snowgate_body_memory_bytes", 0.0).await;
+    let ids: Vec<u64> = upstream
+        .seen()
+        .iter()
+        .map(|s| stamped_id(&s.body))
+        .collect();
+    assert_eq!(ids.len(), 2);
+    assert_unique(&ids);
+}
+
+/// The HTTP/2 request `holder`, whose body of no declared length comes
+/// from `chunks`, ends with a context-only request and goes through.
+async fn the_holder_ends_and_goes_through(
+    chunks: tokio::sync::mpsc::Sender<Bytes>,
+    holder: tokio::task::JoinHandle<hyper::Result<http::Response<hyper::body::Incoming>>>,
+) {
     chunks
         .send(Bytes::from(CONTEXT_ONLY))
         .await
@@ -1350,14 +1367,6 @@ async fn a_body_of_no_declared_length_keeps_only_what_it_uses_while_others_wait(
         .expect("joined")
         .expect("a response");
     assert_eq!(held.status(), StatusCode::OK);
-    gateway.wait_metric("snowgate_body_memory_bytes", 0.0).await;
-    let ids: Vec<u64> = upstream
-        .seen()
-        .iter()
-        .map(|s| stamped_id(&s.body))
-        .collect();
-    assert_eq!(ids.len(), 2);
-    assert_unique(&ids);
 }
 
 /// The request `waiter`, which waited for room behind a body that keeps
@@ -1432,16 +1441,7 @@ async fn one_connection_has_at_most_8_requests_waiting_for_room() {
         .wait_metric("snowgate_body_memory_waiting", 9.0)
         .await;
 
-    chunks
-        .send(Bytes::from(CONTEXT_ONLY))
-        .await
-        .expect("the holder's body");
-    drop(chunks);
-    let held = bounded("the holder", STEP, holder)
-        .await
-        .expect("joined")
-        .expect("a response");
-    assert_eq!(held.status(), StatusCode::OK);
+    the_holder_ends_and_goes_through(chunks, holder).await;
     for waiter in waiters {
         let response = bounded("a waiter", STEP, waiter)
             .await
