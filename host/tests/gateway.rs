@@ -1302,10 +1302,10 @@ async fn a_body_of_no_declared_length_that_does_not_arrive_gives_way_too() {
 /// A body of no declared length that keeps its pace does not keep the
 /// room it does not use: an HTTP/2 stream that sent 64 KiB holds 1 MiB, the
 /// whole body memory, and once a request waits for room it keeps, from
-/// about 5 s (the slack) on, what it holds of the body and 64 KiB more. The waiting
-/// request gets the rest and goes through while the stream still comes;
-/// the stream then ends and goes through too. (Before, it held its 1 MiB
-/// at a pace of about 1 KiB a second for the whole 60 s.)
+/// about 5 s (the slack) on, what it holds of the body and 64 KiB more.
+/// The waiting request gets the rest and goes through while the stream
+/// still comes; the stream then ends and goes through too. (Before, it
+/// held its 1 MiB at a pace of about 1 KiB a second for the whole 60 s.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_body_of_no_declared_length_keeps_only_what_it_uses_while_others_wait() {
     let upstream = TestUpstream::start().await;
