@@ -12,8 +12,9 @@
 //! climbs furthest under any common reading: `%2e` is a dot; `\`, `%2f` and
 //! `%5c` end a segment as `/` does (Windows servers, and servers that decode
 //! before they resolve); a segment ends its name at `;` or `%3b` (`..;x` is
-//! `..` to Tomcat); and an empty segment does not count as a level, as servers that
-//! merge slashes drop it. Only the path is read, never the query.
+//! `..` to Tomcat); and an empty segment does not count as a level, as
+//! servers that merge slashes drop it. Only the path is read, never the
+//! query.
 
 /// Whether `path` (a request's path, without its query) has more `..`
 /// segments at some point than segments to climb out of.
