@@ -2,6 +2,8 @@
 //! messages and its rejections reach the gateway's log and its clients, so
 //! each is bounded, whatever the plugin sends.
 
+use std::borrow::Cow;
+
 /// The most bytes kept of one log line, error message or reject message
 /// (the rest is cut), and of what a call writes to stderr (a panic
 /// message, quoted when the call traps).
@@ -53,17 +55,23 @@ pub(crate) fn cut(mut text: String, max: usize) -> String {
 /// bound holds after escaping: cut first, a line of NULs grew fivefold (a
 /// review logged 1.3 MB a call).
 pub fn plugin_text(text: String, max: usize) -> String {
-    if text.len() <= max && !text.chars().any(escaped) {
-        return text;
+    match shown_text(&text, max) {
+        Cow::Borrowed(_) => text,
+        Cow::Owned(shown) => shown,
     }
-    plugin_text_of(&text, max)
 }
 
 /// [`plugin_text`] of text the plugin still holds (in its memory): only
 /// what is kept is copied.
 pub fn plugin_text_of(text: &str, max: usize) -> String {
+    shown_text(text, max).into_owned()
+}
+
+/// What [`plugin_text`] shows of `text`: `text` itself where it is short
+/// enough and needs no escape.
+fn shown_text(text: &str, max: usize) -> Cow<'_, str> {
     if text.len() <= max && !text.chars().any(escaped) {
-        return text.to_owned();
+        return Cow::Borrowed(text);
     }
     let mut shown = String::with_capacity(max.min(text.len()) + 32);
     let mut taken = 0;
@@ -85,7 +93,7 @@ pub fn plugin_text_of(text: &str, max: usize) -> String {
         let unit = if left == 1 { "byte" } else { "bytes" };
         shown.push_str(&format!("... ({left} more {unit} cut)"));
     }
-    shown
+    Cow::Owned(shown)
 }
 
 /// Whether [`plugin_text`] writes `c` as its escape.
