@@ -191,6 +191,9 @@ fn shown(name: &str) -> String {
     format!("{start:?}{more}")
 }
 
+/// Why a change asked for outside `handle` is refused.
+const NOT_HANDLING: &str = "headers can be changed only while handling a request";
+
 /// What a plugin asks of a header through the `header-edits` import.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum EditAsked {
@@ -225,7 +228,7 @@ impl HostState {
         value: &[u8],
     ) -> Result<HeaderEdit, String> {
         if !self.takes_header_edits() {
-            return Err("headers can be changed only while handling a request".to_string());
+            return Err(NOT_HANDLING.to_string());
         }
         let name = editable_name(name)?;
         Ok(match asked {
@@ -246,7 +249,7 @@ impl HostState {
     pub(crate) fn record_header_edit(&mut self, edit: HeaderEdit) -> Result<(), String> {
         match self.header_edits_mut() {
             Some(edits) => edits.push(edit),
-            None => Err("headers can be changed only while handling a request".to_string()),
+            None => Err(NOT_HANDLING.to_string()),
         }
     }
 
