@@ -157,6 +157,22 @@ mod tests {
     const MIB: usize = 1 << 20;
     const WITHIN: Duration = Duration::from_secs(60);
 
+    /// A request for `bytes` of `memory`, spawned, once it waits in line;
+    /// its room when it gets some.
+    async fn waiting_for(
+        memory: &Arc<BodyMemory>,
+        bytes: usize,
+    ) -> tokio::task::JoinHandle<Option<Room>> {
+        let waiter = {
+            let memory = memory.clone();
+            tokio::spawn(async move { memory.reserve(bytes, || None).await.ok() })
+        };
+        while memory.waiting() == 0 {
+            tokio::task::yield_now().await;
+        }
+        waiter
+    }
+
     /// A read that has `arrived` bytes, held in as many.
     fn progress_of(arrived: usize) -> ReadProgress {
         ReadProgress {
@@ -202,13 +218,7 @@ mod tests {
         assert_eq!(alone, Err(TooSlow::TimedOut));
         assert_eq!(started.elapsed(), WITHIN);
 
-        let waiter = {
-            let memory = memory.clone();
-            tokio::spawn(async move { memory.reserve(1024, || None).await.is_ok() })
-        };
-        while memory.waiting() == 0 {
-            tokio::task::yield_now().await;
-        }
+        let waiter = waiting_for(&memory, 1024).await;
         let started = Instant::now();
         let never = std::future::pending::<()>();
         let cut = keeping_pace(never, &arrived, MIB, WITHIN, &memory, None).await;
@@ -244,7 +254,10 @@ mod tests {
             }
         }
         drop(room);
-        assert!(waiter.await.expect("joined"), "the waiter got the room");
+        assert!(
+            waiter.await.expect("joined").is_some(),
+            "the waiter got the room"
+        );
     }
 
     /// A body of no declared length that keeps its 64 KiB pace, but holds
@@ -256,13 +269,7 @@ mod tests {
         for undeclared in [true, false] {
             let memory = Arc::new(BodyMemory::new(MIB, WITHIN));
             let room = Mutex::new(memory.reserve(MIB, || None).await.expect("room"));
-            let waiter = {
-                let memory = memory.clone();
-                tokio::spawn(async move { memory.reserve(MIB / 2, || None).await.ok() })
-            };
-            while memory.waiting() == 0 {
-                tokio::task::yield_now().await;
-            }
+            let waiter = waiting_for(&memory, MIB / 2).await;
             // Sent at the pace exactly: never behind it before the timeout.
             let arrived = progress_of(UNDECLARED_PACED_BYTES);
             let never = std::future::pending::<()>();
@@ -300,13 +307,7 @@ mod tests {
     async fn a_body_of_no_declared_length_keeps_room_for_its_whole_buffer() {
         let memory = Arc::new(BodyMemory::new(MIB, WITHIN));
         let room = Mutex::new(memory.reserve(MIB, || None).await.expect("room"));
-        let waiter = {
-            let memory = memory.clone();
-            tokio::spawn(async move { memory.reserve(MIB / 2, || None).await.is_ok() })
-        };
-        while memory.waiting() == 0 {
-            tokio::task::yield_now().await;
-        }
+        let waiter = waiting_for(&memory, MIB / 2).await;
         let progress = ReadProgress {
             arrived: UNDECLARED_PACED_BYTES.into(),
             buffered: (MIB / 2).into(),
@@ -334,13 +335,7 @@ mod tests {
     async fn a_body_keeping_pace_is_read_whole() {
         let memory = Arc::new(BodyMemory::new(MIB, WITHIN));
         let _room = memory.reserve(MIB, || None).await.expect("room");
-        let waiter = {
-            let memory = memory.clone();
-            tokio::spawn(async move { memory.reserve(1024, || None).await.is_ok() })
-        };
-        while memory.waiting() == 0 {
-            tokio::task::yield_now().await;
-        }
+        let waiter = waiting_for(&memory, 1024).await;
         let arrived = progress_of(0);
         let read = async {
             // A sixtieth of the room a second, the pace exactly.
