@@ -52,9 +52,9 @@ pub const YIELD_AFTER: Duration = Duration::from_millis(2);
 
 /// An instance whose memory grew by more than this since `configure` (or
 /// past it in all) is not reused: its pages go back to the system, rather
-/// than a large call's memory being kept by an idle instance. Measured from `configure`, so
-/// that a plugin whose language runtime starts larger (CPython, a
-/// JavaScript engine) is reused too.
+/// than a large call's memory being kept by an idle instance. Measured
+/// from `configure`, so that a plugin whose language runtime starts larger
+/// (CPython, a JavaScript engine) is reused too.
 const REUSE_MAX_GROWTH: usize = crate::engine::MEMORY_KEEP_RESIDENT;
 
 /// Why a plugin call gave no answer. The gateway applies its failure policy
