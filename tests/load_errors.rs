@@ -12,7 +12,7 @@
 mod common;
 
 use common::{engine_with, START_MILLIS};
-use snowgate_host::{FixedClock, Plugin, PluginEngine, PluginLimits};
+use snowgate_host::{FixedClock, Plugin, PluginEngine, PluginLimits, LAYOUT_SETTING};
 use snowgate_plugin::SnowflakeLayout;
 use snowgate_plugin_bundle::PLUGIN_WASM;
 
@@ -237,5 +237,25 @@ fn a_plugin_failing_in_configure_is_refused_naming_the_panic_or_the_deadline() {
     for message in [&panicked, &spun] {
         assert!(!message.contains('\n'), "more than one line: {message}");
         assert!(!message.contains("wasm function"), "a backtrace: {message}");
+    }
+}
+
+/// A caller's `id-layout` setting is refused, even one naming the engine's
+/// own layout: the host hands the plugin its layout first, and a setting
+/// after it would configure the plugin for a layout the machine id is not
+/// checked against.
+#[test]
+fn a_caller_cannot_set_the_plugins_id_layout() {
+    let engine = engine();
+    for value in ["trtllm-v1", "trtllm-v2"] {
+        let settings = [(LAYOUT_SETTING.to_string(), value.to_string())];
+        let error = match Plugin::load(&engine, PLUGIN_WASM, &settings) {
+            Ok(_) => panic!("id-layout={value} was taken"),
+            Err(e) => format!("{e:#}"),
+        };
+        assert_mentions(
+            &error,
+            &["the plugin setting id-layout is the host's own", "--layout"],
+        );
     }
 }

@@ -72,6 +72,8 @@ pub use engine::{HostServices, PluginEngine};
 pub use header_edits::{HeaderEdit, HeaderEdits};
 pub use identity::MachineIdentity;
 pub use limits::PluginLimits;
-pub use plugin::{ConfigurationRefused, Plugin, PluginInfo};
+pub use plugin::{
+    layout_setting_problem, ConfigurationRefused, Plugin, PluginInfo, LAYOUT_SETTING,
+};
 pub use request::{Headers, Request};
 pub use text_limits::plugin_text;

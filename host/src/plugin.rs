@@ -59,6 +59,24 @@ impl fmt::Display for ConfigurationRefused {
 
 impl std::error::Error for ConfigurationRefused {}
 
+/// The setting the host hands every plugin first, from the engine's id
+/// layout. A caller's setting of this name is refused ([`Plugin::load`],
+/// [`layout_setting_problem`]): coming after the host's, it would configure
+/// the plugin for one layout while the machine id is checked for another.
+pub const LAYOUT_SETTING: &str = "id-layout";
+
+/// Why a caller's plugin setting named `name` cannot be given, if it
+/// cannot: it is [`LAYOUT_SETTING`], which the host sets from its layout.
+pub fn layout_setting_problem(name: &str) -> Option<String> {
+    (name == LAYOUT_SETTING).then(|| {
+        format!(
+            "the plugin setting {LAYOUT_SETTING} is the host's own: it is always handed to the \
+             plugin from the id layout (--layout, or the config file's layout), so that the \
+             plugin's layout and the machine id's cannot differ; set the layout there"
+        )
+    })
+}
+
 /// A compiled, linked and validated plugin, ready to serve requests. Cheap
 /// to share: calls on it run in parallel, each in its own store.
 pub struct Plugin {
@@ -95,12 +113,19 @@ impl Plugin {
     /// thread (`tokio::task::spawn_blocking`), as the gateway does.
     ///
     /// The error says what is wrong: not a component, a missing import or
-    /// export, or a refused setting.
+    /// export, or a refused setting (among them [`LAYOUT_SETTING`], which
+    /// the host sets itself).
     pub fn load(
         engine: &PluginEngine,
         bytes: &[u8],
         settings: &[(String, String)],
     ) -> anyhow::Result<Plugin> {
+        if let Some(problem) = settings
+            .iter()
+            .find_map(|(name, _)| layout_setting_problem(name))
+        {
+            anyhow::bail!(problem);
+        }
         let sha256 = hex_sha256(bytes);
         let cached = match &engine.compile_cache {
             Some(cache) => cache.lookup(&engine.engine, &sha256, |e| refused(engine, e))?,
@@ -135,7 +160,7 @@ impl Plugin {
 
         let layout = engine.services.identity.layout();
         let settings: Arc<[Setting]> = std::iter::once(Setting {
-            name: "id-layout".into(),
+            name: LAYOUT_SETTING.into(),
             value: layout.name().into(),
         })
         .chain(settings.iter().map(|(name, value)| Setting {

@@ -434,10 +434,31 @@ pub const MAX_CONFIG_FILE_BYTES: u64 = 1 << 20;
 /// MiB, as a wasm32 memory cannot be larger than 4 GiB.
 pub fn plugin_memory_bytes(mib: usize) -> anyhow::Result<usize> {
     anyhow::ensure!(
-        (1..=4096).contains(&mib),
-        "plugin-memory-mib must be between 1 and 4096, not {mib}"
+        (1..=MAX_PLUGIN_MEMORY_MIB as usize).contains(&mib),
+        "plugin-memory-mib must be between 1 and {MAX_PLUGIN_MEMORY_MIB}, not {mib}"
     );
     Ok(mib << 20)
+}
+
+/// The largest plugin memory limit, in MiB: a wasm32 memory's 4 GiB.
+pub const MAX_PLUGIN_MEMORY_MIB: u64 = 4096;
+
+/// What to tell an operator whose plugin memory cannot hold a body that
+/// needs `few_mib` (with few ids) to `densest_mib` (dense with ids):
+/// raise `--plugin-memory-mib` where a limit can hold it, and otherwise
+/// `smaller` (what makes the body smaller), since no limit can.
+pub fn memory_advice(few_mib: u64, densest_mib: u64, smaller: &str) -> String {
+    let most = MAX_PLUGIN_MEMORY_MIB;
+    if densest_mib <= most {
+        "raise --plugin-memory-mib".to_string()
+    } else if few_mib <= most {
+        format!(
+            "raise --plugin-memory-mib; at its most, {most} MiB, a body of that size dense with \
+             ids still does not fit: {smaller}"
+        )
+    } else {
+        format!("no --plugin-memory-mib can hold such a body (at most {most} MiB): {smaller}")
+    }
 }
 
 /// The plugin call deadline `plugin-deadline-ms` sets: 1 ms to an hour.
@@ -519,6 +540,13 @@ impl ConfigFile {
                 config.max_body_bytes.div_ceil(1 << 20)
             );
         }
+        if let Some(problem) = config
+            .plugin_settings
+            .keys()
+            .find_map(|name| crate::plugin::layout_setting_problem(name))
+        {
+            anyhow::bail!(problem);
+        }
         if let Some(token) = &config.admin_token {
             // An empty token matched a request without one: admin open to
             // anyone, from an empty SNOWGATE_ADMIN_TOKEN (a Kubernetes
@@ -539,6 +567,17 @@ impl ConfigFile {
                  request could present it"
             );
         }
+        // Caught here, before the plugin compiles, as a bad setting; the
+        // bind would fail anyway, later and with the OS's words.
+        let (requests, admin) = (config.listen, config.admin_listen);
+        let same_family = requests.is_ipv4() == admin.is_ipv4();
+        let overlap = requests.ip() == admin.ip()
+            || (same_family && (requests.ip().is_unspecified() || admin.ip().is_unspecified()));
+        anyhow::ensure!(
+            requests.port() == 0 || requests.port() != admin.port() || !overlap,
+            "--listen {requests} and --admin-listen {admin} would take the same port: give the \
+             admin listener a port of its own"
+        );
         if !config.admin_listen.ip().is_loopback() && config.admin_token.is_none() {
             anyhow::bail!(
                 "the admin listener {} is not on a loopback address, so it needs a bearer token: \
@@ -1093,6 +1132,76 @@ mod tests {
         assert!(ConfigFile::check(&GatewayConfig::default()).is_ok());
         // A space inside, `=`, `+` and `/` come through a header whole.
         config.admin_token = Some("two words+/=".into());
+        assert!(ConfigFile::check(&config).is_ok());
+    }
+
+    #[test]
+    fn the_admin_listener_needs_a_port_of_its_own() {
+        let check = |listen: &str, admin: &str| {
+            ConfigFile::check(&GatewayConfig {
+                listen: listen.parse().unwrap(),
+                admin_listen: admin.parse().unwrap(),
+                ..Default::default()
+            })
+            .map_err(|e| e.to_string())
+        };
+        for (listen, admin) in [
+            ("127.0.0.1:9000", "127.0.0.1:9000"),
+            ("0.0.0.0:9000", "127.0.0.1:9000"),
+            ("[::1]:9000", "[::]:9000"),
+        ] {
+            let err = check(listen, admin).expect_err(listen);
+            assert!(
+                err.contains("would take the same port") && err.contains(admin),
+                "{err}"
+            );
+        }
+        for (listen, admin) in [
+            ("127.0.0.1:9000", "127.0.0.1:9001"),
+            ("127.0.0.2:9000", "127.0.0.1:9000"),
+            ("0.0.0.0:9000", "[::1]:9000"),
+            ("127.0.0.1:0", "127.0.0.1:0"),
+        ] {
+            assert_eq!(check(listen, admin), Ok(()), "{listen} {admin}");
+        }
+    }
+
+    #[test]
+    fn memory_advice_names_no_limit_past_the_largest() {
+        assert_eq!(
+            memory_advice(19, 36, "smaller"),
+            "raise --plugin-memory-mib"
+        );
+        assert_eq!(
+            memory_advice(4096, 4096, "smaller"),
+            "raise --plugin-memory-mib"
+        );
+        let some = memory_advice(2000, 4097, "lower --max-body-bytes");
+        assert!(
+            some.starts_with("raise --plugin-memory-mib; at its most, 4096 MiB")
+                && some.ends_with("dense with ids still does not fit: lower --max-body-bytes"),
+            "{some}"
+        );
+        assert_eq!(
+            memory_advice(20030, 40000, "lower --max-body-bytes"),
+            "no --plugin-memory-mib can hold such a body (at most 4096 MiB): lower \
+             --max-body-bytes"
+        );
+    }
+
+    #[test]
+    fn the_layout_is_no_plugin_setting() {
+        let mut config = GatewayConfig::default();
+        config
+            .plugin_settings
+            .insert("id-layout".into(), "trtllm-v2".into());
+        let err = ConfigFile::check(&config).unwrap_err().to_string();
+        assert!(
+            err.contains("id-layout is the host's own") && err.contains("--layout"),
+            "{err}"
+        );
+        config.plugin_settings.clear();
+        config.plugin_settings.insert("extra".into(), "1".into());
         assert!(ConfigFile::check(&config).is_ok());
     }
 

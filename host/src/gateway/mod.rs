@@ -393,12 +393,12 @@ fn warn_unless_memory_holds(max_body_bytes: usize, memory_bytes: usize) {
     } else {
         "when they are dense with ids (a batch of bare context-only params)"
     };
+    let (few, densest) = (few.div_ceil(1 << 20), densest.div_ceil(1 << 20));
+    let advice = config::memory_advice(few, densest, "lower --max-body-bytes");
     tracing::warn!(
         "--max-body-bytes {body} with a plugin memory limit of {} MiB: the largest bodies will \
-         fail as memory_limit {which}; the bundled plugin needs {} MiB for a body of that size \
-         with few ids, and up to {} MiB for one dense with ids: raise --plugin-memory-mib",
+         fail as memory_limit {which}; the bundled plugin needs {few} MiB for a body of that \
+         size with few ids, and up to {densest} MiB for one dense with ids: {advice}",
         memory >> 20,
-        few.div_ceil(1 << 20),
-        densest.div_ceil(1 << 20),
     );
 }

@@ -865,7 +865,6 @@ mod tests {
             clock: Arc::new(IdClock::new(crate::clock::FixedClock(millis))),
             identity: Arc::new(MachineIdentity::fixed(v2, 3).unwrap()),
         };
-        let settings = [("id-layout".to_string(), "trtllm-v2".to_string())];
         let folding = services(wrap - 1000);
         let why = folding.ids_may_leave_now().expect_err("no unique id");
         assert!(
@@ -873,7 +872,7 @@ mod tests {
             "{why}"
         );
         let engine = PluginEngine::new(folding, PluginLimits::default()).expect("an engine");
-        let error = load_checked(&engine, snowgate_plugin_bundle::PLUGIN_WASM, &settings)
+        let error = load_checked(&engine, snowgate_plugin_bundle::PLUGIN_WASM, &[])
             .expect_err("not checked");
         assert!(
             error.downcast_ref::<CannotCheckNow>().is_some(),
@@ -883,7 +882,7 @@ mod tests {
             let engine =
                 PluginEngine::new(services(millis), PluginLimits::default()).expect("an engine");
             assert_eq!(engine.services().ids_may_leave_now(), Ok(()), "{millis}");
-            load_checked(&engine, snowgate_plugin_bundle::PLUGIN_WASM, &settings)
+            load_checked(&engine, snowgate_plugin_bundle::PLUGIN_WASM, &[])
                 .unwrap_or_else(|e| panic!("{millis}: {e:#}"));
         }
     }
