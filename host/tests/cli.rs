@@ -539,6 +539,14 @@ fn serve_names_the_config_file_a_bad_setting_came_from() {
                 "max-body-bytes must be at least 1, not 0",
             ],
         ),
+        (
+            "layout-setting.toml",
+            "[plugin-settings]\nid-layout = \"trtllm-v2\"\n",
+            [
+                "in the flags or the config file",
+                "the plugin setting id-layout is the host's own",
+            ],
+        ),
     ] {
         let file = scratch(name);
         std::fs::write(&file, text).expect("write the file");
@@ -574,6 +582,25 @@ fn a_log_filter_that_does_not_parse_is_refused() {
         "{}",
         text(&output.stderr)
     );
+    // A filter of targets alone turns off every other line, errors
+    // included: said, with the filter to write instead.
+    let decode = |filter: &str| {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_snowgate"));
+        command
+            .args(["decode", "7398756654046539776"])
+            .env("SNOWGATE_LOG", filter);
+        let output = run(command, b"");
+        success(&output);
+        text(&output.stderr)
+    };
+    let stderr = decode("snowgate::access=debug");
+    assert!(
+        stderr.contains("sets no level for the targets it does not name")
+            && stderr.contains("\"info,snowgate::access=debug\""),
+        "{stderr}"
+    );
+    assert_eq!(decode("info,snowgate::access=debug"), "");
+    assert_eq!(decode("snowgate::access=debug,warn"), "");
 }
 
 /// Output that cannot be written is an error that says so, not a panic.
@@ -881,8 +908,8 @@ fn rewrite_refuses_a_body_too_large_for_the_plugins_memory_naming_the_flag() {
         &[
             "the 8388608 byte body is too large for the plugin's memory",
             "16 MiB memory limit",
-            "raise it with --plugin-memory-mib (a body of this size needs about 19 MiB with few \
-             ids, up to 36 MiB when dense with ids)",
+            "raise --plugin-memory-mib (a body of this size needs about 19 MiB with few ids, up \
+             to 36 MiB when dense with ids)",
         ],
     );
     let path = operator_plugin_path();
@@ -1085,9 +1112,21 @@ fn decode_refuses_an_id_below_the_layouts_range() {
     failure(&snowgate(&["decode", "5"], b""), 2, &["below"]);
 }
 
+/// Each flag the README gives `rewrite` has a line of its own in its
+/// help, matched whole (`--plugin` is not found in `--plugin-setting`).
 #[test]
 fn rewrite_help_mentions_every_flag() {
     let out = success(&snowgate(&["rewrite", "--help"], b""));
+    // A flag line: `  -H, --header <NAME: VALUE>`, `      --msgpack`.
+    let flags: Vec<&str> = out
+        .lines()
+        .filter_map(|line| {
+            let line = line.trim_start();
+            let line = line.strip_prefix("-H, ").unwrap_or(line);
+            line.starts_with("--")
+                .then(|| line.split([' ', '=']).next().unwrap_or(line))
+        })
+        .collect();
     for flag in [
         "--plugin",
         "--plugin-setting",
@@ -1095,15 +1134,111 @@ fn rewrite_help_mentions_every_flag() {
         "--plugin-memory-mib",
         "--plugin-deadline-ms",
         "--msgpack",
+        "--header",
+        "--path",
+        "--high-water-file",
         "--layout",
         "--machine-id",
         "--clock",
-        "trtllm-v1",
-        "trtllm-v2",
-        "fixed:",
     ] {
-        assert!(out.contains(flag), "--help does not mention {flag}:\n{out}");
+        assert!(
+            flags.contains(&flag),
+            "--help has no line for {flag}:\n{out}"
+        );
     }
+    assert!(out.contains("-H, --header"), "{out}");
+    for word in ["trtllm-v1", "trtllm-v2", "fixed:"] {
+        assert!(out.contains(word), "--help does not mention {word}:\n{out}");
+    }
+}
+
+/// The layout is the host's to hand the plugin (`--layout`): a plugin
+/// setting `id-layout`, which the plugin would read after the host's, is
+/// refused as a bad flag before anything loads.
+#[test]
+fn the_id_layout_is_no_plugin_setting() {
+    let says = ["the plugin setting id-layout is the host's own", "--layout"];
+    let output = snowgate(
+        &[
+            "rewrite",
+            "--machine-id",
+            "1",
+            "--plugin-setting",
+            "id-layout=trtllm-v2",
+        ],
+        CONTEXT_ONLY.as_bytes(),
+    );
+    failure(&output, 2, &says);
+    let output = serve_on_any_port(&[
+        "--machine-id",
+        "1",
+        "--plugin-setting",
+        "id-layout=trtllm-v1",
+    ]);
+    failure(&output, 2, &says);
+}
+
+/// `--msgpack` with an `x-trtllm-msgpack` header of its own is a
+/// contradiction, not a header given twice.
+#[test]
+fn rewrite_refuses_msgpack_with_a_header_of_the_same_name() {
+    let output = snowgate(
+        &[
+            "rewrite",
+            "--machine-id",
+            "1",
+            "--msgpack",
+            "-H",
+            "X-TRTLLM-Msgpack: 0",
+        ],
+        CONTEXT_ONLY.as_bytes(),
+    );
+    failure(
+        &output,
+        2,
+        &["--msgpack", "x-trtllm-msgpack", "give one of them"],
+    );
+}
+
+/// A body larger than the plugin's memory is refused after reading one
+/// byte past it: an endless input ends in exit status 2, not in memory
+/// running out.
+#[test]
+fn rewrite_reads_no_more_than_the_plugins_memory_of_its_input() {
+    let mut command = Command::new("sh");
+    command.args([
+        "-c",
+        r#"exec "$0" rewrite --machine-id 1 --plugin-memory-mib 16 < /dev/zero"#,
+        env!("CARGO_BIN_EXE_snowgate"),
+    ]);
+    let output = run(command, b"");
+    failure(
+        &output,
+        2,
+        &[
+            "larger than the plugin's memory, 16777216 bytes",
+            "raise --plugin-memory-mib",
+        ],
+    );
+}
+
+/// The admin listener on the requests' port is refused as a bad setting,
+/// before the plugin compiles.
+#[test]
+fn serve_refuses_the_admin_listener_on_the_requests_port() {
+    let output = snowgate(
+        &[
+            "serve",
+            "--machine-id",
+            "1",
+            "--listen",
+            "127.0.0.1:47123",
+            "--admin-listen",
+            "0.0.0.0:47123",
+        ],
+        b"",
+    );
+    failure(&output, 2, &["would take the same port"]);
 }
 
 #[test]

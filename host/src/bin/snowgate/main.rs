@@ -109,7 +109,7 @@ fn main() -> ExitCode {
         Ok(text) if !text.trim().is_empty() => {
             match tracing_subscriber::EnvFilter::builder().parse(&text) {
                 Ok(filter) => {
-                    warn_of_bare_targets(&text);
+                    warn_of_narrow_filters(&text);
                     filter
                 }
                 Err(e) => {
@@ -149,21 +149,32 @@ fn main() -> ExitCode {
     }
 }
 
-/// A word of SNOWGATE_LOG without `=` that is no level names a target, and
-/// then nothing else is logged, errors included: `inof` for `info` turned
-/// the log off without a word. Said on stderr, as the log may be off.
-fn warn_of_bare_targets(filter: &str) {
-    for word in filter.split(',').map(str::trim) {
-        if !word.is_empty()
-            && !word.contains('=')
-            && word
-                .parse::<tracing_subscriber::filter::LevelFilter>()
-                .is_err()
-        {
-            eprintln!(
-                "snowgate: note: SNOWGATE_LOG {word:?} is not a level (trace, debug, info, warn, \
-                 error, off), so it names a target: only that target's lines are logged"
-            );
-        }
+/// Says on stderr (the log may be off) when SNOWGATE_LOG logs less than it
+/// likely means to. A filter without a bare level logs only the targets it
+/// names, and nothing else, errors included: `inof` for `info` (a target),
+/// or `snowgate::access=debug` without the README's `info,` in front, turned
+/// the rest of the log off without a word.
+fn warn_of_narrow_filters(filter: &str) {
+    let is_level = |word: &str| {
+        word.parse::<tracing_subscriber::filter::LevelFilter>()
+            .is_ok()
+    };
+    let words: Vec<&str> = filter
+        .split(',')
+        .map(str::trim)
+        .filter(|word| !word.is_empty())
+        .collect();
+    for word in words.iter().filter(|w| !w.contains('=') && !is_level(w)) {
+        eprintln!(
+            "snowgate: note: SNOWGATE_LOG {word:?} is not a level (trace, debug, info, warn, \
+             error, off), so it names a target: only that target's lines are logged"
+        );
+    }
+    if !words.iter().any(|w| is_level(w)) {
+        eprintln!(
+            "snowgate: note: SNOWGATE_LOG {filter:?} sets no level for the targets it does not \
+             name, so their lines, warnings and errors included, are not logged; to keep them, \
+             put a level first: \"info,{filter}\""
+        );
     }
 }

@@ -9,7 +9,7 @@ use anyhow::Context as _;
 use clap::Args;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use snowgate_host::clock::MAX_CATCH_UP;
-use snowgate_host::gateway::config::{plugin_deadline, plugin_memory_bytes};
+use snowgate_host::gateway::config::{memory_advice, plugin_deadline, plugin_memory_bytes};
 use snowgate_host::gateway::middleware::plugin_sees;
 use snowgate_host::gateway::plugin_file::read_plugin_file;
 use snowgate_host::gateway::upstream::strip_hop_by_hop;
@@ -106,6 +106,12 @@ impl FromStr for ClockChoice {
 }
 
 pub fn run(args: RewriteArgs) -> Result<(), Failure> {
+    if args.msgpack && args.headers.iter().any(|(name, _)| name == MSGPACK_HEADER) {
+        return Err(Failure::BadInput(format!(
+            "--msgpack sends {MSGPACK_HEADER}: 1 itself, and a --header {MSGPACK_HEADER} was \
+             given too: give one of them"
+        )));
+    }
     let identity = MachineIdentity::fixed(args.layout, args.machine_id)
         .map_err(|e| Failure::BadInput(format!("--machine-id: {e}")))?;
     let clock = Arc::new(match args.clock {
@@ -164,10 +170,7 @@ pub fn run(args: RewriteArgs) -> Result<(), Failure> {
     };
     plugin.keep_compiled();
 
-    let mut body = Vec::new();
-    std::io::stdin()
-        .read_to_end(&mut body)
-        .context("reading the body from stdin")?;
+    let body = read_body(std::io::stdin().lock(), limits.memory_bytes)?;
     let headers = request_headers(args.headers, args.msgpack);
     if !plugin_sees(&headers, &body) {
         eprintln!(
@@ -245,6 +248,27 @@ pub fn run(args: RewriteArgs) -> Result<(), Failure> {
     Ok(())
 }
 
+/// Reads the body from `input`, refusing one larger than the plugin's
+/// memory (`memory_bytes`), which it is copied into whole: no call could
+/// take it, and reading all of an endless input (`< /dev/zero`) would
+/// only end in the system killing the process.
+fn read_body(input: impl Read, memory_bytes: usize) -> Result<Vec<u8>, Failure> {
+    let mut body = Vec::new();
+    input
+        .take(memory_bytes as u64 + 1)
+        .read_to_end(&mut body)
+        .context("reading the body from stdin")?;
+    if body.len() <= memory_bytes {
+        return Ok(body);
+    }
+    let mib = (memory_bytes >> 20) as u64;
+    let advice = memory_advice(mib + 1, mib + 1, "split the body");
+    Err(Failure::BadInput(format!(
+        "the body on stdin is larger than the plugin's memory, {memory_bytes} bytes \
+         (--plugin-memory-mib {mib}), which it must be copied into: {advice}"
+    )))
+}
+
 /// `--header NAME: VALUE`: a header name and value as HTTP allows them
 /// on a header line (spaces and tabs around the value are not part of
 /// it), the name lowercased.
@@ -312,10 +336,11 @@ fn call_failure(error: CallError, bundled: bool, body_bytes: usize) -> Failure {
             let body = body_bytes as u64;
             let few = memory_needed(body, IdDensity::Few).div_ceil(1 << 20);
             let densest = memory_needed(body, IdDensity::Densest).div_ceil(1 << 20);
+            let advice = memory_advice(few, densest, "split the body");
             Failure::BadInput(format!(
                 "the {body_bytes} byte body is too large for the plugin's memory: {error}; \
-                 raise it with --plugin-memory-mib (a body of this size needs about {few} MiB \
-                 with few ids, up to {densest} MiB when dense with ids)"
+                 {advice} (a body of this size needs about {few} MiB with few ids, up to \
+                 {densest} MiB when dense with ids)"
             ))
         }
         error => Failure::Failed(anyhow::Error::new(error).context("running the plugin")),

@@ -243,9 +243,13 @@ pub struct ServeArgs {
 
 /// Reads a `--plugin-setting NAME=VALUE`.
 pub(crate) fn parse_setting(s: &str) -> Result<(String, String), String> {
-    s.split_once('=')
-        .map(|(n, v)| (n.to_string(), v.to_string()))
-        .ok_or_else(|| format!("{s:?} is not NAME=VALUE"))
+    let (name, value) = s
+        .split_once('=')
+        .ok_or_else(|| format!("{s:?} is not NAME=VALUE"))?;
+    match snowgate_host::layout_setting_problem(name) {
+        Some(problem) => Err(problem),
+        None => Ok((name.to_string(), value.to_string())),
+    }
 }
 
 impl ServeArgs {
