@@ -37,6 +37,16 @@ const MAX_CHILD_MESSAGE: usize = 16 << 10;
 /// component for this host): its stderr says why.
 pub const REFUSED_STATUS: i32 = 2;
 
+/// The exit status of a child whose compile ran out of memory as an error
+/// (a mapping refused), not as an abort: told by the child, which sees the
+/// error's kind, not read from its words, which may quote the component's
+/// own names.
+pub const OUT_OF_MEMORY_STATUS: i32 = 3;
+
+/// The exit status of a child that failed before it could compile, or
+/// while writing the build (an I/O error): the same component may pass.
+pub const FAILED_STATUS: i32 = 1;
+
 /// The largest component the child reads: the gateway loads files of at
 /// most 128 MiB.
 const MAX_COMPONENT_BYTES: u64 = 1 << 30;
@@ -279,12 +289,16 @@ impl CompileProcess {
             }
         };
         // Allocations fail once the address space is used up: Rust's
-        // allocator then aborts with "memory allocation of N bytes failed",
-        // and wasmtime reports a failed mapping as "Cannot allocate memory".
-        let out_of_memory = message.contains("memory allocation of")
-            || message.contains("Cannot allocate memory")
-            || message.contains("out of memory");
-        if out_of_memory {
+        // allocator then aborts with "memory allocation of N bytes failed"
+        // (its words, with SIGABRT: a refusal's words, with its own status,
+        // may quote the component's names, and are not read for it), and
+        // the child tells a failed mapping by its status.
+        #[cfg(unix)]
+        let allocation_aborted =
+            signal == Some(libc::SIGABRT) && message.contains("memory allocation of");
+        #[cfg(not(unix))]
+        let allocation_aborted = false;
+        if allocation_aborted || status.code() == Some(OUT_OF_MEMORY_STATUS) {
             return CompileFailure::OutOfMemory {
                 limit_bytes: self.limits.memory_bytes,
             };
@@ -309,15 +323,27 @@ impl CompileProcess {
         if status.code() == Some(REFUSED_STATUS) {
             return CompileFailure::Refused(message);
         }
-        CompileFailure::Other(format!(
-            "the compile process {} failed ({status}){}",
+        let told = format!(
+            "the compile process {} {} ({status}){}",
             self.program.display(),
+            if status.code() == Some(FAILED_STATUS) {
+                "failed"
+            } else {
+                "crashed"
+            },
             if message.is_empty() {
                 String::new()
             } else {
                 format!(": {message}")
             }
-        ))
+        );
+        // Its own failure (I/O) may pass; a panic, or a death by a signal
+        // no limit sends, happens again on the same component.
+        if status.code() == Some(FAILED_STATUS) {
+            CompileFailure::Other(told)
+        } else {
+            CompileFailure::Crashed(told)
+        }
     }
 }
 
@@ -354,8 +380,13 @@ pub enum CompileFailure {
         /// first), and it would run out again.
         starved: bool,
     },
-    /// The child could not be started, or failed otherwise; why.
+    /// The child could not be started, or failed before compiling or
+    /// while handing the build back (an I/O error); why.
     Other(String),
+    /// The child crashed while compiling: a panic, or a death by a signal
+    /// no limit sends (a stack overflow's abort, a segmentation fault).
+    /// The same component would crash it again.
+    Crashed(String),
 }
 
 impl std::fmt::Display for CompileFailure {
@@ -397,7 +428,9 @@ impl std::fmt::Display for CompileFailure {
                     ""
                 }
             ),
-            CompileFailure::Other(message) => write!(f, "{message}"),
+            CompileFailure::Other(message) | CompileFailure::Crashed(message) => {
+                write!(f, "{message}")
+            }
         }
     }
 }
@@ -406,16 +439,18 @@ impl std::error::Error for CompileFailure {}
 
 impl CompileFailure {
     /// Whether the same component may compile at another time: the child
-    /// could not start or failed otherwise, was killed by a SIGKILL the
+    /// could not start or failed on I/O, was killed by a SIGKILL the
     /// system's out-of-memory killer also sends, or ran out of wall-clock
-    /// time starved of CPU. Not a refusal, nor a limit the component's own
-    /// cost reaches.
+    /// time starved of CPU. Not a refusal, a crash, nor a limit the
+    /// component's own cost reaches.
     pub fn may_pass(&self) -> bool {
         match self {
             CompileFailure::Other(_) => true,
             CompileFailure::OutOfCpuTime { killed, .. } => *killed,
             CompileFailure::OutOfWallTime { starved, .. } => *starved,
-            CompileFailure::Refused(_) | CompileFailure::OutOfMemory { .. } => false,
+            CompileFailure::Refused(_)
+            | CompileFailure::Crashed(_)
+            | CompileFailure::OutOfMemory { .. } => false,
         }
     }
 }
@@ -453,7 +488,8 @@ fn children_cpu() -> Duration {
 /// The child's side: reads a component on `input`, compiles it with the
 /// engine's compile settings and writes the build on `output`. An error
 /// names what failed; [`RefusedComponent`] when wasmtime refused the
-/// component (exit with [`REFUSED_STATUS`] then).
+/// component (exit with [`REFUSED_STATUS`] then), [`CompileOutOfMemory`]
+/// when it ran out of memory (exit with [`OUT_OF_MEMORY_STATUS`]).
 pub fn compile_for_parent(mut input: impl Read, mut output: impl Write) -> anyhow::Result<()> {
     let mut component = Vec::new();
     input
@@ -466,16 +502,52 @@ pub fn compile_for_parent(mut input: impl Read, mut output: impl Write) -> anyho
         "the component on stdin is larger than {} MiB",
         MAX_COMPONENT_BYTES >> 20
     );
-    let engine = Engine::new(&crate::engine::compile_config())
-        .map_err(|e| anyhow::anyhow!("creating the wasmtime engine to compile with: {e:#}"))?;
-    let build = engine
-        .precompile_component(&component)
-        .map_err(|e| anyhow::Error::new(RefusedComponent(format!("{e:#}"))))?;
+    let engine = Engine::new(&crate::engine::compile_config()).map_err(|e| {
+        let message = format!("creating the wasmtime engine to compile with: {e:#}");
+        if out_of_memory(&e) {
+            anyhow::Error::new(CompileOutOfMemory(message))
+        } else {
+            anyhow::anyhow!(message)
+        }
+    })?;
+    let build = engine.precompile_component(&component).map_err(|e| {
+        let message = format!("{e:#}");
+        if out_of_memory(&e) {
+            anyhow::Error::new(CompileOutOfMemory(message))
+        } else {
+            anyhow::Error::new(RefusedComponent(message))
+        }
+    })?;
     output
         .write_all(&build)
         .and_then(|()| output.flush())
         .context("writing the compiled build on stdout")
 }
+
+/// Whether wasmtime's error is an allocation or a mapping that failed:
+/// its out-of-memory error, or an OS error of that kind (ENOMEM), anywhere
+/// in its chain.
+fn out_of_memory(error: &wasmtime::Error) -> bool {
+    error.is::<wasmtime::OutOfMemory>()
+        || error.chain().any(|cause| {
+            cause.is::<wasmtime::OutOfMemory>()
+                || cause
+                    .downcast_ref::<std::io::Error>()
+                    .is_some_and(|e| e.kind() == std::io::ErrorKind::OutOfMemory)
+        })
+}
+
+/// wasmtime ran out of memory compiling the component; its message.
+#[derive(Debug)]
+pub struct CompileOutOfMemory(pub String);
+
+impl std::fmt::Display for CompileOutOfMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+impl std::error::Error for CompileOutOfMemory {}
 
 /// wasmtime refused the component; its message.
 #[derive(Debug)]
@@ -530,13 +602,58 @@ mod tests {
         assert!(failure
             .to_string()
             .contains("more than its 512 MiB of address space (--plugin-compile-memory-mib)"));
-        // wasmtime's own failed mapping, reported as an error.
+        // wasmtime's own failed mapping, told by the child's status.
         let failure = process().failure(
-            exited(1),
+            exited(OUT_OF_MEMORY_STATUS),
             b"failed to mmap: Cannot allocate memory (os error 12)",
             Duration::ZERO,
         );
         assert!(matches!(failure, CompileFailure::OutOfMemory { .. }));
+    }
+
+    /// A refusal's words may quote the component's own names: they are
+    /// not read for an allocation that failed.
+    #[test]
+    fn a_refusal_that_speaks_of_memory_is_a_refusal() {
+        for words in [
+            &b"`out of memory` is not in kebab case"[..],
+            b"import `memory allocation of 1 bytes failed`: Cannot allocate memory",
+        ] {
+            let failure = process().failure(exited(REFUSED_STATUS), words, Duration::ZERO);
+            assert!(matches!(failure, CompileFailure::Refused(_)), "{failure:?}");
+            assert!(!failure.may_pass());
+        }
+        // Nor does an exit with them, without the abort, make one.
+        let failure = process().failure(exited(1), b"memory allocation of", Duration::ZERO);
+        assert!(matches!(failure, CompileFailure::Other(_)), "{failure:?}");
+    }
+
+    /// A child that crashed (a panic, a signal no limit sends) would crash
+    /// on the same component again: not tried again, unlike its own I/O
+    /// failure.
+    #[test]
+    fn a_crash_is_not_tried_again_and_an_io_failure_is() {
+        for status in [
+            exited(101),
+            killed_by(libc::SIGSEGV),
+            killed_by(libc::SIGABRT),
+        ] {
+            let failure = process().failure(status, b"thread 'main' panicked", Duration::ZERO);
+            assert!(matches!(failure, CompileFailure::Crashed(_)), "{failure:?}");
+            assert!(!failure.may_pass(), "{failure:?}");
+            assert!(failure.to_string().contains("crashed"), "{failure}");
+        }
+        let failure = process().failure(
+            exited(FAILED_STATUS),
+            b"writing the compiled build on stdout: Broken pipe",
+            Duration::ZERO,
+        );
+        assert!(matches!(failure, CompileFailure::Other(_)), "{failure:?}");
+        assert!(failure.may_pass());
+        assert!(
+            failure.to_string().contains("failed (exit status: 1)"),
+            "{failure}"
+        );
     }
 
     #[test]
@@ -627,7 +744,7 @@ mod tests {
         );
         let text = failure.to_string();
         assert!(
-            text.starts_with("the compile process /proc/self/exe failed (exit status: 101)"),
+            text.starts_with("the compile process /proc/self/exe crashed (exit status: 101)"),
             "{text}"
         );
         assert!(text.ends_with(": thread 'main' panicked at oops"), "{text}");
