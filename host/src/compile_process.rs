@@ -139,9 +139,6 @@ impl CompileProcess {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
         self.limit(&mut command);
-        // Compiles run one at a time: what the children used meanwhile is
-        // this one's.
-        let cpu_before = children_cpu();
         let mut child = command.spawn().map_err(|e| {
             CompileFailure::Other(format!(
                 "starting the compile process {}: {e}",
@@ -163,7 +160,7 @@ impl CompileProcess {
                 });
             // Without the writer the child reads an empty component (its
             // stdin is closed) and fails; it is still waited for.
-            let output = child.wait_with_output();
+            let output = wait_with_cpu_time(child);
             match writer {
                 Ok(writer) => {
                     let _ = writer.join();
@@ -173,10 +170,10 @@ impl CompileProcess {
             }
         })
         .map_err(CompileFailure::Other)?;
+        let (output, cpu_used) = output;
         if output.status.success() {
             return Ok(output.stdout);
         }
-        let cpu_used = children_cpu().saturating_sub(cpu_before);
         Err(self.failure(output.status, &output.stderr, cpu_used))
     }
 
@@ -460,16 +457,48 @@ impl CompileFailure {
 /// low priority) takes part of it.
 const MIN_WALL_LIMIT: Duration = Duration::from_secs(10);
 
-/// The CPU time of the children this process has waited for
-/// (`RUSAGE_CHILDREN`).
-fn children_cpu() -> Duration {
+/// Waits for `child`, reading its stdout and stderr meanwhile, and returns
+/// them with its exit status and the CPU time it used: its own, from
+/// `wait4`, not `RUSAGE_CHILDREN`'s, which also counts other children
+/// (two gateways in one process compile at once) and would make a starved
+/// compile look costly.
+fn wait_with_cpu_time(
+    mut child: std::process::Child,
+) -> std::io::Result<(std::process::Output, Duration)> {
     #[cfg(unix)]
     {
+        use std::os::unix::process::ExitStatusExt as _;
+
+        let mut stdout = child.stdout.take().expect("stdout is piped");
+        let mut stderr = child.stderr.take().expect("stderr is piped");
+        let (stdout, stderr) = std::thread::scope(|scope| {
+            let stderr = std::thread::Builder::new()
+                .name("snowgate-compile-stderr".into())
+                .spawn_scoped(scope, move || {
+                    let mut text = Vec::new();
+                    stderr.read_to_end(&mut text).map(|_| text)
+                })?;
+            let mut build = Vec::new();
+            let read = stdout.read_to_end(&mut build);
+            let text = stderr
+                .join()
+                .unwrap_or_else(|_| Err(std::io::Error::other("reading stderr panicked")));
+            read.and(text).map(|text| (build, text))
+        })?;
+        let pid = child.id() as libc::pid_t;
+        let mut status = 0;
         let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
-        // SAFETY: getrusage writes the struct it is given, all of it when
-        // it succeeds.
-        if unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, usage.as_mut_ptr()) } != 0 {
-            return Duration::ZERO;
+        loop {
+            // SAFETY: wait4 writes the status and the usage it is given,
+            // all of the usage when it succeeds; `pid` is our child, not
+            // yet reaped (std's `Child` reaps only when waited on).
+            if unsafe { libc::wait4(pid, &mut status, 0, usage.as_mut_ptr()) } == pid {
+                break;
+            }
+            let error = std::io::Error::last_os_error();
+            if error.kind() != std::io::ErrorKind::Interrupted {
+                return Err(error);
+            }
         }
         // SAFETY: written above.
         let usage = unsafe { usage.assume_init() };
@@ -477,11 +506,18 @@ fn children_cpu() -> Duration {
             Duration::from_secs(t.tv_sec.max(0) as u64)
                 + Duration::from_micros(t.tv_usec.max(0) as u64)
         };
-        time(usage.ru_utime) + time(usage.ru_stime)
+        let output = std::process::Output {
+            status: ExitStatus::from_raw(status),
+            stdout,
+            stderr,
+        };
+        Ok((output, time(usage.ru_utime) + time(usage.ru_stime)))
     }
     #[cfg(not(unix))]
     {
-        Duration::ZERO
+        child
+            .wait_with_output()
+            .map(|output| (output, Duration::ZERO))
     }
 }
 
@@ -680,7 +716,9 @@ mod tests {
     /// A compile that takes longer than twice its CPU time in wall-clock
     /// time (at least 10 s), however little CPU it uses (here a child that
     /// only sleeps), is ended, and says so; before, only CPU time was
-    /// bounded.
+    /// bounded. The CPU time is its own: another compile that ends
+    /// meanwhile (here one that only spins, to its CPU limit) is not
+    /// counted in it, as `RUSAGE_CHILDREN` counted it.
     #[cfg(target_os = "linux")]
     #[test]
     fn a_compile_past_twice_its_cpu_time_in_wall_clock_time_is_ended() {
@@ -688,10 +726,25 @@ mod tests {
             memory_bytes: 512 << 20,
             cpu: Duration::from_secs(1),
         };
-        // SAFETY: the program's output is never loaded: it only sleeps.
+        // SAFETY: neither program's output is loaded: one only sleeps, the
+        // other only spins.
         let sleeper = unsafe { CompileProcess::of_program("sleep", &["60"], limits) };
+        let spinner =
+            unsafe { CompileProcess::of_program("sh", &["-c", "while :; do :; done"], limits) };
         let started = std::time::Instant::now();
-        let failure = sleeper.compile(b"").expect_err("ended");
+        let (failure, spun) = std::thread::scope(|scope| {
+            let spun = scope.spawn(|| spinner.compile(b""));
+            (
+                sleeper.compile(b""),
+                spun.join().expect("the spinning compile"),
+            )
+        });
+        let spun = spun.expect_err("ended");
+        assert!(
+            matches!(spun, CompileFailure::OutOfCpuTime { .. }),
+            "{spun:?}"
+        );
+        let failure = failure.expect_err("ended");
         // It slept: it used no CPU to speak of, starved, which may pass.
         assert!(
             matches!(
