@@ -148,6 +148,36 @@ async fn an_in_place_rewrite_is_picked_up() {
     assert_stamps(&gateway).await;
 }
 
+/// A file removed, then written anew in pieces for longer than the quiet
+/// time (`install`, `kubectl cp`, an editor's backup by rename), is read
+/// once its write ends, not half written once the quiet time after the
+/// removal runs out: no failed reload is counted, nor raised as an alarm.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_written_anew_slowly_after_a_removal_is_read_whole() {
+    // A quiet time ten times each pause of the writer below, so that only
+    // the removal's can run out before the write ends.
+    let (_dir, path, gateway) =
+        serving_variant_0("slow-write", &["--reload-debounce-ms", "500"]).await;
+    let build = plugin_variant(1);
+    let new = sha256_hex(&build);
+    std::fs::remove_file(&path).unwrap();
+    let mut file = std::fs::File::create(&path).unwrap();
+    // About 1.5 s of writing in 30 pieces: three quiet times.
+    for piece in build.chunks(build.len().div_ceil(30)) {
+        std::io::Write::write_all(&mut file, piece).unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    drop(file);
+    let status = gateway
+        .wait_status("the new build to serve", RELOAD_TIMEOUT, |s| {
+            sha_of(s) == new
+        })
+        .await;
+    assert_eq!(reloads(&status), (1, 0), "{status:#}");
+    assert_eq!(status["last_reload_error"], Value::Null, "{status:#}");
+    assert_stamps(&gateway).await;
+}
+
 /// Kubernetes updates a mounted ConfigMap by flipping a symlink: the path
 /// is `plugin.wasm -> ..data/plugin.wasm`, and `..data` is renamed to
 /// point at a new directory. The plugin file itself sees no event.

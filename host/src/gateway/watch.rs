@@ -43,6 +43,12 @@ enum Nudge {
     /// whole poll interval. It asks again at each poll until a reload has
     /// read it.
     Due,
+    /// The plugin file is being written: created, or written to, in the
+    /// middle of a write. It asks for no reload, but starts the quiet time
+    /// of one asked for again: a file removed or renamed away, then written
+    /// anew (`install`, `kubectl cp`, an editor's backup by rename), was
+    /// read half written once the quiet time after the removal ran out.
+    Busy,
 }
 
 /// The directory a watch is on, as the file system knows it: another
@@ -94,10 +100,10 @@ pub fn watch_plugin_file(
     let watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
         let Ok(event) = event else { return };
         // The plugin file's own finished write, rename into place, or
-        // removal (not its creation, nor the modify events in the middle of
-        // a write); or an entry whose name starts with `..` created,
-        // renamed or removed, which is how Kubernetes flips the `..data`
-        // symlink of a mounted ConfigMap.
+        // removal (its creation, and the modify events in the middle of a
+        // write, only keep a reload waiting); or an entry whose name starts
+        // with `..` created, renamed or removed, which is how Kubernetes
+        // flips the `..data` symlink of a mounted ConfigMap.
         let named = |wanted: &dyn Fn(&std::ffi::OsStr) -> bool| {
             event
                 .paths
@@ -116,8 +122,15 @@ pub fn watch_plugin_file(
             // have been the plugin file's.
             _ => event.need_rescan(),
         };
+        let busy = plugin_file
+            && matches!(
+                event.kind,
+                EventKind::Create(_) | EventKind::Modify(ModifyKind::Data(_) | ModifyKind::Any)
+            );
         if trigger {
             let _ = watch_events.send(Nudge::Changed);
+        } else if busy {
+            let _ = watch_events.send(Nudge::Busy);
         }
     });
     // Where the system gives no watch (inotify's limits on instances and
@@ -211,7 +224,10 @@ pub fn watch_plugin_file(
     });
 
     tokio::spawn(async move {
-        while rx.recv().await.is_some() {
+        while let Some(nudge) = rx.recv().await {
+            if nudge == Nudge::Busy {
+                continue;
+            }
             if !quiet_for(&mut rx, debounce).await {
                 return;
             }
@@ -258,18 +274,20 @@ pub fn watch_plugin_file(
 
 /// The debounce, after a first nudge: waits until the file has been quiet
 /// for `debounce`, but no longer than ten quiet times in all (a directory
-/// that never goes quiet must not put reloads off for ever). Only a change
-/// starts the quiet time again: the poll, asking every 2 s about a build it
-/// found unchanged for 2 s, says nothing new, and with a debounce over 2 s
-/// it kept every reload waiting the ten quiet times. False once the
-/// senders are gone.
+/// that never goes quiet must not put reloads off for ever). Only a change,
+/// or a write under way, starts the quiet time again: the poll, asking
+/// every 2 s about a build it found unchanged for 2 s, says nothing new,
+/// and with a debounce over 2 s it kept every reload waiting the ten quiet
+/// times. False once the senders are gone.
 async fn quiet_for(rx: &mut mpsc::UnboundedReceiver<Nudge>, debounce: Duration) -> bool {
     let start = tokio::time::Instant::now();
     let give_up = start + debounce.saturating_mul(10);
     let mut quiet = start + debounce;
     loop {
         match tokio::time::timeout_at(quiet.min(give_up), rx.recv()).await {
-            Ok(Some(Nudge::Changed)) => quiet = tokio::time::Instant::now() + debounce,
+            Ok(Some(Nudge::Changed | Nudge::Busy)) => {
+                quiet = tokio::time::Instant::now() + debounce;
+            }
             Ok(Some(Nudge::Due)) => {}
             Ok(None) => return false,
             Err(_quiet) => return true,
@@ -468,6 +486,13 @@ mod tests {
         assert!(quiet_for(&mut rx, debounce).await);
         assert_eq!(start.elapsed(), Duration::from_secs(8));
         late.await.expect("the change was sent");
+
+        // So does a write under way.
+        let writing = send_every(3, 1, Nudge::Busy);
+        let start = Instant::now();
+        assert!(quiet_for(&mut rx, debounce).await);
+        assert_eq!(start.elapsed(), Duration::from_secs(8));
+        writing.await.expect("the write was sent");
         drop(tx);
         assert!(!quiet_for(&mut rx, debounce).await, "the senders are gone");
     }
