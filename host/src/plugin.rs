@@ -207,7 +207,8 @@ impl Plugin {
     /// Keeps this plugin's build in the engine's compile cache, if it has
     /// one and the build was compiled at load. Call it once the plugin is
     /// accepted, after any checks of your own, so that only builds that
-    /// serve are kept (the gateway calls it after its self-check).
+    /// serve are kept (the gateway calls it once the build serves, after
+    /// its self-check, on a thread of its own). It blocks for the write.
     pub fn keep_compiled(&self) {
         if let (Some(cache), Compiled::Now) = (&self.engine.compile_cache, self.info.compiled) {
             cache.store(

@@ -970,6 +970,23 @@ fn cached_builds(dir: &Path) -> Vec<PathBuf> {
     files
 }
 
+/// Waits for the compile cache to hold `count` builds: a build is stored
+/// once it serves, on a thread of its own (its swap does not wait).
+async fn stored_builds(dir: &Path, count: usize) -> Vec<PathBuf> {
+    let deadline = tokio::time::Instant::now() + STEP;
+    loop {
+        let builds = cached_builds(dir);
+        if builds.len() == count {
+            return builds;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the cache holds {builds:?}, not {count} builds, after {STEP:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 /// `snowgate_plugin_loads_total`: (compiled now, read from the cache).
 async fn loads(gateway: &Gateway) -> (f64, f64) {
     let metrics = gateway.metrics().await;
@@ -1007,8 +1024,7 @@ async fn the_compile_cache_serves_restarts_and_reloads_back_and_survives_a_bad_f
     let status = gateway.status().await;
     assert_eq!(compiled(&status), "now");
     let first_build = sha_of(&status).to_string();
-    let stored = cached_builds(&cache);
-    assert_eq!(stored.len(), 1, "{stored:?}");
+    let stored = stored_builds(&cache, 1).await;
     let name = stored[0].file_name().unwrap().to_string_lossy().to_string();
     assert!(
         name.starts_with(&first_build),
@@ -1038,7 +1054,7 @@ async fn the_compile_cache_serves_restarts_and_reloads_back_and_survives_a_bad_f
         .wait_status("build 1 to serve", STEP, |s| sha_of(s) != first_build)
         .await;
     assert_eq!(compiled(&status), "now");
-    assert_eq!(cached_builds(&cache).len(), 2);
+    stored_builds(&cache, 2).await;
     replace_by_rename(&path, &plugin_variant(0));
     let status = gateway
         .wait_status("build 0 to serve again", STEP, |s| sha_of(s) == first_build)
@@ -1135,6 +1151,49 @@ async fn the_compile_cache_serves_restarts_and_reloads_back_and_survives_a_bad_f
     }
 }
 
+/// A compiled build is stored once it serves, on a thread of its own: a
+/// cache volume that hangs does not hold up the swap, and a stop waits for
+/// the write, so that the next start reads the build. The hung volume is
+/// the real cache directory with each `fsync` held while a flag file
+/// exists (`tests/shims/faulty_fdatasync.c`, preloaded).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_cache_volume_holds_up_no_swap_and_a_stop_waits_for_the_write() {
+    let dir = TempDir::new("compile-cache-hung");
+    let Some(shim) = built_shim(dir.path(), "faulty_fdatasync") else {
+        return;
+    };
+    let cache = dir.path().join("cache");
+    let hold = dir.path().join("hold");
+    let path = dir.path().join("plugin.wasm");
+    std::fs::write(&path, plugin_variant(0)).unwrap();
+    let flags = [QUICK, &["--plugin-cache-dir", arg(&cache)]].concat();
+    let env = [("LD_PRELOAD", arg(&shim)), ("HOLD_FSYNC_WHILE", arg(&hold))];
+    let mut args = vec!["--plugin", arg(&path)];
+    args.extend_from_slice(&flags);
+    let gateway = Gateway::start_with_env(&args, &env).await;
+    stored_builds(&cache, 1).await;
+
+    std::fs::write(&hold, b"").unwrap();
+    let new = sha256_hex(&plugin_variant(1));
+    replace_by_rename(&path, &plugin_variant(1));
+    let status = gateway
+        .wait_status("build 1 to serve", STEP, |s| sha_of(s) == new)
+        .await;
+    assert_eq!(compiled(&status), "now");
+    assert_stamps(&gateway).await;
+    // Its write is still held: the swap did not wait for it.
+    assert_eq!(cached_builds(&cache).len(), 1);
+
+    gateway.signal("TERM");
+    std::fs::remove_file(&hold).unwrap();
+    let exited = gateway.wait_exit(STEP).await;
+    assert!(exited.success(), "{exited}: {}", gateway.stderr_text());
+    assert_eq!(cached_builds(&cache).len(), 2, "{}", gateway.stderr_text());
+    let gateway = start(&path, None, &flags).await;
+    assert_eq!(compiled(&gateway.status().await), "cache");
+    gateway.stop().await;
+}
+
 /// Only a build that passed the load-time self-check is kept: one that
 /// never stamps is refused and leaves nothing in the cache; one that
 /// rejects the canned request for want of credentials (401, 403) passes,
@@ -1170,6 +1229,9 @@ fn the_compile_cache_keeps_only_accepted_builds_and_names_the_memory_limit() {
 
     let plugin = load_checked(&ours, &plugin_variant(7), &[]).expect("accepted");
     assert_eq!(plugin.info().compiled.name(), "now");
+    // Checked, not kept: the slot keeps a build once it serves.
+    assert_eq!(cached_builds(dir.path()), Vec::<PathBuf>::new());
+    plugin.keep_compiled();
     assert_eq!(cached_builds(dir.path()).len(), 1);
 
     // A build that rejects the canned request (it lacks an API key) sends

@@ -322,6 +322,15 @@ impl Gateway {
             }
             (None, None) => outlast_the_clock(&self.services).await,
         }
+        // Last, once every id is accounted for: a restart soon after a
+        // reload reads the new build instead of compiling it again.
+        if !self.slot.stores_done(STORE_WAIT).await {
+            tracing::warn!(
+                "a compile cache write still under way after {} s was cut short: the next start \
+                 compiles the build again",
+                STORE_WAIT.as_secs()
+            );
+        }
         Ok(())
     }
 
@@ -330,6 +339,9 @@ impl Gateway {
         &self.services.clock
     }
 }
+
+/// The longest a stop waits for a compile cache write under way.
+const STORE_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Opens and locks the high-water file off the async threads, and at most
 /// [`HIGH_WATER_OPEN_WAIT`]: a hung disk fails the start, naming the file.

@@ -12,6 +12,7 @@ use snowgate_plugin::SnowflakeLayout;
 use crate::bindings::exports::snowgate::middleware::handler::{Action, Rejection};
 use crate::call::{CallError, Fenced};
 use crate::clock::{Tick, TicksTaken};
+use crate::compile_cache::Compiled;
 use crate::compile_process::CompileFailure;
 use crate::engine::PluginEngine;
 use crate::gateway::metrics::Metrics;
@@ -126,6 +127,8 @@ pub struct PluginSlot {
     /// `true` once the gateway begins to stop: no reload starts after it,
     /// and callers waiting for one are answered then.
     reloads_over: tokio::sync::watch::Sender<bool>,
+    /// How many compile cache writes are under way.
+    stores: Arc<tokio::sync::watch::Sender<usize>>,
 }
 
 impl PluginSlot {
@@ -147,8 +150,9 @@ impl PluginSlot {
                 .context("loading the bundled plugin")?,
         };
         metrics.loaded(plugin.info().compiled);
-        Ok(PluginSlot {
-            current: ArcSwap::from_pointee(plugin),
+        let plugin = Arc::new(plugin);
+        let slot = PluginSlot {
+            current: ArcSwap::new(plugin.clone()),
             engine,
             source,
             settings,
@@ -159,7 +163,41 @@ impl PluginSlot {
             queued: Mutex::new(None),
             self_checks: Arc::new(tokio::sync::Mutex::new(false)),
             reloads_over: tokio::sync::watch::Sender::new(false),
-        })
+            stores: Arc::new(tokio::sync::watch::Sender::new(0)),
+        };
+        slot.keep_compiled_meanwhile(plugin);
+        Ok(slot)
+    }
+
+    /// Keeps `plugin`'s build in the compile cache, where it has one to
+    /// keep, on a thread of its own: only a build that passed its check and
+    /// serves is kept, and its swap does not wait for the write (hundreds
+    /// of MB, synced, for a large build; a slow or hung cache volume). A
+    /// stop waits for it a while ([`PluginSlot::stores_done`]); a write it
+    /// cuts short leaves a temporary file, which a later store removes.
+    fn keep_compiled_meanwhile(&self, plugin: Arc<Plugin>) {
+        if plugin.engine().compile_cache.is_none() || plugin.info().compiled != Compiled::Now {
+            return;
+        }
+        let under_way = StoreUnderWay::begin(&self.stores);
+        let spawned = std::thread::Builder::new()
+            .name("snowgate-compile-cache".into())
+            .spawn(move || {
+                plugin.keep_compiled();
+                drop(under_way);
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "the compiled plugin was not stored in the compile cache: no thread to write it");
+        }
+    }
+
+    /// Waits, at most `within`, for the compile cache writes under way to
+    /// end, so that the next start reads the build it stores; whether they
+    /// all did.
+    pub async fn stores_done(&self, within: std::time::Duration) -> bool {
+        let mut stores = self.stores.subscribe();
+        let done = tokio::time::timeout(within, stores.wait_for(|n| *n == 0)).await;
+        done.is_ok()
     }
 
     /// The plugin serving now.
@@ -309,8 +347,8 @@ impl PluginSlot {
         let current_sha = self.current().info().sha256.clone();
         let self_checks = self.self_checks.clone();
         let file = path.display().to_string();
-        // Reading and compiling take milliseconds: keep them off the
-        // request threads.
+        // Reading and compiling take milliseconds to minutes: keep them off
+        // the request threads.
         let outcome = tokio::task::spawn_blocking(move || -> anyhow::Result<Option<Plugin>> {
             let bytes = read_plugin_file(&path)?;
             let sha256 = hex_sha256(&bytes);
@@ -356,10 +394,12 @@ impl PluginSlot {
                 *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = None;
                 self.metrics.reload(true);
                 self.metrics.loaded(plugin.info().compiled);
-                let replaced = self.current.swap(Arc::new(plugin));
+                let plugin = Arc::new(plugin);
+                let replaced = self.current.swap(plugin.clone());
                 // Requests still on the old build finish on it, each on an
                 // instance of its own; its kept instances go now.
                 replaced.retire();
+                self.keep_compiled_meanwhile(plugin);
                 tracing::info!(sha256 = %sha, compiled, "plugin reloaded");
                 Ok(Reloaded::Swapped(sha))
             }
@@ -578,12 +618,26 @@ fn load_gated(
                 .then(|| "the machine id changed during the self-check".to_string())
         })
     })?;
-    // Only a build that passed is kept for the next load of the same bytes;
-    // a stop need not wait for the cache's write (hundreds of MB, synced,
-    // for a large build), only for the self-check.
     drop(open);
-    plugin.keep_compiled();
     Ok(plugin)
+}
+
+/// Counts the compile cache writes under way (see
+/// [`PluginSlot::stores_done`]): one for each thread that writes one, until
+/// it ends.
+struct StoreUnderWay(Arc<tokio::sync::watch::Sender<usize>>);
+
+impl StoreUnderWay {
+    fn begin(stores: &Arc<tokio::sync::watch::Sender<usize>>) -> StoreUnderWay {
+        stores.send_modify(|n| *n += 1);
+        StoreUnderWay(stores.clone())
+    }
+}
+
+impl Drop for StoreUnderWay {
+    fn drop(&mut self) {
+        self.0.send_modify(|n| *n -= 1);
+    }
 }
 
 /// How many times the self-check asks again when the build's one tick was

@@ -8,6 +8,9 @@
  *   FAIL_FDATASYNC_WHILE=PATH while PATH exists, fdatasync fails with EIO
  *                             (what a failing device reports) without
  *                             syncing; once PATH is removed, it syncs again.
+ *   HOLD_FSYNC_WHILE=PATH     while PATH exists, fsync(2) waits (a hung
+ *                             volume), looking every 10 ms; once PATH is
+ *                             removed, it syncs.
  *
  * Nothing else changes. Built by the tests that use it, with the machine's
  * C compiler:
@@ -41,6 +44,23 @@ int fdatasync(int fd) {
     if (failing != NULL && access(failing, F_OK) == 0) {
         errno = EIO;
         return -1;
+    }
+    return real(fd);
+}
+
+int fsync(int fd) {
+    static int (*real)(int);
+    if (real == NULL) {
+        real = (int (*)(int))dlsym(RTLD_NEXT, "fsync");
+        if (real == NULL) {
+            errno = ENOSYS;
+            return -1;
+        }
+    }
+    const char *hold = getenv("HOLD_FSYNC_WHILE");
+    while (hold != NULL && access(hold, F_OK) == 0) {
+        struct timespec wait = {0, 10 * 1000000L};
+        nanosleep(&wait, NULL);
     }
     return real(fd);
 }
