@@ -1294,16 +1294,26 @@ fn the_compile_cache_keeps_only_accepted_builds_and_names_the_memory_limit() {
         ),
     }
 
-    // The bundled plugin's memory starts at 1 MiB and more.
+    // The bundled plugin's memory starts at 1 MiB and more. Its compile
+    // process always fails: the refusal must come from the cached build,
+    // read, not from a compile.
+    // SAFETY: `false` writes no build; nothing it writes is loaded.
+    let never_compiles = unsafe {
+        snowgate_host::CompileProcess::of_program(
+            "false",
+            &[],
+            snowgate_host::CompileLimits::default(),
+        )
+    };
     let small = engine(PluginLimits {
         memory_bytes: 64 << 10,
         ..PluginLimits::default()
-    });
+    })
+    .with_compile_process(never_compiles);
     let error = load_checked(&small, &plugin_variant(7), &[]).expect_err("over the limit");
-    assert!(
-        format!("{error:#}").contains("--plugin-memory-mib"),
-        "{error:#}"
-    );
+    let error = format!("{error:#}");
+    assert!(error.contains("--plugin-memory-mib"), "{error}");
+    assert!(!error.contains("compile process"), "{error}");
 }
 
 /// A build whose ids are not made of the ticks it took is refused by the

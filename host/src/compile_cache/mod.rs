@@ -137,8 +137,9 @@ impl CompileCache {
     }
 
     /// The build of the component whose hex SHA-256 is `sha256` for
-    /// `engine`, if the cache holds a usable one. One that is unusable
-    /// (damaged, from another wasmtime, writable by others) is a warning
+    /// `engine`, if the cache holds a usable one (a build of another
+    /// wasmtime or other settings has another name, and is never read). One
+    /// that is unusable (damaged, misnamed, writable by others) is a warning
     /// and `None`: the caller compiles, and [`store`](Self::store) replaces
     /// it. A build the engine refuses for its limits (a memory that starts
     /// larger than the limit) is the error `refused` makes of it: compiling
