@@ -1283,6 +1283,96 @@ async fn with_a_token_every_admin_request_but_a_probe_must_carry_it() {
     still_serves(&gateway).await;
 }
 
+/// A web page open in a browser on the gateway's machine gets no admin
+/// answer: not by a cross-site `POST /reload` (it carries `Origin`), nor by
+/// a name of its own pointed at 127.0.0.1 (DNS rebinding: without a
+/// token, only an address or `localhost` is answered). Probes still are.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_admin_listener_answers_no_web_page() {
+    let gateway = Gateway::start(&[]).await;
+    let mut client = support::Client::connect(gateway.admin).await;
+    let port = gateway.admin.port();
+    let cases: [(http::Method, &str, &str, Option<&str>, u16, &str); 8] = [
+        (
+            http::Method::POST,
+            "/reload",
+            "127.0.0.1",
+            Some("http://evil.example"),
+            403,
+            "Origin",
+        ),
+        (
+            http::Method::GET,
+            "/status",
+            "127.0.0.1",
+            Some("null"),
+            403,
+            "Origin",
+        ),
+        (
+            http::Method::GET,
+            "/status",
+            "evil.example",
+            None,
+            403,
+            "DNS rebinding",
+        ),
+        (
+            http::Method::GET,
+            "/metrics",
+            "evil.example",
+            None,
+            403,
+            "DNS rebinding",
+        ),
+        (
+            http::Method::GET,
+            "/readyz",
+            "evil.example",
+            Some("http://evil.example"),
+            200,
+            "",
+        ),
+        (http::Method::GET, "/status", "localhost", None, 200, ""),
+        (http::Method::GET, "/status", "127.0.0.1", None, 200, ""),
+        (http::Method::GET, "/status", "[::1]", None, 200, ""),
+    ];
+    for (method, path, host, origin, status, says) in cases {
+        let mut request = http::Request::builder()
+            .method(method.clone())
+            .uri(path)
+            .header(http::header::HOST, format!("{host}:{port}"));
+        if let Some(origin) = origin {
+            request = request.header(http::header::ORIGIN, origin);
+        }
+        let reply = client
+            .send(request.body(Default::default()).expect("request"))
+            .await;
+        assert_eq!(
+            reply.status,
+            status,
+            "{method} {path} {host} {origin:?}: {}",
+            reply.text()
+        );
+        assert!(reply.text().contains(says), "{}", reply.text());
+    }
+    gateway.stop().await;
+    // With a token, which no page can present, the name does not matter.
+    let gateway = Gateway::start(&["--admin-token", "s3cret-token"]).await;
+    let mut client = support::Client::connect(gateway.admin).await;
+    let reply = client
+        .send(
+            http::Request::builder()
+                .uri("/status")
+                .header(http::header::HOST, "gateway.internal:9901")
+                .header("authorization", "Bearer s3cret-token")
+                .body(Default::default())
+                .expect("request"),
+        )
+        .await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+}
+
 /// An HTTP/2 client that resets its stream with NO_ERROR before its body
 /// is complete abandoned the request: hyper ends such a body as if it were
 /// whole, so a body shorter than its content-length must be refused, not

@@ -109,6 +109,9 @@ impl Admin {
     }
 
     async fn route(&self, request: Request<Incoming>) -> Response<Full<Bytes>> {
+        if let Some(problem) = self.from_a_web_page(&request) {
+            return responses::error(StatusCode::FORBIDDEN, "forbidden", &problem);
+        }
         if !is_probe(&request) && !self.authorized(&request) {
             let mut response = responses::error(
                 StatusCode::UNAUTHORIZED,
@@ -240,6 +243,51 @@ impl Admin {
         )
     }
 
+    /// Why `request` looks sent by a web page, which the admin endpoints
+    /// do not answer, if it does (a probe never does: what it learns is no
+    /// secret). A page open in a browser on the gateway's machine could
+    /// otherwise `POST /reload` to a loopback listener without a token (a
+    /// form, or `fetch` with `no-cors`, needs no preflight), and read
+    /// `/status` through a name it points at 127.0.0.1 (DNS rebinding).
+    /// Admin clients (curl, Prometheus, probes) send no `Origin`, and name
+    /// the listener by its address.
+    fn from_a_web_page(&self, request: &Request<Incoming>) -> Option<String> {
+        if is_probe(request) {
+            return None;
+        }
+        if let Some(origin) = request.headers().get(header::ORIGIN) {
+            return Some(format!(
+                "this admin request carries an Origin header ({}), so a web page sent it: the \
+                 admin endpoints answer no web page",
+                String::from_utf8_lossy(&origin.as_bytes()[..origin.len().min(200)]).escape_debug()
+            ));
+        }
+        // With a token a page cannot present it: the name it uses does not
+        // matter then.
+        if self.token.is_some() {
+            return None;
+        }
+        let host = request
+            .uri()
+            .authority()
+            .map(|authority| authority.host().to_string())
+            .or_else(|| {
+                let value = request.headers().get(header::HOST)?.to_str().ok()?;
+                let authority: http::uri::Authority = value.parse().ok()?;
+                Some(authority.host().to_string())
+            });
+        match host {
+            Some(host) if !names_this_machine(&host) => Some(format!(
+                "this admin request names the host {:?}, not an IP address or localhost: \
+                 without --admin-token the admin listener answers only requests to an address, \
+                 as a name may be a web page's pointed at this machine (DNS rebinding); use \
+                 http://127.0.0.1:PORT, or set --admin-token",
+                host.chars().take(200).collect::<String>()
+            )),
+            _ => None,
+        }
+    }
+
     /// Whether the request carries the admin token (or none is needed).
     fn authorized(&self, request: &Request<Incoming>) -> bool {
         let Some(token) = self.token.as_deref() else {
@@ -297,6 +345,15 @@ impl Admin {
             "failure_policy": self.failure_policy,
         })
     }
+}
+
+/// Whether `host` (a request's, without its port) is an IP address or
+/// `localhost`, as an admin client names the listener.
+fn names_this_machine(host: &str) -> bool {
+    let literal = host.trim_start_matches('[').trim_end_matches(']');
+    literal.parse::<std::net::IpAddr>().is_ok()
+        || host.eq_ignore_ascii_case("localhost")
+        || host.eq_ignore_ascii_case("localhost.")
 }
 
 /// Whether `request` is a health probe (`GET` or `HEAD` of `/healthz` or
