@@ -109,7 +109,7 @@ impl Admin {
     }
 
     async fn route(&self, request: Request<Incoming>) -> Response<Full<Bytes>> {
-        if let Some(problem) = self.from_a_web_page(&request) {
+        if let Some(problem) = self.web_page_problem(&request) {
             return responses::error(StatusCode::FORBIDDEN, "forbidden", &problem);
         }
         if !is_probe(&request) && !self.authorized(&request) {
@@ -251,7 +251,7 @@ impl Admin {
     /// `/status` through a name it points at 127.0.0.1 (DNS rebinding).
     /// Admin clients (curl, Prometheus, probes) send no `Origin`, and name
     /// the listener by its address.
-    fn from_a_web_page(&self, request: &Request<Incoming>) -> Option<String> {
+    fn web_page_problem(&self, request: &Request<Incoming>) -> Option<String> {
         if is_probe(request) {
             return None;
         }
