@@ -424,6 +424,10 @@ mod tests {
         assert_eq!(identity.confirm(Some(grant), 900), Ok(()));
         assert!(woken(&identity), "near the ceiling");
         assert_eq!(identity.confirm(Some(grant), 1_000), Ok(()));
+        // Near the ceiling again: the permit it left is taken here, so
+        // that the one below must come from the refusal itself.
+        assert!(woken(&identity), "near the ceiling");
+        assert!(!woken(&identity), "one permit only");
         let refused = identity.confirm(Some(grant), 1_001).expect_err("past it");
         assert!(
             refused.contains("millisecond 1001, past the slot's high-water mark 1000"),
