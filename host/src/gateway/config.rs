@@ -54,12 +54,10 @@ pub const MIN_HEADER_BYTES: usize = 8192;
 /// The most `--max-streams-per-connection` may be.
 const MAX_STREAMS_PER_CONNECTION: u32 = 10_000;
 
-/// The shortest machine-id lease: renewals come a third of it apart.
-const MIN_MACHINE_ID_TTL_SECS: u64 = 3;
-
-/// The longest machine-id lease a configuration may set: a day. A dead
-/// replica's machine id stays taken for that long.
-const MAX_MACHINE_ID_TTL_SECS: u64 = 86_400;
+/// The shortest and longest machine-id lease, in seconds (see
+/// [`crate::lease::MIN_TTL`] and [`crate::lease::MAX_TTL`]).
+const MIN_MACHINE_ID_TTL_SECS: u64 = crate::lease::MIN_TTL.as_secs();
+const MAX_MACHINE_ID_TTL_SECS: u64 = crate::lease::MAX_TTL.as_secs();
 
 /// The longest timeout (or reload quiet time) a configuration may set: a day.
 const MAX_TIMEOUT_MS: u64 = 86_400_000;

@@ -55,6 +55,14 @@ use crate::engine::HostServices;
 
 /// Renewals happen this many times per TTL.
 const RENEWALS_PER_TTL: u32 = 3;
+
+/// The shortest machine-id lease: renewals come a third of it apart.
+pub const MIN_TTL: Duration = Duration::from_secs(3);
+
+/// The longest machine-id lease: a day. A dead replica's machine id stays
+/// taken for that long; and a longer one would overflow the TTL etcd is
+/// asked for (seconds in an `i64`) and the deadlines counted from it.
+pub const MAX_TTL: Duration = Duration::from_secs(86_400);
 /// The id is withdrawn this long before the lease could expire.
 const SAFETY_MARGIN: Duration = Duration::from_millis(1000);
 /// Pause between attempts to reach etcd or claim an id.
@@ -111,7 +119,7 @@ const MAX_MARK_AHEAD: Duration = Duration::from_secs(24 * 60 * 60);
 pub struct LeaseConfig {
     /// etcd endpoints, e.g. `http://127.0.0.1:2379`.
     pub endpoints: Vec<String>,
-    /// Lease time to live; at least 3 seconds.
+    /// Lease time to live: [`MIN_TTL`] to [`MAX_TTL`].
     pub ttl: Duration,
     /// Key prefix, e.g. `/snowgate`.
     pub prefix: String,
@@ -140,9 +148,11 @@ pub fn start(
         "--etcd needs at least one endpoint URL"
     );
     anyhow::ensure!(
-        config.ttl >= Duration::from_secs(3),
-        "--machine-id-ttl must be at least 3 seconds, not {}",
-        config.ttl.as_secs()
+        (MIN_TTL..=MAX_TTL).contains(&config.ttl),
+        "--machine-id-ttl must be between {} and {} seconds (a day), not {:?}",
+        MIN_TTL.as_secs(),
+        MAX_TTL.as_secs(),
+        config.ttl
     );
     let status = Arc::new(LeaseStatus::new(config.clone()));
     services
@@ -427,4 +437,40 @@ fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|h| h.trim().to_string())
         .unwrap_or_else(|_| "unknown".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A TTL out of range is refused before anything starts: one too long
+    /// would overflow the seconds asked of etcd and the deadlines.
+    #[test]
+    fn a_ttl_out_of_range_is_refused() {
+        let services = HostServices {
+            clock: Arc::new(crate::IdClock::system()),
+            identity: Arc::new(crate::MachineIdentity::unassigned(
+                snowgate_plugin::SnowflakeLayout::TrtllmV1,
+                "a test",
+            )),
+        };
+        for ttl in [
+            Duration::from_secs(2),
+            MAX_TTL + Duration::from_secs(1),
+            Duration::from_secs(u64::MAX),
+        ] {
+            let config = LeaseConfig {
+                endpoints: vec!["http://127.0.0.1:1".to_string()],
+                ttl,
+                ..LeaseConfig::default_for_endpoints()
+            };
+            let error = start(config, services.clone())
+                .err()
+                .unwrap_or_else(|| panic!("{ttl:?} was taken"));
+            assert!(
+                error.to_string().contains("between 3 and 86400 seconds"),
+                "{error}"
+            );
+        }
+    }
 }
