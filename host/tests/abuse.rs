@@ -1292,7 +1292,16 @@ async fn the_admin_listener_answers_no_web_page() {
     let gateway = Gateway::start(&[]).await;
     let mut client = support::Client::connect(gateway.admin).await;
     let port = gateway.admin.port();
-    let cases: [(http::Method, &str, &str, Option<&str>, u16, &str); 8] = [
+    // Method, path, host, origin, the status, what the answer says.
+    type Case<'a> = (
+        http::Method,
+        &'a str,
+        &'a str,
+        Option<&'a str>,
+        u16,
+        &'a str,
+    );
+    let cases: [Case; 8] = [
         (
             http::Method::POST,
             "/reload",
