@@ -13,13 +13,15 @@
 //! etcd comes from Debian's `etcd-server` package (`.ci/run` installs it);
 //! each test starts its own on loopback with a temporary data directory.
 //! Where no `etcd` binary exists, these tests fail under CI (`CI` set) and
-//! are skipped with a message elsewhere.
+//! are skipped with a message elsewhere. The restart onto the same slot
+//! also needs libfaketime (Debian's `libfaketime`, which `.ci/run`
+//! installs too), in the same way.
 
 #[path = "fleet/members.rs"]
 mod members;
 mod support;
 
-use members::{EtcdProxy, StallingMember};
+use members::{EtcdProxy, ReadHoldingMember, StallingMember};
 use std::collections::HashSet;
 use std::net::TcpListener as StdTcpListener;
 use std::path::PathBuf;
@@ -571,35 +573,104 @@ async fn replicas_refuse_to_stamp_while_etcd_is_down_and_resume_their_id_after()
     assert_ne!(leased_id(&other).await, id);
 }
 
+/// How far the restarted replica's wall clock steps back, by libfaketime
+/// (its `FAKETIME` offset): less than the id clock's 9 s lead, so that the
+/// replica stamps at once right after the mark; more than a debug build
+/// takes to stop one replica and start the next on a busy machine, so that
+/// the new wall clock is behind the ids issued before the restart.
+const STEP_BACK_AFTER_A_STOP: &str = "-7s";
+
+/// libfaketime's library (Debian's `libfaketime`, which `.ci/run`
+/// installs), or `None` (and a message) where it is missing.
+fn faketime() -> Option<PathBuf> {
+    let found = std::fs::read_dir("/usr/lib")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|entry| entry.path().join("faketime/libfaketime.so.1"))
+        .find(|path| path.exists());
+    tool_present(
+        found.is_some(),
+        "libfaketime",
+        "apt-get install libfaketime",
+    )
+    .then(|| found.expect("present"))
+}
+
+/// The environment that moves a replica's wall clock (`CLOCK_REALTIME`) by
+/// `offset` (libfaketime's `-7s`). Its monotonic and boot clocks, which
+/// time its lease, are left alone; etcd times the lease on its own clock.
+fn faked_clock(library: &std::path::Path, offset: &str) -> Vec<(&'static str, String)> {
+    vec![
+        ("LD_PRELOAD", library.display().to_string()),
+        ("FAKETIME", offset.to_string()),
+        ("FAKETIME_DONT_FAKE_MONOTONIC", "1".to_string()),
+    ]
+}
+
+/// A clean stop writes the last id's millisecond as the slot's mark; the
+/// replica restarted onto the slot starts after it. Its wall clock has
+/// stepped back 7 s meanwhile (as after an NTP step), behind the ids issued
+/// before the restart, so only the mark keeps its ids after them: with the
+/// real clock, the restart's own time would.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_replica_restarted_onto_the_same_slot_repeats_no_id() {
     let Some(binary) = etcd_binary() else { return };
+    let Some(library) = faketime() else { return };
     let etcd = Etcd::start(binary).await;
     let before = replica(&etcd, &[]).await;
     let id = leased_id(&before).await;
     // Bursts of 4,000 ids per request run the clock ahead of the wall clock.
     let first_ids = stamp_many(&before, 10, 4000).await;
     before.stop().await;
+    let millis = |id: u64| SnowflakeLayout::TrtllmV1.decode(id).expect("an id").millis;
+    let max_before = first_ids.iter().max().copied().expect("ids");
+    let last = millis(max_before);
+    let mark = etcd.mark(id).await.expect("a mark after the clean stop");
+    assert!(
+        mark >= last,
+        "the mark after a clean stop, {mark}, is before the last id's millisecond {last}"
+    );
+    assert_eq!(
+        mark, last,
+        "a clean stop writes the last id's millisecond as the mark"
+    );
 
-    let after = replica(&etcd, &[]).await;
+    let env = faked_clock(&library, STEP_BACK_AFTER_A_STOP);
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let url = etcd.url();
+    let ttl = TTL_SECS.to_string();
+    let after = Gateway::start_with_env(&["--etcd", &url, "--machine-id-ttl", &ttl], &env).await;
     assert_eq!(
         leased_id(&after).await,
         id,
         "the restarted replica takes the same slot"
     );
     let second_ids = stamp_many(&after, 3, 4000).await;
+    assert_issued_by(&second_ids, id);
     let earlier: HashSet<u64> = first_ids.iter().copied().collect();
-    let max_before = first_ids.iter().max().copied().unwrap_or(0);
-    for new in second_ids {
+    for &new in &second_ids {
         assert!(
             !earlier.contains(&new),
             "id {new} was issued before the restart too"
         );
         assert!(
             new > max_before,
-            "id {new} is not after the last id before the restart"
+            "id {new} (ms {}) is not after the last id before the restart (ms {last})",
+            millis(new)
         );
     }
+    // The step back is real: the first id is right after the mark, where
+    // the id clock was set, not at the replica's wall clock, which would be
+    // later had it not stepped back behind the mark.
+    let first_after = millis(second_ids.iter().min().copied().expect("ids"));
+    assert_eq!(
+        first_after,
+        mark + 1,
+        "the restarted replica's first id is not right after the mark: its wall clock was not \
+         behind it (libfaketime not in effect, or the restart took longer than the step back, \
+         {STEP_BACK_AFTER_A_STOP})"
+    );
 }
 
 /// A high-water mark no holder could have written (not a number, or more
@@ -1213,14 +1284,19 @@ async fn a_slot_whose_mark_is_a_minute_ahead_is_skipped_not_waited_for() {
 
 /// A replica that loses its lease while it waits for a slot's floor never
 /// used that slot: its id clock must not be left at that floor. Here the
-/// first claim waits for a mark 20 s ahead; the lease is revoked and the
-/// mark deleted meanwhile; the replica claims again, and stamps once that
-/// claim's own wait is over.
+/// first claim waits for a mark 20 s ahead; meanwhile the mark is put back
+/// a second into the past and the lease is revoked; the replica claims
+/// again, has nothing to wait for, and stamps at once, at its wall clock.
+/// A clock left at the first floor would be 20 s ahead, past the 9 s it may
+/// lead: every request would be refused (503 `id_rate_exceeded`). (With the
+/// mark deleted instead, the new claim's floor, a slot without a mark's,
+/// would lie past the first one, and hide a clock left there.)
 #[tokio::test(flavor = "multi_thread")]
 async fn a_claim_abandoned_while_waiting_leaves_the_id_clock_alone() {
     let Some(binary) = etcd_binary() else { return };
     let etcd = Etcd::start(binary).await;
-    etcd.put_mark(0, now_millis() + 20_000).await;
+    let first_floor = now_millis() + 20_000;
+    etcd.put_mark(0, first_floor).await;
     let mut client = etcd.client().await;
     let r = replica(&etcd, &[]).await;
     r.wait_status("the wait for the mark", STEP, |s| {
@@ -1234,15 +1310,25 @@ async fn a_claim_abandoned_while_waiting_leaves_the_id_clock_alone() {
         .await
         .expect("read the slot");
     let lease = slot.kvs().first().expect("slot 0 is claimed").lease();
-    client
-        .delete("/snowgate/trtllm-v1/high-water/0", None)
-        .await
-        .expect("delete the mark");
+    // The mark first: the claim under way does not read it again (it
+    // writes it only once its wait is over, about 11 s after the first
+    // mark was put), the next one reads this.
+    etcd.put_mark(0, now_millis() - 1000).await;
     client.lease_revoke(lease).await.expect("revoke the lease");
 
     assert_eq!(leased_id(&r).await, 0, "slot 0 claimed again");
+    let status = r.status().await;
+    assert_ne!(
+        status["lease"]["lease_id"], lease,
+        "held under the revoked lease: {status}"
+    );
     let reply = post_json(r.addr, "/v1/completions", batch(3)).await;
-    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(
+        reply.status,
+        200,
+        "the id clock was left at the abandoned claim's floor? {}",
+        reply.text()
+    );
     let id = batch_ids(&reply.json())[0];
     let millis = SnowflakeLayout::TrtllmV1.decode(id).expect("an id").millis;
     assert!(
@@ -1386,28 +1472,53 @@ async fn a_replica_with_a_long_ttl_keeps_its_mark_ahead_through_a_quiet_spell() 
 /// The high-water mark changes under its holder between the holder's read
 /// and its write (as when etcd took a write of the holder's own but its
 /// answer never came; a holder writes only over the mark it read, so that
-/// a write reaching etcd late cannot undo a later one): the holder reads
-/// it again and writes over it, keeps its id, and stamps on.
+/// a write reaching etcd late cannot undo a later one): the holder's write
+/// is refused, and it reads the mark again and writes over it, keeps its
+/// id, and stamps on. The change is put between the two for certain: the
+/// holder reaches etcd through a proxy that holds etcd's answer to its read
+/// back until the change is in.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_mark_changed_under_its_holder_is_written_over_and_stamping_goes_on() {
     let Some(binary) = etcd_binary() else { return };
     let etcd = Etcd::start(binary).await;
     etcd.put_mark(0, now_millis() - 1000).await;
-    let r = replica(&etcd, &[]).await;
+    let member = ReadHoldingMember::start(&etcd.client_addr()).await;
+    // A TTL of 6 s: the holder renews every 2 s and raises its mark right
+    // after, with up to a member's answer wait (2 s) for each call; the
+    // answer is held back for far less.
+    let r = Gateway::start(&["--etcd", &member.url, "--machine-id-ttl", "6"]).await;
     assert_eq!(leased_id(&r).await, 0);
     let mut ids = stamp_many(&r, 1, 10).await;
-    // A lower mark in the holder's place.
+    // Connected before, so that the change lands as soon as it is sent.
+    let mut client = etcd.client().await;
+    // A lower mark in the holder's place, once etcd has served the read of
+    // the holder's next write (a raise, after its next renewal).
+    member.hold_next_read();
+    member.wait_held(STEP).await;
     let lowered = now_millis() - 1000;
-    etcd.put_mark(0, lowered).await;
-    // The holder raises its mark at every renewal (every second with this
-    // TTL), a TTL and a second ahead.
-    let deadline = Instant::now() + Duration::from_secs(TTL_SECS * 4);
+    client
+        .put(
+            "/snowgate/trtllm-v1/high-water/0",
+            lowered.to_string(),
+            None,
+        )
+        .await
+        .expect("write a mark");
+    member.release();
+    // The write that follows the read compares the mark's revision with
+    // the one read, which the change moved on: etcd refuses it. The holder
+    // reads again and writes again, in the same raise.
+    let calls = member.calls_after_release(3, STEP).await;
+    assert_eq!(
+        calls,
+        ["Txn", "Range", "Txn"],
+        "after the mark changed between its read and its write, the holder did not write, read \
+         again and write again\n{}",
+        r.stderr_text()
+    );
+    let deadline = Instant::now() + STEP;
     loop {
-        if etcd
-            .mark(0)
-            .await
-            .is_some_and(|mark| mark > now_millis() + 1000)
-        {
+        if etcd.mark(0).await.is_some_and(|mark| mark > lowered) {
             break;
         }
         assert!(
@@ -1427,6 +1538,12 @@ async fn a_mark_changed_under_its_holder_is_written_over_and_stamping_goes_on() 
             "id {id} (ms {millis}) is past the mark {mark}"
         );
     }
+    let log = r.stderr_text();
+    assert!(
+        !log.contains("raising the high-water mark failed"),
+        "a raise failed: the write over the changed mark was not made in the raise that met \
+         it\n{log}"
+    );
     let metrics = r.metrics().await;
     assert!(
         metrics.contains("snowgate_lease_losses_total 0\n"),

@@ -174,3 +174,162 @@ impl Drop for StallingMember {
         self.task.abort();
     }
 }
+
+/// Where a [`ReadHoldingMember`] is in holding back one read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Hold {
+    /// Nothing to hold.
+    Off,
+    /// The next read that comes through is held.
+    Armed,
+    /// A read came and was sent on to etcd, which has not answered yet.
+    Sent,
+    /// etcd answered the read: the answer is held back.
+    Held,
+    /// The answer went out; key-value calls are logged from now on.
+    Released,
+}
+
+/// An HTTP/2 (gRPC) proxy to etcd on loopback that can hold back etcd's
+/// answer to one read (a `Range` call): a test can then change a key after
+/// etcd served a client's read of it and before the client acts on what it
+/// read, as when another write lands between the two. The key-value calls
+/// that come after the held answer are logged, in order, by method.
+pub struct ReadHoldingMember {
+    /// Where clients reach etcd through it.
+    pub url: String,
+    hold: std::sync::Arc<tokio::sync::watch::Sender<Hold>>,
+    calls: std::sync::Arc<tokio::sync::watch::Sender<Vec<String>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl ReadHoldingMember {
+    /// Starts proxying to etcd at `target` (`host:port`).
+    pub async fn start(target: &str) -> ReadHoldingMember {
+        use hyper_util::rt::{TokioExecutor, TokioIo};
+
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind the proxy");
+        let url = format!("http://{}", listener.local_addr().expect("address"));
+        let target = target.to_string();
+        let hold = std::sync::Arc::new(tokio::sync::watch::channel(Hold::Off).0);
+        let calls = std::sync::Arc::new(tokio::sync::watch::channel(Vec::new()).0);
+        let (task_hold, task_calls) = (hold.clone(), calls.clone());
+        let task = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let target = target.clone();
+                let (hold, calls) = (task_hold.clone(), task_calls.clone());
+                tokio::spawn(async move {
+                    let Ok(server) = tokio::net::TcpStream::connect(&target).await else {
+                        return;
+                    };
+                    let Ok((sender, connection)) = hyper::client::conn::http2::handshake(
+                        TokioExecutor::new(),
+                        TokioIo::new(server),
+                    )
+                    .await
+                    else {
+                        return;
+                    };
+                    tokio::spawn(connection);
+                    let service = hyper::service::service_fn(
+                        move |request: http::Request<hyper::body::Incoming>| {
+                            let mut sender = sender.clone();
+                            let (hold, calls) = (hold.clone(), calls.clone());
+                            async move {
+                                let method = request
+                                    .uri()
+                                    .path()
+                                    .strip_prefix("/etcdserverpb.KV/")
+                                    .map(str::to_string);
+                                let mut held = false;
+                                if let Some(method) = method {
+                                    if *hold.borrow() == Hold::Released {
+                                        calls.send_modify(|calls| calls.push(method.clone()));
+                                    }
+                                    held = method == "Range"
+                                        && hold.send_if_modified(|hold| {
+                                            let armed = *hold == Hold::Armed;
+                                            if armed {
+                                                *hold = Hold::Sent;
+                                            }
+                                            armed
+                                        });
+                                }
+                                // For a unary call, the answer's headers come
+                                // once etcd has served it.
+                                let response = sender.send_request(request).await?;
+                                if held {
+                                    hold.send_replace(Hold::Held);
+                                    let _ = hold
+                                        .subscribe()
+                                        .wait_for(|&hold| hold == Hold::Released)
+                                        .await;
+                                }
+                                Ok::<_, hyper::Error>(response)
+                            }
+                        },
+                    );
+                    let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                        .serve_connection(TokioIo::new(client), service)
+                        .await;
+                });
+            }
+        });
+        ReadHoldingMember {
+            url,
+            hold,
+            calls,
+            task,
+        }
+    }
+
+    /// Holds back the answer to the next read that comes through, once
+    /// etcd has given it.
+    pub fn hold_next_read(&self) {
+        self.hold.send_replace(Hold::Armed);
+    }
+
+    /// Waits, at most `bound`, until etcd has answered the read and its
+    /// answer is held back.
+    pub async fn wait_held(&self, bound: std::time::Duration) {
+        let mut hold = self.hold.subscribe();
+        let held = tokio::time::timeout(bound, hold.wait_for(|&hold| hold == Hold::Held)).await;
+        assert!(
+            matches!(held, Ok(Ok(_))),
+            "no read came through and was answered within {bound:?} ({:?})",
+            *self.hold.borrow()
+        );
+    }
+
+    /// Lets the held answer go out.
+    pub fn release(&self) {
+        self.hold.send_replace(Hold::Released);
+    }
+
+    /// The first `count` key-value calls (by method: `Range`, `Txn`, ...)
+    /// that came through after the held answer went out, waiting for them
+    /// at most `bound`.
+    pub async fn calls_after_release(
+        &self,
+        count: usize,
+        bound: std::time::Duration,
+    ) -> Vec<String> {
+        let mut calls = self.calls.subscribe();
+        let came = tokio::time::timeout(bound, calls.wait_for(|calls| calls.len() >= count)).await;
+        let calls = self.calls.borrow().clone();
+        assert!(
+            matches!(came, Ok(Ok(_))),
+            "{count} key-value calls did not come within {bound:?} after the held answer went \
+             out: {calls:?}"
+        );
+        calls[..count].to_vec()
+    }
+}
+
+impl Drop for ReadHoldingMember {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
