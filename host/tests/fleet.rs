@@ -1469,6 +1469,34 @@ async fn a_replica_with_a_long_ttl_keeps_its_mark_ahead_through_a_quiet_spell() 
     assert_eq!(reply.status, 200, "{}", reply.text());
 }
 
+/// A mark someone else raised while a replica holds the slot (an operator
+/// moving a fixed id's history into etcd) is kept, not lowered by the
+/// holder's next raise nor by its clean stop's exact mark: the slot's next
+/// holder starts after it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_mark_someone_else_raised_is_not_lowered_by_its_holder() {
+    let Some(binary) = etcd_binary() else { return };
+    let etcd = Etcd::start(binary).await;
+    let r = replica(&etcd, &[]).await;
+    assert_eq!(leased_id(&r).await, 0);
+    let ids = stamp_many(&r, 1, 10).await;
+    let raised = now_millis() + 60_000;
+    etcd.put_mark(0, raised).await;
+    // Said at the holder's next raise (a third of its TTL on).
+    r.wait_log("someone else wrote it: it is kept").await;
+    assert_eq!(etcd.mark(0).await, Some(raised));
+    let more = stamp_many(&r, 1, 10).await;
+    assert_issued_by(&more, 0);
+    assert!(more.iter().min() > ids.iter().max());
+    r.stop().await;
+    assert_eq!(
+        etcd.mark(0).await,
+        Some(raised),
+        "lowered by the holder: {}",
+        r.stderr_text()
+    );
+}
+
 /// The high-water mark changes under its holder between the holder's read
 /// and its write (as when etcd took a write of the holder's own but its
 /// answer never came; a holder writes only over the mark it read, so that

@@ -41,6 +41,43 @@ pub(super) fn quoted(value: &[u8]) -> String {
     format!("{shown:?}{more}")
 }
 
+/// The high-water marks a keeper sent to etcd for the slot it holds (see
+/// `Keeper::put_mark`).
+#[derive(Debug, Default)]
+pub(super) struct MarksSent {
+    /// The slot.
+    slot: Option<u32>,
+    /// The highest mark of the keeper's own.
+    own: u64,
+    /// Someone else's mark, kept, once said.
+    kept: Option<u64>,
+}
+
+impl MarksSent {
+    /// What to write for slot `id` where the keeper means to write `mark`
+    /// and read `found`: `mark`, unless `found` is above it and above every
+    /// mark of the keeper's own for the slot (someone else's, kept); and
+    /// whether that is a mark kept that was not kept before. `mark` is
+    /// counted as the keeper's before it is sent: etcd may take a write
+    /// whose answer never comes.
+    fn choose(&mut self, id: u32, mark: u64, found: Option<u64>) -> (u64, bool) {
+        if self.slot != Some(id) {
+            *self = MarksSent {
+                slot: Some(id),
+                ..MarksSent::default()
+            };
+        }
+        let (written, newly_kept) = match found {
+            Some(found) if found > mark && found > self.own => {
+                (found, self.kept.replace(found) != Some(found))
+            }
+            _ => (mark, false),
+        };
+        self.own = self.own.max(mark);
+        (written, newly_kept)
+    }
+}
+
 /// What raising a slot's high-water mark came to.
 pub(super) enum Reserved {
     /// etcd holds the new mark.
@@ -120,9 +157,15 @@ impl Keeper {
     /// a write that reaches etcd late (sent to a member that froze, and
     /// given up on) then finds a later one in its place and is refused,
     /// instead of putting back a lower mark after a higher one had let ids
-    /// past it leave. When the mark did change in between, which only this
-    /// holder can have done (a write of its own that etcd took but never
-    /// confirmed), it is read again and written over.
+    /// past it leave. When the mark did change in between (a write of this
+    /// holder's own that etcd took but never confirmed), it is read again
+    /// and written over.
+    ///
+    /// A mark read above `mark` and above every mark this keeper sent for
+    /// the slot was written by someone else (an operator moving a fixed
+    /// id's history into etcd): it is kept, not lowered, so that the
+    /// slot's next holder starts past it. The holder's own ceiling stays
+    /// `mark`, which the slot's mark is then above.
     pub(super) async fn put_mark(
         &self,
         client: &mut Client,
@@ -139,12 +182,17 @@ impl Keeper {
                 .context("reading the slot's high-water mark before writing it")?;
             // A key that does not exist has revision 0, and compares so.
             let revision = read.kvs().first().map_or(0, |kv| kv.mod_revision());
+            let found = read
+                .kvs()
+                .first()
+                .and_then(|kv| parse_high_water(&key, kv.value(), u64::MAX).ok());
+            let written = self.mark_to_write(id, mark, found, &key);
             let txn = Txn::new()
                 .when(vec![
                     Compare::lease(slot.as_str(), CompareOp::Equal, lease_id),
                     Compare::mod_revision(key.as_str(), CompareOp::Equal, revision),
                 ])
-                .and_then(vec![TxnOp::put(key.as_str(), mark.to_string(), None)])
+                .and_then(vec![TxnOp::put(key.as_str(), written.to_string(), None)])
                 .or_else(vec![TxnOp::get(slot.as_str(), None)]);
             let response = client
                 .txn(txn)
@@ -165,6 +213,22 @@ impl Keeper {
             "the high-water mark {key} changed between reading and writing it {MARK_WRITE_ATTEMPTS} \
              times in a row: something other than its holder is writing it"
         )
+    }
+
+    /// What [`Keeper::put_mark`] writes for slot `id` (see
+    /// [`MarksSent::choose`]); someone else's mark kept is said once.
+    fn mark_to_write(&self, id: u32, mark: u64, found: Option<u64>, key: &str) -> u64 {
+        let mut sent = self.marks_sent.lock().unwrap_or_else(|p| p.into_inner());
+        let (written, newly_kept) = sent.choose(id, mark, found);
+        if newly_kept {
+            tracing::warn!(
+                key,
+                mark = %format_millis(written),
+                "the slot's high-water mark is later than any this replica wrote, so someone \
+                 else wrote it: it is kept, and the slot's next holder starts after it"
+            );
+        }
+        written
     }
 }
 
@@ -193,6 +257,24 @@ pub(super) fn floor_without_mark(now: u64) -> u64 {
 mod tests {
     use super::*;
     use crate::lease::ROOM_FOR_BURSTS;
+
+    #[test]
+    fn a_mark_someone_else_raised_is_kept_and_the_keepers_own_are_lowered() {
+        let mut sent = MarksSent::default();
+        assert_eq!(sent.choose(3, 1_000, None), (1_000, false));
+        // Its own earlier mark, higher (a clean stop's exact one is lower):
+        // written over.
+        assert_eq!(sent.choose(3, 900, Some(1_000)), (900, false));
+        // Someone else's, above every mark of its own: kept, said once.
+        assert_eq!(sent.choose(3, 1_100, Some(5_000)), (5_000, true));
+        assert_eq!(sent.choose(3, 1_200, Some(5_000)), (5_000, false));
+        // Until its own pass it.
+        assert_eq!(sent.choose(3, 6_000, Some(5_000)), (6_000, false));
+        // A write of its own etcd took without answering: written over.
+        assert_eq!(sent.choose(3, 6_100, Some(6_000)), (6_100, false));
+        // Another slot starts afresh: its mark is not this keeper's.
+        assert_eq!(sent.choose(4, 100, Some(2_000)), (2_000, true));
+    }
 
     const KEY: &str = "/snowgate/trtllm-v1/high-water/3";
     const FURTHEST: u64 = 1_764_000_000_000;

@@ -169,6 +169,7 @@ pub fn start(
         current_endpoint: 0,
         granted: None,
         unconfirmed: None,
+        marks_sent: std::sync::Mutex::new(high_water::MarksSent::default()),
     };
     let task = tokio::spawn(keeper.run());
     Ok((
@@ -239,6 +240,9 @@ struct Keeper {
     /// The last hold's lease and id, when it ended for want of a confirmed
     /// renewal: the next claim tries to [resume](Keeper::resume) it first.
     unconfirmed: Option<Unconfirmed>,
+    /// The high-water marks this keeper sent to etcd: a higher one found
+    /// there is someone else's, and is kept (see `Keeper::put_mark`).
+    marks_sent: std::sync::Mutex<high_water::MarksSent>,
 }
 
 /// A lease whose renewal etcd did not confirm in time, and the machine id
