@@ -1151,9 +1151,10 @@ async fn the_compile_cache_serves_restarts_and_reloads_back_and_survives_a_bad_f
     }
 }
 
-/// A compiled build is stored once it serves, on a thread of its own: a
-/// cache volume that hangs does not hold up the swap, and a stop waits for
-/// the write, so that the next start reads the build. The hung volume is
+/// A compiled build is stored once it serves, on a thread of its own, one
+/// write at a time: a cache volume that hangs does not hold up the swap
+/// nor gather a thread per reload, and a stop waits for the write, so that
+/// the next start reads the build. The hung volume is
 /// the real cache directory with each `fsync` held while a flag file
 /// exists (`tests/shims/faulty_fdatasync.c`, preloaded).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1183,12 +1184,40 @@ async fn a_hung_cache_volume_holds_up_no_swap_and_a_stop_waits_for_the_write() {
     assert_stamps(&gateway).await;
     // Its write is still held: the swap did not wait for it.
     assert_eq!(cached_builds(&cache).len(), 1);
+    // One write at a time: a build swapped in meanwhile leaves no second
+    // thread waiting on the volume (with its build in memory).
+    let newer = sha256_hex(&plugin_variant(2));
+    replace_by_rename(&path, &plugin_variant(2));
+    gateway
+        .wait_status("build 2 to serve", STEP, |s| sha_of(s) == newer)
+        .await;
+    gateway
+        .wait_log(
+            "the new build is not stored in the compile cache: a write to it is still under way",
+        )
+        .await;
+    let writers = std::fs::read_dir(format!("/proc/{}/task", gateway.pid()))
+        .expect("the gateway's threads")
+        .filter_map(|task| std::fs::read_to_string(task.ok()?.path().join("comm")).ok())
+        .filter(|name| name.starts_with("snowgate-compil"))
+        .count();
+    assert_eq!(writers, 1, "threads writing to the compile cache");
 
     gateway.signal("TERM");
+    // Released only once the stop waits for it: a stop that did not would
+    // end first.
+    gateway
+        .wait_log("waiting up to 10 s for the compile cache write under way")
+        .await;
     std::fs::remove_file(&hold).unwrap();
     let exited = gateway.wait_exit(STEP).await;
     assert!(exited.success(), "{exited}: {}", gateway.stderr_text());
     assert_eq!(cached_builds(&cache).len(), 2, "{}", gateway.stderr_text());
+    // Build 2, not stored, is compiled again; build 1 was.
+    let gateway = start(&path, None, &flags).await;
+    assert_eq!(compiled(&gateway.status().await), "now");
+    gateway.stop().await;
+    replace_by_rename(&path, &plugin_variant(1));
     let gateway = start(&path, None, &flags).await;
     assert_eq!(compiled(&gateway.status().await), "cache");
     gateway.stop().await;

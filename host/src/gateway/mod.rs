@@ -236,12 +236,27 @@ impl Gateway {
     /// [`Gateway::serve`], with the drain cut short when `cut_short`
     /// resolves (the `snowgate` binary: a second SIGTERM or SIGINT): the
     /// requests still in flight are dropped then, as at the end of the
-    /// grace period. The machine id is given up as after any drain.
+    /// grace period, and a compile cache write under way is not waited
+    /// for. The machine id is given up as after any drain.
     pub async fn serve_until(
         self,
         shutdown: impl Future<Output = ()>,
-        cut_short: impl Future<Output = ()>,
+        cut_short: impl Future<Output = ()> + Send + 'static,
     ) -> anyhow::Result<()> {
+        // Heard for the whole stop, the drain and what comes after it.
+        let (cut, _) = tokio::sync::watch::channel(false);
+        let cut = Arc::new(cut);
+        let cutting = cut.clone();
+        let told = tokio::spawn(async move {
+            cut_short.await;
+            cutting.send_replace(true);
+        });
+        let cut_short = {
+            let mut cut = cut.subscribe();
+            async move {
+                let _ = cut.wait_for(|cut| *cut).await;
+            }
+        };
         let lease = match &self.config.lease {
             Some(config) => Some(lease::start(config.clone(), self.services.clone())?),
             None => None,
@@ -329,8 +344,23 @@ impl Gateway {
             }
         };
         // Meanwhile, a compile cache write under way: a restart soon after a
-        // reload reads the new build instead of compiling it again.
-        let ((), stored) = tokio::join!(ids_given_up, self.slot.stores_done(STORE_WAIT));
+        // reload reads the new build instead of compiling it again. Not
+        // once told to stop at once.
+        if self.slot.storing() {
+            tracing::info!(
+                "waiting up to {} s for the compile cache write under way",
+                STORE_WAIT.as_secs()
+            );
+        }
+        let mut told_to_hurry = cut.subscribe();
+        let stored = async {
+            tokio::select! {
+                stored = self.slot.stores_done(STORE_WAIT) => stored,
+                _ = told_to_hurry.wait_for(|cut| *cut) => !self.slot.storing(),
+            }
+        };
+        let ((), stored) = tokio::join!(ids_given_up, stored);
+        told.abort();
         if !stored {
             tracing::warn!(
                 "a compile cache write still under way after {} s was cut short: the next start \

@@ -165,35 +165,21 @@ impl PluginSlot {
             reloads_over: tokio::sync::watch::Sender::new(false),
             stores: Arc::new(tokio::sync::watch::Sender::new(0)),
         };
-        slot.keep_compiled_meanwhile(plugin);
+        let store = needs_storing(&plugin)
+            .then(|| StoreUnderWay::try_begin(&slot.stores))
+            .flatten();
+        keep_compiled_meanwhile(plugin, store);
         Ok(slot)
     }
 
-    /// Keeps `plugin`'s build in the compile cache, where it has one to
-    /// keep, on a thread of its own: only a build that passed its check and
-    /// serves is kept, and its swap does not wait for the write (hundreds
-    /// of MB, synced, for a large build; a slow or hung cache volume). A
-    /// stop waits for it a while ([`PluginSlot::stores_done`]); a write it
-    /// cuts short leaves a temporary file, which a later store removes.
-    fn keep_compiled_meanwhile(&self, plugin: Arc<Plugin>) {
-        if plugin.engine().compile_cache.is_none() || plugin.info().compiled != Compiled::Now {
-            return;
-        }
-        let under_way = StoreUnderWay::begin(&self.stores);
-        let spawned = std::thread::Builder::new()
-            .name("snowgate-compile-cache".into())
-            .spawn(move || {
-                plugin.keep_compiled();
-                drop(under_way);
-            });
-        if let Err(e) = spawned {
-            tracing::warn!(error = %e, "the compiled plugin was not stored in the compile cache: no thread to write it");
-        }
+    /// Whether a compile cache write is under way.
+    pub fn storing(&self) -> bool {
+        *self.stores.borrow() > 0
     }
 
-    /// Waits, at most `within`, for the compile cache writes under way to
-    /// end, so that the next start reads the build it stores; whether they
-    /// all did.
+    /// Waits, at most `within`, for the compile cache write under way to
+    /// end, so that the next start reads the build it stores; whether it
+    /// did (or none was under way).
     pub async fn stores_done(&self, within: std::time::Duration) -> bool {
         let mut stores = self.stores.subscribe();
         let done = tokio::time::timeout(within, stores.wait_for(|n| *n == 0)).await;
@@ -346,10 +332,11 @@ impl PluginSlot {
         let settings = self.settings.clone();
         let current_sha = self.current().info().sha256.clone();
         let self_checks = self.self_checks.clone();
+        let stores = self.stores.clone();
         let file = path.display().to_string();
         // Reading and compiling take milliseconds to minutes: keep them off
         // the request threads.
-        let outcome = tokio::task::spawn_blocking(move || -> anyhow::Result<Option<Plugin>> {
+        let outcome = tokio::task::spawn_blocking(move || -> anyhow::Result<Option<Loaded>> {
             let bytes = read_plugin_file(&path)?;
             let sha256 = hex_sha256(&bytes);
             if sha256 == current_sha {
@@ -360,9 +347,9 @@ impl PluginSlot {
                 return Err(anyhow::Error::new(CannotCheckNow { reason, sha256 }))
                     .with_context(|| format!("loading the plugin {}", path.display()));
             }
-            let plugin = load_gated(&engine, &bytes, &settings, Some(&self_checks))
+            let loaded = load_gated(&engine, &bytes, &settings, Some((&self_checks, &stores)))
                 .with_context(|| format!("loading the plugin {}", path.display()))?;
-            Ok(Some(plugin))
+            Ok(Some(loaded))
         })
         .await
         .map_err(|e| anyhow::Error::new(e).context(format!("the reload task of {file} failed")))
@@ -385,7 +372,7 @@ impl PluginSlot {
             *self.deferred.lock().unwrap_or_else(|p| p.into_inner()) = None;
         }
         match (outcome, put_off) {
-            (Ok(Some(plugin)), _) => {
+            (Ok(Some((plugin, store))), _) => {
                 let sha = plugin.info().sha256.clone();
                 let compiled = plugin.info().compiled.name();
                 // Counted before the swap, and `/status` reads the serving
@@ -399,7 +386,7 @@ impl PluginSlot {
                 // Requests still on the old build finish on it, each on an
                 // instance of its own; its kept instances go now.
                 replaced.retire();
-                self.keep_compiled_meanwhile(plugin);
+                keep_compiled_meanwhile(plugin, store);
                 tracing::info!(sha256 = %sha, compiled, "plugin reloaded");
                 Ok(Reloaded::Swapped(sha))
             }
@@ -515,7 +502,36 @@ pub fn load_checked(
     bytes: &[u8],
     settings: &[(String, String)],
 ) -> anyhow::Result<Plugin> {
-    load_gated(engine, bytes, settings, None)
+    load_gated(engine, bytes, settings, None).map(|(plugin, _)| plugin)
+}
+
+/// A build loaded and checked by a reload, with its turn to be stored in
+/// the compile cache, where it has one.
+type Loaded = (Plugin, Option<StoreUnderWay>);
+
+/// Whether `plugin`'s build is one to keep in the compile cache: the
+/// engine has one, and the build was compiled, not read from it.
+fn needs_storing(plugin: &Plugin) -> bool {
+    plugin.engine().compile_cache.is_some() && plugin.info().compiled == Compiled::Now
+}
+
+/// Keeps `plugin`'s build in the compile cache, given its turn (`store`),
+/// on a thread of its own: only a build that passed its check and serves
+/// is kept, and its swap does not wait for the write (hundreds of MB,
+/// synced, for a large build; a slow or hung cache volume). A stop waits
+/// for it a while ([`PluginSlot::stores_done`]); a write it cuts short
+/// leaves a temporary file, which a later store removes.
+fn keep_compiled_meanwhile(plugin: Arc<Plugin>, store: Option<StoreUnderWay>) {
+    let Some(store) = store else { return };
+    let spawned = std::thread::Builder::new()
+        .name("snowgate-compile-cache".into())
+        .spawn(move || {
+            plugin.keep_compiled();
+            drop(store);
+        });
+    if let Err(e) = spawned {
+        tracing::warn!(error = %e, "the compiled plugin was not stored in the compile cache: no thread to write it");
+    }
 }
 
 /// Why a reload that a stop overtook swaps nothing in.
@@ -573,11 +589,14 @@ fn load_gated(
     engine: &PluginEngine,
     bytes: &[u8],
     settings: &[(String, String)],
-    self_checks: Option<&tokio::sync::Mutex<bool>>,
-) -> anyhow::Result<Plugin> {
+    gates: Option<(
+        &tokio::sync::Mutex<bool>,
+        &Arc<tokio::sync::watch::Sender<usize>>,
+    )>,
+) -> anyhow::Result<Loaded> {
     let plugin = Plugin::load(engine, bytes, settings)?;
-    let open = match self_checks {
-        Some(gate) => {
+    let open = match gates {
+        Some((gate, _)) => {
             let closed = gate.blocking_lock();
             if *closed {
                 return Err(Overtaken.into());
@@ -618,19 +637,39 @@ fn load_gated(
                 .then(|| "the machine id changed during the self-check".to_string())
         })
     })?;
+    // Its turn to be stored is taken while the gate is held: a stop that
+    // closes the gate after it waits for the store too.
+    let store = match gates {
+        Some((_, stores)) if needs_storing(&plugin) => {
+            let turn = StoreUnderWay::try_begin(stores);
+            if turn.is_none() {
+                tracing::info!("the new build is not stored in the compile cache: a write to it is still under way (a slow volume?); it is stored when it is next compiled");
+            }
+            turn
+        }
+        _ => None,
+    };
     drop(open);
-    Ok(plugin)
+    Ok((plugin, store))
 }
 
-/// Counts the compile cache writes under way (see
-/// [`PluginSlot::stores_done`]): one for each thread that writes one, until
-/// it ends.
+/// The one compile cache write a slot lets run at a time (see
+/// [`PluginSlot::stores_done`]), from before its build's swap to the
+/// write's end. One at a time: on a volume that hangs, each reload would
+/// otherwise leave a thread, and a build in memory, waiting for ever.
 struct StoreUnderWay(Arc<tokio::sync::watch::Sender<usize>>);
 
 impl StoreUnderWay {
-    fn begin(stores: &Arc<tokio::sync::watch::Sender<usize>>) -> StoreUnderWay {
-        stores.send_modify(|n| *n += 1);
-        StoreUnderWay(stores.clone())
+    /// The turn to store, unless a write is under way.
+    fn try_begin(stores: &Arc<tokio::sync::watch::Sender<usize>>) -> Option<StoreUnderWay> {
+        let began = stores.send_if_modified(|n| {
+            let free = *n == 0;
+            if free {
+                *n = 1;
+            }
+            free
+        });
+        began.then(|| StoreUnderWay(stores.clone()))
     }
 }
 
