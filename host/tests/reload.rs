@@ -149,9 +149,11 @@ async fn an_in_place_rewrite_is_picked_up() {
 }
 
 /// A file removed, then written anew in pieces for longer than the quiet
-/// time (`install`, `kubectl cp`, an editor's backup by rename), is read
-/// once its write ends, not half written once the quiet time after the
-/// removal runs out: no failed reload is counted, nor raised as an alarm.
+/// time, and longer than the ten quiet times a reload waits at most
+/// (`install`, `kubectl cp` of a large build, an editor's backup by
+/// rename), is read once its write ends, not half written once the quiet
+/// time after the removal runs out: no failed reload is counted, nor
+/// raised as an alarm.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_file_written_anew_slowly_after_a_removal_is_read_whole() {
     // A quiet time ten times each pause of the writer below, so that only
@@ -162,8 +164,8 @@ async fn a_file_written_anew_slowly_after_a_removal_is_read_whole() {
     let new = sha256_hex(&build);
     std::fs::remove_file(&path).unwrap();
     let mut file = std::fs::File::create(&path).unwrap();
-    // About 1.5 s of writing in 30 pieces: three quiet times.
-    for piece in build.chunks(build.len().div_ceil(30)) {
+    // About 6 s of writing in 120 pieces: twelve quiet times.
+    for piece in build.chunks(build.len().div_ceil(120)) {
         std::io::Write::write_all(&mut file, piece).unwrap();
         tokio::time::sleep(Duration::from_millis(50)).await;
     }

@@ -228,8 +228,11 @@ pub fn watch_plugin_file(
             if nudge == Nudge::Busy {
                 continue;
             }
-            if !quiet_for(&mut rx, debounce).await {
-                return;
+            match quiet_for(&mut rx, debounce).await {
+                Quiet::Quiet => {}
+                // Its close, or the poll once it stays as it is, asks again.
+                Quiet::StillWritten => continue,
+                Quiet::Gone => return,
             }
             let seen = look().await;
             // While this reload runs, the file it read is not due: a build
@@ -272,25 +275,49 @@ pub fn watch_plugin_file(
     }))
 }
 
+/// How a debounce ended.
+#[derive(Debug, PartialEq, Eq)]
+enum Quiet {
+    /// Quiet for a whole quiet time, or given up on after ten: reload.
+    Quiet,
+    /// Given up on while the plugin file was still being written (within
+    /// the last quiet time): no reload of a file half written; its close
+    /// asks again.
+    StillWritten,
+    /// The senders are gone.
+    Gone,
+}
+
 /// The debounce, after a first nudge: waits until the file has been quiet
 /// for `debounce`, but no longer than ten quiet times in all (a directory
-/// that never goes quiet must not put reloads off for ever). Only a change,
-/// or a write under way, starts the quiet time again: the poll, asking
-/// every 2 s about a build it found unchanged for 2 s, says nothing new,
-/// and with a debounce over 2 s it kept every reload waiting the ten quiet
-/// times. False once the senders are gone.
-async fn quiet_for(rx: &mut mpsc::UnboundedReceiver<Nudge>, debounce: Duration) -> bool {
+/// that never goes quiet must not put reloads off for ever), unless the
+/// file itself is still being written then. Only a change, or a write
+/// under way, starts the quiet time again: the poll, asking every 2 s
+/// about a build it found unchanged for 2 s, says nothing new, and with a
+/// debounce over 2 s it kept every reload waiting the ten quiet times.
+async fn quiet_for(rx: &mut mpsc::UnboundedReceiver<Nudge>, debounce: Duration) -> Quiet {
     let start = tokio::time::Instant::now();
     let give_up = start + debounce.saturating_mul(10);
     let mut quiet = start + debounce;
+    let mut written_until = None;
     loop {
         match tokio::time::timeout_at(quiet.min(give_up), rx.recv()).await {
-            Ok(Some(Nudge::Changed | Nudge::Busy)) => {
-                quiet = tokio::time::Instant::now() + debounce;
+            Ok(Some(nudge @ (Nudge::Changed | Nudge::Busy))) => {
+                let now = tokio::time::Instant::now();
+                quiet = now + debounce;
+                if nudge == Nudge::Busy {
+                    written_until = Some(quiet);
+                }
             }
             Ok(Some(Nudge::Due)) => {}
-            Ok(None) => return false,
-            Err(_quiet) => return true,
+            Ok(None) => return Quiet::Gone,
+            Err(_quiet) => {
+                let now = tokio::time::Instant::now();
+                return match written_until {
+                    Some(until) if now < until => Quiet::StillWritten,
+                    _ => Quiet::Quiet,
+                };
+            }
         }
     }
 }
@@ -449,7 +476,7 @@ mod tests {
     /// quiet times.
     #[tokio::test(start_paused = true)]
     async fn only_changes_extend_the_debounce() {
-        use super::{quiet_for, Nudge};
+        use super::{quiet_for, Nudge, Quiet};
         use std::time::Duration;
         use tokio::time::Instant;
 
@@ -468,33 +495,42 @@ mod tests {
         // The poll asks every 2 s, for a minute.
         let poll = send_every(2, 30, Nudge::Due);
         let start = Instant::now();
-        assert!(quiet_for(&mut rx, debounce).await);
+        assert_eq!(quiet_for(&mut rx, debounce).await, Quiet::Quiet);
         assert_eq!(start.elapsed(), debounce);
         poll.abort();
 
         // A change every second: given up on after ten quiet times.
         let changes = send_every(1, 100, Nudge::Changed);
         let start = Instant::now();
-        assert!(quiet_for(&mut rx, debounce).await);
+        assert_eq!(quiet_for(&mut rx, debounce).await, Quiet::Quiet);
         assert_eq!(start.elapsed(), debounce * 10);
         changes.abort();
+
+        // Writes to the file every second: given up on after ten quiet
+        // times too, but not for a reload of a file half written.
+        while rx.try_recv().is_ok() {}
+        let writes = send_every(1, 100, Nudge::Busy);
+        let start = Instant::now();
+        assert_eq!(quiet_for(&mut rx, debounce).await, Quiet::StillWritten);
+        assert_eq!(start.elapsed(), debounce * 10);
+        writes.abort();
 
         // A change 3 s in starts the quiet time again.
         while rx.try_recv().is_ok() {}
         let late = send_every(3, 1, Nudge::Changed);
         let start = Instant::now();
-        assert!(quiet_for(&mut rx, debounce).await);
+        assert_eq!(quiet_for(&mut rx, debounce).await, Quiet::Quiet);
         assert_eq!(start.elapsed(), Duration::from_secs(8));
         late.await.expect("the change was sent");
 
         // So does a write under way.
         let writing = send_every(3, 1, Nudge::Busy);
         let start = Instant::now();
-        assert!(quiet_for(&mut rx, debounce).await);
+        assert_eq!(quiet_for(&mut rx, debounce).await, Quiet::Quiet);
         assert_eq!(start.elapsed(), Duration::from_secs(8));
         writing.await.expect("the write was sent");
         drop(tx);
-        assert!(!quiet_for(&mut rx, debounce).await, "the senders are gone");
+        assert_eq!(quiet_for(&mut rx, debounce).await, Quiet::Gone);
     }
 
     use super::*;
