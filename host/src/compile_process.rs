@@ -320,26 +320,21 @@ impl CompileProcess {
         if status.code() == Some(REFUSED_STATUS) {
             return CompileFailure::Refused(message);
         }
+        let crashed = crashed(status, &message);
         let told = format!(
             "the compile process {} {} ({status}){}",
             self.program.display(),
-            if status.code() == Some(FAILED_STATUS) {
-                "failed"
-            } else {
-                "crashed"
-            },
+            if crashed { "crashed" } else { "failed" },
             if message.is_empty() {
                 String::new()
             } else {
                 format!(": {message}")
             }
         );
-        // Its own failure (I/O) may pass; a panic, or a death by a signal
-        // no limit sends, happens again on the same component.
-        if status.code() == Some(FAILED_STATUS) {
-            CompileFailure::Other(told)
-        } else {
+        if crashed {
             CompileFailure::Crashed(told)
+        } else {
+            CompileFailure::Other(told)
         }
     }
 }
@@ -377,12 +372,13 @@ pub enum CompileFailure {
         /// first), and it would run out again.
         starved: bool,
     },
-    /// The child could not be started, or failed before compiling or
-    /// while handing the build back (an I/O error); why.
+    /// The child could not be started, failed before compiling or while
+    /// handing the build back (an I/O error), was ended by a signal from
+    /// outside, or panicked for want of a resource of the moment; why.
     Other(String),
-    /// The child crashed while compiling: a panic, or a death by a signal
-    /// no limit sends (a stack overflow's abort, a segmentation fault).
-    /// The same component would crash it again.
+    /// The child crashed while compiling: a panic, or a death by a fault's
+    /// signal (a stack overflow's abort, a segmentation fault). The same
+    /// component would crash it again.
     Crashed(String),
 }
 
@@ -452,6 +448,38 @@ impl CompileFailure {
     }
 }
 
+/// Whether the child crashed on the component, and would again: it
+/// panicked (Rust's exit status 101), not for want of a thread or a
+/// resource of the moment (EAGAIN), or died by a fault's signal (a stack
+/// overflow's abort, a segmentation fault). Its own I/O failure (exit 1),
+/// a signal from outside (SIGTERM to its group, SIGPIPE) and any other end
+/// may pass.
+fn crashed(status: ExitStatus, message: &str) -> bool {
+    #[cfg(unix)]
+    if let Some(signal) = std::os::unix::process::ExitStatusExt::signal(&status) {
+        return matches!(
+            signal,
+            libc::SIGSEGV
+                | libc::SIGBUS
+                | libc::SIGILL
+                | libc::SIGFPE
+                | libc::SIGABRT
+                | libc::SIGSYS
+        );
+    }
+    let of_the_moment = [
+        "Resource temporarily unavailable",
+        "os error 11",
+        "failed to spawn",
+    ]
+    .iter()
+    .any(|words| message.contains(words));
+    status.code() == Some(PANIC_STATUS) && !of_the_moment
+}
+
+/// The exit status of a Rust program that panicked.
+const PANIC_STATUS: i32 = 101;
+
 /// The least wall-clock time a compile is given (see
 /// `CompileProcess::wall_limit`): starting the child (a large binary, at a
 /// low priority) takes part of it.
@@ -471,7 +499,7 @@ fn wait_with_cpu_time(
 
         let mut stdout = child.stdout.take().expect("stdout is piped");
         let mut stderr = child.stderr.take().expect("stderr is piped");
-        let (stdout, stderr) = std::thread::scope(|scope| {
+        let read = std::thread::scope(|scope| {
             let stderr = std::thread::Builder::new()
                 .name("snowgate-compile-stderr".into())
                 .spawn_scoped(scope, move || {
@@ -484,7 +512,10 @@ fn wait_with_cpu_time(
                 .join()
                 .unwrap_or_else(|_| Err(std::io::Error::other("reading stderr panicked")));
             read.and(text).map(|text| (build, text))
-        })?;
+        });
+        // Reaped whatever the reads came to: a child still writing finds
+        // its pipe closed and ends.
+        drop(stdout);
         let pid = child.id() as libc::pid_t;
         let mut status = 0;
         let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
@@ -506,6 +537,7 @@ fn wait_with_cpu_time(
             Duration::from_secs(t.tv_sec.max(0) as u64)
                 + Duration::from_micros(t.tv_usec.max(0) as u64)
         };
+        let (stdout, stderr) = read?;
         let output = std::process::Output {
             status: ExitStatus::from_raw(status),
             stdout,
@@ -678,6 +710,20 @@ mod tests {
             assert!(matches!(failure, CompileFailure::Crashed(_)), "{failure:?}");
             assert!(!failure.may_pass(), "{failure:?}");
             assert!(failure.to_string().contains("crashed"), "{failure}");
+        }
+        // Ends that may not come again: a signal from outside, a thread
+        // the system had no room for just then.
+        for (status, words) in [
+            (killed_by(libc::SIGTERM), &b""[..]),
+            (killed_by(libc::SIGPIPE), b""),
+            (
+                exited(101),
+                b"failed to spawn thread: Os { code: 11, kind: WouldBlock, message: \"Resource temporarily unavailable\" }",
+            ),
+        ] {
+            let failure = process().failure(status, words, Duration::ZERO);
+            assert!(matches!(failure, CompileFailure::Other(_)), "{failure:?}");
+            assert!(failure.may_pass(), "{failure:?}");
         }
         let failure = process().failure(
             exited(FAILED_STATUS),

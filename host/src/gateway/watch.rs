@@ -229,7 +229,7 @@ pub fn watch_plugin_file(
                 continue;
             }
             match quiet_for(&mut rx, debounce).await {
-                Quiet::Quiet => {}
+                Quiet::Settled => {}
                 // Its close, or the poll once it stays as it is, asks again.
                 Quiet::StillWritten => continue,
                 Quiet::Gone => return,
@@ -279,7 +279,7 @@ pub fn watch_plugin_file(
 #[derive(Debug, PartialEq, Eq)]
 enum Quiet {
     /// Quiet for a whole quiet time, or given up on after ten: reload.
-    Quiet,
+    Settled,
     /// Given up on while the plugin file was still being written (within
     /// the last quiet time): no reload of a file half written; its close
     /// asks again.
@@ -315,7 +315,7 @@ async fn quiet_for(rx: &mut mpsc::UnboundedReceiver<Nudge>, debounce: Duration) 
                 let now = tokio::time::Instant::now();
                 return match written_until {
                     Some(until) if now < until => Quiet::StillWritten,
-                    _ => Quiet::Quiet,
+                    _ => Quiet::Settled,
                 };
             }
         }
@@ -495,14 +495,14 @@ mod tests {
         // The poll asks every 2 s, for a minute.
         let poll = send_every(2, 30, Nudge::Due);
         let start = Instant::now();
-        assert_eq!(quiet_for(&mut rx, debounce).await, Quiet::Quiet);
+        assert_eq!(quiet_for(&mut rx, debounce).await, Quiet::Settled);
         assert_eq!(start.elapsed(), debounce);
         poll.abort();
 
         // A change every second: given up on after ten quiet times.
         let changes = send_every(1, 100, Nudge::Changed);
         let start = Instant::now();
-        assert_eq!(quiet_for(&mut rx, debounce).await, Quiet::Quiet);
+        assert_eq!(quiet_for(&mut rx, debounce).await, Quiet::Settled);
         assert_eq!(start.elapsed(), debounce * 10);
         changes.abort();
 
@@ -519,14 +519,14 @@ mod tests {
         while rx.try_recv().is_ok() {}
         let late = send_every(3, 1, Nudge::Changed);
         let start = Instant::now();
-        assert_eq!(quiet_for(&mut rx, debounce).await, Quiet::Quiet);
+        assert_eq!(quiet_for(&mut rx, debounce).await, Quiet::Settled);
         assert_eq!(start.elapsed(), Duration::from_secs(8));
         late.await.expect("the change was sent");
 
         // So does a write under way.
         let writing = send_every(3, 1, Nudge::Busy);
         let start = Instant::now();
-        assert_eq!(quiet_for(&mut rx, debounce).await, Quiet::Quiet);
+        assert_eq!(quiet_for(&mut rx, debounce).await, Quiet::Settled);
         assert_eq!(start.elapsed(), Duration::from_secs(8));
         writing.await.expect("the write was sent");
         drop(tx);
