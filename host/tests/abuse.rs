@@ -1329,7 +1329,7 @@ async fn the_admin_listener_answers_no_web_page() {
         (
             http::Method::GET,
             "/metrics",
-            "evil.example",
+            "a{b}.evil",
             None,
             403,
             "DNS rebinding",

@@ -267,15 +267,21 @@ impl Admin {
         if self.token.is_some() {
             return None;
         }
-        let host = request
-            .uri()
-            .authority()
-            .map(|authority| authority.host().to_string())
-            .or_else(|| {
-                let value = request.headers().get(header::HOST)?.to_str().ok()?;
-                let authority: http::uri::Authority = value.parse().ok()?;
-                Some(authority.host().to_string())
-            });
+        // A Host that does not parse is no address either (only one that is
+        // missing, from an HTTP/1.0 client, lets the request in).
+        let host = match request.uri().authority() {
+            Some(authority) => Some(authority.host().to_string()),
+            None => request.headers().get(header::HOST).map(|value| {
+                value
+                    .to_str()
+                    .ok()
+                    .and_then(|text| text.parse::<http::uri::Authority>().ok())
+                    .map_or_else(
+                        || String::from_utf8_lossy(value.as_bytes()).into_owned(),
+                        |authority| authority.host().to_string(),
+                    )
+            }),
+        };
         match host {
             Some(host) if !names_this_machine(&host) => Some(format!(
                 "this admin request names the host {:?}, not an IP address or localhost: \

@@ -538,6 +538,16 @@ impl ConfigFile {
                 config.max_body_bytes.div_ceil(1 << 20)
             );
         }
+        if let Some(lease) = &config.lease {
+            let (least, most) = (crate::lease::MIN_TTL, crate::lease::MAX_TTL);
+            anyhow::ensure!(
+                (least..=most).contains(&lease.ttl),
+                "machine-id-ttl must be between {} and {} seconds (a day), not {:?}",
+                least.as_secs(),
+                most.as_secs(),
+                lease.ttl
+            );
+        }
         if let Some(problem) = config
             .plugin_settings
             .keys()
@@ -567,10 +577,13 @@ impl ConfigFile {
         }
         // Caught here, before the plugin compiles, as a bad setting; the
         // bind would fail anyway, later and with the OS's words.
+        // The listeners take no IPV6_V6ONLY: `[::]` takes IPv4 too.
         let (requests, admin) = (config.listen, config.admin_listen);
-        let same_family = requests.is_ipv4() == admin.is_ipv4();
-        let overlap = requests.ip() == admin.ip()
-            || (same_family && (requests.ip().is_unspecified() || admin.ip().is_unspecified()));
+        let (a, b) = (requests.ip().to_canonical(), admin.ip().to_canonical());
+        let takes_all = |ip: std::net::IpAddr, other: std::net::IpAddr| {
+            ip.is_unspecified() && (ip.is_ipv6() || other.is_ipv4())
+        };
+        let overlap = a == b || takes_all(a, b) || takes_all(b, a);
         anyhow::ensure!(
             requests.port() == 0 || requests.port() != admin.port() || !overlap,
             "--listen {requests} and --admin-listen {admin} would take the same port: give the \
@@ -1147,6 +1160,9 @@ mod tests {
             ("127.0.0.1:9000", "127.0.0.1:9000"),
             ("0.0.0.0:9000", "127.0.0.1:9000"),
             ("[::1]:9000", "[::]:9000"),
+            ("[::]:9000", "127.0.0.1:9000"),
+            ("0.0.0.0:9000", "[::]:9000"),
+            ("[::ffff:127.0.0.1]:9000", "127.0.0.1:9000"),
         ] {
             let err = check(listen, admin).expect_err(listen);
             assert!(
@@ -1185,6 +1201,22 @@ mod tests {
             "no --plugin-memory-mib can hold such a body (at most 4096 MiB): lower \
              --max-body-bytes"
         );
+    }
+
+    #[test]
+    fn a_lease_ttl_out_of_range_is_refused_before_anything_starts() {
+        for (secs, ok) in [(2, false), (3, true), (86_400, true), (86_401, false)] {
+            let config = GatewayConfig {
+                lease: Some(crate::lease::LeaseConfig {
+                    endpoints: vec!["http://127.0.0.1:2379".into()],
+                    ttl: Duration::from_secs(secs),
+                    ..crate::lease::LeaseConfig::default_for_endpoints()
+                }),
+                ..Default::default()
+            };
+            let checked = ConfigFile::check(&config);
+            assert_eq!(checked.is_ok(), ok, "{secs}: {checked:?}");
+        }
     }
 
     #[test]

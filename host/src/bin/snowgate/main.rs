@@ -109,7 +109,11 @@ fn main() -> ExitCode {
         Ok(text) if !text.trim().is_empty() => {
             match tracing_subscriber::EnvFilter::builder().parse(&text) {
                 Ok(filter) => {
-                    warn_of_narrow_filters(&text);
+                    // Said once, by the command run, not by each compile
+                    // child, which inherits the variable.
+                    if !matches!(cli.command, Command::CompilePlugin) {
+                        warn_of_narrow_filters(&text);
+                    }
                     filter
                 }
                 Err(e) => {
@@ -164,7 +168,9 @@ fn warn_of_narrow_filters(filter: &str) {
         .map(str::trim)
         .filter(|word| !word.is_empty())
         .collect();
-    for word in words.iter().filter(|w| !w.contains('=') && !is_level(w)) {
+    // `[span]` names a span, not a target.
+    let target = |word: &str| !word.contains('=') && !word.starts_with('[') && !is_level(word);
+    for word in words.iter().filter(|word| target(word)) {
         eprintln!(
             "snowgate: note: SNOWGATE_LOG {word:?} is not a level (trace, debug, info, warn, \
              error, off), so it names a target: only that target's lines are logged"
