@@ -580,23 +580,6 @@ async fn replicas_refuse_to_stamp_while_etcd_is_down_and_resume_their_id_after()
 /// the new wall clock is behind the ids issued before the restart.
 const STEP_BACK_AFTER_A_STOP: &str = "-7s";
 
-/// libfaketime's library (Debian's `libfaketime`, which `.ci/run`
-/// installs), or `None` (and a message) where it is missing.
-fn faketime() -> Option<PathBuf> {
-    let found = std::fs::read_dir("/usr/lib")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|entry| entry.path().join("faketime/libfaketime.so.1"))
-        .find(|path| path.exists());
-    tool_present(
-        found.is_some(),
-        "libfaketime",
-        "apt-get install libfaketime",
-    )
-    .then(|| found.expect("present"))
-}
-
 /// The environment that moves a replica's wall clock (`CLOCK_REALTIME`) by
 /// `offset` (libfaketime's `-7s`). Its monotonic and boot clocks, which
 /// time its lease, are left alone; etcd times the lease on its own clock.
@@ -616,7 +599,9 @@ fn faked_clock(library: &std::path::Path, offset: &str) -> Vec<(&'static str, St
 #[tokio::test(flavor = "multi_thread")]
 async fn a_replica_restarted_onto_the_same_slot_repeats_no_id() {
     let Some(binary) = etcd_binary() else { return };
-    let Some(library) = faketime() else { return };
+    let Some(library) = support::faketime() else {
+        return;
+    };
     let etcd = Etcd::start(binary).await;
     let before = replica(&etcd, &[]).await;
     let id = leased_id(&before).await;

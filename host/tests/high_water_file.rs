@@ -15,7 +15,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use http::StatusCode;
 use snowgate_plugin::SnowflakeLayout;
-use support::{get, post_json, stamped_id, tool_present, Gateway, CONTEXT_ONLY, MACHINE_ID, STEP};
+use support::{get, post_json, stamped_id, Gateway, CONTEXT_ONLY, MACHINE_ID, STEP};
 
 /// How far the faked wall clock steps back after a clean stop: less than
 /// the id clock's 9 s lead, so that a gateway that continues after the
@@ -32,22 +32,6 @@ fn scratch(name: &str) -> (support::TempDir, PathBuf) {
     let dir = support::TempDir::new(&format!("high-water-{name}"));
     let file = dir.path().join("ids.mark");
     (dir, file)
-}
-
-/// libfaketime's library, when installed.
-fn faketime() -> Option<PathBuf> {
-    let found = std::fs::read_dir("/usr/lib")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|entry| entry.path().join("faketime/libfaketime.so.1"))
-        .find(|path| path.exists());
-    tool_present(
-        found.is_some(),
-        "libfaketime",
-        "apt-get install libfaketime",
-    )
-    .then(|| found.expect("present"))
 }
 
 /// The environment that moves the gateway's wall clock by `offset`
@@ -130,7 +114,9 @@ fn failed_start(args: &[&str]) -> (Option<i32>, String) {
 /// where they can repeat (the control, which shows the step is real).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_stop_and_a_step_back_ids_continue_after_the_last() {
-    let Some(library) = faketime() else { return };
+    let Some(library) = support::faketime() else {
+        return;
+    };
     let (_dir, file) = scratch("step-back");
     let file_arg = file.to_str().expect("a UTF-8 path");
 
@@ -182,7 +168,9 @@ async fn after_a_stop_and_a_step_back_ids_continue_after_the_last() {
 /// that mark, and continues after it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_crash_ids_continue_after_the_mark_kept_ahead() {
-    let Some(library) = faketime() else { return };
+    let Some(library) = support::faketime() else {
+        return;
+    };
     let (_dir, file) = scratch("crash");
     let file_arg = file.to_str().expect("a UTF-8 path");
 
@@ -227,7 +215,9 @@ async fn after_a_crash_ids_continue_after_the_mark_kept_ahead() {
 /// restarts do not push it further out.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_start_waits_for_a_mark_beyond_the_id_clocks_lead() {
-    let Some(library) = faketime() else { return };
+    let Some(library) = support::faketime() else {
+        return;
+    };
     let (_dir, file) = scratch("far-ahead");
     let file_arg = file.to_str().expect("a UTF-8 path");
     let ahead = faked_clock(&library, "+12s");
@@ -668,7 +658,9 @@ fn rewritten_id(output: &std::process::Output) -> u64 {
 /// control, which shows the step is real).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rewrite_runs_on_a_high_water_file_continue_after_its_mark() {
-    let Some(library) = faketime() else { return };
+    let Some(library) = support::faketime() else {
+        return;
+    };
     let (_dir, file) = scratch("rewrite");
     let file_arg = file.to_str().expect("a UTF-8 path");
     let with_file = ["--high-water-file", file_arg];

@@ -107,54 +107,21 @@ pub struct StallingMember {
 impl StallingMember {
     /// Starts proxying to etcd at `target` (`host:port`).
     pub async fn start(target: &str) -> StallingMember {
-        use hyper_util::rt::{TokioExecutor, TokioIo};
-
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind the proxy");
-        let url = format!("http://{}", listener.local_addr().expect("address"));
-        let target = target.to_string();
         let (stalled, stall) = tokio::sync::watch::channel(false);
-        let task = tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                let target = target.clone();
-                let stall = stall.clone();
-                tokio::spawn(async move {
-                    let Ok(server) = tokio::net::TcpStream::connect(&target).await else {
-                        return;
-                    };
-                    let Ok((sender, connection)) = hyper::client::conn::http2::handshake(
-                        TokioExecutor::new(),
-                        TokioIo::new(server),
-                    )
-                    .await
-                    else {
-                        return;
-                    };
-                    tokio::spawn(connection);
-                    let service = hyper::service::service_fn(
-                        move |request: http::Request<hyper::body::Incoming>| {
-                            let mut sender = sender.clone();
-                            let mut stall = stall.clone();
-                            async move {
-                                let key_value =
-                                    request.uri().path().starts_with("/etcdserverpb.KV/");
-                                let response = sender.send_request(request).await?;
-                                if key_value {
-                                    // Answered once the disk is back (or never,
-                                    // if the proxy goes first).
-                                    let _ = stall.wait_for(|&stalled| !stalled).await;
-                                }
-                                Ok::<_, hyper::Error>(response)
-                            }
-                        },
-                    );
-                    let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
-                        .serve_connection(TokioIo::new(client), service)
-                        .await;
-                });
+        let (url, task) = grpc_proxy(target, move |mut sender, request| {
+            let mut stall = stall.clone();
+            async move {
+                let key_value = request.uri().path().starts_with("/etcdserverpb.KV/");
+                let response = sender.send_request(request).await?;
+                if key_value {
+                    // Answered once the disk is back (or never, if the
+                    // proxy goes first).
+                    let _ = stall.wait_for(|&stalled| !stalled).await;
+                }
+                Ok(response)
             }
-        });
+        })
+        .await;
         StallingMember { url, stalled, task }
     }
 
@@ -206,77 +173,45 @@ pub struct ReadHoldingMember {
 impl ReadHoldingMember {
     /// Starts proxying to etcd at `target` (`host:port`).
     pub async fn start(target: &str) -> ReadHoldingMember {
-        use hyper_util::rt::{TokioExecutor, TokioIo};
-
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind the proxy");
-        let url = format!("http://{}", listener.local_addr().expect("address"));
-        let target = target.to_string();
         let hold = std::sync::Arc::new(tokio::sync::watch::channel(Hold::Off).0);
         let calls = std::sync::Arc::new(tokio::sync::watch::channel(Vec::new()).0);
-        let (task_hold, task_calls) = (hold.clone(), calls.clone());
-        let task = tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                let target = target.clone();
-                let (hold, calls) = (task_hold.clone(), task_calls.clone());
-                tokio::spawn(async move {
-                    let Ok(server) = tokio::net::TcpStream::connect(&target).await else {
-                        return;
-                    };
-                    let Ok((sender, connection)) = hyper::client::conn::http2::handshake(
-                        TokioExecutor::new(),
-                        TokioIo::new(server),
-                    )
-                    .await
-                    else {
-                        return;
-                    };
-                    tokio::spawn(connection);
-                    let service = hyper::service::service_fn(
-                        move |request: http::Request<hyper::body::Incoming>| {
-                            let mut sender = sender.clone();
-                            let (hold, calls) = (hold.clone(), calls.clone());
-                            async move {
-                                let method = request
-                                    .uri()
-                                    .path()
-                                    .strip_prefix("/etcdserverpb.KV/")
-                                    .map(str::to_string);
-                                let mut held = false;
-                                if let Some(method) = method {
-                                    if *hold.borrow() == Hold::Released {
-                                        calls.send_modify(|calls| calls.push(method.clone()));
-                                    }
-                                    held = method == "Range"
-                                        && hold.send_if_modified(|hold| {
-                                            let armed = *hold == Hold::Armed;
-                                            if armed {
-                                                *hold = Hold::Sent;
-                                            }
-                                            armed
-                                        });
-                                }
-                                // For a unary call, the answer's headers come
-                                // once etcd has served it.
-                                let response = sender.send_request(request).await?;
-                                if held {
-                                    hold.send_replace(Hold::Held);
-                                    let _ = hold
-                                        .subscribe()
-                                        .wait_for(|&hold| hold == Hold::Released)
-                                        .await;
-                                }
-                                Ok::<_, hyper::Error>(response)
+        let (proxy_hold, proxy_calls) = (hold.clone(), calls.clone());
+        let (url, task) = grpc_proxy(target, move |mut sender, request| {
+            let (hold, calls) = (proxy_hold.clone(), proxy_calls.clone());
+            async move {
+                let method = request
+                    .uri()
+                    .path()
+                    .strip_prefix("/etcdserverpb.KV/")
+                    .map(str::to_string);
+                let mut held = false;
+                if let Some(method) = method {
+                    if *hold.borrow() == Hold::Released {
+                        calls.send_modify(|calls| calls.push(method.clone()));
+                    }
+                    held = method == "Range"
+                        && hold.send_if_modified(|hold| {
+                            let armed = *hold == Hold::Armed;
+                            if armed {
+                                *hold = Hold::Sent;
                             }
-                        },
-                    );
-                    let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
-                        .serve_connection(TokioIo::new(client), service)
+                            armed
+                        });
+                }
+                // For a unary call, the answer's headers come once etcd has
+                // served it.
+                let response = sender.send_request(request).await?;
+                if held {
+                    hold.send_replace(Hold::Held);
+                    let _ = hold
+                        .subscribe()
+                        .wait_for(|&hold| hold == Hold::Released)
                         .await;
-                });
+                }
+                Ok(response)
             }
-        });
+        })
+        .await;
         ReadHoldingMember {
             url,
             hold,
@@ -332,4 +267,56 @@ impl Drop for ReadHoldingMember {
     fn drop(&mut self) {
         self.task.abort();
     }
+}
+
+/// An HTTP/2 (gRPC) proxy on a loopback port of its own to etcd at
+/// `target` (`host:port`): each request of a client goes to `answer` with
+/// a sender on a connection of its own to etcd, and what `answer` gives
+/// goes back. Its URL, and the task that serves it.
+async fn grpc_proxy<F, A>(target: &str, answer: F) -> (String, tokio::task::JoinHandle<()>)
+where
+    F: Fn(
+            hyper::client::conn::http2::SendRequest<hyper::body::Incoming>,
+            http::Request<hyper::body::Incoming>,
+        ) -> A
+        + Clone
+        + Send
+        + Sync
+        + 'static,
+    A: std::future::Future<Output = Result<http::Response<hyper::body::Incoming>, hyper::Error>>
+        + Send
+        + 'static,
+{
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind the proxy");
+    let url = format!("http://{}", listener.local_addr().expect("address"));
+    let target = target.to_string();
+    let task = tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let (target, answer) = (target.clone(), answer.clone());
+            tokio::spawn(async move {
+                let Ok(server) = tokio::net::TcpStream::connect(&target).await else {
+                    return;
+                };
+                let Ok((sender, connection)) = hyper::client::conn::http2::handshake(
+                    TokioExecutor::new(),
+                    TokioIo::new(server),
+                )
+                .await
+                else {
+                    return;
+                };
+                tokio::spawn(connection);
+                let service =
+                    hyper::service::service_fn(move |request| answer(sender.clone(), request));
+                let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(client), service)
+                    .await;
+            });
+        }
+    });
+    (url, task)
 }

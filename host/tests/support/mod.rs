@@ -105,6 +105,24 @@ pub fn run_bounded(mut command: Command, stdin: &[u8], bound: Duration) -> std::
     output
 }
 
+/// libfaketime's library (Debian's `libfaketime`, which `.ci/run`
+/// installs), or `None` (and a message, see [`tool_present`]) where it is
+/// missing.
+pub fn faketime() -> Option<PathBuf> {
+    let found = std::fs::read_dir("/usr/lib")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|entry| entry.path().join("faketime/libfaketime.so.1"))
+        .find(|path| path.exists());
+    tool_present(
+        found.is_some(),
+        "libfaketime",
+        "apt-get install libfaketime",
+    )
+    .then(|| found.expect("present"))
+}
+
 /// Whether a tool a test needs (`tool`, installed with `install`) is
 /// here. Where it is missing the test is skipped (it prints `SKIPPED`), but
 /// not in CI (`CI` set), where `.ci/run` installs it: there it fails.
