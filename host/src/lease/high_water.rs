@@ -99,7 +99,7 @@ impl Keeper {
         let response = client
             .get(key.as_str(), None)
             .await
-            .context("reading the slot's high-water mark")?;
+            .with_context(|| format!("reading the high-water mark {key}"))?;
         Ok(match response.kvs().first() {
             None => Ok(None),
             Some(kv) => parse_high_water(&key, kv.value(), self.furthest_mark())
@@ -179,7 +179,7 @@ impl Keeper {
             let read = client
                 .get(key.as_str(), None)
                 .await
-                .context("reading the slot's high-water mark before writing it")?;
+                .with_context(|| format!("reading the high-water mark {key} before writing it"))?;
             // A key that does not exist has revision 0, and compares so.
             let revision = read.kvs().first().map_or(0, |kv| kv.mod_revision());
             let found = read
@@ -197,7 +197,7 @@ impl Keeper {
             let response = client
                 .txn(txn)
                 .await
-                .context("writing the slot's high-water mark")?;
+                .with_context(|| format!("writing the high-water mark {key}"))?;
             if response.succeeded() {
                 return Ok(true);
             }
