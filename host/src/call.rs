@@ -630,7 +630,9 @@ impl Plugin {
             ids_withheld: false,
             ticks: issued.taken,
         };
-        if !issued.asked_for_ticks() && issued.grant.is_none() {
+        // A call that asked only for the machine id (a plugin that asks
+        // on every request, as the WIT invites) made no id.
+        if !issued.asked_for_ticks() {
             return let_out(action);
         }
         if matches!(action, Action::Reject(_)) {
@@ -1006,10 +1008,16 @@ mod tests {
         let answer = plugin.fence(stamped(), &store);
         assert!(withheld(&answer), "{answer:?}");
         // The same answer with no id made passes: there is nothing to
-        // withhold.
+        // withhold; so does one whose call asked for the machine id, of
+        // another grant, but took no tick.
         let store = plugin.new_store();
         identity.assign(11).expect("in range");
         assert!(let_out(&plugin.fence(stamped(), &store)));
+        let mut store = plugin.new_store();
+        identity.assign(12).expect("in range");
+        assert_eq!(ask_machine_id(&mut store), 12);
+        assert!(let_out(&plugin.fence(stamped(), &store)));
+        identity.assign(11).expect("in range");
 
         // And a fresh instance under the current grant stamps again.
         let mut store = plugin.new_store();
