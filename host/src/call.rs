@@ -648,14 +648,14 @@ impl Plugin {
         } else if issued.mixed || other_grant {
             Err(("no_machine_id", GRANT_CHANGED.to_string()))
         } else {
-            self.engine
-                .services
-                .identity
+            let identity = &self.engine.services.identity;
+            identity
                 .confirm(
                     Some(state.created_under),
                     issued.taken.map_or(0, |taken| taken.last.millis),
                 )
                 .map_err(|reason| ("no_machine_id", reason))
+                .and_then(|()| unique_in(identity.layout(), issued.taken))
         };
         match confirmed {
             Ok(()) => let_out(action),
@@ -744,6 +744,27 @@ fn is_out_of_hostcall_fuel(error: &wasmtime::Error) -> bool {
 /// log.
 fn plugin_error(message: String) -> CallError {
     CallError::PluginError(plugin_text(message, MAX_PLUGIN_TEXT))
+}
+
+/// Whether ids of the ticks `taken` are unique in `layout`: a trtllm-v2
+/// id of the last 2^16 ms before its 39-bit stamp wraps (first in 2039)
+/// equals one of the wrap's first 2^16 ms, however the plugin made it. The
+/// bundled plugin refuses to make one (503 `no_unique_id`); a plugin that
+/// packs ids as TensorRT-LLM's formula does, without that check, is held
+/// to it here. Checked for the call's first and last tick, as for any
+/// machine id and sequence (see `HostServices::ids_may_leave_now`).
+fn unique_in(
+    layout: snowgate_plugin::SnowflakeLayout,
+    taken: Option<TicksTaken>,
+) -> Result<(), (&'static str, String)> {
+    let Some(taken) = taken else { return Ok(()) };
+    let last_sequence = layout.sequence_space() - 1;
+    for millis in [taken.first.millis, taken.last.millis] {
+        layout
+            .compose_unique(millis, layout.max_machine_id(), last_sequence)
+            .map_err(|e| ("no_unique_id", e.to_string()))?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -1024,6 +1045,36 @@ mod tests {
         assert_eq!(ask_machine_id(&mut store), 11);
         take_tick(&mut store);
         assert!(let_out(&plugin.fence(stamped(), &store)));
+    }
+
+    /// A trtllm-v2 id of the minute before its stamp wraps (2039) equals
+    /// one of the minute after: withheld however the plugin made it.
+    #[test]
+    fn v2_ids_of_the_minute_before_the_stamp_wraps_are_withheld() {
+        let wrap = 4u64 << 39;
+        let fenced = |millis: u64| {
+            let services = HostServices {
+                clock: Arc::new(IdClock::new(FixedClock(millis))),
+                identity: Arc::new(
+                    MachineIdentity::fixed(SnowflakeLayout::TrtllmV2, 3).expect("in range"),
+                ),
+            };
+            let engine = PluginEngine::new(services, PluginLimits::default()).expect("engine");
+            let plugin = Plugin::load(&engine, snowgate_plugin_bundle::PLUGIN_WASM, &[])
+                .expect("bundled plugin");
+            let mut store = plugin.new_store();
+            take_tick(&mut store);
+            plugin.fence(Action::ForwardWithBody(b"{}".to_vec()), &store)
+        };
+        let answer = fenced(wrap - 1000);
+        assert!(
+            answer.ids_withheld
+                && matches!(&answer.action, Action::Reject(r) if r.status == 503 && r.code == "no_unique_id"),
+            "{answer:?}"
+        );
+        for millis in [wrap - (1 << 16) - 2, wrap] {
+            assert!(let_out(&fenced(millis)), "{millis}");
+        }
     }
 
     #[test]
