@@ -652,20 +652,31 @@ fn unusable<B>(response: &Response<B>) -> Option<String> {
 /// read to the connection's end. hyper refuses a message whose values
 /// disagree, except where it reads no length (a response to HEAD, a 204 or
 /// a 304) and an HTTP/2 request (h2 reads the first field): there the
-/// first value goes on, as hyper or h2 itself takes it.
+/// first value goes on, as hyper or h2 itself takes it. For the same
+/// reason a length that is no number (`abc`, `-1`, `+5`), which only those
+/// let through, is removed: an HTTP/2 client resets a stream that has one.
 fn one_content_length(headers: &mut HeaderMap) {
     let mut values = headers.get_all(header::CONTENT_LENGTH).iter();
     let Some(first) = values.next() else {
         return;
     };
-    if values.next().is_none() && !first.as_bytes().contains(&b',') {
+    let digits = |text: &[u8]| !text.is_empty() && text.iter().all(u8::is_ascii_digit);
+    let length_of = |text: &[u8]| {
+        let text = text.trim_ascii();
+        digits(text)
+            .then(|| std::str::from_utf8(text).ok()?.parse::<u64>().ok())
+            .flatten()
+    };
+    // One plain number, the usual case: as it is.
+    if values.next().is_none() && digits(first.as_bytes()) && length_of(first.as_bytes()).is_some()
+    {
         return;
     }
     let length = first
-        .to_str()
-        .ok()
-        .and_then(|list| list.split(',').next())
-        .and_then(|value| value.trim().parse::<u64>().ok());
+        .as_bytes()
+        .split(|&b| b == b',')
+        .next()
+        .and_then(length_of);
     match length {
         Some(length) => {
             headers.insert(header::CONTENT_LENGTH, length.into());
@@ -740,11 +751,13 @@ fn strip(headers: &mut HeaderMap, request: bool) {
                 name.trim().eq_ignore_ascii_case("trailers")
             });
     let named: Vec<HeaderName> = if present[HOP_BY_HOP_CONNECTION] {
+        // Token by token: a line with a byte no header name has still
+        // names the others on it.
         headers
             .get_all(header::CONNECTION)
             .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
+            .flat_map(|v| v.as_bytes().split(|&b| b == b','))
+            .filter_map(|token| std::str::from_utf8(token).ok())
             .map(str::trim)
             // Those removed below anyway (nginx's `keep-alive`, say) need
             // no name made of their own.
@@ -831,6 +844,12 @@ mod tests {
         assert_eq!(lengths(&["42,42, 42"]), ["42"]);
         assert_eq!(lengths(&["42", "42"]), ["42"]);
         assert_eq!(lengths(&["x, y"]), Vec::<String>::new());
+        // Only a response to HEAD, a 204 or a 304 brings these through
+        // hyper: no number, no length.
+        for bad in ["abc", "-1", "+5", "", "4 2"] {
+            assert_eq!(lengths(&[bad]), Vec::<String>::new(), "{bad:?}");
+        }
+        assert_eq!(lengths(&[" 42 "]), ["42"]);
     }
 
     #[test]
@@ -876,6 +895,12 @@ mod tests {
     fn strips_hop_by_hop_headers_and_those_connection_names() {
         let mut headers = HeaderMap::new();
         headers.insert(header::CONNECTION, "keep-alive, x-secret".parse().unwrap());
+        // A line with a byte no name has still names the others on it.
+        headers.append(
+            header::CONNECTION,
+            header::HeaderValue::from_bytes(b"x-internal, \xe9").unwrap(),
+        );
+        headers.insert("x-internal", "2".parse().unwrap());
         headers.insert("keep-alive", "timeout=5".parse().unwrap());
         headers.insert("x-secret", "1".parse().unwrap());
         headers.insert(header::TRANSFER_ENCODING, "chunked".parse().unwrap());
@@ -919,9 +944,8 @@ mod tests {
         let named: Vec<HeaderName> = headers
             .get_all(header::CONNECTION)
             .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-            .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+            .flat_map(|v| v.as_bytes().split(|&b| b == b','))
+            .filter_map(|name| HeaderName::from_bytes(name.trim_ascii()).ok())
             .filter(|name| !NEVER_CONNECTION_OPTIONS.contains(name))
             .collect();
         for name in named.iter().chain(HOP_BY_HOP.iter()) {

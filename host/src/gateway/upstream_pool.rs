@@ -235,7 +235,11 @@ impl Shared {
         let mut idle = self.lock();
         while let Some(waiting) = idle.connections.pop_back() {
             let connection = waiting.connection;
-            if self.resolver.moved_from(connection.peer) {
+            // Idle for the idle timeout, and not yet closed by the reaper
+            // (its task is late on a busy thread): the upstream may be
+            // closing it now (uvicorn's keep-alive race it exists for).
+            let stale = waiting.since.elapsed() >= self.idle_timeout;
+            if stale || self.resolver.moved_from(connection.peer) {
                 connection.task.abort();
             } else if connection.sender.is_ready() {
                 return Some(connection);
@@ -792,6 +796,26 @@ mod tests {
         assert_eq!(accepted(&seen), 2);
         bounded(seen.closed_one.notified()).await;
         assert_eq!(seen.closed.load(Ordering::SeqCst), 2);
+    }
+
+    /// A connection idle for the idle timeout is not handed out even when
+    /// the reaper that closes it is late (its thread busy): the upstream
+    /// may be closing it at that moment.
+    #[tokio::test]
+    async fn a_connection_idle_past_the_idle_timeout_is_not_reused_if_the_reaper_is_late() {
+        let (addr, seen) = upstream().await;
+        let idle = Duration::from_millis(200);
+        let pool = pool_for(addr, idle);
+        let response = pool.send(get("/fixed")).await.unwrap();
+        read_to_end(response).await;
+        while pool.idle_count() == 0 {
+            tokio::task::yield_now().await;
+        }
+        // This thread runs the reaper: blocked, it is late.
+        std::thread::sleep(idle + Duration::from_millis(100));
+        let response = pool.send(get("/fixed")).await.unwrap();
+        read_to_end(response).await;
+        assert_eq!(accepted(&seen), 2, "the stale connection was reused");
     }
 
     /// New connections take the preferred family's addresses in turn, each
