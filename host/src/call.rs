@@ -757,7 +757,13 @@ fn unique_in(
     layout: snowgate_plugin::SnowflakeLayout,
     taken: Option<TicksTaken>,
 ) -> Result<(), (&'static str, String)> {
-    let Some(taken) = taken else { return Ok(()) };
+    // v1's stamp folds in 2039 too, but onto ids of 1970, which no
+    // gateway made: only v2's can repeat. (The two compositions cost about
+    // 170 instructions, 0.8 % of a reused call at 1 KiB; v1 calls skip
+    // them.)
+    let Some(taken) = taken.filter(|_| layout == snowgate_plugin::SnowflakeLayout::TrtllmV2) else {
+        return Ok(());
+    };
     let last_sequence = layout.sequence_space() - 1;
     for millis in [taken.first.millis, taken.last.millis] {
         layout
