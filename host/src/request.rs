@@ -125,7 +125,8 @@ impl From<HeaderMap> for Headers {
 /// One HTTP request, as a plugin sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Request {
-    /// The method, upper case, e.g. `POST`.
+    /// The method as the client sent it, e.g. `POST` (methods are
+    /// case-sensitive).
     pub method: String,
     /// The path and query, e.g. `/v1/completions?x=1`.
     pub path: String,
