@@ -2503,6 +2503,37 @@ async fn an_upstream_that_cannot_be_connected_to_gets_a_504_after_the_connect_ti
         message.contains("500 ms") && message.contains("--upstream-connect-timeout-ms"),
         "{message}"
     );
+    gateway.stop().await;
+    // A response timeout shorter than the connect timeout runs out first:
+    // the answer says the upstream was never reached, not that it sent no
+    // response.
+    let gateway = Gateway::start(&[
+        "--upstream",
+        &format!("http://{addr}"),
+        "--upstream-connect-timeout-ms",
+        "5000",
+        "--upstream-response-timeout-ms",
+        "300",
+    ])
+    .await;
+    let reply = bounded(
+        "a request to an upstream nobody can connect to",
+        Duration::from_secs(20),
+        get(gateway.addr, "/v1/models"),
+    )
+    .await;
+    assert_eq!(
+        reply.status,
+        StatusCode::GATEWAY_TIMEOUT,
+        "{}",
+        reply.text()
+    );
+    let message = assert_openai_error(&reply.json(), "upstream_timeout", "server_error");
+    assert!(
+        message.contains("could not be connected to within 300 ms")
+            && message.contains("--upstream-connect-timeout-ms is 5000 ms"),
+        "{message}"
+    );
     for filler in fillers {
         filler.abort();
     }

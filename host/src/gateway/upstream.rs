@@ -342,7 +342,11 @@ impl HttpUpstream {
         };
         // Connecting and sending the request body count too: the timeout is
         // for the whole wait for a response head, not for the body after it.
-        let answer = tokio::time::timeout(self.timeouts.response, self.pool.send(request));
+        let connecting = std::sync::atomic::AtomicBool::new(false);
+        let answer = tokio::time::timeout(
+            self.timeouts.response,
+            self.pool.send_telling(request, &connecting),
+        );
         let failure = match answer.await {
             Ok(Ok(response)) => match unusable(&response) {
                 Some(why) => UpstreamFailure::Unusable(why),
@@ -377,6 +381,17 @@ impl HttpUpstream {
                         self.timeouts.response.as_millis()
                     ),
                 );
+            }
+            // The response timeout is shorter than the connect timeout,
+            // and ran out first: the request was never sent.
+            Err(_elapsed) if connecting.load(std::sync::atomic::Ordering::Relaxed) => {
+                UpstreamFailure::TooSlow(format!(
+                    "could not be connected to within {} ms of the request \
+                     (--upstream-response-timeout-ms, which also bounds connecting; \
+                     --upstream-connect-timeout-ms is {} ms)",
+                    self.timeouts.response.as_millis(),
+                    self.timeouts.connect.as_millis()
+                ))
             }
             Err(_elapsed) => UpstreamFailure::TooSlow(format!(
                 "sent no response headers within {} ms of the request (--upstream-response-timeout-ms)",

@@ -24,7 +24,7 @@ use std::collections::VecDeque;
 use std::fmt;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::task::{ready, Context, Poll};
 use std::time::{Duration, Instant};
@@ -177,12 +177,28 @@ impl ConnectionPool {
     /// to the pool when the response body has ended.
     pub async fn send(
         &self,
+        request: Request<RequestBody>,
+    ) -> Result<Response<PooledBody>, SendError> {
+        self.send_telling(request, &AtomicBool::new(false)).await
+    }
+
+    /// [`UpstreamPool::send`], with `connecting` true while it opens a
+    /// connection: a caller that gives up on it (a timeout) can tell the
+    /// upstream that never answered from the one never reached.
+    pub async fn send_telling(
+        &self,
         mut request: Request<RequestBody>,
+        connecting: &AtomicBool,
     ) -> Result<Response<PooledBody>, SendError> {
         loop {
             let (connection, reused) = match self.shared.checkout() {
                 Some(connection) => (connection, true),
-                None => (self.shared.connect().await?, false),
+                None => {
+                    connecting.store(true, Ordering::Relaxed);
+                    let opened = self.shared.connect().await;
+                    connecting.store(false, Ordering::Relaxed);
+                    (opened?, false)
+                }
             };
             let Connection {
                 mut sender,
