@@ -306,8 +306,10 @@ impl Shared {
     /// when it is ready for the next request; when it is not yet (the
     /// upstream answered before it took the whole request body), once it
     /// is, within the idle timeout, and closed if it is not by then; not at
-    /// all when it is closed.
-    fn put(self: &Arc<Self>, connection: Connection) {
+    /// all when it is closed. The request's `turn` is held until then: a
+    /// connection still sending is in use (`--max-upstream-requests`
+    /// bounds the connections in use too).
+    fn put(self: &Arc<Self>, connection: Connection, turn: Option<Turn>) {
         if connection.sender.is_ready() {
             self.put_ready(connection);
         } else if !connection.sender.is_closed() {
@@ -327,6 +329,7 @@ impl Shared {
                     Ok(Err(_closed)) => {}
                     Err(_still_sending) => task.abort(),
                 }
+                drop(turn);
             });
         }
     }
@@ -470,10 +473,10 @@ impl PooledBody {
     }
 
     fn ended(&mut self) {
+        let turn = self.turn.take();
         if let Some(GiveBack { pool, connection }) = self.give_back.take() {
-            pool.put(connection);
+            pool.put(connection, turn);
         }
-        self.turn = None;
     }
 
     /// Closes the connection of a body that will not end.
@@ -899,11 +902,14 @@ mod tests {
                 // Given back while the request waits for its answer.
                 tokio::task::yield_now().await;
                 assert!(!sender.is_ready() && !sender.is_closed());
-                pool.shared.put(Connection {
-                    sender,
-                    task,
-                    peer: addr,
-                });
+                pool.shared.put(
+                    Connection {
+                        sender,
+                        task,
+                        peer: addr,
+                    },
+                    None,
+                );
                 assert_eq!(pool.idle_count(), 0);
                 answer.await
             },
@@ -1011,6 +1017,37 @@ mod tests {
         );
         bounded(read_until_closed(connection)).await;
         assert_eq!(pool.idle_count(), 0);
+    }
+
+    /// A connection still sending its request body after the response
+    /// ended is in use: its request's turn (`--max-upstream-requests`) is
+    /// held until the connection is closed, not given to the next request
+    /// while the first still writes.
+    #[tokio::test]
+    async fn a_connection_still_sending_holds_its_requests_turn() {
+        let (addr, mut connections) = deaf_upstream(true).await;
+        let idle = Duration::from_millis(300);
+        let pool = pool_for(addr, idle);
+        let turns = crate::gateway::upstream_turns::UpstreamTurns::new(
+            1,
+            &crate::gateway::metrics::Metrics::default(),
+        );
+        let turn = turns.take(Duration::ZERO).await.expect("the one turn");
+        let (request, more) = endless_post();
+        let response = pool
+            .send(request)
+            .await
+            .unwrap()
+            .map(|body| body.holding(Some(turn)));
+        assert_eq!(read_to_end(response).await, "ok");
+        let _connection = connections.recv().await.unwrap();
+        assert!(
+            turns.take(Duration::from_millis(50)).await.is_none(),
+            "the turn was given while its connection still sent the request body"
+        );
+        // Closed at the idle timeout: the turn comes back.
+        bounded(more.closed()).await;
+        assert!(bounded(turns.take(Duration::from_secs(5))).await.is_some());
     }
 
     /// A connection to an in-memory peer, its task spawned on this
