@@ -208,6 +208,12 @@ impl ConnectionPool {
             // Until the response head arrives, dropping this future (the
             // response timeout, a client gone) closes the connection.
             let abandoned = CloseOnDrop(Some(task));
+            // What to send again, on a new connection, if this reused one
+            // turns out closed by the upstream after the request was
+            // written and before any answer (its keep-alive ended as the
+            // request went out): a bodiless GET, HEAD or OPTIONS, which
+            // cannot have done anything twice. nginx does the same.
+            let again = reused.then(|| resendable(&request)).flatten();
             match sender.try_send_request(request).await {
                 Ok(response) => {
                     let back = GiveBack {
@@ -220,10 +226,13 @@ impl ConnectionPool {
                     };
                     return Ok(response.map(|body| PooledBody::new(body, back)));
                 }
-                Err(mut failed) => match failed.take_message() {
+                Err(mut failed) => match (failed.take_message(), again) {
                     // Never written: the connection closed while idle. A new
                     // connection that fails so is not tried again.
-                    Some(unsent) if reused => request = unsent,
+                    (Some(unsent), _) if reused => request = unsent,
+                    (None, Some(again)) if failed.error().is_incomplete_message() => {
+                        request = again;
+                    }
                     _ => return Err(SendError::Request(failed.into_error())),
                 },
             }
@@ -234,6 +243,29 @@ impl ConnectionPool {
     pub fn idle_count(&self) -> usize {
         self.shared.lock().connections.len()
     }
+}
+
+/// A copy of `request` to send again, if it is a GET, HEAD or OPTIONS with
+/// no body (see [`UpstreamPool::send_telling`]).
+fn resendable(request: &Request<RequestBody>) -> Option<Request<RequestBody>> {
+    use http_body_util::BodyExt as _;
+    let idempotent = matches!(
+        *request.method(),
+        http::Method::GET | http::Method::HEAD | http::Method::OPTIONS
+    );
+    if !idempotent || !request.body().is_end_stream() {
+        return None;
+    }
+    let mut again = Request::new(
+        http_body_util::Empty::new()
+            .map_err(|never| match never {})
+            .boxed(),
+    );
+    *again.method_mut() = request.method().clone();
+    *again.uri_mut() = request.uri().clone();
+    *again.version_mut() = request.version();
+    *again.headers_mut() = request.headers().clone();
+    Some(again)
 }
 
 impl Shared {
@@ -887,6 +919,58 @@ mod tests {
         let response = pool.send(get("/fixed")).await.unwrap();
         assert_eq!(read_to_end(response).await, "ok");
         assert_eq!(accepted(&seen), 1);
+    }
+
+    /// A reused connection the upstream closes after the request is
+    /// written and before any answer (its keep-alive ended as the request
+    /// went out): a bodiless GET goes again on a new connection, as nginx
+    /// sends it; a POST does not, as it may have been acted on.
+    #[tokio::test]
+    async fn a_get_a_reused_connection_lost_after_writing_it_goes_again_and_a_post_does_not() {
+        use tokio::io::AsyncReadExt as _;
+        let (addr, seen) = upstream().await;
+        let pool = pool_for(addr, Duration::from_secs(60));
+        // A connection to an in-memory peer that answers once, then reads
+        // the next request's head and hangs up.
+        let lost_after_writing = |request: Request<RequestBody>| {
+            let pool = &pool;
+            async move {
+                let (mut sender, task, mut far) = in_memory_connection().await;
+                let (response, ()) =
+                    tokio::join!(sender.send_request(get("/fixed")), answer_as_peer(&mut far));
+                let body = response.unwrap().into_body().collect().await.unwrap();
+                assert_eq!(body.to_bytes(), "peer");
+                sender.ready().await.unwrap();
+                pool.shared.put_ready(Connection {
+                    sender,
+                    task,
+                    peer: addr,
+                });
+                let hang_up = async move {
+                    let mut head = Vec::new();
+                    while !head.ends_with(b"\r\n\r\n") {
+                        head.push(far.read_u8().await.unwrap());
+                    }
+                    drop(far);
+                };
+                let (sent, ()) = tokio::join!(pool.send(request), hang_up);
+                sent
+            }
+        };
+        let response = lost_after_writing(get("/fixed")).await.expect("sent again");
+        assert_eq!(read_to_end(response).await, "ok");
+        assert_eq!(accepted(&seen), 1);
+        let post = Request::post("/fixed")
+            .header(http::header::HOST, "upstream.test")
+            .body(Empty::new().map_err(|never| match never {}).boxed())
+            .unwrap();
+        let failed = lost_after_writing(post).await;
+        assert!(
+            matches!(failed, Err(SendError::Request(_))),
+            "{:?}",
+            failed.map(|response| response.status())
+        );
+        assert_eq!(accepted(&seen), 1, "the POST was sent again");
     }
 
     /// A connection given back before it is ready for another request
