@@ -345,15 +345,12 @@ impl HttpUpstream {
         let connecting = std::sync::atomic::AtomicBool::new(false);
         let answer = tokio::time::timeout(
             self.timeouts.response,
-            self.pool.send_telling(request, &connecting),
+            self.pool.send_telling(request, &connecting, turn),
         );
         let failure = match answer.await {
             Ok(Ok(response)) => match unusable(&response) {
                 Some(why) => UpstreamFailure::Unusable(why),
-                None => {
-                    let response = response.map(|body| body.holding(turn));
-                    return self.pass_on(response, client_takes_trailers, path);
-                }
+                None => return self.pass_on(response, client_takes_trailers, path),
             },
             Ok(Err(e)) => {
                 // The request body is the client's: when reading it failed,

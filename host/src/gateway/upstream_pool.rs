@@ -179,22 +179,34 @@ impl ConnectionPool {
         &self,
         request: Request<RequestBody>,
     ) -> Result<Response<PooledBody>, SendError> {
-        self.send_telling(request, &AtomicBool::new(false)).await
+        self.send_telling(request, &AtomicBool::new(false), None)
+            .await
     }
 
     /// [`UpstreamPool::send`], with `connecting` true while it opens a
-    /// connection: a caller that gives up on it (a timeout) can tell the
-    /// upstream that never answered from the one never reached.
+    /// connection for a request not yet written: a caller that gives up on
+    /// it (a timeout) can tell the upstream that never answered from the
+    /// one never reached. The response's body holds `turn` (see
+    /// [`PooledBody`]).
     pub async fn send_telling(
         &self,
         mut request: Request<RequestBody>,
         connecting: &AtomicBool,
+        turn: Option<Turn>,
     ) -> Result<Response<PooledBody>, SendError> {
+        // Once a request was written and lost with a reused connection, it
+        // goes once more on a new one, and no more.
+        let mut lost_once = false;
         loop {
-            let (connection, reused) = match self.shared.checkout() {
+            let idle = if lost_once {
+                None
+            } else {
+                self.shared.checkout()
+            };
+            let (connection, reused) = match idle {
                 Some(connection) => (connection, true),
                 None => {
-                    connecting.store(true, Ordering::Relaxed);
+                    connecting.store(!lost_once, Ordering::Relaxed);
                     let opened = self.shared.connect().await;
                     connecting.store(false, Ordering::Relaxed);
                     (opened?, false)
@@ -224,14 +236,15 @@ impl ConnectionPool {
                             peer,
                         },
                     };
-                    return Ok(response.map(|body| PooledBody::new(body, back)));
+                    return Ok(response.map(|body| PooledBody::new(body, back, turn)));
                 }
                 Err(mut failed) => match (failed.take_message(), again) {
                     // Never written: the connection closed while idle. A new
                     // connection that fails so is not tried again.
                     (Some(unsent), _) if reused => request = unsent,
-                    (None, Some(again)) if failed.error().is_incomplete_message() => {
+                    (None, Some(again)) if lost_unanswered(failed.error()) => {
                         request = again;
+                        lost_once = true;
                     }
                     _ => return Err(SendError::Request(failed.into_error())),
                 },
@@ -243,6 +256,27 @@ impl ConnectionPool {
     pub fn idle_count(&self) -> usize {
         self.shared.lock().connections.len()
     }
+}
+
+/// Whether a written request's connection ended before any answer: closed
+/// (an incomplete message), reset, or broken, as an upstream that closes
+/// with the request unread does.
+fn lost_unanswered(error: &hyper::Error) -> bool {
+    use std::io::ErrorKind;
+    if error.is_incomplete_message() {
+        return true;
+    }
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(error);
+    while let Some(error) = cause {
+        if let Some(io) = error.downcast_ref::<std::io::Error>() {
+            return matches!(
+                io.kind(),
+                ErrorKind::ConnectionReset | ErrorKind::ConnectionAborted | ErrorKind::BrokenPipe
+            );
+        }
+        cause = error.source();
+    }
+    false
 }
 
 /// A copy of `request` to send again, if it is a GET, HEAD or OPTIONS with
@@ -474,17 +508,18 @@ struct GiveBack {
 pub struct PooledBody {
     body: Incoming,
     give_back: Option<GiveBack>,
-    /// The request's turn, if turns bound requests in flight (see
-    /// [`PooledBody::holding`]).
+    /// The request's turn, if turns bound requests in flight: held until
+    /// the body has ended and its connection is ready again (or closed),
+    /// or the body has gone.
     turn: Option<Turn>,
 }
 
 impl PooledBody {
-    fn new(body: Incoming, give_back: GiveBack) -> PooledBody {
+    fn new(body: Incoming, give_back: GiveBack, turn: Option<Turn>) -> PooledBody {
         let mut pooled = PooledBody {
             body,
             give_back: Some(give_back),
-            turn: None,
+            turn,
         };
         // A response without a body (HEAD, 204, `Content-Length: 0`) may
         // never be polled.
@@ -492,16 +527,6 @@ impl PooledBody {
             pooled.ended();
         }
         pooled
-    }
-
-    /// This body, holding `turn` until it has ended or gone: the request
-    /// is in flight until then.
-    pub fn holding(mut self, turn: Option<Turn>) -> PooledBody {
-        // A body that has ended already gave its connection back.
-        if self.give_back.is_some() {
-            self.turn = turn;
-        }
-        self
     }
 
     fn ended(&mut self) {
@@ -973,6 +998,87 @@ mod tests {
         assert_eq!(accepted(&seen), 1, "the POST was sent again");
     }
 
+    /// The GET goes once more, on a new connection: not on another idle
+    /// one, which may be as stale (an upstream restarted under several).
+    /// And a peer that resets the connection with the request unread
+    /// (closing with unread data sends RST, not FIN) loses it as surely.
+    #[tokio::test]
+    async fn a_lost_get_goes_again_once_on_a_new_connection_after_a_close_or_a_reset() {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        async fn read_head(far: &mut TcpStream) {
+            let mut head = Vec::new();
+            while !head.ends_with(b"\r\n\r\n") {
+                head.push(far.read_u8().await.unwrap());
+            }
+        }
+        let (addr, seen) = upstream().await;
+        let pool = pool_for(addr, Duration::from_secs(60));
+        // A TCP peer that answers once, then reads the next request's head
+        // and resets (`reset`) or closes; whether it read that head.
+        let peer = |reset: bool| async move {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let near = TcpStream::connect(listener.local_addr().unwrap())
+                .await
+                .unwrap();
+            let (mut far, _) = listener.accept().await.unwrap();
+            let (mut sender, connection) = http1::handshake(TokioIo::new(near)).await.unwrap();
+            let task = tokio::spawn(connection).abort_handle();
+            let answer = async {
+                read_head(&mut far).await;
+                far.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\npeer")
+                    .await
+                    .unwrap();
+            };
+            let (response, ()) = tokio::join!(sender.send_request(get("/fixed")), answer);
+            let body = response.unwrap().into_body().collect().await.unwrap();
+            assert_eq!(body.to_bytes(), "peer");
+            sender.ready().await.unwrap();
+            let read = Arc::new(AtomicBool::new(false));
+            let told = read.clone();
+            tokio::spawn(async move {
+                read_head(&mut far).await;
+                told.store(true, Ordering::SeqCst);
+                if reset {
+                    // Deprecated for lingers that block on drop; a zero
+                    // one resets at once.
+                    #[allow(deprecated)]
+                    far.set_linger(Some(Duration::ZERO)).unwrap();
+                }
+                drop(far);
+            });
+            (
+                Connection {
+                    sender,
+                    task,
+                    peer: addr,
+                },
+                read,
+            )
+        };
+        for reset in [false, true] {
+            let (older, older_read) = peer(reset).await;
+            let (newer, newer_read) = peer(reset).await;
+            pool.shared.put_ready(older);
+            pool.shared.put_ready(newer);
+            let before = accepted(&seen);
+            let response = pool.send(get("/fixed")).await.expect("sent again");
+            assert_eq!(read_to_end(response).await, "ok");
+            assert!(
+                newer_read.load(Ordering::SeqCst),
+                "the newest idle one first"
+            );
+            assert!(
+                !older_read.load(Ordering::SeqCst),
+                "sent again on another idle connection (reset: {reset})"
+            );
+            assert_eq!(accepted(&seen), before + 1, "on a new connection");
+            // The older one is still there; let it go.
+            while let Some(idle) = pool.shared.checkout() {
+                idle.task.abort();
+            }
+        }
+    }
+
     /// A connection given back before it is ready for another request
     /// (its exchange still under way) joins the pool once it is.
     #[tokio::test]
@@ -1018,21 +1124,26 @@ mod tests {
     /// (with `answer`) reads one request head and answers `200 ok` without
     /// reading the body; each accepted connection is sent on the channel.
     async fn deaf_upstream(answer: bool) -> (SocketAddr, mpsc::UnboundedReceiver<TcpStream>) {
+        deaf_upstream_replying(answer.then_some(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"))
+            .await
+    }
+
+    /// [`deaf_upstream`], answering `reply` (if any) to each request head.
+    async fn deaf_upstream_replying(
+        reply: Option<&'static [u8]>,
+    ) -> (SocketAddr, mpsc::UnboundedReceiver<TcpStream>) {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (accepted, connections) = mpsc::unbounded_channel();
         tokio::spawn(async move {
             while let Ok((mut stream, _)) = listener.accept().await {
-                if answer {
+                if let Some(reply) = reply {
                     let mut head = Vec::new();
                     while !head.ends_with(b"\r\n\r\n") {
                         head.push(stream.read_u8().await.unwrap());
                     }
-                    stream
-                        .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
-                        .await
-                        .unwrap();
+                    stream.write_all(reply).await.unwrap();
                 }
                 let _ = accepted.send(stream);
             }
@@ -1106,32 +1217,43 @@ mod tests {
     /// A connection still sending its request body after the response
     /// ended is in use: its request's turn (`--max-upstream-requests`) is
     /// held until the connection is closed, not given to the next request
-    /// while the first still writes.
+    /// while the first still writes; so too after an answer with no body
+    /// (a 413 with `content-length: 0`), which ends as it comes.
     #[tokio::test]
     async fn a_connection_still_sending_holds_its_requests_turn() {
-        let (addr, mut connections) = deaf_upstream(true).await;
-        let idle = Duration::from_millis(300);
-        let pool = pool_for(addr, idle);
-        let turns = crate::gateway::upstream_turns::UpstreamTurns::new(
-            1,
-            &crate::gateway::metrics::Metrics::default(),
-        );
-        let turn = turns.take(Duration::ZERO).await.expect("the one turn");
-        let (request, more) = endless_post();
-        let response = pool
-            .send(request)
-            .await
-            .unwrap()
-            .map(|body| body.holding(Some(turn)));
-        assert_eq!(read_to_end(response).await, "ok");
-        let _connection = connections.recv().await.unwrap();
-        assert!(
-            turns.take(Duration::from_millis(50)).await.is_none(),
-            "the turn was given while its connection still sent the request body"
-        );
-        // Closed at the idle timeout: the turn comes back.
-        bounded(more.closed()).await;
-        assert!(bounded(turns.take(Duration::from_secs(5))).await.is_some());
+        for (reply, body) in [
+            (
+                &b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"[..],
+                &b"ok"[..],
+            ),
+            (
+                b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 0\r\n\r\n",
+                b"",
+            ),
+        ] {
+            let (addr, mut connections) = deaf_upstream_replying(Some(reply)).await;
+            let idle = Duration::from_millis(300);
+            let pool = pool_for(addr, idle);
+            let turns = crate::gateway::upstream_turns::UpstreamTurns::new(
+                1,
+                &crate::gateway::metrics::Metrics::default(),
+            );
+            let turn = turns.take(Duration::ZERO).await.expect("the one turn");
+            let (request, more) = endless_post();
+            let response = pool
+                .send_telling(request, &AtomicBool::new(false), Some(turn))
+                .await
+                .unwrap();
+            assert_eq!(read_to_end(response).await, body);
+            let _connection = connections.recv().await.unwrap();
+            assert!(
+                turns.take(Duration::from_millis(50)).await.is_none(),
+                "the turn was given while its connection still sent the request body"
+            );
+            // Closed at the idle timeout: the turn comes back.
+            bounded(more.closed()).await;
+            assert!(bounded(turns.take(Duration::from_secs(5))).await.is_some());
+        }
     }
 
     /// A connection to an in-memory peer, its task spawned on this
