@@ -16,9 +16,7 @@ use crate::call_clock::{excluding_waits, CallClock};
 use crate::clock::TicksTaken;
 use crate::engine::EPOCH_TICK;
 use crate::header_edits::HeaderEdits;
-#[cfg(doc)]
-use crate::identity::MachineIdentity;
-use crate::identity::GRANT_CHANGED;
+use crate::identity::{MachineIdentity, GRANT_CHANGED};
 use crate::limits::PluginLimits;
 use crate::log_throttle::LogThrottle;
 use crate::plugin::Plugin;
@@ -655,7 +653,7 @@ impl Plugin {
                     issued.taken.map_or(0, |taken| taken.last.millis),
                 )
                 .map_err(|reason| ("no_machine_id", reason))
-                .and_then(|()| unique_in(identity.layout(), issued.taken))
+                .and_then(|()| unique_in(identity, issued.taken))
         };
         match confirmed {
             Ok(()) => let_out(action),
@@ -746,31 +744,44 @@ fn plugin_error(message: String) -> CallError {
     CallError::PluginError(plugin_text(message, MAX_PLUGIN_TEXT))
 }
 
-/// Whether ids of the ticks `taken` are unique in `layout`: a trtllm-v2
-/// id of the last 2^16 ms before its 39-bit stamp wraps (first in 2039)
-/// equals one of the wrap's first 2^16 ms, however the plugin made it. The
-/// bundled plugin refuses to make one (503 `no_unique_id`); a plugin that
-/// packs ids as TensorRT-LLM's formula does, without that check, is held
-/// to it here. Checked for the call's first and last tick, as for any
-/// machine id and sequence (see `HostServices::ids_may_leave_now`).
+/// Whether ids of the ticks `taken` with `identity`'s machine id are
+/// unique in its layout: a trtllm-v2 id of the last 2^16 ms before its 39-bit stamp
+/// wraps (next on 2039-09-07) equals one of the wrap's first 2^16 ms,
+/// however the plugin made it. The bundled plugin refuses to make one (503
+/// `no_unique_id`); a plugin that packs ids as TensorRT-LLM's formula does,
+/// without that check, is held to it here. Within one period an id's
+/// composition grows with its tick, so the call's last tick (the highest
+/// sequence of its millisecond) tells for all; ticks that pass a wrap
+/// (a long call, a wall clock stepped) may have folded in between.
 fn unique_in(
-    layout: snowgate_plugin::SnowflakeLayout,
+    identity: &MachineIdentity,
     taken: Option<TicksTaken>,
 ) -> Result<(), (&'static str, String)> {
     // v1's stamp folds in 2039 too, but onto ids of 1970, which no
-    // gateway made: only v2's can repeat. (The two compositions cost about
-    // 170 instructions, 0.8 % of a reused call at 1 KiB; v1 calls skip
-    // them.)
+    // gateway made: only v2's can repeat. (The check costs a composition,
+    // and v1 calls skip it.)
+    let layout = identity.layout();
     let Some(taken) = taken.filter(|_| layout == snowgate_plugin::SnowflakeLayout::TrtllmV2) else {
         return Ok(());
     };
-    let last_sequence = layout.sequence_space() - 1;
-    for millis in [taken.first.millis, taken.last.millis] {
-        layout
-            .compose_unique(millis, layout.max_machine_id(), last_sequence)
-            .map_err(|e| ("no_unique_id", e.to_string()))?;
+    let machine_id = identity
+        .current()
+        .map_or(layout.max_machine_id(), |id| id.value);
+    let period = 1u64 << 39;
+    let (first, last) = (taken.first.millis, taken.last.millis);
+    if last - first >= period || last % period < first % period {
+        return Err((
+            "no_unique_id",
+            format!(
+                "the call's ids span the {layout} timestamp's wrap (milliseconds {first} to \
+                 {last}), where ids of the minute before it equal ids of the minute after"
+            ),
+        ));
     }
-    Ok(())
+    layout
+        .compose_unique(last, machine_id, taken.last.sequence)
+        .map(drop)
+        .map_err(|e| ("no_unique_id", e.to_string()))
 }
 
 #[cfg(test)]
@@ -782,7 +793,6 @@ mod tests {
     use super::*;
     use crate::clock::{FixedClock, IdClock};
     use crate::engine::{HostServices, PluginEngine};
-    use crate::identity::MachineIdentity;
     use crate::limits::PluginLimits;
 
     fn plugin(limits: PluginLimits) -> Plugin {
@@ -1058,29 +1068,48 @@ mod tests {
     #[test]
     fn v2_ids_of_the_minute_before_the_stamp_wraps_are_withheld() {
         let wrap = 4u64 << 39;
-        let fenced = |millis: u64| {
+        // Compiled once: each case's engine reads the build from here.
+        let cache = std::env::temp_dir().join(format!("snowgate-v2-fold-{}", std::process::id()));
+        // A call that takes a tick at each of `millis` (the wall clock
+        // moved on between them).
+        let fenced = |millis: &[u64]| {
+            let (clock, wall) = crate::clock::tests::hand_clock(millis[0]);
             let services = HostServices {
-                clock: Arc::new(IdClock::new(FixedClock(millis))),
+                clock: Arc::new(clock),
                 identity: Arc::new(
                     MachineIdentity::fixed(SnowflakeLayout::TrtllmV2, 3).expect("in range"),
                 ),
             };
-            let engine = PluginEngine::new(services, PluginLimits::default()).expect("engine");
+            let engine = PluginEngine::new(services, PluginLimits::default())
+                .expect("engine")
+                .with_compile_cache(crate::CompileCache::open(&cache).expect("a cache"));
             let plugin = Plugin::load(&engine, snowgate_plugin_bundle::PLUGIN_WASM, &[])
                 .expect("bundled plugin");
+            plugin.keep_compiled();
             let mut store = plugin.new_store();
-            take_tick(&mut store);
+            for &at in millis {
+                wall.store(at, std::sync::atomic::Ordering::SeqCst);
+                take_tick(&mut store);
+            }
             plugin.fence(Action::ForwardWithBody(b"{}".to_vec()), &store)
         };
-        let answer = fenced(wrap - 1000);
-        assert!(
+        let no_unique_id = |answer: &Fenced| {
             answer.ids_withheld
-                && matches!(&answer.action, Action::Reject(r) if r.status == 503 && r.code == "no_unique_id"),
-            "{answer:?}"
-        );
-        for millis in [wrap - (1 << 16) - 2, wrap] {
-            assert!(let_out(&fenced(millis)), "{millis}");
+                && matches!(&answer.action, Action::Reject(r) if r.status == 503 && r.code == "no_unique_id")
+        };
+        let answer = fenced(&[wrap - 1000]);
+        assert!(no_unique_id(&answer), "{answer:?}");
+        // Ticks on both sides of the minute, and of the wrap.
+        let answer = fenced(&[wrap - 70_000, wrap - 1000, wrap + 10]);
+        assert!(no_unique_id(&answer), "{answer:?}");
+        let answer = fenced(&[wrap - 70_000, wrap + 10]);
+        assert!(no_unique_id(&answer), "{answer:?}");
+        // The minute's exact edge, for machine 3 (not one millisecond more,
+        // as for the largest machine id), and the wrap itself.
+        for millis in [wrap - (1 << 16) - 1, wrap, wrap + 70_000] {
+            assert!(let_out(&fenced(&[millis])), "{millis}");
         }
+        let _ = std::fs::remove_dir_all(&cache);
     }
 
     #[test]
