@@ -2477,58 +2477,46 @@ async fn an_upstream_that_cannot_be_connected_to_gets_a_504_after_the_connect_ti
     for _ in 0..2 {
         fillers.push(tokio::spawn(tokio::net::TcpStream::connect(addr)));
     }
-    let gateway = Gateway::start(&[
-        "--upstream",
-        &format!("http://{addr}"),
-        "--upstream-connect-timeout-ms",
-        "500",
-    ])
-    .await;
-    let started = Instant::now();
-    let reply = bounded(
-        "a request to an upstream nobody can connect to",
-        Duration::from_secs(20),
-        get(gateway.addr, "/v1/models"),
-    )
-    .await;
-    assert!(started.elapsed() >= Duration::from_millis(500));
-    assert_eq!(
-        reply.status,
-        StatusCode::GATEWAY_TIMEOUT,
-        "{}",
-        reply.text()
-    );
-    let message = assert_openai_error(&reply.json(), "upstream_timeout", "server_error");
+    // The 504's message, from a gateway with `timeouts`, and how long it
+    // took.
+    let timed_out = |timeouts: &'static [&'static str]| async move {
+        let upstream = format!("http://{addr}");
+        let gateway =
+            Gateway::start(&[&["--upstream", upstream.as_str()][..], timeouts].concat()).await;
+        let started = Instant::now();
+        let reply = bounded(
+            "a request to an upstream nobody can connect to",
+            Duration::from_secs(20),
+            get(gateway.addr, "/v1/models"),
+        )
+        .await;
+        let took = started.elapsed();
+        assert_eq!(
+            reply.status,
+            StatusCode::GATEWAY_TIMEOUT,
+            "{}",
+            reply.text()
+        );
+        let message = assert_openai_error(&reply.json(), "upstream_timeout", "server_error");
+        gateway.stop().await;
+        (message, took)
+    };
+    let (message, took) = timed_out(&["--upstream-connect-timeout-ms", "500"]).await;
+    assert!(took >= Duration::from_millis(500));
     assert!(
         message.contains("500 ms") && message.contains("--upstream-connect-timeout-ms"),
         "{message}"
     );
-    gateway.stop().await;
     // A response timeout shorter than the connect timeout runs out first:
     // the answer says the upstream was never reached, not that it sent no
     // response.
-    let gateway = Gateway::start(&[
-        "--upstream",
-        &format!("http://{addr}"),
+    let (message, _) = timed_out(&[
         "--upstream-connect-timeout-ms",
         "5000",
         "--upstream-response-timeout-ms",
         "300",
     ])
     .await;
-    let reply = bounded(
-        "a request to an upstream nobody can connect to",
-        Duration::from_secs(20),
-        get(gateway.addr, "/v1/models"),
-    )
-    .await;
-    assert_eq!(
-        reply.status,
-        StatusCode::GATEWAY_TIMEOUT,
-        "{}",
-        reply.text()
-    );
-    let message = assert_openai_error(&reply.json(), "upstream_timeout", "server_error");
     assert!(
         message.contains("could not be connected to within 300 ms")
             && message.contains("--upstream-connect-timeout-ms is 5000 ms"),
