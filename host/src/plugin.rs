@@ -11,7 +11,7 @@ use wasmtime::error::Context as _;
 
 use crate::bindings::exports::snowgate::middleware::handler::Setting;
 use crate::bindings::MiddlewarePre;
-use crate::compile_cache::{is_over_the_limits, Compiled};
+use crate::compile_cache::{is_over_the_limits, CompileCache, Compiled};
 use crate::compile_process::CompileFailure;
 use crate::engine::PluginEngine;
 use crate::state::HostState;
@@ -210,13 +210,27 @@ impl Plugin {
     /// serve are kept (the gateway calls it once the build serves, after
     /// its self-check, on a thread of its own). It blocks for the write.
     pub fn keep_compiled(&self) {
-        if let (Some(cache), Compiled::Now) = (&self.engine.compile_cache, self.info.compiled) {
+        if let Some(cache) = self.cache_to_keep_in() {
             cache.store(
                 &self.engine.engine,
                 &self.info.sha256,
                 self.pre_async.component(),
             );
         }
+    }
+
+    /// Whether [`Plugin::keep_compiled`] has a build to keep: the engine
+    /// has a compile cache, and the build was compiled at load, not read
+    /// from it.
+    pub fn has_build_to_keep(&self) -> bool {
+        self.cache_to_keep_in().is_some()
+    }
+
+    /// The compile cache this plugin's build is to be kept in, if any (see
+    /// [`Plugin::has_build_to_keep`]).
+    fn cache_to_keep_in(&self) -> Option<&CompileCache> {
+        let cache = self.engine.compile_cache.as_deref()?;
+        (self.info.compiled == Compiled::Now).then_some(cache)
     }
 
     /// Instantiates once, asks for name and version, and hands over the

@@ -12,7 +12,6 @@ use snowgate_plugin::SnowflakeLayout;
 use crate::bindings::exports::snowgate::middleware::handler::{Action, Rejection};
 use crate::call::{CallError, Fenced};
 use crate::clock::{Tick, TicksTaken};
-use crate::compile_cache::Compiled;
 use crate::compile_process::CompileFailure;
 use crate::engine::PluginEngine;
 use crate::gateway::metrics::Metrics;
@@ -127,8 +126,9 @@ pub struct PluginSlot {
     /// `true` once the gateway begins to stop: no reload starts after it,
     /// and callers waiting for one are answered then.
     reloads_over: tokio::sync::watch::Sender<bool>,
-    /// How many compile cache writes are under way.
-    stores: Arc<tokio::sync::watch::Sender<usize>>,
+    /// Whether a compile cache write is under way (one at a time, see
+    /// [`StoreUnderWay`]).
+    stores: Arc<tokio::sync::watch::Sender<bool>>,
 }
 
 impl PluginSlot {
@@ -163,9 +163,10 @@ impl PluginSlot {
             queued: Mutex::new(None),
             self_checks: Arc::new(tokio::sync::Mutex::new(false)),
             reloads_over: tokio::sync::watch::Sender::new(false),
-            stores: Arc::new(tokio::sync::watch::Sender::new(0)),
+            stores: Arc::new(tokio::sync::watch::Sender::new(false)),
         };
-        let store = needs_storing(&plugin)
+        let store = plugin
+            .has_build_to_keep()
             .then(|| StoreUnderWay::try_begin(&slot.stores))
             .flatten();
         keep_compiled_meanwhile(plugin, store);
@@ -174,7 +175,7 @@ impl PluginSlot {
 
     /// Whether a compile cache write is under way.
     pub fn storing(&self) -> bool {
-        *self.stores.borrow() > 0
+        *self.stores.borrow()
     }
 
     /// Waits, at most `within`, for the compile cache write under way to
@@ -182,7 +183,7 @@ impl PluginSlot {
     /// did (or none was under way).
     pub async fn stores_done(&self, within: std::time::Duration) -> bool {
         let mut stores = self.stores.subscribe();
-        let done = tokio::time::timeout(within, stores.wait_for(|n| *n == 0)).await;
+        let done = tokio::time::timeout(within, stores.wait_for(|storing| !*storing)).await;
         done.is_ok()
     }
 
@@ -509,12 +510,6 @@ pub fn load_checked(
 /// the compile cache, where it has one.
 type Loaded = (Plugin, Option<StoreUnderWay>);
 
-/// Whether `plugin`'s build is one to keep in the compile cache: the
-/// engine has one, and the build was compiled, not read from it.
-fn needs_storing(plugin: &Plugin) -> bool {
-    plugin.engine().compile_cache.is_some() && plugin.info().compiled == Compiled::Now
-}
-
 /// Keeps `plugin`'s build in the compile cache, given its turn (`store`),
 /// on a thread of its own: only a build that passed its check and serves
 /// is kept, and its swap does not wait for the write (hundreds of MB,
@@ -591,7 +586,7 @@ fn load_gated(
     settings: &[(String, String)],
     gates: Option<(
         &tokio::sync::Mutex<bool>,
-        &Arc<tokio::sync::watch::Sender<usize>>,
+        &Arc<tokio::sync::watch::Sender<bool>>,
     )>,
 ) -> anyhow::Result<Loaded> {
     let plugin = Plugin::load(engine, bytes, settings)?;
@@ -640,7 +635,7 @@ fn load_gated(
     // Its turn to be stored is taken while the gate is held: a stop that
     // closes the gate after it waits for the store too.
     let store = match gates {
-        Some((_, stores)) if needs_storing(&plugin) => {
+        Some((_, stores)) if plugin.has_build_to_keep() => {
             let turn = StoreUnderWay::try_begin(stores);
             if turn.is_none() {
                 tracing::info!("the new build is not stored in the compile cache: a write to it is still under way (a slow volume?); it is stored when it is next compiled");
@@ -657,25 +652,19 @@ fn load_gated(
 /// [`PluginSlot::stores_done`]), from before its build's swap to the
 /// write's end. One at a time: on a volume that hangs, each reload would
 /// otherwise leave a thread, and a build in memory, waiting for ever.
-struct StoreUnderWay(Arc<tokio::sync::watch::Sender<usize>>);
+struct StoreUnderWay(Arc<tokio::sync::watch::Sender<bool>>);
 
 impl StoreUnderWay {
     /// The turn to store, unless a write is under way.
-    fn try_begin(stores: &Arc<tokio::sync::watch::Sender<usize>>) -> Option<StoreUnderWay> {
-        let began = stores.send_if_modified(|n| {
-            let free = *n == 0;
-            if free {
-                *n = 1;
-            }
-            free
-        });
+    fn try_begin(stores: &Arc<tokio::sync::watch::Sender<bool>>) -> Option<StoreUnderWay> {
+        let began = stores.send_if_modified(|storing| !std::mem::replace(storing, true));
         began.then(|| StoreUnderWay(stores.clone()))
     }
 }
 
 impl Drop for StoreUnderWay {
     fn drop(&mut self) {
-        self.0.send_modify(|n| *n -= 1);
+        self.0.send_replace(false);
     }
 }
 
