@@ -799,7 +799,14 @@ mod tests {
         plugin_on(IdClock::new(FixedClock(1_764_000_000_000)), limits)
     }
 
+    /// None of these tests is about the deadline, so it is generous: a
+    /// debug host on a loaded machine once took more than the default
+    /// second over a 5 MiB body.
     fn plugin_on(clock: IdClock, limits: PluginLimits) -> Plugin {
+        let limits = PluginLimits {
+            deadline: std::time::Duration::from_secs(30),
+            ..limits
+        };
         let services = HostServices {
             clock: Arc::new(clock),
             identity: Arc::new(
