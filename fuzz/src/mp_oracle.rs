@@ -70,9 +70,9 @@ use std::collections::HashSet;
 
 use rmpv::Value;
 use snowgate_plugin::msgpack::{self, find_msgpack_edits, MsgpackEdit};
-use snowgate_plugin::{decide, Config, Decision, SnowflakeLayout, MAX_NESTING_DEPTH};
+use snowgate_plugin::{decide, Config, Decision, MAX_NESTING_DEPTH};
 
-use crate::oracle::{check_ids, CounterIds, DOCUMENTED_DEPTH};
+use crate::oracle::{check_ids, layout_for, CounterIds, DOCUMENTED_DEPTH};
 
 /// The largest body whose array keys the oracle judges (see the module
 /// docs).
@@ -101,10 +101,10 @@ pub fn check_msgpack_body(body: &[u8]) -> String {
         MAX_NESTING_DEPTH, DOCUMENTED_DEPTH,
         "the nesting limit moved"
     );
-    let layout = SnowflakeLayout::default();
+    let layout = layout_for(body);
     let found = find_msgpack_edits(body);
     let mut source = CounterIds::new(layout);
-    let decision = decide(&Config::default(), true, body, &mut source)
+    let decision = decide(&Config { layout }, true, body, &mut source)
         .unwrap_or_else(|e| panic!("plugin failure: {e}"));
     let verdict = mp_verdict(body);
     let verdict_name = match &verdict {

@@ -54,6 +54,17 @@ pub const DOCUMENTED_DEPTH: usize = 128;
 /// How the oracle reads a body as JSON.
 pub type Parse = fn(&[u8]) -> Result<Value, serde_json::Error>;
 
+/// The layout a body is stamped in: trtllm-v2 for a body of odd length,
+/// trtllm-v1 (the default) otherwise, so that every campaign and every
+/// regression input covers both layouts' ids and sequence spaces.
+pub fn layout_for(body: &[u8]) -> SnowflakeLayout {
+    if body.len() % 2 == 1 {
+        SnowflakeLayout::TrtllmV2
+    } else {
+        SnowflakeLayout::TrtllmV1
+    }
+}
+
 /// A deterministic id source with the real clock's semantics: ticks
 /// strictly increase and the sequence rolls over to the next millisecond.
 pub struct CounterIds {
@@ -128,10 +139,10 @@ pub fn check_body(body: &[u8], parse: Parse) -> String {
         MAX_NESTING_DEPTH, DOCUMENTED_DEPTH,
         "the nesting limit moved"
     );
-    let layout = SnowflakeLayout::default();
+    let layout = layout_for(body);
     let found = find_edits(body);
     let mut source = CounterIds::new(layout);
-    let decision = decide(&Config::default(), false, body, &mut source)
+    let decision = decide(&Config { layout }, false, body, &mut source)
         .unwrap_or_else(|e| panic!("plugin failure: {e}"));
     let verdict = oracle(body, parse);
     let verdict_name = match &verdict {
