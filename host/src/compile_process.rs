@@ -30,6 +30,8 @@ use std::time::Duration;
 use anyhow::Context as _;
 use wasmtime::Engine;
 
+use crate::text_limits::plugin_text;
+
 /// The most of the child's stderr kept for an error message.
 const MAX_CHILD_MESSAGE: usize = 16 << 10;
 
@@ -317,10 +319,15 @@ impl CompileProcess {
                 starved: cpu_used < self.limits.cpu / 2,
             };
         }
+        let crashed = crashed(status, &message);
+        // The child's words quote the component's own (an invalid import
+        // name, byte for byte) and span lines: written as one line, with
+        // its control characters escaped, so a component cannot write
+        // lines of its own into the gateway's log.
+        let message = plugin_text(message, MAX_CHILD_MESSAGE);
         if status.code() == Some(REFUSED_STATUS) {
             return CompileFailure::Refused(message);
         }
-        let crashed = crashed(status, &message);
         let told = format!(
             "the compile process {} {} ({status}){}",
             self.program.display(),
@@ -832,6 +839,26 @@ mod tests {
             failure,
             CompileFailure::Refused("failed to parse: bad magic".to_string())
         );
+    }
+
+    /// wasmparser quotes an invalid import name byte for byte, and its
+    /// messages and a panic's span lines: none reaches the log as a line
+    /// of its own.
+    #[test]
+    fn the_childs_words_are_one_line_with_control_characters_escaped() {
+        let forged = b"import name `x\n2026-12-06T00:00:00Z ERROR forged\r\x1b[2K` is not valid\n  at offset 9";
+        for status in [REFUSED_STATUS, 101, 1] {
+            let text = process()
+                .failure(exited(status), forged, Duration::ZERO)
+                .to_string();
+            assert!(!text.chars().any(char::is_control), "{status}: {text:?}");
+            assert!(
+                text.contains(
+                    r"`x\n2026-12-06T00:00:00Z ERROR forged\r\u{1b}[2K` is not valid\n  at offset 9"
+                ),
+                "{status}: {text:?}"
+            );
+        }
     }
 
     #[test]

@@ -334,7 +334,11 @@ fn refused(engine: &PluginEngine, e: wasmtime::Error) -> anyhow::Error {
              allows (`snowgate serve --plugin-memory-mib`)"
         ))
     } else {
-        e.context("the plugin is not a valid WebAssembly component for this host")
+        // wasmparser quotes an invalid name byte for byte, newlines
+        // included: one line, escaped, as a compile process's refusal is.
+        let told = plugin_text(format!("{e:#}"), MAX_PLUGIN_TEXT);
+        wasmtime::Error::msg(told)
+            .context("the plugin is not a valid WebAssembly component for this host")
     };
     anyhow::Error::from(e)
 }
@@ -484,5 +488,41 @@ mod tests {
         // One memory fits (the component is then refused for the world it
         // lacks, later in the load).
         compile(&engine, &component_of_memories(1)).expect("one memory");
+    }
+
+    /// wasmparser quotes an invalid import name byte for byte: a refusal
+    /// reaches the log as one line, its control characters escaped, so a
+    /// component cannot forge a line of the gateway's log. Before, the
+    /// newline below began a line of its own.
+    #[test]
+    fn a_refusal_quoting_the_components_words_is_one_line() {
+        let services = crate::engine::HostServices {
+            clock: std::sync::Arc::new(crate::clock::IdClock::system()),
+            identity: std::sync::Arc::new(
+                crate::identity::MachineIdentity::fixed(
+                    snowgate_plugin::SnowflakeLayout::TrtllmV1,
+                    1,
+                )
+                .expect("machine id 1"),
+            ),
+        };
+        let engine =
+            PluginEngine::new(services, crate::limits::PluginLimits::default()).expect("an engine");
+        let name = b"x\n2026-12-06T00:00:00Z ERROR snowgate_host: forged\r\x1b[2K";
+        // A component of one import section with one import of that name
+        // (a component import of an instance type, which follows it).
+        let mut section = vec![1, 0, name.len() as u8];
+        section.extend_from_slice(name);
+        section.extend_from_slice(&[3, 1]);
+        let mut bytes = b"\0asm\x0d\0\x01\0\x0a".to_vec();
+        bytes.push(section.len() as u8);
+        bytes.extend_from_slice(&section);
+        let error = compile(&engine, &bytes).expect_err("an invalid name");
+        let error = format!("{error:#}");
+        assert!(!error.chars().any(char::is_control), "{error:?}");
+        assert!(
+            error.contains(r"x\n2026-12-06T00:00:00Z ERROR snowgate_host: forged\r\u{1b}[2K"),
+            "{error:?}"
+        );
     }
 }
