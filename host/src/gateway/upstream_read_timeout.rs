@@ -71,7 +71,7 @@ where
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(Some(Err(e))) => {
                 let e: BoxError = e.into();
-                let path = this.path.as_ref().map_or("", PathAndQuery::as_str);
+                let path = this.path.as_ref().map_or("", PathAndQuery::path);
                 let problem = crate::gateway::error_chain::describe(&*e);
                 static FAILED: LogThrottle = LogThrottle::new();
                 if let Some(held_back) = FAILED.admit() {
@@ -91,7 +91,7 @@ where
             Poll::Pending if !this.timer.expired(cx) => Poll::Pending,
             Poll::Pending => {
                 let paused = this.timer.error();
-                let path = this.path.as_ref().map_or("", PathAndQuery::as_str);
+                let path = this.path.as_ref().map_or("", PathAndQuery::path);
                 static PAUSED: LogThrottle = LogThrottle::new();
                 if let Some(held_back) = PAUSED.admit() {
                     tracing::warn!(
