@@ -137,12 +137,15 @@ impl From<MsgpackError> for Rejection {
 /// The header that says a body is MessagePack, in lower case.
 pub const MSGPACK_HEADER: &str = "x-trtllm-msgpack";
 
-/// Whether the headers say the body is MessagePack (TensorRT-LLM's
-/// `X-TRTLLM-Msgpack: 1`, sent with `Content-Type: application/json`).
+/// Whether the headers, in the order they came, say the body is
+/// MessagePack (TensorRT-LLM's `X-TRTLLM-Msgpack: 1`, sent with
+/// `Content-Type: application/json`): the first value of the header is
+/// `1`, as the worker reads it (Starlette's `headers.get`, which takes the
+/// first). A JSON body sent with `0` and then `1` is JSON to the worker.
 pub fn is_msgpack<'h>(mut headers: impl Iterator<Item = (&'h str, &'h [u8])>) -> bool {
-    headers.any(|(name, value)| {
-        name.eq_ignore_ascii_case(MSGPACK_HEADER) && value.trim_ascii() == b"1"
-    })
+    headers
+        .find(|(name, _)| name.eq_ignore_ascii_case(MSGPACK_HEADER))
+        .is_some_and(|(_, value)| value.trim_ascii() == b"1")
 }
 
 /// Decides what to do with a request body: stamp every context-only

@@ -1073,6 +1073,15 @@ fn recognises_the_msgpack_header() {
         [("content-type", &b"application/json"[..])].into_iter()
     ));
     assert!(!is_msgpack(std::iter::empty()));
+    // The first value counts, as the worker reads it.
+    let first: &[(&str, &[u8])] = &[
+        ("x-trtllm-msgpack", b"0"),
+        ("content-type", b"application/json"),
+        ("X-TRTLLM-Msgpack", b"1"),
+    ];
+    assert!(!is_msgpack(first.iter().copied()));
+    let first: &[(&str, &[u8])] = &[("x-trtllm-msgpack", b"1"), ("x-trtllm-msgpack", b"0")];
+    assert!(is_msgpack(first.iter().copied()));
 }
 
 // MessagePack bodies: the same rules, checked against rmpv, an independent
