@@ -279,9 +279,27 @@ impl<'a> Walk<'a> {
             Some(b't') => self.literal(b"true").map(|()| Value::Other),
             Some(b'f') => self.literal(b"false").map(|()| Value::Other),
             Some(b'-' | b'0'..=b'9') => self.number().map(|()| Value::Other),
-            Some(_) => Err(self.syntax("expected a JSON value")),
+            Some(_) => Err(self.syntax(
+                self.python_only_number(self.pos)
+                    .unwrap_or("expected a JSON value"),
+            )),
             None => Err(self.syntax("the body ends where a JSON value was expected")),
         }
+    }
+
+    /// What is wrong with a word at `at` that Python's `json` reads as a
+    /// number and JSON has not (`NaN`, `Infinity`, `-Infinity`), when one
+    /// is there: named, since "expected a JSON value" would leave a client
+    /// that sent it from Python wondering.
+    fn python_only_number(&self, at: usize) -> Option<&'static str> {
+        let rest = &self.bytes[at.min(self.bytes.len())..];
+        [&b"NaN"[..], b"Infinity", b"-Infinity"]
+            .iter()
+            .any(|word| rest.starts_with(word))
+            .then_some(
+                "NaN and Infinity are not JSON: Python's json module reads them, but a body \
+                 that is not strict JSON is refused",
+            )
     }
 
     fn literal(&mut self, word: &'static [u8]) -> Result<(), BodyError> {
@@ -320,7 +338,10 @@ impl<'a> Walk<'a> {
                 1
             }
             Some(b'1'..=b'9') => self.digits(),
-            _ => return Err(self.syntax("expected a digit in a number")),
+            _ => {
+                let problem = self.python_only_number(start);
+                return Err(self.syntax(problem.unwrap_or("expected a digit in a number")));
+            }
         };
         let integer_end = self.pos;
         if self.peek() == Some(b'.') {
