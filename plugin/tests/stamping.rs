@@ -526,6 +526,24 @@ fn accepts_lone_surrogate_escapes_in_strings() {
     // A lone surrogate in the key makes it a different key.
     assert_forwarded(r#"{"disaggregated_params\ud800":{"request_type":"context_only"}}"#);
     assert_forwarded(r#"{"disaggregated_params":{"request_type":"context_only\udc00"}}"#);
+    // Keys with lone surrogates compare as Python compares them: the same
+    // escape in either case, or followed by a character written either
+    // way, is the same key, so the later member overrides params under
+    // the earlier one (the fuzz oracles cannot judge these: serde_json
+    // refuses lone surrogates).
+    for override_by in [r#""x\uD800":0"#, r#""x\ud800":0"#] {
+        assert_forwarded(format!(
+            r#"{{"x\ud800":{{"disaggregated_params":{{"request_type":"context_only"}}}},{override_by}}}"#
+        ));
+    }
+    assert_forwarded(
+        r#"{"k\ud800\u0041":{"disaggregated_params":{"request_type":"context_only"}},"k\ud800A":0}"#,
+    );
+    // A different lone surrogate is a different key.
+    assert_stamped(
+        r#"{"x\ud800":{"disaggregated_params":{"request_type":"context_only"}},"x\ud801":0}"#,
+        r#"{"x\ud800":{"disaggregated_params":{"request_type":"context_only","disagg_request_id":<ID>}},"x\ud801":0}"#,
+    );
 }
 
 // ---------------------------------------------------------------------------
