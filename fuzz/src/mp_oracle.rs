@@ -30,8 +30,9 @@
 //!   NaN equals nothing, not even another NaN, and so neither does a tuple
 //!   holding one; timestamps by their value to the microsecond;
 //! - of equal keys in one map the last wins: only its value is looked
-//!   into for params, and only the last `request_type` (a string equal to
-//!   `context_only` ignoring ASCII case) and `disagg_request_id` of a
+//!   into for params, and only the last `request_type` (a string or a
+//!   byte string equal to `context_only` ignoring ASCII case) and
+//!   `disagg_request_id` of a
 //!   params map count ([`mp_needing_ids`]).
 //!
 //! For every body: `decide` never panics or fails; it agrees with
@@ -427,8 +428,8 @@ pub enum MpNeed {
 }
 
 /// Where ids go by the documented rules: every effective
-/// `disaggregated_params` map whose last `request_type` is a string equal
-/// to `context_only` ignoring ASCII case, and whose last
+/// `disaggregated_params` map whose last `request_type` is a string or a
+/// byte string equal to `context_only` ignoring ASCII case, and whose last
 /// `disagg_request_id` is missing or nil; in the order of the maps'
 /// headers (a map before the maps inside it).
 pub fn mp_needing_ids(value: &Value) -> Vec<(Vec<MpStep>, MpNeed)> {
@@ -449,11 +450,14 @@ pub fn mp_needing_ids(value: &Value) -> Vec<(Vec<MpStep>, MpNeed)> {
             Value::Map(pairs) => {
                 let last = |name: &str| pairs.iter().rposition(|(k, _)| k.as_str() == Some(name));
                 if params {
-                    let context_only = last("request_type").is_some_and(|i| {
-                        pairs[i]
-                            .1
+                    // A byte string too, which pydantic's lax mode takes
+                    // for a `str` field.
+                    let context_only = last("request_type").is_some_and(|i| match &pairs[i].1 {
+                        Value::String(t) => t
                             .as_str()
-                            .is_some_and(|t| t.eq_ignore_ascii_case("context_only"))
+                            .is_some_and(|t| t.eq_ignore_ascii_case("context_only")),
+                        Value::Binary(t) => t.eq_ignore_ascii_case(b"context_only"),
+                        _ => false,
                     });
                     if context_only {
                         match last("disagg_request_id") {

@@ -254,6 +254,8 @@ fn push_id(out: &mut Vec<u8>, id: u64) {
 enum Value {
     /// A string; `start..end` is its content.
     Str { start: usize, end: usize },
+    /// A byte string; `start..end` is its content.
+    Bin { start: usize, end: usize },
     /// Nil, at `at`.
     Nil { at: usize },
     /// Anything else.
@@ -569,8 +571,10 @@ impl<'a> Walk<'a> {
             }
             0xc4..=0xc6 => {
                 let len = self.length(1 << (marker - 0xc4))?;
+                let start = self.pos;
                 let bytes = self.take(len)?;
-                Ok((Value::Other, Some(Key::Bin(bytes))))
+                let end = self.pos;
+                Ok((Value::Bin { start, end }, Some(Key::Bin(bytes))))
             }
             0xc0 => Ok((Value::Nil { at }, Some(Key::Nil))),
             0xc2 | 0xc3 => int(i128::from(marker == 0xc3)),
@@ -758,8 +762,10 @@ impl<'a> Walk<'a> {
             let first_edit = self.edits.len();
             let value = self.value(is_params)?;
             if params && is_type {
+                // A byte string too: the worker's pydantic model takes
+                // bytes for a `str` field (lax mode), as UTF-8.
                 context_only = match value {
-                    Value::Str { start, end } => {
+                    Value::Str { start, end } | Value::Bin { start, end } => {
                         self.bytes[start..end].eq_ignore_ascii_case(CONTEXT_ONLY)
                     }
                     _ => false,

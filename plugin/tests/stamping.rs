@@ -1188,6 +1188,45 @@ fn stamps_a_messagepack_request_as_it_would_a_json_one() {
     assert_eq!(out[header + 1..body.len()], body[header + 1..]);
 }
 
+/// A byte string `request_type` is read as its text, as the worker's
+/// pydantic model reads bytes for a `str` field: a hand-made body that
+/// sends `context_only` as bin 8 would otherwise reach it without an id.
+/// A byte string key is never `request_type`, as a bytes dict key is no
+/// field name to pydantic.
+#[test]
+fn a_byte_string_request_type_is_read_as_its_text() {
+    let params = |request_type: rmpv::Value| {
+        mp_encode(&mp_map(vec![(
+            "disaggregated_params",
+            mp_map(vec![("request_type", request_type)]),
+        )]))
+    };
+    let body = params(rmpv::Value::Binary(b"Context_Only".to_vec()));
+    let (out, ids) = stamp_msgpack(&body);
+    assert_eq!(ids.len(), 1);
+    let expected = mp_map(vec![(
+        "disaggregated_params",
+        mp_map(vec![
+            (
+                "request_type",
+                rmpv::Value::Binary(b"Context_Only".to_vec()),
+            ),
+            ("disagg_request_id", ids[0].into()),
+        ]),
+    )]);
+    assert_eq!(mp_decode(&out), expected);
+    let other = params(rmpv::Value::Binary(b"generation_only".to_vec()));
+    assert!(matches!(decide_msgpack(&other), Decision::Forward));
+    let bin_key = mp_encode(&rmpv::Value::Map(vec![(
+        "disaggregated_params".into(),
+        rmpv::Value::Map(vec![(
+            rmpv::Value::Binary(b"request_type".to_vec()),
+            "context_only".into(),
+        )]),
+    )]));
+    assert!(matches!(decide_msgpack(&bin_key), Decision::Forward));
+}
+
 #[test]
 fn stamps_messagepack_params_like_json_ones() {
     let ctx = || mp_context_only(vec![]);
@@ -1248,13 +1287,6 @@ fn stamps_messagepack_params_like_json_ones() {
         mp_map(vec![(
             "prompt",
             "\"disaggregated_params\": {\"request_type\": \"context_only\"}".into(),
-        )]),
-        mp_map(vec![(
-            "disaggregated_params",
-            mp_map(vec![(
-                "request_type",
-                rmpv::Value::Binary(b"context_only".to_vec()),
-            )]),
         )]),
         rmpv::Value::Map(vec![(
             rmpv::Value::Binary(b"disaggregated_params".to_vec()),
