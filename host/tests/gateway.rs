@@ -4026,6 +4026,49 @@ async fn admin_endpoints_describe_the_serving_plugin() {
     assert_openai_error(&missing.json(), "not_found", "invalid_request_error");
 }
 
+/// The check every `/metrics` fetch of these tests goes through refuses
+/// what a scraper would: each of these texts breaks one rule of it.
+#[test]
+fn the_exposition_check_refuses_what_a_scraper_would() {
+    let good = "# HELP a_total A.\n# TYPE a_total counter\na_total{k=\"v\\\"\\n\"} 1\n\
+                # HELP h H.\n# TYPE h histogram\nh_bucket{le=\"1\"} 1\nh_bucket{le=\"+Inf\"} 2\n\
+                h_sum 3.5\nh_count 2\n";
+    assert_exposition(good);
+    let bad = [
+        ("no TYPE", good.replace("# TYPE a_total counter\n", "")),
+        ("no HELP", good.replace("# HELP h H.\n", "")),
+        (
+            "a gauge named _total",
+            good.replace("a_total counter", "a_total gauge"),
+        ),
+        (
+            "a counter without _total",
+            good.replace("# TYPE h histogram", "# TYPE h counter"),
+        ),
+        (
+            "falling buckets",
+            good.replace("le=\"1\"} 1", "le=\"1\"} 3"),
+        ),
+        (
+            "no +Inf bucket",
+            good.replace("h_bucket{le=\"+Inf\"} 2\n", ""),
+        ),
+        (
+            "a _count other than +Inf's",
+            good.replace("h_count 2", "h_count 5"),
+        ),
+        ("no _sum", good.replace("h_sum 3.5\n", "")),
+        ("a raw quote", good.replace("v\\\"", "v\"")),
+        ("an unknown escape", good.replace("v\\\"", "v\\t")),
+        ("a family split", format!("{good}a_total{{k=\"w\"}} 1\n")),
+        ("no last newline", good.trim_end().to_string()),
+    ];
+    for (what, text) in bad {
+        let refused = std::panic::catch_unwind(|| assert_exposition(&text)).is_err();
+        assert!(refused, "{what}: passed\n{text}");
+    }
+}
+
 /// /metrics counts every request by how it ended and every response by its
 /// status class and time, as the test sent them; the access log, when on,
 /// has a line for each.

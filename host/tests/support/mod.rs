@@ -452,10 +452,14 @@ impl Gateway {
     }
 
     /// `GET /metrics` on the admin listener.
+    /// Every fetch is held to the exposition format
+    /// ([`assert_exposition`]).
     pub async fn metrics(&self) -> String {
         let reply = get(self.admin, "/metrics").await;
         assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
-        reply.text().to_string()
+        let text = reply.text().to_string();
+        assert_exposition(&text);
+        text
     }
 
     /// Polls `/status` (every 20 ms, at most `bound`) until `done` holds;
@@ -1327,6 +1331,196 @@ pub fn metric(text: &str, sample: &str) -> f64 {
                 .map(|value| value.trim().parse().expect("a numeric sample"))
         })
         .unwrap_or_else(|| panic!("no sample {sample} in:\n{text}"))
+}
+
+/// Holds `text` to Prometheus's text exposition format, as a scraper
+/// reads it: every family has one `# HELP` and one `# TYPE` before its
+/// samples, which come together; a counter's name ends in `_total` and no
+/// other's does; label values escape only `\\`, `\"` and `\n`; a
+/// histogram's buckets, for each set of its other labels, rise with `le`
+/// to a last one of `+Inf`, which equals its `_count`, beside a `_sum`.
+pub fn assert_exposition(text: &str) {
+    #[derive(Default)]
+    struct Family {
+        help: bool,
+        kind: Option<String>,
+        /// Whether another family's lines came after its own.
+        ended: bool,
+    }
+    let mut families: std::collections::HashMap<String, Family> = Default::default();
+    let mut current: Option<String> = None;
+    // A histogram's buckets, by its other labels: (le, value).
+    let mut buckets: std::collections::HashMap<String, Vec<(f64, f64)>> = Default::default();
+    let mut counts: std::collections::HashMap<String, f64> = Default::default();
+    let mut sums: HashSet<String> = HashSet::new();
+    assert!(
+        text.ends_with('\n'),
+        "the exposition ends without a newline"
+    );
+    let mut enter = |name: &str, families: &mut std::collections::HashMap<String, Family>| {
+        if current.as_deref() != Some(name) {
+            if let Some(left) = current.replace(name.to_string()) {
+                families.entry(left).or_default().ended = true;
+            }
+            let family = families.entry(name.to_string()).or_default();
+            assert!(
+                !family.ended,
+                "the lines of {name} do not come together:\n{text}"
+            );
+        }
+    };
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("# HELP ") {
+            let (name, help) = rest.split_once(' ').expect("a HELP with text");
+            assert!(!help.trim().is_empty(), "an empty HELP for {name}");
+            enter(name, &mut families);
+            let family = families.get_mut(name).expect("entered");
+            assert!(!family.help, "a second HELP for {name}");
+            family.help = true;
+            continue;
+        }
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (name, kind) = rest.split_once(' ').expect("a TYPE with a type");
+            assert!(
+                ["counter", "gauge", "histogram"].contains(&kind),
+                "{name}: type {kind}"
+            );
+            assert_eq!(
+                name.ends_with("_total"),
+                kind == "counter",
+                "{name} is a {kind}: only a counter's name ends in _total"
+            );
+            enter(name, &mut families);
+            let family = families.get_mut(name).expect("entered");
+            assert!(family.kind.is_none(), "a second TYPE for {name}");
+            family.kind = Some(kind.to_string());
+            continue;
+        }
+        assert!(!line.starts_with('#') && !line.is_empty(), "line {line:?}");
+        let (series, value) = line.rsplit_once(' ').expect("a sample and its value");
+        let value: f64 = match value {
+            "+Inf" => f64::INFINITY,
+            "-Inf" => f64::NEG_INFINITY,
+            value => value
+                .parse()
+                .unwrap_or_else(|_| panic!("{line:?}: not a number")),
+        };
+        let (name, labels) = match series.split_once('{') {
+            Some((name, labels)) => (name, exposition_labels(labels, line)),
+            None => (series, Vec::new()),
+        };
+        assert!(
+            name.chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':'),
+            "{line:?}: a metric name"
+        );
+        let histogram_part = ["_bucket", "_sum", "_count"].iter().find_map(|suffix| {
+            let base = name.strip_suffix(suffix)?;
+            let family = families.get(base)?;
+            (family.kind.as_deref() == Some("histogram")).then_some((base, *suffix))
+        });
+        let family_name = histogram_part.map_or(name, |(base, _)| base);
+        enter(family_name, &mut families);
+        let family = &families[family_name];
+        assert!(
+            family.help && family.kind.is_some(),
+            "{line:?}: a sample before its family's HELP and TYPE"
+        );
+        if family.kind.as_deref() == Some("histogram") {
+            let (_, suffix) = histogram_part.unwrap_or_else(|| {
+                panic!("{line:?}: a histogram sample that is no bucket, sum or count")
+            });
+            let others: Vec<String> = labels
+                .iter()
+                .filter(|(key, _)| key != "le")
+                .map(|(key, value)| format!("{key}={value:?}"))
+                .collect();
+            let series = format!("{family_name}{{{}}}", others.join(","));
+            match suffix {
+                "_bucket" => {
+                    let le = labels
+                        .iter()
+                        .find(|(key, _)| key == "le")
+                        .unwrap_or_else(|| panic!("{line:?}: a bucket without le"));
+                    let le: f64 = match le.1.as_str() {
+                        "+Inf" => f64::INFINITY,
+                        le => le.parse().unwrap_or_else(|_| panic!("{line:?}: le")),
+                    };
+                    buckets.entry(series).or_default().push((le, value));
+                }
+                "_sum" => {
+                    sums.insert(series);
+                }
+                _ => {
+                    counts.insert(series, value);
+                }
+            }
+        }
+    }
+    for (name, family) in &families {
+        assert!(
+            family.help && family.kind.is_some(),
+            "{name}: no HELP or TYPE"
+        );
+    }
+    for (series, buckets) in &buckets {
+        assert!(
+            buckets
+                .windows(2)
+                .all(|w| w[0].0 < w[1].0 && w[0].1 <= w[1].1),
+            "{series}: buckets that do not rise with le: {buckets:?}"
+        );
+        let last = buckets.last().expect("a bucket");
+        assert_eq!(last.0, f64::INFINITY, "{series}: no +Inf bucket");
+        assert_eq!(
+            counts.get(series),
+            Some(&last.1),
+            "{series}: _count and +Inf"
+        );
+        assert!(sums.contains(series), "{series}: no _sum");
+    }
+    assert_eq!(
+        buckets.len(),
+        counts.len(),
+        "a histogram _count without buckets"
+    );
+}
+
+/// The labels of an exposition line, `key="value",...}` after its `{`,
+/// with their escapes undone; only `\\`, `\"` and `\n` may be escaped.
+fn exposition_labels(mut rest: &str, line: &str) -> Vec<(String, String)> {
+    let mut labels = Vec::new();
+    loop {
+        if let Some(after) = rest.strip_prefix('}') {
+            assert!(after.is_empty(), "{line:?}: text after the labels");
+            return labels;
+        }
+        let (key, after) = rest
+            .split_once("=\"")
+            .unwrap_or_else(|| panic!("{line:?}: a label"));
+        assert!(
+            !key.is_empty() && key.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'),
+            "{line:?}: label name {key:?}"
+        );
+        let mut value = String::new();
+        let mut chars = after.char_indices();
+        let end = loop {
+            match chars.next() {
+                Some((_, '\\')) => match chars.next() {
+                    Some((_, '\\')) => value.push('\\'),
+                    Some((_, '"')) => value.push('"'),
+                    Some((_, 'n')) => value.push('\n'),
+                    other => panic!("{line:?}: the escape \\{other:?}"),
+                },
+                Some((at, '"')) => break at,
+                Some((_, c)) => value.push(c),
+                None => panic!("{line:?}: an unterminated label value"),
+            }
+        };
+        labels.push((key.to_string(), value));
+        rest = &after[end + 1..];
+        rest = rest.strip_prefix(',').unwrap_or(rest);
+    }
 }
 
 /// Checks that every id is distinct.
