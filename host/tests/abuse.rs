@@ -868,6 +868,64 @@ async fn an_http2_client_that_stalls_a_json_body_gets_408() {
     assert!(upstream.seen().is_empty(), "nothing went upstream");
 }
 
+/// Over HTTP/2 a body streamed through to the upstream is timed too: a
+/// client that sends a piece of it and then nothing gets 408 at the body
+/// read timeout, counted as its error. Before, such streams were not
+/// timed: one connection's 128 of them held 128 upstream turns (or
+/// connections) until the response timeout, 10 min, and then got 504 as
+/// the upstream's failure.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_http2_client_that_stalls_a_streamed_body_gets_408() {
+    use support::ChannelBody;
+
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start(&[
+        "--upstream",
+        &upstream.url(),
+        "--body-read-timeout-ms",
+        "300",
+        "--max-upstream-requests",
+        "1",
+    ])
+    .await;
+    let mut sender = support::http2_to::<ChannelBody>(gateway.addr).await;
+    let (body, chunks) = tokio::sync::mpsc::channel(1);
+    body.send(bytes::Bytes::from_static(b"the first piece"))
+        .await
+        .expect("the channel is open");
+    let request = http::Request::post(format!("http://{}/upload", gateway.addr))
+        .header("content-type", "text/plain")
+        .body(ChannelBody(chunks))
+        .expect("a request");
+    let response = bounded(
+        "408 at the body read timeout",
+        STEP,
+        sender.send_request(request),
+    )
+    .await
+    .expect("a response");
+    let response = support::Reply::read(response).await;
+    assert_eq!(response.status, 408, "{:?}", response.text());
+    assert!(
+        response.text().contains("body_timeout"),
+        "{}",
+        response.text()
+    );
+    drop(body);
+    // Its turn is free: the next request goes at once.
+    let reply = support::get(gateway.addr, "/v1/models").await;
+    assert_eq!(reply.status, http::StatusCode::OK);
+    let metrics = gateway.metrics().await;
+    assert_eq!(
+        metric(
+            &metrics,
+            r#"snowgate_requests_total{outcome="client_error"}"#
+        ),
+        1.0
+    );
+    assert_eq!(metric(&metrics, "snowgate_upstream_errors_total"), 0.0);
+}
+
 /// A client that sends its headers and then stalls its body gets 408 at
 /// the body read timeout, on the plugin path and on pass-through alike,
 /// and is counted as the client's error, not the upstream's. A stall that

@@ -3,7 +3,7 @@
 //! body is told so, and is not reported as a failure of the upstream.
 
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -107,6 +107,63 @@ impl BodyProgress {
     }
 }
 
+/// The request bodies of one HTTP/2 connection that may hold some of its
+/// flow-control window unread: those whose reader has not asked for more
+/// since their last frame (it waits on the upstream, for a turn to it, or
+/// for room in the body memory). A body whose reader waits on its client
+/// holds none: hyper gives the window back as frames are taken.
+#[derive(Debug)]
+pub struct ConnectionWindow {
+    holders: AtomicUsize,
+    /// How many streams' windows fill the connection's.
+    streams_to_fill: usize,
+}
+
+impl ConnectionWindow {
+    /// A connection whose window is `streams_to_fill` streams' windows.
+    pub fn new(streams_to_fill: usize) -> ConnectionWindow {
+        ConnectionWindow {
+            holders: AtomicUsize::new(0),
+            streams_to_fill,
+        }
+    }
+
+    /// Whether the bodies that hold window unread may have used it all
+    /// up, so that a client cannot send more on any stream.
+    fn may_be_used_up(&self) -> bool {
+        self.holders.load(Ordering::Acquire) >= self.streams_to_fill
+    }
+}
+
+/// One body's count among its connection's [`ConnectionWindow`] holders.
+struct WindowShare {
+    window: Arc<ConnectionWindow>,
+    holding: bool,
+    /// Whether the window may have been used up when a wait was last
+    /// looked at.
+    used_up: bool,
+}
+
+impl WindowShare {
+    fn hold(&mut self) {
+        if !std::mem::replace(&mut self.holding, true) {
+            self.window.holders.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+
+    fn release(&mut self) {
+        if std::mem::replace(&mut self.holding, false) {
+            self.window.holders.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+impl Drop for WindowShare {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
 /// A request body that fails with a
 /// [`WaitedTooLong`](crate::gateway::wait_timer::WaitedTooLong) when the client sends
 /// nothing for `pause` while its reader waits, and records in its
@@ -114,15 +171,16 @@ impl BodyProgress {
 /// counts: a reader that stops reading (an upstream not yet connected, or
 /// not taking more) does not make the client late.
 ///
-/// Over HTTP/2 waits are timed only once the reader takes the whole body
-/// into memory ([`BodyProgress::reading_whole`]), and not counted as the
-/// client's before: a stream streamed on to the upstream also waits on the
-/// connection's flow control window, which other streams' unread bodies
-/// can use up, so it may wait on the gateway, not on its client. A body
-/// read whole (once it has room in the body memory, see
-/// `gateway::body_memory`) gives its window back as it comes, so its waits
-/// are the client's; untimed, a client could hold many such bodies half sent, each
-/// up to the body limit, for as long as it liked.
+/// Over HTTP/2 a stream's client may also be unable to send because the
+/// connection's flow-control window is used up by other streams' unread
+/// bodies: a wait while as many bodies as fill that window may hold it
+/// ([`ConnectionWindow`]) is the gateway's, not the client's, and starts
+/// afresh. Before, HTTP/2 bodies streamed through were not timed at all,
+/// so one connection's 128 streams, each sending a piece and then nothing,
+/// held 128 upstream turns (or connections) for the whole response
+/// timeout, 10 min. A body read whole for the plugin
+/// ([`BodyProgress::reading_whole`], once it has room in the body memory,
+/// see `gateway::body_memory`) is timed whatever the window.
 ///
 /// A body that ends before the length it declared (its content-length)
 /// fails as broken. HTTP/1 framing already fails such a body; over HTTP/2
@@ -132,8 +190,8 @@ pub struct ClientBody<B> {
     inner: B,
     /// Times the waits on the client.
     pause: WaitTimer,
-    /// Whether waits are timed only once the body is read whole (HTTP/2).
-    timed_when_read_whole: bool,
+    /// Its share of its HTTP/2 connection's window.
+    window: Option<WindowShare>,
     progress: Arc<BodyProgress>,
     /// The length the body declared, if it did.
     declared: Option<u64>,
@@ -164,22 +222,37 @@ impl std::fmt::Display for EndedShort {
 impl std::error::Error for EndedShort {}
 
 impl<B: Body> ClientBody<B> {
-    /// Wraps `inner`, a body of an `http2` request or not, whose client may
-    /// pause at most `pause`; its progress is recorded in `progress`. Its
-    /// exact size hint, if it has one, is the length it declared.
+    /// Wraps `inner`, whose client may pause at most `pause`; its progress
+    /// is recorded in `progress`. `window` is its HTTP/2 connection's (none
+    /// over HTTP/1). Its exact size hint, if it has one, is the length it
+    /// declared.
     pub fn new(
         inner: B,
         pause: Duration,
-        http2: bool,
+        window: Option<Arc<ConnectionWindow>>,
         progress: Arc<BodyProgress>,
     ) -> ClientBody<B> {
         let what = "the client sent no more of the request body";
+        // Until its reader first waits on the client, a body may hold
+        // window; one that ended with its head holds none.
+        let holding = !inner.is_end_stream();
+        let window = window.map(|window| {
+            let mut share = WindowShare {
+                window,
+                holding: false,
+                used_up: false,
+            };
+            if holding {
+                share.hold();
+            }
+            share
+        });
         ClientBody {
             declared: inner.size_hint().exact(),
             received: 0,
             inner,
             pause: WaitTimer::new(pause, what, "--body-read-timeout-ms"),
-            timed_when_read_whole: http2,
+            window,
             progress,
         }
     }
@@ -190,6 +263,28 @@ impl<B> ClientBody<B> {
     fn progressed(&mut self, state: u8) {
         self.pause.progressed();
         self.progress.set(state);
+        if let Some(share) = &mut self.window {
+            // Until its reader asks for more, what comes next stays unread.
+            if state == FLOWING {
+                share.hold();
+            } else {
+                share.release();
+            }
+        }
+    }
+
+    /// Whether this wait is to be timed afresh from now: over HTTP/2, the
+    /// body is streamed through, and other streams' unread bodies may
+    /// have used up the connection's window, now or when the wait was last
+    /// looked at (so that a client gets a whole timeout once it may send).
+    fn wait_starts_afresh(&mut self) -> bool {
+        let Some(share) = &mut self.window else {
+            return false;
+        };
+        share.release();
+        let used_up =
+            !self.progress.read_whole.load(Ordering::Acquire) && share.window.may_be_used_up();
+        std::mem::replace(&mut share.used_up, used_up) || used_up
     }
 }
 
@@ -231,10 +326,10 @@ where
                 }
             },
             Poll::Pending => {
-                if this.timed_when_read_whole && !this.progress.read_whole.load(Ordering::Acquire) {
-                    return Poll::Pending;
-                }
                 this.progress.set(WAITING_ON_CLIENT);
+                if this.wait_starts_afresh() {
+                    this.pause.progressed();
+                }
                 if !this.pause.expired(cx) {
                     return Poll::Pending;
                 }
@@ -280,7 +375,7 @@ mod tests {
         let (tx, rx) = mpsc::channel(4);
         let progress = Arc::new(BodyProgress::default());
         (
-            ClientBody::new(Channel(rx), pause, false, progress.clone()),
+            ClientBody::new(Channel(rx), pause, None, progress.clone()),
             progress,
             tx,
         )
@@ -352,39 +447,111 @@ mod tests {
         assert!(!progress.waiting_on_client());
     }
 
-    /// Over HTTP/2, waits are neither timed nor the client's until the
-    /// reader reads the body whole; from then on they are.
-    #[tokio::test(start_paused = true)]
-    async fn over_http2_waits_are_timed_once_the_body_is_read_whole() {
-        let (tx, rx) = mpsc::channel(4);
-        let progress = Arc::new(BodyProgress::default());
-        let pause = Duration::from_secs(60);
-        let mut body = ClientBody::new(Channel(rx), pause, true, progress.clone());
-        let sender = tx.clone();
-        // An hour's wait: never cut off.
-        tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_secs(3600)).await;
-            let _ = sender
-                .send(Ok(Frame::data(Bytes::from_static(b"late"))))
-                .await;
-        });
-        let frame = body.frame().await.expect("a frame").expect("data");
-        assert_eq!(frame.into_data().expect("data"), "late");
-        // Waiting again is not counted as waiting on the client.
+    /// Whether `body`'s next frame is ready now.
+    async fn ready_now(body: &mut ClientBody<Channel>) -> bool {
         let mut waiting = body.frame();
-        let ready =
-            std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut waiting).poll(cx).is_ready()))
-                .await;
-        assert!(!ready);
-        assert!(!progress.waiting_on_client());
-        assert_eq!(progress.fault(), None);
-        drop(waiting);
+        std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut waiting).poll(cx).is_ready())).await
+    }
 
-        progress.reading_whole();
+    /// Over HTTP/2 a body streamed through is timed as over HTTP/1 while
+    /// the connection's window cannot be used up; while other streams'
+    /// unread bodies may have used it up, its waits are the gateway's, and
+    /// its client gets a whole timeout from when it may send again. A body
+    /// read whole is timed whatever the window.
+    #[tokio::test(start_paused = true)]
+    async fn over_http2_waits_are_the_clients_unless_the_window_may_be_used_up() {
+        let pause = Duration::from_secs(60);
+        let window = Arc::new(ConnectionWindow::new(2));
+        let http2 = |window: &Arc<ConnectionWindow>| {
+            let (tx, rx) = mpsc::channel(4);
+            let progress = Arc::new(BodyProgress::default());
+            let body = ClientBody::new(Channel(rx), pause, Some(window.clone()), progress.clone());
+            (body, progress, tx)
+        };
+
+        // Alone on its connection: a stall is the client's.
+        let (mut body, progress, _tx) = http2(&window);
+        let error = body.frame().await.expect("an end").expect_err("stalled");
+        assert!(error.to_string().contains("for 60000 ms"), "{error}");
+        assert_eq!(progress.fault(), Some(ClientFault::Stalled));
+        drop(body);
+        assert_eq!(window.holders.load(Ordering::Acquire), 0);
+
+        // Two other bodies not yet read (waiting for their upstream) may
+        // hold the whole window: an hour's wait is not the client's.
+        let (mut body, progress, tx) = http2(&window);
+        let others = [http2(&window), http2(&window)];
+        assert!(!ready_now(&mut body).await);
+        assert!(progress.waiting_on_client());
+        assert_eq!(window.holders.load(Ordering::Acquire), 2);
+        for _ in 0..60 {
+            tokio::time::sleep(Duration::from_secs(60)).await;
+            assert!(!ready_now(&mut body).await);
+            assert_eq!(progress.fault(), None);
+        }
+        // One of them is read: the window cannot be used up any more, and
+        // the client has a whole timeout from then.
+        drop(others);
+        tokio::time::sleep(Duration::from_secs(59)).await;
+        assert!(!ready_now(&mut body).await);
+        assert_eq!(progress.fault(), None, "cut off before a whole timeout");
         let error = body.frame().await.expect("an end").expect_err("stalled");
         assert!(error.to_string().contains("for 60000 ms"), "{error}");
         assert_eq!(progress.fault(), Some(ClientFault::Stalled));
         drop(tx);
+
+        // Read whole, a body is timed whatever the window.
+        let (mut body, progress, _tx) = http2(&window);
+        let _others = [http2(&window), http2(&window)];
+        progress.reading_whole();
+        let error = body.frame().await.expect("an end").expect_err("stalled");
+        assert!(error.to_string().contains("for 60000 ms"), "{error}");
+    }
+
+    /// A body holds its share of the window from its head until its
+    /// reader first waits on the client, again from each frame until the
+    /// reader asks for more, and none once it has ended or is dropped; a
+    /// body that ended with its head never holds any.
+    #[tokio::test]
+    async fn a_body_holds_window_only_while_its_reader_has_not_asked_for_more() {
+        let window = Arc::new(ConnectionWindow::new(16));
+        let holders = || window.holders.load(Ordering::Acquire);
+        let (tx, rx) = mpsc::channel(4);
+        let progress = Arc::new(BodyProgress::default());
+        let pause = Duration::from_secs(60);
+        let mut body = ClientBody::new(Channel(rx), pause, Some(window.clone()), progress);
+        assert_eq!(holders(), 1);
+        assert!(!ready_now(&mut body).await);
+        assert_eq!(holders(), 0);
+        tx.send(Ok(Frame::data(Bytes::from_static(b"a"))))
+            .await
+            .expect("send");
+        body.frame().await.expect("a frame").expect("data");
+        assert_eq!(holders(), 1);
+        drop(tx);
+        assert!(body.frame().await.is_none());
+        assert_eq!(holders(), 0);
+        // Dropped unread.
+        let (_tx, rx) = mpsc::channel(4);
+        let body = ClientBody::new(
+            Channel(rx),
+            pause,
+            Some(window.clone()),
+            Arc::new(BodyProgress::default()),
+        );
+        assert_eq!(holders(), 1);
+        drop(body);
+        assert_eq!(holders(), 0);
+        // Ended with its head.
+        let ended = ClientBody::new(
+            http_body_util::Empty::<Bytes>::new(),
+            pause,
+            Some(window.clone()),
+            Arc::new(BodyProgress::default()),
+        );
+        assert_eq!(holders(), 0);
+        drop(ended);
+        assert_eq!(holders(), 0);
     }
 
     /// A body with a declared length, as hyper's is with a content-length.
@@ -416,7 +583,7 @@ mod tests {
             let body = ClientBody::new(
                 Declared(Channel(rx), declared),
                 pause,
-                false,
+                None,
                 progress.clone(),
             );
             if !sent.is_empty() {

@@ -26,7 +26,7 @@ use tower_service::Service;
 use crate::gateway::access_log::{self, AccessLine};
 use crate::gateway::activity::{ActiveBody, Activity};
 use crate::gateway::body_memory::{ClientConnection, ConnectionWaits};
-use crate::gateway::client_body::{BodyProgress, ClientBody};
+use crate::gateway::client_body::{BodyProgress, ClientBody, ConnectionWindow};
 use crate::gateway::client_gone::{ClientGone, ClientSocket, CLIENT_GONE_STATUS};
 use crate::gateway::config::{ConnectionLimits, MAX_HEADER_BYTES, MIN_HEADER_BYTES};
 use crate::gateway::error_chain;
@@ -216,6 +216,11 @@ pub async fn serve(
         // How many of this connection's requests wait for room in the body
         // memory (see `body_memory::MAX_WAITING_PER_CONNECTION`).
         let waits = Arc::new(ConnectionWaits::default());
+        // Its request bodies that may hold its HTTP/2 flow-control window
+        // unread (see `ClientBody`).
+        let window = Arc::new(ConnectionWindow::new(
+            (HTTP2_CONNECTION_WINDOW / HTTP2_STREAM_WINDOW) as usize,
+        ));
         // Watched while one of its HTTP/1 requests waits for that room, or
         // for a turn to the upstream (`--max-upstream-requests`).
         // SAFETY: given below only to HTTP/1 requests, whose futures the
@@ -263,7 +268,8 @@ pub async fn serve(
             }));
             request.extensions_mut().insert(progress.clone());
             let pause = limits.body_read_timeout;
-            let request = request.map(|body| ClientBody::new(body, pause, http2, progress));
+            let window = http2.then(|| window.clone());
+            let request = request.map(|body| ClientBody::new(body, pause, window, progress));
             let is_head = request.method() == http::Method::HEAD;
             let http10 = request.version() == http::Version::HTTP_10;
             let mut service = service.clone();
