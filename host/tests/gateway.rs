@@ -3476,6 +3476,11 @@ async fn a_compressed_body_that_may_be_json_is_refused_with_415_naming_the_codin
             "gzip",
         ),
         ("Content-Encoding: br\r\n", "br"),
+        // The form type curl sends: its body is not looked into.
+        (
+            "Content-Type: application/x-www-form-urlencoded\r\nContent-Encoding: gzip\r\n",
+            "gzip",
+        ),
         (
             "Content-Type: application/json\r\nContent-Encoding: identity, deflate\r\n",
             "identity, deflate",
