@@ -19,6 +19,7 @@ use crate::gateway::server::{pause_after_accept_error, sends_within};
 use crate::gateway::slot::{NoReload, PluginSlot, Reloaded};
 use crate::high_water_file::keeper::FileMarkStatus;
 use crate::lease::LeaseStatus;
+use crate::log_throttle::LogThrottle;
 use crate::utc::{format_millis, millis_of};
 
 /// What the admin endpoints read.
@@ -77,7 +78,9 @@ impl Admin {
             let stream = match listener.accept().await {
                 Ok((stream, _)) => stream,
                 Err(e) => {
-                    pause_after_accept_error(&e, "accepting an admin connection failed").await;
+                    static FAILED: LogThrottle = LogThrottle::new();
+                    pause_after_accept_error(&e, "accepting an admin connection failed", &FAILED)
+                        .await;
                     continue;
                 }
             };

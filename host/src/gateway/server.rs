@@ -164,7 +164,8 @@ pub async fn serve(
             accepted = listener.accept() => match accepted {
                 Ok(accepted) => accepted,
                 Err(e) => {
-                    pause_after_accept_error(&e, "accepting a connection failed").await;
+                    static FAILED: LogThrottle = LogThrottle::new();
+                    pause_after_accept_error(&e, "accepting a connection failed", &FAILED).await;
                     continue;
                 }
             },
@@ -490,12 +491,16 @@ pub(crate) async fn sends_within(stream: &tokio::net::TcpStream, timeout: Durati
 }
 
 /// After an error accepting a connection (out of file descriptors and the
-/// like): log it, once a second at most (out of descriptors, every accept
-/// fails until one closes), and pause before the next accept instead of
-/// spinning.
-pub(crate) async fn pause_after_accept_error(error: &std::io::Error, what: &str) {
-    static FAILED: LogThrottle = LogThrottle::new();
-    if let Some(held_back) = FAILED.admit() {
+/// like): log it, once a second at most for each listener (`throttle` is
+/// its own: out of descriptors, every accept fails until one closes, and
+/// one listener's failures must not hide the other's), and pause before
+/// the next accept instead of spinning.
+pub(crate) async fn pause_after_accept_error(
+    error: &std::io::Error,
+    what: &str,
+    throttle: &LogThrottle,
+) {
+    if let Some(held_back) = throttle.admit() {
         tracing::warn!(error = %error, "{what} {held_back}");
     }
     tokio::time::sleep(Duration::from_millis(10)).await;
