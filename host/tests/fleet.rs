@@ -541,10 +541,9 @@ async fn replicas_refuse_to_stamp_while_etcd_is_down_and_resume_their_id_after()
     );
     let passes = post_json(r.addr, "/v1/completions", r#"{"prompt":"no params"}"#).await;
     assert_eq!(passes.status, 200, "requests that need no id still pass");
-    assert!(r
-        .metrics()
-        .await
-        .contains("snowgate_lease_losses_total 1\n"));
+    let metrics = r.metrics().await;
+    assert!(metrics.contains("snowgate_lease_losses_total 1\n"));
+    assert_eq!(support::metric(&metrics, "snowgate_lease_held"), 0.0);
 
     etcd.launch().await;
     let status = r
@@ -559,6 +558,12 @@ async fn replicas_refuse_to_stamp_while_etcd_is_down_and_resume_their_id_after()
     );
     assert_eq!(status["lease"]["resumptions"], 1, "{status}");
     assert_eq!(status["lease"]["acquisitions"], 1, "no new claim: {status}");
+    let metrics = r.metrics().await;
+    assert_eq!(
+        support::metric(&metrics, "snowgate_lease_resumptions_total"),
+        1.0
+    );
+    assert_eq!(support::metric(&metrics, "snowgate_lease_held"), 1.0);
     r.wait_log("stamping resumed with the same id").await;
     let after = stamp_many(&r, 3, 1000).await;
     assert_issued_by(&after, id);

@@ -279,6 +279,17 @@ async fn an_idle_gateway_keeps_its_mark_ahead_of_the_clock() {
         support::metric(&metrics, "snowgate_high_water_file_writes_total") >= 2.0,
         "{metrics}"
     );
+    // The mark in seconds, as written: past the first one, at most the
+    // mark /status gives now (it may have been written again since).
+    let mark_seconds = support::metric(&metrics, "snowgate_high_water_file_mark_seconds");
+    let mark_millis = (mark_seconds * 1000.0).round() as u64;
+    let mark_now = gateway.status().await["high_water_file"]["mark"]
+        .as_u64()
+        .expect("a mark");
+    assert!(
+        mark_millis > first_mark && mark_millis <= mark_now,
+        "{mark_seconds} s against marks {first_mark} and {mark_now} ms"
+    );
     gateway.stop().await;
 }
 
