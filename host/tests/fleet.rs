@@ -437,7 +437,7 @@ async fn a_killed_replicas_slot_is_free_after_the_ttl_and_a_stopped_ones_at_once
     // A lease long enough that the second replica's start, seconds in a
     // debug build on a busy machine, ends well inside it: once the lease
     // runs out, the second could rightly take slot 0.
-    const FIRST_TTL: Duration = Duration::from_secs(12);
+    const FIRST_TTL: Duration = Duration::from_secs(20);
     let first_ttl = FIRST_TTL.as_secs().to_string();
     let url = etcd.url();
     let first = Gateway::start(&["--etcd", &url, "--machine-id-ttl", &first_ttl]).await;
@@ -462,6 +462,12 @@ async fn a_killed_replicas_slot_is_free_after_the_ttl_and_a_stopped_ones_at_once
         if claims.len() > 1 || !claims.contains(&0) {
             break claims;
         }
+        assert!(
+            killed_at.elapsed() < FIRST_TTL,
+            "the second replica started too slowly to show anything: slot 0's lease ran out \
+             first ({:?} after the kill); claimed: {claims:?}",
+            killed_at.elapsed()
+        );
         assert!(
             Instant::now() < deadline,
             "the second replica claimed no slot; claimed: {claims:?}"
@@ -1613,11 +1619,12 @@ async fn a_replica_still_notices_etcd_going_away_after_a_slow_spell() {
     let held = r.status().await;
     wait_renewed_since(&r, &held["lease"]["last_renewed"], "a renewal").await;
     let renewed = Instant::now();
-    // The member is silent for 26.5 s: the next renewal (at 10 s) and the
-    // reopens after it go unanswered; the deadline is at 29 s.
+    // The member is silent for 20 s: the next renewal (at 10 s) and the
+    // reopens after it go unanswered; the deadline is at 29 s, 9 s on,
+    // room for a busy machine.
     member.hang();
     r.wait_log("renewing the lease failed").await;
-    tokio::time::sleep_until((renewed + Duration::from_millis(26_500)).into()).await;
+    tokio::time::sleep_until((renewed + Duration::from_secs(20)).into()).await;
     let before = r.status().await["lease"]["last_renewed"].clone();
     member.resume();
     wait_renewed_since(&r, &before, "a renewal after the slow spell").await;
@@ -1631,10 +1638,11 @@ async fn a_replica_still_notices_etcd_going_away_after_a_slow_spell() {
 
     etcd.stop();
     let stopped = Instant::now();
+    // At once, not at the next renewal, some 10 s on.
     while r.stderr_text().matches("renewing the lease failed").count() < 2 {
         assert!(
-            stopped.elapsed() < Duration::from_secs(3),
-            "etcd going away was not noticed within 3 s:\n{}",
+            stopped.elapsed() < Duration::from_secs(7),
+            "etcd going away was not noticed within 7 s:\n{}",
             r.stderr_text()
         );
         tokio::time::sleep(Duration::from_millis(20)).await;

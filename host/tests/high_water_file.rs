@@ -344,11 +344,18 @@ async fn a_disk_slow_to_sync_lengthens_the_lead_instead_of_refusing_ids() {
         &[("LD_PRELOAD", &disk.library), ("SLOW_FDATASYNC_MS", "600")],
     )
     .await;
-    // Requests one after another for some seven raises.
+    // Requests one after another for some seven raises, and on until five
+    // writes have been seen (a busy machine may be slower).
     let until = Instant::now() + Duration::from_secs(8);
+    let writes = |status: &serde_json::Value| status["high_water_file"]["writes"].as_u64();
     let mut ids = Vec::new();
     let mut refused = Vec::new();
-    while Instant::now() < until {
+    while Instant::now() < until || writes(&gateway.status().await).unwrap_or(0) < 5 {
+        assert!(
+            Instant::now() < until + STEP,
+            "fewer than five writes: {}",
+            gateway.status().await
+        );
         let reply = post_json(gateway.addr, "/v1/completions", CONTEXT_ONLY).await;
         if reply.status == 200 {
             ids.push(stamped_id(reply.json()["body"].to_string().as_bytes()));
