@@ -888,10 +888,13 @@ async fn an_http2_client_that_stalls_a_json_body_gets_408() {
 
 /// Over HTTP/2 a body streamed through to the upstream is timed too: a
 /// client that sends a piece of it and then nothing gets 408 at the body
-/// read timeout, counted as its error. Before, such streams were not
+/// read timeout, counted as its error, even with sixteen more of its
+/// streams queued for a turn to the upstream, which have sent nothing and
+/// hold none of the connection's window. Before, such streams were not
 /// timed: one connection's 128 of them held 128 upstream turns (or
 /// connections) until the response timeout, 10 min, and then got 504 as
-/// the upstream's failure.
+/// the upstream's failure; and a first fix, which counted every stream not
+/// yet read as holding window, let the queued ones keep it untimed.
 #[tokio::test(flavor = "multi_thread")]
 async fn an_http2_client_that_stalls_a_streamed_body_gets_408() {
     use support::ChannelBody;
@@ -901,27 +904,44 @@ async fn an_http2_client_that_stalls_a_streamed_body_gets_408() {
         "--upstream",
         &upstream.url(),
         "--body-read-timeout-ms",
-        "300",
+        "1000",
         "--max-upstream-requests",
         "1",
+        // The queued streams wait for as long as the test runs.
+        "--upstream-connect-timeout-ms",
+        "60000",
     ])
     .await;
-    let mut sender = support::http2_to::<ChannelBody>(gateway.addr).await;
+    let sender = support::http2_to::<ChannelBody>(gateway.addr).await;
+    let upload = |body: ChannelBody| {
+        let mut sender = sender.clone();
+        let request = http::Request::post(format!("http://{}/upload", gateway.addr))
+            .header("content-type", "text/plain")
+            .body(body)
+            .expect("a request");
+        tokio::spawn(async move { sender.send_request(request).await })
+    };
     let (body, chunks) = tokio::sync::mpsc::channel(1);
     body.send(bytes::Bytes::from_static(b"the first piece"))
         .await
         .expect("the channel is open");
-    let request = http::Request::post(format!("http://{}/upload", gateway.addr))
-        .header("content-type", "text/plain")
-        .body(ChannelBody(chunks))
-        .expect("a request");
-    let response = bounded(
-        "408 at the body read timeout",
-        STEP,
-        sender.send_request(request),
-    )
-    .await
-    .expect("a response");
+    let stalled = upload(ChannelBody(chunks));
+    gateway
+        .wait_metric("snowgate_upstream_requests_in_flight", 1.0)
+        .await;
+    let queued: Vec<_> = (0..16)
+        .map(|_| {
+            let (body, chunks) = tokio::sync::mpsc::channel(1);
+            (body, upload(ChannelBody(chunks)))
+        })
+        .collect();
+    gateway
+        .wait_metric("snowgate_upstream_requests_waiting", 16.0)
+        .await;
+    let response = bounded("408 at the body read timeout", STEP, stalled)
+        .await
+        .expect("joined")
+        .expect("a response");
     let response = support::Reply::read(response).await;
     assert_eq!(response.status, 408, "{:?}", response.text());
     assert!(
@@ -930,9 +950,15 @@ async fn an_http2_client_that_stalls_a_streamed_body_gets_408() {
         response.text()
     );
     drop(body);
-    // Its turn is free: the next request goes at once.
-    let reply = support::get(gateway.addr, "/v1/models").await;
-    assert_eq!(reply.status, http::StatusCode::OK);
+    // The queued ones end their (empty) bodies and go in turn.
+    for (body, answer) in queued {
+        drop(body);
+        let answer = bounded("a queued request's answer", STEP, answer)
+            .await
+            .expect("joined")
+            .expect("a response");
+        assert_eq!(answer.status(), http::StatusCode::OK);
+    }
     let metrics = gateway.metrics().await;
     assert_eq!(
         metric(

@@ -85,6 +85,24 @@ pub const MAX_WAITING_PER_CONNECTION: usize = 8;
 #[derive(Debug, Default)]
 pub struct ConnectionWaits(AtomicUsize);
 
+impl ConnectionWaits {
+    /// How many wait now.
+    pub fn now(&self) -> usize {
+        self.0.load(Ordering::Acquire)
+    }
+
+    /// Counts `change` more waiting requests, for tests of those that
+    /// read the count.
+    #[cfg(test)]
+    pub(crate) fn add_for_test(&self, change: isize) {
+        if change >= 0 {
+            self.0.fetch_add(change.unsigned_abs(), Ordering::AcqRel);
+        } else {
+            self.0.fetch_sub(change.unsigned_abs(), Ordering::AcqRel);
+        }
+    }
+}
+
 /// What the body memory knows of the client connection a request came on.
 #[derive(Debug, Clone)]
 pub struct ClientConnection {

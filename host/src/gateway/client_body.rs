@@ -4,14 +4,15 @@
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
+use tokio::time::Instant;
 
-use crate::gateway::body_memory::ClientConnection;
+use crate::gateway::body_memory::{ClientConnection, ConnectionWaits};
 use crate::gateway::upstream::strip_trailers;
 use crate::gateway::wait_timer::WaitTimer;
 
@@ -107,31 +108,54 @@ impl BodyProgress {
     }
 }
 
-/// The request bodies of one HTTP/2 connection that may hold some of its
-/// flow-control window unread: those whose reader has not asked for more
-/// since their last frame (it waits on the upstream, for a turn to it, or
-/// for room in the body memory). A body whose reader waits on its client
-/// holds none: hyper gives the window back as frames are taken.
+/// What may hold one HTTP/2 connection's flow-control window unread, so
+/// that its clients cannot send more on any stream: bodies whose reader
+/// took a frame and has not asked for more since (an upstream reading
+/// slowly), and requests waiting for room in the body memory, which read
+/// nothing meanwhile. A body whose reader waits on its client holds none
+/// (hyper gives the window back as frames are taken). Bodies not yet read
+/// at all (waiting for a turn to the upstream, or for its connection) are
+/// not counted: those waits end within the connect timeout, and counting
+/// them let a client keep sixteen empty streams queued for turns, and so
+/// every wait of the connection untimed.
 #[derive(Debug)]
 pub struct ConnectionWindow {
     holders: AtomicUsize,
+    /// The connection's requests waiting for room.
+    room_waits: Arc<ConnectionWaits>,
     /// How many streams' windows fill the connection's.
     streams_to_fill: usize,
+    /// When the window last stopped being possibly used up.
+    freed: Mutex<Option<Instant>>,
 }
 
 impl ConnectionWindow {
-    /// A connection whose window is `streams_to_fill` streams' windows.
-    pub fn new(streams_to_fill: usize) -> ConnectionWindow {
+    /// A connection whose window is `streams_to_fill` streams' windows,
+    /// with `room_waits` its requests waiting for room.
+    pub fn new(streams_to_fill: usize, room_waits: Arc<ConnectionWaits>) -> ConnectionWindow {
         ConnectionWindow {
             holders: AtomicUsize::new(0),
+            room_waits,
             streams_to_fill,
+            freed: Mutex::new(None),
         }
     }
 
-    /// Whether the bodies that hold window unread may have used it all
-    /// up, so that a client cannot send more on any stream.
-    fn may_be_used_up(&self) -> bool {
-        self.holders.load(Ordering::Acquire) >= self.streams_to_fill
+    /// Whether what holds window unread may have used it all up, with
+    /// `holders` bodies holding some.
+    fn used_up_with(&self, holders: usize) -> bool {
+        holders + self.room_waits.now() >= self.streams_to_fill
+    }
+
+    /// Whether a client may have been unable to send since `since`: the
+    /// window may be used up now, or was after `since`.
+    fn may_have_kept_clients_waiting(&self, since: Instant) -> bool {
+        self.used_up_with(self.holders.load(Ordering::Acquire))
+            || self
+                .freed
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .is_some_and(|freed| freed > since)
     }
 }
 
@@ -139,9 +163,6 @@ impl ConnectionWindow {
 struct WindowShare {
     window: Arc<ConnectionWindow>,
     holding: bool,
-    /// Whether the window may have been used up when a wait was last
-    /// looked at.
-    used_up: bool,
 }
 
 impl WindowShare {
@@ -153,7 +174,11 @@ impl WindowShare {
 
     fn release(&mut self) {
         if std::mem::replace(&mut self.holding, false) {
-            self.window.holders.fetch_sub(1, Ordering::AcqRel);
+            let window = &self.window;
+            let before = window.holders.fetch_sub(1, Ordering::AcqRel);
+            if window.used_up_with(before) && !window.used_up_with(before - 1) {
+                *window.freed.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
+            }
         }
     }
 }
@@ -172,13 +197,13 @@ impl Drop for WindowShare {
 /// not taking more) does not make the client late.
 ///
 /// Over HTTP/2 a stream's client may also be unable to send because the
-/// connection's flow-control window is used up by other streams' unread
-/// bodies: a wait while as many bodies as fill that window may hold it
-/// ([`ConnectionWindow`]) is the gateway's, not the client's, and starts
-/// afresh. Before, HTTP/2 bodies streamed through were not timed at all,
-/// so one connection's 128 streams, each sending a piece and then nothing,
-/// held 128 upstream turns (or connections) for the whole response
-/// timeout, 10 min. A body read whole for the plugin
+/// connection's flow-control window is used up ([`ConnectionWindow`]): a
+/// wait that lasts the timeout while the window may have been used up
+/// (now, or at some time since the wait began) is the gateway's, not the
+/// client's, and starts afresh. Before, HTTP/2 bodies streamed through
+/// were not timed at all, so one connection's 128 streams, each sending a
+/// piece and then nothing, held 128 upstream turns (or connections) for
+/// the whole response timeout, 10 min. A body read whole for the plugin
 /// ([`BodyProgress::reading_whole`], once it has room in the body memory,
 /// see `gateway::body_memory`) is timed whatever the window.
 ///
@@ -192,6 +217,8 @@ pub struct ClientBody<B> {
     pause: WaitTimer,
     /// Its share of its HTTP/2 connection's window.
     window: Option<WindowShare>,
+    /// When the wait under way began.
+    waiting_since: Option<Instant>,
     progress: Arc<BodyProgress>,
     /// The length the body declared, if it did.
     declared: Option<u64>,
@@ -233,19 +260,9 @@ impl<B: Body> ClientBody<B> {
         progress: Arc<BodyProgress>,
     ) -> ClientBody<B> {
         let what = "the client sent no more of the request body";
-        // Until its reader first waits on the client, a body may hold
-        // window; one that ended with its head holds none.
-        let holding = !inner.is_end_stream();
-        let window = window.map(|window| {
-            let mut share = WindowShare {
-                window,
-                holding: false,
-                used_up: false,
-            };
-            if holding {
-                share.hold();
-            }
-            share
+        let window = window.map(|window| WindowShare {
+            window,
+            holding: false,
         });
         ClientBody {
             declared: inner.size_hint().exact(),
@@ -253,6 +270,7 @@ impl<B: Body> ClientBody<B> {
             inner,
             pause: WaitTimer::new(pause, what, "--body-read-timeout-ms"),
             window,
+            waiting_since: None,
             progress,
         }
     }
@@ -262,6 +280,7 @@ impl<B> ClientBody<B> {
     /// The reader got something from the client (or its end).
     fn progressed(&mut self, state: u8) {
         self.pause.progressed();
+        self.waiting_since = None;
         self.progress.set(state);
         if let Some(share) = &mut self.window {
             // Until its reader asks for more, what comes next stays unread.
@@ -273,18 +292,14 @@ impl<B> ClientBody<B> {
         }
     }
 
-    /// Whether this wait is to be timed afresh from now: over HTTP/2, the
-    /// body is streamed through, and other streams' unread bodies may
-    /// have used up the connection's window, now or when the wait was last
-    /// looked at (so that a client gets a whole timeout once it may send).
-    fn wait_starts_afresh(&mut self) -> bool {
-        let Some(share) = &mut self.window else {
-            return false;
-        };
-        share.release();
-        let used_up =
-            !self.progress.read_whole.load(Ordering::Acquire) && share.window.may_be_used_up();
-        std::mem::replace(&mut share.used_up, used_up) || used_up
+    /// Whether a wait that began at `since` and lasted the timeout may be
+    /// the gateway's: over HTTP/2, for a body streamed through, while its
+    /// connection's window may have been used up.
+    fn window_may_have_held_it_up(&self, since: Instant) -> bool {
+        self.window.as_ref().is_some_and(|share| {
+            !self.progress.read_whole.load(Ordering::Acquire)
+                && share.window.may_have_kept_clients_waiting(since)
+        })
     }
 }
 
@@ -327,11 +342,20 @@ where
             },
             Poll::Pending => {
                 this.progress.set(WAITING_ON_CLIENT);
-                if this.wait_starts_afresh() {
-                    this.pause.progressed();
+                if let Some(share) = &mut this.window {
+                    share.release();
                 }
+                let since = *this.waiting_since.get_or_insert_with(Instant::now);
                 if !this.pause.expired(cx) {
                     return Poll::Pending;
+                }
+                if this.window_may_have_held_it_up(since) {
+                    // Timed afresh, from now.
+                    this.waiting_since = Some(Instant::now());
+                    this.pause.progressed();
+                    if !this.pause.expired(cx) {
+                        return Poll::Pending;
+                    }
                 }
                 this.progress.set(STALLED);
                 Poll::Ready(Some(Err(Box::new(this.pause.error()))))
@@ -453,74 +477,128 @@ mod tests {
         std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut waiting).poll(cx).is_ready())).await
     }
 
-    /// Over HTTP/2 a body streamed through is timed as over HTTP/1 while
-    /// the connection's window cannot be used up; while other streams'
-    /// unread bodies may have used it up, its waits are the gateway's, and
-    /// its client gets a whole timeout from when it may send again. A body
-    /// read whole is timed whatever the window.
-    #[tokio::test(start_paused = true)]
-    async fn over_http2_waits_are_the_clients_unless_the_window_may_be_used_up() {
+    /// A body of an HTTP/2 connection whose window is `window`'s, and the
+    /// sender of its frames.
+    fn http2(
+        window: &Arc<ConnectionWindow>,
+    ) -> (ClientBody<Channel>, Arc<BodyProgress>, mpsc::Sender<Sent>) {
+        let (tx, rx) = mpsc::channel(4);
+        let progress = Arc::new(BodyProgress::default());
         let pause = Duration::from_secs(60);
-        let window = Arc::new(ConnectionWindow::new(2));
-        let http2 = |window: &Arc<ConnectionWindow>| {
-            let (tx, rx) = mpsc::channel(4);
-            let progress = Arc::new(BodyProgress::default());
-            let body = ClientBody::new(Channel(rx), pause, Some(window.clone()), progress.clone());
-            (body, progress, tx)
-        };
+        let body = ClientBody::new(Channel(rx), pause, Some(window.clone()), progress.clone());
+        (body, progress, tx)
+    }
+
+    /// A body whose reader took a frame and asks for no more: it holds
+    /// some of its connection's window.
+    async fn holding(window: &Arc<ConnectionWindow>) -> (ClientBody<Channel>, mpsc::Sender<Sent>) {
+        let (mut body, _, tx) = http2(window);
+        tx.send(Ok(Frame::data(Bytes::from_static(b"a"))))
+            .await
+            .expect("send");
+        body.frame().await.expect("a frame").expect("data");
+        (body, tx)
+    }
+
+    /// Over HTTP/2 a body streamed through is timed as over HTTP/1 while
+    /// the connection's window cannot have been used up; a wait that lasts
+    /// the timeout while other streams' unread bodies, or requests waiting
+    /// for room, may have used it up, at its end or at any time since it
+    /// began, is the gateway's, and is timed afresh. A body read whole is
+    /// timed whatever the window.
+    #[tokio::test(start_paused = true)]
+    async fn over_http2_waits_are_the_clients_unless_the_window_may_have_been_used_up() {
+        let room_waits = Arc::new(ConnectionWaits::default());
+        let window = Arc::new(ConnectionWindow::new(2, room_waits.clone()));
 
         // Alone on its connection: a stall is the client's.
         let (mut body, progress, _tx) = http2(&window);
         let error = body.frame().await.expect("an end").expect_err("stalled");
         assert!(error.to_string().contains("for 60000 ms"), "{error}");
         assert_eq!(progress.fault(), Some(ClientFault::Stalled));
-        drop(body);
-        assert_eq!(window.holders.load(Ordering::Acquire), 0);
 
-        // Two other bodies not yet read (waiting for their upstream) may
-        // hold the whole window: an hour's wait is not the client's.
+        // Bodies not read yet (waiting for a turn) hold nothing: a client
+        // cannot keep waits untimed with empty streams.
+        let (mut body, progress, _tx) = http2(&window);
+        let _queued = [http2(&window), http2(&window)];
+        let error = body.frame().await.expect("an end").expect_err("stalled");
+        assert!(error.to_string().contains("for 60000 ms"), "{error}");
+        assert_eq!(progress.fault(), Some(ClientFault::Stalled));
+
+        // Two bodies whose upstream reads slowly hold the whole window for
+        // an hour: the wait is not the client's.
         let (mut body, progress, tx) = http2(&window);
-        let others = [http2(&window), http2(&window)];
+        let slow = [holding(&window).await, holding(&window).await];
         assert!(!ready_now(&mut body).await);
         assert!(progress.waiting_on_client());
-        assert_eq!(window.holders.load(Ordering::Acquire), 2);
         for _ in 0..60 {
             tokio::time::sleep(Duration::from_secs(60)).await;
             assert!(!ready_now(&mut body).await);
             assert_eq!(progress.fault(), None);
         }
-        // One of them is read: the window cannot be used up any more, and
-        // the client has a whole timeout from then.
-        drop(others);
-        tokio::time::sleep(Duration::from_secs(59)).await;
-        assert!(!ready_now(&mut body).await);
-        assert_eq!(progress.fault(), None, "cut off before a whole timeout");
+        // Read at last: from then, a whole timeout is the client's.
+        drop(slow);
+        let freed = Instant::now();
         let error = body.frame().await.expect("an end").expect_err("stalled");
         assert!(error.to_string().contains("for 60000 ms"), "{error}");
-        assert_eq!(progress.fault(), Some(ClientFault::Stalled));
+        assert!(
+            freed.elapsed() >= Duration::from_secs(60),
+            "{:?}",
+            freed.elapsed()
+        );
         drop(tx);
+
+        // Used up from 0.5 s to 59.5 s of a wait, and free at its end: the
+        // client could not send for most of it, and gets a whole timeout
+        // more.
+        let (mut body, progress, _tx) = http2(&window);
+        assert!(!ready_now(&mut body).await);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let slow = [holding(&window).await, holding(&window).await];
+        tokio::time::sleep(Duration::from_secs(59)).await;
+        drop(slow);
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        assert!(!ready_now(&mut body).await);
+        assert_eq!(progress.fault(), None, "cut off for the gateway's wait");
+        let freed = Instant::now();
+        let error = body.frame().await.expect("an end").expect_err("stalled");
+        assert!(error.to_string().contains("for 60000 ms"), "{error}");
+        assert!(
+            freed.elapsed() >= Duration::from_secs(59),
+            "{:?}",
+            freed.elapsed()
+        );
+
+        // Requests waiting for room hold window too.
+        let (mut body, progress, _tx) = http2(&window);
+        room_waits.add_for_test(2);
+        for _ in 0..10 {
+            tokio::time::sleep(Duration::from_secs(60)).await;
+            assert!(!ready_now(&mut body).await);
+            assert_eq!(progress.fault(), None);
+        }
+        room_waits.add_for_test(-2);
 
         // Read whole, a body is timed whatever the window.
         let (mut body, progress, _tx) = http2(&window);
-        let _others = [http2(&window), http2(&window)];
+        let _slow = [holding(&window).await, holding(&window).await];
         progress.reading_whole();
         let error = body.frame().await.expect("an end").expect_err("stalled");
         assert!(error.to_string().contains("for 60000 ms"), "{error}");
     }
 
-    /// A body holds its share of the window from its head until its
-    /// reader first waits on the client, again from each frame until the
-    /// reader asks for more, and none once it has ended or is dropped; a
-    /// body that ended with its head never holds any.
+    /// A body holds its share of the window from each frame its reader
+    /// takes until the reader asks for more, and none before its first
+    /// frame, once it has ended, or once it is dropped.
     #[tokio::test]
-    async fn a_body_holds_window_only_while_its_reader_has_not_asked_for_more() {
-        let window = Arc::new(ConnectionWindow::new(16));
+    async fn a_body_holds_window_only_from_a_frame_until_its_reader_asks_for_more() {
+        let window = Arc::new(ConnectionWindow::new(
+            16,
+            Arc::new(ConnectionWaits::default()),
+        ));
         let holders = || window.holders.load(Ordering::Acquire);
-        let (tx, rx) = mpsc::channel(4);
-        let progress = Arc::new(BodyProgress::default());
-        let pause = Duration::from_secs(60);
-        let mut body = ClientBody::new(Channel(rx), pause, Some(window.clone()), progress);
-        assert_eq!(holders(), 1);
+        let (mut body, _, tx) = http2(&window);
+        assert_eq!(holders(), 0);
         assert!(!ready_now(&mut body).await);
         assert_eq!(holders(), 0);
         tx.send(Ok(Frame::data(Bytes::from_static(b"a"))))
@@ -528,29 +606,20 @@ mod tests {
             .expect("send");
         body.frame().await.expect("a frame").expect("data");
         assert_eq!(holders(), 1);
+        assert!(!ready_now(&mut body).await);
+        assert_eq!(holders(), 0);
+        tx.send(Ok(Frame::data(Bytes::from_static(b"b"))))
+            .await
+            .expect("send");
+        body.frame().await.expect("a frame").expect("data");
+        assert_eq!(holders(), 1);
         drop(tx);
         assert!(body.frame().await.is_none());
         assert_eq!(holders(), 0);
-        // Dropped unread.
-        let (_tx, rx) = mpsc::channel(4);
-        let body = ClientBody::new(
-            Channel(rx),
-            pause,
-            Some(window.clone()),
-            Arc::new(BodyProgress::default()),
-        );
+        // Dropped while holding.
+        let (body, _tx) = holding(&window).await;
         assert_eq!(holders(), 1);
         drop(body);
-        assert_eq!(holders(), 0);
-        // Ended with its head.
-        let ended = ClientBody::new(
-            http_body_util::Empty::<Bytes>::new(),
-            pause,
-            Some(window.clone()),
-            Arc::new(BodyProgress::default()),
-        );
-        assert_eq!(holders(), 0);
-        drop(ended);
         assert_eq!(holders(), 0);
     }
 

@@ -221,6 +221,7 @@ pub async fn serve(
         // unread (see `ClientBody`).
         let window = Arc::new(ConnectionWindow::new(
             (HTTP2_CONNECTION_WINDOW / HTTP2_STREAM_WINDOW) as usize,
+            waits.clone(),
         ));
         // Watched while one of its HTTP/1 requests waits for that room, or
         // for a turn to the upstream (`--max-upstream-requests`).
