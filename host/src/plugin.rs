@@ -136,25 +136,32 @@ impl Plugin {
             None => (compile(engine, bytes)?, Compiled::Now),
         };
         check_contract_version(engine, &component)?;
-        let instance_pre = engine.linker.instantiate_pre(&component).with_context(|| {
-            format!(
+        let instance_pre = engine
+            .linker
+            .instantiate_pre(&component)
+            .map_err(one_line)
+            .with_context(|| {
+                format!(
                 "the plugin imports something the host does not provide (the host provides the \
                  {WORLD} world's clock, identity, log, request-headers and header-edits, and \
                  WASI 0.2's cli, \
                  clocks, filesystem, io, random and sockets, with nothing behind them; not \
                  wasi:http)"
             )
-        })?;
-        let pre = MiddlewarePre::new(instance_pre).with_context(|| {
-            format!(
-                "the plugin does not export the {} interface",
-                HandlerExports::INTERFACE
-            )
-        })?;
+            })?;
+        let pre = MiddlewarePre::new(instance_pre)
+            .map_err(one_line)
+            .with_context(|| {
+                format!(
+                    "the plugin does not export the {} interface",
+                    HandlerExports::INTERFACE
+                )
+            })?;
         // Already type-checked by `MiddlewarePre::new` above.
         let pre_async = engine
             .async_linker
             .instantiate_pre(&component)
+            .map_err(one_line)
             .context("linking the plugin for async calls")?;
         let exports = HandlerExports::find(&component)?;
 
@@ -334,13 +341,18 @@ fn refused(engine: &PluginEngine, e: wasmtime::Error) -> anyhow::Error {
              allows (`snowgate serve --plugin-memory-mib`)"
         ))
     } else {
-        // wasmparser quotes an invalid name byte for byte, newlines
-        // included: one line, escaped, as a compile process's refusal is.
-        let told = plugin_text(format!("{e:#}"), MAX_PLUGIN_TEXT);
-        wasmtime::Error::msg(told)
-            .context("the plugin is not a valid WebAssembly component for this host")
+        one_line(e).context("the plugin is not a valid WebAssembly component for this host")
     };
     anyhow::Error::from(e)
+}
+
+/// wasmtime's error about a component, as one line with its control
+/// characters escaped: wasmparser quotes an invalid name byte for byte,
+/// and wasmtime's linker a valid `url=<…>` import name, which may hold a
+/// newline or an escape; either would otherwise let a plugin file forge
+/// lines in the gateway's log. As a compile process's refusal is.
+fn one_line(e: wasmtime::Error) -> wasmtime::Error {
+    wasmtime::Error::msg(plugin_text(format!("{e:#}"), MAX_PLUGIN_TEXT))
 }
 
 /// Refuses a component that imports or exports an interface of a version
@@ -522,6 +534,26 @@ mod tests {
         assert!(!error.chars().any(char::is_control), "{error:?}");
         assert!(
             error.contains(r"x\n2026-12-06T00:00:00Z ERROR snowgate_host: forged\r\u{1b}[2K"),
+            "{error:?}"
+        );
+
+        // A valid `url=<…>` import name may hold a newline or an escape,
+        // and wasmtime's linker quotes it when it refuses the import.
+        let name = b"url=<x\n2026-12-06T00:00:00Z ERROR snowgate_host: forged\x1b[31m>";
+        // One function type, then one import of that name of it.
+        let mut bytes = b"\0asm\x0d\0\x01\0\x07\x05\x01\x40\x00\x01\x00\x0a".to_vec();
+        let mut section = vec![1, 0, name.len() as u8];
+        section.extend_from_slice(name);
+        section.extend_from_slice(&[1, 0]);
+        bytes.push(section.len() as u8);
+        bytes.extend_from_slice(&section);
+        let error = Plugin::load(&engine, &bytes, &[])
+            .err()
+            .expect("an import the host lacks");
+        let error = format!("{error:#}");
+        assert!(!error.chars().any(char::is_control), "{error:?}");
+        assert!(
+            error.contains(r"url=<x\n2026-12-06T00:00:00Z ERROR snowgate_host: forged\u{1b}[31m>"),
             "{error:?}"
         );
     }
