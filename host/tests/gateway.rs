@@ -3479,6 +3479,11 @@ async fn a_compressed_body_that_may_be_json_is_refused_with_415_naming_the_codin
             "Content-Type: application/x-www-form-urlencoded\r\nContent-Encoding: gzip\r\n",
             "gzip",
         ),
+        // MessagePack, whatever the content type says.
+        (
+            "Content-Type: text/plain\r\nX-TRTLLM-Msgpack: 1\r\nContent-Encoding: gzip\r\n",
+            "gzip",
+        ),
         (
             "Content-Type: application/json\r\nContent-Encoding: identity, deflate\r\n",
             "identity, deflate",
