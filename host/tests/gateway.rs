@@ -4069,6 +4069,10 @@ fn the_exposition_check_refuses_what_a_scraper_would() {
         ("a raw quote", good.replace("v\\\"", "v\"")),
         ("an unknown escape", good.replace("v\\\"", "v\\t")),
         ("a family split", format!("{good}a_total{{k=\"w\"}} 1\n")),
+        (
+            "a series twice",
+            good.replace("h_sum 3.5\n", "h_sum 3.5\nh_sum 3.5\n"),
+        ),
         ("no last newline", good.trim_end().to_string()),
     ];
     for (what, text) in bad {

@@ -1353,6 +1353,9 @@ pub fn assert_exposition(text: &str) {
     let mut buckets: std::collections::HashMap<String, Vec<(f64, f64)>> = Default::default();
     let mut counts: std::collections::HashMap<String, f64> = Default::default();
     let mut sums: HashSet<String> = HashSet::new();
+    // Every series, by its name and sorted labels: Prometheus refuses a
+    // scrape that gives one twice.
+    let mut series_seen: HashSet<String> = HashSet::new();
     assert!(
         text.ends_with('\n'),
         "the exposition ends without a newline"
@@ -1405,10 +1408,15 @@ pub fn assert_exposition(text: &str) {
                 .parse()
                 .unwrap_or_else(|_| panic!("{line:?}: not a number")),
         };
-        let (name, labels) = match series.split_once('{') {
+        let (name, mut labels) = match series.split_once('{') {
             Some((name, labels)) => (name, exposition_labels(labels, line)),
             None => (series, Vec::new()),
         };
+        labels.sort();
+        assert!(
+            series_seen.insert(format!("{name}{labels:?}")),
+            "{line:?}: a series given twice"
+        );
         assert!(
             name.chars()
                 .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':'),
