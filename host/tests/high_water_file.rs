@@ -920,3 +920,66 @@ async fn a_file_that_does_not_read_stops_the_start_saying_why() {
         "{stderr}"
     );
 }
+
+/// A high-water file replaced while its gateway runs by one holding a
+/// higher mark (a copy restored into place, another run's file moved
+/// there) is taken over keeping that mark: the gateway's ids go on above
+/// it, and neither its next raise nor its stop writes a lower mark over
+/// it. Before, the takeover wrote the higher mark once, the next raise
+/// about a second later wrote the gateway's own lower one over it, and the
+/// gateway's ids went on below it, among those the file said were used.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_replaced_by_one_with_a_higher_mark_keeps_it() {
+    let Some(library) = support::faketime() else {
+        return;
+    };
+    let (dir, file) = scratch("replaced");
+    let file_arg = file.to_str().expect("a UTF-8 path");
+    let gateway = Gateway::start(&["--high-water-file", file_arg]).await;
+    let before = stamp(&gateway, 3).await;
+
+    // A run 4 s ahead (within the id clock's lead) on a file of its own.
+    let ahead = dir.path().join("ahead.mark");
+    let faked = faked_clock(&library, "+4s");
+    rewritten_id(&rewrite(
+        &["--high-water-file", ahead.to_str().expect("a UTF-8 path")],
+        &env_of(&faked),
+    ));
+    let adopted = mark_in(&ahead);
+    assert!(
+        adopted > before.iter().copied().map(millis_of).max().expect("ids") + 2_000,
+        "the copy's mark is not ahead"
+    );
+    std::fs::rename(&ahead, &file).expect("replaced");
+    gateway
+        .wait_log("was removed or replaced while this gateway ran")
+        .await;
+    // Ids stop (503) from the takeover until the mark past the adopted
+    // one is written.
+    gateway
+        .wait_status("the mark raised past the adopted one", STEP, |status| {
+            status["high_water_file"]["mark"].as_u64() > Some(adopted)
+        })
+        .await;
+
+    let after = stamp(&gateway, 20).await;
+    for id in &after {
+        assert!(
+            millis_of(*id) > adopted,
+            "an id at {} ms, not above the adopted mark {adopted}",
+            millis_of(*id)
+        );
+    }
+    // Two more raises: neither writes below it.
+    let writes = gateway.status().await["high_water_file"]["writes"]
+        .as_u64()
+        .expect("a count");
+    gateway
+        .wait_status("two more raises", STEP, |status| {
+            status["high_water_file"]["writes"].as_u64() >= Some(writes + 2)
+        })
+        .await;
+    assert!(mark_in(&file) >= adopted, "lowered by a raise");
+    gateway.stop().await;
+    assert!(mark_in(&file) >= adopted, "lowered at the stop");
+}

@@ -278,7 +278,15 @@ impl MarkKeeper {
         .await;
         let before = format_millis(self.shared.status.mark());
         match written {
-            Ok(Ok(Ok(()))) => {
+            Ok(Ok(Ok(written))) if written > last => {
+                self.shared.status.mark.store(written, Ordering::Relaxed);
+                tracing::info!(
+                    path,
+                    "the high-water file, taken over, keeps its higher mark {}",
+                    format_millis(written)
+                );
+            }
+            Ok(Ok(Ok(_))) => {
                 self.shared.status.mark.store(last, Ordering::Relaxed);
                 tracing::info!(
                     path,
@@ -398,11 +406,23 @@ impl Shared {
             .last_tick()
             .map_or(0, |tick| tick.millis);
         let confirmed = self.services.identity.ceiling().unwrap_or(0);
-        let mark = now.max(last).saturating_add(lead).max(confirmed);
-        let shared = self.clone();
-        tokio::task::spawn_blocking(move || shared.file.write(mark))
-            .await
-            .context("the high-water file's writing task failed")??;
+        let mut mark = now.max(last).saturating_add(lead).max(confirmed);
+        // A file taken over (replaced while this gateway ran) may hold a
+        // higher mark: ids from now on stay above it, as after a start
+        // that read it, and the mark is raised past it at once, the lead
+        // ahead of the ids to come. Before, the next raise wrote this
+        // gateway's lower mark over it, and its ids went on below it.
+        loop {
+            let shared = self.clone();
+            let written = tokio::task::spawn_blocking(move || shared.file.write(mark))
+                .await
+                .context("the high-water file's writing task failed")??;
+            if written <= mark {
+                break;
+            }
+            self.services.clock.advance_past(written);
+            mark = written.saturating_add(lead);
+        }
         let (next_lead, slowest) = {
             let mut times = self.lead();
             times.record(began.elapsed());

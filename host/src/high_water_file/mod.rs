@@ -169,11 +169,15 @@ impl HighWaterFile {
     /// there is none, locked, its mark read), logged at WARN, and the
     /// higher of the two marks written to it. One another process holds
     /// locked is an error, as at a start.
-    pub fn write(&self, millis: u64) -> anyhow::Result<()> {
+    ///
+    /// Returns the mark written: `millis`, or the higher mark of a file
+    /// taken over, which the caller's ids must then stay above (its id
+    /// clock advanced past it), as after a start that read it.
+    pub fn write(&self, millis: u64) -> anyhow::Result<u64> {
         let mut file = self.file.lock().unwrap_or_else(|p| p.into_inner());
         self.write_to(&file, millis)?;
         if self.still_at_path(&file)? {
-            return Ok(());
+            return Ok(millis);
         }
         let (found, stored) = HighWaterFile::open(&self.path, self.layout, self.machine_id)
             .context("the high-water file was removed or replaced while this gateway ran")?;
@@ -193,7 +197,7 @@ impl HighWaterFile {
             format_millis(mark)
         );
         *file = found;
-        Ok(())
+        Ok(mark)
     }
 
     /// [`HighWaterFile::write`] to `file`, whatever the path leads to.
@@ -511,9 +515,10 @@ mod tests {
         let copy = path.with_extension("copy");
         std::fs::write(&copy, file_of(&record(NOW + 9_000), &record(NOW + 9_000))).expect("copy");
         std::fs::rename(&copy, &path).expect("replaced");
-        file.write(NOW + 2_000).expect("taken over");
+        // The higher mark is told, for the writer's ids to stay above.
+        assert_eq!(file.write(NOW + 2_000).expect("taken over"), NOW + 9_000);
         assert_eq!(read(&path), Ok(Some(NOW + 9_000)));
-        file.write(NOW + 10_000).expect("written");
+        assert_eq!(file.write(NOW + 10_000).expect("written"), NOW + 10_000);
         assert_eq!(read(&path), Ok(Some(NOW + 10_000)));
 
         // Removed, and a second gateway made it anew first: refused.

@@ -58,10 +58,20 @@ impl RunMark {
             return Ok(());
         };
         let file = self.file.clone();
-        within(self.file.path(), "writing the mark to", move || {
+        let written = within(self.file.path(), "writing the mark to", move || {
             file.write(last.millis)
         })
-        .context("the ids made are not recorded, so the body is not written")
+        .context("the ids made are not recorded, so the body is not written")?;
+        // The file was replaced during the run by one with a higher mark:
+        // the ids made, below it, may be ones its writer made.
+        anyhow::ensure!(
+            written <= last.millis,
+            "the high-water file {} was replaced during the run by one whose mark, {}, is past \
+             the ids made, which may repeat ids made before; the body is not written",
+            self.file.path().display(),
+            written
+        );
+        Ok(())
     }
 }
 
