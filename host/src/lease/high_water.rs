@@ -142,16 +142,29 @@ impl Keeper {
         // Never below the mark already confirmed (the wall clock may have
         // stepped back): ids up to that one may have left already.
         let confirmed = self.services.identity.ceiling().unwrap_or(0);
-        let mark = (now.max(last) + self.mark_ahead()).max(confirmed);
-        if self.put_mark(client, id, lease_id, mark).await? {
-            Ok(Reserved::Raised(mark))
-        } else {
-            Ok(Reserved::NotOurs)
+        let mut mark = (now.max(last) + self.mark_ahead()).max(confirmed);
+        for _ in 0..MARK_WRITE_ATTEMPTS {
+            match self.put_mark(client, id, lease_id, mark).await? {
+                None => return Ok(Reserved::NotOurs),
+                // Someone else's higher mark, kept: ids with this machine
+                // id may have gone up to it, so this holder's go on past
+                // it, and its mark is raised past it at once. Before, its
+                // ids went on below it, and could repeat those.
+                Some(written) if written > mark => {
+                    self.services.clock.advance_past(written);
+                    mark = written + self.mark_ahead();
+                }
+                Some(_) => return Ok(Reserved::Raised(mark)),
+            }
         }
+        anyhow::bail!(
+            "the high-water mark of machine id {id} was raised past this holder's \
+             {MARK_WRITE_ATTEMPTS} times in a row: something other than its holder is writing it"
+        )
     }
 
     /// Writes `mark` as slot `id`'s high-water mark if the slot's key is
-    /// bound to `lease_id`; whether it was.
+    /// bound to `lease_id`.
     ///
     /// The write also requires the mark to be as it was read just before:
     /// a write that reaches etcd late (sent to a member that froze, and
@@ -164,15 +177,18 @@ impl Keeper {
     /// A mark read above `mark` and above every mark this keeper sent for
     /// the slot was written by someone else (an operator moving a fixed
     /// id's history into etcd): it is kept, not lowered, so that the
-    /// slot's next holder starts past it. The holder's own ceiling stays
-    /// `mark`, which the slot's mark is then above.
+    /// slot's next holder starts past it, and returned, for this holder's
+    /// ids to go past it too (see [`Keeper::reserve`]).
+    ///
+    /// Returns the mark written, or `None` where the slot's key is no
+    /// longer bound to `lease_id`.
     pub(super) async fn put_mark(
         &self,
         client: &mut Client,
         id: u32,
         lease_id: i64,
         mark: u64,
-    ) -> anyhow::Result<bool> {
+    ) -> anyhow::Result<Option<u64>> {
         let slot = format!("{}{id}", self.slots_prefix());
         let key = self.high_water_key(id);
         for _ in 0..MARK_WRITE_ATTEMPTS {
@@ -199,14 +215,14 @@ impl Keeper {
                 .await
                 .with_context(|| format!("writing the high-water mark {key}"))?;
             if response.succeeded() {
-                return Ok(true);
+                return Ok(Some(written));
             }
             let still_ours = response.op_responses().iter().any(|op| {
                 matches!(op, TxnOpResponse::Get(slot)
                     if slot.kvs().first().is_some_and(|kv| kv.lease() == lease_id))
             });
             if !still_ours {
-                return Ok(false);
+                return Ok(None);
             }
         }
         anyhow::bail!(
