@@ -31,8 +31,18 @@ impl BootTime {
     }
 }
 
+/// The boot clock; should a reading of it ever fail, the last good
+/// reading before the first failure plus the time since by `Instant`, so
+/// that the clock never jumps back. (Falling back to the time since the
+/// first fallback reading, near zero, jumped it back by the machine's
+/// uptime, and made an expired lease deadline look alive.)
 #[cfg(target_os = "linux")]
 fn read() -> Duration {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::OnceLock;
+    use std::time::Instant;
+    static LAST_GOOD_NANOS: AtomicU64 = AtomicU64::new(0);
+    static AFTER_FAILURE: OnceLock<(Duration, Instant)> = OnceLock::new();
     let mut now = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
@@ -41,9 +51,15 @@ fn read() -> Duration {
     // every Linux since 2.6.39.
     let status = unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut now) };
     if status != 0 {
-        return fallback();
+        let (base, at) = AFTER_FAILURE.get_or_init(|| {
+            let nanos = LAST_GOOD_NANOS.load(Ordering::Relaxed);
+            (Duration::from_nanos(nanos), Instant::now())
+        });
+        return *base + at.elapsed();
     }
-    Duration::new(now.tv_sec as u64, now.tv_nsec as u32)
+    let reading = Duration::new(now.tv_sec as u64, now.tv_nsec as u32);
+    LAST_GOOD_NANOS.store(reading.as_nanos() as u64, Ordering::Relaxed);
+    reading
 }
 
 #[cfg(not(target_os = "linux"))]
@@ -52,7 +68,8 @@ fn read() -> Duration {
 }
 
 /// Time since the first reading, by `Instant`: where there is no boot
-/// clock (or it failed), suspends are not counted.
+/// clock, suspends are not counted.
+#[cfg(not(target_os = "linux"))]
 fn fallback() -> Duration {
     use std::sync::OnceLock;
     use std::time::Instant;
