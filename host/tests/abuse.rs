@@ -950,9 +950,12 @@ async fn an_http2_client_that_stalls_a_streamed_body_gets_408() {
         response.text()
     );
     drop(body);
-    // The queued ones end their (empty) bodies and go in turn.
-    for (body, answer) in queued {
-        drop(body);
+    // The queued ones end their (empty) bodies, all at once (one that got
+    // its turn while its body was still open would be timed as any other),
+    // and go in turn.
+    let (bodies, answers): (Vec<_>, Vec<_>) = queued.into_iter().unzip();
+    drop(bodies);
+    for answer in answers {
         let answer = bounded("a queued request's answer", STEP, answer)
             .await
             .expect("joined")
