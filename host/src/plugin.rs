@@ -473,12 +473,8 @@ mod tests {
         component.finish()
     }
 
-    /// A component that needs more of the instance pool than a plugin
-    /// instance may take (here two memories, where the pool holds one an
-    /// instance) is refused when it is loaded, saying so. Before, it loaded,
-    /// and then took two of the pool's memories for each instance.
-    #[test]
-    fn a_component_that_needs_more_of_the_pool_than_an_instance_may_take_is_refused() {
+    /// An engine with the default limits, the system clock and machine id 1.
+    fn engine() -> PluginEngine {
         let services = crate::engine::HostServices {
             clock: std::sync::Arc::new(crate::clock::IdClock::system()),
             identity: std::sync::Arc::new(
@@ -489,8 +485,16 @@ mod tests {
                 .expect("machine id 1"),
             ),
         };
-        let engine =
-            PluginEngine::new(services, crate::limits::PluginLimits::default()).expect("an engine");
+        PluginEngine::new(services, crate::limits::PluginLimits::default()).expect("an engine")
+    }
+
+    /// A component that needs more of the instance pool than a plugin
+    /// instance may take (here two memories, where the pool holds one an
+    /// instance) is refused when it is loaded, saying so. Before, it loaded,
+    /// and then took two of the pool's memories for each instance.
+    #[test]
+    fn a_component_that_needs_more_of_the_pool_than_an_instance_may_take_is_refused() {
+        let engine = engine();
         let error = compile(&engine, &component_of_memories(2)).expect_err("two memories");
         let error = format!("{error:#}");
         assert!(
@@ -508,18 +512,7 @@ mod tests {
     /// newline below began a line of its own.
     #[test]
     fn a_refusal_quoting_the_components_words_is_one_line() {
-        let services = crate::engine::HostServices {
-            clock: std::sync::Arc::new(crate::clock::IdClock::system()),
-            identity: std::sync::Arc::new(
-                crate::identity::MachineIdentity::fixed(
-                    snowgate_plugin::SnowflakeLayout::TrtllmV1,
-                    1,
-                )
-                .expect("machine id 1"),
-            ),
-        };
-        let engine =
-            PluginEngine::new(services, crate::limits::PluginLimits::default()).expect("an engine");
+        let engine = engine();
         let name = b"x\n2026-12-06T00:00:00Z ERROR snowgate_host: forged\r\x1b[2K";
         // A component of one import section with one import of that name
         // (a component import of an instance type, which follows it).
