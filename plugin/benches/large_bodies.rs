@@ -2,7 +2,14 @@
 //! (`tokens`), an array of one-byte integers (`fixints`), a map of long
 //! array keys over params (`tuple_keys`) and one of string keys sharing a
 //! long prefix over params (`string_keys`); JSON: the same string keys
-//! (`json_string_keys`). The last three are hostile bodies.
+//! (`json_string_keys`). The last three are hostile bodies. Then the
+//! densest bodies, nothing but params maps to stamp, in an array
+//! (`params`, `json_params`) and under distinct short keys (`int_keys`,
+//! `json_short_keys`); and the tiniest containers, one to three bytes
+//! each: empty maps (`empty_maps`), empty arrays (`empty_arrays`), `[{}]`
+//! (`empty_map_arrays`) and `{(): 0}` (`tuple_key_maps`), and in JSON
+//! `{}`, `[{}]` and `{"":0}` (`json_empty_objects`,
+//! `json_empty_object_arrays`, `json_empty_key_objects`).
 //!
 //! ```sh
 //! cargo bench -p snowgate-plugin --bench large_bodies             # times
@@ -29,12 +36,23 @@ mod hostile_bodies;
 const SIZE: usize = 32 << 20;
 
 /// The bodies, by name.
-const CASES: [&str; 5] = [
+const CASES: [&str; 16] = [
     "tokens",
     "fixints",
     "tuple_keys",
     "string_keys",
     "json_string_keys",
+    "params",
+    "json_params",
+    "int_keys",
+    "json_short_keys",
+    "empty_maps",
+    "empty_arrays",
+    "empty_map_arrays",
+    "tuple_key_maps",
+    "json_empty_objects",
+    "json_empty_object_arrays",
+    "json_empty_key_objects",
 ];
 
 /// `{"prompt_token_ids": [...]}` of about [`SIZE`] bytes: ids below
@@ -73,6 +91,63 @@ fn fixints() -> Vec<u8> {
     body
 }
 
+/// An array 32 of as many copies of `item` as fit in [`SIZE`] bytes.
+fn array_of(item: &[u8]) -> Vec<u8> {
+    let count = (SIZE - 5) / item.len();
+    let mut body = vec![0xdd];
+    body.extend_from_slice(&(count as u32).to_be_bytes());
+    for _ in 0..count {
+        body.extend_from_slice(item);
+    }
+    body
+}
+
+/// A JSON array of as many copies of `item` as fit in [`SIZE`] bytes.
+fn json_array_of(item: &[u8]) -> Vec<u8> {
+    let count = (SIZE - 1) / (item.len() + 1);
+    let mut body = Vec::with_capacity(SIZE);
+    for _ in 0..count {
+        body.push(if body.is_empty() { b'[' } else { b',' });
+        body.extend_from_slice(item);
+    }
+    body.push(b']');
+    body
+}
+
+/// A map 32 of distinct uint 32 keys, each over params, [`SIZE`] bytes at
+/// most: the most keys over edits a MessagePack body of its size holds.
+fn int_keys() -> Vec<u8> {
+    let params = hostile_bodies::context_only_params();
+    let count = (SIZE - 5) / (5 + params.len());
+    let mut body = vec![0xdf];
+    body.extend_from_slice(&(count as u32).to_be_bytes());
+    for key in 0..count as u32 {
+        body.push(0xce);
+        body.extend_from_slice(&key.to_be_bytes());
+        body.extend_from_slice(&params);
+    }
+    body
+}
+
+/// The same in JSON, `{"0":{"disaggregated_params":{...}},"1":...}`.
+fn json_short_keys() -> Vec<u8> {
+    let params = br#"{"disaggregated_params":{"request_type":"context_only"}}"#;
+    let mut body = Vec::with_capacity(SIZE);
+    let mut key = 0;
+    loop {
+        let member = format!("\"{key}\":");
+        if body.len() + 1 + member.len() + params.len() + 1 > SIZE {
+            break;
+        }
+        body.push(if body.is_empty() { b'{' } else { b',' });
+        body.extend_from_slice(member.as_bytes());
+        body.extend_from_slice(params);
+        key += 1;
+    }
+    body.push(b'}');
+    body
+}
+
 /// The body of `case`, one of [`CASES`].
 fn body(case: &str) -> Vec<u8> {
     match case {
@@ -81,6 +156,19 @@ fn body(case: &str) -> Vec<u8> {
         "tuple_keys" => hostile_bodies::tuple_keyed_within(SIZE).0,
         "string_keys" => hostile_bodies::string_keyed_within(SIZE).0,
         "json_string_keys" => hostile_bodies::json_string_keyed_within(SIZE).0,
+        "params" => array_of(&hostile_bodies::context_only_params()),
+        "json_params" => {
+            json_array_of(br#"{"disaggregated_params":{"request_type":"context_only"}}"#)
+        }
+        "int_keys" => int_keys(),
+        "json_short_keys" => json_short_keys(),
+        "empty_maps" => array_of(&[0x80]),
+        "empty_arrays" => array_of(&[0x90]),
+        "empty_map_arrays" => array_of(&[0x91, 0x80]),
+        "tuple_key_maps" => array_of(&[0x81, 0x90, 0x00]),
+        "json_empty_objects" => json_array_of(b"{}"),
+        "json_empty_object_arrays" => json_array_of(b"[{}]"),
+        "json_empty_key_objects" => json_array_of(br#"{"":0}"#),
         other => panic!("no case {other:?}: one of {CASES:?}"),
     }
 }

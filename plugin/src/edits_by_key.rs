@@ -19,48 +19,200 @@
 //! nothing more). One list for all of them, looked through by every key,
 //! let a body of a thousand such pairs and millions of short keys after
 //! them run past the deadline.
+//!
+//! What a key is held as by hash is up to the walk: the JSON walk holds
+//! its text; the MessagePack walk holds where it is in the body, and reads
+//! it again when a key of the same hash comes. A map of a million keys
+//! over params, each held until the map ends, took six times its body in
+//! memory when each B-tree entry held the key's value (56 bytes in wasm,
+//! 20 now).
 
 use std::borrow::Borrow;
 use std::collections::BTreeMap;
 use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher, Hash};
+use std::mem::ManuallyDrop;
 use std::ops::Range;
 
-/// Edit ranges by key.
-pub(crate) struct EditsByKey<K> {
+/// Edit ranges by key: the key held singly as a `K`, compared with each
+/// key read, and the others as an `M` by their hash.
+pub(crate) struct EditsByKey<K, M = K> {
     /// How many keys are held: most objects hold none, and each key read
     /// asks, so that is the one comparison on their way.
     held: usize,
-    /// The first key given edits while no other was held.
-    one: Option<(K, Range<usize>)>,
-    /// Every other key given edits, by its hash.
-    more: BTreeMap<u64, (K, Range<usize>)>,
-    /// Keys whose hash another key held in `more` has, by that hash: every
-    /// hash here is one of `more`'s too.
-    collided: BTreeMap<u64, Vec<(K, Range<usize>)>>,
+    /// The first key given edits while no other was held. (Dropped by
+    /// hand, with `more`, so that dropping an object that held nothing is
+    /// a comparison where it was a call of some 20 instructions: the
+    /// walks make one for each object, and a body of empty maps or
+    /// objects is one every byte or three.)
+    one: ManuallyDrop<Option<(K, Range<usize>)>>,
+    /// Every other key given edits, by its hash: made at the first such
+    /// key, so that an object that has none costs a word to make.
+    more: ManuallyDrop<Option<Box<ByHash<M>>>>,
     /// How many keys held in `collided` lookups compared: the work that
     /// keys of a hash no key collides on must not cause.
     #[cfg(test)]
     compared: usize,
 }
 
+/// Keys held by their hash.
+struct ByHash<M> {
+    /// A key of each hash, the first given edits.
+    first: BTreeMap<u64, (M, Range<usize>)>,
+    /// Keys whose hash another key held in `first` has, by that hash:
+    /// every hash here is one of `first`'s too.
+    collided: BTreeMap<u64, Vec<(M, Range<usize>)>>,
+}
+
 /// SipHash-1-3 with fixed keys: the same hashes in every instance.
-fn hash_of<Q: Hash + ?Sized>(key: &Q) -> u64 {
+pub(crate) fn hash_of<Q: Hash + ?Sized>(key: &Q) -> u64 {
     BuildHasherDefault::<DefaultHasher>::default().hash_one(key)
 }
 
-impl<K: Hash + Eq> EditsByKey<K> {
+impl<K, M> EditsByKey<K, M> {
     /// None yet (nothing allocated).
-    pub(crate) fn new() -> EditsByKey<K> {
+    #[inline(always)]
+    pub(crate) fn new() -> EditsByKey<K, M> {
         EditsByKey {
             held: 0,
-            one: None,
-            more: BTreeMap::new(),
-            collided: BTreeMap::new(),
+            one: ManuallyDrop::new(None),
+            more: ManuallyDrop::new(None),
             #[cfg(test)]
             compared: 0,
         }
     }
 
+    /// Whether no key is held.
+    #[inline(always)]
+    pub(crate) fn is_empty(&self) -> bool {
+        self.held == 0
+    }
+
+    /// The edits held under a key, taken out: a duplicate of it came.
+    /// `same_one` says whether the key held singly is it, `hash` gives its
+    /// hash (asked only when keys are held by hash), and `same` says
+    /// whether a key held by that hash is it.
+    #[inline]
+    pub(crate) fn remove_by(
+        &mut self,
+        same_one: impl FnOnce(&K) -> bool,
+        hash: impl FnOnce() -> u64,
+        same: impl FnMut(&M) -> bool,
+    ) -> Option<Range<usize>> {
+        if self.held == 0 {
+            return None;
+        }
+        let found = self.find(same_one, hash, same);
+        self.held -= usize::from(found.is_some());
+        found
+    }
+
+    /// [`EditsByKey::remove_by`] once some key is held: out of the way of
+    /// the objects that hold none.
+    #[inline(never)]
+    fn find(
+        &mut self,
+        same_one: impl FnOnce(&K) -> bool,
+        hash: impl FnOnce() -> u64,
+        mut same: impl FnMut(&M) -> bool,
+    ) -> Option<Range<usize>> {
+        if self.one.as_ref().is_some_and(|(held, _)| same_one(held)) {
+            return self.one.take().map(|(_, range)| range);
+        }
+        let more = self.more.as_mut()?;
+        if more.first.is_empty() {
+            return None;
+        }
+        let hash = hash();
+        // No key held by this hash, so none held apart for it either.
+        let (held, _) = more.first.get(&hash)?;
+        if same(held) {
+            let (_, range) = more.first.remove(&hash)?;
+            // A key held apart for the hash takes the place.
+            if let Some(apart) = more.collided.get_mut(&hash) {
+                if let Some(next) = apart.pop() {
+                    more.first.insert(hash, next);
+                }
+                if apart.is_empty() {
+                    more.collided.remove(&hash);
+                }
+            }
+            return Some(range);
+        }
+        let apart = more.collided.get_mut(&hash)?;
+        #[cfg(test)]
+        {
+            self.compared += apart.len();
+        }
+        let at = apart.iter().position(|(held, _)| same(held))?;
+        let (_, range) = apart.swap_remove(at);
+        if apart.is_empty() {
+            more.collided.remove(&hash);
+        }
+        Some(range)
+    }
+
+    /// Holds `range`, the edits of `key`'s value, until a duplicate of it
+    /// comes: singly when no other key is held, else as what `by_hash`
+    /// makes of it, its hash and what is held. `key` is held by none:
+    /// [`EditsByKey::remove_by`] took it out.
+    #[inline(never)]
+    pub(crate) fn insert_by(
+        &mut self,
+        key: K,
+        by_hash: impl FnOnce(K) -> (u64, M),
+        range: Range<usize>,
+    ) {
+        self.held += 1;
+        let more = match &mut *self.more {
+            None if self.one.is_none() => {
+                *self.one = Some((key, range));
+                return;
+            }
+            Some(more) if self.one.is_none() && more.first.is_empty() => {
+                *self.one = Some((key, range));
+                return;
+            }
+            Some(more) => more,
+            None => self.more.insert(Box::new(ByHash {
+                first: BTreeMap::new(),
+                collided: BTreeMap::new(),
+            })),
+        };
+        let (hash, held) = by_hash(key);
+        match more.first.entry(hash) {
+            std::collections::btree_map::Entry::Vacant(slot) => {
+                slot.insert((held, range));
+            }
+            std::collections::btree_map::Entry::Occupied(_) => {
+                more.collided.entry(hash).or_default().push((held, range))
+            }
+        }
+    }
+}
+
+impl<K, M> Drop for EditsByKey<K, M> {
+    #[inline(always)]
+    fn drop(&mut self) {
+        if self.one.is_some() || self.more.is_some() {
+            self.drop_held();
+        }
+    }
+}
+
+impl<K, M> EditsByKey<K, M> {
+    /// [`Drop::drop`] once a key was held.
+    #[inline(never)]
+    fn drop_held(&mut self) {
+        // SAFETY: `drop` calls this once, and nothing uses the fields
+        // after it.
+        unsafe {
+            ManuallyDrop::drop(&mut self.one);
+            ManuallyDrop::drop(&mut self.more);
+        }
+    }
+}
+
+impl<K: Hash + Eq> EditsByKey<K> {
     /// The edits held under `key`, taken out: a duplicate of it came.
     #[inline]
     pub(crate) fn remove<Q>(&mut self, key: &Q) -> Option<Range<usize>>
@@ -68,79 +220,18 @@ impl<K: Hash + Eq> EditsByKey<K> {
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
     {
-        if self.held == 0 {
-            return None;
-        }
-        let found = self.find(key);
-        self.held -= usize::from(found.is_some());
-        found
-    }
-
-    /// [`EditsByKey::remove`] once some key is held: out of the way of
-    /// the objects that hold none.
-    #[inline(never)]
-    fn find<Q>(&mut self, key: &Q) -> Option<Range<usize>>
-    where
-        K: Borrow<Q>,
-        Q: Hash + Eq + ?Sized,
-    {
-        if self
-            .one
-            .as_ref()
-            .is_some_and(|(held, _)| held.borrow() == key)
-        {
-            return self.one.take().map(|(_, range)| range);
-        }
-        if self.more.is_empty() {
-            return None;
-        }
-        let hash = hash_of(key);
-        // No key held by this hash, so none held apart for it either.
-        let (held, _) = self.more.get(&hash)?;
-        if held.borrow() == key {
-            let (_, range) = self.more.remove(&hash)?;
-            // A key held apart for the hash takes the place.
-            if let Some(apart) = self.collided.get_mut(&hash) {
-                if let Some(next) = apart.pop() {
-                    self.more.insert(hash, next);
-                }
-                if apart.is_empty() {
-                    self.collided.remove(&hash);
-                }
-            }
-            return Some(range);
-        }
-        let apart = self.collided.get_mut(&hash)?;
-        #[cfg(test)]
-        {
-            self.compared += apart.len();
-        }
-        let at = apart.iter().position(|(held, _)| held.borrow() == key)?;
-        let (_, range) = apart.swap_remove(at);
-        if apart.is_empty() {
-            self.collided.remove(&hash);
-        }
-        Some(range)
+        self.remove_by(
+            |held| held.borrow() == key,
+            || hash_of(key),
+            |held| held.borrow() == key,
+        )
     }
 
     /// Holds `range`, the edits of `key`'s value, until a duplicate of it
     /// comes. `key` is held by none: [`EditsByKey::remove`] took it out.
-    #[inline(never)]
+    #[inline]
     pub(crate) fn insert(&mut self, key: K, range: Range<usize>) {
-        self.held += 1;
-        if self.one.is_none() && self.more.is_empty() {
-            self.one = Some((key, range));
-            return;
-        }
-        let hash = hash_of(&key);
-        match self.more.entry(hash) {
-            std::collections::btree_map::Entry::Vacant(slot) => {
-                slot.insert((key, range));
-            }
-            std::collections::btree_map::Entry::Occupied(_) => {
-                self.collided.entry(hash).or_default().push((key, range))
-            }
-        }
+        self.insert_by(key, |key| (hash_of(&key), key), range)
     }
 }
 
@@ -167,6 +258,28 @@ mod tests {
         assert_eq!(edits.remove(&"c"), Some(2..4));
         assert_eq!(edits.remove(&"d"), Some(4..5));
         assert_eq!(edits.remove(&"d"), None);
+    }
+
+    /// The keys held, singly, by hash and apart, are dropped with the
+    /// edits' holder, once.
+    #[test]
+    fn held_keys_are_dropped_with_it() {
+        let key = std::rc::Rc::new(7u32);
+        let mut edits = EditsByKey::new();
+        edits.insert(key.clone(), 0..1);
+        drop(edits);
+        assert_eq!(std::rc::Rc::strong_count(&key), 1);
+        // Singly, by hash 0, apart (hash 0 again), by hash 1.
+        let mut held = EditsByKey::<_, std::rc::Rc<u32>>::new();
+        for hash in [0, 0, 0, 1] {
+            held.insert_by(key.clone(), |key| (hash, key), 0..1);
+        }
+        assert_eq!(held.more.as_ref().unwrap().collided.len(), 1);
+        assert_eq!(std::rc::Rc::strong_count(&key), 5);
+        drop(held);
+        assert_eq!(std::rc::Rc::strong_count(&key), 1);
+        // One that held nothing.
+        drop(EditsByKey::<String>::new());
     }
 
     /// Keys that all hash alike: every one past the first two is held as
@@ -230,7 +343,11 @@ mod tests {
             edits.insert(key(pair, 0), 0..1);
             edits.insert(key(pair, 1), 1..2);
         }
-        assert_eq!(edits.collided.len(), 999, "the first of all is held singly");
+        assert_eq!(
+            edits.more.as_ref().unwrap().collided.len(),
+            999,
+            "the first of all is held singly"
+        );
         for other in 1000..11_000 {
             assert_eq!(edits.remove(&key(other, 0)), None);
         }
@@ -244,7 +361,8 @@ mod tests {
         assert_eq!(edits.remove(&key(501, 1)), Some(1..2));
         assert_eq!(edits.remove(&key(501, 0)), Some(0..1));
         for hash in [500, 501] {
-            assert!(!edits.collided.contains_key(&hash_of(&key(hash, 0))));
+            let more = edits.more.as_ref().unwrap();
+            assert!(!more.collided.contains_key(&hash_of(&key(hash, 0))));
         }
         assert_eq!(edits.remove(&key(500, 0)), None);
     }

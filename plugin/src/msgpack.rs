@@ -13,7 +13,7 @@ use std::fmt;
 use crate::body::{
     live_edits, CONTEXT_ONLY, ID_KEY, MAX_NESTING_DEPTH, PARAMS_KEY, REQUEST_TYPE_KEY,
 };
-use crate::edits_by_key::EditsByKey;
+use crate::edits_by_key::{hash_of, EditsByKey};
 
 /// `disagg_request_id` as a MessagePack fixstr (17 bytes).
 const ID_KEY_FIXSTR: u8 = 0xa0 | ID_KEY.len() as u8;
@@ -85,17 +85,7 @@ pub fn find_msgpack_edits(body: &[u8]) -> Result<Vec<MsgpackEdit>, MsgpackError>
             problem: "the body is empty",
         });
     }
-    let mut walk = Walk {
-        bytes: body,
-        pos: 0,
-        depth: 0,
-        edits: Vec::new(),
-        in_key: 0,
-        tuple_depth: 0,
-        tuple: Vec::new(),
-        tuple_incomparable: false,
-        tuple_encoding_left: MAX_TUPLE_ENCODING,
-    };
+    let mut walk = Walk::new(body);
     walk.value(false)?;
     if walk.pos != body.len() {
         return Err(walk.error("unexpected data after the MessagePack value"));
@@ -105,81 +95,71 @@ pub fn find_msgpack_edits(body: &[u8]) -> Result<Vec<MsgpackEdit>, MsgpackError>
     // Each starts at a byte of its own, so an unstable sort (which needs no
     // scratch memory) gives the one order.
     edits.sort_unstable_by_key(MsgpackEdit::start);
+    // The list's room for more is free again for the stamped body when
+    // the list is the plugin's topmost block: up to half of it, 7 MiB of
+    // a 32 MiB body of params maps. (A request's few edits keep theirs:
+    // the call would cost more than the room.)
+    if (edits.capacity() - edits.len()) * std::mem::size_of::<MsgpackEdit>() >= 64 << 10 {
+        edits.shrink_to_fit();
+    }
     Ok(edits)
 }
 
 /// Returns `body` with `ids[i]` written by `edits[i]`, as
 /// [`find_msgpack_edits`] returned them; `ids` must be as long as `edits`.
 ///
-/// Beside the body and its copy it holds one small entry per splice (two
-/// for a map that gains a pair): a body that is nothing but params maps
-/// has an id every 50 bytes, so per-splice buffers would take more memory
-/// than the body itself.
+/// Beside the body and its copy it holds only the maps whose pair is yet
+/// to be appended, each inside the one before (at most
+/// [`MAX_NESTING_DEPTH`]): a body that is nothing but params maps has an
+/// id every 49 bytes, and a list of every place the body changes (two a
+/// map) took 32 bytes an id in wasm, two thirds of the body again.
 pub fn apply(body: &[u8], edits: &[MsgpackEdit], ids: &[u64]) -> Vec<u8> {
     debug_assert_eq!(edits.len(), ids.len());
-    /// One place the body changes: part of `edits[edit]`, at byte `at`.
-    struct Splice {
-        at: usize,
-        /// Whether it replaces bytes (a map's header, the nil), and the
-        /// map's header or the nil's offset. Among splices at one offset:
-        /// insertions (`false`) first, the innermost map's (the latest
-        /// header) first of all; then a replacement.
-        order: (bool, std::cmp::Reverse<usize>),
-        edit: usize,
-    }
-    let mut splices = Vec::with_capacity(edits.len() * 2);
-    let mut grown = 0;
-    for (index, edit) in edits.iter().enumerate() {
-        match *edit {
+    let grown: usize = edits
+        .iter()
+        .map(|edit| match *edit {
             MsgpackEdit::AppendPair {
                 header,
                 header_len,
                 count,
-                end,
-            } => {
-                splices.push(Splice {
-                    at: header,
-                    order: (true, std::cmp::Reverse(header)),
-                    edit: index,
-                });
-                splices.push(Splice {
-                    at: end,
-                    order: (false, std::cmp::Reverse(header)),
-                    edit: index,
-                });
-                grown += map_header(body[header], count + 1).len() - header_len + ID_PAIR_LEN;
-            }
-            MsgpackEdit::ReplaceNil { at } => {
-                splices.push(Splice {
-                    at,
-                    order: (true, std::cmp::Reverse(at)),
-                    edit: index,
-                });
-                grown += ID_VALUE_LEN - 1;
-            }
-        }
-    }
-    // No two splices share a key, so an unstable sort (which needs no
-    // scratch memory) gives the one order.
-    splices.sort_unstable_by_key(|s| (s.at, s.order));
+                ..
+            } => map_header(body[header], count + 1).len() - header_len + ID_PAIR_LEN,
+            MsgpackEdit::ReplaceNil { .. } => ID_VALUE_LEN - 1,
+        })
+        .sum();
     let mut out = Vec::with_capacity(body.len() + grown);
+    // The maps whose header is written and whose pair is not, by where
+    // the pair goes and its id: maps nest, so each ends where or before
+    // the one under it does, and the last ends first.
+    let mut open: Vec<(usize, u64)> = Vec::new();
     let mut copied = 0;
-    for splice in &splices {
-        out.extend_from_slice(&body[copied..splice.at]);
-        let id = ids[splice.edit];
-        copied = splice.at;
-        let (replaces, _) = splice.order;
-        match edits[splice.edit] {
-            MsgpackEdit::AppendPair { .. } if !replaces => {
-                out.push(ID_KEY_FIXSTR);
-                out.extend_from_slice(ID_KEY);
-                push_id(&mut out, id);
-            }
+    // The pairs that go at or before `at`, innermost map's first.
+    let close = |out: &mut Vec<u8>, open: &mut Vec<(usize, u64)>, copied: &mut usize, at| {
+        while let Some(&(end, id)) = open.last().filter(|&&(end, _)| end <= at) {
+            out.extend_from_slice(&body[*copied..end]);
+            *copied = end;
+            out.push(ID_KEY_FIXSTR);
+            out.extend_from_slice(ID_KEY);
+            push_id(out, id);
+            open.pop();
+        }
+    };
+    for (edit, &id) in edits.iter().zip(ids) {
+        let at = edit.start();
+        // Pairs appended at `at` go before a change that starts there.
+        close(&mut out, &mut open, &mut copied, at);
+        out.extend_from_slice(&body[copied..at]);
+        copied = at;
+        match *edit {
             MsgpackEdit::AppendPair {
-                header_len, count, ..
+                header_len,
+                count,
+                end,
+                ..
             } => {
-                out.extend_from_slice(&map_header(body[splice.at], count + 1));
+                out.extend_from_slice(&map_header(body[at], count + 1));
                 copied += header_len;
+                open.push((end, id));
             }
             MsgpackEdit::ReplaceNil { .. } => {
                 push_id(&mut out, id);
@@ -187,7 +167,9 @@ pub fn apply(body: &[u8], edits: &[MsgpackEdit], ids: &[u64]) -> Vec<u8> {
             }
         }
     }
+    close(&mut out, &mut open, &mut copied, usize::MAX);
     out.extend_from_slice(&body[copied..]);
+    debug_assert_eq!(out.len(), body.len() + grown);
     out
 }
 
@@ -441,7 +423,25 @@ struct Walk<'a> {
     tuple_encoding_left: usize,
 }
 
+/// The refusal of a body that nests deeper than [`MAX_NESTING_DEPTH`].
+const TOO_DEEP: &str = "arrays and maps nest deeper than 128 levels";
+
 impl<'a> Walk<'a> {
+    /// A walk of `bytes` from its start.
+    fn new(bytes: &'a [u8]) -> Walk<'a> {
+        Walk {
+            bytes,
+            pos: 0,
+            depth: 0,
+            edits: Vec::new(),
+            in_key: 0,
+            tuple_depth: 0,
+            tuple: Vec::new(),
+            tuple_incomparable: false,
+            tuple_encoding_left: MAX_TUPLE_ENCODING,
+        }
+    }
+
     fn error(&self, problem: &'static str) -> MsgpackError {
         MsgpackError {
             offset: self.pos.min(self.bytes.len()),
@@ -509,18 +509,69 @@ impl<'a> Walk<'a> {
         }
     }
 
-    /// Reads `count` items of an array. Integers, floats, nil and booleans
-    /// (a long prompt's token ids) are stepped over by their size without
-    /// the general read, where nothing is made of them: outside map keys,
-    /// and in an array key that equals nothing. One cut short is left to
-    /// the general read, which says so.
+    /// Reads `count` items of an array. Outside map keys, each as
+    /// [`Walk::skip`] reads it. In an array key that equals nothing,
+    /// integers, floats, nil, booleans and empty arrays are stepped over,
+    /// as nothing is made of them there either (an empty map is refused
+    /// by the general read, as any map in a key is).
     fn items(&mut self, count: usize) -> Result<(), MsgpackError> {
-        let outside_keys = self.in_key == 0;
-        for _ in 0..count {
-            if !((outside_keys || self.tuple_incomparable) && self.step_over_scalar()) {
-                self.value(false)?;
+        if self.in_key == 0 {
+            for _ in 0..count {
+                self.skip(false)?;
             }
+            return Ok(());
         }
+        for _ in 0..count {
+            if self.tuple_incomparable {
+                if self.step_over_scalar() {
+                    continue;
+                }
+                if self.bytes.get(self.pos) == Some(&0x90) {
+                    self.step_over_empty()?;
+                    continue;
+                }
+            }
+            self.value(false)?;
+        }
+        Ok(())
+    }
+
+    /// Reads a value outside map keys, where nothing is made of it but
+    /// the edits of the maps in it, without the general read where it
+    /// can: integers, floats, nil and booleans (a long prompt's token ids)
+    /// are stepped over by their size, empty arrays and maps by their one
+    /// byte (a body can be 32 million of them, which the general read took
+    /// past the plugin's deadline), and a fixarray's items or a fixmap's
+    /// pairs are read without it. Any other value, or one cut short, is
+    /// left to the general read, which says what is wrong with it.
+    #[inline(always)]
+    fn skip(&mut self, params: bool) -> Result<(), MsgpackError> {
+        if self.step_over_scalar() {
+            return Ok(());
+        }
+        let at = self.pos;
+        match self.bytes.get(at) {
+            Some(0x80 | 0x90) => self.step_over_empty(),
+            Some(&marker @ 0x81..=0x8f) => {
+                self.pos += 1;
+                self.map(at, usize::from(marker & 0x0f), params)
+            }
+            Some(&marker @ 0x91..=0x9f) => {
+                self.pos += 1;
+                self.array_items(at, usize::from(marker & 0x0f))
+            }
+            _ => self.value(params).map(drop),
+        }
+    }
+
+    /// Steps over the empty array or map at `pos`, one level deeper than
+    /// the walk is, as [`Walk::enter`] would.
+    #[inline(always)]
+    fn step_over_empty(&mut self) -> Result<(), MsgpackError> {
+        if self.depth == MAX_NESTING_DEPTH {
+            return Err(self.error(TOO_DEEP));
+        }
+        self.pos += 1;
         Ok(())
     }
 
@@ -551,11 +602,13 @@ impl<'a> Walk<'a> {
         match marker {
             0x00..=0x7f => int(i128::from(marker)),
             0xe0..=0xff => int(i128::from(marker as i8)),
-            0x80..=0x8f => self.map(at, usize::from(marker & 0x0f), params),
+            0x80..=0x8f => self
+                .map(at, usize::from(marker & 0x0f), params)
+                .map(|()| (Value::Other, None)),
             // map 16, map 32: a 2- or 4-byte count.
             0xde | 0xdf => {
                 let count = self.length(2 << (marker - 0xde))?;
-                self.map(at, count, params)
+                self.map(at, count, params).map(|()| (Value::Other, None))
             }
             0x90..=0x9f => self.array(at, usize::from(marker & 0x0f)),
             // array 16, array 32.
@@ -682,22 +735,30 @@ impl<'a> Walk<'a> {
         if self.depth == MAX_NESTING_DEPTH {
             return Err(MsgpackError {
                 offset: at,
-                problem: "arrays and maps nest deeper than 128 levels",
+                problem: TOO_DEEP,
             });
         }
         self.depth += 1;
         Ok(())
     }
 
+    /// Reads an array of `count` items outside map keys, whose header is
+    /// at `at`.
+    fn array_items(&mut self, at: usize, count: usize) -> Result<(), MsgpackError> {
+        self.enter(at)?;
+        self.items(count)?;
+        self.depth -= 1;
+        Ok(())
+    }
+
     /// Reads an array of `count` items whose header is at `at`. Inside a
     /// map key it is a tuple, whose key is the encoding of its items.
     fn array(&mut self, at: usize, count: usize) -> Result<(Value, Option<Key<'a>>), MsgpackError> {
-        self.enter(at)?;
         if self.in_key == 0 {
-            self.items(count)?;
-            self.depth -= 1;
+            self.array_items(at, count)?;
             return Ok((Value::Other, None));
         }
+        self.enter(at)?;
         // The outermost tuple's key holds its items' encodings; one inside
         // it adds its own, wrapped as `Key::encode` wraps them.
         let outermost = self.tuple_depth == 0;
@@ -727,15 +788,66 @@ impl<'a> Walk<'a> {
         Ok((Value::Other, comparable.then_some(Key::Tuple(items))))
     }
 
+    /// Steps over the first pairs, of up to `count`, of a map that is not
+    /// a params map, while each key and value is a whole integer, float,
+    /// nil, boolean or short string (valid UTF-8), or an empty array (`()`
+    /// as a key) or, as a value, an empty map: pairs that make no edit,
+    /// with none before them that did, so that no key is held to compare
+    /// them with and none of them need be held; nothing is made of them.
+    /// Returns how many it stepped over; the general read reads the rest,
+    /// and says what is wrong with the first, if anything.
+    #[inline(always)]
+    fn simple_pairs(&mut self, count: usize) -> usize {
+        // An empty array or map here is one level deeper than the map.
+        let deep = self.depth == MAX_NESTING_DEPTH;
+        for done in 0..count {
+            let Some((value, key_text)) = simple_end(self.bytes, self.pos, deep, 0x90) else {
+                return done;
+            };
+            let Some((end, value_text)) = simple_end(self.bytes, value, deep, 0x80) else {
+                return done;
+            };
+            // Strings checked last: a params key is followed by a map.
+            if !(key_text.is_none_or(is_text) && value_text.is_none_or(is_text)) {
+                return done;
+            }
+            self.pos = end;
+        }
+        count
+    }
+
+    /// Reads a map key: its value as Python compares it, none for a key
+    /// that equals nothing. A short string (most keys) and `()` are read
+    /// in place, any other key by the general read.
+    #[inline(always)]
+    fn key(&mut self) -> Result<Option<Key<'a>>, MsgpackError> {
+        match self.bytes.get(self.pos) {
+            Some(&marker @ 0xa0..=0xbf) => {
+                self.pos += 1;
+                self.str(usize::from(marker & 0x1f)).map(|(_, key)| key)
+            }
+            // As `array` reads it: an empty tuple, which adds nothing to
+            // the encodings made, but equals nothing once none is left.
+            Some(0x90) => {
+                self.step_over_empty()?;
+                Ok((self.tuple_encoding_left > 0).then(|| Key::Tuple(Vec::new())))
+            }
+            // An array key is a tuple in Python; a map or an extension
+            // value in a key is refused where it is read. (A map is never
+            // inside a key, so no tuple is being read around this one.)
+            _ => {
+                self.in_key += 1;
+                let read = self.read(false);
+                self.in_key -= 1;
+                read.map(|(_, key)| key)
+            }
+        }
+    }
+
     /// Reads a map of `count` pairs whose header is at `header`. When
     /// `params` is set it is a `disaggregated_params` value: decide from its
     /// effective members whether it needs an id.
-    fn map(
-        &mut self,
-        header: usize,
-        count: usize,
-        params: bool,
-    ) -> Result<(Value, Option<Key<'a>>), MsgpackError> {
+    fn map(&mut self, header: usize, count: usize, params: bool) -> Result<(), MsgpackError> {
         if self.in_key > 0 {
             self.pos = header;
             return Err(self.error(
@@ -744,41 +856,66 @@ impl<'a> Walk<'a> {
         }
         self.enter(header)?;
         let header_len = self.pos - header;
-        let mut with_edits: EditsByKey<Key<'a>> = EditsByKey::new();
+        // The first pairs, while nothing is made of them: a body can be 11
+        // million maps `{(): 0}`.
+        let mut done = 0;
+        if !params {
+            done = self.simple_pairs(count);
+            if done == count {
+                self.depth -= 1;
+                return Ok(());
+            }
+        }
+        // The key held singly is held as its value; the others by where
+        // they are, read again to be compared when a key of their hash
+        // comes.
+        let mut with_edits: EditsByKey<Key<'a>, usize> = EditsByKey::new();
         let mut context_only = false;
         let mut id = IdMember::Missing;
-        for _ in 0..count {
-            // An array key is a tuple in Python; a map or an extension
-            // value in a key is refused where it is read.
-            self.in_key += 1;
-            let read_key = self.value_and_key(false);
-            self.in_key -= 1;
-            let (_, key) = read_key?;
-            let is = |name: &'a [u8]| key == Some(Key::Str(name));
-            let (is_params, is_type, is_id) = (is(PARAMS_KEY), is(REQUEST_TYPE_KEY), is(ID_KEY));
-            if let Some(range) = key.as_ref().and_then(|k| with_edits.remove(k)) {
-                self.edits[range].iter_mut().for_each(|e| *e = None);
+        for _ in done..count {
+            let key_at = self.pos;
+            let key = self.key()?;
+            let (is_params, is_type, is_id) = match &key {
+                Some(Key::Str(name)) => (
+                    *name == PARAMS_KEY,
+                    *name == REQUEST_TYPE_KEY,
+                    *name == ID_KEY,
+                ),
+                _ => (false, false, false),
+            };
+            if let Some(key) = key.as_ref().filter(|_| !with_edits.is_empty()) {
+                let bytes = self.bytes;
+                let found = with_edits.remove_by(
+                    |held| held == key,
+                    || hash_of(key),
+                    |&held| key_at_offset(bytes, held).as_ref() == Some(key),
+                );
+                if let Some(range) = found {
+                    self.edits[range].iter_mut().for_each(|e| *e = None);
+                }
             }
             let first_edit = self.edits.len();
-            let value = self.value(is_params)?;
             if params && is_type {
                 // A byte string too: the worker's pydantic model takes
                 // bytes for a `str` field (lax mode), as UTF-8.
-                context_only = match value {
+                context_only = match self.value(false)? {
                     Value::Str { start, end } | Value::Bin { start, end } => {
                         self.bytes[start..end].eq_ignore_ascii_case(CONTEXT_ONLY)
                     }
                     _ => false,
                 };
             } else if params && is_id {
-                id = match value {
+                id = match self.value(false)? {
                     Value::Nil { at } => IdMember::Nil { at },
                     _ => IdMember::Set,
                 };
+            } else {
+                self.skip(is_params)?;
             }
             if self.edits.len() > first_edit {
                 if let Some(key) = key {
-                    with_edits.insert(key, first_edit..self.edits.len());
+                    let range = first_edit..self.edits.len();
+                    with_edits.insert_by(key, |key| (hash_of(&key), key_at), range);
                 }
             }
         }
@@ -809,8 +946,56 @@ impl<'a> Walk<'a> {
                 self.edits.push(Some(edit));
             }
         }
-        Ok((Value::Other, None))
+        Ok(())
     }
+}
+
+/// Where the value at `at` in `bytes` ends when it is a whole integer,
+/// float, nil, boolean or short string (a fixstr), or an empty array or
+/// `empty` (`0x90` or `0x80`) and not `deep`: what
+/// [`Walk::simple_pairs`] steps over. With a string's content, which must
+/// be valid UTF-8.
+#[inline(always)]
+fn simple_end(bytes: &[u8], at: usize, deep: bool, empty: u8) -> Option<(usize, Option<&[u8]>)> {
+    let marker = *bytes.get(at)?;
+    let size = usize::from(SIMPLE_SIZE[usize::from(marker)]);
+    if size == 0 || size > bytes.len() - at {
+        return None;
+    }
+    match marker {
+        0xa0..=0xbf => Some((at + size, Some(&bytes[at + 1..at + size]))),
+        0x80 | 0x90 if deep || (marker != 0x90 && marker != empty) => None,
+        _ => Some((at + size, None)),
+    }
+}
+
+/// [`SCALAR_SIZE`], and the size of a fixstr, an empty array and an
+/// empty map.
+static SIMPLE_SIZE: [u8; 256] = {
+    let mut sizes = SCALAR_SIZE;
+    let mut marker = 0xa0;
+    while marker <= 0xbf {
+        sizes[marker] = (marker - 0xa0 + 1) as u8;
+        marker += 1;
+    }
+    sizes[0x80] = 1;
+    sizes[0x90] = 1;
+    sizes
+};
+
+/// Whether `bytes` are valid UTF-8, ASCII (most keys) without a call.
+#[inline(always)]
+fn is_text(bytes: &[u8]) -> bool {
+    bytes.is_ascii() || std::str::from_utf8(bytes).is_ok()
+}
+
+/// The key at `at` in `bytes`, which was read there before as one that
+/// equals some other: read again, to be compared.
+fn key_at_offset(bytes: &[u8], at: usize) -> Option<Key<'_>> {
+    let mut walk = Walk::new(bytes);
+    walk.pos = at;
+    walk.in_key = 1;
+    walk.read(false).ok().and_then(|(_, key)| key)
 }
 
 #[cfg(test)]
