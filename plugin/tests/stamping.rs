@@ -1400,6 +1400,7 @@ fn gives_a_messagepack_burst_of_ten_thousand_params_distinct_ids() {
     let rmpv::Value::Array(requests) = mp_decode(&out) else {
         panic!("an array")
     };
+    assert_eq!(requests.len(), ids.len(), "one id a request");
     for (request, id) in requests.iter().zip(&ids) {
         assert_eq!(
             request["disaggregated_params"]["disagg_request_id"].as_u64(),
@@ -1881,6 +1882,7 @@ fn gives_a_burst_of_ten_thousand_params_distinct_ids() {
             panic!("expected a stamp");
         };
         assert_eq!(stamped.len(), 10_000);
+        assert_eq!(ids.ticks.len(), 10_000, "one clock reading an id");
         assert_eq!(stamped.iter().collect::<HashSet<_>>().len(), 10_000);
         assert!(stamped.windows(2).all(|w| w[0] < w[1]), "{layout}");
         // The burst spilled over into later milliseconds instead of wrapping.
@@ -2239,6 +2241,7 @@ fn check_valid_body(input: &[u8], layout: SnowflakeLayout) -> Result<(), TestCas
                 "ids repeat"
             );
             prop_assert!(ids.windows(2).all(|w| w[0] < w[1]), "ids not in body order");
+            prop_assert_eq!(source.ticks.len(), ids.len(), "one clock reading an id");
             for (id, tick) in ids.iter().zip(&source.ticks) {
                 let parts = layout.decode(*id).unwrap();
                 prop_assert_eq!(parts.machine_id, MACHINE);
