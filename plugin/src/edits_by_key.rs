@@ -26,11 +26,15 @@
 //! over params, each held until the map ends, took six times its body in
 //! memory when each B-tree entry held the key's value (56 bytes in wasm,
 //! 20 now).
+//!
+//! The B-trees are fields, not boxed until a second key (and dropped by
+//! hand): natively that saved 460 instructions of a 1 KiB chat request,
+//! but the plugin runs as wasm, where it cost 300 more (`bench/instructions.sh`),
+//! and a 32 MiB body of empty maps or objects took as long either way.
 
 use std::borrow::Borrow;
 use std::collections::BTreeMap;
 use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher, Hash};
-use std::mem::ManuallyDrop;
 use std::ops::Range;
 
 /// Edit ranges by key: the key held singly as a `K`, compared with each
@@ -39,28 +43,18 @@ pub(crate) struct EditsByKey<K, M = K> {
     /// How many keys are held: most objects hold none, and each key read
     /// asks, so that is the one comparison on their way.
     held: usize,
-    /// The first key given edits while no other was held. (Dropped by
-    /// hand, with `more`, so that dropping an object that held nothing is
-    /// a comparison where it was a call of some 20 instructions: the
-    /// walks make one for each object, and a body of empty maps or
-    /// objects is one every byte or three.)
-    one: ManuallyDrop<Option<(K, Range<usize>)>>,
-    /// Every other key given edits, by its hash: made at the first such
-    /// key, so that an object that has none costs a word to make.
-    more: ManuallyDrop<Option<Box<ByHash<M>>>>,
+    /// The first key given edits while no other was held.
+    one: Option<(K, Range<usize>)>,
+    /// A key of each hash, the first given edits, for every other key.
+    /// (Not made until its first key: `BTreeMap::new` allocates nothing.)
+    more: BTreeMap<u64, (M, Range<usize>)>,
+    /// Keys whose hash another key held in `more` has, by that hash:
+    /// every hash here is one of `more`'s too.
+    collided: BTreeMap<u64, Vec<(M, Range<usize>)>>,
     /// How many keys held in `collided` lookups compared: the work that
     /// keys of a hash no key collides on must not cause.
     #[cfg(test)]
     compared: usize,
-}
-
-/// Keys held by their hash.
-struct ByHash<M> {
-    /// A key of each hash, the first given edits.
-    first: BTreeMap<u64, (M, Range<usize>)>,
-    /// Keys whose hash another key held in `first` has, by that hash:
-    /// every hash here is one of `first`'s too.
-    collided: BTreeMap<u64, Vec<(M, Range<usize>)>>,
 }
 
 /// SipHash-1-3 with fixed keys: the same hashes in every instance.
@@ -74,8 +68,9 @@ impl<K, M> EditsByKey<K, M> {
     pub(crate) fn new() -> EditsByKey<K, M> {
         EditsByKey {
             held: 0,
-            one: ManuallyDrop::new(None),
-            more: ManuallyDrop::new(None),
+            one: None,
+            more: BTreeMap::new(),
+            collided: BTreeMap::new(),
             #[cfg(test)]
             compared: 0,
         }
@@ -118,27 +113,26 @@ impl<K, M> EditsByKey<K, M> {
         if self.one.as_ref().is_some_and(|(held, _)| same_one(held)) {
             return self.one.take().map(|(_, range)| range);
         }
-        let more = self.more.as_mut()?;
-        if more.first.is_empty() {
+        if self.more.is_empty() {
             return None;
         }
         let hash = hash();
         // No key held by this hash, so none held apart for it either.
-        let (held, _) = more.first.get(&hash)?;
+        let (held, _) = self.more.get(&hash)?;
         if same(held) {
-            let (_, range) = more.first.remove(&hash)?;
+            let (_, range) = self.more.remove(&hash)?;
             // A key held apart for the hash takes the place.
-            if let Some(apart) = more.collided.get_mut(&hash) {
+            if let Some(apart) = self.collided.get_mut(&hash) {
                 if let Some(next) = apart.pop() {
-                    more.first.insert(hash, next);
+                    self.more.insert(hash, next);
                 }
                 if apart.is_empty() {
-                    more.collided.remove(&hash);
+                    self.collided.remove(&hash);
                 }
             }
             return Some(range);
         }
-        let apart = more.collided.get_mut(&hash)?;
+        let apart = self.collided.get_mut(&hash)?;
         #[cfg(test)]
         {
             self.compared += apart.len();
@@ -146,7 +140,7 @@ impl<K, M> EditsByKey<K, M> {
         let at = apart.iter().position(|(held, _)| same(held))?;
         let (_, range) = apart.swap_remove(at);
         if apart.is_empty() {
-            more.collided.remove(&hash);
+            self.collided.remove(&hash);
         }
         Some(range)
     }
@@ -163,51 +157,18 @@ impl<K, M> EditsByKey<K, M> {
         range: Range<usize>,
     ) {
         self.held += 1;
-        let more = match &mut *self.more {
-            None if self.one.is_none() => {
-                *self.one = Some((key, range));
-                return;
-            }
-            Some(more) if self.one.is_none() && more.first.is_empty() => {
-                *self.one = Some((key, range));
-                return;
-            }
-            Some(more) => more,
-            None => self.more.insert(Box::new(ByHash {
-                first: BTreeMap::new(),
-                collided: BTreeMap::new(),
-            })),
-        };
+        if self.one.is_none() && self.more.is_empty() {
+            self.one = Some((key, range));
+            return;
+        }
         let (hash, held) = by_hash(key);
-        match more.first.entry(hash) {
+        match self.more.entry(hash) {
             std::collections::btree_map::Entry::Vacant(slot) => {
                 slot.insert((held, range));
             }
             std::collections::btree_map::Entry::Occupied(_) => {
-                more.collided.entry(hash).or_default().push((held, range))
+                self.collided.entry(hash).or_default().push((held, range))
             }
-        }
-    }
-}
-
-impl<K, M> Drop for EditsByKey<K, M> {
-    #[inline(always)]
-    fn drop(&mut self) {
-        if self.one.is_some() || self.more.is_some() {
-            self.drop_held();
-        }
-    }
-}
-
-impl<K, M> EditsByKey<K, M> {
-    /// [`Drop::drop`] once a key was held.
-    #[inline(never)]
-    fn drop_held(&mut self) {
-        // SAFETY: `drop` calls this once, and nothing uses the fields
-        // after it.
-        unsafe {
-            ManuallyDrop::drop(&mut self.one);
-            ManuallyDrop::drop(&mut self.more);
         }
     }
 }
@@ -274,7 +235,7 @@ mod tests {
         for hash in [0, 0, 0, 1] {
             held.insert_by(key.clone(), |key| (hash, key), 0..1);
         }
-        assert_eq!(held.more.as_ref().unwrap().collided.len(), 1);
+        assert_eq!(held.collided.len(), 1);
         assert_eq!(std::rc::Rc::strong_count(&key), 5);
         drop(held);
         assert_eq!(std::rc::Rc::strong_count(&key), 1);
@@ -343,11 +304,7 @@ mod tests {
             edits.insert(key(pair, 0), 0..1);
             edits.insert(key(pair, 1), 1..2);
         }
-        assert_eq!(
-            edits.more.as_ref().unwrap().collided.len(),
-            999,
-            "the first of all is held singly"
-        );
+        assert_eq!(edits.collided.len(), 999, "the first of all is held singly");
         for other in 1000..11_000 {
             assert_eq!(edits.remove(&key(other, 0)), None);
         }
@@ -361,8 +318,7 @@ mod tests {
         assert_eq!(edits.remove(&key(501, 1)), Some(1..2));
         assert_eq!(edits.remove(&key(501, 0)), Some(0..1));
         for hash in [500, 501] {
-            let more = edits.more.as_ref().unwrap();
-            assert!(!more.collided.contains_key(&hash_of(&key(hash, 0))));
+            assert!(!edits.collided.contains_key(&hash_of(&key(hash, 0))));
         }
         assert_eq!(edits.remove(&key(500, 0)), None);
     }
