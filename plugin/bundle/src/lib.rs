@@ -20,10 +20,15 @@ pub const PLUGIN_FILE_NAME: &str = "snowgate_plugin.wasm";
 /// (the least `snowgate rewrite --plugin-memory-mib` that stamps a 32 MiB
 /// body): one id in a long string, 66 MiB (2.06 times); JSON that is
 /// nothing but context-only params maps (an id every 58 bytes), 101 MiB
-/// (3.16 times); MessagePack of the same (an id every 49 bytes), 129 MiB
-/// (4.03 times). The workspace test `limits` stamps each kind in the
-/// memory this gives, and checks that the densest does not fit in 85 % of
-/// it.
+/// (3.16 times); MessagePack of the same (an id every 49 bytes), 101 MiB
+/// (3.16 times); and the most, maps of distinct short keys each over such
+/// params, which the walk holds until their map ends in case a later
+/// duplicate overrides them: MessagePack with uint 32 keys (an id every 54
+/// bytes), 119 MiB (3.72 times), and up to 3.9 times at sizes where the
+/// walk's list of edits has just doubled (105 MiB for 27 MiB of 2^19 + 1
+/// keys); JSON with keys of a few digits, 115 MiB (3.59 times). The
+/// workspace test `limits` stamps each kind in the memory this gives, and
+/// checks that the keyed MessagePack does not fit in 85 % of it.
 pub fn memory_needed(body_bytes: u64, ids: IdDensity) -> u64 {
     let tenths = match ids {
         IdDensity::Few => 21,
@@ -42,8 +47,9 @@ pub enum IdDensity {
     /// A few ids, the rest prompt text or token ids: a request, or a
     /// small batch.
     Few,
-    /// Nothing but context-only params maps without ids, each given one:
-    /// the most any body of that size needs.
+    /// Nothing but context-only params maps without ids, each given one
+    /// (at worst, each under a distinct key): the most any body of that
+    /// size needs.
     Densest,
 }
 
