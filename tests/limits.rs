@@ -85,26 +85,7 @@ fn densest_msgpack(size: usize) -> (Vec<u8>, usize) {
     (body, count)
 }
 
-/// The MessagePack body of about `size` bytes that holds the most keys
-/// over ids, and its number of ids: a map 32 of distinct uint 32 keys,
-/// each over a params map to stamp (an id every 54 bytes). The walk holds
-/// each such key until the map ends, in case a later duplicate overrides
-/// it, so this body takes more memory than the densest (a review found it
-/// needed 6.1 times its size where the figure said 4.2).
-fn keyed_msgpack(size: usize) -> (Vec<u8>, usize) {
-    let element = hostile_bodies::context_only_params();
-    let count = (size - 5) / (5 + element.len());
-    let mut body = vec![0xdf];
-    body.extend_from_slice(&(count as u32).to_be_bytes());
-    for key in 0..count as u32 {
-        body.push(0xce);
-        body.extend_from_slice(&key.to_be_bytes());
-        body.extend_from_slice(&element);
-    }
-    (body, count)
-}
-
-/// The same in JSON, `{"0":{...},"1":{...},...}`: short keys, each over
+/// JSON with the most keys over ids, `{"0":{...},"1":{...},...}`: short keys, each over
 /// `{"disaggregated_params":{"request_type":"context_only"}}`.
 fn keyed_json(size: usize) -> (Vec<u8>, usize) {
     let mut body = b"{".to_vec();
@@ -182,7 +163,7 @@ fn the_bundled_plugins_memory_figures_stamp_the_bodies_they_describe() {
     assert_eq!(stamp_in(densest, json_keyed, false), Ok(json_keyed_ids));
     let (short_keyed, short_keyed_ids) = keyed_json(size);
     assert_eq!(stamp_in(densest, short_keyed, false), Ok(short_keyed_ids));
-    let (int_keyed, int_keyed_ids) = keyed_msgpack(size);
+    let (int_keyed, int_keyed_ids) = hostile_bodies::uint32_keyed_within(size);
     assert_eq!(
         stamp_in(densest, int_keyed.clone(), true),
         Ok(int_keyed_ids)

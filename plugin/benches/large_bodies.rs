@@ -114,21 +114,6 @@ fn json_array_of(item: &[u8]) -> Vec<u8> {
     body
 }
 
-/// A map 32 of distinct uint 32 keys, each over params, [`SIZE`] bytes at
-/// most: the most keys over edits a MessagePack body of its size holds.
-fn int_keys() -> Vec<u8> {
-    let params = hostile_bodies::context_only_params();
-    let count = (SIZE - 5) / (5 + params.len());
-    let mut body = vec![0xdf];
-    body.extend_from_slice(&(count as u32).to_be_bytes());
-    for key in 0..count as u32 {
-        body.push(0xce);
-        body.extend_from_slice(&key.to_be_bytes());
-        body.extend_from_slice(&params);
-    }
-    body
-}
-
 /// The same in JSON, `{"0":{"disaggregated_params":{...}},"1":...}`.
 fn json_short_keys() -> Vec<u8> {
     let params = br#"{"disaggregated_params":{"request_type":"context_only"}}"#;
@@ -160,7 +145,7 @@ fn body(case: &str) -> Vec<u8> {
         "json_params" => {
             json_array_of(br#"{"disaggregated_params":{"request_type":"context_only"}}"#)
         }
-        "int_keys" => int_keys(),
+        "int_keys" => hostile_bodies::uint32_keyed_within(SIZE).0,
         "json_short_keys" => json_short_keys(),
         "empty_maps" => array_of(&[0x80]),
         "empty_arrays" => array_of(&[0x90]),

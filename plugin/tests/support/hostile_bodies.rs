@@ -92,3 +92,21 @@ pub fn json_string_keyed_within(size: usize) -> (Vec<u8>, usize) {
     body.push(b'}');
     (body, members)
 }
+
+/// A MessagePack map 32 of distinct uint 32 keys, each over context-only
+/// params to stamp (an id every 54 bytes), of `size` bytes at most, and
+/// its number of ids: the most keys over ids a body of its size holds,
+/// each held by the walk until the map ends in case a later duplicate
+/// overrides it.
+pub fn uint32_keyed_within(size: usize) -> (Vec<u8>, usize) {
+    let params = context_only_params();
+    let count = (size - 5) / (5 + params.len());
+    let mut body = vec![0xdf];
+    body.extend_from_slice(&(count as u32).to_be_bytes());
+    for key in 0..count as u32 {
+        body.push(0xce);
+        body.extend_from_slice(&key.to_be_bytes());
+        body.extend_from_slice(&params);
+    }
+    (body, count)
+}
