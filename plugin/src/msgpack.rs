@@ -801,10 +801,10 @@ impl<'a> Walk<'a> {
         // An empty array or map here is one level deeper than the map.
         let deep = self.depth == MAX_NESTING_DEPTH;
         for done in 0..count {
-            let Some((value, key_text)) = simple_end(self.bytes, self.pos, deep, 0x90) else {
+            let Some((value, key_text)) = simple_end(self.bytes, self.pos, deep, false) else {
                 return done;
             };
-            let Some((end, value_text)) = simple_end(self.bytes, value, deep, 0x80) else {
+            let Some((end, value_text)) = simple_end(self.bytes, value, deep, true) else {
                 return done;
             };
             // Strings checked last: a params key is followed by a map.
@@ -817,20 +817,16 @@ impl<'a> Walk<'a> {
     }
 
     /// Reads a map key: its value as Python compares it, none for a key
-    /// that equals nothing. A short string (most keys) and `()` are read
-    /// in place, any other key by the general read.
+    /// that equals nothing. A short string (most keys) is read in place,
+    /// any other key by the general read. (`()` keys, a body of which is
+    /// a map `{(): 0}` after another, are stepped over by
+    /// [`Walk::simple_pairs`] before any key is read.)
     #[inline(always)]
     fn key(&mut self) -> Result<Option<Key<'a>>, MsgpackError> {
         match self.bytes.get(self.pos) {
             Some(&marker @ 0xa0..=0xbf) => {
                 self.pos += 1;
                 self.str(usize::from(marker & 0x1f)).map(|(_, key)| key)
-            }
-            // As `array` reads it: an empty tuple, which adds nothing to
-            // the encodings made, but equals nothing once none is left.
-            Some(0x90) => {
-                self.step_over_empty()?;
-                Ok((self.tuple_encoding_left > 0).then(|| Key::Tuple(Vec::new())))
             }
             // An array key is a tuple in Python; a map or an extension
             // value in a key is refused where it is read. (A map is never
@@ -951,12 +947,17 @@ impl<'a> Walk<'a> {
 }
 
 /// Where the value at `at` in `bytes` ends when it is a whole integer,
-/// float, nil, boolean or short string (a fixstr), or an empty array or
-/// `empty` (`0x90` or `0x80`) and not `deep`: what
+/// float, nil, boolean or short string (a fixstr), or, unless `deep`, an
+/// empty array or (with `empty_map`: not a key) an empty map: what
 /// [`Walk::simple_pairs`] steps over. With a string's content, which must
 /// be valid UTF-8.
 #[inline(always)]
-fn simple_end(bytes: &[u8], at: usize, deep: bool, empty: u8) -> Option<(usize, Option<&[u8]>)> {
+fn simple_end(
+    bytes: &[u8],
+    at: usize,
+    deep: bool,
+    empty_map: bool,
+) -> Option<(usize, Option<&[u8]>)> {
     let marker = *bytes.get(at)?;
     let size = usize::from(SIMPLE_SIZE[usize::from(marker)]);
     if size == 0 || size > bytes.len() - at {
@@ -964,7 +965,8 @@ fn simple_end(bytes: &[u8], at: usize, deep: bool, empty: u8) -> Option<(usize, 
     }
     match marker {
         0xa0..=0xbf => Some((at + size, Some(&bytes[at + 1..at + size]))),
-        0x80 | 0x90 if deep || (marker != 0x90 && marker != empty) => None,
+        0x90 if deep => None,
+        0x80 if deep || !empty_map => None,
         _ => Some((at + size, None)),
     }
 }
