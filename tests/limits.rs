@@ -85,26 +85,6 @@ fn densest_msgpack(size: usize) -> (Vec<u8>, usize) {
     (body, count)
 }
 
-/// JSON with the most keys over ids, `{"0":{...},"1":{...},...}`: short keys, each over
-/// `{"disaggregated_params":{"request_type":"context_only"}}`.
-fn keyed_json(size: usize) -> (Vec<u8>, usize) {
-    let mut body = b"{".to_vec();
-    let mut count = 0;
-    loop {
-        let member = format!("\"{count}\":{}", common::CONTEXT_ONLY);
-        if body.len() + member.len() + 2 > size {
-            break;
-        }
-        if count > 0 {
-            body.push(b',');
-        }
-        body.extend_from_slice(member.as_bytes());
-        count += 1;
-    }
-    body.push(b'}');
-    (body, count)
-}
-
 /// Runs `body` (MessagePack when `msgpack`) through a plugin with
 /// `memory_bytes` of memory: the ids in the answer, or the call's error.
 fn stamp_in(memory_bytes: u64, body: Vec<u8>, msgpack: bool) -> Result<usize, CallError> {
@@ -161,7 +141,7 @@ fn the_bundled_plugins_memory_figures_stamp_the_bodies_they_describe() {
     assert_eq!(stamp_in(densest, string_keyed, true), Ok(string_keyed_ids));
     let (json_keyed, json_keyed_ids) = hostile_bodies::json_string_keyed_within(size);
     assert_eq!(stamp_in(densest, json_keyed, false), Ok(json_keyed_ids));
-    let (short_keyed, short_keyed_ids) = keyed_json(size);
+    let (short_keyed, short_keyed_ids) = hostile_bodies::json_short_keyed_within(size);
     assert_eq!(stamp_in(densest, short_keyed, false), Ok(short_keyed_ids));
     let (int_keyed, int_keyed_ids) = hostile_bodies::uint32_keyed_within(size);
     assert_eq!(

@@ -114,25 +114,6 @@ fn json_array_of(item: &[u8]) -> Vec<u8> {
     body
 }
 
-/// The same in JSON, `{"0":{"disaggregated_params":{...}},"1":...}`.
-fn json_short_keys() -> Vec<u8> {
-    let params = br#"{"disaggregated_params":{"request_type":"context_only"}}"#;
-    let mut body = Vec::with_capacity(SIZE);
-    let mut key = 0;
-    loop {
-        let member = format!("\"{key}\":");
-        if body.len() + 1 + member.len() + params.len() + 1 > SIZE {
-            break;
-        }
-        body.push(if body.is_empty() { b'{' } else { b',' });
-        body.extend_from_slice(member.as_bytes());
-        body.extend_from_slice(params);
-        key += 1;
-    }
-    body.push(b'}');
-    body
-}
-
 /// The body of `case`, one of [`CASES`].
 fn body(case: &str) -> Vec<u8> {
     match case {
@@ -146,7 +127,7 @@ fn body(case: &str) -> Vec<u8> {
             json_array_of(br#"{"disaggregated_params":{"request_type":"context_only"}}"#)
         }
         "int_keys" => hostile_bodies::uint32_keyed_within(SIZE).0,
-        "json_short_keys" => json_short_keys(),
+        "json_short_keys" => hostile_bodies::json_short_keyed_within(SIZE).0,
         "empty_maps" => array_of(&[0x80]),
         "empty_arrays" => array_of(&[0x90]),
         "empty_map_arrays" => array_of(&[0x91, 0x80]),

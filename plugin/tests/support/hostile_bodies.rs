@@ -110,3 +110,26 @@ pub fn uint32_keyed_within(size: usize) -> (Vec<u8>, usize) {
     }
     (body, count)
 }
+
+/// A JSON object of short distinct keys, `{"0":{...},"1":{...},...}`, each
+/// over `{"disaggregated_params":{"request_type":"context_only"}}`, of
+/// `size` bytes at most, and its number of ids: the JSON body that holds
+/// the most keys over ids.
+pub fn json_short_keyed_within(size: usize) -> (Vec<u8>, usize) {
+    let params = br#"{"disaggregated_params":{"request_type":"context_only"}}"#;
+    let mut body = Vec::with_capacity(size);
+    let mut count = 0;
+    loop {
+        let member = format!("\"{count}\":");
+        // The member, its comma or the opening brace, and the closing one.
+        if body.len() + 1 + member.len() + params.len() + 1 > size {
+            break;
+        }
+        body.push(if body.is_empty() { b'{' } else { b',' });
+        body.extend_from_slice(member.as_bytes());
+        body.extend_from_slice(params);
+        count += 1;
+    }
+    body.push(b'}');
+    (body, count)
+}
