@@ -1047,6 +1047,113 @@ async fn a_plugins_header_changes_reach_the_upstream() {
     gateway.stop().await;
 }
 
+/// The digests a client sent of its body (`Content-Digest`, `Repr-Digest`,
+/// `Digest`, `Content-MD5`) do not go upstream with the body the plugin
+/// stamped, which they no longer match: an upstream that checks them would
+/// refuse every stamped request. A body sent on unchanged keeps them, and
+/// a plugin may set a digest of its own new body.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stamped_body_goes_upstream_without_the_clients_digests_of_it() {
+    const DIGESTS: [(&str, &str); 4] = [
+        (
+            "content-digest",
+            "sha-256=:RK/0qy18MlBSVnWgjwz6lZEWjP/lF5HF9bvEF8FabDg=:",
+        ),
+        (
+            "repr-digest",
+            "sha-256=:RK/0qy18MlBSVnWgjwz6lZEWjP/lF5HF9bvEF8FabDg=:",
+        ),
+        (
+            "digest",
+            "SHA-256=RK/0qy18MlBSVnWgjwz6lZEWjP/lF5HF9bvEF8FabDg=",
+        ),
+        ("content-md5", "Q2hlY2sgSW50ZWdyaXR5IQ=="),
+    ];
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
+    let mut head = b"Content-Type: application/json\r\nX-Tenant: t1\r\n".to_vec();
+    for (name, value) in DIGESTS {
+        head.extend_from_slice(format!("{name}: {value}\r\n").as_bytes());
+    }
+
+    let stamped = raw_post(
+        gateway.addr,
+        "/v1/completions",
+        &head,
+        CONTEXT_ONLY.as_bytes(),
+    )
+    .await;
+    assert_eq!(
+        stamped.status,
+        200,
+        "{:?}",
+        String::from_utf8_lossy(&stamped.body)
+    );
+    let seen = upstream.seen().pop().expect("the stamped request");
+    assert_fresh_v1_id(stamped_id(&seen.body));
+    for (name, _) in DIGESTS {
+        assert_eq!(
+            seen.header(name),
+            None,
+            "{name} went on with a changed body"
+        );
+    }
+    assert_eq!(seen.header("x-tenant"), Some("t1"), "other headers go on");
+
+    // Already stamped: sent on byte for byte, with its digests.
+    let kept = CONTEXT_ONLY.replace(
+        r#""request_type":"context_only""#,
+        r#""request_type":"context_only","disagg_request_id":7"#,
+    );
+    let unchanged = raw_post(gateway.addr, "/v1/completions", &head, kept.as_bytes()).await;
+    assert_eq!(
+        unchanged.status,
+        200,
+        "{:?}",
+        String::from_utf8_lossy(&unchanged.body)
+    );
+    let seen = upstream.seen().pop().expect("the unchanged request");
+    assert_eq!(seen.body, kept.as_bytes());
+    for (name, value) in DIGESTS {
+        assert_eq!(
+            seen.header(name),
+            Some(value),
+            "{name} of an unchanged body"
+        );
+    }
+    gateway.stop().await;
+
+    // A plugin that stamps and sets a digest of its own: the client's is
+    // removed first, the plugin's goes on.
+    let (_dir, path) = hostile_plugin_file("edit-headers");
+    let gateway = Gateway::start(&["--plugin", path.to_str().unwrap()]).await;
+    let extra = [
+        ("content-digest", DIGESTS[0].1),
+        ("digest", DIGESTS[2].1),
+        ("x-hostile-edits", "set content-digest sha-512=:cGx1Z2lu:"),
+    ];
+    let reply = misbehaving_with(
+        gateway.addr,
+        "edit-headers",
+        &extra,
+        CONTEXT_ONLY.as_bytes(),
+    )
+    .await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    let received = reply.json();
+    let headers = &received["headers"];
+    assert_eq!(
+        headers["content-digest"], "sha-512=:cGx1Z2lu:",
+        "{received}"
+    );
+    assert!(headers.get("digest").is_none(), "{received}");
+    assert!(
+        received["body"]["disaggregated_params"]["disagg_request_id"].is_u64(),
+        "{received}"
+    );
+    gateway.stop().await;
+}
+
 /// The echo upstream answers a body that is not JSON as a JSON string
 /// made a piece at a time: 32 MiB of NUL bytes, which escape to 192 MiB
 /// (`\u0000`), come back whole and exact while the gateway's peak memory

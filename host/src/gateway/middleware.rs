@@ -60,6 +60,7 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 use crate::bindings::exports::snowgate::middleware::handler::Action;
+use crate::gateway::body_digests;
 use crate::gateway::body_limit::{BodyTooLarge, Capped};
 use crate::gateway::body_memory::{self, BodyMemory, NoRoom, Unreserved};
 use crate::gateway::body_pace::{keeping_pace, pace_kib_per_sec, paced_length, TooSlow};
@@ -484,8 +485,12 @@ impl Shared {
         parts.headers = headers.into_map();
 
         // The plugin's changes to the headers, made on a request it
-        // forwards (an answer that rejects carries none).
+        // forwards (an answer that rejects carries none), after the
+        // client's digests of a body it changed are removed.
         let answer = answer.map(|answer| {
+            if let Action::ForwardWithBody(new_body) = &answer.action {
+                body_digests::forget_stale(&mut parts.headers, &body, new_body);
+            }
             answer.header_edits.apply(&mut parts.headers);
             answer.action
         });

@@ -8,6 +8,7 @@
 pub mod access_log;
 pub mod activity;
 pub mod admin;
+pub mod body_digests;
 pub mod body_limit;
 pub mod body_memory;
 pub mod body_pace;
