@@ -41,6 +41,72 @@ pub(crate) struct Reusable {
     clock: Arc<CallClock>,
 }
 
+/// An instance in a sync store, configured, called one request at a time.
+struct SyncInstance<'p> {
+    plugin: &'p Plugin,
+    store: Store<HostState>,
+    handle: HandleFunc,
+    calls: u32,
+}
+
+impl SyncInstance<'_> {
+    /// Calls `handle` on `request`: the fenced answer and the changes to
+    /// the request's headers the call asked for. With `spare_first`, the
+    /// host drops a tick before the call's first (see
+    /// [`SelfCheckInstance::handle`]).
+    fn call(
+        &mut self,
+        request: &Request,
+        spare_first: bool,
+    ) -> Result<(Fenced, HeaderEdits), CallError> {
+        let plugin = self.plugin;
+        let store = &mut self.store;
+        if self.calls > 0 {
+            plugin.start_sync_call(store);
+        }
+        self.calls += 1;
+        store.data_mut().lend_headers(&request.headers);
+        store.data_mut().issued.spare_first = spare_first;
+        let answer = self.handle.call(&mut *store, (RequestRecord::of(request),));
+        let header_edits = store.data_mut().take_back_headers();
+        let answer = match answer {
+            Ok((answer,)) => answer,
+            Err(e) => return Err(plugin.classify(e, store)),
+        };
+        let action = answer.map_err(|e| plugin_error(e.message))?;
+        let action = plugin.check(action)?;
+        Ok((plugin.fence(action, store), header_edits))
+    }
+}
+
+/// An instance of the gateway's self-check (see
+/// [`Plugin::instance_for_self_check`]).
+pub struct SelfCheckInstance<'p> {
+    instance: SyncInstance<'p>,
+    called: bool,
+}
+
+impl SelfCheckInstance<'_> {
+    /// [`Plugin::handle`] on this instance, as the self-check needs it:
+    /// telling also whether the host withheld the ids the call made (its
+    /// answer is then the host's 503 in place of the plugin's; by the time
+    /// the check asks the host again, the reason may have passed), and
+    /// which ticks of the id clock the call took. Each call has its own
+    /// deadline.
+    ///
+    /// Before the plugin's first tick in the instance's first call, the
+    /// host takes one of its own and drops it, so that the plugin's is not
+    /// the first of its millisecond (sequence 0) but by the rarest chance:
+    /// a build that stamps the millisecond and drops the sequence then
+    /// shows it.
+    pub fn handle(&mut self, request: &Request) -> Result<Fenced, CallError> {
+        let spare_first = !std::mem::replace(&mut self.called, true);
+        self.instance
+            .call(request, spare_first)
+            .map(|(fenced, _)| fenced)
+    }
+}
+
 /// How long an async call runs before it starts giving its thread back at
 /// every epoch tick. Yielding sends the call to the back of the event
 /// loop's queue, behind every ready connection: worth it for a call that
@@ -212,8 +278,7 @@ impl Plugin {
     /// [`Plugin::handle_async`]. The changes the plugin made to the
     /// request's headers are dropped (see [`Plugin::answer`]).
     pub fn handle(&self, request: &Request) -> Result<Action, CallError> {
-        self.call_once(request, false)
-            .map(|(fenced, _)| fenced.action)
+        self.call_once(request).map(|(fenced, _)| fenced.action)
     }
 
     /// Like [`Plugin::handle`], with the changes the plugin made to the
@@ -221,50 +286,41 @@ impl Plugin {
     /// it. The sync counterpart of [`Plugin::answer_async`], for a tool
     /// that shows a plugin's answer (`snowgate rewrite`).
     pub fn answer(&self, request: &Request) -> Result<Answer, CallError> {
-        self.call_once(request, false)
+        self.call_once(request)
             .map(|(fenced, header_edits)| Answer::new(fenced.action, header_edits))
     }
 
-    /// [`Plugin::handle`], as the gateway's self-check of a new build
-    /// needs it: telling also whether the host withheld the ids the call
-    /// made (its answer is then the host's 503 in place of the plugin's;
-    /// by the time the check asks the host again, the reason may have
-    /// passed), and which ticks of the id clock the call took.
-    ///
-    /// Before the plugin's first tick the host takes one of its own and
-    /// drops it, so that the plugin's is not the first of its millisecond
-    /// (sequence 0) but by the rarest chance: a build that stamps the
-    /// millisecond and drops the sequence then shows it.
-    pub fn handle_for_self_check(&self, request: &Request) -> Result<Fenced, CallError> {
-        self.call_once(request, true).map(|(fenced, _)| fenced)
+    /// A fresh instance for the gateway's self-check of a new build, to
+    /// call once or more, one request after another, as the gateway's kept
+    /// instances are called: a build that keeps an id, or what it made one
+    /// of, from one call to the next shows it on the second.
+    pub fn instance_for_self_check(&self) -> Result<SelfCheckInstance<'_>, CallError> {
+        Ok(SelfCheckInstance {
+            instance: self.sync_instance()?,
+            called: false,
+        })
     }
 
     /// One call in a fresh instance: the fenced answer and the changes to
-    /// the request's headers the call asked for; with `spare_first`, the
-    /// host drops a tick before the call's first (see
-    /// [`Plugin::handle_for_self_check`]).
-    fn call_once(
-        &self,
-        request: &Request,
-        spare_first: bool,
-    ) -> Result<(Fenced, HeaderEdits), CallError> {
+    /// the request's headers the call asked for.
+    fn call_once(&self, request: &Request) -> Result<(Fenced, HeaderEdits), CallError> {
+        self.sync_instance()?.call(request, false)
+    }
+
+    /// A fresh instance in a fresh sync store, configured: the deadline of
+    /// its first call covers instantiation and `configure` too.
+    fn sync_instance(&self) -> Result<SyncInstance<'_>, CallError> {
         let (mut store, instance) = self.instantiate()?;
-        let handle = match self.configure(&mut store, instance) {
-            Ok(Ok(handle)) => handle,
-            Ok(Err(e)) => return Err(e),
-            Err(e) => return Err(self.classify(e, &store)),
-        };
-        store.data_mut().lend_headers(&request.headers);
-        store.data_mut().issued.spare_first = spare_first;
-        let answer = handle.call(&mut store, (RequestRecord::of(request),));
-        let header_edits = store.data_mut().take_back_headers();
-        let answer = match answer {
-            Ok((answer,)) => answer,
-            Err(e) => return Err(self.classify(e, &store)),
-        };
-        let action = answer.map_err(|e| plugin_error(e.message))?;
-        let action = self.check(action)?;
-        Ok((self.fence(action, &store), header_edits))
+        match self.configure(&mut store, instance) {
+            Ok(Ok(handle)) => Ok(SyncInstance {
+                plugin: self,
+                store,
+                handle,
+                calls: 0,
+            }),
+            Ok(Err(e)) => Err(e),
+            Err(e) => Err(self.classify(e, &store)),
+        }
     }
 
     /// Like [`Plugin::handle`], for async callers (the gateway), and on an
@@ -495,19 +551,21 @@ impl Plugin {
 
     /// A fresh store under the limits, with the deadline of a sync call.
     fn new_sync_store(&self) -> Store<HostState> {
-        let limits = self.engine.limits;
         let mut store = self.new_store();
+        store.epoch_deadline_trap();
+        self.start_sync_call(&mut store);
+        store
+    }
+
+    /// Starts the deadline of the next sync call in `store`.
+    fn start_sync_call(&self, store: &mut Store<HostState>) {
+        let limits = self.engine.limits;
         // One tick may be nearly over already: allow one extra.
         let ticks = limits.deadline.as_micros().div_ceil(EPOCH_TICK.as_micros()) as u64 + 1;
         store.set_epoch_deadline(ticks);
-        store.epoch_deadline_trap();
         // For the plugin's WASI waits (see `sleeps`); a call that never
         // yields counts wall time.
-        store
-            .data()
-            .clock
-            .begin(std::time::Instant::now(), limits.deadline, Duration::MAX);
-        store
+        store.data_mut().begin_call(limits.deadline, Duration::MAX);
     }
 
     /// A fresh store under the limits, and the plugin instantiated in it.

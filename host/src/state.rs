@@ -64,7 +64,7 @@ pub(crate) struct Issued {
     /// The ticks the clock gave it (its refusals not counted).
     pub(crate) taken: Option<TicksTaken>,
     /// Whether the host takes a tick of its own, and drops it, before the
-    /// call's first (see [`crate::Plugin::handle_for_self_check`]).
+    /// call's first (see [`crate::SelfCheckInstance::handle`]).
     pub(crate) spare_first: bool,
 }
 

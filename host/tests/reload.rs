@@ -1420,6 +1420,27 @@ fn a_build_whose_ids_are_not_its_ticks_is_refused_under_traffic() {
             );
         });
     }
+    // Builds whose one request passes: the batch on the same instance
+    // shows them.
+    for (ids, says) in [
+        ("one-tick-a-call", "stamped the same id, "),
+        ("kept-tick", "took no tick of the host's id clock"),
+    ] {
+        under_traffic(ids, &mut || {
+            let settings = [("hostile-ids".to_string(), ids.to_string())];
+            let error = load_checked(&engine, snowgate_test_fixtures::HOSTILE_WASM, &settings)
+                .expect_err(ids);
+            let error = format!("{error:#}");
+            assert!(
+                error.contains(says)
+                    && error.contains(
+                        "a canned batch of two context-only requests, its \
+                                      instance's second call"
+                    ),
+                "{ids}: {error}"
+            );
+        });
+    }
     under_traffic("the bundled plugin", &mut || {
         load_checked(&engine, snowgate_plugin_bundle::PLUGIN_WASM, &[])
             .expect("the bundled plugin");

@@ -487,6 +487,15 @@ fn may_pass(error: &anyhow::Error) -> bool {
 /// rejects valid requests (400 for the canned request's empty prompt, say)
 /// does not replace a good one.
 ///
+/// A build that stamped it is then called again on the same instance, as
+/// the gateway's kept instances are, with a batch of two such requests: it
+/// must stamp both, with two different ids, each made of a tick it took
+/// during that call. So a build that repeats an id within a call, or keeps
+/// one (or the tick it made one of) from its instance's first call, is
+/// refused; neither shows on one request in a fresh instance. A build may
+/// reject the batch with a status under 500, with a warning: one that takes
+/// no batches sends none on.
+///
 /// Where the host kept the build from showing what it does, it is neither
 /// passed nor refused: the load fails saying it cannot be checked now, and
 /// a reload is put off ([`NoReload::Deferred`]). That is when the host
@@ -602,15 +611,16 @@ fn load_gated(
     };
     let identity = &engine.services().identity;
     let grant = identity.generation();
-    let check = || {
-        plugin
-            .handle_for_self_check(&self_check_request())
-            .context("self-check: the plugin failed on a canned context-only request")
+    let first_call = || {
+        let mut instance = plugin.instance_for_self_check()?;
+        let answer = instance.handle(&Canned::One.request())?;
+        Ok::<_, CallError>((instance, answer))
     };
-    let mut answer = check()?;
+    let (mut instance, mut answer) = first_call().with_context(|| Canned::One.failed())?;
     // The build's one tick the first of its millisecond: the millisecond
     // turned between the host's spare tick and the build's, and a build
-    // that drops the sequence would pass. Asked again, up to twice.
+    // that drops the sequence would pass. Asked again, up to twice, each
+    // time on a fresh instance.
     for _ in 0..SELF_CHECK_RETRIES {
         let first_of_its_millisecond = answer
             .ticks
@@ -618,20 +628,31 @@ fn load_gated(
         if !first_of_its_millisecond {
             break;
         }
-        answer = check()?;
+        (instance, answer) = first_call().with_context(|| Canned::One.failed())?;
     }
     let made = HostIds {
         layout: identity.layout(),
         machine_id: identity.current().ok().map(|machine| machine.value),
     };
-    judge_self_check(&plugin, answer, &made, || {
+    let no_ids_now = || {
         why_no_ids_may_leave(engine).or_else(|| {
             // An id granted during the call: the plugin may have asked
             // before, and found none.
             (identity.generation() != grant)
                 .then(|| "the machine id changed during the self-check".to_string())
         })
-    })?;
+    };
+    // A build that stamped the one request is asked again on the same
+    // instance, with a batch: one that repeats an id within a call, or
+    // keeps one (or what it made one of) from its instance's first call,
+    // shows it there.
+    if judge_self_check(&plugin, Canned::One, answer, &made, no_ids_now)? == Judged::Stamped {
+        let answer = instance
+            .handle(&Canned::Batch.request())
+            .with_context(|| Canned::Batch.failed())?;
+        judge_self_check(&plugin, Canned::Batch, answer, &made, no_ids_now)?;
+    }
+    drop(instance);
     // Its turn to be stored is taken while the gate is held: a stop that
     // closes the gate after it waits for the store too.
     let store = match gates {
@@ -672,13 +693,65 @@ impl Drop for StoreUnderWay {
 /// the first of its millisecond (see [`load_checked`]).
 const SELF_CHECK_RETRIES: usize = 2;
 
-/// The canned request of the self-check.
-fn self_check_request() -> Request {
-    Request {
-        method: "POST".into(),
-        path: "/v1/completions".into(),
-        headers: vec![("content-type".into(), b"application/json".to_vec())].into(),
-        body: SELF_CHECK_BODY.to_vec(),
+/// The canned requests of the self-check, one after another on one
+/// instance.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Canned {
+    /// One context-only request ([`SELF_CHECK_BODY`]), the instance's
+    /// first call.
+    One,
+    /// A batch of two, the instance's second call: a JSON array of
+    /// [`SELF_CHECK_BODY`] twice.
+    Batch,
+}
+
+impl Canned {
+    /// The request, `POST /v1/completions` of JSON.
+    fn request(self) -> Request {
+        let body = match self {
+            Canned::One => SELF_CHECK_BODY.to_vec(),
+            Canned::Batch => [&b"["[..], SELF_CHECK_BODY, b",", SELF_CHECK_BODY, b"]"].concat(),
+        };
+        Request {
+            method: "POST".into(),
+            path: "/v1/completions".into(),
+            headers: vec![("content-type".into(), b"application/json".to_vec())].into(),
+            body,
+        }
+    }
+
+    /// What the self-check's messages call it.
+    fn named(self) -> &'static str {
+        match self {
+            Canned::One => "a canned context-only request",
+            Canned::Batch => {
+                "a canned batch of two context-only requests, its instance's second call"
+            }
+        }
+    }
+
+    /// The self-check's words for a call that failed.
+    fn failed(self) -> String {
+        format!("self-check: the plugin failed on {}", self.named())
+    }
+
+    /// The ids of the answer's body `value`, in order, or which one is
+    /// missing.
+    fn ids(self, value: &serde_json::Value) -> Result<Vec<u64>, &'static str> {
+        let id = |request: &serde_json::Value| {
+            request["disaggregated_params"]["disagg_request_id"].as_u64()
+        };
+        match self {
+            Canned::One => id(value).map(|id| vec![id]).ok_or("the request"),
+            Canned::Batch => match value.as_array().map(Vec::as_slice) {
+                Some([first, second]) => {
+                    let first = id(first).ok_or("the batch's first request")?;
+                    let second = id(second).ok_or("the batch's second request")?;
+                    Ok(vec![first, second])
+                }
+                _ => Err("a batch of two (the body is no longer an array of two)"),
+            },
+        }
     }
 }
 
@@ -744,32 +817,58 @@ impl HostIds {
     }
 }
 
-/// Whether the self-check's answer lets the build serve (see
-/// [`load_checked`]); `made` is what its id must be made of, and
+/// How the self-check judged one answer that lets the build serve.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Judged {
+    /// Stamped with ids made as the contract says.
+    Stamped,
+    /// Rejected, sending nothing on: whether the build stamps was not
+    /// checked.
+    Unchecked,
+}
+
+/// Whether the self-check's answer to `canned` lets the build serve (see
+/// [`load_checked`]); `made` is what its ids must be made of, and
 /// `no_ids_now` tells why the host holds no machine id it may use now, if
 /// it holds none.
 fn judge_self_check(
     plugin: &Plugin,
+    canned: Canned,
     answer: Fenced,
     made: &HostIds,
-    no_ids_now: impl FnOnce() -> Option<String>,
-) -> anyhow::Result<()> {
+    no_ids_now: impl Fn() -> Option<String>,
+) -> anyhow::Result<Judged> {
+    let asked = canned.named();
     match answer.action {
         Action::ForwardWithBody(body) => {
-            let value: serde_json::Value = serde_json::from_slice(&body)
-                .context("self-check: the plugin answered a body that is not JSON")?;
-            let Some(id) = value["disaggregated_params"]["disagg_request_id"].as_u64() else {
-                anyhow::bail!("self-check: the plugin did not stamp an integer disagg_request_id on a context-only request");
-            };
-            if let Some(misfit) = made.misfit(id, answer.ticks) {
-                // The machine id changed after the host let the id out.
-                if let Some(reason) = no_ids_now() {
-                    return Err(CannotCheckNow::of(plugin, reason).into());
+            let value: serde_json::Value = serde_json::from_slice(&body).with_context(|| {
+                format!("self-check: the plugin answered {asked} with a body that is not JSON")
+            })?;
+            let ids = canned.ids(&value).map_err(|which| {
+                anyhow::anyhow!(
+                    "self-check: the plugin did not stamp an integer disagg_request_id on {which} \
+                     of {asked}"
+                )
+            })?;
+            for &id in &ids {
+                if let Some(misfit) = made.misfit(id, answer.ticks) {
+                    // The machine id changed after the host let the id out.
+                    if let Some(reason) = no_ids_now() {
+                        return Err(CannotCheckNow::of(plugin, reason).into());
+                    }
+                    anyhow::bail!(
+                        "self-check: on {asked}, the plugin stamped the id {id}, which is not made \
+                         of the host's clock and machine id, so it could repeat: {misfit}"
+                    );
                 }
-                anyhow::bail!(
-                    "self-check: the plugin stamped the id {id}, which is not made of the host's \
-                     clock and machine id, so it could repeat: {misfit}"
-                );
+            }
+            if let [first, second] = ids[..] {
+                if first == second {
+                    anyhow::bail!(
+                        "self-check: the plugin stamped the same id, {first}, on both requests of \
+                         {asked}: it would repeat ids"
+                    );
+                }
             }
         }
         // The host withheld the self-check's id: the plugin took a tick,
@@ -785,31 +884,55 @@ fn judge_self_check(
         Action::Reject(r) if r.status == 503 => {
             return Err(match no_ids_now() {
                 Some(reason) => CannotCheckNow::of(plugin, reason).into(),
-                None => refused(r),
+                None => refused(canned, r),
             });
         }
-        Action::Reject(r) if matches!(r.status, 401 | 403) => tracing::warn!(
-            plugin = %plugin.info().name,
-            "self-check: the plugin rejected the canned context-only request ({} {}: {}); it \
-             may serve, as it sends nothing on without an id, but whether it stamps was not \
-             checked",
-            r.status,
-            plugin_text(r.code, MAX_PLUGIN_TEXT),
-            plugin_text(r.message, MAX_PLUGIN_TEXT)
-        ),
-        Action::Reject(r) => return Err(refused(r)),
+        Action::Reject(r) if matches!(r.status, 401 | 403) => {
+            tracing::warn!(
+                plugin = %plugin.info().name,
+                "self-check: the plugin rejected {asked} ({} {}: {}); it may serve, as it sends \
+                 nothing on without an id, but whether it stamps was not checked",
+                r.status,
+                plugin_text(r.code, MAX_PLUGIN_TEXT),
+                plugin_text(r.message, MAX_PLUGIN_TEXT)
+            );
+            return Ok(Judged::Unchecked);
+        }
+        // A plugin may take no batches: it sends none on.
+        Action::Reject(r) if canned == Canned::Batch && r.status < 500 => {
+            tracing::warn!(
+                plugin = %plugin.info().name,
+                "self-check: the plugin rejected {asked} ({} {}: {}); it may serve, as it sends \
+                 no batch on, but whether it stamps batches was not checked",
+                r.status,
+                plugin_text(r.code, MAX_PLUGIN_TEXT),
+                plugin_text(r.message, MAX_PLUGIN_TEXT)
+            );
+            return Ok(Judged::Unchecked);
+        }
+        Action::Reject(r) => return Err(refused(canned, r)),
         Action::Forward => {
-            anyhow::bail!("self-check: the plugin forwarded a context-only request without an id")
+            anyhow::bail!("self-check: the plugin forwarded {asked} without an id")
         }
     }
-    Ok(())
+    Ok(Judged::Stamped)
 }
 
-/// The self-check's refusal of a build that rejected its valid request.
-fn refused(r: Rejection) -> anyhow::Error {
+/// The self-check's refusal of a build that rejected its valid `canned`
+/// request.
+fn refused(canned: Canned, r: Rejection) -> anyhow::Error {
+    let (valid, may_pass) = match canned {
+        Canned::One => (
+            "context-only request",
+            "only 401 and 403, for credentials the canned request cannot carry",
+        ),
+        Canned::Batch => (
+            "batch of two context-only requests (its instance's second call)",
+            "only a status under 500, from a plugin that takes no batches",
+        ),
+    };
     anyhow::anyhow!(
-        "self-check: the plugin rejected a valid context-only request with {} {}: {} (only 401 \
-         and 403, for credentials the canned request cannot carry, may pass)",
+        "self-check: the plugin rejected a valid {valid} with {} {}: {} ({may_pass}, may pass)",
         r.status,
         plugin_text(r.code, MAX_PLUGIN_TEXT),
         plugin_text(r.message, MAX_PLUGIN_TEXT)
@@ -864,7 +987,7 @@ mod tests {
             ids_withheld: false,
             ticks: None,
         };
-        let error = judge_self_check(&plugin, refusal(), &host_ids(), || {
+        let error = judge_self_check(&plugin, Canned::One, refusal(), &host_ids(), || {
             Some("the lease lapsed".into())
         })
         .expect_err("not passed");
@@ -876,8 +999,8 @@ mod tests {
             format!("{error:#}").contains("(the lease lapsed)"),
             "{error:#}"
         );
-        let error =
-            judge_self_check(&plugin, refusal(), &host_ids(), || None).expect_err("refused");
+        let error = judge_self_check(&plugin, Canned::One, refusal(), &host_ids(), || None)
+            .expect_err("refused");
         assert!(error.downcast_ref::<CannotCheckNow>().is_none());
         assert!(
             format!("{error:#}").contains("rejected a valid context-only request with 503"),
@@ -915,13 +1038,14 @@ mod tests {
         let plugin =
             Plugin::load(&engine, snowgate_plugin_bundle::PLUGIN_WASM, &[]).expect("loads");
         let answer = plugin
-            .handle_for_self_check(&self_check_request())
+            .instance_for_self_check()
+            .and_then(|mut instance| instance.handle(&Canned::One.request()))
             .expect("answers");
         assert!(answer.ids_withheld, "{:?}", answer.action);
         // The keeper raises the mark before the answer is judged.
         identity.ceiling_raised(past + 60_000, past + 30_000);
         assert_eq!(why_no_ids_may_leave(&engine), None, "the mark is raised");
-        let error = judge_self_check(&plugin, answer, &host_ids(), || {
+        let error = judge_self_check(&plugin, Canned::One, answer, &host_ids(), || {
             why_no_ids_may_leave(&engine)
         })
         .expect_err("put off");
@@ -981,8 +1105,9 @@ mod tests {
 
     /// Where the build's one tick is the first of its millisecond (the
     /// millisecond turned after the host's spare tick), the self-check asks
-    /// again, twice at most: a build that drops the sequence would pass
-    /// such a check. Where it is not, once.
+    /// again, twice at most, each time on a fresh instance: a build that
+    /// drops the sequence would pass such a check. Where it is not, once.
+    /// The batch is asked once, after the last.
     #[test]
     fn a_self_check_whose_tick_began_a_millisecond_is_asked_again() {
         let ticks_taken = |clock: IdClock| {
@@ -996,12 +1121,16 @@ mod tests {
             clock.issued()
         };
         let now = millis_of(SystemTime::now());
-        // Two ticks a check: the host's spare, the build's.
-        assert_eq!(ticks_taken(IdClock::new(crate::clock::FixedClock(now))), 2);
+        // Two ticks a check of the one request (the host's spare, the
+        // build's), and the batch's two, once.
+        assert_eq!(
+            ticks_taken(IdClock::new(crate::clock::FixedClock(now))),
+            2 + 2
+        );
         let racing = Racing(std::sync::atomic::AtomicU64::new(now));
         assert_eq!(
             ticks_taken(IdClock::new(racing)),
-            2 * (1 + SELF_CHECK_RETRIES as u64)
+            2 * (1 + SELF_CHECK_RETRIES as u64) + 2
         );
     }
 
@@ -1151,6 +1280,82 @@ mod tests {
         })
     }
 
+    /// The batch, the instance's second call, passes only with two
+    /// distinct ids made of its own ticks; a plugin that takes no batches
+    /// may reject it with a status under 500 (it sends none on), but not
+    /// forward it unstamped or fail it with a 5xx of its own.
+    #[test]
+    fn the_batch_passes_with_two_distinct_ids_or_a_plugins_4xx() {
+        let (_engine, plugin) = bundled_with_machine_id_3();
+        let v1 = SnowflakeLayout::TrtllmV1;
+        let now = millis_of(SystemTime::now());
+        let one = |id: u64| {
+            format!(
+                r#"{{"disaggregated_params":{{"request_type":"context_only","disagg_request_id":{id}}}}}"#
+            )
+        };
+        let judged = |action: Action| {
+            let answer = Fenced {
+                action,
+                ids_withheld: false,
+                ticks: took((now - 2, 7), (now - 2, 8), 2),
+            };
+            judge_self_check(&plugin, Canned::Batch, answer, &host_ids(), || None)
+                .map_err(|e| format!("{e:#}"))
+        };
+        let batch = |body: String| Action::ForwardWithBody(body.into_bytes());
+        let reject = |status| {
+            Action::Reject(Rejection {
+                status,
+                code: "no_batches".into(),
+                message: "send one request at a time".into(),
+            })
+        };
+        let (a, b) = (
+            v1.compose(now - 2, 3, 7).unwrap(),
+            v1.compose(now - 2, 3, 8).unwrap(),
+        );
+        assert_eq!(
+            judged(batch(format!("[{},{}]", one(a), one(b)))),
+            Ok(Judged::Stamped)
+        );
+        assert_eq!(judged(reject(400)), Ok(Judged::Unchecked));
+        for (action, says) in [
+            (
+                batch(format!("[{},{}]", one(a), one(a))),
+                format!("stamped the same id, {a}, on both requests of a canned batch of two"),
+            ),
+            (
+                batch(format!("[{},{{}}]", one(a))),
+                "did not stamp an integer disagg_request_id on the batch's second request".into(),
+            ),
+            (
+                batch(one(a)),
+                "the body is no longer an array of two".into(),
+            ),
+            (
+                Action::Forward,
+                "forwarded a canned batch of two context-only requests".into(),
+            ),
+            (
+                reject(500),
+                "rejected a valid batch of two context-only requests (its instance's second \
+                 call) with 500"
+                    .into(),
+            ),
+        ] {
+            let error = judged(action).expect_err(&says);
+            assert!(error.contains(&says), "{says}: {error}");
+        }
+        // Made of a tick outside the call's: the instance kept it.
+        let kept = v1.compose(now - 9, 3, 7).unwrap();
+        let error = judged(batch(format!("[{},{}]", one(kept), one(b)))).expect_err("kept");
+        assert!(
+            error.contains("on a canned batch of two") && error.contains("could repeat"),
+            "{error}"
+        );
+    }
+
     /// A build that stamps an id of its own, not made of a tick it took
     /// and the host's machine id, would repeat ids, and the host's check
     /// of each call, which looks at the ticks taken, does not see it: the
@@ -1172,15 +1377,21 @@ mod tests {
         }
         };
         let judged = |id: u64, ticks: Option<TicksTaken>| {
-            judge_self_check(&plugin, stamped(id, ticks), &host_ids(), || None)
-                .map_err(|e| format!("{e:#}"))
+            judge_self_check(
+                &plugin,
+                Canned::One,
+                stamped(id, ticks),
+                &host_ids(),
+                || None,
+            )
+            .map_err(|e| format!("{e:#}"))
         };
         let one = took((now - 2, 7), (now - 2, 7), 1);
         // Three ticks, with other calls' ticks between them.
         let three = took((now - 5, 0), (now, 2), 3);
         let good = v1.compose(now - 2, 3, 7).unwrap();
-        assert_eq!(judged(good, one), Ok(()));
-        assert_eq!(judged(good, three), Ok(()));
+        assert_eq!(judged(good, one), Ok(Judged::Stamped));
+        assert_eq!(judged(good, three), Ok(Judged::Stamped));
         for (id, ticks, says) in [
             // A constant, below the layout's smallest id.
             (1_099_511_628_800, one, "not an id of layout trtllm-v1"),
@@ -1219,13 +1430,17 @@ mod tests {
         let folded = v1.compose_unique(late, 3, 7).unwrap();
         assert_ne!(v1.decode(folded).unwrap().millis, late);
         let in_2039 = took((late, 7), (late, 7), 1);
-        assert_eq!(judged(folded, in_2039), Ok(()));
+        assert_eq!(judged(folded, in_2039), Ok(Judged::Stamped));
         assert!(judged(v1.compose_unique(late, 4, 7).unwrap(), in_2039).is_err());
         // Where the machine id changed meanwhile, the build is put off.
         let other = v1.compose(now - 2, 4, 7).unwrap();
-        let error = judge_self_check(&plugin, stamped(other, one), &host_ids(), || {
-            Some("the machine id changed during the self-check".into())
-        })
+        let error = judge_self_check(
+            &plugin,
+            Canned::One,
+            stamped(other, one),
+            &host_ids(),
+            || Some("the machine id changed during the self-check".into()),
+        )
         .expect_err("put off");
         assert!(
             error.downcast_ref::<CannotCheckNow>().is_some(),
