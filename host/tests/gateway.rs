@@ -4244,6 +4244,7 @@ async fn metrics_count_requests_by_outcome() {
         ("failed_open", 0.0),
         ("client_error", 0.0),
         ("body_memory_full", 0.0),
+        ("plugin_busy", 0.0),
         ("abandoned", 0.0),
     ] {
         assert_eq!(
@@ -5099,6 +5100,100 @@ async fn metrics_show_connections_and_plugin_calls_in_use() {
     .await;
     let _ = stop.send(());
     served.await.expect("the serving task").expect("served");
+}
+
+/// A request that finds every plugin call slot taken waits for one as
+/// long as a request waits for room for its body (`--body-read-timeout-ms`),
+/// holding its body's room meanwhile, and then gets 503 `plugin_busy` with
+/// `Retry-After`, counted as such; its connection serves on. Before, it
+/// waited for as long as the calls ahead of it ran, however long that was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_that_finds_no_plugin_call_slot_in_time_gets_503_plugin_busy() {
+    let (_dir, path) = hostile_plugin_file("busy");
+    let mut config = GatewayConfig {
+        plugin: Some(path),
+        ..library_config()
+    };
+    config.plugin_limits.max_instances = 3;
+    config.plugin_limits.calls_per_instance = 1;
+    // The two looping calls hold both slots for this long: far longer
+    // than the third request's wait, on a busy machine too.
+    config.plugin_limits.deadline = Duration::from_secs(3);
+    config.connections.body_read_timeout = Duration::from_millis(300);
+    let LibraryServing {
+        addr,
+        admin,
+        stop,
+        served,
+        ..
+    } = serve_library_gateway(config).await;
+    let loops: Vec<_> = (0..2)
+        .map(|_| tokio::spawn(misbehaving(addr, "loop")))
+        .collect();
+    wait_metric_at(admin, "snowgate_plugin_calls_running", 2.0).await;
+    let memory = "snowgate_body_memory_bytes";
+    let held = metric(get(admin, "/metrics").await.text(), memory);
+
+    let mut client = Client::connect(addr).await;
+    let reply = client.post_json("/v1/completions", CONTEXT_ONLY).await;
+    assert_eq!(
+        reply.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        reply.text()
+    );
+    assert_eq!(reply.header("retry-after"), Some("1"));
+    let message = assert_openai_error(&reply.json(), "plugin_busy", "server_error");
+    assert!(
+        message.contains("within 300 ms (--body-read-timeout-ms)")
+            && message.contains("with 1 requests waiting"),
+        "{message}"
+    );
+    let text = get(admin, "/metrics").await.text().to_string();
+    assert_eq!(
+        metric(&text, r#"snowgate_requests_total{outcome="plugin_busy"}"#),
+        1.0
+    );
+    assert_eq!(
+        metric(&text, "snowgate_plugin_calls_waiting"),
+        0.0,
+        "{text}"
+    );
+    assert_eq!(metric(&text, memory), held, "its room is given back");
+
+    for looping in loops {
+        let reply = looping.await.expect("a looping request");
+        assert_eq!(
+            reply.status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{}",
+            reply.text()
+        );
+    }
+    // The same connection, once the slots are free: stamped.
+    let reply = client.post_json("/v1/completions", CONTEXT_ONLY).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    assert!(
+        reply.json()["body"]["disaggregated_params"]["disagg_request_id"].is_u64(),
+        "{}",
+        reply.text()
+    );
+    let _ = stop.send(());
+    served.await.expect("the serving task").expect("served");
+}
+
+/// Waits (at most `STEP`) until the admin listener at `admin` shows
+/// `sample` at `value`.
+async fn wait_metric_at(admin: SocketAddr, sample: &str, value: f64) {
+    let started = Instant::now();
+    loop {
+        let text = get(admin, "/metrics").await.text().to_string();
+        if metric(&text, sample) == value {
+            return;
+        }
+        assert!(started.elapsed() < STEP, "never {sample} {value}:\n{text}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
 
 /// The hostile test fixture written to `plugin.wasm` in a new temporary

@@ -164,7 +164,9 @@ pub struct ConnectionLimits {
     pub header_read_timeout: Duration,
     /// The longest a client may pause while sending a request body (the
     /// gateway waiting for more); then it gets 408. Only time the gateway
-    /// waits on the client counts.
+    /// waits on the client counts. Also the longest a request waits for
+    /// room for its body, and for a plugin call slot once it is read (see
+    /// [`SnowgateLayer::with_body_memory`](crate::gateway::middleware::SnowgateLayer::with_body_memory)).
     pub body_read_timeout: Duration,
     /// The longest a client may take none of a response the gateway has
     /// for it (its socket full, or over HTTP/2 its flow-control window

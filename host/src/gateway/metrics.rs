@@ -37,6 +37,9 @@ pub enum Outcome {
     /// No room came free for the body in the gateway's body memory
     /// (`--body-memory-mib`) in time: answered 503.
     BodyMemoryFull,
+    /// No plugin call slot came free for it within the wait for room for a
+    /// body (`--body-read-timeout-ms`): answered 503 `plugin_busy`.
+    PluginBusy,
     /// Its client went away (closed its connection, reset its HTTP/2
     /// stream) before the gateway had decided what to do with it: at once,
     /// before the request ran at all, or, for one read for the plugin,
@@ -48,7 +51,7 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    const ALL: [Outcome; 10] = [
+    const ALL: [Outcome; 11] = [
         Outcome::PassedThrough,
         Outcome::Forwarded,
         Outcome::Rewritten,
@@ -58,6 +61,7 @@ impl Outcome {
         Outcome::FailedOpen,
         Outcome::ClientError,
         Outcome::BodyMemoryFull,
+        Outcome::PluginBusy,
         Outcome::Abandoned,
     ];
 
@@ -72,6 +76,7 @@ impl Outcome {
             Outcome::FailedOpen => "failed_open",
             Outcome::ClientError => "client_error",
             Outcome::BodyMemoryFull => "body_memory_full",
+            Outcome::PluginBusy => "plugin_busy",
             Outcome::Abandoned => "abandoned",
         }
     }

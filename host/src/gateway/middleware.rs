@@ -46,7 +46,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -120,7 +120,8 @@ impl SnowgateLayer {
     /// fails. The bodies it reads whole hold at most
     /// [`body_memory::default_limit`] bytes at once (1 GiB, or
     /// `max_body_bytes` where that is larger), and a request waits at most
-    /// the default body read timeout (60 s) for room: see
+    /// the default body read timeout (60 s) for room, and as long for a
+    /// plugin call slot: see
     /// [`SnowgateLayer::with_body_memory`].
     ///
     /// The plugin-call gauges of `metrics` report the first layer made
@@ -159,7 +160,9 @@ impl SnowgateLayer {
     /// bytes; a request that finds no room waits for it, in the order
     /// requests came, at most `wait`, and is then answered 503
     /// `body_memory_full`; a body given room must arrive whole within
-    /// `wait` too, or it is answered 408 `body_timeout`. Requests whose
+    /// `wait` too, or it is answered 408 `body_timeout`. A request whose
+    /// body is read waits for a plugin call slot at most `wait` too, and
+    /// is then answered 503 `plugin_busy`. Requests whose
     /// [`BodyProgress`] names their
     /// [`ClientConnection`](body_memory::ClientConnection) (the gateway's
     /// server's do) wait at most
@@ -462,12 +465,20 @@ impl Shared {
             body: Vec::from(bytes),
         };
         // Wait for a free instance slot (never closed, so this cannot fail),
-        // counted as queued while it waits.
+        // counted as queued while it waits, and for as long as a request
+        // waits for room for its body: holding its body's room meanwhile.
         let permit = match self.calls.try_acquire() {
             Ok(permit) => Some(permit),
             Err(_) => {
                 let _queued = Queued::join(&self.queued);
-                self.calls.acquire().await.ok()
+                let wait = self.body_memory.wait();
+                match tokio::time::timeout(wait, self.calls.acquire()).await {
+                    Ok(permit) => permit.ok(),
+                    Err(_) => {
+                        verdict.count(Outcome::PluginBusy);
+                        return own(plugin_busy(wait, self.queued.load(Ordering::Relaxed)));
+                    }
+                }
             }
         };
         let plugin = self.slot.current();
@@ -612,6 +623,24 @@ fn rewritten_body_too_large(no_room: NoRoom) -> Response<Full<Bytes>> {
         StatusCode::SERVICE_UNAVAILABLE,
         "body_memory_full",
         &no_room.to_string(),
+    ))
+}
+
+/// The answer to a request that waited `wait` for a plugin call slot, as
+/// long as a request may wait for room for its body, and found none free
+/// (`queued` requests wait for one, itself included): its body was read
+/// whole, so its connection may serve on.
+fn plugin_busy(wait: Duration, queued: usize) -> Response<Full<Bytes>> {
+    let message = format!(
+        "no plugin call slot came free within {} ms (--body-read-timeout-ms): every slot \
+         (--plugin-instances) was running a call, with {queued} requests waiting; the plugin is \
+         the bottleneck, try again",
+        wait.as_millis()
+    );
+    retry_in_a_second(responses::error(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "plugin_busy",
+        &message,
     ))
 }
 

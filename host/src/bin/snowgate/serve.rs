@@ -150,9 +150,10 @@ pub struct ServeArgs {
     header_read_timeout_ms: Option<u64>,
     /// The longest a client may pause while sending a request body, in
     /// milliseconds; then it gets 408. Also the longest a request waits for
-    /// room for its body (--body-memory-mib), and the longest a body read
-    /// for the plugin may take to arrive whole once it has room
-    /// [default: 60000].
+    /// room for its body (--body-memory-mib), the longest a body read for
+    /// the plugin may take to arrive whole once it has room, and the
+    /// longest a request whose body is read waits for a plugin call slot
+    /// (--plugin-instances), then getting 503 plugin_busy [default: 60000].
     #[arg(long, value_name = "MS")]
     body_read_timeout_ms: Option<u64>,
     /// The longest a client may take none of a response the gateway has
