@@ -1,5 +1,6 @@
 # A plugin written in Python against wit/middleware.wit, stamping like the
-# bundled one (top-level objects only), for measuring what a plugin in
+# bundled one (a top-level request or each of a top-level batch, not nested
+# params), for measuring what a plugin in
 # another language costs: see bench/compile_cache.py and BENCHMARKS.md.
 # BUILD_MARK tells two builds apart; bench/compile_cache.py sets it.
 import json
@@ -49,16 +50,10 @@ class Handler(exports.Handler):
             doc = json.loads(bytes(request.body))
         except Exception:
             return Action_Forward()
-        if not isinstance(doc, dict):
-            return Action_Forward()
-        dp = doc.get("disaggregated_params")
-        if not isinstance(dp, dict):
-            return Action_Forward()
-        rt = dp.get("request_type")
-        if not isinstance(rt, str) or rt.lower() != "context_only":
-            return Action_Forward()
-        # Like the bundled plugin: the id lives in disaggregated_params.
-        if dp.get("disagg_request_id") is not None:
+        # A request, or a batch: each request of a top-level array.
+        requests = doc if isinstance(doc, list) else [doc]
+        waiting = [dp for dp in map(_unstamped, requests) if dp is not None]
+        if not waiting:
             return Action_Forward()
         try:
             mid = identity.current_machine_id()
@@ -67,6 +62,23 @@ class Handler(exports.Handler):
         if mid.layout != _layout:
             return Action_Reject(Rejection(503, "no_machine_id", "machine id layout differs from id-layout"))
         space = 4096 if _layout == IdLayout.TRTLLM_V1 else 1024
-        tick = clock.next_tick(space)
-        dp["disagg_request_id"] = _make_id(_layout, mid.value, tick)
+        for dp in waiting:
+            # One tick for each id: the host's clock never gives one twice.
+            dp["disagg_request_id"] = _make_id(_layout, mid.value, clock.next_tick(space))
         return Action_ForwardWithBody(json.dumps(doc, separators=(",", ":")).encode())
+
+
+def _unstamped(request):
+    """The context-only disaggregated_params of `request` that wait for an id, if any."""
+    if not isinstance(request, dict):
+        return None
+    dp = request.get("disaggregated_params")
+    if not isinstance(dp, dict):
+        return None
+    rt = dp.get("request_type")
+    if not isinstance(rt, str) or rt.lower() != "context_only":
+        return None
+    # Like the bundled plugin: the id lives in disaggregated_params.
+    if dp.get("disagg_request_id") is not None:
+        return None
+    return dp
