@@ -5028,14 +5028,8 @@ async fn a_looping_plugin_call_leaves_its_worker_serving_other_connections() {
 /// their deadlines have passed, none.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_show_connections_and_plugin_calls_in_use() {
-    let (_dir, path) = hostile_plugin_file("in-use");
-    let mut config = GatewayConfig {
-        plugin: Some(path),
-        ..library_config()
-    };
+    let (_dir, mut config) = hostile_with_two_call_slots("in-use");
     config.connections.max_connections = 64;
-    config.plugin_limits.max_instances = 3;
-    config.plugin_limits.calls_per_instance = 1;
     // The state waited for below lasts from the third request's arrival
     // until the first two calls reach their deadline: seconds, for a busy
     // machine to queue the third and show it.
@@ -5047,21 +5041,7 @@ async fn metrics_show_connections_and_plugin_calls_in_use() {
         served,
         ..
     } = serve_library_gateway(config).await;
-    // Waits (at most `STEP`) until every sample has its value.
-    let wait_for = |wanted: Vec<(&'static str, f64)>| async move {
-        let started = Instant::now();
-        loop {
-            let text = get(admin, "/metrics").await.text().to_string();
-            if wanted
-                .iter()
-                .all(|(name, value)| metric(&text, name) == *value)
-            {
-                return text;
-            }
-            assert!(started.elapsed() < STEP, "never {wanted:?}:\n{text}");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    };
+    let wait_for = |wanted: Vec<(&'static str, f64)>| wait_metrics_at(admin, wanted);
     let text = wait_for(vec![
         ("snowgate_connections_open", 0.0),
         ("snowgate_plugin_calls_running", 0.0),
@@ -5109,13 +5089,7 @@ async fn metrics_show_connections_and_plugin_calls_in_use() {
 /// waited for as long as the calls ahead of it ran, however long that was.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_that_finds_no_plugin_call_slot_in_time_gets_503_plugin_busy() {
-    let (_dir, path) = hostile_plugin_file("busy");
-    let mut config = GatewayConfig {
-        plugin: Some(path),
-        ..library_config()
-    };
-    config.plugin_limits.max_instances = 3;
-    config.plugin_limits.calls_per_instance = 1;
+    let (_dir, mut config) = hostile_with_two_call_slots("busy");
     // The two looping calls hold both slots for this long: far longer
     // than the third request's wait, on a busy machine too.
     config.plugin_limits.deadline = Duration::from_secs(3);
@@ -5130,7 +5104,7 @@ async fn a_request_that_finds_no_plugin_call_slot_in_time_gets_503_plugin_busy()
     let loops: Vec<_> = (0..2)
         .map(|_| tokio::spawn(misbehaving(addr, "loop")))
         .collect();
-    wait_metric_at(admin, "snowgate_plugin_calls_running", 2.0).await;
+    wait_metrics_at(admin, vec![("snowgate_plugin_calls_running", 2.0)]).await;
     let memory = "snowgate_body_memory_bytes";
     let held = metric(get(admin, "/metrics").await.text(), memory);
 
@@ -5182,18 +5156,35 @@ async fn a_request_that_finds_no_plugin_call_slot_in_time_gets_503_plugin_busy()
     served.await.expect("the serving task").expect("served");
 }
 
-/// Waits (at most `STEP`) until the admin listener at `admin` shows
-/// `sample` at `value`.
-async fn wait_metric_at(admin: SocketAddr, sample: &str, value: f64) {
+/// Waits (at most `STEP`) until the admin listener at `admin` shows every
+/// sample of `wanted` at its value; returns the metrics then.
+async fn wait_metrics_at(admin: SocketAddr, wanted: Vec<(&'static str, f64)>) -> String {
     let started = Instant::now();
     loop {
         let text = get(admin, "/metrics").await.text().to_string();
-        if metric(&text, sample) == value {
-            return;
+        if wanted
+            .iter()
+            .all(|(name, value)| metric(&text, name) == *value)
+        {
+            return text;
         }
-        assert!(started.elapsed() < STEP, "never {sample} {value}:\n{text}");
+        assert!(started.elapsed() < STEP, "never {wanted:?}:\n{text}");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
+
+/// A library gateway's configuration with the hostile fixture (written in
+/// a directory named for `name`, kept while it lives) and two plugin call
+/// slots: three instances, none kept.
+fn hostile_with_two_call_slots(name: &str) -> (TempDir, GatewayConfig) {
+    let (dir, path) = hostile_plugin_file(name);
+    let mut config = GatewayConfig {
+        plugin: Some(path),
+        ..library_config()
+    };
+    config.plugin_limits.max_instances = 3;
+    config.plugin_limits.calls_per_instance = 1;
+    (dir, config)
 }
 
 /// The hostile test fixture written to `plugin.wasm` in a new temporary
