@@ -1406,7 +1406,7 @@ fn a_build_whose_ids_are_not_its_ticks_is_refused_under_traffic() {
     };
     // The last two stamp their one request well: the batch, their
     // instance's second call, shows them.
-    const BATCH: &str = "a canned batch of two context-only requests, its instance's second call";
+    const BATCH: &str = "a canned batch of two context-only requests (its instance's second call)";
     for (ids, says) in [
         (
             "own-clock",

@@ -725,7 +725,7 @@ impl Canned {
         match self {
             Canned::One => "a canned context-only request",
             Canned::Batch => {
-                "a canned batch of two context-only requests, its instance's second call"
+                "a canned batch of two context-only requests (its instance's second call)"
             }
         }
     }
@@ -912,7 +912,7 @@ fn judge_self_check(
         }
         Action::Reject(r) => return Err(refused(canned, r)),
         Action::Forward => {
-            anyhow::bail!("self-check: the plugin forwarded {asked} without an id")
+            anyhow::bail!("self-check: the plugin forwarded {asked} unstamped")
         }
     }
     Ok(Judged::Stamped)
@@ -1335,7 +1335,9 @@ mod tests {
             ),
             (
                 Action::Forward,
-                "forwarded a canned batch of two context-only requests".into(),
+                "forwarded a canned batch of two context-only requests (its instance's second \
+                 call) unstamped"
+                    .into(),
             ),
             (
                 reject(500),
