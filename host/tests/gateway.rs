@@ -5120,7 +5120,7 @@ async fn a_request_that_finds_no_plugin_call_slot_in_time_gets_503_plugin_busy()
     let message = assert_openai_error(&reply.json(), "plugin_busy", "server_error");
     assert!(
         message.contains("within 300 ms (--body-read-timeout-ms)")
-            && message.contains("with 1 requests waiting"),
+            && message.contains("requests waiting for one: 1"),
         "{message}"
     );
     let text = get(admin, "/metrics").await.text().to_string();

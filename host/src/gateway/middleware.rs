@@ -633,8 +633,8 @@ fn rewritten_body_too_large(no_room: NoRoom) -> Response<Full<Bytes>> {
 fn plugin_busy(wait: Duration, queued: usize) -> Response<Full<Bytes>> {
     let message = format!(
         "no plugin call slot came free within {} ms (--body-read-timeout-ms): every slot \
-         (--plugin-instances) was running a call, with {queued} requests waiting; the plugin is \
-         the bottleneck, try again",
+         (--plugin-instances) was running a call (requests waiting for one: {queued}); the plugin \
+         is the bottleneck, try again",
         wait.as_millis()
     );
     retry_in_a_second(responses::error(
