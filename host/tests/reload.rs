@@ -1404,26 +1404,39 @@ fn a_build_whose_ids_are_not_its_ticks_is_refused_under_traffic() {
             "{what}: no traffic ran during the check"
         );
     };
-    // The last two stamp their one request well: the batch, their
-    // instance's second call, shows them.
-    const BATCH: &str = "a canned batch of two context-only requests (its instance's second call)";
-    for (ids, says) in [
+    // The last three stamp their one request well: called again on the
+    // same instance, they show it, even one that takes no batches.
+    const AGAIN: &str = "a canned context-only request again (its instance's second call)";
+    const BATCH: &str = "a canned batch of two context-only requests (its instance's third call)";
+    for (ids, batches, says) in [
         (
             "own-clock",
+            None,
             ["took no tick of the host's id clock", "could repeat"],
         ),
         (
             "no-sequence",
+            None,
             [
                 "is not a tick the host's id clock gave the call",
                 "could repeat",
             ],
         ),
-        ("one-tick-a-call", ["stamped the same id, ", BATCH]),
-        ("kept-tick", ["took no tick of the host's id clock", BATCH]),
+        ("one-tick-a-call", None, ["stamped the same id, ", BATCH]),
+        (
+            "kept-tick",
+            None,
+            ["took no tick of the host's id clock", AGAIN],
+        ),
+        (
+            "kept-tick",
+            Some("400"),
+            ["took no tick of the host's id clock", AGAIN],
+        ),
     ] {
         under_traffic(ids, &mut || {
-            let settings = [("hostile-ids".to_string(), ids.to_string())];
+            let mut settings = vec![("hostile-ids".to_string(), ids.to_string())];
+            settings.extend(batches.map(|s| ("hostile-reject-batches".to_string(), s.to_string())));
             let error = load_checked(&engine, snowgate_test_fixtures::HOSTILE_WASM, &settings)
                 .expect_err(ids);
             let error = format!("{error:#}");
@@ -1433,6 +1446,13 @@ fn a_build_whose_ids_are_not_its_ticks_is_refused_under_traffic() {
             );
         });
     }
+    // A build that takes no batches, and stamps one request at a time as
+    // the contract says, passes.
+    under_traffic("no batches", &mut || {
+        let settings = [("hostile-reject-batches".to_string(), "400".to_string())];
+        load_checked(&engine, snowgate_test_fixtures::HOSTILE_WASM, &settings)
+            .expect("a build that takes no batches");
+    });
     under_traffic("the bundled plugin", &mut || {
         load_checked(&engine, snowgate_plugin_bundle::PLUGIN_WASM, &[])
             .expect("the bundled plugin");

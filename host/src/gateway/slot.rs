@@ -281,7 +281,8 @@ impl PluginSlot {
     }
 
     /// Ends reloading for good: waits for a reload's self-check under way
-    /// (one plugin call, within its deadline), and refuses every later
+    /// (three plugin calls, five where it is asked again, each within its
+    /// deadline), and refuses every later
     /// one. A stopping gateway closes its slot before it gives up its
     /// machine id, so that no reload's self-check takes an id from the
     /// clock after the gateway's last one. A reload still compiling is not
@@ -488,13 +489,14 @@ fn may_pass(error: &anyhow::Error) -> bool {
 /// does not replace a good one.
 ///
 /// A build that stamped it is then called again on the same instance, as
-/// the gateway's kept instances are, with a batch of two such requests: it
-/// must stamp both, with two different ids, each made of a tick it took
-/// during that call. So a build that repeats an id within a call, or keeps
-/// one (or the tick it made one of) from its instance's first call, is
-/// refused; neither shows on one request in a fresh instance. A build may
-/// reject the batch with a status under 500, with a warning: one that takes
-/// no batches sends none on.
+/// the gateway's kept instances are: with the same request, judged the
+/// same way against that call's ticks, and then with a batch of two such
+/// requests, which it must stamp with two different ids, each made of a
+/// tick it took during that call. So a build that keeps an id (or the tick
+/// it made one of) from one call to the next, or repeats an id within a
+/// call, is refused; neither shows on one request in a fresh instance. A
+/// build may reject the batch with a status under 500, with a warning: one
+/// that takes no batches sends none on.
 ///
 /// Where the host kept the build from showing what it does, it is neither
 /// passed nor refused: the load fails saying it cannot be checked now, and
@@ -644,15 +646,18 @@ fn load_gated(
                 .then(|| "the machine id changed during the self-check".to_string())
         })
     };
-    // A build that stamped the one request is asked again on the same
-    // instance, with a batch: one that repeats an id within a call, or
-    // keeps one (or what it made one of) from its instance's first call,
-    // shows it there.
+    // A build that stamped the one request is called again on the same
+    // instance, as kept instances are: with the same request, where one
+    // that keeps an id (or what it made one of) from its instance's first
+    // call shows it, and then with a batch, where one that repeats an id
+    // within a call does.
     if judge_self_check(&plugin, Canned::One, answer, &made, no_ids_now)? == Judged::Stamped {
-        let answer = instance
-            .handle(&Canned::Batch.request())
-            .with_context(|| Canned::Batch.failed())?;
-        judge_self_check(&plugin, Canned::Batch, answer, &made, no_ids_now)?;
+        for canned in [Canned::Again, Canned::Batch] {
+            let answer = instance
+                .handle(&canned.request())
+                .with_context(|| canned.failed())?;
+            judge_self_check(&plugin, canned, answer, &made, no_ids_now)?;
+        }
     }
     drop(instance);
     // Its turn to be stored is taken while the gate is held: a stop that
@@ -702,7 +707,9 @@ enum Canned {
     /// One context-only request ([`SELF_CHECK_BODY`]), the instance's
     /// first call.
     One,
-    /// A batch of two, the instance's second call: a JSON array of
+    /// The same again, the instance's second call.
+    Again,
+    /// A batch of two, the instance's third call: a JSON array of
     /// [`SELF_CHECK_BODY`] twice.
     Batch,
 }
@@ -711,7 +718,7 @@ impl Canned {
     /// The request, `POST /v1/completions` of JSON.
     fn request(self) -> Request {
         let body = match self {
-            Canned::One => SELF_CHECK_BODY.to_vec(),
+            Canned::One | Canned::Again => SELF_CHECK_BODY.to_vec(),
             Canned::Batch => [&b"["[..], SELF_CHECK_BODY, b",", SELF_CHECK_BODY, b"]"].concat(),
         };
         Request {
@@ -726,8 +733,9 @@ impl Canned {
     fn named(self) -> &'static str {
         match self {
             Canned::One => "a canned context-only request",
+            Canned::Again => "a canned context-only request again (its instance's second call)",
             Canned::Batch => {
-                "a canned batch of two context-only requests (its instance's second call)"
+                "a canned batch of two context-only requests (its instance's third call)"
             }
         }
     }
@@ -744,7 +752,7 @@ impl Canned {
             request["disaggregated_params"]["disagg_request_id"].as_u64()
         };
         match self {
-            Canned::One => id(value).map(|id| vec![id]).ok_or("the request"),
+            Canned::One | Canned::Again => id(value).map(|id| vec![id]).ok_or("the request"),
             Canned::Batch => match value.as_array().map(Vec::as_slice) {
                 Some([first, second]) => {
                     let first = id(first).ok_or("the batch's first request")?;
@@ -928,8 +936,12 @@ fn refused(canned: Canned, r: Rejection) -> anyhow::Error {
             "context-only request",
             "only 401 and 403, for credentials the canned request cannot carry",
         ),
+        Canned::Again => (
+            "context-only request (its instance's second call)",
+            "only 401 and 403, for credentials the canned request cannot carry",
+        ),
         Canned::Batch => (
-            "batch of two context-only requests (its instance's second call)",
+            "batch of two context-only requests (its instance's third call)",
             "only a status under 500, from a plugin that takes no batches",
         ),
     };
@@ -1109,7 +1121,7 @@ mod tests {
     /// millisecond turned after the host's spare tick), the self-check asks
     /// again, twice at most, each time on a fresh instance: a build that
     /// drops the sequence would pass such a check. Where it is not, once.
-    /// The batch is asked once, after the last.
+    /// The same again and the batch are asked once, after the last.
     #[test]
     fn a_self_check_whose_tick_began_a_millisecond_is_asked_again() {
         let ticks_taken = |clock: IdClock| {
@@ -1124,15 +1136,16 @@ mod tests {
         };
         let now = millis_of(SystemTime::now());
         // Two ticks a check of the one request (the host's spare, the
-        // build's), and the batch's two, once.
+        // build's); then, once, one for the same again and two for the
+        // batch.
         assert_eq!(
             ticks_taken(IdClock::new(crate::clock::FixedClock(now))),
-            2 + 2
+            2 + 1 + 2
         );
         let racing = Racing(std::sync::atomic::AtomicU64::new(now));
         assert_eq!(
             ticks_taken(IdClock::new(racing)),
-            2 * (1 + SELF_CHECK_RETRIES as u64) + 2
+            2 * (1 + SELF_CHECK_RETRIES as u64) + 1 + 2
         );
     }
 
@@ -1282,7 +1295,7 @@ mod tests {
         })
     }
 
-    /// The batch, the instance's second call, passes only with two
+    /// The batch, the instance's third call, passes only with two
     /// distinct ids made of its own ticks; a plugin that takes no batches
     /// may reject it with a status under 500 (it sends none on), but not
     /// forward it unstamped or fail it with a 5xx of its own.
@@ -1337,13 +1350,13 @@ mod tests {
             ),
             (
                 Action::Forward,
-                "forwarded a canned batch of two context-only requests (its instance's second \
+                "forwarded a canned batch of two context-only requests (its instance's third \
                  call) unstamped"
                     .into(),
             ),
             (
                 reject(500),
-                "rejected a valid batch of two context-only requests (its instance's second \
+                "rejected a valid batch of two context-only requests (its instance's third \
                  call) with 500"
                     .into(),
             ),
