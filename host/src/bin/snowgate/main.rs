@@ -5,6 +5,7 @@ mod compile_plugin;
 mod decode;
 mod huge_pages;
 mod open_files;
+mod plugin_flags;
 mod rewrite;
 mod rewrite_high_water;
 mod serve;

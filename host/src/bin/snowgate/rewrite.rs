@@ -9,34 +9,25 @@ use anyhow::Context as _;
 use clap::Args;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use snowgate_host::clock::MAX_CATCH_UP;
-use snowgate_host::gateway::config::{memory_advice, plugin_deadline, plugin_memory_bytes};
+use snowgate_host::gateway::config::memory_advice;
 use snowgate_host::gateway::middleware::plugin_sees;
-use snowgate_host::gateway::plugin_file::read_plugin_file;
 use snowgate_host::gateway::upstream::strip_hop_by_hop;
 use snowgate_host::{
     plugin_text, Action, Answer, CallError, CompileCache, FixedClock, HostServices, IdClock,
-    MachineIdentity, Plugin, PluginEngine, PluginLimits, Request,
+    MachineIdentity, Plugin, PluginEngine, Request,
 };
-use snowgate_plugin::{SnowflakeLayout, MSGPACK_HEADER};
+use snowgate_plugin::MSGPACK_HEADER;
 use snowgate_plugin_bundle::{memory_needed, IdDensity};
 
+use crate::plugin_flags::PluginFlags;
 use crate::rewrite_high_water::RunMark;
 use crate::Failure;
 
 /// Flags of `snowgate rewrite`.
 #[derive(Args)]
 pub struct RewriteArgs {
-    /// Plugin component (.wasm) to run; the bundled plugin when absent.
-    #[arg(long, value_name = "PATH")]
-    plugin: Option<PathBuf>,
-    /// A setting handed to the plugin's configure export, after `id-layout`;
-    /// repeatable.
-    #[arg(long = "plugin-setting", value_name = "NAME=VALUE", value_parser = crate::serve::parse_setting)]
-    plugin_settings: Vec<(String, String)>,
-    /// Id layout: trtllm-v1 (TensorRT-LLM up to 1.3.0rc21) or trtllm-v2
-    /// (1.3.0rc22 and later).
-    #[arg(long, default_value = "trtllm-v1", value_name = "LAYOUT")]
-    layout: SnowflakeLayout,
+    #[command(flatten)]
+    plugin: PluginFlags,
     /// This process's machine id, unique in the fleet: 0..=1022 for
     /// trtllm-v1, 0..=16383 for trtllm-v2.
     #[arg(long, value_name = "N")]
@@ -71,15 +62,6 @@ pub struct RewriteArgs {
     /// `X-TRTLLM-Msgpack: 1`, instead of JSON.
     #[arg(long)]
     msgpack: bool,
-    /// Memory limit of the plugin call, in MiB: the body is copied in and
-    /// the answer built inside, so a body needs a few times its size
-    /// [default: 256].
-    #[arg(long, value_name = "MIB")]
-    plugin_memory_mib: Option<usize>,
-    /// Deadline of the plugin call, instantiation included, in
-    /// milliseconds of wall-clock running time [default: 1000].
-    #[arg(long, value_name = "MS")]
-    plugin_deadline_ms: Option<u64>,
 }
 
 /// The `--clock` flag.
@@ -112,7 +94,8 @@ pub fn run(args: RewriteArgs) -> Result<(), Failure> {
              given too: give one of them"
         )));
     }
-    let identity = MachineIdentity::fixed(args.layout, args.machine_id)
+    let layout = args.plugin.layout;
+    let identity = MachineIdentity::fixed(layout, args.machine_id)
         .map_err(|e| Failure::BadInput(format!("--machine-id: {e}")))?;
     let clock = Arc::new(match args.clock {
         ClockChoice::System => IdClock::system(),
@@ -123,12 +106,9 @@ pub fn run(args: RewriteArgs) -> Result<(), Failure> {
     let run_mark =
         match (&args.high_water_file, args.clock) {
             (None, _) => None,
-            (Some(path), ClockChoice::System) => Some(RunMark::take_over(
-                path,
-                args.layout,
-                args.machine_id,
-                &clock,
-            )?),
+            (Some(path), ClockChoice::System) => {
+                Some(RunMark::take_over(path, layout, args.machine_id, &clock)?)
+            }
             (Some(_), ClockChoice::Fixed(_)) => return Err(Failure::BadInput(
                 "--high-water-file needs --clock system: a fixed clock is for reproducible runs, \
                  which ids continuing after a mark are not"
@@ -139,13 +119,7 @@ pub fn run(args: RewriteArgs) -> Result<(), Failure> {
         clock: clock.clone(),
         identity: Arc::new(identity),
     };
-    let mut limits = PluginLimits::default();
-    if let Some(mib) = args.plugin_memory_mib {
-        limits.memory_bytes = plugin_memory_bytes(mib).map_err(bad_flag)?;
-    }
-    if let Some(ms) = args.plugin_deadline_ms {
-        limits.deadline = plugin_deadline(ms).map_err(bad_flag)?;
-    }
+    let mut limits = args.plugin.limits()?;
     // Nothing is forwarded here: the memory limit, which the answer is
     // built within, bounds it well enough.
     limits.max_output_body_bytes = limits.memory_bytes;
@@ -153,21 +127,8 @@ pub fn run(args: RewriteArgs) -> Result<(), Failure> {
     if let Some(dir) = &args.plugin_cache_dir {
         engine = engine.with_compile_cache(CompileCache::open(dir).context("--plugin-cache-dir")?);
     }
-    let plugin = match &args.plugin {
-        Some(path) => {
-            // The same checks as `serve` makes: a regular file of a
-            // bounded size, not a FIFO or /dev/zero.
-            let bytes = read_plugin_file(path)?;
-            Plugin::load(&engine, &bytes, &args.plugin_settings)
-                .with_context(|| format!("loading the plugin {}", path.display()))?
-        }
-        None => Plugin::load(
-            &engine,
-            snowgate_plugin_bundle::PLUGIN_WASM,
-            &args.plugin_settings,
-        )
-        .context("loading the bundled plugin")?,
-    };
+    let plugin = Plugin::load(&engine, &args.plugin.build()?, &args.plugin.plugin_settings)
+        .with_context(|| format!("loading {}", args.plugin.named()))?;
     plugin.keep_compiled();
 
     let body = read_body(std::io::stdin().lock(), limits.memory_bytes)?;
@@ -221,7 +182,7 @@ pub fn run(args: RewriteArgs) -> Result<(), Failure> {
     let Answer {
         action,
         header_edits,
-    } = answer.map_err(|e| call_failure(e, args.plugin.is_none(), request.body.len()))?;
+    } = answer.map_err(|e| call_failure(e, args.plugin.plugin.is_none(), request.body.len()))?;
     // Only the body goes to stdout; what a gateway would also change on
     // the forwarded request is told on stderr.
     if !header_edits.is_empty() {
@@ -318,11 +279,6 @@ fn parse_path(text: &str) -> Result<String, String> {
              characters or '#' (a fragment, which a client never sends)"
         )),
     }
-}
-
-/// A flag's value out of its range: bad input, exit status 2.
-fn bad_flag(e: anyhow::Error) -> Failure {
-    Failure::BadInput(format!("--{e:#}"))
 }
 
 /// How a failed plugin call ends `rewrite`. The bundled plugin's memory
