@@ -275,6 +275,60 @@ fn rewrite_through_hostile(name: &str, setting: &str, log: Option<&str>) -> Outp
     run(command, CONTEXT_ONLY.as_bytes())
 }
 
+/// `snowgate check` runs the gateway's self-check on a build, on its
+/// own: the bundled plugin passes (exit 0, naming it), in either layout; a
+/// build that keeps an id from one call of an instance to the next, or
+/// repeats one within a batch, is refused (exit 1, saying which call and
+/// why), even one that takes no batches; one that takes no batches but
+/// stamps one request at a time passes, with a warning. Flags and
+/// settings that are refused are bad input (exit 2).
+#[test]
+fn check_passes_the_bundled_plugin_and_refuses_builds_that_repeat_ids() {
+    let said = success(&snowgate(&["check"], b""));
+    assert!(
+        said.contains(snowgate_plugin::PLUGIN_NAME) && said.contains("passed the self-check"),
+        "{said}"
+    );
+    let v2 = ["check", "--layout", "trtllm-v2", "--machine-id", "16383"];
+    assert!(success(&snowgate(&v2, b"")).contains("passed the self-check"));
+
+    let path = scratch("check-hostile.wasm");
+    std::fs::write(&path, snowgate_test_fixtures::HOSTILE_WASM).expect("writing the fixture");
+    let check = |setting: &str| {
+        let plugin = path.to_str().expect("a UTF-8 path");
+        snowgate(
+            &["check", "--plugin", plugin, "--plugin-setting", setting],
+            b"",
+        )
+    };
+    let second_call = "a canned context-only request again (its instance's second call)";
+    let batch = "a canned batch of two context-only requests (its instance's third call)";
+    failure(
+        &check("hostile-ids=kept-tick"),
+        1,
+        &["checking the plugin", second_call, "took no tick"],
+    );
+    failure(
+        &check("hostile-ids=one-tick-a-call"),
+        1,
+        &[batch, "stamped the same id"],
+    );
+    let no_batches = check("hostile-reject-batches=400");
+    assert!(success(&no_batches).contains("passed the self-check"));
+    let warned = text(&no_batches.stderr);
+    assert!(
+        warned.contains("whether it stamps batches was not checked"),
+        "{warned}"
+    );
+
+    failure(&check("hostile-ids=nonsense"), 2, &["hostile-ids"]);
+    failure(
+        &snowgate(&["check", "--machine-id", "1023"], b""),
+        2,
+        &["--machine-id"],
+    );
+}
+
 /// What a plugin logs while it is configured carries its name, as its
 /// lines in a request's call do: the load learns the name from the same
 /// instance, first.

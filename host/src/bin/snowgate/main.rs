@@ -1,6 +1,7 @@
 //! The `snowgate` command: runs the plugin on request bodies, and reads ids.
 
 mod allocator;
+mod check;
 mod compile_plugin;
 mod decode;
 mod huge_pages;
@@ -51,6 +52,14 @@ enum Command {
     /// times; and for trtllm-v2 ids (their time modulo 2^39 ms) except in
     /// the last 2^40 values before its masked 39-bit timestamp wraps.
     Decode(decode::DecodeArgs),
+    /// Run the self-check `serve` runs on every plugin build before it
+    /// serves, and say whether the build passes. A context-only request
+    /// must get an id made of the host's clock and machine id; the same
+    /// request again, on the same instance, an id of that call; and a
+    /// batch of two, two different ids (or, from a plugin that takes no
+    /// batches, a rejection under 500). Exit status 0 when it passes, 1
+    /// when it does not, saying why.
+    Check(check::CheckArgs),
     /// Run the gateway: a reverse proxy that stamps ids into JSON requests
     /// on their way to the upstream, and reloads the plugin when it changes.
     Serve(Box<serve::ServeArgs>),
@@ -137,6 +146,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Rewrite(args) => rewrite::run(args),
         Command::Decode(args) => decode::run(args),
+        Command::Check(args) => check::run(args),
         Command::Serve(args) => serve::run(*args),
         // Its own exit statuses: see `compile_plugin::run`.
         Command::CompilePlugin => return compile_plugin::run(),
