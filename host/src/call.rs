@@ -13,7 +13,7 @@ use crate::bindings::exports::snowgate::middleware::handler::{
 };
 use crate::bindings::Middleware;
 use crate::call_clock::{excluding_waits, CallClock};
-use crate::clock::TicksTaken;
+use crate::clock::{Tick, TicksTaken};
 use crate::engine::EPOCH_TICK;
 use crate::header_edits::HeaderEdits;
 use crate::identity::{MachineIdentity, GRANT_CHANGED};
@@ -86,24 +86,39 @@ pub struct SelfCheckInstance<'p> {
     called: bool,
 }
 
+/// A self-check call's answer, with the ticks it took.
+#[derive(Debug)]
+pub struct SelfCheckAnswer {
+    /// The answer, after the host's check of its ids.
+    pub fenced: Fenced,
+    /// Each tick of the host's id clock the call took, in order: all of
+    /// them where they are as many as `fenced.ticks` counts, which holds
+    /// for up to 16.
+    pub ticks: Vec<Tick>,
+}
+
 impl SelfCheckInstance<'_> {
     /// [`Plugin::handle`] on this instance, as the self-check needs it:
     /// telling also whether the host withheld the ids the call made (its
     /// answer is then the host's 503 in place of the plugin's; by the time
     /// the check asks the host again, the reason may have passed), and
-    /// which ticks of the id clock the call took. Each call has its own
-    /// deadline.
+    /// which ticks of the id clock the call took, each of them. Each call
+    /// has its own deadline.
     ///
     /// Before the plugin's first tick in the instance's first call, the
     /// host takes one of its own and drops it, so that the plugin's is not
     /// the first of its millisecond (sequence 0) but by the rarest chance:
     /// a build that stamps the millisecond and drops the sequence then
     /// shows it.
-    pub fn handle(&mut self, request: &Request) -> Result<Fenced, CallError> {
+    pub fn handle(&mut self, request: &Request) -> Result<SelfCheckAnswer, CallError> {
         let spare_first = !std::mem::replace(&mut self.called, true);
-        self.instance
-            .call(request, spare_first)
-            .map(|(fenced, _)| fenced)
+        self.instance.store.data_mut().recorded_ticks = Some(Vec::new());
+        let answer = self.instance.call(request, spare_first);
+        let ticks = self.instance.store.data_mut().recorded_ticks.take();
+        answer.map(|(fenced, _)| SelfCheckAnswer {
+            fenced,
+            ticks: ticks.unwrap_or_default(),
+        })
     }
 }
 

@@ -64,7 +64,7 @@ mod text_limits;
 pub mod utc;
 
 pub use bindings::exports::snowgate::middleware::handler::{Action, Rejection};
-pub use call::{Answer, CallError, Fenced, SelfCheckInstance, YIELD_AFTER};
+pub use call::{Answer, CallError, Fenced, SelfCheckAnswer, SelfCheckInstance, YIELD_AFTER};
 pub use clock::{FixedClock, IdClock, NoTick, SystemClock, Tick, TicksTaken, WallClock};
 pub use compile_cache::{CompileCache, Compiled};
 pub use compile_process::{CompileLimits, CompileProcess};

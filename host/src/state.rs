@@ -50,7 +50,14 @@ pub struct HostState {
     /// The changes the plugin asked for through the `header-edits`
     /// import; `None` outside `handle`.
     header_edits: Option<HeaderEdits>,
+    /// Every tick the current call took, up to [`MAX_RECORDED_TICKS`],
+    /// where the self-check asks for them (see
+    /// [`crate::SelfCheckInstance::handle`]); `None` elsewhere.
+    pub(crate) recorded_ticks: Option<Vec<crate::clock::Tick>>,
 }
+
+/// The most ticks of one call [`HostState::recorded_ticks`] holds.
+pub(crate) const MAX_RECORDED_TICKS: usize = 16;
 
 /// What one call took from the id services.
 #[derive(Debug, Clone, Copy, Default)]
@@ -133,6 +140,7 @@ impl HostState {
             log_lines: 0,
             headers: None,
             header_edits: None,
+            recorded_ticks: None,
         }
     }
 
@@ -304,6 +312,11 @@ impl clock::Host for HostState {
             Some(_) => refused_tick,
             None => match self.services.clock.next_tick(sequence_space) {
                 Ok(tick) => {
+                    if let Some(recorded) = &mut self.recorded_ticks {
+                        if recorded.len() < MAX_RECORDED_TICKS {
+                            recorded.push(tick);
+                        }
+                    }
                     self.issued.taken = Some(match self.issued.taken {
                         None => TicksTaken {
                             first: tick,

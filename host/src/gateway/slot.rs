@@ -10,7 +10,7 @@ use arc_swap::ArcSwap;
 use snowgate_plugin::SnowflakeLayout;
 
 use crate::bindings::exports::snowgate::middleware::handler::{Action, Rejection};
-use crate::call::{CallError, Fenced};
+use crate::call::{CallError, Fenced, SelfCheckAnswer};
 use crate::clock::{Tick, TicksTaken};
 use crate::compile_process::CompileFailure;
 use crate::engine::PluginEngine;
@@ -281,8 +281,8 @@ impl PluginSlot {
     }
 
     /// Ends reloading for good: waits for a reload's self-check under way
-    /// (three plugin calls, five where it is asked again, each within its
-    /// deadline), and refuses every later
+    /// (up to three plugin calls, five where it is asked again, each within
+    /// its deadline), and refuses every later
     /// one. A stopping gateway closes its slot before it gives up its
     /// machine id, so that no reload's self-check takes an id from the
     /// clock after the gateway's last one. A reload still compiling is not
@@ -374,7 +374,7 @@ impl PluginSlot {
             *self.deferred.lock().unwrap_or_else(|p| p.into_inner()) = None;
         }
         match (outcome, put_off) {
-            (Ok(Some((plugin, store))), _) => {
+            (Ok(Some((plugin, store, _unchecked_and_logged))), _) => {
                 let sha = plugin.info().sha256.clone();
                 let compiled = plugin.info().compiled.name();
                 // Counted before the swap, and `/status` reads the serving
@@ -458,7 +458,7 @@ impl PluginSlot {
 /// the compile's limits, its self-check's answer, a panic while loading
 /// it) would be refused again, at the cost of compiling it again; a file
 /// that is not there is read again once it is (its fingerprint changes).
-fn may_pass(error: &anyhow::Error) -> bool {
+pub fn may_pass(error: &anyhow::Error) -> bool {
     error.chain().any(|cause| {
         cause
             .downcast_ref::<ReadFailed>()
@@ -514,12 +514,25 @@ pub fn load_checked(
     bytes: &[u8],
     settings: &[(String, String)],
 ) -> anyhow::Result<Plugin> {
-    load_gated(engine, bytes, settings, None).map(|(plugin, _)| plugin)
+    load_checked_telling(engine, bytes, settings).map(|(plugin, _)| plugin)
+}
+
+/// [`load_checked`], telling also what the self-check of a build it lets
+/// serve could not see: for each call the build rejected (401 or 403, or
+/// the batch with a status under 500), what was not checked and why; none
+/// where the build stamped all three.
+pub fn load_checked_telling(
+    engine: &PluginEngine,
+    bytes: &[u8],
+    settings: &[(String, String)],
+) -> anyhow::Result<(Plugin, Vec<String>)> {
+    load_gated(engine, bytes, settings, None).map(|(plugin, _, unchecked)| (plugin, unchecked))
 }
 
 /// A build loaded and checked by a reload, with its turn to be stored in
-/// the compile cache, where it has one.
-type Loaded = (Plugin, Option<StoreUnderWay>);
+/// the compile cache, where it has one, and what its self-check could not
+/// see (see [`load_checked_telling`]).
+type Loaded = (Plugin, Option<StoreUnderWay>, Vec<String>);
 
 /// Keeps `plugin`'s build in the compile cache, given its turn (`store`),
 /// on a thread of its own: only a build that passed its check and serves
@@ -625,6 +638,7 @@ fn load_gated(
     // time on a fresh instance.
     for _ in 0..SELF_CHECK_RETRIES {
         let first_of_its_millisecond = answer
+            .fenced
             .ticks
             .is_some_and(|taken| taken.count == 1 && taken.first.sequence == 0);
         if !first_of_its_millisecond {
@@ -651,12 +665,28 @@ fn load_gated(
     // that keeps an id (or what it made one of) from its instance's first
     // call shows it, and then with a batch, where one that repeats an id
     // within a call does.
-    if judge_self_check(&plugin, Canned::One, answer, &made, no_ids_now)? == Judged::Stamped {
-        for canned in [Canned::Again, Canned::Batch] {
-            let answer = instance
-                .handle(&canned.request())
-                .with_context(|| canned.failed())?;
-            judge_self_check(&plugin, canned, answer, &made, no_ids_now)?;
+    let judge = |canned, answer: SelfCheckAnswer| {
+        judge_self_check(
+            &plugin,
+            canned,
+            answer.fenced,
+            &answer.ticks,
+            &made,
+            no_ids_now,
+        )
+    };
+    let mut unchecked = Vec::new();
+    match judge(Canned::One, answer)? {
+        Judged::Unchecked(what) => unchecked.push(what),
+        Judged::Stamped => {
+            for canned in [Canned::Again, Canned::Batch] {
+                let answer = instance
+                    .handle(&canned.request())
+                    .with_context(|| canned.failed())?;
+                if let Judged::Unchecked(what) = judge(canned, answer)? {
+                    unchecked.push(what);
+                }
+            }
         }
     }
     drop(instance);
@@ -673,7 +703,7 @@ fn load_gated(
         _ => None,
     };
     drop(open);
-    Ok((plugin, store))
+    Ok((plugin, store, unchecked))
 }
 
 /// The one compile cache write a slot lets run at a time (see
@@ -699,6 +729,11 @@ impl Drop for StoreUnderWay {
 /// How many times the self-check asks again when the build's one tick was
 /// the first of its millisecond (see [`load_checked`]).
 const SELF_CHECK_RETRIES: usize = 2;
+
+/// The self-check's calls, as a tool that reports on it names them (see
+/// [`Canned`]).
+pub const SELF_CHECK_CALLS: &str =
+    "a context-only request, the same again on the same instance, and a batch of two";
 
 /// The canned requests of the self-check, one after another on one
 /// instance.
@@ -775,11 +810,12 @@ struct HostIds {
 impl HostIds {
     /// Why `id` was not made as the contract says (see [`load_checked`]),
     /// if it was not: of this layout and machine id, and of a tick the call
-    /// took (`taken`). A build whose id is its own (a counter, a constant,
-    /// another layout or machine id, the millisecond without the sequence)
-    /// would repeat ids, and the host's check of each call's ids, which
-    /// looks at the ticks it took, would not see it.
-    fn misfit(&self, id: u64, taken: Option<TicksTaken>) -> Option<String> {
+    /// took (`taken`, each of which is in `exact` where it holds them
+    /// all). A build whose id is its own (a counter, a constant, another
+    /// layout or machine id, the millisecond without the sequence, the
+    /// tick after one it took) would repeat ids, and the host's check of
+    /// each call's ids, which looks at the ticks it took, would not see it.
+    fn misfit(&self, id: u64, taken: Option<TicksTaken>, exact: &[Tick]) -> Option<String> {
         let layout = self.layout;
         if let Err(e) = layout.decode(id) {
             return Some(format!("it is not an id of layout {layout}: {e}"));
@@ -790,11 +826,14 @@ impl HostIds {
         // As the layout keeps the millisecond (39 bits of it in trtllm-v2).
         let kept = |tick: Tick| (layout.stamp(tick.millis), tick.sequence);
         let (first, last) = (kept(taken.first), kept(taken.last));
-        // One tick taken: the id must be made of it. More: of one from the
-        // first to the last (other calls' ticks fall between), any across
-        // a 39-bit wrap (2039).
+        // One tick taken: the id must be made of it. More: of one of them
+        // where each is known; else of one from the first to the last
+        // (other calls' ticks fall between), any across a 39-bit wrap
+        // (2039).
+        let all_known = taken.count == exact.len() as u64;
         let of_the_call = |made: (u64, u32)| match taken.count {
             1 => made == first,
+            _ if all_known => exact.iter().any(|&tick| kept(tick) == made),
             _ => first > last || (first..=last).contains(&made),
         };
         // A v1 id from 2039 on reads two ways (see `readings`).
@@ -809,6 +848,10 @@ impl HostIds {
         let read = readings[0];
         let ticks = match taken.count {
             1 => format!("the one it took, {first:?}"),
+            n if all_known => {
+                let each: Vec<_> = exact.iter().map(|&tick| kept(tick)).collect();
+                format!("one of the {n} it took, {each:?}")
+            }
             n => format!("from its first, {first:?}, to its last, {last:?} ({n} taken)"),
         };
         Some(
@@ -828,23 +871,23 @@ impl HostIds {
 }
 
 /// How the self-check judged one answer that lets the build serve.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 enum Judged {
     /// Stamped with ids made as the contract says.
     Stamped,
-    /// Rejected, sending nothing on: whether the build stamps was not
-    /// checked.
-    Unchecked,
+    /// Rejected, sending nothing on: what was not checked, and why.
+    Unchecked(String),
 }
 
 /// Whether the self-check's answer to `canned` lets the build serve (see
-/// [`load_checked`]); `made` is what its ids must be made of, and
-/// `no_ids_now` tells why the host holds no machine id it may use now, if
-/// it holds none.
+/// [`load_checked`]), the call having taken `ticks` (all of them, or none
+/// known); `made` is what its ids must be made of, and `no_ids_now` tells
+/// why the host holds no machine id it may use now, if it holds none.
 fn judge_self_check(
     plugin: &Plugin,
     canned: Canned,
     answer: Fenced,
+    ticks: &[Tick],
     made: &HostIds,
     no_ids_now: impl Fn() -> Option<String>,
 ) -> anyhow::Result<Judged> {
@@ -861,7 +904,7 @@ fn judge_self_check(
                 )
             })?;
             for &id in &ids {
-                if let Some(misfit) = made.misfit(id, answer.ticks) {
+                if let Some(misfit) = made.misfit(id, answer.ticks, ticks) {
                     // The machine id changed after the host let the id out.
                     if let Some(reason) = no_ids_now() {
                         return Err(CannotCheckNow::of(plugin, reason).into());
@@ -897,28 +940,23 @@ fn judge_self_check(
                 None => refused(canned, r),
             });
         }
-        Action::Reject(r) if matches!(r.status, 401 | 403) => {
-            tracing::warn!(
-                plugin = %plugin.info().name,
-                "self-check: the plugin rejected {asked} ({} {}: {}); it may serve, as it sends \
-                 nothing on without an id, but whether it stamps was not checked",
+        // For want of credentials; or a plugin that takes no batches.
+        Action::Reject(r)
+            if matches!(r.status, 401 | 403) || (canned == Canned::Batch && r.status < 500) =>
+        {
+            let (sends, what) = match canned {
+                Canned::Batch => ("no batch on", "it stamps batches"),
+                _ => ("nothing on without an id", "it stamps"),
+            };
+            let unchecked = format!(
+                "the plugin rejected {asked} ({} {}: {}); it may serve, as it sends {sends}, but \
+                 whether {what} was not checked",
                 r.status,
                 plugin_text(r.code, MAX_PLUGIN_TEXT),
                 plugin_text(r.message, MAX_PLUGIN_TEXT)
             );
-            return Ok(Judged::Unchecked);
-        }
-        // A plugin may take no batches: it sends none on.
-        Action::Reject(r) if canned == Canned::Batch && r.status < 500 => {
-            tracing::warn!(
-                plugin = %plugin.info().name,
-                "self-check: the plugin rejected {asked} ({} {}: {}); it may serve, as it sends \
-                 no batch on, but whether it stamps batches was not checked",
-                r.status,
-                plugin_text(r.code, MAX_PLUGIN_TEXT),
-                plugin_text(r.message, MAX_PLUGIN_TEXT)
-            );
-            return Ok(Judged::Unchecked);
+            tracing::warn!(plugin = %plugin.info().name, "self-check: {unchecked}");
+            return Ok(Judged::Unchecked(unchecked));
         }
         Action::Reject(r) => return Err(refused(canned, r)),
         Action::Forward => {
@@ -1001,7 +1039,7 @@ mod tests {
             ids_withheld: false,
             ticks: None,
         };
-        let error = judge_self_check(&plugin, Canned::One, refusal(), &host_ids(), || {
+        let error = judge_self_check(&plugin, Canned::One, refusal(), &[], &host_ids(), || {
             Some("the lease lapsed".into())
         })
         .expect_err("not passed");
@@ -1013,7 +1051,7 @@ mod tests {
             format!("{error:#}").contains("(the lease lapsed)"),
             "{error:#}"
         );
-        let error = judge_self_check(&plugin, Canned::One, refusal(), &host_ids(), || None)
+        let error = judge_self_check(&plugin, Canned::One, refusal(), &[], &host_ids(), || None)
             .expect_err("refused");
         assert!(error.downcast_ref::<CannotCheckNow>().is_none());
         assert!(
@@ -1054,12 +1092,13 @@ mod tests {
         let answer = plugin
             .instance_for_self_check()
             .and_then(|mut instance| instance.handle(&Canned::One.request()))
-            .expect("answers");
+            .expect("answers")
+            .fenced;
         assert!(answer.ids_withheld, "{:?}", answer.action);
         // The keeper raises the mark before the answer is judged.
         identity.ceiling_raised(past + 60_000, past + 30_000);
         assert_eq!(why_no_ids_may_leave(&engine), None, "the mark is raised");
-        let error = judge_self_check(&plugin, Canned::One, answer, &host_ids(), || {
+        let error = judge_self_check(&plugin, Canned::One, answer, &[], &host_ids(), || {
             why_no_ids_may_leave(&engine)
         })
         .expect_err("put off");
@@ -1121,7 +1160,9 @@ mod tests {
     /// millisecond turned after the host's spare tick), the self-check asks
     /// again, twice at most, each time on a fresh instance: a build that
     /// drops the sequence would pass such a check. Where it is not, once.
-    /// The same again and the batch are asked once, after the last.
+    /// The same again and the batch are asked once, after the last. Each
+    /// check lets its instance go before the next is made: the check holds
+    /// one of the pool's slots, and here the pool has only one.
     #[test]
     fn a_self_check_whose_tick_began_a_millisecond_is_asked_again() {
         let ticks_taken = |clock: IdClock| {
@@ -1130,7 +1171,11 @@ mod tests {
                 clock: clock.clone(),
                 identity: Arc::new(MachineIdentity::fixed(SnowflakeLayout::TrtllmV1, 3).unwrap()),
             };
-            let engine = PluginEngine::new(services, PluginLimits::default()).expect("an engine");
+            let one_slot = PluginLimits {
+                max_instances: 1,
+                ..PluginLimits::default()
+            };
+            let engine = PluginEngine::new(services, one_slot).expect("an engine");
             load_checked(&engine, snowgate_plugin_bundle::PLUGIN_WASM, &[]).expect("stamps");
             clock.issued()
         };
@@ -1295,10 +1340,48 @@ mod tests {
         })
     }
 
+    /// A self-check call records each tick it took (not the host's spare
+    /// one), in order, so that the batch's ids are judged against those
+    /// ticks, not against the range from the first to the last; up to 16,
+    /// past which the range serves.
+    #[test]
+    fn a_self_check_call_records_each_tick_it_took() {
+        let (_engine, plugin) = bundled_with_machine_id_3();
+        let mut instance = plugin.instance_for_self_check().expect("an instance");
+        let one = instance.handle(&Canned::One.request()).expect("answers");
+        let taken = one.fenced.ticks.expect("a tick");
+        assert_eq!(one.ticks, vec![taken.first]);
+        let batch = instance.handle(&Canned::Batch.request()).expect("answers");
+        let taken = batch.fenced.ticks.expect("ticks");
+        assert_eq!(batch.ticks, vec![taken.first, taken.last]);
+        let Action::ForwardWithBody(body) = batch.fenced.action else {
+            panic!("stamped: {:?}", batch.fenced.action);
+        };
+        let value: serde_json::Value = serde_json::from_slice(&body).expect("JSON");
+        let ids = Canned::Batch.ids(&value).expect("two ids");
+        for (id, tick) in ids.into_iter().zip(&batch.ticks) {
+            let read = SnowflakeLayout::TrtllmV1.decode(id).expect("an id");
+            assert_eq!((read.millis, read.sequence), (tick.millis, tick.sequence));
+        }
+        let twenty = Request {
+            body: format!(
+                "[{}]",
+                vec![std::str::from_utf8(SELF_CHECK_BODY).unwrap(); 20].join(",")
+            )
+            .into_bytes(),
+            ..Canned::One.request()
+        };
+        let many = instance.handle(&twenty).expect("answers");
+        assert_eq!(many.fenced.ticks.map(|taken| taken.count), Some(20));
+        assert_eq!(many.ticks.len(), 16);
+    }
+
     /// The batch, the instance's third call, passes only with two
     /// distinct ids made of its own ticks; a plugin that takes no batches
     /// may reject it with a status under 500 (it sends none on), but not
-    /// forward it unstamped or fail it with a 5xx of its own.
+    /// forward it unstamped or fail it with a 5xx of its own. The same
+    /// request again, the second call, is judged as the first: only 401
+    /// and 403 pass unchecked.
     #[test]
     fn the_batch_passes_with_two_distinct_ids_or_a_plugins_4xx() {
         let (_engine, plugin) = bundled_with_machine_id_3();
@@ -1309,15 +1392,21 @@ mod tests {
                 r#"{{"disaggregated_params":{{"request_type":"context_only","disagg_request_id":{id}}}}}"#
             )
         };
-        let judged = |action: Action| {
+        let tick = |sequence| Tick {
+            millis: now - 2,
+            sequence,
+        };
+        // Two ticks, 7 and 9, another call's 8 between them.
+        let judged_of = |canned, action: Action, exact: &[Tick]| {
             let answer = Fenced {
                 action,
                 ids_withheld: false,
-                ticks: took((now - 2, 7), (now - 2, 8), 2),
+                ticks: took((now - 2, 7), (now - 2, 9), 2),
             };
-            judge_self_check(&plugin, Canned::Batch, answer, &host_ids(), || None)
+            judge_self_check(&plugin, canned, answer, exact, &host_ids(), || None)
                 .map_err(|e| format!("{e:#}"))
         };
+        let judged = |action| judged_of(Canned::Batch, action, &[tick(7), tick(9)]);
         let batch = |body: String| Action::ForwardWithBody(body.into_bytes());
         let reject = |status| {
             Action::Reject(Rejection {
@@ -1326,15 +1415,28 @@ mod tests {
                 message: "send one request at a time".into(),
             })
         };
-        let (a, b) = (
-            v1.compose(now - 2, 3, 7).unwrap(),
-            v1.compose(now - 2, 3, 8).unwrap(),
-        );
+        let id = |sequence| v1.compose(now - 2, 3, sequence).unwrap();
+        let (a, b) = (id(7), id(9));
         assert_eq!(
             judged(batch(format!("[{},{}]", one(a), one(b)))),
             Ok(Judged::Stamped)
         );
-        assert_eq!(judged(reject(400)), Ok(Judged::Unchecked));
+        let Ok(Judged::Unchecked(what)) = judged(reject(400)) else {
+            panic!("a batch rejected with 400 passes unchecked");
+        };
+        assert!(
+            what.contains("whether it stamps batches was not checked"),
+            "{what}"
+        );
+        let again = |status| judged_of(Canned::Again, reject(status), &[]);
+        assert!(matches!(again(401), Ok(Judged::Unchecked(_))));
+        let error = again(400).expect_err("the same request again rejected with 400");
+        assert!(
+            error.contains(
+                "rejected a valid context-only request (its instance's second call) with 400"
+            ),
+            "{error}"
+        );
         for (action, says) in [
             (
                 batch(format!("[{},{}]", one(a), one(a))),
@@ -1360,17 +1462,30 @@ mod tests {
                  call) with 500"
                     .into(),
             ),
+            // Made of a tick outside the call's: the instance kept it.
+            (
+                batch(format!(
+                    "[{},{}]",
+                    one(v1.compose(now - 9, 3, 7).unwrap()),
+                    one(b)
+                )),
+                "on a canned batch of two context-only requests (its instance's third call), \
+                 the plugin stamped the id"
+                    .into(),
+            ),
+            // The tick after its first, assumed its own: another call's.
+            (
+                batch(format!("[{},{}]", one(a), one(id(8)))),
+                "is not a tick the host's id clock gave the call: one of the 2 it took".into(),
+            ),
         ] {
             let error = judged(action).expect_err(&says);
             assert!(error.contains(&says), "{says}: {error}");
         }
-        // Made of a tick outside the call's: the instance kept it.
-        let kept = v1.compose(now - 9, 3, 7).unwrap();
-        let error = judged(batch(format!("[{},{}]", one(kept), one(b)))).expect_err("kept");
-        assert!(
-            error.contains("on a canned batch of two") && error.contains("could repeat"),
-            "{error}"
-        );
+        // Where the call's ticks are not all known, any between its first
+        // and last passes.
+        let ranged = batch(format!("[{},{}]", one(a), one(id(8))));
+        assert_eq!(judged_of(Canned::Batch, ranged, &[]), Ok(Judged::Stamped));
     }
 
     /// A build that stamps an id of its own, not made of a tick it took
@@ -1398,6 +1513,7 @@ mod tests {
                 &plugin,
                 Canned::One,
                 stamped(id, ticks),
+                &[],
                 &host_ids(),
                 || None,
             )
@@ -1455,6 +1571,7 @@ mod tests {
             &plugin,
             Canned::One,
             stamped(other, one),
+            &[],
             &host_ids(),
             || Some("the machine id changed during the self-check".into()),
         )
