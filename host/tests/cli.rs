@@ -301,27 +301,58 @@ fn check_passes_the_bundled_plugin_and_refuses_builds_that_repeat_ids() {
             b"",
         )
     };
-    let second_call = "a canned context-only request again (its instance's second call)";
-    let batch = "a canned batch of two context-only requests (its instance's third call)";
     failure(
         &check("hostile-ids=kept-tick"),
         1,
-        &["checking the plugin", second_call, "took no tick"],
+        &[
+            "checking the plugin",
+            support::SELF_CHECK_SECOND_CALL,
+            "took no tick",
+        ],
     );
     failure(
         &check("hostile-ids=one-tick-a-call"),
         1,
-        &[batch, "stamped the same id"],
+        &[support::SELF_CHECK_BATCH, "stamped the same id"],
     );
-    let no_batches = check("hostile-reject-batches=400");
-    assert!(success(&no_batches).contains("passed the self-check"));
-    let warned = text(&no_batches.stderr);
-    assert!(
-        warned.contains("whether it stamps batches was not checked"),
-        "{warned}"
-    );
+    // Builds a gateway takes, though their check did not see them stamp
+    // (batches): said on stdout, not only in a warning a log level hides.
+    for (setting, unchecked) in [
+        (
+            "hostile-reject-batches=400",
+            "whether it stamps batches was not checked",
+        ),
+        (
+            "hostile-reject-all=401",
+            "whether it stamps was not checked",
+        ),
+    ] {
+        let said = success(&check(setting));
+        assert!(
+            said.contains("would serve") && said.contains(unchecked),
+            "{setting}: {said}"
+        );
+        assert!(!said.contains("passed the self-check"), "{setting}: {said}");
+    }
 
     failure(&check("hostile-ids=nonsense"), 2, &["hostile-ids"]);
+    // A path that is no plugin file is the operator's mistake, not the
+    // build's.
+    let missing = scratch("no-such-plugin.wasm");
+    let missing = missing.to_str().expect("a UTF-8 path");
+    failure(
+        &snowgate(&["check", "--plugin", missing], b""),
+        2,
+        &[missing],
+    );
+    let directory = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .to_str()
+        .expect("a UTF-8 path");
+    failure(
+        &snowgate(&["check", "--plugin", directory], b""),
+        2,
+        &["not a regular file"],
+    );
     failure(
         &snowgate(&["check", "--machine-id", "1023"], b""),
         2,

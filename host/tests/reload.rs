@@ -1406,8 +1406,6 @@ fn a_build_whose_ids_are_not_its_ticks_is_refused_under_traffic() {
     };
     // The last three stamp their one request well: called again on the
     // same instance, they show it, even one that takes no batches.
-    const AGAIN: &str = "a canned context-only request again (its instance's second call)";
-    const BATCH: &str = "a canned batch of two context-only requests (its instance's third call)";
     for (ids, batches, says) in [
         (
             "own-clock",
@@ -1422,16 +1420,26 @@ fn a_build_whose_ids_are_not_its_ticks_is_refused_under_traffic() {
                 "could repeat",
             ],
         ),
-        ("one-tick-a-call", None, ["stamped the same id, ", BATCH]),
+        (
+            "one-tick-a-call",
+            None,
+            ["stamped the same id, ", SELF_CHECK_BATCH],
+        ),
         (
             "kept-tick",
             None,
-            ["took no tick of the host's id clock", AGAIN],
+            [
+                "took no tick of the host's id clock",
+                SELF_CHECK_SECOND_CALL,
+            ],
         ),
         (
             "kept-tick",
             Some("400"),
-            ["took no tick of the host's id clock", AGAIN],
+            [
+                "took no tick of the host's id clock",
+                SELF_CHECK_SECOND_CALL,
+            ],
         ),
     ] {
         under_traffic(ids, &mut || {

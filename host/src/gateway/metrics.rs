@@ -389,7 +389,7 @@ impl Metrics {
             );
         }
         out.push_str(
-            "# HELP snowgate_ids_stamped_total Request ids taken from the id clock: more than leave it, since it counts those of calls whose ids the host withheld, and five for each loaded build's self-check (the build's and one the host takes just before it, more where the check is asked again, then one of the same request again and the two of its batch).\n",
+            "# HELP snowgate_ids_stamped_total Request ids taken from the id clock: more than leave it, since it counts those of calls whose ids the host withheld, and those of each loaded build's self-check, five for a build that stamps each request (the build's and one the host takes just before it, more where the check is asked again, then one of the same request again and the two of its batch).\n",
         );
         out.push_str("# TYPE snowgate_ids_stamped_total counter\n");
         let _ = writeln!(out, "snowgate_ids_stamped_total {ids_issued}");

@@ -62,6 +62,15 @@ pub const STEP: Duration = Duration::from_secs(30);
 pub const RELOAD_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// A context-only body: the plugin must stamp it.
+/// How the self-check's refusals name its second call, the canned request
+/// again on the same instance.
+pub const SELF_CHECK_SECOND_CALL: &str =
+    "a canned context-only request again (its instance's second call)";
+
+/// How the self-check's refusals name its third call, the batch.
+pub const SELF_CHECK_BATCH: &str =
+    "a canned batch of two context-only requests (its instance's third call)";
+
 pub const CONTEXT_ONLY: &str = r#"{"model":"m","prompt":"Hello","max_tokens":16,"stream":false,"disaggregated_params":{"request_type":"context_only"}}"#;
 
 /// Runs `command` with `stdin` on its standard input and waits for it, for

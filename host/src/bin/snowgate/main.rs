@@ -57,8 +57,12 @@ enum Command {
     /// must get an id made of the host's clock and machine id; the same
     /// request again, on the same instance, an id of that call; and a
     /// batch of two, two different ids (or, from a plugin that takes no
-    /// batches, a rejection under 500). Exit status 0 when it passes, 1
-    /// when it does not, saying why.
+    /// batches, a rejection under 500). Exit status 0 when a gateway
+    /// would take the build: "passed", or "would serve" with what the
+    /// check could not see (a build that rejects the canned request for
+    /// want of credentials, or takes no batches); 1 when it would not,
+    /// saying why; 2 for a bad flag, a file that is no plugin file, or a
+    /// setting the plugin refuses.
     Check(check::CheckArgs),
     /// Run the gateway: a reverse proxy that stamps ids into JSON requests
     /// on their way to the upstream, and reloads the plugin when it changes.

@@ -26,8 +26,8 @@ pub struct PluginFlags {
     /// (1.3.0rc22 and later).
     #[arg(long, default_value = "trtllm-v1", value_name = "LAYOUT")]
     pub layout: SnowflakeLayout,
-    /// Memory limit of a plugin call, in MiB: the body is copied in and
-    /// the answer built inside, so a body needs a few times its size
+    /// Memory limit of a plugin call, in MiB; a request's body is copied
+    /// in and the answer built inside, so a body needs a few times its size
     /// [default: 256].
     #[arg(long, value_name = "MIB")]
     plugin_memory_mib: Option<usize>,
