@@ -26,6 +26,7 @@ mod queued;
 pub mod read_body;
 pub mod reclaim;
 pub mod responses;
+pub mod self_check;
 pub mod send_timeout;
 pub mod server;
 pub mod slot;

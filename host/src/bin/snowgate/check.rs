@@ -5,7 +5,8 @@
 use std::sync::Arc;
 
 use clap::Args;
-use snowgate_host::gateway::slot::{load_checked_telling, may_pass, SELF_CHECK_CALLS};
+use snowgate_host::gateway::self_check::SELF_CHECK_CALLS;
+use snowgate_host::gateway::slot::{load_checked_telling, may_pass};
 use snowgate_host::{HostServices, IdClock, MachineIdentity, PluginEngine};
 
 use crate::plugin_flags::PluginFlags;
