@@ -14,6 +14,16 @@
 //! goes with `X-TRTLLM-Msgpack: 1`, and is compared with the native core's
 //! MessagePack decision: the wasm32 build is the only one whose `usize`
 //! has 32 bits, where the MessagePack walk's lengths could overflow.
+//!
+//! A body of odd length goes to a host in `trtllm-v2`, with machine id
+//! 16383 (node 255, process 63: every node and process bit set), one of
+//! even length to a host in `trtllm-v1` with machine id 7: the length's
+//! parity, as the core targets' oracle chooses (`oracle::layout_for`), so
+//! the whole input stays the body, its first byte still says MessagePack
+//! or JSON, and the corpora of the three targets split the same way. Each
+//! layout has its own plugin, engine and clock, as two gateways would, and
+//! its ids are read with that layout and must hold its host's machine id;
+//! they increase within the layout (ids of the two layouts do not compare).
 
 #![no_main]
 
@@ -21,7 +31,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use libfuzzer_sys::fuzz_target;
-use snowgate_fuzz::oracle::{assert_only_ids_spliced_in, CounterIds};
+use snowgate_fuzz::oracle::{assert_only_ids_spliced_in, layout_for, CounterIds};
 use snowgate_host::{
     Action, CallError, HostServices, IdClock, MachineIdentity, Plugin, PluginEngine, PluginLimits,
     Request,
@@ -32,23 +42,55 @@ use snowgate_plugin::{
     SnowflakeLayout,
 };
 
-/// The machine id the host hands the plugin.
-const MACHINE: u32 = 7;
-const LAYOUT: SnowflakeLayout = SnowflakeLayout::TrtllmV1;
+/// A host in one layout, as one gateway process is: the machine id it
+/// hands the plugin, the bundled plugin compiled and checked once for the
+/// whole run on an engine with a clock of its own, and the last id it gave.
+struct Host {
+    layout: SnowflakeLayout,
+    machine: u32,
+    plugin: OnceLock<Plugin>,
+    last: Mutex<u64>,
+}
 
-/// The bundled plugin, compiled and checked once for the whole run.
-fn plugin() -> &'static Plugin {
-    static PLUGIN: OnceLock<Plugin> = OnceLock::new();
-    PLUGIN.get_or_init(|| {
-        let services = HostServices {
-            clock: Arc::new(IdClock::system()),
-            identity: Arc::new(MachineIdentity::fixed(LAYOUT, MACHINE).expect("in range")),
-        };
-        let engine =
-            PluginEngine::new(services, PluginLimits::default()).expect("creating the engine");
-        Plugin::load(&engine, snowgate_plugin_bundle::PLUGIN_WASM, &[])
-            .expect("loading the bundled plugin")
-    })
+/// trtllm-v1 with a small machine id, as the target always had.
+static V1: Host = Host {
+    layout: SnowflakeLayout::TrtllmV1,
+    machine: 7,
+    plugin: OnceLock::new(),
+    last: Mutex::new(0),
+};
+
+/// trtllm-v2 with its largest machine id, so that a node or process bit
+/// lost or moved on the way through the host shows in the ids.
+static V2: Host = Host {
+    layout: SnowflakeLayout::TrtllmV2,
+    machine: 16383,
+    plugin: OnceLock::new(),
+    last: Mutex::new(0),
+};
+
+/// The host a body goes to (see the top of the file).
+fn host_for(body: &[u8]) -> &'static Host {
+    match layout_for(body) {
+        SnowflakeLayout::TrtllmV1 => &V1,
+        SnowflakeLayout::TrtllmV2 => &V2,
+    }
+}
+
+impl Host {
+    fn plugin(&self) -> &Plugin {
+        self.plugin.get_or_init(|| {
+            let identity = MachineIdentity::fixed(self.layout, self.machine).expect("in range");
+            let services = HostServices {
+                clock: Arc::new(IdClock::system()),
+                identity: Arc::new(identity),
+            };
+            let engine =
+                PluginEngine::new(services, PluginLimits::default()).expect("creating the engine");
+            Plugin::load(&engine, snowgate_plugin_bundle::PLUGIN_WASM, &[])
+                .expect("loading the bundled plugin")
+        })
+    }
 }
 
 /// Reads back the ids the plugin wrote into `output` at `edits`.
@@ -101,21 +143,21 @@ fn runtime() -> &'static tokio::runtime::Runtime {
 }
 
 /// One call on the fresh-instance path or on the reused-instance path.
-fn call_once(request: &Request, reused: bool) -> Result<Action, CallError> {
+fn call_once(plugin: &Plugin, request: &Request, reused: bool) -> Result<Action, CallError> {
     if reused {
-        runtime().block_on(plugin().handle_async(request))
+        runtime().block_on(plugin.handle_async(request))
     } else {
-        plugin().handle(request)
+        plugin.handle(request)
     }
 }
 
-fn call(request: &Request, reused: bool) -> Result<Action, CallError> {
-    match call_once(request, reused) {
+fn call(plugin: &Plugin, request: &Request, reused: bool) -> Result<Action, CallError> {
+    match call_once(plugin, request, reused) {
         // The deadline is wall time: a loaded machine can starve one call.
         // A body that really takes that long fails the retry too.
         Err(CallError::Deadline(limit)) => {
             let started = Instant::now();
-            let again = call_once(request, reused);
+            let again = call_once(plugin, request, reused);
             eprintln!(
                 "deadline of {limit:?} hit once; the retry took {:?}",
                 started.elapsed()
@@ -133,6 +175,7 @@ fn is_msgpack(data: &[u8]) -> bool {
 }
 
 fuzz_target!(|data: &[u8]| {
+    let host = host_for(data);
     let msgpack = is_msgpack(data);
     let mut headers = vec![("content-type".into(), b"application/json".to_vec())];
     if msgpack {
@@ -145,36 +188,44 @@ fuzz_target!(|data: &[u8]| {
         body: data.to_vec(),
     };
     for reused in [false, true] {
-        let action = call(&request, reused)
-            .unwrap_or_else(|e| panic!("the call failed (reused instance: {reused}): {e}"));
-        let ids = check(data, msgpack, action);
-        check_after_all_before(&ids, reused);
+        let action = call(host.plugin(), &request, reused).unwrap_or_else(|e| {
+            panic!(
+                "the call failed ({}, reused instance: {reused}): {e}",
+                host.layout
+            )
+        });
+        let ids = check(host, data, msgpack, action);
+        check_after_all_before(host, &ids, reused);
     }
 });
 
-/// The ids of one answer are each greater than every id the run has seen:
-/// the host's clock gives each tick once per process, to any instance.
-fn check_after_all_before(ids: &[u64], reused: bool) {
-    static LAST: Mutex<u64> = Mutex::new(0);
-    let mut last = LAST.lock().unwrap_or_else(|p| p.into_inner());
+/// The ids of one answer are each greater than every id the host has
+/// given in the run: its clock gives each tick once per process, to any
+/// instance.
+fn check_after_all_before(host: &Host, ids: &[u64], reused: bool) {
+    let mut last = host.last.lock().unwrap_or_else(|p| p.into_inner());
     for &id in ids {
         assert!(
             id > *last,
-            "id {id} after {} (reused instance: {reused}): repeated or gone back",
-            *last
+            "id {id} after {} ({}, reused instance: {reused}): repeated or gone back",
+            *last,
+            host.layout
         );
         *last = id;
     }
 }
 
-/// `action` is what the native core decides for `data`, a MessagePack
-/// body if `msgpack`, else JSON; returns the ids the plugin gave.
-fn check(data: &[u8], msgpack: bool, action: Action) -> Vec<u64> {
+/// `action` is what the native core, in the host's layout, decides for
+/// `data`, a MessagePack body if `msgpack`, else JSON; returns the ids the
+/// plugin gave. The native ids (from `CounterIds`, machine id 7 in either
+/// layout) are not compared: the host's are checked on their own.
+fn check(host: &Host, data: &[u8], msgpack: bool, action: Action) -> Vec<u64> {
+    let layout = host.layout;
     let native = decide(
-        &Config { layout: LAYOUT },
+        &Config { layout },
         msgpack,
         data,
-        &mut CounterIds::new(LAYOUT),
+        &mut CounterIds::new(layout),
     )
     .expect("no native plugin failure");
     match (native, action) {
@@ -214,7 +265,7 @@ fn check(data: &[u8], msgpack: bool, action: Action) -> Vec<u64> {
                 );
                 ids
             };
-            check_made_here(&ids);
+            check_made_here(host, &ids);
             ids
         }
         (native, action) => panic!("native decision {native:?}, plugin answer {action:?}"),
@@ -243,24 +294,34 @@ fn read_back_msgpack_ids(data: &[u8], output: &[u8], edits: &[MsgpackEdit]) -> V
         .collect()
 }
 
-/// The ids are increasing, of the host's machine id, and near now.
-fn check_made_here(ids: &[u64]) {
+/// The ids are increasing, of the host's layout and machine id, and near
+/// now.
+fn check_made_here(host: &Host, ids: &[u64]) {
+    let layout = host.layout;
     assert!(
         ids.windows(2).all(|w| w[0] < w[1]),
-        "ids not increasing: {ids:?}"
+        "{layout} ids not increasing: {ids:?}"
     );
     for id in ids {
-        let parts = LAYOUT.decode(*id).expect("a v1 id");
-        assert_eq!(parts.machine_id, MACHINE, "id {id}");
-        // Made from the host's clock: near now.
+        let parts = layout
+            .decode(*id)
+            .unwrap_or_else(|e| panic!("id {id}: {e}"));
+        assert_eq!(parts.machine_id, host.machine, "{layout} id {id}");
+        // Made from the host's clock: near now. A trtllm-v2 id keeps only
+        // the low 39 bits of its millisecond (`SnowflakeLayout::stamp`),
+        // so the distance is taken in those bits; in trtllm-v1 `stamp`
+        // keeps them all.
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .expect("after 1970")
             .as_millis() as u64;
+        let behind = layout.stamp(now.wrapping_sub(parts.millis));
+        let ahead = layout.stamp(parts.millis.wrapping_sub(now));
         assert!(
-            parts.millis <= now + 60_000 && parts.millis + 3_600_000 >= now,
-            "id {id} has time {} ms, now is {now}",
-            parts.millis
+            ahead <= 60_000 || behind <= 3_600_000,
+            "{layout} id {id} has time {} ms, now is {now} (stamped {})",
+            parts.millis,
+            layout.stamp(now)
         );
     }
 }
