@@ -83,7 +83,6 @@ impl SyncInstance<'_> {
 /// [`Plugin::instance_for_self_check`]).
 pub struct SelfCheckInstance<'p> {
     instance: SyncInstance<'p>,
-    called: bool,
 }
 
 /// A self-check call's answer, with the ticks it took.
@@ -111,7 +110,7 @@ impl SelfCheckInstance<'_> {
     /// a build that stamps the millisecond and drops the sequence then
     /// shows it.
     pub fn handle(&mut self, request: &Request) -> Result<SelfCheckAnswer, CallError> {
-        let spare_first = !std::mem::replace(&mut self.called, true);
+        let spare_first = self.instance.calls == 0;
         self.instance.store.data_mut().recorded_ticks = Some(Vec::new());
         let answer = self.instance.call(request, spare_first);
         let ticks = self.instance.store.data_mut().recorded_ticks.take();
@@ -312,7 +311,6 @@ impl Plugin {
     pub fn instance_for_self_check(&self) -> Result<SelfCheckInstance<'_>, CallError> {
         Ok(SelfCheckInstance {
             instance: self.sync_instance()?,
-            called: false,
         })
     }
 
