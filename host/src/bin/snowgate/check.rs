@@ -7,7 +7,7 @@ use std::sync::Arc;
 use clap::Args;
 use snowgate_host::gateway::self_check::SELF_CHECK_CALLS;
 use snowgate_host::gateway::slot::{load_checked_telling, may_pass};
-use snowgate_host::{HostServices, IdClock, MachineIdentity, PluginEngine};
+use snowgate_host::{HostServices, IdClock, PluginEngine};
 
 use crate::plugin_flags::PluginFlags;
 use crate::{write_stdout, Failure};
@@ -34,8 +34,7 @@ pub struct CheckArgs {
 /// less busy machine; 2 for a flag, a file that cannot be read as a
 /// plugin, or a setting the plugin refuses).
 pub fn run(args: CheckArgs) -> Result<(), Failure> {
-    let identity = MachineIdentity::fixed(args.plugin.layout, args.machine_id)
-        .map_err(|e| Failure::BadInput(format!("--machine-id: {e}")))?;
+    let identity = args.plugin.identity(args.machine_id)?;
     let services = HostServices {
         clock: Arc::new(IdClock::system()),
         identity: Arc::new(identity),

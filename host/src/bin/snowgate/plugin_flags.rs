@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use clap::Args;
 use snowgate_host::gateway::config::{plugin_deadline, plugin_memory_bytes};
 use snowgate_host::gateway::plugin_file::read_plugin_file;
-use snowgate_host::PluginLimits;
+use snowgate_host::{MachineIdentity, PluginLimits};
 use snowgate_plugin::SnowflakeLayout;
 
 use crate::Failure;
@@ -50,6 +50,13 @@ impl PluginFlags {
             limits.deadline = plugin_deadline(ms).map_err(bad_flag)?;
         }
         Ok(limits)
+    }
+
+    /// Machine id `machine_id` (the command's `--machine-id`) in the
+    /// layout `--layout` gives, or bad input saying why not.
+    pub fn identity(&self, machine_id: u32) -> Result<MachineIdentity, Failure> {
+        MachineIdentity::fixed(self.layout, machine_id)
+            .map_err(|e| Failure::BadInput(format!("--machine-id: {e}")))
     }
 
     /// The build's bytes: `--plugin`'s file, read with the same checks as

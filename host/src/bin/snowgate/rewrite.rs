@@ -14,7 +14,7 @@ use snowgate_host::gateway::middleware::plugin_sees;
 use snowgate_host::gateway::upstream::strip_hop_by_hop;
 use snowgate_host::{
     plugin_text, Action, Answer, CallError, CompileCache, FixedClock, HostServices, IdClock,
-    MachineIdentity, Plugin, PluginEngine, Request,
+    Plugin, PluginEngine, Request,
 };
 use snowgate_plugin::MSGPACK_HEADER;
 use snowgate_plugin_bundle::{memory_needed, IdDensity};
@@ -95,8 +95,7 @@ pub fn run(args: RewriteArgs) -> Result<(), Failure> {
         )));
     }
     let layout = args.plugin.layout;
-    let identity = MachineIdentity::fixed(layout, args.machine_id)
-        .map_err(|e| Failure::BadInput(format!("--machine-id: {e}")))?;
+    let identity = args.plugin.identity(args.machine_id)?;
     let clock = Arc::new(match args.clock {
         ClockChoice::System => IdClock::system(),
         ClockChoice::Fixed(ms) => IdClock::new(FixedClock(ms)),
