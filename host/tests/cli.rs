@@ -360,6 +360,88 @@ fn check_passes_the_bundled_plugin_and_refuses_builds_that_repeat_ids() {
     );
 }
 
+/// `check --config` loads the build a gateway's config file names, as that
+/// gateway would: the file's plugin (its relative path taken from the
+/// file's directory), settings, layout and machine id, with the flags over
+/// them; without touching the file's etcd or high-water file, which a
+/// running gateway holds.
+#[test]
+fn check_loads_the_build_a_config_file_names_with_its_settings() {
+    let dir = support::TempDir::new("check-config");
+    std::fs::write(
+        dir.path().join("hostile.wasm"),
+        snowgate_test_fixtures::HOSTILE_WASM,
+    )
+    .expect("writing the fixture");
+    let config = |text: &str| {
+        let path = dir.path().join("snowgate.toml");
+        std::fs::write(&path, text).expect("writing the config file");
+        path
+    };
+    let check = |config: &Path, flags: &[&str]| {
+        let mut args = vec!["check", "--config", config.to_str().expect("a UTF-8 path")];
+        args.extend_from_slice(flags);
+        snowgate(&args, b"")
+    };
+
+    let hostile = config(
+        "plugin = \"hostile.wasm\"\nmachine-id = 1000\n[plugin-settings]\nhostile-ids = \"kept-tick\"\n",
+    );
+    failure(
+        &check(&hostile, &[]),
+        1,
+        &[
+            "checking the plugin",
+            "hostile.wasm",
+            support::SELF_CHECK_SECOND_CALL,
+        ],
+    );
+    // A flag's setting is added to the file's: this build now rejects the
+    // canned request for want of credentials, so its ids go unseen.
+    let said = success(&check(
+        &hostile,
+        &["--plugin-setting", "hostile-reject-all=401"],
+    ));
+    assert!(said.contains("would serve"), "{said}");
+
+    // The bundled plugin, where the file names none, in the file's layout,
+    // which the file's machine id fits; a flag replaces the layout.
+    let v2 = config("layout = \"trtllm-v2\"\nmachine-id = 16383\n");
+    assert!(success(&check(&v2, &[])).contains("passed the self-check"));
+    failure(
+        &check(&v2, &["--layout", "trtllm-v1"]),
+        2,
+        &["--machine-id", "16383", "snowgate.toml"],
+    );
+
+    // A leased machine id and a high-water file are a serving gateway's,
+    // not the check's.
+    let mark = dir.path().join("mark");
+    let leased = config("layout = \"trtllm-v2\"\netcd = \"http://127.0.0.1:1\"\n");
+    let said = success(&check(&leased, &[]));
+    assert!(
+        said.contains(snowgate_plugin::PLUGIN_NAME) && said.contains("passed the self-check"),
+        "{said}"
+    );
+    let marked = config(&format!(
+        "machine-id = 3\nhigh-water-file = {:?}\n",
+        mark.to_str().expect("a UTF-8 path")
+    ));
+    assert!(success(&check(&marked, &[])).contains("passed the self-check"));
+    assert!(!mark.exists(), "the check opened the high-water file");
+
+    for (text, says) in [
+        (
+            "plugin-settings = { id-layout = \"trtllm-v2\" }\n",
+            "id-layout",
+        ),
+        ("no-such-key = 1\n", "no-such-key"),
+        ("plugin-memory-mib = 0\n", "plugin-memory-mib"),
+    ] {
+        failure(&check(&config(text), &[]), 2, &[says, "snowgate.toml"]);
+    }
+}
+
 /// What a plugin logs while it is configured carries its name, as its
 /// lines in a request's call do: the load learns the name from the same
 /// instance, first.

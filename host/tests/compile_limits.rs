@@ -199,6 +199,30 @@ async fn a_gateway_whose_first_build_exceeds_a_compile_limit_does_not_start_and_
     );
 }
 
+/// `snowgate check` compiles a build as the gateway of its config file
+/// would: in a child process, under the file's compile limits, and refuses
+/// one over them as that gateway would.
+#[test]
+fn check_compiles_under_its_config_files_compile_limits() {
+    let dir = TempDir::new("compile-check");
+    std::fs::write(dir.path().join("plugin.wasm"), compile_bomb(BOMB_VALUES)).unwrap();
+    let config = dir.path().join("snowgate.toml");
+    std::fs::write(
+        &config,
+        format!("plugin = \"plugin.wasm\"\nplugin-compile-memory-mib = {MEMORY_LIMIT_MIB}\n"),
+    )
+    .unwrap();
+    let mut command = Command::new(env!("CARGO_BIN_EXE_snowgate"));
+    command.args(["check", "--config", arg(&config)]);
+    let output = run_bounded(command, b"", Duration::from_secs(300));
+    assert_eq!(output.status.code(), Some(1), "the build must be refused");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("--plugin-compile-memory-mib") && !stderr.contains("panicked"),
+        "{stderr}"
+    );
+}
+
 #[test]
 fn compile_limits_out_of_range_are_refused_as_bad_flags() {
     for (flag, value, says) in [

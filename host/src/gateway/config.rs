@@ -512,12 +512,7 @@ impl ConfigFile {
             "--max-upstream-requests bounds the requests sent to --upstream URL, which is not set \
              (the built-in echo answers)"
         );
-        if let Some(id) = config.machine_id {
-            config
-                .layout
-                .check_machine_id(id)
-                .map_err(|e| anyhow::anyhow!("--machine-id: {e}"))?;
-        }
+        ConfigFile::check_plugin(config)?;
         if let Some(lease) = &config.lease {
             anyhow::ensure!(
                 !lease.endpoints.is_empty(),
@@ -549,13 +544,6 @@ impl ConfigFile {
                 most.as_secs(),
                 lease.ttl
             );
-        }
-        if let Some(problem) = config
-            .plugin_settings
-            .keys()
-            .find_map(|name| crate::plugin::layout_setting_problem(name))
-        {
-            anyhow::bail!(problem);
         }
         if let Some(token) = &config.admin_token {
             // An empty token matched a request without one: admin open to
@@ -597,6 +585,27 @@ impl ConfigFile {
                  set --admin-token or SNOWGATE_ADMIN_TOKEN, or listen on 127.0.0.1",
                 config.admin_listen
             );
+        }
+        Ok(())
+    }
+
+    /// Checks the settings the plugin is loaded and checked with, which
+    /// `snowgate check` takes from a gateway's settings: a fixed machine id
+    /// must fit the layout, and no plugin setting may be the host's own
+    /// `id-layout`. Part of [`ConfigFile::check`].
+    pub fn check_plugin(config: &GatewayConfig) -> anyhow::Result<()> {
+        if let Some(id) = config.machine_id {
+            config
+                .layout
+                .check_machine_id(id)
+                .map_err(|e| anyhow::anyhow!("--machine-id: {e}"))?;
+        }
+        if let Some(problem) = config
+            .plugin_settings
+            .keys()
+            .find_map(|name| crate::plugin::layout_setting_problem(name))
+        {
+            anyhow::bail!(problem);
         }
         Ok(())
     }

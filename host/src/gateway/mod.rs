@@ -133,21 +133,8 @@ impl Gateway {
             }
             None => None,
         };
-        let limits = config
-            .plugin_limits
-            .answering_bodies_of(config.max_body_bytes);
-        warn_unless_memory_holds(config.max_body_bytes, limits.memory_bytes);
-        let slots = limits.max_instances;
-        let mut engine = PluginEngine::new(services.clone(), limits).with_context(|| {
-            format!(
-                "starting the plugin engine with {slots} instance slots, each reserving about \
-                     4 GiB of address space: where that is limited (ulimit -v), lower \
-                     --plugin-instances"
-            )
-        })?;
-        if let Some(process) = &config.compile_process {
-            engine = engine.with_compile_process(process.clone());
-        }
+        warn_unless_memory_holds(config.max_body_bytes, config.plugin_limits.memory_bytes);
+        let mut engine = plugin_engine(&config, services.clone())?;
         if let Some(dir) = &config.plugin_cache_dir {
             let cache = CompileCache::open(dir).context("--plugin-cache-dir")?;
             engine = engine.with_compile_cache(cache);
@@ -426,6 +413,32 @@ async fn outlast_the_clock(services: &HostServices) {
         Ok(Err(too_far)) => tracing::warn!("{too_far}"),
         Err(e) => tracing::warn!(error = %e, "waiting for the wall clock failed"),
     }
+}
+
+/// The engine a gateway of `config` loads, checks and calls its plugin
+/// builds in, with `services`: its limits, answering bodies as large as
+/// the gateway takes, and the process builds compile in. Without the
+/// compile cache, which [`Gateway::bind`] adds where `config` names one;
+/// `snowgate check` runs its self-check in this engine, so that it loads a
+/// build as the gateway would.
+pub fn plugin_engine(
+    config: &GatewayConfig,
+    services: HostServices,
+) -> anyhow::Result<PluginEngine> {
+    let limits = config
+        .plugin_limits
+        .answering_bodies_of(config.max_body_bytes);
+    let slots = limits.max_instances;
+    let engine = PluginEngine::new(services, limits).with_context(|| {
+        format!(
+            "starting the plugin engine with {slots} instance slots, each reserving about 4 GiB \
+             of address space: where that is limited (ulimit -v), lower --plugin-instances"
+        )
+    })?;
+    Ok(match &config.compile_process {
+        Some(process) => engine.with_compile_process(process.clone()),
+        None => engine,
+    })
 }
 
 /// Warns at start when a plugin instance's memory (`memory_bytes`) cannot

@@ -2,60 +2,73 @@
 //! build before it serves, run on its own, for a build pipeline or an
 //! operator to try a build before rolling it out.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use clap::Args;
+use snowgate_host::gateway::plugin_engine;
 use snowgate_host::gateway::self_check::SELF_CHECK_CALLS;
 use snowgate_host::gateway::slot::{load_checked_telling, may_pass};
-use snowgate_host::{HostServices, IdClock, PluginEngine};
+use snowgate_host::{HostServices, IdClock};
 
-use crate::plugin_flags::PluginFlags;
+use crate::gateway_config::{check_plugin, layered};
+use crate::plugin_flags::{self, PluginFlags};
 use crate::{write_stdout, Failure};
 
 /// Flags of `snowgate check`.
 #[derive(Args)]
 pub struct CheckArgs {
+    /// A gateway's TOML file (as `serve --config` reads it): the build is
+    /// loaded as that gateway would load it, with its plugin, settings,
+    /// layout, machine id, call limits and compile limits; the flags
+    /// override it. Its other settings are not used.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
     #[command(flatten)]
     plugin: PluginFlags,
-    /// The machine id the build's ids must carry, as a gateway's would:
-    /// any in the layout's range checks the same (0..=1022 for trtllm-v1,
-    /// 0..=16383 for trtllm-v2). The check's ids go nowhere, so it may
-    /// run beside a gateway of the same machine id.
-    #[arg(long, default_value_t = 0, value_name = "N")]
-    machine_id: u32,
+    /// The machine id the build's ids must carry, as a gateway's would
+    /// [default: the config file's, or 0]: any in the layout's range checks
+    /// the same (0..=1022 for trtllm-v1, 0..=16383 for trtllm-v2). The
+    /// check's ids go nowhere, so it may run beside a gateway of the same
+    /// machine id.
+    #[arg(long, value_name = "N")]
+    machine_id: Option<u32>,
 }
 
-/// Loads the build as `serve` does (compiled, checked against the
-/// contract, configured with the settings) and runs the self-check on it.
-/// Says on stdout that it passed, or that a gateway would take it though
-/// the check could not see everything (a build that rejects the canned
-/// request for want of credentials, or takes no batches); or on stderr
-/// why not (exit status 1, with a note where the same build may pass on a
-/// less busy machine; 2 for a flag, a file that cannot be read as a
+/// Loads the build as `serve` does (compiled in a child process under the
+/// compile limits, checked against the contract, configured with the
+/// settings) and runs the self-check on it. Says on stdout that it passed,
+/// or that a gateway would take it though the check could not see
+/// everything (a build that rejects the canned request for want of
+/// credentials, or takes no batches); or on stderr why not (exit status 1,
+/// with a note where the same build may pass on a less busy machine; 2 for
+/// a flag or a setting of the config file, a file that cannot be read as a
 /// plugin, or a setting the plugin refuses).
 pub fn run(args: CheckArgs) -> Result<(), Failure> {
-    let identity = args.plugin.identity(args.machine_id)?;
+    let flags = args.plugin.as_settings(args.machine_id);
+    let config = layered(args.config.as_deref(), flags, args.plugin.plugin_settings)?;
+    check_plugin(&config, args.config.as_deref())?;
+    let settings: Vec<(String, String)> = config.plugin_settings.clone().into_iter().collect();
+    // A gateway that leases its machine id checks with 0 too.
+    let identity = plugin_flags::identity(config.layout, config.machine_id.unwrap_or(0))?;
     let services = HostServices {
         clock: Arc::new(IdClock::system()),
         identity: Arc::new(identity),
     };
-    let engine = PluginEngine::new(services, args.plugin.limits()?)?;
-    let build = args
-        .plugin
-        .build()
-        .map_err(|e| Failure::BadInput(format!("{e:#}")))?;
-    let named = args.plugin.named();
-    let (plugin, unchecked) =
-        match load_checked_telling(&engine, &build, &args.plugin.plugin_settings) {
-            Ok(checked) => checked,
-            Err(e) if may_pass(&e) => {
-                return Err(Failure::Failed(e.context(format!(
-                    "checking {named} (this may pass on a less busy machine, or with a longer \
+    let engine = plugin_engine(&config, services)?;
+    let path = config.plugin.as_deref();
+    let build = plugin_flags::build(path).map_err(|e| Failure::BadInput(format!("{e:#}")))?;
+    let named = plugin_flags::named(path);
+    let (plugin, unchecked) = match load_checked_telling(&engine, &build, &settings) {
+        Ok(checked) => checked,
+        Err(e) if may_pass(&e) => {
+            return Err(Failure::Failed(e.context(format!(
+                "checking {named} (this may pass on a less busy machine, or with a longer \
                  --plugin-deadline-ms)"
-                ))))
-            }
-            Err(e) => return Err(e.context(format!("checking {named}")).into()),
-        };
+            ))))
+        }
+        Err(e) => return Err(e.context(format!("checking {named}")).into()),
+    };
     let info = plugin.info();
     let build = format!("{} {} (sha256 {})", info.name, info.version, info.sha256);
     let said = if unchecked.is_empty() {

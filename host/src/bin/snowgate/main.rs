@@ -4,6 +4,7 @@ mod allocator;
 mod check;
 mod compile_plugin;
 mod decode;
+mod gateway_config;
 mod huge_pages;
 mod open_files;
 mod plugin_flags;
@@ -53,7 +54,8 @@ enum Command {
     /// the last 2^40 values before its masked 39-bit timestamp wraps.
     Decode(decode::DecodeArgs),
     /// Run the self-check `serve` runs on every plugin build before it
-    /// serves, and say whether the build passes. A context-only request
+    /// serves, and say whether the build passes; loaded as a gateway of
+    /// --config's file would load it. A context-only request
     /// must get an id made of the host's clock and machine id; the same
     /// request again, on the same instance, an id of that call; and a
     /// batch of two, two different ids (or, from a plugin that takes no
@@ -61,8 +63,8 @@ enum Command {
     /// would take the build: "passed", or "would serve" with what the
     /// check could not see (a build that rejects the canned request for
     /// want of credentials, or takes no batches); 1 when it would not,
-    /// saying why; 2 for a bad flag, a file that is no plugin file, or a
-    /// setting the plugin refuses.
+    /// saying why; 2 for a bad flag or setting of the file, a file that is
+    /// no plugin file, or a setting the plugin refuses.
     Check(check::CheckArgs),
     /// Run the gateway: a reverse proxy that stamps ids into JSON requests
     /// on their way to the upstream, and reloads the plugin when it changes.

@@ -2,11 +2,12 @@
 //! under which limits: shared by `rewrite` and `check`.
 
 use std::borrow::Cow;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use clap::Args;
 use snowgate_host::gateway::config::{plugin_deadline, plugin_memory_bytes};
 use snowgate_host::gateway::plugin_file::read_plugin_file;
+use snowgate_host::gateway::ConfigFile;
 use snowgate_host::{MachineIdentity, PluginLimits};
 use snowgate_plugin::SnowflakeLayout;
 
@@ -23,9 +24,9 @@ pub struct PluginFlags {
     #[arg(long = "plugin-setting", value_name = "NAME=VALUE", value_parser = crate::serve::parse_setting)]
     pub plugin_settings: Vec<(String, String)>,
     /// Id layout: trtllm-v1 (TensorRT-LLM up to 1.3.0rc21) or trtllm-v2
-    /// (1.3.0rc22 and later).
-    #[arg(long, default_value = "trtllm-v1", value_name = "LAYOUT")]
-    pub layout: SnowflakeLayout,
+    /// (1.3.0rc22 and later) [default: trtllm-v1].
+    #[arg(long, value_name = "LAYOUT")]
+    layout: Option<SnowflakeLayout>,
     /// Memory limit of a plugin call, in MiB; a request's body is copied
     /// in and the answer built inside, so a body needs a few times its size
     /// [default: 256].
@@ -38,6 +39,25 @@ pub struct PluginFlags {
 }
 
 impl PluginFlags {
+    /// `--layout`, or the default layout.
+    pub fn layout(&self) -> SnowflakeLayout {
+        self.layout.unwrap_or_default()
+    }
+
+    /// The flags given, with `machine_id`, as a layer of a gateway's
+    /// settings over a config file's (see [`crate::gateway_config::layered`],
+    /// which takes the `--plugin-setting`s apart).
+    pub fn as_settings(&self, machine_id: Option<u32>) -> ConfigFile {
+        ConfigFile {
+            plugin: self.plugin.clone(),
+            layout: self.layout.map(|layout| layout.name().to_string()),
+            machine_id,
+            plugin_memory_mib: self.plugin_memory_mib,
+            plugin_deadline_ms: self.plugin_deadline_ms,
+            ..ConfigFile::default()
+        }
+    }
+
     /// The default limits, with the memory limit and deadline the flags
     /// give.
     pub fn limits(&self) -> Result<PluginLimits, Failure> {
@@ -55,26 +75,43 @@ impl PluginFlags {
     /// Machine id `machine_id` (the command's `--machine-id`) in the
     /// layout `--layout` gives, or bad input saying why not.
     pub fn identity(&self, machine_id: u32) -> Result<MachineIdentity, Failure> {
-        MachineIdentity::fixed(self.layout, machine_id)
-            .map_err(|e| Failure::BadInput(format!("--machine-id: {e}")))
+        identity(self.layout(), machine_id)
     }
 
-    /// The build's bytes: `--plugin`'s file, read with the same checks as
-    /// `serve` makes (a regular file of a bounded size, not a FIFO or
-    /// /dev/zero), or the bundled plugin.
+    /// The bytes of `--plugin`'s build, or of the bundled plugin (see
+    /// [`build`]).
     pub fn build(&self) -> anyhow::Result<Cow<'static, [u8]>> {
-        Ok(match &self.plugin {
-            Some(path) => Cow::Owned(read_plugin_file(path)?),
-            None => Cow::Borrowed(snowgate_plugin_bundle::PLUGIN_WASM),
-        })
+        build(self.plugin.as_deref())
     }
 
-    /// The build as messages name it: `the plugin PATH`, or `the bundled
-    /// plugin`.
+    /// The build as messages name it (see [`named`]).
     pub fn named(&self) -> String {
-        match &self.plugin {
-            Some(path) => format!("the plugin {}", path.display()),
-            None => "the bundled plugin".to_string(),
-        }
+        named(self.plugin.as_deref())
+    }
+}
+
+/// Machine id `machine_id` in `layout`, or bad input saying why not, named
+/// as `--machine-id` (which a config file's `machine-id` is named as too).
+pub fn identity(layout: SnowflakeLayout, machine_id: u32) -> Result<MachineIdentity, Failure> {
+    MachineIdentity::fixed(layout, machine_id)
+        .map_err(|e| Failure::BadInput(format!("--machine-id: {e}")))
+}
+
+/// The bytes of the build at `path`, read with the same checks as `serve`
+/// makes (a regular file of a bounded size, not a FIFO or /dev/zero), or
+/// of the bundled plugin.
+pub fn build(path: Option<&Path>) -> anyhow::Result<Cow<'static, [u8]>> {
+    Ok(match path {
+        Some(path) => Cow::Owned(read_plugin_file(path)?),
+        None => Cow::Borrowed(snowgate_plugin_bundle::PLUGIN_WASM),
+    })
+}
+
+/// The build at `path` as messages name it: `the plugin PATH`, or `the
+/// bundled plugin`.
+pub fn named(path: Option<&Path>) -> String {
+    match path {
+        Some(path) => format!("the plugin {}", path.display()),
+        None => "the bundled plugin".to_string(),
     }
 }

@@ -94,7 +94,7 @@ pub fn run(args: RewriteArgs) -> Result<(), Failure> {
              given too: give one of them"
         )));
     }
-    let layout = args.plugin.layout;
+    let layout = args.plugin.layout();
     let identity = args.plugin.identity(args.machine_id)?;
     let clock = Arc::new(match args.clock {
         ClockChoice::System => IdClock::system(),

@@ -8,7 +8,6 @@ use clap::Args;
 use snowgate_host::gateway::{
     parse_listen_address, ConfigFile, FailurePolicy, Gateway, GatewayConfig,
 };
-use snowgate_host::{CompileLimits, CompileProcess};
 use snowgate_plugin::SnowflakeLayout;
 
 use crate::Failure;
@@ -255,22 +254,7 @@ pub(crate) fn parse_setting(s: &str) -> Result<(String, String), String> {
 
 impl ServeArgs {
     /// Defaults, then the file, then the flags.
-    fn into_config(self) -> anyhow::Result<GatewayConfig> {
-        let mut config = GatewayConfig {
-            // The limits come from the defaults, the file and the flags.
-            compile_process: Some(CompileProcess::this_binary(
-                &["compile-plugin"],
-                CompileLimits::default(),
-            )),
-            ..GatewayConfig::default()
-        };
-        if let Some(path) = &self.config {
-            // A setting's error names it as a flag would; say which file
-            // it came from.
-            ConfigFile::read(path)?
-                .apply(&mut config)
-                .with_context(|| format!("in the config file {}", path.display()))?;
-        }
+    fn into_config(self) -> Result<GatewayConfig, Failure> {
         let flags = ConfigFile {
             listen: self.listen,
             upstream: self.upstream,
@@ -310,31 +294,14 @@ impl ServeArgs {
             machine_id_ttl: self.machine_id_ttl,
             etcd_prefix: self.etcd_prefix,
         };
-        flags.apply(&mut config)?;
-        config.plugin_settings.extend(self.plugin_settings);
-        Ok(config)
+        crate::gateway_config::layered(self.config.as_deref(), flags, self.plugin_settings)
     }
 }
 
 pub fn run(args: ServeArgs) -> Result<(), Failure> {
-    // Settings that are wrong together are bad input too (status 2), not
-    // a failure to start.
     let file = args.config.clone();
-    let config = args
-        .into_config()
-        .and_then(|config| {
-            // Named as flags; they may have come from the file.
-            ConfigFile::check(&config)
-                .map_err(|e| match &file {
-                    Some(path) => e.context(format!(
-                        "in the flags or the config file {}",
-                        path.display()
-                    )),
-                    None => e,
-                })
-                .map(|()| config)
-        })
-        .map_err(|e| Failure::BadInput(format!("{e:#}")))?;
+    let config = args.into_config()?;
+    crate::gateway_config::check_whole(&config, file.as_deref())?;
     crate::open_files::raise_for(config.connections.max_connections);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
