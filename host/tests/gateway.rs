@@ -493,6 +493,43 @@ async fn refuses_a_declared_oversized_body_with_413_without_reading_it() {
     assert_eq!(get(gateway.admin, "/healthz").await.status, StatusCode::OK);
 }
 
+/// A client that sends its whole request before it reads (Python's
+/// `http.client` and `requests` do) gets the answer that says why its body
+/// or head is too large, 413 or 431: the gateway reads and throws away
+/// what the client still sends after the answer (a lingering close, as
+/// nginx's). Closed at once with the body unread, the connection was reset
+/// under the answer, and the client saw a broken pipe instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_sends_all_before_it_reads_gets_the_413_or_431() {
+    let upstream = TestUpstream::start().await;
+    let gateway =
+        Gateway::start(&["--upstream", &upstream.url(), "--max-body-bytes", "1048576"]).await;
+
+    let body = vec![b'a'; 16 << 20];
+    let request = raw_post_request(
+        "/v1/completions",
+        b"Content-Type: application/json\r\n",
+        &body,
+    );
+    for _ in 0..3 {
+        let raw = raw_exchange(gateway.addr, &request).await;
+        assert_eq!(raw.status, 413, "{:?}", String::from_utf8_lossy(&raw.body));
+        let message = assert_openai_error(&raw.json(), "body_too_large", "invalid_request_error");
+        assert!(message.contains("1048576"), "{message}");
+    }
+    let head = format!(
+        "GET /v1/models HTTP/1.1\r\nHost: gw\r\nX-Big: {}\r\n\r\n",
+        "a".repeat(4 << 20)
+    );
+    assert_eq!(
+        raw_exchange(gateway.addr, head.as_bytes()).await.status,
+        431
+    );
+    assert!(upstream.seen().is_empty(), "nothing went upstream");
+    let reply = post_json(gateway.addr, "/v1/completions", CONTEXT_ONLY).await;
+    assert_eq!(reply.status, StatusCode::OK);
+}
+
 /// A chunked JSON body (no length declared) that grows past
 /// `--max-body-bytes` gets 413 once the limit is passed, without the end
 /// of the body ever being sent; at the limit it is accepted.

@@ -19,6 +19,7 @@ mod dot_segments;
 pub mod echo;
 pub mod error_chain;
 pub mod header_order;
+pub mod lingering_close;
 pub mod metrics;
 pub mod middleware;
 pub mod plugin_file;

@@ -100,6 +100,11 @@ impl<S: SendQueue> SendTimeout<S> {
         }
     }
 
+    /// The connection, without its timeout.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+
     /// Counts every byte read from the client in `read`.
     pub fn counting_reads_in(self, read: Arc<AtomicU64>) -> SendTimeout<S> {
         SendTimeout {

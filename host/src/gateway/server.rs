@@ -31,6 +31,7 @@ use crate::gateway::client_gone::{ClientGone, ClientSocket, CLIENT_GONE_STATUS};
 use crate::gateway::config::{ConnectionLimits, MAX_HEADER_BYTES, MIN_HEADER_BYTES};
 use crate::gateway::error_chain;
 use crate::gateway::header_order::remove_in_order;
+use crate::gateway::lingering_close::{self, HandBack};
 use crate::gateway::metrics::{Metrics, Outcome};
 use crate::gateway::middleware::SnowgateLayer;
 use crate::gateway::reclaim::OpenConnections;
@@ -369,6 +370,7 @@ pub async fn serve(
             }
             let stream = SendTimeout::new(stream, send_timeout, activity.socket_full())
                 .counting_reads_in(activity.bytes_in());
+            let (stream, returned) = HandBack::new(stream);
             let connection = builder
                 .serve_connection(TokioIo::new(stream), per_request)
                 .into_owned();
@@ -402,7 +404,12 @@ pub async fn serve(
                     access_log::malformed(peer, status, &why);
                 }
             }
+            // A stop does not wait for a client still sending after its
+            // answer, but the connection's slot does.
             drop(watcher);
+            if let Ok(stream) = returned.await {
+                lingering_close::close(stream.into_inner(), place.told_to_close()).await;
+            }
             drop(place);
             drop(open);
             drop(permit);
