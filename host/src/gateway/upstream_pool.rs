@@ -375,9 +375,11 @@ impl Shared {
     /// all when it is closed. The request's `turn` is held until then: a
     /// connection still sending is in use (`--max-upstream-requests`
     /// bounds the connections in use too).
-    fn put(self: &Arc<Self>, connection: Connection, turn: Option<Turn>) {
+    /// Gives back `connection`, whose response the upstream ended at
+    /// `since` at the latest (see [`PooledBody`]).
+    fn put(self: &Arc<Self>, connection: Connection, turn: Option<Turn>, since: Instant) {
         if connection.sender.is_ready() {
-            self.put_ready(connection);
+            self.put_ready(connection, since);
         } else if !connection.sender.is_closed() {
             let Ok(runtime) = tokio::runtime::Handle::try_current() else {
                 connection.task.abort();
@@ -391,7 +393,7 @@ impl Shared {
                     peer,
                 } = connection;
                 match tokio::time::timeout(pool.idle_timeout, sender.ready()).await {
-                    Ok(Ok(())) => pool.put_ready(Connection { sender, task, peer }),
+                    Ok(Ok(())) => pool.put_ready(Connection { sender, task, peer }, since),
                     Ok(Err(_closed)) => {}
                     Err(_still_sending) => task.abort(),
                 }
@@ -400,12 +402,10 @@ impl Shared {
         }
     }
 
-    fn put_ready(self: &Arc<Self>, connection: Connection) {
+    fn put_ready(self: &Arc<Self>, connection: Connection, since: Instant) {
         let mut idle = self.lock();
-        idle.connections.push_back(IdleConnection {
-            connection,
-            since: Instant::now(),
-        });
+        idle.connections
+            .push_back(IdleConnection { connection, since });
         if !idle.reaper {
             // Outside a runtime (never so in the gateway) idle connections
             // are left for the upstream to close.
@@ -505,6 +505,15 @@ struct GiveBack {
 /// The upstream's response body. When it has ended its connection goes
 /// back to the pool; a body dropped or failed before its end closes its
 /// connection (which may still be sending the request body).
+///
+/// The connection's idle time counts from when the upstream ended the
+/// response, where its keep-alive timer starts (uvicorn's), not from when
+/// the gateway read the end: a client that reads slowly holds the end in
+/// the socket buffers meanwhile, and a connection the gateway took for
+/// fresh could be one the upstream is closing. While the body's reader
+/// polls, the end is read as it comes; so it came at the latest the time
+/// the reader kept the body waiting (between taking a frame and asking
+/// for the next) before it was read.
 pub struct PooledBody {
     body: Incoming,
     give_back: Option<GiveBack>,
@@ -512,6 +521,10 @@ pub struct PooledBody {
     /// the body has ended and its connection is ready again (or closed),
     /// or the body has gone.
     turn: Option<Turn>,
+    /// When the reader took the last frame, until it asks for the next.
+    taken_at: Option<Instant>,
+    /// How long in all the reader kept the body waiting.
+    kept_waiting: Duration,
 }
 
 impl PooledBody {
@@ -520,6 +533,8 @@ impl PooledBody {
             body,
             give_back: Some(give_back),
             turn,
+            taken_at: None,
+            kept_waiting: Duration::ZERO,
         };
         // A response without a body (HEAD, 204, `Content-Length: 0`) may
         // never be polled.
@@ -532,7 +547,10 @@ impl PooledBody {
     fn ended(&mut self) {
         let turn = self.turn.take();
         if let Some(GiveBack { pool, connection }) = self.give_back.take() {
-            pool.put(connection, turn);
+            match Instant::now().checked_sub(self.kept_waiting) {
+                Some(since) => pool.put(connection, turn, since),
+                None => connection.task.abort(),
+            }
         }
     }
 
@@ -560,6 +578,9 @@ impl Body for PooledBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         let this = self.get_mut();
+        if let Some(taken_at) = this.taken_at.take() {
+            this.kept_waiting += taken_at.elapsed();
+        }
         let frame = ready!(Pin::new(&mut this.body).poll_frame(cx));
         match &frame {
             None => this.ended(),
@@ -569,7 +590,7 @@ impl Body for PooledBody {
             // connection may serve another. Their hop-by-hop fields stay
             // on this hop.
             Some(Ok(frame)) if frame.is_trailers() => this.ended(),
-            Some(Ok(_)) => {}
+            Some(Ok(_)) => this.taken_at = Some(Instant::now()),
             Some(Err(_)) => this.abandon(),
         }
         Poll::Ready(frame.map(|frame| frame.map(strip_trailers)))
@@ -874,6 +895,39 @@ mod tests {
         assert_eq!(seen.closed.load(Ordering::SeqCst), 2);
     }
 
+    /// A response its reader took slowly was ended by the upstream long
+    /// before the gateway read its end, and the upstream's keep-alive timer
+    /// started then: its connection, idle past the timeout counted so, is
+    /// not reused.
+    #[tokio::test]
+    async fn a_connection_whose_response_was_read_slowly_is_idle_from_the_upstreams_end() {
+        let (addr, seen) = upstream().await;
+        let idle = Duration::from_millis(300);
+        let pool = pool_for(addr, idle);
+        let mut streaming = pool.send(get("/stream")).await.unwrap().into_body();
+        streaming.frame().await.unwrap().unwrap();
+        let rest = seen.stream.lock().unwrap().take().unwrap();
+        rest.send(Bytes::from_static(b"last")).unwrap();
+        drop(rest);
+        // The reader is slow (its client is): the upstream ends meanwhile.
+        tokio::time::sleep(idle + Duration::from_millis(100)).await;
+        assert_eq!(streaming.collect().await.unwrap().to_bytes(), "last");
+        let response = pool.send(get("/fixed")).await.unwrap();
+        read_to_end(response).await;
+        assert_eq!(accepted(&seen), 2, "the stale connection was reused");
+
+        // Read at once, the same response's connection is reused.
+        let mut streaming = pool.send(get("/stream")).await.unwrap().into_body();
+        streaming.frame().await.unwrap().unwrap();
+        let rest = seen.stream.lock().unwrap().take().unwrap();
+        rest.send(Bytes::from_static(b"last")).unwrap();
+        drop(rest);
+        assert_eq!(streaming.collect().await.unwrap().to_bytes(), "last");
+        let response = pool.send(get("/fixed")).await.unwrap();
+        read_to_end(response).await;
+        assert_eq!(accepted(&seen), 2, "a fresh connection was not reused");
+    }
+
     /// A connection idle for the idle timeout is not handed out even when
     /// the reaper that closes it is late (its thread busy): the upstream
     /// may be closing it at that moment.
@@ -935,11 +989,14 @@ mod tests {
             sender.is_ready(),
             "the connection has not yet seen its peer go"
         );
-        pool.shared.put_ready(Connection {
-            sender,
-            task,
-            peer: addr,
-        });
+        pool.shared.put_ready(
+            Connection {
+                sender,
+                task,
+                peer: addr,
+            },
+            Instant::now(),
+        );
 
         let response = pool.send(get("/fixed")).await.unwrap();
         assert_eq!(read_to_end(response).await, "ok");
@@ -966,11 +1023,14 @@ mod tests {
                 let body = response.unwrap().into_body().collect().await.unwrap();
                 assert_eq!(body.to_bytes(), "peer");
                 sender.ready().await.unwrap();
-                pool.shared.put_ready(Connection {
-                    sender,
-                    task,
-                    peer: addr,
-                });
+                pool.shared.put_ready(
+                    Connection {
+                        sender,
+                        task,
+                        peer: addr,
+                    },
+                    Instant::now(),
+                );
                 let hang_up = async move {
                     let mut head = Vec::new();
                     while !head.ends_with(b"\r\n\r\n") {
@@ -1058,8 +1118,8 @@ mod tests {
         for reset in [false, true] {
             let (older, older_read) = peer(reset).await;
             let (newer, newer_read) = peer(reset).await;
-            pool.shared.put_ready(older);
-            pool.shared.put_ready(newer);
+            pool.shared.put_ready(older, Instant::now());
+            pool.shared.put_ready(newer, Instant::now());
             let before = accepted(&seen);
             let response = pool.send(get("/fixed")).await.expect("sent again");
             assert_eq!(read_to_end(response).await, "ok");
@@ -1099,6 +1159,7 @@ mod tests {
                         peer: addr,
                     },
                     None,
+                    Instant::now(),
                 );
                 assert_eq!(pool.idle_count(), 0);
                 answer.await
