@@ -17,7 +17,7 @@ use snowgate_host::gateway::{Gateway as LibraryGateway, GatewayConfig};
 use snowgate_host::{IdClock, SystemClock, WallClock};
 use snowgate_plugin::SnowflakeLayout;
 use support::*;
-use tokio::io::{AsyncWriteExt, BufReader};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 
 // ---------------------------------------------------------------------------
@@ -525,6 +525,37 @@ async fn a_client_that_sends_all_before_it_reads_gets_the_413_or_431() {
         raw_exchange(gateway.addr, head.as_bytes()).await.status,
         431
     );
+
+    // A body that comes after the answer, a round trip behind its head
+    // (Python writes the two apart): the gateway has answered and ended
+    // its side before any of it came, and still reads it, not reset.
+    let body_at = request
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("a head")
+        + 4;
+    let mut stream = TcpStream::connect(gateway.addr).await.expect("connect");
+    bounded("the 413 and the gateway's end", STEP, async {
+        stream.write_all(&request[..body_at]).await.unwrap();
+        let mut answer = Vec::new();
+        stream.read_to_end(&mut answer).await.unwrap();
+        assert!(
+            answer.starts_with(b"HTTP/1.1 413"),
+            "{}",
+            String::from_utf8_lossy(&answer)
+        );
+    })
+    .await;
+    bounded("the body, after the answer", STEP, async {
+        stream
+            .write_all(&request[body_at..])
+            .await
+            .expect("the body after the answer is read on");
+        stream.shutdown().await.unwrap();
+        let mut end = [0u8; 1];
+        assert_eq!(stream.read(&mut end).await.expect("closed, not reset"), 0);
+    })
+    .await;
     assert!(upstream.seen().is_empty(), "nothing went upstream");
     let reply = post_json(gateway.addr, "/v1/completions", CONTEXT_ONLY).await;
     assert_eq!(reply.status, StatusCode::OK);

@@ -96,6 +96,11 @@ impl BodyProgress {
         self.state.load(Ordering::Acquire) == WAITING_ON_CLIENT
     }
 
+    /// Whether the whole body arrived (none of it may still come).
+    pub fn complete(&self) -> bool {
+        self.state.load(Ordering::Acquire) == COMPLETE
+    }
+
     /// The reader takes the whole body into memory (for the plugin),
     /// taking every frame as soon as it comes: from now on its waits are
     /// on the client whatever the HTTP version, and are timed.

@@ -124,11 +124,19 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for HandBack<S> {
 }
 
 /// Closes `stream`, which the gateway is done with: at once if the client
-/// has sent nothing that is still unread, and otherwise after lingering
-/// (see the module's docs) until `told_to_close` resolves at the latest.
-/// Returns the bytes thrown away.
-pub async fn close(mut stream: TcpStream, told_to_close: impl Future<Output = ()>) -> u64 {
-    if !has_unread(&stream) {
+/// has sent nothing that is still unread and `client_may_send` is false,
+/// and otherwise after lingering (see the module's docs) until
+/// `told_to_close` resolves at the latest. `client_may_send` says that the
+/// client may still be sending what the gateway did not wait for (a body
+/// answered before it all came, the rest of a head too large), which may
+/// not have arrived yet: a client's head and body often come in segments
+/// a round trip apart. Returns the bytes thrown away.
+pub async fn close(
+    mut stream: TcpStream,
+    client_may_send: bool,
+    told_to_close: impl Future<Output = ()>,
+) -> u64 {
+    if !client_may_send && !has_unread(&stream) {
         return 0;
     }
     // The gateway's side ends (a FIN after the answer, where hyper has not
@@ -136,7 +144,8 @@ pub async fn close(mut stream: TcpStream, told_to_close: impl Future<Output = ()
     let _ = stream.shutdown().await;
     let mut thrown = 0u64;
     let discard = async {
-        let mut scratch = vec![0u8; 64 << 10];
+        // Small, as nginx's: a flood of refused bodies holds one each.
+        let mut scratch = [0u8; 4 << 10];
         loop {
             match tokio::time::timeout(LINGER_PAUSE, stream.read(&mut scratch)).await {
                 Ok(Ok(n)) if n > 0 => thrown += n as u64,
@@ -192,7 +201,7 @@ mod tests {
     #[tokio::test]
     async fn a_connection_with_nothing_unread_closes_at_once() {
         let (server, mut client) = pair().await;
-        assert_eq!(close(server, std::future::pending()).await, 0);
+        assert_eq!(close(server, false, std::future::pending()).await, 0);
         let mut end = [0u8; 1];
         assert_eq!(client.read(&mut end).await.unwrap(), 0, "closed");
     }
@@ -205,7 +214,7 @@ mod tests {
         // Readiness comes through the reactor: wait for the bytes to be
         // there, as they are when hyper gives up on a request.
         server.readable().await.unwrap();
-        let lingering = tokio::spawn(close(server, std::future::pending()));
+        let lingering = tokio::spawn(close(server, false, std::future::pending()));
         let mut answer = Vec::new();
         client.write_all(&[b'a'; 100_000]).await.unwrap();
         client.shutdown().await.unwrap();
@@ -214,13 +223,27 @@ mod tests {
         assert_eq!(lingering.await.unwrap(), 14 + 100_000, "all thrown away");
     }
 
+    /// A client that may still send lingers even with nothing unread yet:
+    /// what it sends after the gateway's end is read, not reset.
+    #[tokio::test]
+    async fn a_client_that_may_send_is_read_from_before_it_has_sent() {
+        let (server, mut client) = pair().await;
+        let lingering = tokio::spawn(close(server, true, std::future::pending()));
+        // The gateway's end comes first: then the client sends.
+        let mut end = [0u8; 1];
+        assert_eq!(client.read(&mut end).await.unwrap(), 0);
+        client.write_all(&[b'a'; 100_000]).await.unwrap();
+        client.shutdown().await.unwrap();
+        assert_eq!(lingering.await.unwrap(), 100_000);
+    }
+
     #[tokio::test]
     async fn lingering_ends_when_the_connection_is_told_to_close() {
         let (server, mut client) = pair().await;
         client.write_all(b"unread").await.unwrap();
         server.readable().await.unwrap();
         let (tell, told) = oneshot::channel::<()>();
-        let lingering = tokio::spawn(close(server, async {
+        let lingering = tokio::spawn(close(server, false, async {
             let _ = told.await;
         }));
         tell.send(()).unwrap();

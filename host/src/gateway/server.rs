@@ -229,6 +229,11 @@ pub async fn serve(
         // SAFETY: given below only to HTTP/1 requests, whose futures the
         // connection runs inside its own and drops with it.
         let socket = unsafe { ClientSocket::new(stream.as_raw_fd()) };
+        // Set once an HTTP/1 request is answered with its body not all
+        // come (a 413 by its declared length): its client may still be
+        // sending it when the connection closes (see `lingering_close`).
+        let left_unread = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let unread_at_close = left_unread.clone();
         let per_request = hyper::service::service_fn(move |mut request: Request<Incoming>| {
             let arrived = Instant::now();
             // In flight until hyper has taken its whole response body (or
@@ -271,6 +276,8 @@ pub async fn serve(
             }));
             request.extensions_mut().insert(progress.clone());
             let pause = limits.body_read_timeout;
+            let unread = (!http2 && !http_body::Body::is_end_stream(request.body()))
+                .then(|| (progress.clone(), left_unread.clone()));
             let window = http2.then(|| window.clone());
             let request = request.map(|body| ClientBody::new(body, pause, window, progress));
             let is_head = request.method() == http::Method::HEAD;
@@ -290,6 +297,11 @@ pub async fn serve(
                     Some(refusal) => refusal.map(Either::Left),
                     None => service.call(request).await?,
                 };
+                if let Some((progress, left_unread)) = unread {
+                    if !progress.complete() {
+                        left_unread.store(true, std::sync::atomic::Ordering::Relaxed);
+                    }
+                }
                 // An HTTP/1.0 client cannot take a chunked body: one of no
                 // known length ends when the connection closes, which hyper
                 // does while its head says `keep-alive` to a client that
@@ -399,6 +411,8 @@ pub async fn serve(
                 // A head hyper could not parse never reached the service:
                 // counted and logged here, as nginx logs its 400s.
                 if let Some(status) = access_log::answered_by_hyper(&*e) {
+                    // The rest of the head, and what follows, may still come.
+                    unread_at_close.store(true, std::sync::atomic::Ordering::Relaxed);
                     connection_metrics.request(Outcome::ClientError);
                     connection_metrics.response_status(status);
                     access_log::malformed(peer, status, &why);
@@ -408,7 +422,16 @@ pub async fn serve(
             // answer, but the connection's slot does.
             drop(watcher);
             if let Ok(stream) = returned.await {
-                lingering_close::close(stream.into_inner(), place.told_to_close()).await;
+                let client_may_send = unread_at_close.load(std::sync::atomic::Ordering::Relaxed);
+                let thrown = lingering_close::close(
+                    stream.into_inner(),
+                    client_may_send,
+                    place.told_to_close(),
+                )
+                .await;
+                if thrown > 0 {
+                    tracing::debug!(%peer, thrown, "closed a connection after reading on what its client still sent");
+                }
             }
             drop(place);
             drop(open);
