@@ -402,10 +402,23 @@ impl Shared {
         }
     }
 
+    /// Keeps `connection`, idle since `since`, among the idle ones, which
+    /// stay in the order they went idle (the reaper looks at the front
+    /// only); or closes it if it is idle for the idle timeout already.
     fn put_ready(self: &Arc<Self>, connection: Connection, since: Instant) {
+        if since.elapsed() >= self.idle_timeout {
+            connection.task.abort();
+            return;
+        }
         let mut idle = self.lock();
+        // At the back but for a response read slowly (see `PooledBody`).
+        let at = idle
+            .connections
+            .iter()
+            .rposition(|other| other.since <= since)
+            .map_or(0, |before| before + 1);
         idle.connections
-            .push_back(IdleConnection { connection, since });
+            .insert(at, IdleConnection { connection, since });
         if !idle.reaper {
             // Outside a runtime (never so in the gateway) idle connections
             // are left for the upstream to close.
@@ -926,6 +939,49 @@ mod tests {
         let response = pool.send(get("/fixed")).await.unwrap();
         read_to_end(response).await;
         assert_eq!(accepted(&seen), 2, "a fresh connection was not reused");
+    }
+
+    /// The idle connections stay in the order they went idle, whenever
+    /// they were given back: the reaper, which looks at the oldest only,
+    /// closes each on time.
+    #[tokio::test]
+    async fn a_connection_given_back_idle_for_long_joins_the_idle_in_order() {
+        let (addr, seen) = upstream().await;
+        let idle = Duration::from_secs(60);
+        let pool = pool_for(addr, idle);
+        let mut bodies = Vec::new();
+        for _ in 0..3 {
+            let mut streaming = pool.send(get("/stream")).await.unwrap().into_body();
+            streaming.frame().await.unwrap().unwrap();
+            bodies.push(streaming);
+        }
+        assert_eq!(accepted(&seen), 3);
+        let start = Instant::now();
+        let order = [
+            start - Duration::from_secs(3),
+            start,
+            start - Duration::from_secs(5),
+        ];
+        for (body, since) in bodies.iter_mut().zip(order) {
+            let back = body.give_back.take().unwrap();
+            back.pool.put_ready(back.connection, since);
+        }
+        let sinces: Vec<Instant> = pool
+            .shared
+            .lock()
+            .connections
+            .iter()
+            .map(|c| c.since)
+            .collect();
+        assert_eq!(sinces, [order[2], order[0], order[1]]);
+
+        // One idle for the idle timeout already is closed, not kept.
+        let mut streaming = pool.send(get("/stream")).await.unwrap().into_body();
+        streaming.frame().await.unwrap().unwrap();
+        let back = streaming.give_back.take().unwrap();
+        back.pool.put_ready(back.connection, start - idle);
+        assert_eq!(pool.idle_count(), 2, "the stale one was kept");
+        drop(bodies);
     }
 
     /// A connection idle for the idle timeout is not handed out even when
