@@ -212,15 +212,29 @@ fn check_compiles_under_its_config_files_compile_limits() {
         format!("plugin = \"plugin.wasm\"\nplugin-compile-memory-mib = {MEMORY_LIMIT_MIB}\n"),
     )
     .unwrap();
-    let mut command = Command::new(env!("CARGO_BIN_EXE_snowgate"));
-    command.args(["check", "--config", arg(&config)]);
-    let output = run_bounded(command, b"", Duration::from_secs(300));
-    assert_eq!(output.status.code(), Some(1), "the build must be refused");
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        stderr.contains("--plugin-compile-memory-mib") && !stderr.contains("panicked"),
-        "{stderr}"
-    );
+    let limit = MEMORY_LIMIT_MIB.to_string();
+    let plugin = dir.path().join("plugin.wasm");
+    // From the file, and from the flag as `serve` takes it.
+    for args in [
+        vec!["check", "--config", arg(&config)],
+        vec![
+            "check",
+            "--plugin",
+            arg(&plugin),
+            "--plugin-compile-memory-mib",
+            limit.as_str(),
+        ],
+    ] {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_snowgate"));
+        command.args(&args);
+        let output = run_bounded(command, b"", Duration::from_secs(300));
+        assert_eq!(output.status.code(), Some(1), "{args:?}: must be refused");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            stderr.contains("--plugin-compile-memory-mib") && !stderr.contains("panicked"),
+            "{args:?}: {stderr}"
+        );
+    }
 }
 
 #[test]

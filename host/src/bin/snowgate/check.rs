@@ -11,6 +11,7 @@ use snowgate_host::gateway::self_check::SELF_CHECK_CALLS;
 use snowgate_host::gateway::slot::{load_checked_telling, may_pass};
 use snowgate_host::{HostServices, IdClock};
 
+use crate::compile_flags::CompileFlags;
 use crate::gateway_config::{check_plugin, layered};
 use crate::plugin_flags::{self, PluginFlags};
 use crate::{write_stdout, Failure};
@@ -20,12 +21,14 @@ use crate::{write_stdout, Failure};
 pub struct CheckArgs {
     /// A gateway's TOML file (as `serve --config` reads it): the build is
     /// loaded as that gateway would load it, with its plugin, settings,
-    /// layout, machine id, call limits and compile limits; the flags
-    /// override it. Its other settings are not used.
+    /// layout, machine id, call limits and compile settings; the flags
+    /// override it, as `serve`'s do. Its other settings are not used.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
     #[command(flatten)]
     plugin: PluginFlags,
+    #[command(flatten)]
+    compile: CompileFlags,
     /// The machine id the build's ids must carry, as a gateway's would
     /// [default: the config file's, or 0]: any in the layout's range checks
     /// the same (0..=1022 for trtllm-v1, 0..=16383 for trtllm-v2). The
@@ -45,7 +48,7 @@ pub struct CheckArgs {
 /// a flag or a setting of the config file, a file that cannot be read as a
 /// plugin, or a setting the plugin refuses).
 pub fn run(args: CheckArgs) -> Result<(), Failure> {
-    let flags = args.plugin.as_settings(args.machine_id);
+    let flags = args.compile.over(args.plugin.as_settings(args.machine_id));
     let config = layered(args.config.as_deref(), flags, args.plugin.plugin_settings)?;
     check_plugin(&config, args.config.as_deref())?;
     let settings: Vec<(String, String)> = config.plugin_settings.clone().into_iter().collect();

@@ -2,6 +2,7 @@
 
 mod allocator;
 mod check;
+mod compile_flags;
 mod compile_plugin;
 mod decode;
 mod gateway_config;

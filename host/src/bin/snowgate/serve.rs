@@ -10,6 +10,7 @@ use snowgate_host::gateway::{
 };
 use snowgate_plugin::SnowflakeLayout;
 
+use crate::compile_flags::CompileFlags;
 use crate::Failure;
 
 /// Flags of `snowgate serve`. Each overrides the same key of `--config`.
@@ -111,26 +112,8 @@ pub struct ServeArgs {
     /// use is at most this many times --plugin-memory-mib.
     #[arg(long, value_name = "N")]
     plugin_instances: Option<u32>,
-    /// Address space the process that compiles each plugin build may map,
-    /// in MiB, 256 or more [default: 4096]. Builds are compiled in a child
-    /// process (`snowgate compile-plugin`, at a lower CPU priority), so that
-    /// one whose compile needs more memory or time than its limit fails
-    /// alone: the load is refused, naming the limit, and the build serving
-    /// before goes on serving.
-    #[arg(long, value_name = "MIB")]
-    plugin_compile_memory_mib: Option<u64>,
-    /// CPU time, over all its threads, the process that compiles each
-    /// plugin build may use, in seconds; it may run for twice that in
-    /// wall-clock time, at least 10 s [default: 600].
-    #[arg(long, value_name = "SECS")]
-    plugin_compile_cpu_secs: Option<u64>,
-    /// Compile plugin builds in the gateway's own process instead of a
-    /// child, without the two limits above: a build whose compile needs
-    /// too much then costs the gateway itself. Only where the gateway
-    /// cannot start itself again: under valgrind (where `/proc/self/exe`
-    /// is valgrind), or a seccomp profile without `execve`.
-    #[arg(long, conflicts_with_all = ["plugin_compile_memory_mib", "plugin_compile_cpu_secs"])]
-    plugin_compile_in_process: bool,
+    #[command(flatten)]
+    compile: CompileFlags,
     /// How long in-flight requests may finish after SIGTERM, in seconds
     /// [default: 30]; a second SIGTERM or SIGINT, a second or more after
     /// the first, ends it at once. Without --etcd, the stop may then take
@@ -272,9 +255,9 @@ impl ServeArgs {
             plugin_deadline_ms: self.plugin_deadline_ms,
             plugin_calls_per_instance: self.plugin_calls_per_instance,
             plugin_instances: self.plugin_instances,
-            plugin_compile_memory_mib: self.plugin_compile_memory_mib,
-            plugin_compile_cpu_secs: self.plugin_compile_cpu_secs,
-            plugin_compile_in_process: self.plugin_compile_in_process.then_some(true),
+            plugin_compile_memory_mib: None,
+            plugin_compile_cpu_secs: None,
+            plugin_compile_in_process: None,
             shutdown_grace_secs: self.shutdown_grace_secs,
             reload_debounce_ms: self.reload_debounce_ms,
             header_read_timeout_ms: self.header_read_timeout_ms,
@@ -294,6 +277,7 @@ impl ServeArgs {
             machine_id_ttl: self.machine_id_ttl,
             etcd_prefix: self.etcd_prefix,
         };
+        let flags = self.compile.over(flags);
         crate::gateway_config::layered(self.config.as_deref(), flags, self.plugin_settings)
     }
 }
