@@ -768,6 +768,11 @@ mod tests {
         response.into_body().collect().await.unwrap().to_bytes()
     }
 
+    /// Puts `connection` among `pool`'s idle ones, idle from now.
+    fn idle_now(pool: &ConnectionPool, connection: Connection) {
+        pool.shared.put_ready(connection, Instant::now());
+    }
+
     fn accepted(seen: &Seen) -> usize {
         seen.accepted.load(Ordering::SeqCst)
     }
@@ -1045,13 +1050,13 @@ mod tests {
             sender.is_ready(),
             "the connection has not yet seen its peer go"
         );
-        pool.shared.put_ready(
+        idle_now(
+            &pool,
             Connection {
                 sender,
                 task,
                 peer: addr,
             },
-            Instant::now(),
         );
 
         let response = pool.send(get("/fixed")).await.unwrap();
@@ -1079,13 +1084,13 @@ mod tests {
                 let body = response.unwrap().into_body().collect().await.unwrap();
                 assert_eq!(body.to_bytes(), "peer");
                 sender.ready().await.unwrap();
-                pool.shared.put_ready(
+                idle_now(
+                    pool,
                     Connection {
                         sender,
                         task,
                         peer: addr,
                     },
-                    Instant::now(),
                 );
                 let hang_up = async move {
                     let mut head = Vec::new();
