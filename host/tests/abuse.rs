@@ -1291,6 +1291,29 @@ async fn the_admin_listener_holds_no_more_connections_open_than_its_cap() {
     still_serves(&gateway).await;
 }
 
+/// Kept-alive admin connections that fill every slot of the admin
+/// listener do not keep a probe out: at the cap, the one idle longest
+/// makes room. Probes take no token, so anyone who reaches the listener
+/// could otherwise hold every slot for a header read timeout at a time
+/// (here two minutes), and time the kubelet's probes out.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_probe_gets_in_while_kept_alive_admin_connections_hold_every_slot() {
+    let gateway = Gateway::start(&["--header-read-timeout-ms", "120000"]).await;
+    let mut held = Vec::new();
+    for _ in 0..MAX_ADMIN_CONNECTIONS {
+        let mut stream = TcpStream::connect(gateway.admin).await.expect("connect");
+        stream
+            .write_all(b"GET /healthz HTTP/1.1\r\nHost: gw\r\n\r\n")
+            .await
+            .unwrap();
+        assert_eq!(read_status(&mut stream).await, Ended::Status(200));
+        held.push(stream);
+    }
+    let health = bounded("a probe at the cap", STEP, get(gateway.admin, "/healthz")).await;
+    assert_eq!(health.status, 200, "{}", health.text());
+    drop(held);
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn an_admin_listener_off_loopback_refuses_to_start_without_a_token() {
     let mut command = Command::new(env!("CARGO_BIN_EXE_snowgate"));

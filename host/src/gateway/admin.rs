@@ -14,6 +14,8 @@ use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 
 use crate::engine::HostServices;
+use crate::gateway::activity::Activity;
+use crate::gateway::reclaim::{room_at_the_limit, OpenConnections};
 use crate::gateway::responses;
 use crate::gateway::server::{pause_after_accept_error, sends_within};
 use crate::gateway::slot::{NoReload, PluginSlot, Reloaded};
@@ -68,13 +70,16 @@ impl Admin {
     /// Serves admin requests on `listener` until the task is dropped: at
     /// most [`MAX_ADMIN_CONNECTIONS`] at once, each closed if it sends
     /// nothing within [`ADMIN_FIRST_BYTE_TIMEOUT`], or not a whole request
-    /// head within the header read timeout.
+    /// head within the header read timeout. At the cap, a new client gets
+    /// the slot of the connection idle longest (no request open on it for
+    /// a second or more; see [`reclaim`](crate::gateway::reclaim)), so that
+    /// kept-alive or slow connections cannot keep a probe out: `/healthz`
+    /// and `/readyz` take no token, and anyone who reaches the listener
+    /// could otherwise hold every slot, and time the kubelet's probes out.
     pub async fn serve(self: Arc<Self>, listener: TcpListener) {
         let slots = Arc::new(Semaphore::new(MAX_ADMIN_CONNECTIONS));
+        let open = Arc::new(OpenConnections::default());
         loop {
-            let Ok(permit) = slots.clone().acquire_owned().await else {
-                return; // never closed
-            };
             let stream = match listener.accept().await {
                 Ok((stream, _)) => stream,
                 Err(e) => {
@@ -84,6 +89,28 @@ impl Admin {
                     continue;
                 }
             };
+            let permit = match slots.clone().try_acquire_owned() {
+                Ok(permit) => permit,
+                Err(_) => {
+                    let closed = || {
+                        static AT_THE_LIMIT: LogThrottle = LogThrottle::new();
+                        if let Some(held_back) = AT_THE_LIMIT.admit() {
+                            tracing::warn!(
+                                "{MAX_ADMIN_CONNECTIONS} admin connections open, the most: \
+                                 closed the one idle longest to make room for a new client \
+                                 {held_back}"
+                            );
+                        }
+                    };
+                    // A connection told to close drops at once.
+                    match room_at_the_limit(&slots, &open, Duration::ZERO, closed).await {
+                        Some(permit) => permit,
+                        None => return, // never closed
+                    }
+                }
+            };
+            let activity = Activity::default();
+            let place = open.register(&activity);
             let admin = self.clone();
             tokio::spawn(async move {
                 // Bound after the permit, so dropped before it: the slot is
@@ -92,21 +119,33 @@ impl Admin {
                 let _permit = permit;
                 let stream = stream;
                 let timeout = admin.header_read_timeout;
-                // A client that connects sends at once: a short wait for
-                // the first byte, so that silent connections cannot hold
-                // the admin listener's slots for a whole header timeout.
-                if !sends_within(&stream, timeout.min(ADMIN_FIRST_BYTE_TIMEOUT)).await {
-                    return;
+                let serve = async {
+                    // A client that connects sends at once: a short wait for
+                    // the first byte, so that silent connections cannot hold
+                    // the admin listener's slots for a whole header timeout.
+                    if !sends_within(&stream, timeout.min(ADMIN_FIRST_BYTE_TIMEOUT)).await {
+                        return;
+                    }
+                    let service = hyper::service::service_fn(move |request: Request<Incoming>| {
+                        let admin = admin.clone();
+                        // Not idle, and not to be chosen, while it is open.
+                        let open = activity.begin(request.version());
+                        async move {
+                            let response = admin.route(request).await;
+                            drop(open);
+                            Ok::<_, Infallible>(response)
+                        }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .timer(TokioTimer::new())
+                        .header_read_timeout(timeout)
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                };
+                tokio::select! {
+                    () = serve => {}
+                    () = place.told_to_close() => {}
                 }
-                let service = hyper::service::service_fn(move |request| {
-                    let admin = admin.clone();
-                    async move { Ok::<_, Infallible>(admin.route(request).await) }
-                });
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .timer(TokioTimer::new())
-                    .header_read_timeout(timeout)
-                    .serve_connection(TokioIo::new(stream), service)
-                    .await;
             });
         }
     }

@@ -28,11 +28,42 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use atomic_waker::AtomicWaker;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::gateway::activity::Activity;
 
 /// How long a connection must have had no request open to be chosen.
 pub const MIN_IDLE: Duration = Duration::from_secs(1);
+
+/// How often, at the connection limit with no connection idle, the open
+/// ones are looked at again for one that turned idle.
+const IDLE_RESCAN: Duration = Duration::from_millis(50);
+
+/// A slot of `slots` for a client that came at the limit: the connection
+/// of `open` idle longest is told to close (and `closed` called), and the
+/// slot it gives back is taken; while none is idle, the open ones are
+/// looked at again every [`IDLE_RESCAN`]. After telling one, no other is
+/// chosen for `closing` (the most a connection told takes to close) and a
+/// little more. `None` if the slots are closed.
+pub async fn room_at_the_limit(
+    slots: &Arc<Semaphore>,
+    open: &OpenConnections,
+    closing: Duration,
+    closed: impl Fn(),
+) -> Option<OwnedSemaphorePermit> {
+    loop {
+        let pause = if open.close_longest_idle() {
+            closed();
+            closing + IDLE_RESCAN
+        } else {
+            IDLE_RESCAN
+        };
+        tokio::select! {
+            permit = slots.clone().acquire_owned() => return permit.ok(),
+            () = tokio::time::sleep(pause) => {}
+        }
+    }
+}
 
 /// The client connections open now, for choosing one to close.
 #[derive(Default)]

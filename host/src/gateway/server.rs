@@ -34,7 +34,7 @@ use crate::gateway::header_order::remove_in_order;
 use crate::gateway::lingering_close::{self, HandBack};
 use crate::gateway::metrics::{Metrics, Outcome};
 use crate::gateway::middleware::SnowgateLayer;
-use crate::gateway::reclaim::OpenConnections;
+use crate::gateway::reclaim::{room_at_the_limit, OpenConnections};
 use crate::gateway::responses;
 use crate::gateway::send_timeout::SendTimeout;
 use crate::gateway::transfer_coding;
@@ -179,7 +179,18 @@ pub async fn serve(
         let permit = match slots.clone().try_acquire_owned() {
             Ok(permit) => permit,
             Err(_no_slot) => {
-                let room = room_at_the_limit(&slots, &open_connections, layer.metrics(), &limits);
+                let metrics = layer.metrics();
+                let max = limits.max_connections;
+                let room = room_at_the_limit(&slots, &open_connections, STOP_IDLE, || {
+                    static AT_THE_LIMIT: LogThrottle = LogThrottle::new();
+                    metrics.connection_reclaimed();
+                    if let Some(held_back) = AT_THE_LIMIT.admit() {
+                        tracing::warn!(
+                            "{max} connections open, the limit (--max-connections): closed the \
+                             one idle longest to make room for a new client {held_back}"
+                        );
+                    }
+                });
                 tokio::select! {
                     permit = room => match permit {
                         Some(permit) => permit,
@@ -651,43 +662,6 @@ struct TellAllOnDrop(Arc<OpenConnections>);
 impl Drop for TellAllOnDrop {
     fn drop(&mut self) {
         self.0.tell_all_to_close();
-    }
-}
-
-/// How often, at the connection limit with no connection idle, the open
-/// ones are looked at again for one that turned idle.
-const IDLE_RESCAN: Duration = Duration::from_millis(50);
-
-/// A slot for a client that came at the connection limit: the longest idle
-/// connection is told to close, and the slot it gives back is taken; while
-/// none is idle, the open ones are looked at again every [`IDLE_RESCAN`].
-/// After telling one, no other is chosen for [`STOP_IDLE`] and a little
-/// more, the most it takes to close. `None` if the slots are closed.
-async fn room_at_the_limit(
-    slots: &Arc<Semaphore>,
-    open: &OpenConnections,
-    metrics: &Metrics,
-    limits: &ConnectionLimits,
-) -> Option<tokio::sync::OwnedSemaphorePermit> {
-    static AT_THE_LIMIT: LogThrottle = LogThrottle::new();
-    loop {
-        let pause = if open.close_longest_idle() {
-            metrics.connection_reclaimed();
-            if let Some(held_back) = AT_THE_LIMIT.admit() {
-                tracing::warn!(
-                    "{} connections open, the limit (--max-connections): closed the one idle \
-                     longest to make room for a new client {held_back}",
-                    limits.max_connections
-                );
-            }
-            STOP_IDLE + IDLE_RESCAN
-        } else {
-            IDLE_RESCAN
-        };
-        tokio::select! {
-            permit = slots.clone().acquire_owned() => return permit.ok(),
-            () = tokio::time::sleep(pause) => {}
-        }
     }
 }
 
