@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use http::StatusCode;
 use serde_json::Value;
+use snowgate_host::gateway::watch::POLL_INTERVAL;
 use snowgate_host::gateway::NoReload;
 use support::*;
 use tokio::sync::Notify;
@@ -177,6 +178,40 @@ async fn a_file_written_anew_slowly_after_a_removal_is_read_whole() {
         .await;
     assert_eq!(reloads(&status), (1, 0), "{status:#}");
     assert_eq!(status["last_reload_error"], Value::Null, "{status:#}");
+    assert_stamps(&gateway).await;
+}
+
+/// A writer that pauses mid-write longer than the quiet time and than the
+/// poll's interval, with the file open (a copy from a slow volume, a
+/// stalled `kubectl cp`), has its file read once its write ends, not half
+/// written when the quiet time or the poll ran out: whether it wrote the
+/// file anew after a removal, or in place. No failed reload is counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_that_pauses_longer_than_the_quiet_time_and_the_poll_is_read_whole() {
+    let (_dir, path, gateway) =
+        serving_variant_0("paused-write", &["--reload-debounce-ms", "200"]).await;
+    let pause = POLL_INTERVAL + Duration::from_millis(500);
+    for (variant, anew) in [(1, true), (2, false)] {
+        let build = plugin_variant(variant);
+        let new = sha256_hex(&build);
+        if anew {
+            std::fs::remove_file(&path).unwrap();
+        }
+        let mut file = std::fs::File::create(&path).unwrap();
+        let (first, rest) = build.split_at(build.len() / 2);
+        std::io::Write::write_all(&mut file, first).unwrap();
+        // The writer's pause: the behaviour under test.
+        tokio::time::sleep(pause).await;
+        std::io::Write::write_all(&mut file, rest).unwrap();
+        drop(file);
+        let status = gateway
+            .wait_status("the new build to serve", RELOAD_TIMEOUT, |s| {
+                sha_of(s) == new
+            })
+            .await;
+        assert_eq!(reloads(&status), (u64::from(variant), 0), "{status:#}");
+        assert_eq!(status["last_reload_error"], Value::Null, "{status:#}");
+    }
     assert_stamps(&gateway).await;
 }
 

@@ -51,6 +51,34 @@ enum Nudge {
     Busy,
 }
 
+/// Whether the plugin file is being written: written to (not merely
+/// created, as `ln` does) with no close, rename or removal of it since, and
+/// not longer ago than [`WRITE_PAUSE`]. No reload reads it then, whether
+/// asked by the watch or by the poll: a writer that paused mid-write for
+/// longer than the quiet time, or the poll's interval, had its file read
+/// half written, refused, and counted and raised as a failed reload.
+#[derive(Default)]
+struct Writing(Mutex<Option<tokio::time::Instant>>);
+
+/// The longest pause in a write after which the write counts as over
+/// though its writer never closed the file (it holds it open, or died
+/// without the close being seen): the file is then read as it is.
+const WRITE_PAUSE: Duration = Duration::from_secs(30);
+
+impl Writing {
+    fn wrote(&self) {
+        *lock(&self.0) = Some(tokio::time::Instant::now());
+    }
+
+    fn ended(&self) {
+        *lock(&self.0) = None;
+    }
+
+    fn under_way(&self) -> bool {
+        lock(&self.0).is_some_and(|last| last.elapsed() < WRITE_PAUSE)
+    }
+}
+
 /// The directory a watch is on, as the file system knows it: another
 /// directory moved to the same path has another identity.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -93,6 +121,8 @@ pub fn watch_plugin_file(
         _ => std::path::PathBuf::from("."),
     };
     let (events, mut rx) = mpsc::unbounded_channel();
+    let writing = Arc::new(Writing::default());
+    let watch_writing = writing.clone();
     // The poll holds a weak sender: once the watch (which holds the strong
     // ones) is dropped, the poll and the reload task end.
     let polls = events.downgrade();
@@ -122,11 +152,18 @@ pub fn watch_plugin_file(
             // have been the plugin file's.
             _ => event.need_rescan(),
         };
-        let busy = plugin_file
-            && matches!(
-                event.kind,
-                EventKind::Create(_) | EventKind::Modify(ModifyKind::Data(_) | ModifyKind::Any)
-            );
+        let written = matches!(
+            event.kind,
+            EventKind::Modify(ModifyKind::Data(_) | ModifyKind::Any)
+        );
+        let busy = plugin_file && (written || matches!(event.kind, EventKind::Create(_)));
+        if plugin_file && written {
+            watch_writing.wrote();
+        } else if trigger && (plugin_file || event.need_rescan()) {
+            // Closed after a write, renamed, or removed (or its events
+            // lost: the poll then judges the file).
+            watch_writing.ended();
+        }
         if trigger {
             let _ = watch_events.send(Nudge::Changed);
         } else if busy {
@@ -185,6 +222,7 @@ pub fn watch_plugin_file(
     // (see above) and has stayed as it is for one interval (so that a slow
     // write in place is not read half done).
     let poll_tried = tried.clone();
+    let poll_writing = writing.clone();
     let poll_look = look.clone();
     let services = slot.engine().services().clone();
     tokio::spawn(async move {
@@ -216,6 +254,7 @@ pub fn watch_plugin_file(
             let due = lock(&poll_tried).as_ref().is_none_or(|t| {
                 t.due(&now) && !(t.waits_for_an_id(&now) && services.ids_may_leave_now().is_err())
             });
+            let due = due && !poll_writing.under_way();
             if now == previous && due && tx.send(Nudge::Due).is_err() {
                 return; // the reload task is gone
             }
@@ -228,7 +267,7 @@ pub fn watch_plugin_file(
             if nudge == Nudge::Busy {
                 continue;
             }
-            match quiet_for(&mut rx, debounce).await {
+            match quiet_for(&mut rx, debounce, &writing).await {
                 Quiet::Settled => {}
                 // Its close, or the poll once it stays as it is, asks again.
                 Quiet::StillWritten => continue,
@@ -295,7 +334,18 @@ enum Quiet {
 /// under way, starts the quiet time again: the poll, asking every 2 s
 /// about a build it found unchanged for 2 s, says nothing new, and with a
 /// debounce over 2 s it kept every reload waiting the ten quiet times.
-async fn quiet_for(rx: &mut mpsc::UnboundedReceiver<Nudge>, debounce: Duration) -> Quiet {
+///
+/// A write under way (`writing`) is waited out, however long it pauses
+/// (up to [`WRITE_PAUSE`]), and its close, rename or removal ends it: a
+/// change after writes, which starts the quiet time again and does not
+/// count as a write then, so that a close that comes while the ten quiet
+/// times run out asks for its reload (before, it was used up here and
+/// the reload waited for the poll).
+async fn quiet_for(
+    rx: &mut mpsc::UnboundedReceiver<Nudge>,
+    debounce: Duration,
+    writing: &Writing,
+) -> Quiet {
     let start = tokio::time::Instant::now();
     let give_up = start + debounce.saturating_mul(10);
     let mut quiet = start + debounce;
@@ -305,18 +355,22 @@ async fn quiet_for(rx: &mut mpsc::UnboundedReceiver<Nudge>, debounce: Duration) 
             Ok(Some(nudge @ (Nudge::Changed | Nudge::Busy))) => {
                 let now = tokio::time::Instant::now();
                 quiet = now + debounce;
-                if nudge == Nudge::Busy {
-                    written_until = Some(quiet);
-                }
+                written_until = (nudge == Nudge::Busy).then_some(quiet);
             }
             Ok(Some(Nudge::Due)) => {}
             Ok(None) => return Quiet::Gone,
             Err(_quiet) => {
                 let now = tokio::time::Instant::now();
-                return match written_until {
-                    Some(until) if now < until => Quiet::StillWritten,
-                    _ => Quiet::Settled,
-                };
+                let written = written_until.is_some_and(|until| now < until);
+                if written || writing.under_way() {
+                    if now < give_up {
+                        // Paused longer than the quiet time: wait on.
+                        quiet = now + debounce;
+                        continue;
+                    }
+                    return Quiet::StillWritten;
+                }
+                return Quiet::Settled;
             }
         }
     }
@@ -476,12 +530,13 @@ mod tests {
     /// quiet times.
     #[tokio::test(start_paused = true)]
     async fn only_changes_extend_the_debounce() {
-        use super::{quiet_for, Nudge, Quiet};
+        use super::{quiet_for, Nudge, Quiet, Writing, WRITE_PAUSE};
         use std::time::Duration;
         use tokio::time::Instant;
 
         let debounce = Duration::from_secs(5);
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let writing = std::sync::Arc::new(Writing::default());
         // `nudge` sent `times` times, `every` apart.
         let send_every = |every: u64, times: usize, nudge: Nudge| {
             let tx = tx.clone();
@@ -495,14 +550,14 @@ mod tests {
         // The poll asks every 2 s, for a minute.
         let poll = send_every(2, 30, Nudge::Due);
         let start = Instant::now();
-        assert_eq!(quiet_for(&mut rx, debounce).await, Quiet::Settled);
+        assert_eq!(quiet_for(&mut rx, debounce, &writing).await, Quiet::Settled);
         assert_eq!(start.elapsed(), debounce);
         poll.abort();
 
         // A change every second: given up on after ten quiet times.
         let changes = send_every(1, 100, Nudge::Changed);
         let start = Instant::now();
-        assert_eq!(quiet_for(&mut rx, debounce).await, Quiet::Settled);
+        assert_eq!(quiet_for(&mut rx, debounce, &writing).await, Quiet::Settled);
         assert_eq!(start.elapsed(), debounce * 10);
         changes.abort();
 
@@ -511,7 +566,10 @@ mod tests {
         while rx.try_recv().is_ok() {}
         let writes = send_every(1, 100, Nudge::Busy);
         let start = Instant::now();
-        assert_eq!(quiet_for(&mut rx, debounce).await, Quiet::StillWritten);
+        assert_eq!(
+            quiet_for(&mut rx, debounce, &writing).await,
+            Quiet::StillWritten
+        );
         assert_eq!(start.elapsed(), debounce * 10);
         writes.abort();
 
@@ -519,18 +577,40 @@ mod tests {
         while rx.try_recv().is_ok() {}
         let late = send_every(3, 1, Nudge::Changed);
         let start = Instant::now();
-        assert_eq!(quiet_for(&mut rx, debounce).await, Quiet::Settled);
+        assert_eq!(quiet_for(&mut rx, debounce, &writing).await, Quiet::Settled);
         assert_eq!(start.elapsed(), Duration::from_secs(8));
         late.await.expect("the change was sent");
 
         // So does a write under way.
-        let writing = send_every(3, 1, Nudge::Busy);
+        let writing_nudge = send_every(3, 1, Nudge::Busy);
         let start = Instant::now();
-        assert_eq!(quiet_for(&mut rx, debounce).await, Quiet::Settled);
+        assert_eq!(quiet_for(&mut rx, debounce, &writing).await, Quiet::Settled);
         assert_eq!(start.elapsed(), Duration::from_secs(8));
-        writing.await.expect("the write was sent");
+        writing_nudge.await.expect("the write was sent");
+
+        // A write under way that pauses longer than the quiet time, with
+        // no event meanwhile, is waited out: its close asks for the reload,
+        // a quiet time after it.
+        writing.wrote();
+        let close = tokio::spawn({
+            let (tx, writing) = (tx.clone(), writing.clone());
+            async move {
+                tokio::time::sleep(Duration::from_secs(20)).await;
+                writing.ended();
+                let _ = tx.send(Nudge::Changed);
+            }
+        });
+        let start = Instant::now();
+        assert_eq!(quiet_for(&mut rx, debounce, &writing).await, Quiet::Settled);
+        assert_eq!(start.elapsed(), Duration::from_secs(25));
+        // A write never closed counts as over once it paused WRITE_PAUSE.
+        writing.wrote();
+        let start = Instant::now();
+        assert_eq!(quiet_for(&mut rx, debounce, &writing).await, Quiet::Settled);
+        assert_eq!(start.elapsed(), WRITE_PAUSE);
+        close.await.expect("the close was sent");
         drop(tx);
-        assert_eq!(quiet_for(&mut rx, debounce).await, Quiet::Gone);
+        assert_eq!(quiet_for(&mut rx, debounce, &writing).await, Quiet::Gone);
     }
 
     use super::*;
