@@ -326,7 +326,14 @@ where
                 if let Some(data) = frame.data_ref() {
                     this.received += data.len() as u64;
                 }
-                this.progressed(FLOWING);
+                // A body of a declared length ends with its last frame: a
+                // reader that knows it (hyper's client) never asks again.
+                let state = if this.inner.is_end_stream() {
+                    COMPLETE
+                } else {
+                    FLOWING
+                };
+                this.progressed(state);
                 // Trailers: their hop-by-hop fields stay on this hop.
                 Poll::Ready(Some(Ok(strip_trailers(frame))))
             }
@@ -408,6 +415,30 @@ mod tests {
             progress,
             tx,
         )
+    }
+
+    /// A body that ends with its last frame (a declared length) is
+    /// complete once that frame is taken, though its reader never asks for
+    /// the end: the gateway then has nothing of it left to read.
+    #[tokio::test]
+    async fn a_body_is_complete_with_its_last_frame() {
+        let progress = Arc::new(BodyProgress::default());
+        let whole = http_body_util::Full::new(Bytes::from_static(b"{}"));
+        let mut declared = ClientBody::new(whole, Duration::from_secs(60), None, progress.clone());
+        assert!(!progress.complete());
+        declared.frame().await.expect("a frame").expect("data");
+        assert!(declared.is_end_stream());
+        assert!(progress.complete());
+
+        let (mut body, progress, tx) = body(Duration::from_secs(60));
+        tx.send(Ok(Frame::data(Bytes::from_static(b"{"))))
+            .await
+            .unwrap();
+        body.frame().await.expect("a frame").expect("data");
+        assert!(!progress.complete(), "more may come");
+        drop(tx);
+        assert!(body.frame().await.is_none());
+        assert!(progress.complete());
     }
 
     /// A client's trailers go on without the fields of its own hop.

@@ -240,9 +240,10 @@ pub async fn serve(
         // SAFETY: given below only to HTTP/1 requests, whose futures the
         // connection runs inside its own and drops with it.
         let socket = unsafe { ClientSocket::new(stream.as_raw_fd()) };
-        // Set once an HTTP/1 request is answered with its body not all
-        // come (a 413 by its declared length): its client may still be
-        // sending it when the connection closes (see `lingering_close`).
+        // Set while the last HTTP/1 request answered was answered with its
+        // body not all come (a 413 by its declared length): its client may
+        // still be sending it when the connection closes (see
+        // `lingering_close`).
         let left_unread = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let unread_at_close = left_unread.clone();
         let per_request = hyper::service::service_fn(move |mut request: Request<Incoming>| {
@@ -287,8 +288,10 @@ pub async fn serve(
             }));
             request.extensions_mut().insert(progress.clone());
             let pause = limits.body_read_timeout;
-            let unread = (!http2 && !http_body::Body::is_end_stream(request.body()))
-                .then(|| (progress.clone(), left_unread.clone()));
+            // HTTP/1 answers its requests in turn: the last one answered
+            // says whether its client may still be sending.
+            let has_body = !http_body::Body::is_end_stream(request.body());
+            let unread = (!http2).then(|| (progress.clone(), has_body, left_unread.clone()));
             let window = http2.then(|| window.clone());
             let request = request.map(|body| ClientBody::new(body, pause, window, progress));
             let is_head = request.method() == http::Method::HEAD;
@@ -308,10 +311,9 @@ pub async fn serve(
                     Some(refusal) => refusal.map(Either::Left),
                     None => service.call(request).await?,
                 };
-                if let Some((progress, left_unread)) = unread {
-                    if !progress.complete() {
-                        left_unread.store(true, std::sync::atomic::Ordering::Relaxed);
-                    }
+                if let Some((progress, has_body, left_unread)) = unread {
+                    let unread = has_body && !progress.complete();
+                    left_unread.store(unread, std::sync::atomic::Ordering::Relaxed);
                 }
                 // An HTTP/1.0 client cannot take a chunked body: one of no
                 // known length ends when the connection closes, which hyper
