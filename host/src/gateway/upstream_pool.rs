@@ -947,8 +947,9 @@ mod tests {
     }
 
     /// The idle connections stay in the order they went idle, whenever
-    /// they were given back: the reaper, which looks at the oldest only,
-    /// closes each on time.
+    /// they were given back, for the reaper, which looks at the oldest
+    /// only (one given back older than the oldest waits for the reaper's
+    /// next wake-up, at most an idle timeout; no checkout takes it).
     #[tokio::test]
     async fn a_connection_given_back_idle_for_long_joins_the_idle_in_order() {
         let (addr, seen) = upstream().await;
