@@ -64,6 +64,9 @@ struct Shared {
     connect_timeout: Duration,
     idle_timeout: Duration,
     idle: Mutex<Idle>,
+    /// Wakes the reaper early: a connection given back went idle before
+    /// the oldest it sleeps for.
+    reaper_wake: Arc<tokio::sync::Notify>,
     /// Which of the addresses a new connection tries first (see
     /// [`in_turn`]).
     turn: AtomicUsize,
@@ -166,6 +169,7 @@ impl ConnectionPool {
                     connections: VecDeque::new(),
                     reaper: false,
                 }),
+                reaper_wake: Arc::default(),
                 turn: AtomicUsize::new(0),
             }),
         }
@@ -424,8 +428,11 @@ impl Shared {
             // are left for the upstream to close.
             if let Ok(runtime) = tokio::runtime::Handle::try_current() {
                 idle.reaper = true;
-                runtime.spawn(reap(Arc::downgrade(self)));
+                runtime.spawn(reap(Arc::downgrade(self), self.reaper_wake.clone()));
             }
+        } else if at == 0 {
+            // The reaper sleeps until a later deadline than this one's.
+            self.reaper_wake.notify_one();
         }
     }
 }
@@ -477,7 +484,9 @@ fn in_turn(addresses: &[SocketAddr], turn: usize) -> Vec<SocketAddr> {
 
 /// Closes the pool's connections as their idle time runs out, then ends
 /// when none are left idle; the next one given back starts another.
-async fn reap(pool: Weak<Shared>) {
+/// `wake` ends a sleep early, for a connection given back idle since
+/// before the oldest one.
+async fn reap(pool: Weak<Shared>, wake: Arc<tokio::sync::Notify>) {
     loop {
         let next = {
             let Some(pool) = pool.upgrade() else { return };
@@ -503,7 +512,10 @@ async fn reap(pool: Weak<Shared>) {
             next
         };
         match next {
-            Some(deadline) => tokio::time::sleep_until(deadline.into()).await,
+            Some(deadline) => tokio::select! {
+                () = tokio::time::sleep_until(deadline.into()) => {}
+                () = wake.notified() => {}
+            },
             None => return,
         }
     }
@@ -948,8 +960,7 @@ mod tests {
 
     /// The idle connections stay in the order they went idle, whenever
     /// they were given back, for the reaper, which looks at the oldest
-    /// only (one given back older than the oldest waits for the reaper's
-    /// next wake-up, at most an idle timeout; no checkout takes it).
+    /// only.
     #[tokio::test]
     async fn a_connection_given_back_idle_for_long_joins_the_idle_in_order() {
         let (addr, seen) = upstream().await;
@@ -988,6 +999,45 @@ mod tests {
         back.pool.put_ready(back.connection, start - idle);
         assert_eq!(pool.idle_count(), 2, "the stale one was kept");
         drop(bodies);
+    }
+
+    /// A connection given back idle since before the oldest idle one is
+    /// closed when its own idle time runs out: the reaper, asleep until the
+    /// oldest one's, is woken for it.
+    #[tokio::test]
+    async fn a_connection_given_back_older_than_the_oldest_is_closed_on_its_own_time() {
+        let (addr, seen) = upstream().await;
+        let idle = Duration::from_millis(600);
+        let pool = pool_for(addr, idle);
+        let mut bodies = Vec::new();
+        for _ in 0..2 {
+            let mut streaming = pool.send(get("/stream")).await.unwrap().into_body();
+            streaming.frame().await.unwrap().unwrap();
+            bodies.push(streaming);
+        }
+        // Both responses end (the first's sender went with the second's
+        // stream), and both connections are taken back by hand.
+        drop(seen.stream.lock().unwrap().take());
+        let mut backs = Vec::new();
+        for mut body in bodies {
+            backs.push(body.give_back.take().unwrap());
+            body.collect().await.unwrap();
+        }
+        let now = Instant::now();
+        for (back, since) in backs.into_iter().zip([now, now - idle / 2]) {
+            back.pool.put_ready(back.connection, since);
+            // The reaper, started by the first, runs and sleeps until its
+            // time before the second comes (this test's runtime has one
+            // thread, which takes tasks in turn).
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(pool.idle_count(), 2);
+        bounded(seen.closed_one.notified()).await;
+        assert_eq!(
+            pool.idle_count(),
+            1,
+            "the older one went with the newer, at the newer one's time"
+        );
     }
 
     /// A connection idle for the idle timeout is not handed out even when
