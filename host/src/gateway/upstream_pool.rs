@@ -780,6 +780,18 @@ mod tests {
         response.into_body().collect().await.unwrap().to_bytes()
     }
 
+    /// `n` responses of `/stream`, each on a connection of its own, their
+    /// first chunk read.
+    async fn streams_begun(pool: &ConnectionPool, n: usize) -> Vec<PooledBody> {
+        let mut bodies = Vec::new();
+        for _ in 0..n {
+            let mut streaming = pool.send(get("/stream")).await.unwrap().into_body();
+            streaming.frame().await.unwrap().unwrap();
+            bodies.push(streaming);
+        }
+        bodies
+    }
+
     /// Puts `connection` among `pool`'s idle ones, idle from now.
     fn idle_now(pool: &ConnectionPool, connection: Connection) {
         pool.shared.put_ready(connection, Instant::now());
@@ -966,12 +978,7 @@ mod tests {
         let (addr, seen) = upstream().await;
         let idle = Duration::from_secs(60);
         let pool = pool_for(addr, idle);
-        let mut bodies = Vec::new();
-        for _ in 0..3 {
-            let mut streaming = pool.send(get("/stream")).await.unwrap().into_body();
-            streaming.frame().await.unwrap().unwrap();
-            bodies.push(streaming);
-        }
+        let mut bodies = streams_begun(&pool, 3).await;
         assert_eq!(accepted(&seen), 3);
         let start = Instant::now();
         let order = [
@@ -1009,12 +1016,7 @@ mod tests {
         let (addr, seen) = upstream().await;
         let idle = Duration::from_millis(600);
         let pool = pool_for(addr, idle);
-        let mut bodies = Vec::new();
-        for _ in 0..2 {
-            let mut streaming = pool.send(get("/stream")).await.unwrap().into_body();
-            streaming.frame().await.unwrap().unwrap();
-            bodies.push(streaming);
-        }
+        let bodies = streams_begun(&pool, 2).await;
         // Both responses end (the first's sender went with the second's
         // stream), and both connections are taken back by hand.
         drop(seen.stream.lock().unwrap().take());
