@@ -24,6 +24,8 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::oneshot;
 
+use crate::gateway::server::has_unread;
+
 /// The longest the gateway reads what a client sends after its answer
 /// (nginx's `lingering_time`).
 pub const LINGER_TIME: Duration = Duration::from_secs(30);
@@ -162,26 +164,6 @@ pub async fn close(
         () = told_to_close => {}
     }
     thrown
-}
-
-/// Whether the client has sent bytes the gateway has not read, looked at
-/// without waiting and without taking them.
-fn has_unread(stream: &TcpStream) -> bool {
-    use std::os::fd::AsRawFd;
-
-    let mut probe = 0u8;
-    // SAFETY: recv writes at most one byte through the pointer, which
-    // points at a live byte; the descriptor is `stream`'s, open while it
-    // is borrowed.
-    let got = unsafe {
-        libc::recv(
-            stream.as_raw_fd(),
-            (&mut probe as *mut u8).cast(),
-            1,
-            libc::MSG_PEEK | libc::MSG_DONTWAIT,
-        )
-    };
-    got > 0
 }
 
 #[cfg(test)]

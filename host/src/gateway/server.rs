@@ -375,7 +375,7 @@ pub async fn serve(
         let send_timeout = limits.send_timeout;
         let mut stopping = stopping_rx.clone();
         workers.spawn(worker, async move {
-            let sent = has_sent(&stream);
+            let sent = has_unread(&stream);
             let stream = match tokio::net::TcpStream::from_std(stream) {
                 Ok(stream) => stream,
                 Err(e) => {
@@ -501,14 +501,27 @@ pub fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
     socket.listen(LISTEN_BACKLOG)
 }
 
-/// Whether the client has already sent something on `stream` (a
-/// non-blocking peek at the socket). Asked before the stream is registered
-/// with its worker's reactor: a stream registered anew reads as not ready
-/// until the reactor's next turn, so a shutdown beginning in that moment
-/// would otherwise close a connection whose request is already there.
-fn has_sent(stream: &std::net::TcpStream) -> bool {
-    let mut probe = [0u8; 1];
-    matches!(stream.peek(&mut probe), Ok(n) if n > 0)
+/// Whether the client has sent bytes on `socket` that are not yet read:
+/// a peek at the socket that neither waits, whatever the socket's mode,
+/// nor takes them. Asked before a connection is registered with its
+/// worker's reactor (a stream registered anew reads as not ready until the
+/// reactor's next turn, so a shutdown beginning in that moment would
+/// otherwise close a connection whose request is already there), and when
+/// the gateway is done with one (see `lingering_close`).
+pub(crate) fn has_unread(socket: &impl std::os::fd::AsRawFd) -> bool {
+    let mut probe = 0u8;
+    // SAFETY: recv writes at most one byte through the pointer, which
+    // points at a live byte; the descriptor is `socket`'s, open while it
+    // is borrowed.
+    let got = unsafe {
+        libc::recv(
+            socket.as_raw_fd(),
+            (&mut probe as *mut u8).cast(),
+            1,
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
+    };
+    got > 0
 }
 
 /// Whether the client sends its first byte within `timeout`, before
@@ -869,14 +882,14 @@ mod tests {
         // The request is in the socket once `peek` can see it (loopback:
         // at once; this loop only guards against a slow kernel).
         let started = std::time::Instant::now();
-        while !has_sent(&talking) {
+        while !has_unread(&talking) {
             assert!(
                 started.elapsed() < Duration::from_secs(10),
                 "the request never arrived"
             );
             std::thread::yield_now();
         }
-        assert!(!has_sent(&silent));
+        assert!(!has_unread(&silent));
 
         let (_stop, mut stopping) = tokio::sync::watch::channel(true);
         let silent = tokio::net::TcpStream::from_std(silent).expect("registering");
