@@ -996,6 +996,52 @@ async fn without_a_machine_id_a_reload_is_put_off_until_one_is_held() {
     );
 }
 
+/// A reload asked by hand (`POST /reload`, SIGHUP) while the host holds no
+/// machine id is put off; once an id is held again, the file watch asks for
+/// it, though its own record of the file says the build was refused. Before,
+/// the build stayed put off, and `snowgate_plugin_reload_deferred` at 1,
+/// until the file changed or someone asked again by hand.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_build_put_off_by_hand_is_asked_for_by_the_watch_once_an_id_is_held() {
+    use snowgate_host::gateway::watch::watch_plugin_file;
+    let (_dir, path, slot) = library_slot("put-off-by-hand");
+    let _watch = watch_plugin_file(slot.clone(), Duration::from_millis(50))
+        .expect("a watch")
+        .expect("a plugin file to watch");
+    replace_by_rename(&path, b"not a component");
+    until("the watch's reload refusing the file", || {
+        slot.metrics().reloads() == (0, 1)
+    })
+    .await;
+
+    let identity = slot.engine().services().identity.clone();
+    identity.withdraw("the lease lapsed (a test)");
+    let asked = slot.reload().await;
+    assert!(matches!(asked, Err(NoReload::Deferred(_))), "{asked:?}");
+    assert!(slot.deferred().is_some());
+
+    identity.assign(MACHINE_ID).expect("in range");
+    until("the watch asking for the build put off", || {
+        slot.deferred().is_none()
+    })
+    .await;
+    assert_eq!(slot.metrics().reloads(), (0, 2));
+    let error = slot.last_error().expect("the build refused again");
+    assert!(!error.may_pass, "{error:?}");
+}
+
+/// Polls `done` (every 20 ms, at most [`RELOAD_TIMEOUT`]) until it holds.
+async fn until(what: &str, done: impl Fn() -> bool) {
+    let deadline = tokio::time::Instant::now() + RELOAD_TIMEOUT;
+    while !done() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out after {RELOAD_TIMEOUT:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// The files the compile cache holds: `*.cwasm`, sorted.
 fn cached_builds(dir: &Path) -> Vec<PathBuf> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)

@@ -225,6 +225,8 @@ pub fn watch_plugin_file(
     let poll_writing = writing.clone();
     let poll_look = look.clone();
     let services = slot.engine().services().clone();
+    // Weak: the reload task holds the slot as long as the watch lives.
+    let poll_slot = Arc::downgrade(&slot);
     tokio::spawn(async move {
         // The first look is not taken as the file already loaded: the file
         // may have been replaced between the load and this look, with the
@@ -251,10 +253,19 @@ pub fn watch_plugin_file(
             }
             // A build put off is asked about again only once the host
             // could check it: asking reads and hashes the whole file.
+            let ids_may_leave = || services.ids_may_leave_now().is_ok();
             let due = lock(&poll_tried).as_ref().is_none_or(|t| {
-                t.due(&now) && !(t.waits_for_an_id(&now) && services.ids_may_leave_now().is_err())
+                t.due(&now) && !(t.waits_for_an_id(&now) && !ids_may_leave())
             });
-            let due = due && !poll_writing.under_way();
+            // So is one a reload asked by hand (`POST /reload`, SIGHUP) put
+            // off, which this watch's record does not know of: that record
+            // may say the file's build was refused, or is the one serving.
+            let put_off = || {
+                poll_slot
+                    .upgrade()
+                    .is_some_and(|slot| slot.deferred().is_some())
+            };
+            let due = (due || put_off() && ids_may_leave()) && !poll_writing.under_way();
             if now == previous && due && tx.send(Nudge::Due).is_err() {
                 return; // the reload task is gone
             }
