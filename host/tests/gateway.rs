@@ -3323,6 +3323,35 @@ async fn an_upstream_response_head_over_64_kib_is_a_502() {
     }
 }
 
+/// An upstream response head hyper cannot read is a 502 that says so, and
+/// says not to retry: the upstream would answer so again (before, it was
+/// the 502 of a connection lost, which OpenAI's clients retry twice, each a
+/// whole generation for a non-streaming completion).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_response_head_that_is_not_http_is_a_502_not_to_retry() {
+    for response in [
+        &b"HTTP/1.1 OK\r\nContent-Length: 2\r\n\r\nok"[..],
+        &b"HTTP/1.1 200 OK\r\nbad header line\r\nContent-Length: 2\r\n\r\nok"[..],
+        &b"HTTP/1.1 200 OK\r\nX-A: 1\r\n folded\r\nContent-Length: 2\r\n\r\nok"[..],
+        &b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\nok"[..],
+    ] {
+        let upstream = RawUpstream::start(response).await;
+        let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
+        let mut client = Client::connect(gateway.addr).await;
+        for _ in 0..2 {
+            let reply = client.get("/v1/models").await;
+            let shown = String::from_utf8_lossy(response);
+            assert_eq!(reply.status, StatusCode::BAD_GATEWAY, "{shown}: {}", reply.text());
+            let message = assert_openai_error(&reply.json(), "upstream_failed", "server_error");
+            assert!(
+                message.contains("response head that is not valid HTTP/1.1"),
+                "{shown}: {message}"
+            );
+            assert_eq!(reply.header("x-should-retry"), Some("false"), "{shown}");
+        }
+    }
+}
+
 /// An upstream response in a transfer coding other than chunked (`gzip,
 /// chunked`) is a 502: hyper takes it out of its chunks only, and passed on
 /// it would reach the client as gzip bytes with nothing saying so. So is

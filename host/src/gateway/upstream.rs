@@ -618,6 +618,16 @@ impl UpstreamFailure {
                  is not limited)",
                 MAX_RESPONSE_HEAD_BYTES >> 10
             )),
+            // A head hyper cannot read (a bad status line or header line,
+            // an obsolete folded line, lengths that disagree) is the
+            // upstream's answer, not a connection lost: it would answer so
+            // again. Bytes left over from an earlier response cannot be
+            // what was read: a connection with bytes past its response's
+            // end is not reused.
+            SendError::Request(e) if e.is_parse() => UpstreamFailure::Unusable(format!(
+                "answered with a response head that is not valid HTTP/1.1: {}",
+                error_chain::describe(e)
+            )),
             SendError::Request(e) => UpstreamFailure::Failed(format!(
                 "failed to answer the request: {}",
                 error_chain::describe(e)
