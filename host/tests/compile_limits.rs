@@ -237,6 +237,31 @@ fn check_compiles_under_its_config_files_compile_limits() {
     }
 }
 
+/// `--plugin-compile-in-process` over a config file that sets a compile
+/// limit is refused, by `serve` and `check`, even where the file's limit is
+/// the default (before, only a limit other than the default was noticed,
+/// and one the file stated was dropped without a word).
+#[test]
+fn compiling_in_process_over_a_config_files_compile_limit_is_refused() {
+    let dir = TempDir::new("compile-in-process-over-file");
+    let config = dir.path().join("snowgate.toml");
+    let default_mib = snowgate_host::CompileLimits::default().memory_bytes >> 20;
+    std::fs::write(&config, format!("plugin-compile-memory-mib = {default_mib}\n")).unwrap();
+    let in_process = "--plugin-compile-in-process";
+    let serve = serve_until_it_exits(&["--config", arg(&config), in_process]);
+    let mut check = Command::new(env!("CARGO_BIN_EXE_snowgate"));
+    check.args(["check", "--config", arg(&config), in_process]);
+    let check = run_bounded(check, b"", Duration::from_secs(300));
+    for (command, output) in [("serve", serve), ("check", check)] {
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{command}: {stderr}");
+        assert!(
+            stderr.contains("whose limits the config file") && stderr.contains("snowgate.toml"),
+            "{command}: {stderr}"
+        );
+    }
+}
+
 #[test]
 fn compile_limits_out_of_range_are_refused_as_bad_flags() {
     for (flag, value, says) in [

@@ -704,17 +704,10 @@ impl ConfigFile {
             );
             config.plugin_limits.max_instances = n;
         }
+        // Drops the compile process an earlier layer gave, with its limits:
+        // a layering that must not drop them says so before (as `snowgate
+        // serve` does for a flag over its config file's limits).
         if self.plugin_compile_in_process == Some(true) {
-            // Limits an earlier layer (the config file, under the flags)
-            // set are not dropped without a word.
-            if let Some(process) = &config.compile_process {
-                anyhow::ensure!(
-                    process.limits == crate::CompileLimits::default(),
-                    "plugin-compile-in-process leaves out the process plugins are compiled in, \
-                     whose limits were set (plugin-compile-memory-mib or plugin-compile-cpu-secs, \
-                     in the config file): remove them, or compile in a process of its own"
-                );
-            }
             config.compile_process = None;
         }
         if self.plugin_compile_memory_mib.is_some() || self.plugin_compile_cpu_secs.is_some() {
@@ -1387,18 +1380,20 @@ mod tests {
         );
         assert!(err.contains("compiles them in its own"), "{err}");
 
-        // In-process compiling given over limits set before (a flag over
-        // the file's) is refused, not left to drop them.
+        // In-process compiling in the same layer as the limits is refused;
+        // in a later one, it drops the compile process.
+        let err = format!(
+            "{:#}",
+            ConfigFile {
+                plugin_compile_in_process: Some(true),
+                ..file()
+            }
+            .apply(&mut with_compile_process())
+            .unwrap_err()
+        );
+        assert!(err.contains("compiles them in its own"), "{err}");
         let mut config = with_compile_process();
         file().apply(&mut config).unwrap();
-        let in_process = ConfigFile {
-            plugin_compile_in_process: Some(true),
-            ..Default::default()
-        };
-        let err = format!("{:#}", in_process.apply(&mut config).unwrap_err());
-        assert!(err.contains("whose limits were set"), "{err}");
-        // Over the default limits it is taken.
-        let mut config = with_compile_process();
         ConfigFile {
             plugin_compile_in_process: Some(true),
             ..Default::default()

@@ -30,10 +30,22 @@ pub fn layered(
         ..GatewayConfig::default()
     };
     if let Some(path) = file {
+        let settings = ConfigFile::read(path).map_err(bad)?;
+        // The file's compile limits are not dropped without a word.
+        if flags.plugin_compile_in_process == Some(true)
+            && (settings.plugin_compile_memory_mib.is_some()
+                || settings.plugin_compile_cpu_secs.is_some())
+        {
+            return Err(Failure::BadInput(format!(
+                "--plugin-compile-in-process leaves out the process plugins are compiled in, \
+                 whose limits the config file {} sets (plugin-compile-memory-mib or \
+                 plugin-compile-cpu-secs): remove them, or compile in a process of its own",
+                path.display()
+            )));
+        }
         // A setting's error names it as a flag would; say which file it
         // came from.
-        ConfigFile::read(path)
-            .map_err(bad)?
+        settings
             .apply(&mut config)
             .with_context(|| format!("in the config file {}", path.display()))
             .map_err(bad)?;
