@@ -64,8 +64,8 @@ struct Shared {
     connect_timeout: Duration,
     idle_timeout: Duration,
     idle: Mutex<Idle>,
-    /// Wakes the reaper early: a connection given back went idle before
-    /// the oldest it sleeps for.
+    /// Wakes the reaper early: a connection given back is due to close
+    /// before the time the reaper sleeps until.
     reaper_wake: Arc<tokio::sync::Notify>,
     /// Which of the addresses a new connection tries first (see
     /// [`in_turn`]).
@@ -77,6 +77,9 @@ struct Idle {
     connections: VecDeque<IdleConnection>,
     /// Whether a task is on its way to close those idle too long.
     reaper: bool,
+    /// When the reaper wakes next, while it sleeps (`None` while it looks
+    /// at the connections, or when none runs).
+    reaper_wakes: Option<Instant>,
 }
 
 /// One connection: what sends requests on it, and the task that drives it
@@ -168,6 +171,7 @@ impl ConnectionPool {
                 idle: Mutex::new(Idle {
                     connections: VecDeque::new(),
                     reaper: false,
+                    reaper_wakes: None,
                 }),
                 reaper_wake: Arc::default(),
                 turn: AtomicUsize::new(0),
@@ -430,8 +434,14 @@ impl Shared {
                 idle.reaper = true;
                 runtime.spawn(reap(Arc::downgrade(self), self.reaper_wake.clone()));
             }
-        } else if at == 0 {
-            // The reaper sleeps until a later deadline than this one's.
+        } else if idle
+            .reaper_wakes
+            .is_some_and(|wakes| since + self.idle_timeout < wakes)
+        {
+            // The reaper sleeps past this one's time (given back idle since
+            // before the one it sleeps for): most connections given back
+            // are due after it, and wake no one.
+            idle.reaper_wakes = None;
             self.reaper_wake.notify_one();
         }
     }
@@ -506,6 +516,7 @@ async fn reap(pool: Weak<Shared>, wake: Arc<tokio::sync::Notify>) {
             if next.is_none() {
                 idle.reaper = false;
             }
+            idle.reaper_wakes = next;
             drop(idle);
             // Dropping a sender closes its connection.
             drop(expired);
