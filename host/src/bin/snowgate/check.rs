@@ -44,9 +44,10 @@ pub struct CheckArgs {
 /// or that a gateway would take it though the check could not see
 /// everything (a build that rejects the canned request for want of
 /// credentials, or takes no batches); or on stderr why not (exit status 1,
-/// with a note where the same build may pass on a less busy machine; 2 for
-/// a flag or a setting of the config file, a file that cannot be read as a
-/// plugin, or a setting the plugin refuses).
+/// with a note where the same build may pass on a less busy machine, and
+/// for a file that is not a component of the world; 2 for a flag or a
+/// setting of the config file, a plugin path that cannot be read as a file,
+/// or a setting the plugin refuses).
 pub fn run(args: CheckArgs) -> Result<(), Failure> {
     let flags = args.compile.over(args.plugin.as_settings(args.machine_id));
     let config = layered(args.config.as_deref(), flags, args.plugin.plugin_settings)?;

@@ -64,8 +64,10 @@ enum Command {
     /// would take the build: "passed", or "would serve" with what the
     /// check could not see (a build that rejects the canned request for
     /// want of credentials, or takes no batches); 1 when it would not,
-    /// saying why; 2 for a bad flag or setting of the file, a file that is
-    /// no plugin file, or a setting the plugin refuses.
+    /// saying why (a file that is not a component of the contract's world
+    /// among them); 2 for a bad flag or setting of the file, a plugin path
+    /// that cannot be read as a file (missing, a directory, over the size
+    /// limit), or a setting the plugin refuses.
     Check(check::CheckArgs),
     /// Run the gateway: a reverse proxy that stamps ids into JSON requests
     /// on their way to the upstream, and reloads the plugin when it changes.

@@ -203,8 +203,9 @@ pub struct ServeArgs {
     /// cluster, used one at a time: the next that answers when one fails.
     #[arg(long, value_name = "URL[,URL...]")]
     etcd: Option<String>,
-    /// Time to live of the machine id lease, in seconds; a replica that
-    /// cannot renew it within this time stops stamping [default: 10].
+    /// Time to live of the machine id lease, in seconds, 3 to 86400; a
+    /// replica whose renewal etcd has not confirmed within this time less a
+    /// second stops stamping [default: 10].
     #[arg(long, value_name = "SECONDS")]
     machine_id_ttl: Option<u64>,
     /// Key prefix for machine id leases in etcd, starting with / (one
