@@ -789,6 +789,76 @@ fn output_that_cannot_be_written_is_an_error_not_a_panic() {
     assert!(!text(&decode.stderr).contains("panicked"));
 }
 
+/// A pipe whose reader is gone: each write to it fails with `EPIPE`.
+fn broken_pipe() -> std::process::Stdio {
+    let (reader, writer) = std::io::pipe().expect("a pipe");
+    drop(reader);
+    writer.into()
+}
+
+/// A stderr that cannot be written (its reader, a log collector, gone)
+/// loses the lines written to it, not the process: `rewrite` still writes
+/// its stamped body and exits with its own status, and `serve` starts,
+/// answers a request whose failure it logs, and stops cleanly. Before,
+/// each line panicked (`eprintln!`), exit status 101: `serve` dropped
+/// the request and skipped its drain.
+#[test]
+fn a_stderr_that_cannot_be_written_loses_lines_not_the_process() {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let rewrite = |args: &[&str], stdin: &str| {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_snowgate"));
+        command.args(args);
+        support::run_bounded_with_stderr(command, stdin.as_bytes(), COMMAND_BOUND, broken_pipe())
+    };
+    // A note on stderr (not a JSON content type), then the body.
+    let stamped = rewrite(
+        &["rewrite", "--machine-id", "7", "-H", "content-type: text/plain"],
+        CONTEXT_ONLY,
+    );
+    assert_eq!(stamped.status.code(), Some(0));
+    assert!(text(&stamped.stdout).contains("disagg_request_id"));
+    let refused = rewrite(&["rewrite", "--machine-id", "7"], "{");
+    assert_eq!(refused.status.code(), Some(2));
+
+    // An upstream that refuses connections: the request's 502 is logged.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").expect("a port");
+    let upstream = format!("http://{}", closed.local_addr().expect("its address"));
+    drop(closed);
+    let mut gateway = support::Reaped(
+        Command::new(env!("CARGO_BIN_EXE_snowgate"))
+            .args(["serve", "--machine-id", "7", "--upstream", &upstream])
+            .args(ANY_PORT)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(broken_pipe())
+            .spawn()
+            .expect("starting snowgate"),
+    );
+    let mut ready = String::new();
+    BufReader::new(gateway.0.stdout.take().expect("piped"))
+        .read_line(&mut ready)
+        .expect("reading the ready line");
+    let port = ready
+        .strip_prefix("snowgate listening on http://")
+        .and_then(|rest| rest.split_once(' '))
+        .map(|(addr, _)| addr.to_string())
+        .unwrap_or_else(|| panic!("no ready line: {ready:?}"));
+    let mut client = std::net::TcpStream::connect(&port).expect("connecting");
+    client
+        .set_read_timeout(Some(COMMAND_BOUND))
+        .expect("a read timeout");
+    client
+        .write_all(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .expect("sending");
+    let mut reply = String::new();
+    client.read_to_string(&mut reply).expect("the reply");
+    assert!(reply.starts_with("HTTP/1.1 502"), "{reply:?}");
+    // SAFETY: kill only sends a signal to the child, not yet reaped.
+    unsafe { libc::kill(gateway.0.id() as libc::pid_t, libc::SIGTERM) };
+    let stopped = gateway.exit_within(COMMAND_BOUND);
+    assert_eq!(stopped.code(), Some(0), "{stopped:?}");
+}
+
 /// `snowgate serve` on free ports with `flags`, for flags that must stop it
 /// before it serves (it would otherwise run until killed).
 fn serve_on_any_port(flags: &[&str]) -> Output {

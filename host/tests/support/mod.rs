@@ -77,12 +77,48 @@ pub const CONTEXT_ONLY: &str = r#"{"model":"m","prompt":"Hello","max_tokens":16,
 /// at most `bound`: one that runs longer (a `serve` that should have been
 /// refused and started instead, a `rewrite` stuck on a lock) is killed and
 /// fails its test, instead of hanging the suite.
-pub fn run_bounded(mut command: Command, stdin: &[u8], bound: Duration) -> std::process::Output {
+pub fn run_bounded(command: Command, stdin: &[u8], bound: Duration) -> std::process::Output {
+    run_bounded_with_stderr(command, stdin, bound, Stdio::piped())
+}
+
+/// A child process, killed and reaped when dropped, however the test ends.
+pub struct Reaped(pub std::process::Child);
+
+impl Reaped {
+    /// Waits at most `bound` for the process to exit by itself; its exit
+    /// status. Fails the test if it has not exited by then.
+    pub fn exit_within(&mut self, bound: Duration) -> ExitStatus {
+        let deadline = Instant::now() + bound;
+        loop {
+            if let Some(status) = self.0.try_wait().expect("waiting for the process") {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "still running after {bound:?}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// [`run_bounded`], with the command's stderr going to `stderr` (where it
+/// is not piped, the output's `stderr` is empty).
+pub fn run_bounded_with_stderr(
+    mut command: Command,
+    stdin: &[u8],
+    bound: Duration,
+    stderr: Stdio,
+) -> std::process::Output {
     use std::io::Write as _;
     let mut child = command
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
+        .stderr(stderr)
         .spawn()
         .expect("starting snowgate");
     let pid = child.id() as libc::pid_t;

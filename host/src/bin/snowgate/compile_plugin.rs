@@ -15,7 +15,7 @@ pub fn run() -> std::process::ExitCode {
     match compile_for_parent(std::io::stdin().lock(), std::io::stdout().lock()) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("{e:#}");
+            say!("{e:#}");
             let status = if e.is::<RefusedComponent>() {
                 REFUSED_STATUS
             } else if e.is::<CompileOutOfMemory>() {

@@ -1,5 +1,15 @@
 //! The `snowgate` command: runs the plugin on request bodies, and reads ids.
 
+/// `eprintln!` that does not panic when stderr cannot be written (a log
+/// pipe whose reader is gone): the line is lost, not the request, the
+/// drain of a stop, or the body `rewrite` has stamped.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 mod allocator;
 mod check;
 mod compile_flags;
@@ -136,7 +146,7 @@ fn main() -> ExitCode {
                     filter
                 }
                 Err(e) => {
-                    eprintln!("snowgate: SNOWGATE_LOG {text:?} is not a log filter: {e}");
+                    say!("snowgate: SNOWGATE_LOG {text:?} is not a log filter: {e}");
                     return ExitCode::from(2);
                 }
             }
@@ -146,6 +156,9 @@ fn main() -> ExitCode {
     };
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        // A log line that cannot be written is dropped: reporting it
+        // would `eprintln!`, which panics on the same stderr.
+        .log_internal_errors(false)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_env_filter(filter)
         .init();
@@ -163,11 +176,11 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(Failure::BadInput(message)) => {
-            eprintln!("snowgate: {message}");
+            say!("snowgate: {message}");
             ExitCode::from(2)
         }
         Err(Failure::Failed(error)) => {
-            eprintln!("snowgate: {error:#}");
+            say!("snowgate: {error:#}");
             ExitCode::FAILURE
         }
     }
@@ -191,13 +204,13 @@ fn warn_of_narrow_filters(filter: &str) {
     // `[span]` names a span, not a target.
     let target = |word: &str| !word.contains('=') && !word.starts_with('[') && !is_level(word);
     for word in words.iter().filter(|word| target(word)) {
-        eprintln!(
+        say!(
             "snowgate: note: SNOWGATE_LOG {word:?} is not a level (trace, debug, info, warn, \
              error, off), so it names a target: only that target's lines are logged"
         );
     }
     if !words.iter().any(|w| is_level(w)) {
-        eprintln!(
+        say!(
             "snowgate: note: SNOWGATE_LOG {filter:?} sets no level for the targets it does not \
              name, so their lines, warnings and errors included, are not logged; to keep them, \
              put a level first: \"info,{filter}\""

@@ -133,7 +133,7 @@ pub fn run(args: RewriteArgs) -> Result<(), Failure> {
     let body = read_body(std::io::stdin().lock(), limits.memory_bytes)?;
     let headers = request_headers(args.headers, args.msgpack);
     if !plugin_sees(&headers, &body) {
-        eprintln!(
+        say!(
             "snowgate: note: a gateway would not run the plugin on this request (its content \
              type, or an empty body, says it is not JSON) but forward it unchanged; running it \
              all the same"
@@ -158,7 +158,7 @@ pub fn run(args: RewriteArgs) -> Result<(), Failure> {
     // fixed clock is for reproducible runs and never catches up.
     if matches!(args.clock, ClockChoice::System) {
         if let Err(too_far) = clock.wait_for_wall_clock(MAX_CATCH_UP) {
-            eprintln!("snowgate: warning: {too_far}");
+            say!("snowgate: warning: {too_far}");
         }
     }
     let answer = match (answer, recorded) {
@@ -173,7 +173,7 @@ pub fn run(args: RewriteArgs) -> Result<(), Failure> {
             })),
             Err(unrecorded),
         ) => {
-            eprintln!("snowgate: warning: {unrecorded:#}");
+            say!("snowgate: warning: {unrecorded:#}");
             answer
         }
         (Ok(_), Err(unrecorded)) => return Err(Failure::Failed(unrecorded)),
@@ -185,9 +185,9 @@ pub fn run(args: RewriteArgs) -> Result<(), Failure> {
     // Only the body goes to stdout; what a gateway would also change on
     // the forwarded request is told on stderr.
     if !header_edits.is_empty() {
-        eprintln!("snowgate: the plugin changes the forwarded request's headers:");
+        say!("snowgate: the plugin changes the forwarded request's headers:");
         for edit in header_edits.iter() {
-            eprintln!("  {}", plugin_text(edit.to_string(), usize::MAX));
+            say!("  {}", plugin_text(edit.to_string(), usize::MAX));
         }
     }
     let out = match &action {
