@@ -908,6 +908,22 @@ fn serve_refuses_unusable_upstream_and_etcd_urls_with_status_2_without_the_passw
             &["--etcd", "https://127.0.0.1:2379"][..],
             "https:// is not supported",
         ),
+        // Taken by the URL parser, and before retried for ever (a port
+        // over 65535 as port 80), or failing at every request.
+        (&["--upstream", "http://:80"][..], "its host is empty"),
+        (&["--etcd", "http://:2379"][..], "its host is empty"),
+        (
+            &["--etcd", "http://127.0.0.1:99999"][..],
+            "port 99999 is not 1..=65535",
+        ),
+        (
+            &["--etcd", "http://127.0.0.1:0"][..],
+            "port 0 is not 1..=65535",
+        ),
+        (
+            &["--etcd", "http://127.0.0.1:2379/v3?x=1"][..],
+            "a path or query (/v3?x=1) is not supported",
+        ),
     ] {
         let output = serve_on_any_port(flags);
         failure(&output, 2, &[named]);

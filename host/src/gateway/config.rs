@@ -864,16 +864,34 @@ impl ConfigFile {
                      has no TLS); reach etcd over http:// on a trusted network, or through a \
                      local TLS proxy"
                 );
-                anyhow::ensure!(
-                    scheme == Some("http") && uri.as_ref().is_some_and(|u| u.host().is_some()),
-                    "etcd endpoint {shown:?} is not an http:// URL, e.g. http://127.0.0.1:2379"
-                );
+                let authority = uri.as_ref().and_then(http::Uri::authority);
+                let (Some("http"), Some(authority)) = (scheme, authority) else {
+                    anyhow::bail!(
+                        "etcd endpoint {shown:?} is not an http:// URL, e.g. http://127.0.0.1:2379"
+                    );
+                };
                 // Not sent (no etcd authentication here), but shown on
                 // /status and in every warning about the endpoint.
                 anyhow::ensure!(
                     shown == *endpoint,
                     "etcd endpoint {shown:?}: credentials in the URL are not supported (they \
                      would not be sent; etcd authentication is not supported)"
+                );
+                if let Some(problem) = host_and_port_problem(authority, endpoint, &shown) {
+                    anyhow::bail!(
+                        "etcd endpoint {shown:?}: {problem}, e.g. http://127.0.0.1:2379"
+                    );
+                }
+                // etcd's API is at the root: a path or query would be
+                // dropped without a word.
+                let extra = uri
+                    .as_ref()
+                    .and_then(http::Uri::path_and_query)
+                    .map_or("", |p| p.as_str());
+                anyhow::ensure!(
+                    extra.is_empty() || extra == "/",
+                    "etcd endpoint {shown:?}: a path or query ({extra}) is not supported; give \
+                     the endpoint's scheme, host and port, e.g. http://127.0.0.1:2379"
                 );
             }
             let lease = config
@@ -928,6 +946,30 @@ fn one_machine_id_source(fixed: bool, high_water_file: bool, leased: bool) -> an
          in etcd"
     );
     Ok(())
+}
+
+/// Why `authority` (of the URL `url`, shown in messages as `shown`) names
+/// no host and port to connect to, if it does not: an empty host (`http://:80`,
+/// which would be looked up as a name and fail at every use), or a port
+/// outside 1..=65535 (which `http::Uri` takes, and a client would replace
+/// with port 80). A port that may be the end of a password (`shown` is not
+/// `url`) is shown as `***`.
+pub(crate) fn host_and_port_problem(
+    authority: &http::uri::Authority,
+    url: &str,
+    shown: &str,
+) -> Option<String> {
+    if authority.host().is_empty() {
+        return Some("its host is empty".to_string());
+    }
+    // After an IPv6 host's closing bracket, if any.
+    let after_host = &authority.as_str()[authority.as_str().rfind(']').unwrap_or(0)..];
+    let (_, port) = after_host.rsplit_once(':')?;
+    if port.is_empty() || port.parse::<u16>().is_ok_and(|p| p > 0) {
+        return None;
+    }
+    let port = if shown == url { port } else { "***" };
+    Some(format!("port {port} is not 1..=65535"))
 }
 
 /// `url` with everything between its scheme and its last `@` shown as

@@ -22,7 +22,7 @@ use tower_service::Service;
 use crate::gateway::body_limit::BodyTooLarge;
 use crate::gateway::client_body::{BodyProgress, ClientFault};
 use crate::gateway::client_gone;
-use crate::gateway::config::without_credentials;
+use crate::gateway::config::{host_and_port_problem, without_credentials};
 use crate::gateway::config::UpstreamTimeouts;
 use crate::gateway::dot_segments;
 use crate::gateway::echo;
@@ -124,14 +124,10 @@ pub fn base_url(url: &str) -> anyhow::Result<(Uri, header::HeaderValue)> {
         !authority.as_str().contains('@'),
         "--upstream {shown:?}: credentials in the URL are not supported (they would not be sent)"
     );
-    // After an IPv6 host's closing bracket, if any.
-    let after_host = &authority.as_str()[authority.as_str().rfind(']').unwrap_or(0)..];
-    if let Some((_, port)) = after_host.rsplit_once(':') {
-        let valid = port.is_empty() || port.parse::<u16>().is_ok_and(|p| p > 0);
-        // A password with a `/` in it reads as host and port: then the
-        // port is the password's end, not to be shown.
-        let port = if shown == url { port } else { "***" };
-        anyhow::ensure!(valid, "--upstream {shown:?}: port {port} is not 1..=65535");
+    // A password with a `/` in it reads as host and port: then the port
+    // is the password's end, not shown.
+    if let Some(problem) = host_and_port_problem(authority, url, &shown) {
+        anyhow::bail!("--upstream {shown:?}: {problem}, e.g. http://127.0.0.1:8000");
     }
     anyhow::ensure!(
         base.query().is_none(),
