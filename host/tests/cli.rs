@@ -952,8 +952,7 @@ fn serve_under_rlimit(
     hard: u64,
     flags: &[&str],
 ) -> Command {
-    use std::os::unix::process::CommandExt;
-    let mut command = Command::new(env!("CARGO_BIN_EXE_snowgate"));
+    let mut command = under_rlimit(resource, soft, hard);
     command
         .arg("serve")
         .args(ANY_PORT)
@@ -962,6 +961,15 @@ fn serve_under_rlimit(
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
+    command
+}
+
+/// `snowgate`, to be given its arguments, under the resource limit
+/// `resource` of `soft` (and `hard`), as `ulimit` sets it.
+#[cfg(unix)]
+fn under_rlimit(resource: libc::__rlimit_resource_t, soft: u64, hard: u64) -> Command {
+    use std::os::unix::process::CommandExt;
+    let mut command = Command::new(env!("CARGO_BIN_EXE_snowgate"));
     let limit = libc::rlimit {
         rlim_cur: soft,
         rlim_max: hard,
@@ -1057,6 +1065,24 @@ fn serve_fits_a_limited_address_space_with_fewer_plugin_instances() {
         .spawn()
         .expect("starting snowgate");
     while_serving(child, |_| ());
+}
+
+/// `rewrite` and `check`, which run a build once or a few times, reserve
+/// the address space of two instance slots, not a gateway's 64: they run
+/// where it is limited to 16 GiB. Before, both needed about 258 GiB, and
+/// neither had a flag to ask for less.
+#[cfg(unix)]
+#[test]
+fn rewrite_and_check_fit_a_limited_address_space() {
+    const LIMIT: u64 = 16 << 30;
+    let mut rewrite = under_rlimit(libc::RLIMIT_AS, LIMIT, LIMIT);
+    rewrite.args(["rewrite", "--machine-id", "7"]);
+    let stamped = success(&run(rewrite, CONTEXT_ONLY.as_bytes()));
+    assert!(stamped.contains("disagg_request_id"), "{stamped}");
+    let mut check = under_rlimit(libc::RLIMIT_AS, LIMIT, LIMIT);
+    check.arg("check");
+    let passed = success(&run(check, b""));
+    assert!(passed.contains("passed"), "{passed}");
 }
 
 /// Waits (at most [`COMMAND_BOUND`]) for the ready line of `child` (a

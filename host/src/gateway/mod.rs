@@ -433,7 +433,8 @@ pub fn plugin_engine(
     let engine = PluginEngine::new(services, limits).with_context(|| {
         format!(
             "starting the plugin engine with {slots} instance slots, each reserving about 4 GiB \
-             of address space: where that is limited (ulimit -v), lower --plugin-instances"
+             of address space: where that is limited (ulimit -v), raise the limit, or lower \
+             --plugin-instances (at least 2)"
         )
     })?;
     Ok(match &config.compile_process {

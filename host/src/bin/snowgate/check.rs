@@ -50,8 +50,11 @@ pub struct CheckArgs {
 /// or a setting the plugin refuses).
 pub fn run(args: CheckArgs) -> Result<(), Failure> {
     let flags = args.compile.over(args.plugin.as_settings(args.machine_id));
-    let config = layered(args.config.as_deref(), flags, args.plugin.plugin_settings)?;
+    let mut config = layered(args.config.as_deref(), flags, args.plugin.plugin_settings)?;
     check_plugin(&config, args.config.as_deref())?;
+    // The self-check's calls, one at a time, need no more; the slots do
+    // not change how a build is judged.
+    config.plugin_limits.max_instances = plugin_flags::ONE_SHOT_INSTANCES;
     let settings: Vec<(String, String)> = config.plugin_settings.clone().into_iter().collect();
     // A gateway that leases its machine id checks with 0 too.
     let identity = plugin_flags::identity(config.layout, config.machine_id.unwrap_or(0))?;

@@ -58,11 +58,14 @@ impl PluginFlags {
         }
     }
 
-    /// The default limits, with the memory limit and deadline the flags
-    /// give.
+    /// The default limits with [`ONE_SHOT_INSTANCES`] slots, and the
+    /// memory limit and deadline the flags give.
     pub fn limits(&self) -> Result<PluginLimits, Failure> {
         let bad_flag = |e: anyhow::Error| Failure::BadInput(format!("--{e:#}"));
-        let mut limits = PluginLimits::default();
+        let mut limits = PluginLimits {
+            max_instances: ONE_SHOT_INSTANCES,
+            ..PluginLimits::default()
+        };
         if let Some(mib) = self.plugin_memory_mib {
             limits.memory_bytes = plugin_memory_bytes(mib).map_err(bad_flag)?;
         }
@@ -115,3 +118,8 @@ pub fn named(path: Option<&Path>) -> String {
         None => "the bundled plugin".to_string(),
     }
 }
+
+/// The plugin instance slots of a command that runs a build once or a few
+/// times (`rewrite`, `check`), where a gateway has 64: each reserves about
+/// 4 GiB of address space, which a limited one (`ulimit -v`) may not have.
+pub const ONE_SHOT_INSTANCES: u32 = 2;
