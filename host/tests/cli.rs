@@ -714,6 +714,22 @@ fn serve_names_the_config_file_a_bad_setting_came_from() {
                 "the plugin setting id-layout is the host's own",
             ],
         ),
+        // Before, the file's own directory: builds were written beside it.
+        (
+            "empty-cache-dir.toml",
+            "plugin-cache-dir = \"\"\n",
+            ["in the config file", "plugin-cache-dir is empty"],
+        ),
+        (
+            "empty-plugin.toml",
+            "plugin = \"\"\n",
+            ["in the config file", "plugin is empty"],
+        ),
+        (
+            "empty-high-water-file.toml",
+            "high-water-file = \"\"\n",
+            ["in the config file", "high-water-file is empty"],
+        ),
     ] {
         let file = scratch(name);
         std::fs::write(&file, text).expect("write the file");

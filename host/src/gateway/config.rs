@@ -484,11 +484,18 @@ impl ConfigFile {
         let mut file: ConfigFile = toml::from_str(&text)
             .with_context(|| format!("parsing the config file {}", path.display()))?;
         let dir = path.parent().unwrap_or(Path::new(""));
-        for setting in [
-            &mut file.plugin,
-            &mut file.high_water_file,
-            &mut file.plugin_cache_dir,
+        for (key, setting) in [
+            ("plugin", &mut file.plugin),
+            ("high-water-file", &mut file.high_water_file),
+            ("plugin-cache-dir", &mut file.plugin_cache_dir),
         ] {
+            // Joined to the file's directory, an empty path would be that
+            // directory: compiled builds written beside the config file.
+            anyhow::ensure!(
+                setting.as_ref().is_none_or(|p| !p.as_os_str().is_empty()),
+                "in the config file {}: {key} is empty; give a path, or leave the key out",
+                path.display()
+            );
             if let Some(relative) = setting.as_mut().filter(|p| p.is_relative()) {
                 *relative = dir.join(&*relative);
             }
