@@ -586,7 +586,8 @@ impl ConfigFile {
             "--listen {requests} and --admin-listen {admin} would take the same port: give the \
              admin listener a port of its own"
         );
-        if !config.admin_listen.ip().is_loopback() && config.admin_token.is_none() {
+        // `[::ffff:127.0.0.1]` is loopback too.
+        if !b.is_loopback() && config.admin_token.is_none() {
             anyhow::bail!(
                 "the admin listener {} is not on a loopback address, so it needs a bearer token: \
                  set --admin-token or SNOWGATE_ADMIN_TOKEN, or listen on 127.0.0.1",
@@ -1194,6 +1195,14 @@ mod tests {
         config.admin_token = Some("s3cret".into());
         assert!(ConfigFile::check(&config).is_ok());
         assert!(ConfigFile::check(&GatewayConfig::default()).is_ok());
+        // Loopback however it is written: IPv6, and IPv4 mapped into it.
+        for loopback in ["[::1]:9901", "[::ffff:127.0.0.1]:9901"] {
+            let on_loopback = GatewayConfig {
+                admin_listen: loopback.parse().unwrap(),
+                ..Default::default()
+            };
+            assert!(ConfigFile::check(&on_loopback).is_ok(), "{loopback}");
+        }
         // A space inside, `=`, `+` and `/` come through a header whole.
         config.admin_token = Some("two words+/=".into());
         assert!(ConfigFile::check(&config).is_ok());
