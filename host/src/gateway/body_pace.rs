@@ -122,7 +122,8 @@ pub async fn keeping_pace<F: Future>(
                 }
                 if let Some(room) = undeclared_room {
                     // Never below what the read's buffer holds, which
-                    // grows by doubling: the room counts that memory.
+                    // grows past what has arrived: the room counts that
+                    // memory.
                     let held = arrived.max(progress.buffered.load(Ordering::Relaxed));
                     room.lock()
                         .unwrap_or_else(|p| p.into_inner())
@@ -301,8 +302,7 @@ mod tests {
     }
 
     /// The room given back never goes below what the read's buffer holds,
-    /// which grows by doubling past what has arrived: the room counts that
-    /// memory.
+    /// which grows past what has arrived: the room counts that memory.
     #[tokio::test(start_paused = true)]
     async fn a_body_of_no_declared_length_keeps_room_for_its_whole_buffer() {
         let memory = Arc::new(BodyMemory::new(MIB, WITHIN));
