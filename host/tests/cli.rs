@@ -1051,19 +1051,31 @@ fn serve_raises_its_open_file_limit_and_warns_when_it_is_too_low() {
     .stderr(Stdio::piped())
     .spawn()
     .expect("starting snowgate");
-    assert_eq!(while_serving(roomy, open_files).0, [hard, hard]);
+    assert_eq!(
+        while_serving(roomy, |pid, _| open_files(pid)).0,
+        [hard, hard]
+    );
 
     let tight = serve_under_rlimit(libc::RLIMIT_NOFILE, 256, 512, &[])
         .spawn()
         .expect("starting snowgate");
-    // It serves all the same, with what it has.
-    let (files, output) = while_serving(tight, open_files);
+    // It serves all the same, taking no more connections than it has
+    // descriptors for: before, it took 4096, and past the limit its
+    // accepts took the descriptors upstream connections gave back, and the
+    // clients it served got 502s.
+    let ((files, metrics), output) = while_serving(tight, |pid, ready| {
+        (open_files(pid), admin_get(ready, "/metrics"))
+    });
     assert_eq!(files, [512, 512]);
     let stderr = text(&output.stderr);
     assert!(
         stderr.contains("the open file limit (512, hard limit 512) is below the 8320")
-            && stderr.contains("lower --max-connections to 192"),
+            && stderr.contains("serving at most 192 connections at once"),
         "{stderr}"
+    );
+    assert!(
+        metrics.lines().any(|line| line == "snowgate_connections_max 192"),
+        "{metrics}"
     );
 }
 
@@ -1080,7 +1092,7 @@ fn serve_fits_a_limited_address_space_with_fewer_plugin_instances() {
     let child = serve_in_address_space(LIMIT, &["--plugin-instances", "4"])
         .spawn()
         .expect("starting snowgate");
-    while_serving(child, |_| ());
+    while_serving(child, |_, _| ());
 }
 
 /// `rewrite` and `check`, which run a build once or a few times, reserve
@@ -1101,12 +1113,36 @@ fn rewrite_and_check_fit_a_limited_address_space() {
     assert!(passed.contains("passed"), "{passed}");
 }
 
+/// The body of `GET path` from the admin listener a ready line names.
+fn admin_get(ready: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let admin = ready
+        .split_once("(admin http://")
+        .and_then(|(_, rest)| rest.split_once(')'))
+        .map(|(addr, _)| addr)
+        .unwrap_or_else(|| panic!("no admin address in {ready:?}"));
+    let mut stream = std::net::TcpStream::connect(admin).expect("connecting to the admin listener");
+    stream
+        .set_read_timeout(Some(COMMAND_BOUND))
+        .expect("a read timeout");
+    write!(stream, "GET {path} HTTP/1.1\r\nHost: {admin}\r\nConnection: close\r\n\r\n")
+        .expect("asking");
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).expect("the answer");
+    let (head, body) = answer.split_once("\r\n\r\n").expect("a head and a body");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    body.to_string()
+}
+
 /// Waits (at most [`COMMAND_BOUND`]) for the ready line of `child` (a
-/// `serve` with piped stdout and stderr), runs `look` on its pid while it
-/// serves, then stops it; what `look` saw, and the gateway's output. Fails
+/// `serve` with piped stdout and stderr), runs `look` on its pid and ready
+/// line while it serves, then stops it; what `look` saw, and the gateway's output. Fails
 /// the test, with the gateway's stderr, if it stopped before it was ready
 /// or was not ready in time. The gateway is killed however the test ends.
-fn while_serving<T>(mut child: std::process::Child, look: impl FnOnce(u32) -> T) -> (T, Output) {
+fn while_serving<T>(
+    mut child: std::process::Child,
+    look: impl FnOnce(u32, &str) -> T,
+) -> (T, Output) {
     use std::io::{BufRead, BufReader};
     /// Kills the gateway should the test fail while it serves.
     struct Serving(Option<std::process::Child>);
@@ -1144,7 +1180,7 @@ fn while_serving<T>(mut child: std::process::Child, look: impl FnOnce(u32) -> T)
     }
     let pid = child.id();
     serving.0 = Some(child);
-    let seen = look(pid);
+    let seen = look(pid, ready.as_deref().unwrap_or_default());
     let mut child = serving.0.take().expect("the gateway");
     let _ = child.kill();
     let output = child.wait_with_output().expect("waiting for snowgate");
@@ -1663,7 +1699,7 @@ fn serve_turns_huge_pages_off_unless_mimalloc_allow_thp_is_set() {
             command.env("MIMALLOC_ALLOW_THP", value);
         }
         let child = command.spawn().expect("starting snowgate");
-        while_serving(child, |pid| thp_enabled(&pid.to_string()))
+        while_serving(child, |pid, _| thp_enabled(&pid.to_string()))
             .0
             .expect("a running gateway has a THP_enabled field")
     };

@@ -4,7 +4,8 @@
 //! (4096) needs; past it, accepting fails with `EMFILE` on both listeners,
 //! and the admin endpoints stop answering with the rest. So `serve` raises
 //! its soft limit to the hard one, as Go's runtime and nginx's
-//! `worker_rlimit_nofile` do, and warns when even that is too low.
+//! `worker_rlimit_nofile` do, and where even that is too low takes no more
+//! connections than it has descriptors for.
 
 use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
 
@@ -28,10 +29,15 @@ fn needed(max_connections: usize) -> u64 {
         .saturating_add(BESIDES_CONNECTIONS)
 }
 
-/// Raises the soft open file limit to the hard one, and warns when the
-/// limit is still below what `max_connections` need. Never fails: the
-/// gateway serves with the limit it has.
-pub fn raise_for(max_connections: usize) {
+/// Raises the soft open file limit to the hard one; the connections the
+/// gateway takes at once: `max_connections`, or, where the limit is below
+/// what they need, as many as it has descriptors for (at least one), with
+/// a warning. Past the limit, accepting took the descriptors that upstream
+/// connections closed gave back, and the clients already served got 502s
+/// (`Too many open files`) while new ones connected; at the lowered cap,
+/// new clients wait, and idle ones make room, as at `--max-connections`.
+/// Never fails: the gateway serves with the limit it has.
+pub fn raise_for(max_connections: usize) -> usize {
     let limit = getrlimit(Resource::Nofile);
     let hard = limit.maximum.unwrap_or(UNLIMITED_AS);
     let mut soft = limit.current.unwrap_or(UNLIMITED_AS);
@@ -52,15 +58,19 @@ pub fn raise_for(max_connections: usize) {
         }
     }
     let needed = needed(max_connections);
-    if soft < needed {
-        tracing::warn!(
-            "the open file limit ({soft}, hard limit {hard}) is below the {needed} that \
-             --max-connections {max_connections} may need (a client and an upstream connection \
-             each, and {BESIDES_CONNECTIONS} more; an HTTP/2 connection's requests each take an \
-             upstream connection of their own): past it new clients cannot connect and the \
-             admin endpoints stop answering; raise it (LimitNOFILE= under systemd, ulimit -n) \
-             or lower --max-connections to {}",
-            (soft.saturating_sub(BESIDES_CONNECTIONS) / 2).max(1)
-        );
+    if soft >= needed {
+        return max_connections;
     }
+    let fits = usize::try_from(soft.saturating_sub(BESIDES_CONNECTIONS) / 2)
+        .unwrap_or(usize::MAX)
+        .max(1);
+    tracing::warn!(
+        "the open file limit ({soft}, hard limit {hard}) is below the {needed} that \
+         --max-connections {max_connections} may need (a client and an upstream connection \
+         each, and {BESIDES_CONNECTIONS} more; an HTTP/2 connection's requests each take an \
+         upstream connection of their own): serving at most {fits} connections at once, as if \
+         --max-connections were {fits}; raise the limit (LimitNOFILE= under systemd, ulimit -n) \
+         to serve more"
+    );
+    fits
 }

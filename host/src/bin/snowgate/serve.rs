@@ -285,9 +285,10 @@ impl ServeArgs {
 
 pub fn run(args: ServeArgs) -> Result<(), Failure> {
     let file = args.config.clone();
-    let config = args.into_config()?;
+    let mut config = args.into_config()?;
     crate::gateway_config::check_whole(&config, file.as_deref())?;
-    crate::open_files::raise_for(config.connections.max_connections);
+    config.connections.max_connections =
+        crate::open_files::raise_for(config.connections.max_connections);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("snowgate")
