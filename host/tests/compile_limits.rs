@@ -238,9 +238,10 @@ fn check_compiles_under_its_config_files_compile_limits() {
 }
 
 /// `--plugin-compile-in-process` over a config file that sets a compile
-/// limit is refused, by `serve` and `check`, even where the file's limit is
-/// the default (before, only a limit other than the default was noticed,
-/// and one the file stated was dropped without a word).
+/// limit is refused, by `serve` and `check`, naming the file, even where
+/// the file's limit is the default (before, only a limit other than the
+/// default was noticed, and one the file stated was dropped without a
+/// word); so is a limit's flag over a file that compiles in-process.
 #[test]
 fn compiling_in_process_over_a_config_files_compile_limit_is_refused() {
     let dir = TempDir::new("compile-in-process-over-file");
@@ -252,11 +253,28 @@ fn compiling_in_process_over_a_config_files_compile_limit_is_refused() {
     let mut check = Command::new(env!("CARGO_BIN_EXE_snowgate"));
     check.args(["check", "--config", arg(&config), in_process]);
     let check = run_bounded(check, b"", Duration::from_secs(300));
-    for (command, output) in [("serve", serve), ("check", check)] {
+    // And the other way round: the file compiles in-process, a flag sets a
+    // limit (before, refused without naming the file).
+    let other_way = dir.path().join("in-process.toml");
+    std::fs::write(&other_way, "plugin-compile-in-process = true\n").unwrap();
+    let mut flag_limit = Command::new(env!("CARGO_BIN_EXE_snowgate"));
+    flag_limit.args([
+        "check",
+        "--config",
+        arg(&other_way),
+        "--plugin-compile-memory-mib",
+        "512",
+    ]);
+    let flag_limit = run_bounded(flag_limit, b"", Duration::from_secs(300));
+    for (command, output, file, key) in [
+        ("serve", serve, "snowgate.toml", "plugin-compile-memory-mib"),
+        ("check", check, "snowgate.toml", "plugin-compile-memory-mib"),
+        ("check", flag_limit, "in-process.toml", "sets plugin-compile-in-process"),
+    ] {
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert_eq!(output.status.code(), Some(2), "{command}: {stderr}");
         assert!(
-            stderr.contains("whose limits the config file") && stderr.contains("snowgate.toml"),
+            stderr.contains("the config file") && stderr.contains(file) && stderr.contains(key),
             "{command}: {stderr}"
         );
     }

@@ -31,16 +31,15 @@ pub fn layered(
     };
     if let Some(path) = file {
         let settings = ConfigFile::read(path).map_err(bad)?;
-        // The file's compile limits are not dropped without a word.
-        if flags.plugin_compile_in_process == Some(true)
-            && (settings.plugin_compile_memory_mib.is_some()
-                || settings.plugin_compile_cpu_secs.is_some())
-        {
+        if let Some(conflict) = compile_conflict(&settings, &flags) {
             return Err(Failure::BadInput(format!(
-                "--plugin-compile-in-process leaves out the process plugins are compiled in, \
-                 whose limits the config file {} sets (plugin-compile-memory-mib or \
-                 plugin-compile-cpu-secs): remove them, or compile in a process of its own",
-                path.display()
+                "{conflict}, and the config file {} sets {}: remove one or the other",
+                path.display(),
+                if flags.plugin_compile_in_process == Some(true) {
+                    "plugin-compile-memory-mib or plugin-compile-cpu-secs"
+                } else {
+                    "plugin-compile-in-process"
+                }
             )));
         }
         // A setting's error names it as a flag would; say which file it
@@ -53,6 +52,27 @@ pub fn layered(
     flags.apply(&mut config).map_err(bad)?;
     config.plugin_settings.extend(settings);
     Ok(config)
+}
+
+/// What is wrong where the flags and the file disagree on where builds
+/// compile: in-process compiling from one and compile limits from the
+/// other, which it would drop without a word (or refuse without naming
+/// the file). `None` where they agree.
+fn compile_conflict(file: &ConfigFile, flags: &ConfigFile) -> Option<&'static str> {
+    let limits = |s: &ConfigFile| {
+        s.plugin_compile_memory_mib.is_some() || s.plugin_compile_cpu_secs.is_some()
+    };
+    let in_process = |s: &ConfigFile| s.plugin_compile_in_process == Some(true);
+    if in_process(flags) && limits(file) {
+        Some("--plugin-compile-in-process leaves out the process plugins are compiled in")
+    } else if limits(flags) && in_process(file) {
+        Some(
+            "--plugin-compile-memory-mib and --plugin-compile-cpu-secs limit the process plugins \
+             are compiled in",
+        )
+    } else {
+        None
+    }
 }
 
 /// Checks the settings of a gateway to serve whole ([`ConfigFile::check`]):
