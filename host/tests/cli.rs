@@ -753,6 +753,14 @@ fn a_log_filter_that_does_not_parse_is_refused() {
         2,
         &["SNOWGATE_LOG \"info,snowgate::access=debg\" is not a log filter"],
     );
+    // Nor is one that is not UTF-8 (before, the default level, silently).
+    let mut command = Command::new(env!("CARGO_BIN_EXE_snowgate"));
+    command.args(["decode", "7398756654046539776"]).env(
+        "SNOWGATE_LOG",
+        <std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(b"n\xffu"),
+    );
+    let output = run(command, b"");
+    failure(&output, 2, &["SNOWGATE_LOG", "is not UTF-8"]);
     // A misspelled level parses, as a target: said, not refused.
     let mut command = Command::new(env!("CARGO_BIN_EXE_snowgate"));
     command

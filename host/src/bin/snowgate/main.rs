@@ -151,6 +151,10 @@ fn main() -> ExitCode {
                 }
             }
         }
+        Err(std::env::VarError::NotUnicode(text)) => {
+            say!("snowgate: SNOWGATE_LOG {text:?} is not a log filter: it is not UTF-8");
+            return ExitCode::from(2);
+        }
         // Unset or empty (`Environment=SNOWGATE_LOG=`): the default.
         _ => tracing_subscriber::EnvFilter::new(default_level),
     };
