@@ -294,7 +294,19 @@ pub fn parse_listen_address(text: &str) -> Result<SocketAddr, String> {
     if let Ok(ip) = bare.parse::<IpAddr>() {
         let with_port = match ip {
             IpAddr::V4(ip) => format!("{ip}:PORT"),
-            IpAddr::V6(ip) => format!("[{ip}]:PORT"),
+            // `::1:8080` is an IPv6 address, but more likely `::1` and a
+            // port outside brackets.
+            IpAddr::V6(ip) => match bare.rsplit_once(':') {
+                Some((host, port))
+                    if bare == text
+                        && !host.ends_with(':')
+                        && host.parse::<IpAddr>().is_ok()
+                        && port.parse::<u16>().is_ok() =>
+                {
+                    format!("[{ip}]:PORT, or, if {port} is the port, [{host}]:{port}")
+                }
+                _ => format!("[{ip}]:PORT"),
+            },
         };
         return Err(format!(
             "{text:?} is an address without a port: write {with_port}"
@@ -1653,7 +1665,10 @@ mod tests {
             ),
             ("::1", "an address without a port: write [::1]:PORT"),
             ("[::1]", "an address without a port: write [::1]:PORT"),
-            ("::1:8080", "without a port: write [::1:8080]:PORT"),
+            (
+                "::1:8080",
+                "without a port: write [::1:8080]:PORT, or, if 8080 is the port, [::1]:8080",
+            ),
             ("1:2:3:4:5:6:7:8:80", "write [1:2:3:4:5:6:7:8]:80"),
             ("[zz]:80", "not an IP address and a port"),
             ("", "not an IP address and a port"),
