@@ -1195,6 +1195,33 @@ fn while_serving<T>(
     (seen, output)
 }
 
+/// A `--plugin-setting` name given twice is bad input for every command
+/// that takes one; before, `serve` and `check` kept the last, and
+/// `rewrite` handed the plugin both.
+#[test]
+fn a_plugin_setting_given_twice_is_refused() {
+    let twice = ["--plugin-setting", "colour=red", "--plugin-setting", "colour=blue"];
+    for output in [
+        snowgate(&[&["rewrite", "--machine-id", "7"][..], &twice].concat(), CONTEXT_ONLY.as_bytes()),
+        snowgate(&[&["check"][..], &twice].concat(), b""),
+        serve_on_any_port(&twice),
+    ] {
+        failure(
+            &output,
+            2,
+            &["--plugin-setting colour is given twice (\"red\" and \"blue\")"],
+        );
+    }
+}
+
+/// `--shutdown-grace-secs` past a day is refused, as every other timeout
+/// is.
+#[test]
+fn a_shutdown_grace_past_a_day_is_refused() {
+    let output = serve_on_any_port(&["--shutdown-grace-secs", "18446744073709551615"]);
+    failure(&output, 2, &["shutdown-grace-secs must be at most 86400 (a day)"]);
+}
+
 /// A plugin setting the plugin refuses stops `serve` before it listens,
 /// with status 2 and the plugin's reason, as `rewrite` does.
 #[test]

@@ -755,6 +755,11 @@ impl ConfigFile {
             }
         }
         if let Some(secs) = self.shutdown_grace_secs {
+            anyhow::ensure!(
+                secs <= MAX_TIMEOUT_MS / 1000,
+                "shutdown-grace-secs must be at most {} (a day), not {secs}",
+                MAX_TIMEOUT_MS / 1000
+            );
             config.shutdown_grace = Duration::from_secs(secs);
         }
         if let Some(ms) = self.reload_debounce_ms {

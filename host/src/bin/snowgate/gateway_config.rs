@@ -50,7 +50,9 @@ pub fn layered(
             .map_err(bad)?;
     }
     flags.apply(&mut config).map_err(bad)?;
-    config.plugin_settings.extend(settings);
+    config
+        .plugin_settings
+        .extend(crate::serve::settings_once_each(settings)?);
     Ok(config)
 }
 
