@@ -97,9 +97,13 @@ impl fmt::Display for LayoutError {
                 "id {id} is below {}, the smallest id of layout {layout}",
                 layout.min_id()
             ),
+            LayoutError::NotMadeByLayout { layout, id } if *id >= i64::MAX as u64 => write!(
+                f,
+                "id {id} was not made by layout {layout}: it is at or above 2^63 - 1"
+            ),
             LayoutError::NotMadeByLayout { layout, id } => write!(
                 f,
-                "id {id} was not made by layout {layout}: it is at or above 2^63 - 1, or its machine id field is outside 0..={}",
+                "id {id} was not made by layout {layout}: its machine id field is outside 0..={}",
                 layout.max_machine_id()
             ),
             LayoutError::StampFolds { layout, millis } => write!(
@@ -433,10 +437,19 @@ mod tests {
             .decode(id)
             .unwrap_err()
             .to_string();
-        assert!(err.contains("was not made by layout trtllm-v1"), "{err}");
+        assert!(
+            err.contains("was not made by layout trtllm-v1: its machine id field is outside"),
+            "{err}"
+        );
+        // Each refusal says which of the two it is.
         for layout in SnowflakeLayout::ALL {
-            assert!(layout.decode(i64::MAX as u64).is_err());
-            assert!(layout.decode(u64::MAX).is_err());
+            for id in [i64::MAX as u64, u64::MAX] {
+                let err = layout.decode(id).unwrap_err().to_string();
+                assert!(
+                    err.ends_with("it is at or above 2^63 - 1"),
+                    "{layout} {id}: {err}"
+                );
+            }
         }
     }
 
