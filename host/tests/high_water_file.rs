@@ -246,6 +246,59 @@ async fn a_start_waits_for_a_mark_beyond_the_id_clocks_lead() {
     );
 }
 
+/// A stop (SIGTERM) while the start waits out a mark far ahead ends the
+/// start at once, with status 0. Before, stop signals were heard only once
+/// the gateway was bound, and this one killed it (status 143).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_while_the_start_waits_for_its_mark_ends_the_start_cleanly() {
+    use std::io::Read as _;
+    let Some(library) = support::faketime() else {
+        return;
+    };
+    let (_dir, file) = scratch("stopped-while-waiting");
+    let file_arg = file.to_str().expect("a UTF-8 path");
+    let ahead = faked_clock(&library, "+60s");
+    let first = Gateway::start_with_env(&["--high-water-file", file_arg], &env_of(&ahead)).await;
+    stamp(&first, 1).await;
+    first.stop().await;
+
+    let mut waiting = support::Reaped(
+        std::process::Command::new(env!("CARGO_BIN_EXE_snowgate"))
+            .args(support::SERVE_ON_LOOPBACK)
+            .args(["--machine-id", "1", "--high-water-file", file_arg])
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("starting snowgate"),
+    );
+    // Its log, until it says it waits (read on a thread of its own, so
+    // that a start that neither waits nor ends fails the test in time).
+    let mut stderr = waiting.0.stderr.take().expect("piped");
+    let (said, heard) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut log = Vec::new();
+        let mut buffer = [0u8; 4096];
+        while !String::from_utf8_lossy(&log).contains("waiting") {
+            match stderr.read(&mut buffer) {
+                Ok(n) if n > 0 => log.extend_from_slice(&buffer[..n]),
+                _ => break,
+            }
+        }
+        let _ = said.send(String::from_utf8_lossy(&log).into_owned());
+        // Keep draining, so that the pipe never fills.
+        let _ = std::io::copy(&mut stderr, &mut std::io::sink());
+    });
+    let log = heard
+        .recv_timeout(support::START_TIMEOUT)
+        .expect("its log within the start timeout");
+    assert!(log.contains("waiting"), "it did not wait: {log}");
+    // SAFETY: kill only sends a signal to the child, not yet reaped.
+    unsafe { libc::kill(waiting.0.id() as libc::pid_t, libc::SIGTERM) };
+    let status = waiting.exit_within(Duration::from_secs(20));
+    assert_eq!(status.code(), Some(0), "{status:?}");
+}
+
 /// With no request for longer than the mark's lead, the gateway has kept
 /// raising it: the next request is stamped, not refused at the old mark.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -311,10 +311,19 @@ pub fn run(args: ServeArgs) -> Result<(), Failure> {
         .build()
         .context("starting the async runtime")?;
     let served = runtime.block_on(async move {
-        let gateway = Gateway::bind(config.clone()).await?;
-        // Listen for the stop signals before announcing readiness, so a
-        // signal sent right after the ready line is handled, not fatal.
+        // Heard from the start: a stop while the gateway binds (its plugin
+        // compiling, a high-water mark far ahead waited out) ends the start
+        // with status 0, where the signal's default action killed it. A
+        // lease claimed meanwhile is not given up, and lapses by its TTL.
         let (shutdown, cut_short) = stop_signals()?;
+        let mut shutdown = Box::pin(shutdown);
+        let gateway = tokio::select! {
+            gateway = Gateway::bind(config.clone()) => gateway?,
+            () = &mut shutdown => {
+                tracing::info!("stopped before serving");
+                return Ok(());
+            }
+        };
         let info = gateway.slot().current().info().clone();
         let ready = format!(
             "snowgate listening on http://{} (admin http://{}); upstream {}; plugin {} {} sha256 {}\n",
