@@ -836,7 +836,13 @@ fn a_stderr_that_cannot_be_written_loses_lines_not_the_process() {
     };
     // A note on stderr (not a JSON content type), then the body.
     let stamped = rewrite(
-        &["rewrite", "--machine-id", "7", "-H", "content-type: text/plain"],
+        &[
+            "rewrite",
+            "--machine-id",
+            "7",
+            "-H",
+            "content-type: text/plain",
+        ],
         CONTEXT_ONLY,
     );
     assert_eq!(stamped.status.code(), Some(0));
@@ -1082,7 +1088,9 @@ fn serve_raises_its_open_file_limit_and_warns_when_it_is_too_low() {
         "{stderr}"
     );
     assert!(
-        metrics.lines().any(|line| line == "snowgate_connections_max 192"),
+        metrics
+            .lines()
+            .any(|line| line == "snowgate_connections_max 192"),
         "{metrics}"
     );
 }
@@ -1133,8 +1141,11 @@ fn admin_get(ready: &str, path: &str) -> String {
     stream
         .set_read_timeout(Some(COMMAND_BOUND))
         .expect("a read timeout");
-    write!(stream, "GET {path} HTTP/1.1\r\nHost: {admin}\r\nConnection: close\r\n\r\n")
-        .expect("asking");
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {admin}\r\nConnection: close\r\n\r\n"
+    )
+    .expect("asking");
     let mut answer = String::new();
     stream.read_to_string(&mut answer).expect("the answer");
     let (head, body) = answer.split_once("\r\n\r\n").expect("a head and a body");
@@ -1200,9 +1211,17 @@ fn while_serving<T>(
 /// `rewrite` handed the plugin both.
 #[test]
 fn a_plugin_setting_given_twice_is_refused() {
-    let twice = ["--plugin-setting", "colour=red", "--plugin-setting", "colour=blue"];
+    let twice = [
+        "--plugin-setting",
+        "colour=red",
+        "--plugin-setting",
+        "colour=blue",
+    ];
     for output in [
-        snowgate(&[&["rewrite", "--machine-id", "7"][..], &twice].concat(), CONTEXT_ONLY.as_bytes()),
+        snowgate(
+            &[&["rewrite", "--machine-id", "7"][..], &twice].concat(),
+            CONTEXT_ONLY.as_bytes(),
+        ),
         snowgate(&[&["check"][..], &twice].concat(), b""),
         serve_on_any_port(&twice),
     ] {
@@ -1219,7 +1238,11 @@ fn a_plugin_setting_given_twice_is_refused() {
 #[test]
 fn a_shutdown_grace_past_a_day_is_refused() {
     let output = serve_on_any_port(&["--shutdown-grace-secs", "18446744073709551615"]);
-    failure(&output, 2, &["shutdown-grace-secs must be at most 86400 (a day)"]);
+    failure(
+        &output,
+        2,
+        &["shutdown-grace-secs must be at most 86400 (a day)"],
+    );
 }
 
 /// A plugin setting the plugin refuses stops `serve` before it listens,

@@ -247,7 +247,11 @@ fn compiling_in_process_over_a_config_files_compile_limit_is_refused() {
     let dir = TempDir::new("compile-in-process-over-file");
     let config = dir.path().join("snowgate.toml");
     let default_mib = snowgate_host::CompileLimits::default().memory_bytes >> 20;
-    std::fs::write(&config, format!("plugin-compile-memory-mib = {default_mib}\n")).unwrap();
+    std::fs::write(
+        &config,
+        format!("plugin-compile-memory-mib = {default_mib}\n"),
+    )
+    .unwrap();
     let in_process = "--plugin-compile-in-process";
     let serve = serve_until_it_exits(&["--config", arg(&config), in_process]);
     let mut check = Command::new(env!("CARGO_BIN_EXE_snowgate"));
@@ -269,7 +273,12 @@ fn compiling_in_process_over_a_config_files_compile_limit_is_refused() {
     for (command, output, file, key) in [
         ("serve", serve, "snowgate.toml", "plugin-compile-memory-mib"),
         ("check", check, "snowgate.toml", "plugin-compile-memory-mib"),
-        ("check", flag_limit, "in-process.toml", "sets plugin-compile-in-process"),
+        (
+            "check",
+            flag_limit,
+            "in-process.toml",
+            "sets plugin-compile-in-process",
+        ),
     ] {
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert_eq!(output.status.code(), Some(2), "{command}: {stderr}");

@@ -3341,7 +3341,12 @@ async fn an_upstream_response_head_that_is_not_http_is_a_502_not_to_retry() {
         for _ in 0..2 {
             let reply = client.get("/v1/models").await;
             let shown = String::from_utf8_lossy(response);
-            assert_eq!(reply.status, StatusCode::BAD_GATEWAY, "{shown}: {}", reply.text());
+            assert_eq!(
+                reply.status,
+                StatusCode::BAD_GATEWAY,
+                "{shown}: {}",
+                reply.text()
+            );
             let message = assert_openai_error(&reply.json(), "upstream_failed", "server_error");
             assert!(
                 message.contains("response head that is not valid HTTP/1.1"),

@@ -903,9 +903,7 @@ impl ConfigFile {
                      would not be sent; etcd authentication is not supported)"
                 );
                 if let Some(problem) = host_and_port_problem(authority, endpoint, &shown) {
-                    anyhow::bail!(
-                        "etcd endpoint {shown:?}: {problem}, e.g. http://127.0.0.1:2379"
-                    );
+                    anyhow::bail!("etcd endpoint {shown:?}: {problem}, e.g. http://127.0.0.1:2379");
                 }
                 // etcd's API is at the root: a path or query would be
                 // dropped without a word.

@@ -254,9 +254,9 @@ pub fn watch_plugin_file(
             // A build put off is asked about again only once the host
             // could check it: asking reads and hashes the whole file.
             let ids_may_leave = || services.ids_may_leave_now().is_ok();
-            let due = lock(&poll_tried).as_ref().is_none_or(|t| {
-                t.due(&now) && !(t.waits_for_an_id(&now) && !ids_may_leave())
-            });
+            let due = lock(&poll_tried)
+                .as_ref()
+                .is_none_or(|t| t.due(&now) && (!t.waits_for_an_id(&now) || ids_may_leave()));
             // So is one a reload asked by hand (`POST /reload`, SIGHUP) put
             // off, which this watch's record does not know of: that record
             // may say the file's build was refused, or is the one serving.
