@@ -47,6 +47,29 @@ const MANAGED: [&str; 13] = [
     "upgrade",
 ];
 
+/// Whether `name` (lower case, as a [`HeaderName`] is) is one the host
+/// manages ([`MANAGED`]), under any spelling with `_` for `-`.
+pub fn is_host_managed(name: &str) -> bool {
+    MANAGED.contains(&name) || aliases_a_managed_name(name)
+}
+
+/// Whether `name` is a name the host manages ([`MANAGED`]) under another
+/// spelling: with `_` for `-` (`x_forwarded_for`, `content_length`), which
+/// servers that read headers into CGI-style variables (WSGI, CGI, PHP)
+/// take for the same header, so that a second `X-Forwarded-For` or a
+/// body's framing could reach them past the host. nginx drops every name
+/// with `_` by default (`underscores_in_headers off`).
+pub fn aliases_a_managed_name(name: &str) -> bool {
+    name.contains('_')
+        && MANAGED.iter().any(|managed| {
+            managed.len() == name.len()
+                && managed
+                    .bytes()
+                    .zip(name.bytes())
+                    .all(|(m, n)| m == n.to_ascii_lowercase() || (m == b'-' && n == b'_'))
+        })
+}
+
 /// One change to a request's headers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum HeaderEdit {
@@ -155,10 +178,11 @@ fn editable_name(name: &str) -> Result<HeaderName, String> {
             shown(name)
         )
     })?;
-    if MANAGED.contains(&parsed.as_str()) {
+    if is_host_managed(parsed.as_str()) {
         return Err(format!(
             "the header {} is the host's to set, not a plugin's (the host manages host, \
-             content-length, expect, x-forwarded-for and the hop-by-hop headers)",
+             content-length, expect, x-forwarded-for and the hop-by-hop headers, under any \
+             spelling with _ for -)",
             parsed.as_str()
         ));
     }
@@ -355,7 +379,16 @@ mod tests {
         for managed in MANAGED {
             let problem = editable_name(&managed.to_ascii_uppercase()).expect_err(managed);
             assert!(problem.contains("the host's to set"), "{problem}");
+            // Under `_` for `-`, which CGI-style servers read as the same.
+            let aliased = managed.replace('-', "_");
+            if aliased != *managed {
+                let problem = editable_name(&aliased).expect_err(&aliased);
+                assert!(problem.contains("the host's to set"), "{problem}");
+            }
         }
+        // Other names with `_` are a plugin's to change.
+        assert!(editable_name("x_route").is_ok());
+        assert!(editable_name("content_type").is_ok());
         for bad in ["", "a b", "x:y", "é", ":authority", "a\r\nb"] {
             let problem = editable_name(bad).expect_err(bad);
             assert!(problem.contains("is not an HTTP header name"), "{problem}");

@@ -1939,6 +1939,18 @@ async fn refuses_heads_without_one_host_or_with_an_authority_target_and_trace() 
             405,
             "TRACE",
         ),
+        // Methods are case-sensitive, but an upstream that is not would
+        // echo these (before, they went on).
+        (
+            b"trace /x HTTP/1.1\r\nHost: a\r\nCookie: s=1\r\n\r\n",
+            405,
+            "TRACE",
+        ),
+        (
+            b"Trace /x HTTP/1.1\r\nHost: a\r\nCookie: s=1\r\n\r\n",
+            405,
+            "TRACE",
+        ),
     ] {
         let raw = raw_exchange(gateway.addr, request).await;
         let text = String::from_utf8_lossy(&raw.body).into_owned();
@@ -4013,6 +4025,13 @@ async fn x_forwarded_for_keeps_every_line_and_always_ends_with_the_client() {
             "Connection: X-Forwarded-For\r\nX-Forwarded-For: 1.1.1.1\r\n",
             "127.0.0.1",
         ),
+        // A CGI-style upstream (WSGI, PHP) reads `X_Forwarded_For` as the
+        // same header: it goes nowhere (before, it went on beside the
+        // gateway's line).
+        (
+            "X-Forwarded-For: 1.1.1.1\r\nX_Forwarded_For: 6.6.6.6\r\n",
+            "1.1.1.1, 127.0.0.1",
+        ),
         ("", "127.0.0.1"),
     ] {
         let request = format!(
@@ -4029,7 +4048,20 @@ async fn x_forwarded_for_keeps_every_line_and_always_ends_with_the_client() {
             .map(|v| v.to_str().expect("text"))
             .collect();
         assert_eq!(lines, [expected], "{headers:?}");
+        assert!(!last.headers.contains_key("x_forwarded_for"), "{headers:?}");
     }
+    // Other names with `_`, and framing under another spelling: the one
+    // goes on, the other goes nowhere.
+    let request = "POST /u HTTP/1.1\r\nHost: gateway.example\r\nContent-Type: text/plain\r\n\
+                   X_Custom: kept\r\nTransfer_Encoding: chunked\r\nContent-Length: 2\r\n\
+                   Connection: close\r\n\r\nok";
+    let raw = raw_exchange(gateway.addr, request.as_bytes()).await;
+    assert_eq!(raw.status, 200);
+    let seen = upstream.seen();
+    let last = seen.last().expect("a request reached the upstream");
+    assert_eq!(last.header("x_custom"), Some("kept"));
+    assert!(!last.headers.contains_key("transfer_encoding"));
+    assert_eq!(&last.body[..], b"ok");
 }
 
 /// An upstream connection left idle for --upstream-idle-timeout-ms is

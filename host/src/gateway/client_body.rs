@@ -13,7 +13,7 @@ use http_body::{Body, Frame, SizeHint};
 use tokio::time::Instant;
 
 use crate::gateway::body_memory::{ClientConnection, ConnectionWaits};
-use crate::gateway::upstream::strip_trailers;
+use crate::gateway::upstream::strip_request_trailers;
 use crate::gateway::wait_timer::WaitTimer;
 
 /// The error type of the bodies this module wraps.
@@ -334,8 +334,9 @@ where
                     FLOWING
                 };
                 this.progressed(state);
-                // Trailers: their hop-by-hop fields stay on this hop.
-                Poll::Ready(Some(Ok(strip_trailers(frame))))
+                // Trailers: their hop-by-hop fields stay on this hop, and
+                // those the gateway manages in a head go nowhere.
+                Poll::Ready(Some(Ok(strip_request_trailers(frame))))
             }
             Poll::Ready(Some(Err(e))) => {
                 this.progressed(BROKEN);

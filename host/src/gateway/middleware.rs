@@ -52,7 +52,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http::{header, HeaderMap, HeaderName, Method, Request, Response, StatusCode};
+use http::{header, HeaderMap, HeaderName, Request, Response, StatusCode};
 use http_body::Body;
 use http_body_util::{Either, Full};
 use tokio::sync::Semaphore;
@@ -251,15 +251,17 @@ impl Shared {
         // A reverse proxy for one upstream has no tunnels to open, and a
         // TRACE would echo the request's cookies and credentials back to
         // a script (cross-site tracing; nginx refuses it too). Refused
-        // before any body is read or reaches the plugin.
-        let refused = match *request.method() {
-            Method::CONNECT => {
-                Some("CONNECT is not supported: this gateway is a reverse proxy for one upstream")
-            }
-            Method::TRACE => {
-                Some("TRACE is not forwarded: it would echo the request's credentials back")
-            }
-            _ => None,
+        // before any body is read or reaches the plugin. In any case:
+        // methods are case-sensitive (RFC 9110 section 9.1), but an
+        // upstream that reads them without case would take `trace` for
+        // TRACE.
+        let method = request.method().as_str();
+        let refused = if method.eq_ignore_ascii_case("CONNECT") {
+            Some("CONNECT is not supported: this gateway is a reverse proxy for one upstream")
+        } else if method.eq_ignore_ascii_case("TRACE") {
+            Some("TRACE is not forwarded: it would echo the request's credentials back")
+        } else {
+            None
         };
         if let Some(why) = refused {
             verdict.count(Outcome::ClientError);

@@ -36,6 +36,7 @@ use crate::gateway::upstream_pool::{
 };
 use crate::gateway::upstream_read_timeout::UpstreamReadTimeout;
 use crate::gateway::upstream_turns::UpstreamTurns;
+use crate::header_edits::is_host_managed;
 use crate::log_throttle::LogThrottle;
 
 /// Any error a body may carry (defined with the client's body).
@@ -740,6 +741,29 @@ pub fn strip_trailers(frame: Frame<Bytes>) -> Frame<Bytes> {
     }
 }
 
+/// A client's trailers as [`strip_trailers`] leaves them, less the
+/// fields the gateway manages in a request's head ([`is_host_managed`]:
+/// `X-Forwarded-For`, `Host`, the body's framing, under any spelling with
+/// `_` for `-`): an upstream that merges trailers into the headers, as
+/// Tomcat does, would take a client's `X-Forwarded-For` there for one the
+/// gateway vouched for.
+pub fn strip_request_trailers(frame: Frame<Bytes>) -> Frame<Bytes> {
+    match strip_trailers(frame).into_trailers() {
+        Ok(mut trailers) => {
+            let managed: Vec<HeaderName> = trailers
+                .keys()
+                .filter(|name| is_host_managed(name.as_str()))
+                .cloned()
+                .collect();
+            for name in &managed {
+                trailers.remove(name);
+            }
+            Frame::trailers(trailers)
+        }
+        Err(frame) => frame,
+    }
+}
+
 /// Removes hop-by-hop headers. With `request`, a `TE` that accepts
 /// trailers becomes `TE: trailers`, and the headers that stay keep their
 /// order (see [`header_order`](crate::gateway::header_order): the plugin
@@ -838,6 +862,32 @@ pub(crate) fn own(response: Response<Full<Bytes>>) -> Response<UpstreamBody> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A client's trailers lose what the gateway manages in a head, under
+    /// any spelling with `_` for `-`, as well as their hop-by-hop fields;
+    /// before, an `X-Forwarded-For` trailer reached the upstream, which the
+    /// gateway had not vouched for.
+    #[test]
+    fn a_clients_trailers_carry_nothing_the_gateway_manages() {
+        let mut trailers = HeaderMap::new();
+        for (name, value) in [
+            ("x-forwarded-for", "6.6.6.6"),
+            ("x_forwarded_for", "6.6.6.6"),
+            ("host", "evil.example"),
+            ("content-length", "5"),
+            ("connection", "close"),
+            ("x-checksum", "abc"),
+            ("x_custom", "kept"),
+        ] {
+            trailers.append(HeaderName::from_static(name), value.parse().unwrap());
+        }
+        let left = strip_request_trailers(Frame::trailers(trailers))
+            .into_trailers()
+            .expect("trailers");
+        let mut names: Vec<&str> = left.keys().map(HeaderName::as_str).collect();
+        names.sort_unstable();
+        assert_eq!(names, ["x-checksum", "x_custom"]);
+    }
 
     #[test]
     fn a_length_sent_more_than_once_goes_on_as_one() {
