@@ -9,7 +9,6 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::header::{Entry, HeaderName, HeaderValue};
-use http::HeaderMap;
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Either, Empty};
 use hyper::body::Incoming;
@@ -39,9 +38,8 @@ use crate::gateway::reclaim::{room_at_the_limit, OpenConnections};
 use crate::gateway::responses;
 use crate::gateway::send_timeout::SendTimeout;
 use crate::gateway::transfer_coding;
-use crate::gateway::upstream::{strip_hop_by_hop, Upstream};
+use crate::gateway::upstream::{drop_managed_aliases, strip_hop_by_hop, Upstream};
 use crate::gateway::workers::Workers;
-use crate::header_edits::aliases_a_managed_name;
 use crate::log_throttle::LogThrottle;
 
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
@@ -779,25 +777,6 @@ fn bad_head(problem: String) -> http::Response<http_body_util::Full<Bytes>> {
 /// given before the body is read, so it costs no plugin call.
 fn bad_path(problem: String) -> http::Response<http_body_util::Full<Bytes>> {
     responses::closing_error(http::StatusCode::BAD_REQUEST, "bad_path", &problem)
-}
-
-/// Removes the client's headers that spell a name the gateway manages
-/// with `_` for `-` (`X_Forwarded_For`, `Transfer_Encoding`; see
-/// [`aliases_a_managed_name`]): a CGI-style upstream would take them for
-/// the gateway's own, a second client address or a body's framing. Other
-/// names with `_` pass.
-pub(crate) fn drop_managed_aliases(headers: &mut HeaderMap) {
-    if !headers.keys().any(|name| name.as_str().contains('_')) {
-        return;
-    }
-    let aliases: Vec<HeaderName> = headers
-        .keys()
-        .filter(|name| aliases_a_managed_name(name.as_str()))
-        .cloned()
-        .collect();
-    for alias in &aliases {
-        remove_in_order(headers, alias);
-    }
 }
 
 /// The client's address as `X-Forwarded-For` gets it, made once per

@@ -27,7 +27,7 @@ use crate::gateway::config::{host_and_port_problem, without_credentials};
 use crate::gateway::dot_segments;
 use crate::gateway::echo;
 use crate::gateway::error_chain;
-use crate::gateway::header_order::{rebuild_in_order, Change};
+use crate::gateway::header_order::{rebuild_in_order, remove_in_order, Change};
 use crate::gateway::metrics::Metrics;
 use crate::gateway::responses;
 use crate::gateway::transfer_coding;
@@ -36,7 +36,7 @@ use crate::gateway::upstream_pool::{
 };
 use crate::gateway::upstream_read_timeout::UpstreamReadTimeout;
 use crate::gateway::upstream_turns::UpstreamTurns;
-use crate::header_edits::is_host_managed;
+use crate::header_edits::{aliases_a_managed_name, is_host_managed};
 use crate::log_throttle::LogThrottle;
 
 /// Any error a body may carry (defined with the client's body).
@@ -718,6 +718,25 @@ fn one_content_length(headers: &mut HeaderMap) {
 /// the same).
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     strip(headers, true)
+}
+
+/// Removes the client's headers that spell a name the gateway manages
+/// with `_` for `-` (`X_Forwarded_For`, `Transfer_Encoding`; see
+/// [`aliases_a_managed_name`]): a CGI-style upstream would take them for
+/// the gateway's own, a second client address or a body's framing. Other
+/// names with `_` pass.
+pub fn drop_managed_aliases(headers: &mut HeaderMap) {
+    if !headers.keys().any(|name| name.as_str().contains('_')) {
+        return;
+    }
+    let aliases: Vec<HeaderName> = headers
+        .keys()
+        .filter(|name| aliases_a_managed_name(name.as_str()))
+        .cloned()
+        .collect();
+    for alias in &aliases {
+        remove_in_order(headers, alias);
+    }
 }
 
 /// [`strip_hop_by_hop`] for a response: `TE` is a request header, so one an

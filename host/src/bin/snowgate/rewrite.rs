@@ -11,7 +11,7 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use snowgate_host::clock::MAX_CATCH_UP;
 use snowgate_host::gateway::config::memory_advice;
 use snowgate_host::gateway::middleware::plugin_sees;
-use snowgate_host::gateway::upstream::strip_hop_by_hop;
+use snowgate_host::gateway::upstream::{drop_managed_aliases, strip_hop_by_hop};
 use snowgate_host::{
     plugin_text, Action, Answer, CallError, CompileCache, FixedClock, HostServices, IdClock,
     Plugin, PluginEngine, Request,
@@ -264,6 +264,7 @@ fn request_headers(given: Vec<(HeaderName, HeaderValue)>, msgpack: bool) -> Head
         headers.append(name, value);
     }
     strip_hop_by_hop(&mut headers);
+    drop_managed_aliases(&mut headers);
     headers
 }
 
