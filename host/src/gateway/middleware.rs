@@ -439,7 +439,15 @@ impl Shared {
                 return own(responses::closing_error(status, code, &message));
             }
         };
-        room.shrink_to(bytes.len());
+        // Not below what the read still holds: a buffer a little larger
+        // than the body, kept where copying it to size found no room.
+        room.shrink_to(
+            bytes.len().max(
+                read_progress
+                    .buffered
+                    .load(std::sync::atomic::Ordering::Relaxed),
+            ),
+        );
         let loosely_typed_and_not_json = label == BodyLabel::Loose && !could_be_json(&bytes);
         if bytes.is_empty() || loosely_typed_and_not_json {
             // Nothing to stamp: an empty body (e.g. a GET that declares a

@@ -84,11 +84,14 @@ const GROWTH_DIVISOR: usize = 2;
 /// Reads the body; with `memory`, its room holds what the read holds
 /// between chunks: the first chunk, kept without a copy, or, once a second
 /// comes, the buffer they are gathered in, its whole capacity (grown by
-/// half again, or to the declared length at once), taken before the buffer
-/// grows. A buffer that ends more than a quarter larger than its body is
-/// copied to its size where room for both is free, and the room is then
-/// shrunk to the body. (While a buffer is outgrown, it and its larger
-/// successor both exist for the moment of the copy: that is not counted.)
+/// half again where that is free, else within the room held; or to the
+/// declared length at once), taken before the buffer grows. A buffer that
+/// ends more than a quarter larger than its body is copied to its size
+/// where room for both is free, and the room is then shrunk to the body.
+/// What the read holds in the end is left in `progress.buffered`, below
+/// which its room must not be shrunk. (While a buffer is outgrown, it and
+/// its larger successor both exist for the moment of the copy: that is not
+/// counted.)
 async fn read<B>(
     body: B,
     limit: usize,
@@ -99,6 +102,12 @@ where
     B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
+    // What the room holds now (all there is, without one).
+    let room_bytes = || {
+        memory.map_or(usize::MAX, |(_, room, _)| {
+            room.lock().unwrap_or_else(|p| p.into_inner()).bytes()
+        })
+    };
     // The room holds at least `bytes`, or the read stops.
     let hold = |bytes: usize| -> Result<(), ReadBodyError> {
         if let Some((memory, room, _)) = memory {
@@ -147,8 +156,19 @@ where
             if needed > buffer.capacity() {
                 let grown = buffer.capacity() + buffer.capacity() / GROWTH_DIVISOR;
                 let expected = declared.unwrap_or(0);
-                let capacity = grown.max(expected).min(limit).max(needed);
-                hold(capacity)?;
+                let wanted = grown.max(expected).min(limit).max(needed);
+                // Half again where that is free; else as far as the room
+                // held already goes (while requests wait for room, none is
+                // free), and the body stops only where what has arrived
+                // outgrows it.
+                let capacity = match hold(wanted) {
+                    Ok(()) => wanted,
+                    Err(_) => {
+                        let within = needed.max(room_bytes().min(wanted));
+                        hold(within)?;
+                        within
+                    }
+                };
                 buffer.reserve_exact(capacity - buffer.len());
             }
             if let Some(chunk) = first.take() {
@@ -331,6 +351,35 @@ pub(crate) mod tests {
         assert_eq!(memory.held(), held);
         let whole = Vec::from(whole);
         assert_eq!(whole.capacity(), whole.len());
+    }
+
+    /// Where no more room is free (requests wait for it), a body of no
+    /// declared length grows its buffer within the room it holds, and is
+    /// read whole while what arrives fits that room; it is left holding
+    /// its buffer, which its room still counts. Before, the buffer asked
+    /// for half again, found none free, and a 900 KiB body in a 1 MiB room
+    /// got 503.
+    #[tokio::test]
+    async fn a_body_grows_within_its_room_where_no_more_is_free() {
+        const CHUNK: &[u8] = &[b'x'; 16 << 10];
+        let memory = BodyMemory::new(1 << 20, Duration::from_secs(1));
+        let room = Mutex::new(memory.reserve(1 << 20, || None).await.expect("room"));
+        let progress = ReadProgress::default();
+        let whole = read_limited_in(
+            chunks(&[CHUNK; 56]),
+            32 << 20,
+            None,
+            &memory,
+            &room,
+            &progress,
+        )
+        .await
+        .expect("within its room");
+        assert_eq!(whole.len(), 56 * (16 << 10));
+        let held = progress.buffered.load(Ordering::Relaxed);
+        assert!(held >= whole.len(), "{held} held for {}", whole.len());
+        assert!(room.lock().unwrap().bytes() >= held);
+        assert_eq!(memory.held(), 1 << 20);
     }
 
     #[tokio::test]
