@@ -251,21 +251,18 @@ pub fn watch_plugin_file(
                     watched = Some(dir_now);
                 }
             }
-            // A build put off is asked about again only once the host
-            // could check it: asking reads and hashes the whole file.
             let ids_may_leave = || services.ids_may_leave_now().is_ok();
-            let due = lock(&poll_tried)
-                .as_ref()
-                .is_none_or(|t| t.due(&now) && (!t.waits_for_an_id(&now) || ids_may_leave()));
-            // So is one a reload asked by hand (`POST /reload`, SIGHUP) put
-            // off, which this watch's record does not know of: that record
-            // may say the file's build was refused, or is the one serving.
-            let put_off = || {
+            let put_off_by_hand = || {
                 poll_slot
                     .upgrade()
                     .is_some_and(|slot| slot.deferred().is_some())
             };
-            let due = (due || put_off() && ids_may_leave()) && !poll_writing.under_way();
+            let due = poll_asks(
+                lock(&poll_tried).as_ref(),
+                &now,
+                ids_may_leave,
+                put_off_by_hand,
+            ) && !poll_writing.under_way();
             if now == previous && due && tx.send(Nudge::Due).is_err() {
                 return; // the reload task is gone
             }
@@ -478,6 +475,27 @@ impl Tried {
             .saturating_mul(1 << (self.failures - 1).min(16))
             .min(MAX_RETRY_PAUSE);
         elapsed >= pause
+    }
+}
+
+/// Whether the poll asks for a reload of the file now at the path (`now`),
+/// given the watch's record of its last reload (`tried`): when the file is
+/// due (see [`Tried::due`]), but a build put off is asked about only once
+/// the host could check it (`ids_may_leave`), since asking reads and hashes
+/// the whole file. So is a build a reload asked by hand (`POST /reload`,
+/// SIGHUP) put off (`put_off_by_hand`: the slot holds one), which the record
+/// does not know of (it may say the file's build was refused, or serves);
+/// but not while a reload of the file runs, which would compile it twice.
+fn poll_asks(
+    tried: Option<&Tried>,
+    now: &Fingerprint,
+    ids_may_leave: impl Fn() -> bool,
+    put_off_by_hand: impl Fn() -> bool,
+) -> bool {
+    match tried {
+        None => true,
+        Some(t) if t.due(now) => !t.waits_for_an_id(now) || ids_may_leave(),
+        Some(t) => !t.reloading && put_off_by_hand() && ids_may_leave(),
     }
 }
 
@@ -715,5 +733,27 @@ mod tests {
             };
             assert!(!running.due_after(&file(1), Duration::from_secs(3600)));
         }
+    }
+
+    /// A build a reload asked by hand put off is asked for by the poll
+    /// once ids may leave, whatever the record says of the file, but not
+    /// while a reload of it runs: before, each poll during a long compile
+    /// queued another, and a refused build was compiled and refused twice.
+    #[test]
+    fn a_build_put_off_by_hand_is_asked_for_once_ids_may_leave_and_no_reload_runs() {
+        use super::poll_asks;
+        let (yes, no) = (|| true, || false);
+        let refused = Tried {
+            refused: true,
+            ..tried(1)
+        };
+        assert!(!poll_asks(Some(&refused), &file(1), yes, no));
+        assert!(poll_asks(Some(&refused), &file(1), yes, yes));
+        assert!(!poll_asks(Some(&refused), &file(1), no, yes));
+        let running = Tried::reloading(file(1), 1);
+        assert!(!poll_asks(Some(&running), &file(1), yes, yes));
+        // A file no reload has read, or another one, is asked for.
+        assert!(poll_asks(None, &file(1), no, no));
+        assert!(poll_asks(Some(&running), &file(2), yes, no));
     }
 }
