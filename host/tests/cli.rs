@@ -943,6 +943,11 @@ fn serve_refuses_unusable_upstream_and_etcd_urls_with_status_2_without_the_passw
         (&["--upstream", "http://:80"][..], "its host is empty"),
         (&["--etcd", "http://:2379"][..], "its host is empty"),
         (
+            &["--upstream", "http://127.0.0.1:"][..],
+            "its port is empty",
+        ),
+        (&["--etcd", "http://127.0.0.1:"][..], "its port is empty"),
+        (
             &["--etcd", "http://127.0.0.1:99999"][..],
             "port 99999 is not 1..=65535",
         ),
@@ -1070,7 +1075,7 @@ fn serve_raises_its_open_file_limit_and_warns_when_it_is_too_low() {
         [hard, hard]
     );
 
-    let tight = serve_under_rlimit(libc::RLIMIT_NOFILE, 256, 512, &[])
+    let tight = serve_under_rlimit(libc::RLIMIT_NOFILE, 256, 512, &["--workers", "2"])
         .spawn()
         .expect("starting snowgate");
     // It serves all the same, taking no more connections than it has
@@ -1083,14 +1088,14 @@ fn serve_raises_its_open_file_limit_and_warns_when_it_is_too_low() {
     assert_eq!(files, [512, 512]);
     let stderr = text(&output.stderr);
     assert!(
-        stderr.contains("the open file limit (512, hard limit 512) is below the 8320")
-            && stderr.contains("serving at most 192 connections at once"),
+        stderr.contains("the open file limit (512, hard limit 512) is below the 8328")
+            && stderr.contains("serving at most 188 connections at once"),
         "{stderr}"
     );
     assert!(
         metrics
             .lines()
-            .any(|line| line == "snowgate_connections_max 192"),
+            .any(|line| line == "snowgate_connections_max 188"),
         "{metrics}"
     );
 }

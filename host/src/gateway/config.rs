@@ -273,6 +273,14 @@ impl GatewayConfig {
         self.body_memory
             .unwrap_or_else(|| default_limit(self.max_body_bytes))
     }
+
+    /// The threads that serve client connections: the number given, or
+    /// one per CPU.
+    pub fn worker_count(&self) -> usize {
+        self.workers.unwrap_or_else(|| {
+            std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+        })
+    }
 }
 
 /// Reads a listen address: an IP address and a port, as `127.0.0.1:8080`
@@ -974,8 +982,8 @@ fn one_machine_id_source(fixed: bool, high_water_file: bool, leased: bool) -> an
 /// Why `authority` (of the URL `url`, shown in messages as `shown`) names
 /// no host and port to connect to, if it does not: an empty host (`http://:80`,
 /// which would be looked up as a name and fail at every use), or a port
-/// outside 1..=65535 (which `http::Uri` takes, and a client would replace
-/// with port 80). A port that may be the end of a password (`shown` is not
+/// that is empty or outside 1..=65535 (which `http::Uri` takes, and a
+/// client would replace with port 80). A port that may be the end of a password (`shown` is not
 /// `url`) is shown as `***`.
 pub(crate) fn host_and_port_problem(
     authority: &http::uri::Authority,
@@ -988,8 +996,13 @@ pub(crate) fn host_and_port_problem(
     // After an IPv6 host's closing bracket, if any.
     let after_host = &authority.as_str()[authority.as_str().rfind(']').unwrap_or(0)..];
     let (_, port) = after_host.rsplit_once(':')?;
-    if port.is_empty() || port.parse::<u16>().is_ok_and(|p| p > 0) {
+    if port.parse::<u16>().is_ok_and(|p| p > 0) {
         return None;
+    }
+    // `http://host:` is port 80 to a URL parser, but more likely a
+    // template's `${PORT}` left unset.
+    if port.is_empty() {
+        return Some("its port is empty (after the ':'); give one, or leave out the ':'".into());
     }
     let port = if shown == url { port } else { "***" };
     Some(format!("port {port} is not 1..=65535"))

@@ -280,10 +280,7 @@ impl Gateway {
                 FailurePolicy::FailOpen => "fail-open",
             },
         });
-        let workers = self.config.workers.unwrap_or_else(|| {
-            std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
-        });
-        let workers = workers::Workers::start(workers)?;
+        let workers = workers::Workers::start(self.config.worker_count())?;
         // Made before the admin listener serves: the layer registers the
         // gauges of its call slots and body memory in the metrics.
         let layer = SnowgateLayer::new(

@@ -304,7 +304,7 @@ pub fn run(args: ServeArgs) -> Result<(), Failure> {
     let mut config = args.into_config()?;
     crate::gateway_config::check_whole(&config, file.as_deref())?;
     config.connections.max_connections =
-        crate::open_files::raise_for(config.connections.max_connections);
+        crate::open_files::raise_for(config.connections.max_connections, config.worker_count());
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("snowgate")
