@@ -729,14 +729,19 @@ pub fn drop_managed_aliases(headers: &mut HeaderMap) {
     if !headers.keys().any(|name| name.as_str().contains('_')) {
         return;
     }
-    let aliases: Vec<HeaderName> = headers
-        .keys()
-        .filter(|name| aliases_a_managed_name(name.as_str()))
-        .cloned()
-        .collect();
-    for alias in &aliases {
-        remove_in_order(headers, alias);
+    for alias in names_where(headers, aliases_a_managed_name) {
+        remove_in_order(headers, &alias);
     }
+}
+
+/// The names in `headers` that `matches`, to remove once looked at (the
+/// map cannot change while it is read).
+fn names_where(headers: &HeaderMap, matches: impl Fn(&str) -> bool) -> Vec<HeaderName> {
+    headers
+        .keys()
+        .filter(|name| matches(name.as_str()))
+        .cloned()
+        .collect()
 }
 
 /// [`strip_hop_by_hop`] for a response: `TE` is a request header, so one an
@@ -769,13 +774,8 @@ pub fn strip_trailers(frame: Frame<Bytes>) -> Frame<Bytes> {
 pub fn strip_request_trailers(frame: Frame<Bytes>) -> Frame<Bytes> {
     match strip_trailers(frame).into_trailers() {
         Ok(mut trailers) => {
-            let managed: Vec<HeaderName> = trailers
-                .keys()
-                .filter(|name| is_host_managed(name.as_str()))
-                .cloned()
-                .collect();
-            for name in &managed {
-                trailers.remove(name);
+            for name in names_where(&trailers, is_host_managed) {
+                trailers.remove(&name);
             }
             Frame::trailers(trailers)
         }
