@@ -203,6 +203,16 @@ impl PluginSlot {
             .clone()
     }
 
+    /// Whether a reload runs now, or waits to run after the one that does.
+    pub fn reload_under_way(&self) -> bool {
+        self.reloading.try_lock().is_err()
+            || self
+                .queued
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .is_some()
+    }
+
     /// The last reload failure since the last success, if any.
     pub fn last_error(&self) -> Option<ReloadError> {
         self.last_error

@@ -252,17 +252,15 @@ pub fn watch_plugin_file(
                 }
             }
             let ids_may_leave = || services.ids_may_leave_now().is_ok();
-            let put_off_by_hand = || {
-                poll_slot
-                    .upgrade()
-                    .is_some_and(|slot| slot.deferred().is_some())
-            };
-            let due = poll_asks(
-                lock(&poll_tried).as_ref(),
-                &now,
-                ids_may_leave,
-                put_off_by_hand,
-            ) && !poll_writing.under_way();
+            let slot = poll_slot.upgrade();
+            let put_off = || slot.as_ref().is_some_and(|s| s.deferred().is_some());
+            // A reload asked by hand that runs now reads the file itself,
+            // and this watch's record does not learn how it went: the next
+            // poll judges after it.
+            let due = !slot.as_ref().is_some_and(|s| s.reload_under_way())
+                && poll_asks(lock(&poll_tried).as_ref(), &now, ids_may_leave, put_off)
+                && !poll_writing.under_way();
+            drop(slot);
             if now == previous && due && tx.send(Nudge::Due).is_err() {
                 return; // the reload task is gone
             }
@@ -479,23 +477,27 @@ impl Tried {
 }
 
 /// Whether the poll asks for a reload of the file now at the path (`now`),
-/// given the watch's record of its last reload (`tried`): when the file is
-/// due (see [`Tried::due`]), but a build put off is asked about only once
-/// the host could check it (`ids_may_leave`), since asking reads and hashes
-/// the whole file. So is a build a reload asked by hand (`POST /reload`,
-/// SIGHUP) put off (`put_off_by_hand`: the slot holds one), which the record
-/// does not know of (it may say the file's build was refused, or serves);
-/// but not while a reload of the file runs, which would compile it twice.
+/// given the watch's record of its last reload (`tried`) and whether the
+/// slot holds a build put off (`put_off`, by any reload):
+/// - a file the record says is due (see [`Tried::due`]);
+/// - but a build the record says was put off only while the slot still
+///   holds one (a reload asked by hand since may have judged it, which the
+///   record does not learn) and once the host could check it
+///   (`ids_may_leave`), since asking reads and hashes the whole file;
+/// - and a build put off by a reload asked by hand (`POST /reload`, SIGHUP),
+///   which the record does not know of (it may say the file's build was
+///   refused, or serves), once the host could check it, but not while the
+///   watch's own reload of the file runs, which would compile it twice.
 fn poll_asks(
     tried: Option<&Tried>,
     now: &Fingerprint,
     ids_may_leave: impl Fn() -> bool,
-    put_off_by_hand: impl Fn() -> bool,
+    put_off: impl Fn() -> bool,
 ) -> bool {
     match tried {
         None => true,
-        Some(t) if t.due(now) => !t.waits_for_an_id(now) || ids_may_leave(),
-        Some(t) => !t.reloading && put_off_by_hand() && ids_may_leave(),
+        Some(t) if t.due(now) => !t.waits_for_an_id(now) || put_off() && ids_may_leave(),
+        Some(t) => !t.reloading && put_off() && ids_may_leave(),
     }
 }
 
@@ -740,7 +742,7 @@ mod tests {
     /// while a reload of it runs: before, each poll during a long compile
     /// queued another, and a refused build was compiled and refused twice.
     #[test]
-    fn a_build_put_off_by_hand_is_asked_for_once_ids_may_leave_and_no_reload_runs() {
+    fn a_build_put_off_is_asked_for_once_ids_may_leave_and_no_reload_runs() {
         use super::poll_asks;
         let (yes, no) = (|| true, || false);
         let refused = Tried {
@@ -755,5 +757,15 @@ mod tests {
         // A file no reload has read, or another one, is asked for.
         assert!(poll_asks(None, &file(1), no, no));
         assert!(poll_asks(Some(&running), &file(2), yes, no));
+        // One this watch put off is asked for while the slot still holds
+        // a build put off; not once a reload asked by hand judged it (before,
+        // the poll refused it a second time).
+        let put_off = Tried {
+            deferred: true,
+            ..tried(0)
+        };
+        assert!(poll_asks(Some(&put_off), &file(1), yes, yes));
+        assert!(!poll_asks(Some(&put_off), &file(1), yes, no));
+        assert!(!poll_asks(Some(&put_off), &file(1), no, yes));
     }
 }
