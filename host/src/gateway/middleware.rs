@@ -70,7 +70,7 @@ use crate::gateway::config::{ConnectionLimits, FailurePolicy};
 use crate::gateway::header_order::remove_in_order;
 use crate::gateway::metrics::{Metrics, Outcome};
 use crate::gateway::queued::Queued;
-use crate::gateway::read_body::{read_limited_in, ReadBodyError, ReadProgress};
+use crate::gateway::read_body::{read_limited_in, room_after_read, ReadBodyError, ReadProgress};
 use crate::gateway::responses;
 use crate::gateway::slot::PluginSlot;
 use crate::log_throttle::LogThrottle;
@@ -439,15 +439,7 @@ impl Shared {
                 return own(responses::closing_error(status, code, &message));
             }
         };
-        // Not below what the read still holds: a buffer a little larger
-        // than the body, kept where copying it to size found no room.
-        room.shrink_to(
-            bytes.len().max(
-                read_progress
-                    .buffered
-                    .load(std::sync::atomic::Ordering::Relaxed),
-            ),
-        );
+        room.shrink_to(room_after_read(&bytes, &read_progress));
         let loosely_typed_and_not_json = label == BodyLabel::Loose && !could_be_json(&bytes);
         if bytes.is_empty() || loosely_typed_and_not_json {
             // Nothing to stamp: an empty body (e.g. a GET that declares a
