@@ -313,8 +313,8 @@ pub fn run(args: ServeArgs) -> Result<(), Failure> {
     let served = runtime.block_on(async move {
         // Heard from the start: a stop while the gateway binds (its plugin
         // compiling, a high-water mark far ahead waited out) ends the start
-        // with status 0, where the signal's default action killed it. A
-        // lease claimed meanwhile is not given up, and lapses by its TTL.
+        // with status 0, where the signal's default action killed it. No
+        // machine id is leased yet: `serve_until` claims it.
         let (shutdown, cut_short) = stop_signals()?;
         let mut shutdown = Box::pin(shutdown);
         let gateway = tokio::select! {
