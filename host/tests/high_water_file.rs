@@ -48,6 +48,16 @@ fn env_of<'a>(pairs: &'a [(&'static str, String)]) -> Vec<(&'static str, &'a str
     pairs.iter().map(|(k, v)| (*k, v.as_str())).collect()
 }
 
+/// Runs a gateway on the high-water file `file_arg` with its clock
+/// `offset` ahead (libfaketime's `library`), stamps five ids and stops it:
+/// the file's mark is left about that far ahead of the wall clock.
+async fn leave_a_mark_ahead(library: &Path, file_arg: &str, offset: &str) {
+    let ahead = faked_clock(library, offset);
+    let gateway = Gateway::start_with_env(&["--high-water-file", file_arg], &env_of(&ahead)).await;
+    stamp(&gateway, 5).await;
+    gateway.stop().await;
+}
+
 /// The ids of `count` context-only requests, one after another, as the
 /// built-in echo upstream received them.
 async fn stamp(gateway: &Gateway, count: usize) -> Vec<u64> {
@@ -220,10 +230,7 @@ async fn a_start_waits_for_a_mark_beyond_the_id_clocks_lead() {
     };
     let (_dir, file) = scratch("far-ahead");
     let file_arg = file.to_str().expect("a UTF-8 path");
-    let ahead = faked_clock(&library, "+12s");
-    let first = Gateway::start_with_env(&["--high-water-file", file_arg], &env_of(&ahead)).await;
-    stamp(&first, 5).await;
-    first.stop().await;
+    leave_a_mark_ahead(&library, file_arg, "+12s").await;
     let mark = mark_in(&file);
     assert!(
         mark > now_millis() + 9_000,
@@ -257,10 +264,7 @@ async fn a_stop_while_the_start_waits_for_its_mark_ends_the_start_cleanly() {
     };
     let (_dir, file) = scratch("stopped-while-waiting");
     let file_arg = file.to_str().expect("a UTF-8 path");
-    let ahead = faked_clock(&library, "+60s");
-    let first = Gateway::start_with_env(&["--high-water-file", file_arg], &env_of(&ahead)).await;
-    stamp(&first, 1).await;
-    first.stop().await;
+    leave_a_mark_ahead(&library, file_arg, "+60s").await;
 
     let mut waiting = support::Reaped(
         std::process::Command::new(env!("CARGO_BIN_EXE_snowgate"))
