@@ -1083,7 +1083,17 @@ fn serve_raises_its_open_file_limit_and_warns_when_it_is_too_low() {
     // accepts took the descriptors upstream connections gave back, and the
     // clients it served got 502s.
     let ((files, metrics), output) = while_serving(tight, |pid, ready| {
-        (open_files(pid), admin_get(ready, "/metrics"))
+        // The connection gauges are registered once the workers run, a
+        // moment after the ready line.
+        let started = std::time::Instant::now();
+        let metrics = loop {
+            let metrics = admin_get(ready, "/metrics");
+            if metrics.contains("snowgate_connections_max ") || started.elapsed() > COMMAND_BOUND {
+                break metrics;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        };
+        (open_files(pid), metrics)
     });
     assert_eq!(files, [512, 512]);
     let stderr = text(&output.stderr);
