@@ -31,15 +31,10 @@ pub fn layered(
     };
     if let Some(path) = file {
         let settings = ConfigFile::read(path).map_err(bad)?;
-        if let Some(conflict) = compile_conflict(&settings, &flags) {
+        if let Some((flag, keys)) = compile_conflict(&settings, &flags) {
             return Err(Failure::BadInput(format!(
-                "{conflict}, and the config file {} sets {}: remove one or the other",
+                "{flag}, and the config file {} sets {keys}: remove one or the other",
                 path.display(),
-                if flags.plugin_compile_in_process == Some(true) {
-                    "plugin-compile-memory-mib or plugin-compile-cpu-secs"
-                } else {
-                    "plugin-compile-in-process"
-                }
             )));
         }
         // A setting's error names it as a flag would; say which file it
@@ -56,22 +51,26 @@ pub fn layered(
     Ok(config)
 }
 
-/// What is wrong where the flags and the file disagree on where builds
-/// compile: in-process compiling from one and compile limits from the
-/// other, which it would drop without a word (or refuse without naming
-/// the file). `None` where they agree.
-fn compile_conflict(file: &ConfigFile, flags: &ConfigFile) -> Option<&'static str> {
+/// Where the flags and the file disagree on where builds compile:
+/// in-process compiling from one and compile limits from the other, which
+/// it would drop without a word (or refuse without naming the file). What
+/// the flag does, and the keys the file sets; `None` where they agree.
+fn compile_conflict(file: &ConfigFile, flags: &ConfigFile) -> Option<(&'static str, &'static str)> {
     let limits = |s: &ConfigFile| {
         s.plugin_compile_memory_mib.is_some() || s.plugin_compile_cpu_secs.is_some()
     };
     let in_process = |s: &ConfigFile| s.plugin_compile_in_process == Some(true);
     if in_process(flags) && limits(file) {
-        Some("--plugin-compile-in-process leaves out the process plugins are compiled in")
+        Some((
+            "--plugin-compile-in-process leaves out the process plugins are compiled in",
+            "plugin-compile-memory-mib or plugin-compile-cpu-secs",
+        ))
     } else if limits(flags) && in_process(file) {
-        Some(
+        Some((
             "--plugin-compile-memory-mib and --plugin-compile-cpu-secs limit the process plugins \
              are compiled in",
-        )
+            "plugin-compile-in-process",
+        ))
     } else {
         None
     }

@@ -80,9 +80,9 @@ pub fn raise_for(max_connections: usize, workers: usize) -> usize {
         "the open file limit ({soft}, hard limit {hard}) is below the {needed} that \
          --max-connections {max_connections} may need (a client and an upstream connection \
          each, and {besides} more for {workers} workers and the rest; an HTTP/2 connection's \
-         requests each take an upstream connection of their own): serving at most {fits} connections at once, as if \
-         --max-connections were {fits}; raise the limit (LimitNOFILE= under systemd, ulimit -n) \
-         to serve more"
+         requests each take an upstream connection of their own): serving at most {fits} \
+         connections at once, as if --max-connections were {fits}; raise the limit \
+         (LimitNOFILE= under systemd, ulimit -n) to serve more"
     );
     fits
 }
