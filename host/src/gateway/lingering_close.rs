@@ -24,8 +24,6 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::oneshot;
 
-use crate::gateway::server::has_unread;
-
 /// The longest the gateway reads what a client sends after its answer
 /// (nginx's `lingering_time`).
 pub const LINGER_TIME: Duration = Duration::from_secs(30);
@@ -164,6 +162,29 @@ pub async fn close(
         () = told_to_close => {}
     }
     thrown
+}
+
+/// Whether the client has sent bytes on `socket` that are not yet read:
+/// a peek at the socket that neither waits, whatever the socket's mode,
+/// nor takes them. Asked before a connection is registered with its
+/// worker's reactor (a stream registered anew reads as not ready until the
+/// reactor's next turn, so a shutdown beginning in that moment would
+/// otherwise close a connection whose request is already there), and when
+/// the gateway is done with one (see `lingering_close`).
+pub fn has_unread(socket: &impl std::os::fd::AsRawFd) -> bool {
+    let mut probe = 0u8;
+    // SAFETY: recv writes at most one byte through the pointer, which
+    // points at a live byte; the descriptor is `socket`'s, open while it
+    // is borrowed.
+    let got = unsafe {
+        libc::recv(
+            socket.as_raw_fd(),
+            (&mut probe as *mut u8).cast(),
+            1,
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
+    };
+    got > 0
 }
 
 #[cfg(test)]

@@ -31,7 +31,7 @@ use crate::gateway::client_gone::{ClientGone, ClientSocket, CLIENT_GONE_STATUS};
 use crate::gateway::config::{ConnectionLimits, MAX_HEADER_BYTES, MIN_HEADER_BYTES};
 use crate::gateway::error_chain;
 use crate::gateway::header_order::remove_in_order;
-use crate::gateway::lingering_close::{self, HandBack};
+use crate::gateway::lingering_close::{self, has_unread, HandBack};
 use crate::gateway::metrics::{Metrics, Outcome};
 use crate::gateway::middleware::SnowgateLayer;
 use crate::gateway::reclaim::{room_at_the_limit, OpenConnections};
@@ -500,29 +500,6 @@ pub fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
     socket.set_reuseaddr(true)?;
     socket.bind(addr)?;
     socket.listen(LISTEN_BACKLOG)
-}
-
-/// Whether the client has sent bytes on `socket` that are not yet read:
-/// a peek at the socket that neither waits, whatever the socket's mode,
-/// nor takes them. Asked before a connection is registered with its
-/// worker's reactor (a stream registered anew reads as not ready until the
-/// reactor's next turn, so a shutdown beginning in that moment would
-/// otherwise close a connection whose request is already there), and when
-/// the gateway is done with one (see `lingering_close`).
-pub(crate) fn has_unread(socket: &impl std::os::fd::AsRawFd) -> bool {
-    let mut probe = 0u8;
-    // SAFETY: recv writes at most one byte through the pointer, which
-    // points at a live byte; the descriptor is `socket`'s, open while it
-    // is borrowed.
-    let got = unsafe {
-        libc::recv(
-            socket.as_raw_fd(),
-            (&mut probe as *mut u8).cast(),
-            1,
-            libc::MSG_PEEK | libc::MSG_DONTWAIT,
-        )
-    };
-    got > 0
 }
 
 /// Whether the client sends its first byte within `timeout`, before
