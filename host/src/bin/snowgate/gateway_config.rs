@@ -47,7 +47,7 @@ pub fn layered(
     flags.apply(&mut config).map_err(bad)?;
     config
         .plugin_settings
-        .extend(crate::serve::settings_once_each(settings)?);
+        .extend(crate::plugin_flags::settings_once_each(settings)?);
     Ok(config)
 }
 

@@ -123,3 +123,19 @@ pub fn named(path: Option<&Path>) -> String {
 /// times (`rewrite`, `check`), where a gateway has 64: each reserves about
 /// 4 GiB of address space, which a limited one (`ulimit -v`) may not have.
 pub const ONE_SHOT_INSTANCES: u32 = 2;
+
+/// The `--plugin-setting`s given, each name once: a name given twice is
+/// bad input (which one the plugin would see depended on the command: the
+/// last for `serve` and `check`, both, in turn, for `rewrite`).
+pub(crate) fn settings_once_each(
+    settings: Vec<(String, String)>,
+) -> Result<Vec<(String, String)>, Failure> {
+    for (i, (name, value)) in settings.iter().enumerate() {
+        if let Some((_, other)) = settings[..i].iter().find(|(earlier, _)| earlier == name) {
+            return Err(Failure::BadInput(format!(
+                "--plugin-setting {name} is given twice ({other:?} and {value:?}): give it once"
+            )));
+        }
+    }
+    Ok(settings)
+}

@@ -126,7 +126,7 @@ pub fn run(args: RewriteArgs) -> Result<(), Failure> {
     if let Some(dir) = &args.plugin_cache_dir {
         engine = engine.with_compile_cache(CompileCache::open(dir).context("--plugin-cache-dir")?);
     }
-    let settings = crate::serve::settings_once_each(args.plugin.plugin_settings.clone())?;
+    let settings = crate::plugin_flags::settings_once_each(args.plugin.plugin_settings.clone())?;
     let plugin = Plugin::load(&engine, &args.plugin.build()?, &settings)
         .with_context(|| format!("loading {}", args.plugin.named()))?;
     plugin.keep_compiled();

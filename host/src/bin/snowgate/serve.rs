@@ -225,22 +225,6 @@ pub struct ServeArgs {
     admin_token: Option<String>,
 }
 
-/// The `--plugin-setting`s given, each name once: a name given twice is
-/// bad input (which one the plugin would see depended on the command: the
-/// last for `serve` and `check`, both, in turn, for `rewrite`).
-pub(crate) fn settings_once_each(
-    settings: Vec<(String, String)>,
-) -> Result<Vec<(String, String)>, Failure> {
-    for (i, (name, value)) in settings.iter().enumerate() {
-        if let Some((_, other)) = settings[..i].iter().find(|(earlier, _)| earlier == name) {
-            return Err(Failure::BadInput(format!(
-                "--plugin-setting {name} is given twice ({other:?} and {value:?}): give it once"
-            )));
-        }
-    }
-    Ok(settings)
-}
-
 /// Reads a `--plugin-setting NAME=VALUE`.
 pub(crate) fn parse_setting(s: &str) -> Result<(String, String), String> {
     let (name, value) = s
