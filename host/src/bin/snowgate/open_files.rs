@@ -23,14 +23,15 @@ const PER_WORKER: u64 = 4;
 const UNLIMITED_AS: u64 = 1 << 20;
 
 /// Descriptors `max_connections` client connections need with a request
-/// each: each client's, and an upstream connection for each. An HTTP/2
+/// each, on top of the gateway's others (`besides`): each client's, and an
+/// upstream connection for each. An HTTP/2
 /// client's connection carries up to `--max-streams-per-connection`
 /// requests, each with an upstream connection of its own: too many to
 /// count on (128 times 4096), so the warning says so instead.
-fn needed(max_connections: usize, workers: usize) -> u64 {
+fn needed(max_connections: usize, besides: u64) -> u64 {
     (max_connections as u64)
         .saturating_mul(2)
-        .saturating_add(besides_connections(workers))
+        .saturating_add(besides)
 }
 
 /// The descriptors a gateway of `workers` uses besides its connections.
@@ -68,11 +69,11 @@ pub fn raise_for(max_connections: usize, workers: usize) -> usize {
             ),
         }
     }
-    let needed = needed(max_connections, workers);
+    let besides = besides_connections(workers);
+    let needed = needed(max_connections, besides);
     if soft >= needed {
         return max_connections;
     }
-    let besides = besides_connections(workers);
     let fits = usize::try_from(soft.saturating_sub(besides) / 2)
         .unwrap_or(usize::MAX)
         .max(1);
