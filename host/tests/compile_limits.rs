@@ -83,6 +83,14 @@ fn serve_until_it_exits(args: &[&str]) -> std::process::Output {
     run_bounded(command, b"", Duration::from_secs(300))
 }
 
+/// Runs `snowgate check` with `args` until it exits (killed after five
+/// minutes, failing the test): its output.
+fn check_until_it_exits(args: &[&str]) -> std::process::Output {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_snowgate"));
+    command.arg("check").args(args);
+    run_bounded(command, b"", Duration::from_secs(300))
+}
+
 /// A gateway serving build 0 of the bundled plugin from a file in a new
 /// directory, with `extra` flags.
 async fn serving(name: &str, extra: &[&str]) -> (TempDir, std::path::PathBuf, Gateway) {
@@ -216,18 +224,15 @@ fn check_compiles_under_its_config_files_compile_limits() {
     let plugin = dir.path().join("plugin.wasm");
     // From the file, and from the flag as `serve` takes it.
     for args in [
-        vec!["check", "--config", arg(&config)],
+        vec!["--config", arg(&config)],
         vec![
-            "check",
             "--plugin",
             arg(&plugin),
             "--plugin-compile-memory-mib",
             limit.as_str(),
         ],
     ] {
-        let mut command = Command::new(env!("CARGO_BIN_EXE_snowgate"));
-        command.args(&args);
-        let output = run_bounded(command, b"", Duration::from_secs(300));
+        let output = check_until_it_exits(&args);
         assert_eq!(output.status.code(), Some(1), "{args:?}: must be refused");
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert!(
@@ -254,22 +259,17 @@ fn compiling_in_process_over_a_config_files_compile_limit_is_refused() {
     .unwrap();
     let in_process = "--plugin-compile-in-process";
     let serve = serve_until_it_exits(&["--config", arg(&config), in_process]);
-    let mut check = Command::new(env!("CARGO_BIN_EXE_snowgate"));
-    check.args(["check", "--config", arg(&config), in_process]);
-    let check = run_bounded(check, b"", Duration::from_secs(300));
+    let check = check_until_it_exits(&["--config", arg(&config), in_process]);
     // And the other way round: the file compiles in-process, a flag sets a
     // limit (before, refused without naming the file).
     let other_way = dir.path().join("in-process.toml");
     std::fs::write(&other_way, "plugin-compile-in-process = true\n").unwrap();
-    let mut flag_limit = Command::new(env!("CARGO_BIN_EXE_snowgate"));
-    flag_limit.args([
-        "check",
+    let flag_limit = check_until_it_exits(&[
         "--config",
         arg(&other_way),
         "--plugin-compile-memory-mib",
         "512",
     ]);
-    let flag_limit = run_bounded(flag_limit, b"", Duration::from_secs(300));
     for (command, output, file, key) in [
         ("serve", serve, "snowgate.toml", "plugin-compile-memory-mib"),
         ("check", check, "snowgate.toml", "plugin-compile-memory-mib"),
