@@ -813,6 +813,53 @@ fn output_that_cannot_be_written_is_an_error_not_a_panic() {
     assert!(!text(&decode.stderr).contains("panicked"));
 }
 
+/// A stdout open only for reading (`1<file`): writes to it fail with
+/// `EBADF`, which Rust's own stdout takes for success. `rewrite` lost the
+/// body it had stamped and exited 0; now it exits 1 and says why. (A
+/// closed stdout, `>&-`, is not this case: Rust's start-up opens
+/// `/dev/null` on it, as on any closed standard descriptor, and output
+/// goes there as with `>/dev/null`.)
+#[cfg(unix)]
+#[test]
+fn a_stdout_not_open_for_writing_is_an_error_not_output_lost() {
+    use std::os::unix::process::CommandExt;
+    let said = |output: &Output| {
+        assert_eq!(output.status.code(), Some(1), "{}", text(&output.stderr));
+        assert!(
+            text(&output.stderr).contains("stdout is not open for writing"),
+            "{}",
+            text(&output.stderr)
+        );
+    };
+    // `run` pipes stdout; `then` changes descriptor 1 after that, in the
+    // child.
+    let snowgate = |args: &[&str], then: fn() -> libc::c_int| {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_snowgate"));
+        command.args(args);
+        // SAFETY: between fork and exec the closure only calls open and
+        // dup2, which are async-signal-safe.
+        unsafe {
+            command.pre_exec(move || match then() {
+                -1 => Err(std::io::Error::last_os_error()),
+                _ => Ok(()),
+            });
+        }
+        command
+    };
+    // SAFETY: open gets a NUL-terminated path; dup2 only replaces
+    // descriptor 1, which nothing in the child holds a Rust handle to yet.
+    let read_only = || unsafe {
+        let fd = libc::open(c"/dev/null".as_ptr(), libc::O_RDONLY);
+        libc::dup2(fd, 1)
+    };
+    let rewrite = ["rewrite", "--machine-id", "7"];
+    said(&run(snowgate(&rewrite, read_only), CONTEXT_ONLY.as_bytes()));
+    said(&run(
+        snowgate(&["decode", "7398756654046539776"], read_only),
+        b"",
+    ));
+}
+
 /// A pipe whose reader is gone: each write to it fails with `EPIPE`.
 fn broken_pipe() -> std::process::Stdio {
     let (reader, writer) = std::io::pipe().expect("a pipe");

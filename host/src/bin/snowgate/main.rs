@@ -97,16 +97,28 @@ pub enum Failure {
     Failed(anyhow::Error),
 }
 
-/// Writes `bytes` to stdout and flushes it: a closed or full stdout is an
-/// error that says so, not a panic or output silently lost.
+/// Writes `bytes` to stdout: a read-only or full stdout, or one whose
+/// reader is gone, is an error that says so, not a panic or output
+/// silently lost.
+///
+/// The write goes through a duplicate of the descriptor, not
+/// [`std::io::stdout`], which takes `EBADF` for success: `rewrite
+/// 1<file` lost the body it had stamped and exited 0. (A stdout closed at
+/// start, `>&-`, is `/dev/null` by then: Rust's start-up opens it there.)
 pub fn write_stdout(bytes: &[u8]) -> anyhow::Result<()> {
     use std::io::Write;
+    use std::os::fd::AsFd;
 
-    let mut stdout = std::io::stdout().lock();
-    stdout
-        .write_all(bytes)
-        .and_then(|()| stdout.flush())
-        .map_err(|e| anyhow::anyhow!("writing the output to stdout: {e}"))
+    let said = |e: std::io::Error| {
+        if e.raw_os_error() == Some(libc::EBADF) {
+            anyhow::anyhow!("writing the output to stdout: stdout is not open for writing ({e})")
+        } else {
+            anyhow::anyhow!("writing the output to stdout: {e}")
+        }
+    };
+    let stdout = std::io::stdout().lock();
+    let mut file = std::fs::File::from(stdout.as_fd().try_clone_to_owned().map_err(said)?);
+    file.write_all(bytes).map_err(said)
 }
 
 impl From<anyhow::Error> for Failure {
