@@ -794,6 +794,50 @@ fn a_log_filter_that_does_not_parse_is_refused() {
     assert_eq!(decode("snowgate::access=debug,warn"), "");
 }
 
+/// An admin token that is not UTF-8, from the environment or the flag, is
+/// refused with a message that names where it came from and does not show
+/// it. clap's own message named neither.
+#[cfg(unix)]
+#[test]
+fn an_admin_token_that_is_not_utf8_is_named_not_shown() {
+    use std::os::unix::ffi::OsStrExt;
+    let token = std::ffi::OsStr::from_bytes(b"s3cret\xff");
+    let refused = |command: Command| {
+        let output = run(command, b"");
+        let stderr = text(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{stderr}");
+        assert!(
+            stderr.contains("the admin token (--admin-token or SNOWGATE_ADMIN_TOKEN) is not UTF-8"),
+            "{stderr}"
+        );
+        assert!(!stderr.contains("s3cret"), "{stderr}");
+    };
+    let mut from_env = Command::new(env!("CARGO_BIN_EXE_snowgate"));
+    from_env
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+        ])
+        .env("SNOWGATE_ADMIN_TOKEN", token);
+    refused(from_env);
+    let mut from_flag = Command::new(env!("CARGO_BIN_EXE_snowgate"));
+    from_flag
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+        ])
+        .arg("--admin-token")
+        .arg(token)
+        .env_remove("SNOWGATE_ADMIN_TOKEN");
+    refused(from_flag);
+}
+
 /// Output that cannot be written is an error that says so, not a panic.
 #[test]
 fn output_that_cannot_be_written_is_an_error_not_a_panic() {

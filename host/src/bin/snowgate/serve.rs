@@ -220,9 +220,38 @@ pub struct ServeArgs {
         long,
         env = "SNOWGATE_ADMIN_TOKEN",
         value_name = "TOKEN",
-        hide_env_values = true
+        hide_env_values = true,
+        value_parser = AdminTokenParser
     )]
     admin_token: Option<String>,
+}
+
+/// Reads the admin token as text. Bytes that are not UTF-8 are refused
+/// with a message that names the flag and the variable, and not the
+/// bytes (a secret): clap's own said only "invalid UTF-8 was detected in
+/// one or more arguments", which named neither when the token came from
+/// the environment.
+#[derive(Clone)]
+struct AdminTokenParser;
+
+impl clap::builder::TypedValueParser for AdminTokenParser {
+    type Value = String;
+
+    fn parse_ref(
+        &self,
+        command: &clap::Command,
+        _arg: Option<&clap::Arg>,
+        value: &std::ffi::OsStr,
+    ) -> Result<String, clap::Error> {
+        value.to_str().map(str::to_owned).ok_or_else(|| {
+            clap::Error::raw(
+                clap::error::ErrorKind::InvalidUtf8,
+                "the admin token (--admin-token or SNOWGATE_ADMIN_TOKEN) is not UTF-8; a bearer \
+                 token is visible ASCII\n",
+            )
+            .with_cmd(command)
+        })
+    }
 }
 
 /// Reads a `--plugin-setting NAME=VALUE`.
