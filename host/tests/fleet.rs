@@ -669,6 +669,49 @@ async fn a_replica_restarted_onto_the_same_slot_repeats_no_id() {
     );
 }
 
+/// A replica moved off etcd to a fixed `--machine-id` of the id it leased
+/// (as the README's config file lets an operator do) starts its id clock
+/// at its wall clock: the leased run's stop waits for the wall clock to
+/// pass its last id, as a stop with a high-water file does for a rollback.
+/// Before, the leased stop gave its slot back and exited at once, up to
+/// the id clock's 9 s lead ahead (a claim's floor, bursts of ids), and the
+/// fixed run repeated thousands of its ids.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replica_moved_from_etcd_to_a_fixed_id_repeats_no_id() {
+    let Some(binary) = etcd_binary() else { return };
+    let etcd = Etcd::start(binary).await;
+    let leased = replica(&etcd, &[]).await;
+    let id = leased_id(&leased).await;
+    // Bursts of 4,000 ids per request run the clock ahead of the wall clock.
+    let leased_ids = stamp_many(&leased, 10, 4000).await;
+    let millis = |id: u64| SnowflakeLayout::TrtllmV1.decode(id).expect("an id").millis;
+    let last = leased_ids.iter().copied().map(millis).max().expect("ids");
+    assert!(
+        last > now_millis(),
+        "the leased run's last id (ms {last}) is not ahead of the wall clock, so this test \
+         would pass without the stop's wait"
+    );
+    leased.stop().await;
+    let after_stop = now_millis();
+    assert!(
+        after_stop > last,
+        "the leased replica exited at ms {after_stop}, before the wall clock passed its last id \
+         (ms {last})"
+    );
+
+    let machine_id = id.to_string();
+    let fixed = Gateway::start(&["--machine-id", &machine_id]).await;
+    let fixed_ids = stamp_many(&fixed, 3, 4000).await;
+    assert_issued_by(&fixed_ids, id);
+    let earlier: HashSet<u64> = leased_ids.iter().copied().collect();
+    for new in fixed_ids {
+        assert!(
+            !earlier.contains(&new),
+            "id {new} was issued by the leased run too"
+        );
+    }
+}
+
 /// A high-water mark no holder could have written (not a number, or more
 /// than a day past the furthest a holder sets it) leaves the slot's earlier
 /// ids unknown: the replica skips that slot, says why, and takes the next

@@ -316,14 +316,19 @@ impl Gateway {
         self.slot.close().await;
         let services = &self.services;
         let ids_given_up = async move {
+            // The wait for the wall clock to pass the last id issued is
+            // for a next start without the mark's store: a fixed
+            // `--machine-id` after `--etcd` (a replica moved off the
+            // fleet's etcd) or after the file (a rollback). Usually no
+            // wait at all, at most the id clock's lead (9 s, as after a
+            // lease's claim). Side by side with the store's last write, so
+            // that a stop takes at most 10 s more (for the file, 5 s for a
+            // write under way and 5 s for its own, on a disk that hangs).
+            // Each gives up the machine id first.
             match (lease, self.high_water) {
-                (Some((_, handle)), _) => handle.release(drained).await,
-                // Side by side, so that a stop takes at most 10 s more:
-                // the file's last write (5 s for one under way, 5 s for
-                // its own, on a disk that hangs), and the wait for the
-                // wall clock, also for a next start without the file (a
-                // rollback; usually no wait at all). Both give up the
-                // machine id first.
+                (Some((_, handle)), _) => {
+                    tokio::join!(handle.release(drained), outlast_the_clock(services));
+                }
                 (None, Some(file)) => {
                     tokio::join!(file.release(), outlast_the_clock(services));
                 }
