@@ -861,6 +861,15 @@ async fn a_replica_waiting_for_a_free_slot_warns_once_and_grants_no_lease() {
     );
     let reply = post_json(replica.addr, "/v1/completions", batch(1)).await;
     assert_eq!(reply.status, 503, "{}", reply.text());
+    // Readiness and `/status` say why, not only that a lease is being
+    // acquired (which no request to etcd was doing).
+    let taken = format!("every machine id of layout trtllm-v1 (0..={max}) is taken");
+    let ready = get(replica.admin, "/readyz").await;
+    assert_eq!(ready.status, 503, "{}", ready.text());
+    assert!(ready.text().contains(&taken), "{}", ready.text());
+    let status = replica.status().await;
+    let why = status["machine_id_error"].as_str().unwrap_or_default();
+    assert!(why.contains(&taken), "{status}");
 
     // The other replicas go: the waiting one takes the lowest slot, under
     // a lease of its own (which the count sees, so it counts this replica).

@@ -507,7 +507,7 @@ impl Keeper {
             format_millis(floor)
         );
         tracing::info!(machine_id = id, "{wait}");
-        self.status.update(|s| s.last_error = Some(wait));
+        self.waiting(wait);
         loop {
             let now = millis_of(SystemTime::now());
             if now >= usable_from {

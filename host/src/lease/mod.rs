@@ -365,7 +365,7 @@ impl Keeper {
                     } else {
                         tracing::warn!(error = %message, "claiming a machine id in etcd failed; retrying");
                     }
-                    self.status.update(|s| s.last_error = Some(message));
+                    self.waiting(message);
                     self.pause(RETRY_PAUSE).await;
                     continue;
                 }
@@ -413,6 +413,19 @@ impl Keeper {
             let _ = tokio::time::timeout(RELEASE_WAIT, client.lease_revoke(lease_id)).await;
         }
         self.status.update(|s| s.state = LeaseState::Released);
+    }
+
+    /// Why no machine id is held yet, as a claim goes on (a claim that
+    /// failed, every slot taken, a slot's floor waited for): in the lease's
+    /// `last_error`, and as why the machine id is withdrawn, which
+    /// `/readyz` and `/status`'s `machine_id_error` say. Those kept the
+    /// first reason, "acquiring", or the loss before it, for as long as
+    /// the claim went on.
+    fn waiting(&self, why: String) {
+        self.services
+            .identity
+            .withdraw(format!("acquiring a machine id lease from etcd: {why}"));
+        self.status.update(|s| s.last_error = Some(why));
     }
 
     /// A hold ended for `reason` without a stop: withdraws the machine id
