@@ -76,4 +76,4 @@ pub use plugin::{
     layout_setting_problem, ConfigurationRefused, Plugin, PluginInfo, LAYOUT_SETTING,
 };
 pub use request::{Headers, Request};
-pub use text_limits::plugin_text;
+pub use text_limits::{plugin_reason, plugin_text};

@@ -15,7 +15,7 @@ use crate::compile_cache::{is_over_the_limits, CompileCache, Compiled};
 use crate::compile_process::CompileFailure;
 use crate::engine::PluginEngine;
 use crate::state::HostState;
-use crate::text_limits::{plugin_text, MAX_PLUGIN_NAME, MAX_PLUGIN_TEXT};
+use crate::text_limits::{plugin_reason, plugin_text, MAX_PLUGIN_NAME, MAX_PLUGIN_TEXT};
 
 /// The version of the `snowgate:middleware` contract (`wit/middleware.wit`)
 /// this host implements. Plugins built against a version not in
@@ -265,7 +265,10 @@ impl Plugin {
             .call_configure(&mut store, &self.settings)
             .map_err(|e| failed(&store, "configure", e))?
             .map_err(|refusal| {
-                anyhow::Error::new(ConfigurationRefused(plugin_text(refusal, MAX_PLUGIN_TEXT)))
+                anyhow::Error::new(ConfigurationRefused(plugin_reason(
+                    refusal,
+                    MAX_PLUGIN_TEXT,
+                )))
             })?;
         Ok((name, plugin_text(version, MAX_PLUGIN_NAME)))
     }

@@ -61,6 +61,16 @@ pub fn plugin_text(text: String, max: usize) -> String {
     }
 }
 
+/// [`plugin_text`] of a reason the plugin gave (a refusal of its settings,
+/// a rejection's message), or `(no reason given)` where it gave none (only
+/// whitespace): an empty reason left a message ending in a colon.
+pub fn plugin_reason(text: String, max: usize) -> String {
+    if text.trim().is_empty() {
+        return "(no reason given)".to_string();
+    }
+    plugin_text(text, max)
+}
+
 /// [`plugin_text`] of text the plugin still holds (in its memory): only
 /// what is kept is copied.
 pub fn plugin_text_of(text: &str, max: usize) -> String {
@@ -113,6 +123,14 @@ fn escaped(c: char) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_reason_of_nothing_but_whitespace_says_none_was_given() {
+        for none in ["", " ", "\n\t"] {
+            assert_eq!(plugin_reason(none.into(), 100), "(no reason given)");
+        }
+        assert_eq!(plugin_reason(" no\n".into(), 100), " no\\n");
+    }
 
     #[test]
     fn control_characters_in_plugin_text_are_escaped_and_the_rest_kept() {

@@ -475,6 +475,22 @@ fn a_plugins_configure_log_lines_carry_its_name() {
     );
 }
 
+/// A plugin that refuses its settings without a reason is said to have
+/// given none: the message ended in a colon.
+#[test]
+fn a_refusal_without_a_reason_says_none_was_given() {
+    let output = rewrite_through_hostile(
+        "hostile-refuse-silently.wasm",
+        "hostile-configure=refuse-silently",
+        None,
+    );
+    failure(
+        &output,
+        2,
+        &["the plugin refused its configuration: (no reason given)"],
+    );
+}
+
 /// Lines below the log's level count for no limit: after an info line
 /// that `SNOWGATE_LOG=warn` leaves out, all 64 warn lines of a call are
 /// written (each of `rewrite`'s two instances runs `configure`).

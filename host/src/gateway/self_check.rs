@@ -18,7 +18,7 @@ use crate::clock::{Tick, TicksTaken};
 use crate::engine::PluginEngine;
 use crate::plugin::Plugin;
 use crate::request::Request;
-use crate::text_limits::{plugin_text, MAX_PLUGIN_TEXT};
+use crate::text_limits::{plugin_reason, plugin_text, MAX_PLUGIN_TEXT};
 
 /// The body of the canned request every new build must stamp (or reject
 /// for want of credentials) before it may serve. The WIT's package docs describe this request.
@@ -360,7 +360,7 @@ fn judge_self_check(
                  whether {what} was not checked",
                 r.status,
                 plugin_text(r.code, MAX_PLUGIN_TEXT),
-                plugin_text(r.message, MAX_PLUGIN_TEXT)
+                plugin_reason(r.message, MAX_PLUGIN_TEXT)
             );
             tracing::warn!(plugin = %plugin.info().name, "self-check: {unchecked}");
             return Ok(Judged::Unchecked(unchecked));
@@ -394,7 +394,7 @@ fn refused(canned: Canned, r: Rejection) -> anyhow::Error {
         "self-check: the plugin rejected a valid {valid} with {} {}: {} ({may_pass}, may pass)",
         r.status,
         plugin_text(r.code, MAX_PLUGIN_TEXT),
-        plugin_text(r.message, MAX_PLUGIN_TEXT)
+        plugin_reason(r.message, MAX_PLUGIN_TEXT)
     )
 }
 

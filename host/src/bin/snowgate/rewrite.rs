@@ -13,8 +13,8 @@ use snowgate_host::gateway::config::memory_advice;
 use snowgate_host::gateway::middleware::plugin_sees;
 use snowgate_host::gateway::upstream::{drop_managed_aliases, strip_hop_by_hop};
 use snowgate_host::{
-    plugin_text, Action, Answer, CallError, CompileCache, FixedClock, HostServices, IdClock,
-    Plugin, PluginEngine, Request,
+    plugin_reason, plugin_text, Action, Answer, CallError, CompileCache, FixedClock, HostServices,
+    IdClock, Plugin, PluginEngine, Request,
 };
 use snowgate_plugin::MSGPACK_HEADER;
 use snowgate_plugin_bundle::{memory_needed, IdDensity};
@@ -197,12 +197,15 @@ pub fn run(args: RewriteArgs) -> Result<(), Failure> {
         // The plugin's words reach a terminal: control characters escaped,
         // as in the gateway's log (the message is already cut to 4 KiB).
         Action::Reject(rejection) => {
+            let code = match rejection.code.as_str() {
+                "" => String::new(),
+                code => format!("{}, ", plugin_text(code.to_string(), usize::MAX)),
+            };
             return Err(Failure::BadInput(format!(
-                "{} ({}, HTTP {})",
-                plugin_text(rejection.message.clone(), usize::MAX),
-                plugin_text(rejection.code.clone(), usize::MAX),
+                "{} ({code}HTTP {})",
+                plugin_reason(rejection.message.clone(), usize::MAX),
                 rejection.status
-            )))
+            )));
         }
     };
     crate::write_stdout(out)?;
