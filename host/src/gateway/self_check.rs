@@ -224,39 +224,61 @@ impl HostIds {
     /// each call's ids, which looks at the ticks it took, would not see it.
     fn misfit(&self, id: u64, taken: Option<TicksTaken>, exact: &[Tick]) -> Option<String> {
         let layout = self.layout;
-        if let Err(e) = layout.decode(id) {
-            return Some(format!("it is not an id of layout {layout}: {e}"));
-        }
         let Some(taken) = taken else {
+            if let Err(e) = layout.decode(id) {
+                return Some(format!("it is not an id of layout {layout}: {e}"));
+            }
             return Some("the plugin took no tick of the host's id clock to make it".to_string());
         };
-        // As the layout keeps the millisecond (39 bits of it in trtllm-v2).
-        let kept = |tick: Tick| (layout.stamp(tick.millis), tick.sequence);
-        let (first, last) = (kept(taken.first), kept(taken.last));
+        // As `layout` keeps the millisecond (39 bits of it in trtllm-v2).
+        let kept = |layout: SnowflakeLayout, tick: Tick| (layout.stamp(tick.millis), tick.sequence);
         // One tick taken: the id must be made of it. More: of one of them
         // where each is known; else of one from the first to the last
         // (other calls' ticks fall between), any across a 39-bit wrap
         // (2039).
         let all_known = taken.count == exact.len() as u64;
-        let of_the_call = |made: (u64, u32)| match taken.count {
-            1 => made == first,
-            _ if all_known => exact.iter().any(|&tick| kept(tick) == made),
-            _ => first > last || (first..=last).contains(&made),
+        let of_the_call = |layout: SnowflakeLayout, made: (u64, u32)| {
+            let (first, last) = (kept(layout, taken.first), kept(layout, taken.last));
+            match taken.count {
+                1 => made == first,
+                _ if all_known => exact.iter().any(|&tick| kept(layout, tick) == made),
+                _ => first > last || (first..=last).contains(&made),
+            }
         };
-        // A v1 id from 2039 on reads two ways (see `readings`).
-        let readings: Vec<_> = layout.readings(id).collect();
         let machine = |machine_id: u32| self.machine_id.is_none_or(|held| held == machine_id);
-        if readings
-            .iter()
-            .any(|p| machine(p.machine_id) && of_the_call((p.millis, p.sequence)))
-        {
+        // Whether `id` is of `layout`, made of the host's machine id and a
+        // tick of the call. A v1 id from 2039 on reads two ways (see
+        // `readings`).
+        let made_in = |layout: SnowflakeLayout| {
+            layout.decode(id).is_ok()
+                && layout
+                    .readings(id)
+                    .any(|p| machine(p.machine_id) && of_the_call(layout, (p.millis, p.sequence)))
+        };
+        if made_in(layout) {
             return None;
         }
-        let read = readings[0];
+        // A build that ignores the layout the machine-id import names: its
+        // id reads as a wrong machine id or tick in the host's layout,
+        // which would send its author after the wrong fault.
+        if let Some(other) = SnowflakeLayout::ALL
+            .into_iter()
+            .find(|&other| other != layout && made_in(other))
+        {
+            return Some(format!(
+                "it is an id of layout {other}, not of the host's {layout}: the plugin must make \
+                 ids of the layout the machine-id import names, or refuse to"
+            ));
+        }
+        let read = match layout.decode(id) {
+            Ok(read) => read,
+            Err(e) => return Some(format!("it is not an id of layout {layout}: {e}")),
+        };
+        let (first, last) = (kept(layout, taken.first), kept(layout, taken.last));
         let ticks = match taken.count {
             1 => format!("the one it took, {first:?}"),
             n if all_known => {
-                let each: Vec<_> = exact.iter().map(|&tick| kept(tick)).collect();
+                let each: Vec<_> = exact.iter().map(|&tick| kept(layout, tick)).collect();
                 format!("one of the {n} it took, {each:?}")
             }
             n => format!("from its first, {first:?}, to its last, {last:?} ({n} taken)"),
@@ -833,6 +855,13 @@ pub(crate) mod tests {
             ),
             (v1.compose(now + 1, 3, 0).unwrap(), three, "(3 taken)"),
             (good, None, "took no tick"),
+            // The host's machine id and the call's tick, in the other
+            // layout: named, not read as a wrong machine id or tick.
+            (
+                SnowflakeLayout::TrtllmV2.compose(now - 2, 3, 7).unwrap(),
+                one,
+                "it is an id of layout trtllm-v2, not of the host's trtllm-v1",
+            ),
         ] {
             let error = judged(id, ticks).expect_err(says);
             assert!(error.contains(says), "{error}");
