@@ -566,14 +566,24 @@ fn rewrite_hands_the_plugin_headers_and_a_path_and_shows_its_header_changes() {
         "x-hop: 1",
         "-H",
         "upgrade: h2c",
+        "-H",
+        "expect: 100-continue",
+        "-H",
+        "trailer: x-checksum",
+        "-H",
+        "x_forwarded_for: 192.0.2.1",
+        "-H",
+        "content-length: 5",
     ]);
     let report = success(&output);
+    let length = CONTEXT_ONLY.len();
     assert!(
-        report.contains(
-            r#"entries=[("content-type", "application/json"), ("x-tenant", "a"), ("x-tenant", "b"), ("x-hostile", "headers"), ("x-hostile-get", "x-tenant")]"#
-        ),
+        report.contains(&format!(
+            r#"entries=[("content-type", "application/json"), ("x-tenant", "a"), ("x-tenant", "b"), ("x-hostile", "headers"), ("x-hostile-get", "x-tenant"), ("content-length", "{length}")]"#
+        )),
         "the default content type first, then the headers given, grouped by name as the \
-         gateway hands them on, names lowercased, values trimmed, hop-by-hop headers gone: \
+         gateway hands them on, names lowercased, values trimmed, hop-by-hop headers, \
+         `Expect`, `Trailer` and aliases of managed names gone, and the body's own length: \
          {report}"
     );
     assert!(report.contains(r#"get=["a", "b"]"#), "{report}");
@@ -585,7 +595,10 @@ fn rewrite_hands_the_plugin_headers_and_a_path_and_shows_its_header_changes() {
     let output = rewrite(&["-H", "x-hostile: headers", "-H", "content-type: text/plain"]);
     let report = success(&output);
     assert!(
-        report.contains(r#"entries=[("x-hostile", "headers"), ("content-type", "text/plain")]"#),
+        report.contains(&format!(
+            r#"entries=[("x-hostile", "headers"), ("content-type", "text/plain"), ("content-length", "{}")]"#,
+            CONTEXT_ONLY.len()
+        )),
         "a content type given replaces the default: {report}"
     );
     assert!(

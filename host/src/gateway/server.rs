@@ -30,7 +30,6 @@ use crate::gateway::client_body::{BodyProgress, ClientBody, ConnectionWindow};
 use crate::gateway::client_gone::{ClientGone, ClientSocket, CLIENT_GONE_STATUS};
 use crate::gateway::config::{ConnectionLimits, MAX_HEADER_BYTES, MIN_HEADER_BYTES};
 use crate::gateway::error_chain;
-use crate::gateway::header_order::remove_in_order;
 use crate::gateway::lingering_close::{self, has_unread, HandBack};
 use crate::gateway::metrics::{Metrics, Outcome};
 use crate::gateway::middleware::SnowgateLayer;
@@ -38,7 +37,7 @@ use crate::gateway::reclaim::{room_at_the_limit, OpenConnections};
 use crate::gateway::responses;
 use crate::gateway::send_timeout::SendTimeout;
 use crate::gateway::transfer_coding;
-use crate::gateway::upstream::{drop_managed_aliases, strip_hop_by_hop, Upstream};
+use crate::gateway::upstream::{take_in_client_headers, Upstream};
 use crate::gateway::workers::Workers;
 use crate::log_throttle::LogThrottle;
 
@@ -266,16 +265,7 @@ pub async fn serve(
             if refusal.is_some() {
                 metrics.request(Outcome::ClientError);
             }
-            // First, so that a client cannot name the gateway's own
-            // `X-Forwarded-For` in its `Connection` header to have it removed.
-            strip_hop_by_hop(request.headers_mut());
-            // hyper took the client's `Expect: 100-continue` when it parsed
-            // the head, and answers it once the body is read: the upstream
-            // must not be asked again, for a body that is already on its
-            // way (one that refuses expectations answered 417 to a body
-            // the client was told to send). nginx never forwards it either.
-            remove_in_order(request.headers_mut(), &http::header::EXPECT);
-            drop_managed_aliases(request.headers_mut());
+            take_in_client_headers(request.headers_mut());
             append_forwarded_for(&mut request, &forwarded_for);
             // A body may pause at most the body read timeout (see
             // `ClientBody` for HTTP/2); how it ends travels with the

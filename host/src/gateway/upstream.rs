@@ -720,6 +720,24 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     strip(headers, true)
 }
 
+/// A client's request head as the gateway takes it in, before the plugin
+/// or the upstream sees it: without the hop-by-hop headers (see
+/// [`strip_hop_by_hop`]; first, so that a client cannot name the
+/// gateway's own `X-Forwarded-For` in its `Connection` header to have it
+/// removed), `Expect` and the aliases of managed names (see
+/// [`drop_managed_aliases`]). The order of those left is kept.
+///
+/// hyper took the client's `Expect: 100-continue` when it parsed the head,
+/// and answers it once the body is read: the upstream must not be asked
+/// again, for a body that is already on its way (one that refuses
+/// expectations answered 417 to a body the client was told to send).
+/// nginx never forwards it either.
+pub fn take_in_client_headers(headers: &mut HeaderMap) {
+    strip_hop_by_hop(headers);
+    remove_in_order(headers, &header::EXPECT);
+    drop_managed_aliases(headers);
+}
+
 /// Removes the client's headers that spell a name the gateway manages
 /// with `_` for `-` (`X_Forwarded_For`, `Transfer_Encoding`; see
 /// [`aliases_a_managed_name`]): a CGI-style upstream would take them for

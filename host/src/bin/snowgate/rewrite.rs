@@ -10,8 +10,9 @@ use clap::Args;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use snowgate_host::clock::MAX_CATCH_UP;
 use snowgate_host::gateway::config::memory_advice;
+use snowgate_host::gateway::header_order::remove_in_order;
 use snowgate_host::gateway::middleware::plugin_sees;
-use snowgate_host::gateway::upstream::{drop_managed_aliases, strip_hop_by_hop};
+use snowgate_host::gateway::upstream::take_in_client_headers;
 use snowgate_host::{
     plugin_reason, plugin_text, Action, Answer, CallError, CompileCache, FixedClock, HostServices,
     IdClock, Plugin, PluginEngine, Request,
@@ -132,7 +133,7 @@ pub fn run(args: RewriteArgs) -> Result<(), Failure> {
     plugin.keep_compiled();
 
     let body = read_body(std::io::stdin().lock(), limits.memory_bytes)?;
-    let headers = request_headers(args.headers, args.msgpack);
+    let headers = request_headers(args.headers, args.msgpack, body.len());
     if !plugin_sees(&headers, &body) {
         say!(
             "snowgate: note: a gateway would not run the plugin on this request (its content \
@@ -249,10 +250,18 @@ fn parse_header(text: &str) -> Result<(HeaderName, HeaderValue), String> {
 
 /// The headers the plugin sees, as the gateway hands them to it: grouped
 /// by name (the first name given first, each name's values in order),
-/// without the hop-by-hop headers, which belong to the client's
-/// connection. `content-type: application/json` unless `given` names a
-/// content type, and `x-trtllm-msgpack: 1` with `msgpack`.
-fn request_headers(given: Vec<(HeaderName, HeaderValue)>, msgpack: bool) -> HeaderMap {
+/// taken in as a gateway takes a client's (without the hop-by-hop headers,
+/// `Expect`, and the aliases of the names it manages), without `Trailer`
+/// (the body is forwarded whole, its trailers not), and with the
+/// `Content-Length` of the body, `body_length`, as from a client that sent
+/// it with its length: one `given` had no body to be true of.
+/// `content-type: application/json` unless `given` names a content type,
+/// and `x-trtllm-msgpack: 1` with `msgpack`.
+fn request_headers(
+    given: Vec<(HeaderName, HeaderValue)>,
+    msgpack: bool,
+    body_length: usize,
+) -> HeaderMap {
     let mut headers = HeaderMap::new();
     if !given.iter().any(|(name, _)| name == header::CONTENT_TYPE) {
         headers.insert(
@@ -266,8 +275,9 @@ fn request_headers(given: Vec<(HeaderName, HeaderValue)>, msgpack: bool) -> Head
     for (name, value) in given {
         headers.append(name, value);
     }
-    strip_hop_by_hop(&mut headers);
-    drop_managed_aliases(&mut headers);
+    take_in_client_headers(&mut headers);
+    remove_in_order(&mut headers, &header::TRAILER);
+    headers.insert(header::CONTENT_LENGTH, HeaderValue::from(body_length));
     headers
 }
 
