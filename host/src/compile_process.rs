@@ -162,7 +162,7 @@ impl CompileProcess {
                 });
             // Without the writer the child reads an empty component (its
             // stdin is closed) and fails; it is still waited for.
-            let output = wait_with_cpu_time(child);
+            let output = wait_with_cpu_time(child, self.wall_limit() + WATCHDOG_MARGIN);
             match writer {
                 Ok(writer) => {
                     let _ = writer.join();
@@ -172,9 +172,16 @@ impl CompileProcess {
             }
         })
         .map_err(CompileFailure::Other)?;
-        let (output, cpu_used) = output;
+        let Waited {
+            output,
+            cpu_used,
+            overran,
+        } = output;
         if output.status.success() {
             return Ok(output.stdout);
+        }
+        if overran {
+            return Err(self.out_of_wall_time(cpu_used));
         }
         Err(self.failure(output.status, &output.stderr, cpu_used))
     }
@@ -271,6 +278,16 @@ impl CompileProcess {
         self.limits.cpu.saturating_mul(2).max(MIN_WALL_LIMIT)
     }
 
+    /// The compile ran past [`wall_limit`](Self::wall_limit), having used
+    /// `cpu_used`.
+    fn out_of_wall_time(&self, cpu_used: Duration) -> CompileFailure {
+        CompileFailure::OutOfWallTime {
+            limit: self.wall_limit(),
+            cpu_used,
+            starved: cpu_used < self.limits.cpu / 2,
+        }
+    }
+
     /// What the child's end says: refused, a limit hit, or a failure;
     /// `cpu_used` is the CPU time it used.
     fn failure(&self, status: ExitStatus, stderr: &[u8], cpu_used: Duration) -> CompileFailure {
@@ -302,22 +319,32 @@ impl CompileProcess {
                 limit_bytes: self.limits.memory_bytes,
             };
         }
+        // SIGKILL is the hard CPU limit's (a second past the soft one's
+        // SIGXCPU), and also the kernel's out-of-memory killer's, or an
+        // operator's: the CPU limit only where the child used it up.
         #[cfg(unix)]
-        if signal == Some(libc::SIGXCPU) || signal == Some(libc::SIGKILL) {
-            // SIGKILL is also the kernel's out-of-memory killer's, or an
-            // operator's: said as the likely cause, with the alternative.
+        if signal == Some(libc::SIGXCPU)
+            || (signal == Some(libc::SIGKILL) && cpu_used >= self.limits.cpu)
+        {
             return CompileFailure::OutOfCpuTime {
                 limit: self.limits.cpu,
                 killed: signal == Some(libc::SIGKILL),
             };
         }
         #[cfg(unix)]
+        if signal == Some(libc::SIGKILL) {
+            return CompileFailure::Other(format!(
+                "the compile process {} was killed (SIGKILL) after {:.1} s of CPU time, under its \
+                 limit of {} s: the system's out-of-memory killer sends that signal, or an \
+                 operator did",
+                self.program.display(),
+                cpu_used.as_secs_f64(),
+                self.limits.cpu.as_secs().max(1)
+            ));
+        }
+        #[cfg(unix)]
         if signal == Some(libc::SIGALRM) {
-            return CompileFailure::OutOfWallTime {
-                limit: self.wall_limit(),
-                cpu_used,
-                starved: cpu_used < self.limits.cpu / 2,
-            };
+            return self.out_of_wall_time(cpu_used);
         }
         let crashed = crashed(status, &message);
         // The child's words quote the component's own (an invalid import
@@ -492,20 +519,55 @@ const PANIC_STATUS: i32 = 101;
 /// low priority) takes part of it.
 const MIN_WALL_LIMIT: Duration = Duration::from_secs(10);
 
+/// How long past its wall-clock limit the gateway waits for a compile's
+/// own alarm before it kills the child itself (see [`wait_with_cpu_time`]).
+const WATCHDOG_MARGIN: Duration = Duration::from_secs(1);
+
+/// How a compile child ended, as [`wait_with_cpu_time`] saw it.
+struct Waited {
+    /// Its exit status and what it wrote.
+    output: std::process::Output,
+    /// The CPU time it used.
+    cpu_used: Duration,
+    /// Whether the gateway killed it, still running at its bound.
+    overran: bool,
+}
+
 /// Waits for `child`, reading its stdout and stderr meanwhile, and returns
 /// them with its exit status and the CPU time it used: its own, from
 /// `wait4`, not `RUSAGE_CHILDREN`'s, which also counts other children
 /// (two gateways in one process compile at once) and would make a starved
 /// compile look costly.
-fn wait_with_cpu_time(
-    mut child: std::process::Child,
-) -> std::io::Result<(std::process::Output, Duration)> {
+///
+/// A child still running after `bound` is killed (SIGKILL): the child's
+/// own alarm does not end a child that is stopped (SIGSTOP, a debugger, a
+/// cgroup freezer), which keeps its SIGALRM pending, and every reload
+/// after it waited for it without end. The kill is sent only while the
+/// child is not yet reaped, so that it cannot reach another process that
+/// took its id.
+fn wait_with_cpu_time(mut child: std::process::Child, bound: Duration) -> std::io::Result<Waited> {
     #[cfg(unix)]
     {
         use std::os::unix::process::ExitStatusExt as _;
 
         let mut stdout = child.stdout.take().expect("stdout is piped");
         let mut stderr = child.stderr.take().expect("stderr is piped");
+        let pid = child.id() as libc::pid_t;
+        let (exited, exit) = std::sync::mpsc::channel::<()>();
+        let watchdog = std::thread::Builder::new()
+            .name("snowgate-compile-watchdog".into())
+            .spawn(move || {
+                let overran = matches!(
+                    exit.recv_timeout(bound),
+                    Err(std::sync::mpsc::RecvTimeoutError::Timeout)
+                );
+                if overran {
+                    // SAFETY: kill only sends a signal, to a child not yet
+                    // reaped: the reap below waits for this thread.
+                    unsafe { libc::kill(pid, libc::SIGKILL) };
+                }
+                overran
+            });
         let read = std::thread::scope(|scope| {
             let stderr = std::thread::Builder::new()
                 .name("snowgate-compile-stderr".into())
@@ -523,7 +585,30 @@ fn wait_with_cpu_time(
         // Reaped whatever the reads came to: a child still writing finds
         // its pipe closed and ends.
         drop(stdout);
-        let pid = child.id() as libc::pid_t;
+        // Its end waited for, not reaped, before the watchdog is told.
+        loop {
+            let mut info = std::mem::MaybeUninit::<libc::siginfo_t>::zeroed();
+            // SAFETY: waitid writes the info it is given; WNOWAIT leaves
+            // the child to be reaped below.
+            let waited = unsafe {
+                libc::waitid(
+                    libc::P_PID,
+                    pid as libc::id_t,
+                    info.as_mut_ptr(),
+                    libc::WEXITED | libc::WNOWAIT,
+                )
+            };
+            if waited == 0 {
+                break;
+            }
+            let error = std::io::Error::last_os_error();
+            if error.kind() != std::io::ErrorKind::Interrupted {
+                return Err(error);
+            }
+        }
+        drop(exited);
+        // A watchdog that could not start leaves the child's own alarm.
+        let overran = watchdog.is_ok_and(|watchdog| watchdog.join().unwrap_or(false));
         let mut status = 0;
         let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
         loop {
@@ -550,13 +635,20 @@ fn wait_with_cpu_time(
             stdout,
             stderr,
         };
-        Ok((output, time(usage.ru_utime) + time(usage.ru_stime)))
+        Ok(Waited {
+            output,
+            cpu_used: time(usage.ru_utime) + time(usage.ru_stime),
+            overran,
+        })
     }
     #[cfg(not(unix))]
     {
-        child
-            .wait_with_output()
-            .map(|output| (output, Duration::ZERO))
+        let _ = bound;
+        child.wait_with_output().map(|output| Waited {
+            output,
+            cpu_used: Duration::ZERO,
+            overran: false,
+        })
     }
 }
 
@@ -759,11 +851,56 @@ mod tests {
             failure.to_string(),
             "compiling the plugin used up its 3 s of CPU time (--plugin-compile-cpu-secs)"
         );
-        let failure = process().failure(killed_by(libc::SIGKILL), b"", Duration::ZERO);
+        let failure = process().failure(killed_by(libc::SIGKILL), b"", Duration::from_secs(4));
         assert!(failure
             .to_string()
             .contains("was killed at its 3 s of CPU time"));
         assert!(failure.to_string().contains("for want of memory"));
+        assert!(failure.may_pass());
+    }
+
+    /// A SIGKILL before the CPU limit was used up is not the limit's: said
+    /// as the system's or an operator's, with the CPU time used, and may
+    /// pass. It was said to be the CPU limit, sending an operator to the
+    /// wrong flag.
+    #[test]
+    fn a_kill_under_the_cpu_limit_is_not_said_to_be_the_limit() {
+        let failure =
+            process().failure(killed_by(libc::SIGKILL), b"", Duration::from_millis(1_200));
+        assert!(matches!(failure, CompileFailure::Other(_)), "{failure:?}");
+        assert!(failure.may_pass());
+        let said = failure.to_string();
+        assert!(
+            said.contains("was killed (SIGKILL) after 1.2 s of CPU time, under its limit of 3 s")
+                && said.contains("out-of-memory killer"),
+            "{said}"
+        );
+    }
+
+    /// A compile child that is stopped (SIGSTOP) keeps its own alarm
+    /// pending and never ends by it: the gateway kills it a second past its
+    /// wall-clock bound, and says it ran out of wall-clock time, starved.
+    /// Before, the compile, and every reload after it, waited without end.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_stopped_compile_is_killed_past_its_wall_clock_bound() {
+        let limits = CompileLimits {
+            memory_bytes: 512 << 20,
+            cpu: Duration::from_secs(1),
+        };
+        // SAFETY: the program's output is not loaded: it stops itself.
+        let stopped =
+            unsafe { CompileProcess::of_program("sh", &["-c", "kill -STOP $$; sleep 60"], limits) };
+        let failure = stopped.compile(b"").expect_err("ended");
+        assert!(
+            matches!(
+                failure,
+                CompileFailure::OutOfWallTime { limit, starved: true, .. }
+                    if limit == Duration::from_secs(10)
+            ),
+            "{failure:?}"
+        );
+        assert!(failure.may_pass());
     }
 
     /// A compile that takes longer than twice its CPU time in wall-clock
