@@ -1170,6 +1170,82 @@ async fn at_the_connection_limit_the_longest_idle_connection_makes_room() {
     assert_eq!(read_raw_response(&mut reader).await.status, 200);
 }
 
+/// At `--max-connections` with every slot held by an idle HTTP/2
+/// connection whose client reads nothing (as a pooled client does between
+/// requests), new clients are served without waiting for those to close:
+/// each takes the slot of the connection chosen for it, which closes a
+/// second later, its client not answering the GOAWAY's ping. Before, each
+/// new client waited for that close, and a burst of them was served one a
+/// second (a review saw the tenth of ten wait 10 s).
+#[tokio::test(flavor = "multi_thread")]
+async fn at_the_connection_limit_new_clients_do_not_wait_for_idle_http2_connections_to_close() {
+    let gateway = Gateway::start(&[
+        "--max-connections",
+        "3",
+        "--header-read-timeout-ms",
+        "60000",
+    ])
+    .await;
+    let mut idle = Vec::new();
+    for _ in 0..3 {
+        let mut stream = TcpStream::connect(gateway.addr).await.expect("connect");
+        stream.write_all(PREFACE).await.expect("the preface");
+        stream.write_all(SETTINGS).await.expect("settings");
+        idle.push(stream);
+    }
+    gateway.wait_metric("snowgate_connections_open", 3.0).await;
+    // Three new clients at once, each keeping its connection, and so its
+    // slot, once answered.
+    let addr = gateway.addr;
+    let clients: Vec<_> = (0..3)
+        .map(|_| {
+            tokio::spawn(async move {
+                let stream = TcpStream::connect(addr).await.expect("connect");
+                let mut reader = BufReader::new(stream);
+                reader
+                    .get_mut()
+                    .write_all(b"GET /v1/models HTTP/1.1\r\nHost: gw\r\n\r\n")
+                    .await
+                    .expect("a request");
+                let status = read_raw_response(&mut reader).await.status;
+                (status, reader)
+            })
+        })
+        .collect();
+    let mut kept = Vec::new();
+    for client in clients {
+        let (status, reader) = bounded("a new client's answer", STEP, client)
+            .await
+            .expect("the client");
+        assert_eq!(status, 200);
+        kept.push(reader);
+    }
+    // Every idle connection was chosen, and none had to close for the new
+    // clients to be answered: each has its GOAWAY, and is still open.
+    gateway
+        .wait_metric("snowgate_connections_reclaimed_total", 3.0)
+        .await;
+    for (n, stream) in idle.iter_mut().enumerate() {
+        let mut buf = [0u8; 4096];
+        loop {
+            match stream.try_read(&mut buf) {
+                Ok(0) => panic!(
+                    "idle connection {n} closed before the new clients were answered: they \
+                     waited for it"
+                ),
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) => panic!("reading idle connection {n}: {e}"),
+            }
+        }
+    }
+    // Then they close, though their clients never answer.
+    for stream in &mut idle {
+        closes_within(stream, STEP).await;
+    }
+    drop(kept);
+}
+
 /// At the limit, a connection whose request is already on its way is
 /// never the one closed to make room: a new connection counts as idle
 /// until its first request is read, and only one idle for a second is

@@ -102,21 +102,22 @@ impl Admin {
                             );
                         }
                     };
-                    // A connection told to close drops at once.
-                    match room_at_the_limit(&slots, &open, Duration::ZERO, closed).await {
+                    match room_at_the_limit(&slots, &open, closed).await {
                         Some(permit) => permit,
                         None => return, // never closed
                     }
                 }
             };
             let activity = Activity::default();
-            let place = open.register(&activity);
+            let place = open.register(&activity, permit);
             let admin = self.clone();
             tokio::spawn(async move {
-                // Bound after the permit, so dropped before it: the slot is
-                // given back only once this connection's socket is closed,
-                // and the cap counts open sockets, not tasks.
-                let _permit = permit;
+                // The stream bound after the place, so dropped before it: the
+                // slot is given back only once this connection's socket is
+                // closed (or handed to a new client when it is chosen to
+                // close, which drops it at once), and the cap counts open
+                // sockets, not tasks.
+                let place = place;
                 let stream = stream;
                 let timeout = admin.header_read_timeout;
                 let serve = async {

@@ -16,6 +16,18 @@
 //! new clients evicting each other. While no connection has been idle
 //! that long, a new client waits for a slot, as before.
 //!
+//! The connection chosen gives its slot to the new client at once, which
+//! is served without waiting for it to close: an HTTP/2 client that does
+//! not answer the GOAWAY's ping (a pooled client reads only while it has a
+//! request out) keeps its connection for a second more, and new clients
+//! that each waited for one such close were served one a second (a review
+//! saw the tenth of ten wait 10 s). So connections told to close are, for
+//! that moment, over `--max-connections`: each was idle (it holds no
+//! upstream connection, whose descriptor the open file cap counts for it),
+//! each is chosen once, and each closes at once (HTTP/1), once its client
+//! answers the GOAWAY, or a second later (HTTP/2), unless a request that
+//! raced its closing is still being answered.
+//!
 //! Closing an idle keep-alive connection still races with its client
 //! sending a request on it, as any keep-alive timeout does: a client that
 //! reuses connections must retry a request whose connection closed before
@@ -40,27 +52,23 @@ pub const MIN_IDLE: Duration = Duration::from_secs(1);
 const IDLE_RESCAN: Duration = Duration::from_millis(50);
 
 /// A slot of `slots` for a client that came at the limit: the connection
-/// of `open` idle longest is told to close (and `closed` called), and the
-/// slot it gives back is taken; while none is idle, the open ones are
-/// looked at again every [`IDLE_RESCAN`]. After telling one, no other is
-/// chosen for `closing` (the most a connection told takes to close) and a
-/// little more. `None` if the slots are closed.
+/// of `open` idle longest is told to close (and `closed` called), and its
+/// slot is taken at once; while none is idle, a slot another connection
+/// gives back is waited for, and the open ones are looked at again every
+/// [`IDLE_RESCAN`]. `None` if the slots are closed.
 pub async fn room_at_the_limit(
     slots: &Arc<Semaphore>,
     open: &OpenConnections,
-    closing: Duration,
     closed: impl Fn(),
 ) -> Option<OwnedSemaphorePermit> {
     loop {
-        let pause = if open.close_longest_idle() {
+        if let Some(slot) = open.close_longest_idle() {
             closed();
-            closing + IDLE_RESCAN
-        } else {
-            IDLE_RESCAN
-        };
+            return Some(slot);
+        }
         tokio::select! {
             permit = slots.clone().acquire_owned() => return permit.ok(),
-            () = tokio::time::sleep(pause) => {}
+            () = tokio::time::sleep(IDLE_RESCAN) => {}
         }
     }
 }
@@ -77,6 +85,9 @@ struct Open {
     activity: Activity,
     /// Told when the connection is to close.
     close: Arc<CloseSignal>,
+    /// Its place under the connection limit: given back when it ends, or
+    /// handed to a new client when it is chosen to close.
+    slot: OwnedSemaphorePermit,
 }
 
 /// Whether a connection was told to close, and the task to wake when it
@@ -117,13 +128,20 @@ pub struct Registration {
 }
 
 impl OpenConnections {
-    /// Adds the connection whose requests `activity` counts.
-    pub fn register(self: &Arc<Self>, activity: &Activity) -> Registration {
+    /// Adds the connection whose requests `activity` counts, holding
+    /// `slot` under the connection limit until it ends or is chosen to
+    /// close.
+    pub fn register(
+        self: &Arc<Self>,
+        activity: &Activity,
+        slot: OwnedSemaphorePermit,
+    ) -> Registration {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let close = Arc::new(CloseSignal::default());
         let open = Open {
             activity: activity.clone(),
             close: close.clone(),
+            slot,
         };
         self.lock().insert(id, open);
         Registration {
@@ -134,9 +152,9 @@ impl OpenConnections {
     }
 
     /// Tells the connection that has been idle longest to close, and
-    /// forgets it (it is not chosen twice); whether there was one. The
+    /// forgets it (it is not chosen twice); its slot, if there was one. The
     /// scan is over every open connection, which is done only at the limit.
-    pub fn close_longest_idle(&self) -> bool {
+    pub fn close_longest_idle(&self) -> Option<OwnedSemaphorePermit> {
         let mut connections = self.lock();
         // Of two idle equally long, the one opened first.
         let longest = connections
@@ -144,13 +162,9 @@ impl OpenConnections {
             .filter_map(|(id, open)| open.activity.idle_for_micros().map(|idle| (idle, *id)))
             .filter(|&(idle, _)| idle >= MIN_IDLE.as_micros() as u64)
             .max_by_key(|&(idle, id)| (idle, std::cmp::Reverse(id)));
-        match longest.and_then(|(_, id)| connections.remove(&id)) {
-            Some(open) => {
-                open.close.tell();
-                true
-            }
-            None => false,
-        }
+        let open = longest.and_then(|(_, id)| connections.remove(&id))?;
+        open.close.tell();
+        Some(open.slot)
     }
 
     /// Tells every open connection to close: the gateway is stopping. A
@@ -206,32 +220,65 @@ mod tests {
             Activity::default(),
         );
         let busy_request = oldest.begin(Version::HTTP_11);
-        let oldest_place = connections.register(&oldest);
-        let older_place = connections.register(&older);
-        let newer_place = connections.register(&newer);
+        let slots = Arc::new(Semaphore::new(3));
+        let slot = || slots.clone().try_acquire_owned().expect("a slot");
+        let oldest_place = connections.register(&oldest, slot());
+        let older_place = connections.register(&older, slot());
+        let newer_place = connections.register(&newer, slot());
+        let chosen = || connections.close_longest_idle().is_some();
         // None has been idle long enough yet.
-        assert!(!connections.close_longest_idle());
+        assert!(!chosen());
         std::thread::sleep(MIN_IDLE + Duration::from_millis(20));
         drop(newer.begin(Version::HTTP_2));
 
         // `oldest` is busy; `older` has been idle since it opened; `newer`'s
         // request just ended.
-        assert!(connections.close_longest_idle());
+        assert!(chosen());
         assert!(ready(older_place.told_to_close()));
         assert!(!ready(oldest_place.told_to_close()));
         assert!(!ready(newer_place.told_to_close()));
-        assert!(!connections.close_longest_idle(), "chosen idle for 0 s");
+        assert!(!chosen(), "chosen idle for 0 s");
         std::thread::sleep(MIN_IDLE);
-        assert!(connections.close_longest_idle());
+        assert!(chosen());
         assert!(ready(newer_place.told_to_close()));
-        assert!(!connections.close_longest_idle(), "the busy one was chosen");
+        assert!(!chosen(), "the busy one was chosen");
         assert!(!ready(oldest_place.told_to_close()));
 
         drop(busy_request);
         std::thread::sleep(MIN_IDLE);
-        assert!(connections.close_longest_idle());
+        assert!(chosen());
         assert!(ready(oldest_place.told_to_close()));
         drop((oldest_place, older_place, newer_place));
         assert!(connections.lock().is_empty());
+        assert_eq!(slots.available_permits(), 3);
+    }
+
+    /// The slot of the connection chosen goes to the new client at once,
+    /// not once that connection has closed; one that ends gives its slot
+    /// back.
+    #[test]
+    fn the_chosen_connections_slot_is_handed_on_at_once() {
+        let connections = Arc::new(OpenConnections::default());
+        let slots = Arc::new(Semaphore::new(2));
+        let (idle, busy) = (Activity::default(), Activity::default());
+        let _request = busy.begin(Version::HTTP_11);
+        let idle_place = connections.register(&idle, slots.clone().try_acquire_owned().unwrap());
+        let busy_place = connections.register(&busy, slots.clone().try_acquire_owned().unwrap());
+        assert_eq!(slots.available_permits(), 0);
+        std::thread::sleep(MIN_IDLE + Duration::from_millis(20));
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .expect("a runtime");
+        let slot = runtime.block_on(room_at_the_limit(&slots, &connections, || {}));
+        let slot = slot.expect("the idle connection's slot");
+        // The chosen connection has not ended yet: its slot moved.
+        assert!(ready(idle_place.told_to_close()));
+        assert_eq!(slots.available_permits(), 0);
+        drop(idle_place);
+        assert_eq!(slots.available_permits(), 0, "its slot was given twice");
+        drop(slot);
+        drop(busy_place);
+        assert_eq!(slots.available_permits(), 2);
     }
 }

@@ -172,15 +172,15 @@ pub async fn serve(
             () = &mut shutdown => break,
         };
         // At the connection limit, the longest idle connection is closed to
-        // make room (see `reclaim`); while none is idle, this client waits
-        // here, and the next ones in the kernel's backlog, until a
-        // connection ends or turns idle.
+        // make room, and its slot is this client's at once (see `reclaim`);
+        // while none is idle, this client waits here, and the next ones in
+        // the kernel's backlog, until a connection ends or turns idle.
         let permit = match slots.clone().try_acquire_owned() {
             Ok(permit) => permit,
             Err(_no_slot) => {
                 let metrics = layer.metrics();
                 let max = limits.max_connections;
-                let room = room_at_the_limit(&slots, &open_connections, STOP_IDLE, || {
+                let room = room_at_the_limit(&slots, &open_connections, || {
                     static AT_THE_LIMIT: LogThrottle = LogThrottle::new();
                     metrics.connection_reclaimed();
                     if let Some(held_back) = AT_THE_LIMIT.admit() {
@@ -219,7 +219,7 @@ pub async fn serve(
         let requests = activity.clone();
         // Its place among the connections one may be chosen from to close
         // at the limit.
-        let place = open_connections.register(&activity);
+        let place = open_connections.register(&activity, permit);
         let metrics = layer.metrics().clone();
         let connection_metrics = metrics.clone();
         let open = metrics.connection_opened();
@@ -437,9 +437,9 @@ pub async fn serve(
                     tracing::debug!(%peer, thrown, "closed a connection after reading on what its client still sent");
                 }
             }
+            // Its slot under the connection limit, if it was not handed on.
             drop(place);
             drop(open);
-            drop(permit);
         });
     }
     drop(listener);
