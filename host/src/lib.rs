@@ -73,7 +73,7 @@ pub use header_edits::{HeaderEdit, HeaderEdits};
 pub use identity::MachineIdentity;
 pub use limits::PluginLimits;
 pub use plugin::{
-    layout_setting_problem, ConfigurationRefused, Plugin, PluginInfo, LAYOUT_SETTING,
+    layout_setting_problem, ConfigurationRefused, LinkedPlugin, Plugin, PluginInfo, LAYOUT_SETTING,
 };
 pub use request::{Headers, Request};
 pub use text_limits::{plugin_reason, plugin_text};

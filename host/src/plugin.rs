@@ -102,6 +102,26 @@ impl fmt::Debug for Plugin {
     }
 }
 
+/// A plugin compiled and linked, none of its code run yet (see
+/// [`Plugin::link`]).
+pub struct LinkedPlugin(Plugin);
+
+impl LinkedPlugin {
+    /// Runs a first instance of the plugin: asks for its name and version
+    /// and hands it its settings, under the same limits as a request. The
+    /// plugin, once it accepts them.
+    pub fn configure(self) -> anyhow::Result<Plugin> {
+        let mut plugin = self.0;
+        let (name, version) = plugin
+            .describe()
+            .map_err(|e| e.context("the plugin failed its load-time check"))?;
+        plugin.name = Arc::from(name.as_str());
+        plugin.info.name = name;
+        plugin.info.version = version;
+        Ok(plugin)
+    }
+}
+
 impl Plugin {
     /// Compiles `bytes` (a WebAssembly component), links it against the
     /// host's imports, and checks it: it must implement the
@@ -120,6 +140,20 @@ impl Plugin {
         bytes: &[u8],
         settings: &[(String, String)],
     ) -> anyhow::Result<Plugin> {
+        Plugin::link(engine, bytes, settings)?.configure()
+    }
+
+    /// [`Plugin::load`]'s first half: compiles `bytes` (or reads the build
+    /// from the compile cache) and links it, running none of its code. The
+    /// other half, [`LinkedPlugin::configure`], runs a first instance of it:
+    /// a caller that must know when plugin code runs (a stopping gateway
+    /// waits for a reload's plugin calls, not for its compile) takes its
+    /// turn between the two.
+    pub fn link(
+        engine: &PluginEngine,
+        bytes: &[u8],
+        settings: &[(String, String)],
+    ) -> anyhow::Result<LinkedPlugin> {
         if let Some(problem) = settings
             .iter()
             .find_map(|(name, _)| layout_setting_problem(name))
@@ -176,7 +210,7 @@ impl Plugin {
         }))
         .collect();
 
-        let mut plugin = Plugin {
+        Ok(LinkedPlugin(Plugin {
             engine: engine.clone(),
             pre,
             pre_async,
@@ -191,14 +225,7 @@ impl Plugin {
                 loaded_at: SystemTime::now(),
                 compiled,
             },
-        };
-        let (name, version) = plugin
-            .describe()
-            .map_err(|e| e.context("the plugin failed its load-time check"))?;
-        plugin.name = Arc::from(name.as_str());
-        plugin.info.name = name;
-        plugin.info.version = version;
-        Ok(plugin)
+        }))
     }
 
     /// What is known about the plugin.

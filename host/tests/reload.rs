@@ -420,6 +420,40 @@ async fn a_sighup_while_the_plugin_loads_does_not_end_the_gateway() {
     gateway.stop().await;
 }
 
+/// A stop while a reload runs the new build's `configure` (here one that
+/// sleeps a second) waits for it, and for the build's self-check after it,
+/// as for a self-check under way: before, the stop went on, and the
+/// runtime could be shut down under the sleeping call, whose thread then
+/// panicked ("A Tokio 1.x context was found, but it is being shutdown").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_while_a_reload_configures_its_build_waits_for_it() {
+    let dir = TempDir::new("stop-in-configure");
+    let path = dir.path().join("plugin.wasm");
+    std::fs::write(&path, snowgate_test_fixtures::HOSTILE_WASM).unwrap();
+    let gateway = Gateway::start(&[
+        "--plugin",
+        arg(&path),
+        "--plugin-setting",
+        "hostile-configure=slow",
+        "--plugin-deadline-ms",
+        "10000",
+        "--reload-debounce-ms",
+        "10",
+    ])
+    .await;
+    let slow = "the hostile fixture starts a slow configure";
+    let at_start = gateway.stderr_text().matches(slow).count();
+    replace_by_rename(&path, &variant_of(snowgate_test_fixtures::HOSTILE_WASM, 1));
+    // The new build's first instance is in its configure's second.
+    gateway.wait_log_times(slow, at_start + 1).await;
+    gateway.stop().await;
+    let log = gateway.stderr_text();
+    assert!(!log.contains("panicked"), "{log}");
+    // The stop waited for the configure, and the self-check after it,
+    // whose instance is configured too.
+    assert!(log.matches(slow).count() >= at_start + 2, "{log}");
+}
+
 /// `POST /reload` answers `swapped` with the new SHA-256 when the file
 /// changed, `unchanged` when it did not, and 422 with the reason when the
 /// file is bad (the old build keeps serving); once the file is good again,

@@ -571,7 +571,12 @@ impl std::fmt::Display for Overtaken {
 impl std::error::Error for Overtaken {}
 
 /// [`load_checked`], on a blocking thread; with `self_checks` (a
-/// reload's), the self-check runs only while it is `false`, holding it.
+/// reload's), the plugin's code (its configuration, then the self-check)
+/// runs only while it is `false`, holding it: a stop waits for both, not
+/// for the compile before them. The configuration ran before the gate, and
+/// a stop that did not wait for it shut the runtime down under a plugin
+/// that slept there (a panic in the log: "A Tokio 1.x context was found,
+/// but it is being shutdown").
 fn load_gated(
     engine: &PluginEngine,
     bytes: &[u8],
@@ -581,7 +586,7 @@ fn load_gated(
         &Arc<tokio::sync::watch::Sender<bool>>,
     )>,
 ) -> anyhow::Result<Loaded> {
-    let plugin = Plugin::load(engine, bytes, settings)?;
+    let linked = Plugin::link(engine, bytes, settings)?;
     let open = match gates {
         Some((gate, _)) => {
             let closed = gate.blocking_lock();
@@ -592,6 +597,7 @@ fn load_gated(
         }
         None => None,
     };
+    let plugin = linked.configure()?;
     let unchecked = self_check::run(engine, &plugin)?;
     // Its turn to be stored is taken while the gate is held: a stop that
     // closes the gate after it waits for the store too.

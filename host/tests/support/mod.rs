@@ -1616,13 +1616,19 @@ pub fn leb128(mut n: usize, out: &mut Vec<u8>) {
 /// The bundled plugin with a custom section `snowgate-test-variant` holding
 /// `n` appended: the same behaviour, a different SHA-256 for every `n`.
 pub fn plugin_variant(n: u32) -> Vec<u8> {
+    variant_of(snowgate_plugin_bundle::PLUGIN_WASM, n)
+}
+
+/// The component `base` with a custom section `snowgate-test-variant`
+/// holding `n` appended (see [`plugin_variant`]).
+pub fn variant_of(base: &[u8], n: u32) -> Vec<u8> {
     let name = b"snowgate-test-variant";
     let payload = format!("variant {n}");
     let mut content = Vec::new();
     leb128(name.len(), &mut content);
     content.extend_from_slice(name);
     content.extend_from_slice(payload.as_bytes());
-    let mut out = snowgate_plugin_bundle::PLUGIN_WASM.to_vec();
+    let mut out = base.to_vec();
     out.push(0x00); // custom section
     leb128(content.len(), &mut out);
     out.extend_from_slice(&content);
