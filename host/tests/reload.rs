@@ -506,6 +506,13 @@ async fn post_reload_swaps_reports_unchanged_and_refuses_bad_files() {
         "{metrics}"
     );
     assert_stamps(&gateway).await;
+    // Asked again for the same bytes (as after a `mv` the file watch saw
+    // too): the same refusal, not compiled, counted or logged again.
+    let failed = "plugin reload failed";
+    assert_eq!(gateway.stderr_text().matches(failed).count(), 1);
+    assert_eq!(reload_refused(&gateway).await, message);
+    assert_eq!(reloads(&gateway.status().await), (1, 1));
+    assert_eq!(gateway.stderr_text().matches(failed).count(), 1);
 
     // The serving build back in place: unchanged, and the error is gone.
     rewrite_in_place(&path, &plugin_variant(1));
@@ -528,6 +535,16 @@ async fn post_reload_swaps_reports_unchanged_and_refuses_bad_files() {
         metrics.contains("snowgate_plugin_reload_failing 0\n"),
         "{metrics}"
     );
+    // The refused bytes again after that: the refusal holds again, and is
+    // counted and logged as such.
+    rewrite_in_place(&path, b"not a plugin");
+    assert_eq!(reload_refused(&gateway).await, message);
+    let status = gateway.status().await;
+    assert_eq!(reloads(&status), (1, 2));
+    assert_eq!(last_error(&status), Some(message.as_str()));
+    gateway.wait_log_times(failed, 2).await;
+    rewrite_in_place(&path, &plugin_variant(1));
+    post_empty(gateway.admin, "/reload").await;
 
     assert_eq!(
         get(gateway.admin, "/reload").await.status,
@@ -1030,15 +1047,16 @@ async fn without_a_machine_id_a_reload_is_put_off_until_one_is_held() {
     );
 }
 
-/// A reload asked by hand (`POST /reload`, SIGHUP) while the host holds no
-/// machine id is put off; once an id is held again, the file watch asks for
-/// it, though its own record of the file says the build was refused. Before,
-/// the build stayed put off, and `snowgate_plugin_reload_deferred` at 1,
-/// until the file changed or someone asked again by hand.
+/// A reload asked by hand (`POST /reload`, SIGHUP) of the bytes the file
+/// watch refused answers with that refusal at once, counted once, even
+/// while the host holds no machine id: the build is not put off until an
+/// id is held, to be compiled and refused again then. Before, it was put
+/// off, and once an id was held the watch asked for it, and it was
+/// compiled, refused and counted a second time.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_build_put_off_by_hand_is_asked_for_by_the_watch_once_an_id_is_held() {
+async fn a_build_the_watch_refused_is_refused_by_hand_at_once_with_or_without_an_id() {
     use snowgate_host::gateway::watch::watch_plugin_file;
-    let (_dir, path, slot) = library_slot("put-off-by-hand");
+    let (_dir, path, slot) = library_slot("refused-by-hand");
     let _watch = watch_plugin_file(slot.clone(), Duration::from_millis(50))
         .expect("a watch")
         .expect("a plugin file to watch");
@@ -1047,21 +1065,18 @@ async fn a_build_put_off_by_hand_is_asked_for_by_the_watch_once_an_id_is_held() 
         slot.metrics().reloads() == (0, 1)
     })
     .await;
+    let refused = slot.last_error().expect("the build refused");
+    assert!(!refused.may_pass, "{refused:?}");
 
     let identity = slot.engine().services().identity.clone();
     identity.withdraw("the lease lapsed (a test)");
     let asked = slot.reload().await;
-    assert!(matches!(asked, Err(NoReload::Deferred(_))), "{asked:?}");
-    assert!(slot.deferred().is_some());
-
+    assert_eq!(asked, Err(NoReload::Failed(refused.clone())));
+    assert_eq!(slot.deferred(), None);
     identity.assign(MACHINE_ID).expect("in range");
-    until("the watch asking for the build put off", || {
-        slot.deferred().is_none()
-    })
-    .await;
-    assert_eq!(slot.metrics().reloads(), (0, 2));
-    let error = slot.last_error().expect("the build refused again");
-    assert!(!error.may_pass, "{error:?}");
+    assert_eq!(slot.reload().await, Err(NoReload::Failed(refused.clone())));
+    assert_eq!(slot.metrics().reloads(), (0, 1));
+    assert_eq!(slot.last_error(), Some(refused));
 }
 
 /// Polls `done` (every 20 ms, at most [`RELOAD_TIMEOUT`]) until it holds.

@@ -106,6 +106,10 @@ pub struct PluginSlot {
     /// The build whose reload was last put off, until a reload ends
     /// otherwise.
     deferred: Mutex<Option<DeferredReload>>,
+    /// The last build refused for what it is (one that would be refused
+    /// again: see [`may_pass`]), by SHA-256, and why: a reload of the same
+    /// bytes answers the same without compiling them again.
+    refused: Mutex<Option<(String, ReloadError)>>,
     /// One reload at a time.
     reloading: tokio::sync::Mutex<()>,
     /// The reload asked for while another runs: it starts once that one
@@ -150,6 +154,7 @@ impl PluginSlot {
             metrics,
             last_error: Mutex::new(None),
             deferred: Mutex::new(None),
+            refused: Mutex::new(None),
             reloading: tokio::sync::Mutex::new(()),
             queued: Mutex::new(None),
             self_checks: Arc::new(tokio::sync::Mutex::new(false)),
@@ -334,16 +339,29 @@ impl PluginSlot {
         let engine = self.engine.clone();
         let settings = self.settings.clone();
         let current_sha = self.current().info().sha256.clone();
+        let refused_sha = self
+            .refused
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map(|(sha256, _)| sha256.clone());
         let self_checks = self.self_checks.clone();
         let stores = self.stores.clone();
         let file = path.display().to_string();
+        // The SHA-256 of the bytes read, for a refusal to be remembered by.
+        let read = Arc::new(std::sync::OnceLock::<String>::new());
+        let read_sha = read.clone();
         // Reading and compiling take milliseconds to minutes: keep them off
         // the request threads.
         let outcome = tokio::task::spawn_blocking(move || -> anyhow::Result<Option<Loaded>> {
             let bytes = read_plugin_file(&path)?;
             let sha256 = hex_sha256(&bytes);
+            let _ = read_sha.set(sha256.clone());
             if sha256 == current_sha {
                 return Ok(None);
+            }
+            if Some(&sha256) == refused_sha.as_ref() {
+                return Err(anyhow::Error::new(RefusedBefore));
             }
             // Not compiled while the check could not judge it anyway.
             if let Some(reason) = why_no_ids_may_leave(&engine) {
@@ -411,6 +429,7 @@ impl PluginSlot {
                 Ok(Reloaded::Unchanged)
             }
             (Err(_), _) if overtaken => Err(NoReload::NotPossible(STOPPING.to_string())),
+            (Err(e), _) if e.is::<RefusedBefore>() => Err(NoReload::Failed(self.refused_again())),
             (Err(e), Some(sha256)) => {
                 let message =
                     format!("{e:#}; the file watch tries the build again once the host holds one");
@@ -443,12 +462,55 @@ impl PluginSlot {
                 };
                 tracing::error!(error = %error.message, "plugin reload failed; the previous build keeps serving");
                 *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(error.clone());
+                if let Some(sha256) = read.get().filter(|_| !error.may_pass) {
+                    *self.refused.lock().unwrap_or_else(|p| p.into_inner()) =
+                        Some((sha256.clone(), error.clone()));
+                }
                 self.metrics.reload(false);
                 Err(NoReload::Failed(error))
             }
         }
     }
+
+    /// The answer to a reload of the build refused last ([`RefusedBefore`]):
+    /// its refusal. Counted and logged again only where it is no longer
+    /// the last reload error (another reload swapped in or failed since):
+    /// the file watch and a `POST /reload` after the same `mv` each
+    /// compiled, refused, logged and counted the build.
+    fn refused_again(&self) -> ReloadError {
+        let error = self
+            .refused
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map(|(_, error)| error.clone())
+            .expect("a build refused before");
+        let mut last = self.last_error.lock().unwrap_or_else(|p| p.into_inner());
+        if last.as_ref() == Some(&error) {
+            tracing::debug!(
+                "plugin reload: the file holds the build refused last; not compiled again"
+            );
+        } else {
+            tracing::error!(error = %error.message, "plugin reload failed (the build refused before, not compiled again); the previous build keeps serving");
+            *last = Some(error.clone());
+            self.metrics.reload(false);
+        }
+        error
+    }
 }
+
+/// A reload read the build it refused last: answered with that refusal,
+/// without compiling it again (see [`PluginSlot::refused_again`]).
+#[derive(Debug)]
+struct RefusedBefore;
+
+impl std::fmt::Display for RefusedBefore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the build refused last")
+    }
+}
+
+impl std::error::Error for RefusedBefore {}
 
 /// Whether a reload that failed with `error` may pass with the same build
 /// at another time: the file was there but could not be read, a call to
@@ -674,7 +736,11 @@ mod tests {
             );
         }
         assert_eq!(metrics.reloads(), (0, 1));
-        // One asked for after it ends runs again.
+        // One asked for after it ends runs again: on other bytes, another
+        // refusal; on the same, that refusal, not counted again.
+        std::fs::write(dir.join("plugin.wasm"), b"nor this").expect("a bad build");
+        assert!(matches!(slot.reload().await, Err(NoReload::Failed(_))));
+        assert_eq!(metrics.reloads(), (0, 2));
         assert!(matches!(slot.reload().await, Err(NoReload::Failed(_))));
         assert_eq!(metrics.reloads(), (0, 2));
         std::fs::remove_dir_all(&dir).expect("clean up");
