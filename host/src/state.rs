@@ -403,8 +403,16 @@ impl HostState {
             // Once a call, and once a second across calls: a plugin that
             // does this does it on every request.
             static OVER_PER_CALL: LogThrottle = LogThrottle::new();
+            let note = |calls: u64| {
+                tracing::warn!(
+                    target: "snowgate::plugin",
+                    "{calls} more plugin calls wrote more than {MAX_LOG_LINES_PER_CALL} log lines \
+                     each in the second after the last such warning; the rest of their lines \
+                     were dropped"
+                );
+            };
             if self.log_lines == MAX_LOG_LINES_PER_CALL + 1 {
-                if let Some(held_back) = OVER_PER_CALL.admit() {
+                if let Some(held_back) = OVER_PER_CALL.admit_noting_the_rest(note) {
                     tracing::warn!(
                         target: "snowgate::plugin",
                         plugin,
@@ -417,8 +425,15 @@ impl HostState {
         }
         static BUDGET: LineBudget = LineBudget::new(MAX_LOG_LINES_PER_SECOND);
         static OVER_BUDGET: LogThrottle = LogThrottle::new();
+        let note = |lines: u64| {
+            tracing::warn!(
+                target: "snowgate::plugin",
+                "{lines} more plugin log lines were dropped in the second after the last such \
+                 warning: plugins may write {MAX_LOG_LINES_PER_SECOND} lines a second in all"
+            );
+        };
         if !BUDGET.admit() {
-            if let Some(held_back) = OVER_BUDGET.admit() {
+            if let Some(held_back) = OVER_BUDGET.admit_noting_the_rest(note) {
                 tracing::warn!(
                     target: "snowgate::plugin",
                     "a plugin log line was dropped: plugins may write \
