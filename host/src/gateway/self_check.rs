@@ -369,9 +369,13 @@ fn judge_self_check(
                 None => refused(canned, r),
             });
         }
-        // For want of credentials; or a plugin that takes no batches.
+        // For want of credentials, on the instance's first call (its
+        // second, the same request, was stamped by the first: a 401 there
+        // is what the instance kept from it); or a plugin that takes no
+        // batches.
         Action::Reject(r)
-            if matches!(r.status, 401 | 403) || (canned == Canned::Batch && r.status < 500) =>
+            if (canned == Canned::One && matches!(r.status, 401 | 403))
+                || (canned == Canned::Batch && r.status < 500) =>
         {
             let (sends, what) = match canned {
                 Canned::Batch => ("no batch on", "it stamps batches"),
@@ -405,7 +409,8 @@ fn refused(canned: Canned, r: Rejection) -> anyhow::Error {
         ),
         Canned::Again => (
             "context-only request (its instance's second call)",
-            "only 401 and 403, for credentials the canned request cannot carry",
+            "none, since its first call stamped the same request: it kept something from that \
+             call",
         ),
         Canned::Batch => (
             "batch of two context-only requests (its instance's third call)",
@@ -732,7 +737,15 @@ pub(crate) mod tests {
             "{what}"
         );
         let again = |status| judged_of(Canned::Again, reject(status), &[]);
-        assert!(matches!(again(401), Ok(Judged::Unchecked(_))));
+        // Not for want of credentials: its first call stamped the same
+        // request.
+        for status in [401, 403] {
+            let error = again(status).expect_err("the same request again rejected");
+            assert!(
+                error.contains("its first call stamped the same request"),
+                "{error}"
+            );
+        }
         let error = again(400).expect_err("the same request again rejected with 400");
         assert!(
             error.contains(

@@ -553,7 +553,9 @@ pub fn may_pass(error: &anyhow::Error) -> bool {
 ///
 /// A build that stamped it is then called again on the same instance, as
 /// the gateway's kept instances are: with the same request, judged the
-/// same way against that call's ticks, and then with a batch of two such
+/// same way against that call's ticks (but rejected, it is refused, 401
+/// and 403 too: the first call showed it needs no credentials), and then
+/// with a batch of two such
 /// requests, which it must stamp with two different ids, each made of a
 /// tick it took during that call. So a build that keeps an id (or the tick
 /// it made one of) from one call to the next, or repeats an id within a
