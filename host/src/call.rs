@@ -438,13 +438,41 @@ impl Plugin {
     /// Keeps `held` for another request, unless it has served its share,
     /// grew its memory, left something in stderr, was made under an earlier
     /// machine id grant, or enough are kept.
+    ///
+    /// Where the plugin's own doing (its memory's growth, stderr) is why,
+    /// the log says so once per build: otherwise nothing told its author
+    /// that every request paid a fresh instance.
     fn give_back(&self, held: Reusable) {
         let limits = self.engine.limits;
         let state = held.store.data();
+        let grew = state.memory.peak.saturating_sub(held.configured_memory);
+        let its_doing = if grew > REUSE_MAX_GROWTH {
+            Some(format!(
+                "its memory grew by {grew} bytes after configure, more than {} MiB",
+                REUSE_MAX_GROWTH >> 20
+            ))
+        } else if state.wrote_stderr() {
+            Some("it wrote to stderr".to_string())
+        } else {
+            None
+        };
+        if let Some(why) = &its_doing {
+            if !self
+                .told_not_kept
+                .swap(true, std::sync::atomic::Ordering::Relaxed)
+            {
+                tracing::info!(
+                    target: "snowgate::plugin",
+                    plugin = %self.name,
+                    "an instance of this build was not kept for another request: {why}; each \
+                     call that does so runs on a fresh instance, which costs a plugin of a large \
+                     runtime most (said once per build)"
+                );
+            }
+        }
         let reusable = held.calls < limits.calls_per_instance
-            && state.memory.peak <= held.configured_memory + REUSE_MAX_GROWTH
+            && its_doing.is_none()
             && !state.memory.hit
-            && !state.wrote_stderr()
             && self.of_current_grant(&held.store);
         if !reusable {
             return;

@@ -89,6 +89,9 @@ pub struct Plugin {
     /// Instances kept between async calls (see [`Plugin::handle_async`]);
     /// `None` once [`Plugin::retire`] ran: keep none any more.
     pub(crate) idle: std::sync::Mutex<Option<Vec<crate::call::Reusable>>>,
+    /// Whether the log said already that an instance of this build was
+    /// not kept for what it did (see `Plugin::give_back`).
+    pub(crate) told_not_kept: std::sync::atomic::AtomicBool,
     pub(crate) settings: Arc<[Setting]>,
     pub(crate) name: Arc<str>,
     info: PluginInfo,
@@ -216,6 +219,7 @@ impl Plugin {
             pre_async,
             exports,
             idle: std::sync::Mutex::new(Some(Vec::new())),
+            told_not_kept: std::sync::atomic::AtomicBool::new(false),
             settings,
             name: Arc::from("unnamed plugin"),
             info: PluginInfo {

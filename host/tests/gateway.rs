@@ -1263,6 +1263,27 @@ async fn the_echo_escapes_a_text_body_without_holding_the_escaped_copy() {
     gateway.stop().await;
 }
 
+/// An instance not kept for another request for what the plugin did with
+/// it (here its memory grew by more than 4 MiB, reading and answering a
+/// 6 MiB body) is said in the log, once per build: before, nothing told a
+/// plugin's author that such requests each paid a fresh instance.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_not_kept_for_what_the_plugin_did_is_said_once_per_build() {
+    let gateway = Gateway::start(&[]).await;
+    let body = format!(
+        r#"{{"prompt":"{}","disaggregated_params":{{"request_type":"context_only"}}}}"#,
+        "x".repeat(6 << 20)
+    );
+    for _ in 0..2 {
+        let reply = post_json(gateway.addr, "/v1/completions", body.clone()).await;
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.text());
+    }
+    let not_kept = "an instance of this build was not kept for another request: its memory grew by";
+    gateway.wait_log(not_kept).await;
+    gateway.stop().await;
+    assert_eq!(gateway.stderr_text().matches(not_kept).count(), 1);
+}
+
 /// A plugin may make a body larger where room for it is free, or by as
 /// much as the body's own room where none is; an answer larger than that
 /// where no room is free is refused with 503 `body_memory_full` and goes
