@@ -584,17 +584,22 @@ where
     };
     connection.as_mut().graceful_shutdown();
     if !idle {
-        // The gateway is stopping: an HTTP/2 client that does not answer
-        // the GOAWAY's ping (a pooled client reads only while it has a
-        // request out) would hold the drain for the whole grace period.
-        // Requests in flight are answered; if the client has sent nothing
-        // since the stop began, the connection is dropped once none has
-        // been in flight for `STOP_IDLE` (see `unanswered_after_stop`).
+        // Told to close (the gateway stops, or the connection was chosen at
+        // the limit): an HTTP/2 client that does not answer the GOAWAY's
+        // ping (a pooled client reads only while it has a request out)
+        // would hold the drain for the whole grace period. Requests in
+        // flight are answered; if the client has sent nothing since, the
+        // connection is dropped once none has been in flight for
+        // `STOP_IDLE` (see `unanswered_after_stop`); if it has (pings, a
+        // stream opened after the GOAWAY), once none has been for another
+        // idle timeout, as after an idle shutdown. Before, such a client
+        // kept a connection chosen at the limit open for ever.
         return tokio::select! {
             biased;
             done = connection => done,
             () = stalled => Ok(()),
             () = idle_after_stop => Ok(()),
+            () = idle_again => Ok(()),
         };
     }
     // HTTP/2 says GOAWAY and ends once the client acknowledges it and
@@ -865,6 +870,46 @@ mod tests {
             !client_sends(&silent, Duration::from_secs(30), &mut stopping).await,
             "a silent connection is let go at the stop, without waiting"
         );
+    }
+
+    /// A connection told to close whose client never answers the GOAWAY
+    /// but keeps it open (sending pings, or nothing it reads) ends once it
+    /// has had nothing in flight for another idle timeout (`idle_again`):
+    /// before, only its end, or the stop's `idle_after_stop` (which a
+    /// client that sent anything after the GOAWAY never met), ended it,
+    /// and a connection chosen at the connection limit could stay open for
+    /// ever.
+    #[tokio::test]
+    async fn a_connection_told_to_close_ends_after_another_idle_timeout() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("a listener");
+        let mut client = tokio::net::TcpStream::connect(listener.local_addr().expect("address"))
+            .await
+            .expect("connecting");
+        let (server, _) = listener.accept().await.expect("accepting");
+        client
+            .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+            .await
+            .expect("the preface");
+        let (_stop, stopping) = tokio::sync::watch::channel(false);
+        let service = hyper::service::service_fn(|_: Request<Incoming>| async move {
+            Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+        });
+        let builder = auto::Builder::new(TokioExecutor::new());
+        let connection = builder.serve_connection(TokioIo::new(server), service);
+        let never = || std::future::pending();
+        let idles = Idles {
+            idle: never(),
+            idle_again: std::future::ready(()),
+            idle_after_stop: never(),
+            told_to_close: std::future::ready(()),
+        };
+        let ended = tokio::time::timeout(
+            Duration::from_secs(10),
+            serve_until_stopped(connection, stopping, idles, never()),
+        )
+        .await;
+        assert!(ended.is_ok(), "still open, its client never answering");
+        drop(client);
     }
 
     /// A connection whose request is already in the socket when shutdown
