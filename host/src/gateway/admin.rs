@@ -78,7 +78,7 @@ impl Admin {
     /// could otherwise hold every slot, and time the kubelet's probes out.
     pub async fn serve(self: Arc<Self>, listener: TcpListener) {
         let slots = Arc::new(Semaphore::new(MAX_ADMIN_CONNECTIONS));
-        let open = Arc::new(OpenConnections::default());
+        let open = Arc::new(OpenConnections::new(MAX_ADMIN_CONNECTIONS));
         loop {
             let stream = match listener.accept().await {
                 Ok((stream, _)) => stream,

@@ -21,12 +21,16 @@
 //! not answer the GOAWAY's ping (a pooled client reads only while it has a
 //! request out) keeps its connection for a second more, and new clients
 //! that each waited for one such close were served one a second (a review
-//! saw the tenth of ten wait 10 s). So connections told to close are, for
-//! that moment, over `--max-connections`: each was idle (it holds no
-//! upstream connection, whose descriptor the open file cap counts for it),
-//! each is chosen once, and each closes at once (HTTP/1), once its client
-//! answers the GOAWAY, or a second later (HTTP/2), unless a request that
-//! raced its closing is still being answered.
+//! saw the tenth of ten wait 10 s). So connections told to close are over
+//! `--max-connections` until they close, and there are at most
+//! [`MAX_CLOSING`] of them at once (and no more than the limit): past that,
+//! a new client waits for a slot as before. Each closes at once (HTTP/1
+//! between requests), once its client answers the GOAWAY, or a second
+//! later (HTTP/2); a client that keeps one open (it sent part of a request
+//! head, or pings after the GOAWAY) holds it at most until a request it
+//! started meanwhile is answered and another idle timeout has passed. An
+//! earlier hand-over without the bound let such clients, chosen again and
+//! again, take the gateway's descriptors.
 //!
 //! Closing an idle keep-alive connection still races with its client
 //! sending a request on it, as any keep-alive timeout does: a client that
@@ -51,6 +55,11 @@ pub const MIN_IDLE: Duration = Duration::from_secs(1);
 /// ones are looked at again for one that turned idle.
 const IDLE_RESCAN: Duration = Duration::from_millis(50);
 
+/// The most connections told to close at the limit that may still be open
+/// while their slots serve new clients (see the module's docs). The open
+/// file cap's descriptors besides connections leave room for them.
+pub const MAX_CLOSING: usize = 32;
+
 /// A slot of `slots` for a client that came at the limit: the connection
 /// of `open` idle longest is told to close (and `closed` called), and its
 /// slot is taken at once; while none is idle, a slot another connection
@@ -74,10 +83,12 @@ pub async fn room_at_the_limit(
 }
 
 /// The client connections open now, for choosing one to close.
-#[derive(Default)]
 pub struct OpenConnections {
     connections: Mutex<HashMap<u64, Open>>,
     next_id: AtomicU64,
+    /// A permit for each connection chosen to close that is still open,
+    /// having handed its slot on.
+    closing: Arc<Semaphore>,
 }
 
 /// One open connection as [`OpenConnections`] knows it.
@@ -98,6 +109,9 @@ struct Open {
 struct CloseSignal {
     told: AtomicBool,
     waker: AtomicWaker,
+    /// Held from when the connection is chosen to close until it ends (see
+    /// [`OpenConnections::closing`]).
+    closing: Mutex<Option<OwnedSemaphorePermit>>,
 }
 
 impl CloseSignal {
@@ -128,6 +142,17 @@ pub struct Registration {
 }
 
 impl OpenConnections {
+    /// Connections under a limit of `max` at once: at most `max`, or
+    /// [`MAX_CLOSING`] where that is fewer, may be closing with their
+    /// slots handed on.
+    pub fn new(max: usize) -> OpenConnections {
+        OpenConnections {
+            connections: Mutex::default(),
+            next_id: AtomicU64::new(0),
+            closing: Arc::new(Semaphore::new(max.clamp(1, MAX_CLOSING))),
+        }
+    }
+
     /// Adds the connection whose requests `activity` counts, holding
     /// `slot` under the connection limit until it ends or is chosen to
     /// close.
@@ -152,9 +177,12 @@ impl OpenConnections {
     }
 
     /// Tells the connection that has been idle longest to close, and
-    /// forgets it (it is not chosen twice); its slot, if there was one. The
-    /// scan is over every open connection, which is done only at the limit.
+    /// forgets it (it is not chosen twice); its slot, if there was one and
+    /// fewer than the most connections are closing with their slots handed
+    /// on. The scan is over every open connection, which is done only at
+    /// the limit.
     pub fn close_longest_idle(&self) -> Option<OwnedSemaphorePermit> {
+        let closing = self.closing.clone().try_acquire_owned().ok()?;
         let mut connections = self.lock();
         // Of two idle equally long, the one opened first.
         let longest = connections
@@ -163,6 +191,11 @@ impl OpenConnections {
             .filter(|&(idle, _)| idle >= MIN_IDLE.as_micros() as u64)
             .max_by_key(|&(idle, id)| (idle, std::cmp::Reverse(id)));
         let open = longest.and_then(|(_, id)| connections.remove(&id))?;
+        *open
+            .close
+            .closing
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(closing);
         open.close.tell();
         Some(open.slot)
     }
@@ -213,7 +246,7 @@ mod tests {
 
     #[test]
     fn the_longest_idle_connection_is_chosen_and_a_busy_one_never() {
-        let connections = Arc::new(OpenConnections::default());
+        let connections = Arc::new(OpenConnections::new(MAX_CLOSING));
         let (oldest, older, newer) = (
             Activity::default(),
             Activity::default(),
@@ -253,12 +286,42 @@ mod tests {
         assert_eq!(slots.available_permits(), 3);
     }
 
+    /// At most as many connections as the bound may be closing with their
+    /// slots handed on: past it, none is chosen, though idle ones are
+    /// left, until a chosen one ends. Without the bound, clients that keep
+    /// a chosen connection open (a partial head, pings after the GOAWAY),
+    /// chosen again and again, took every descriptor the gateway had.
+    #[test]
+    fn connections_closing_with_their_slots_handed_on_are_bounded() {
+        let connections = Arc::new(OpenConnections::new(2));
+        let slots = Arc::new(Semaphore::new(4));
+        let activities: Vec<_> = (0..4).map(|_| Activity::default()).collect();
+        let mut places: Vec<_> = activities
+            .iter()
+            .map(|a| connections.register(a, slots.clone().try_acquire_owned().unwrap()))
+            .collect();
+        std::thread::sleep(MIN_IDLE + Duration::from_millis(20));
+        let first = connections.close_longest_idle().expect("one chosen");
+        let second = connections.close_longest_idle().expect("another chosen");
+        assert!(ready(places[0].told_to_close()) && ready(places[1].told_to_close()));
+        assert!(
+            connections.close_longest_idle().is_none(),
+            "a third chosen while two still close"
+        );
+        assert!(!ready(places[2].told_to_close()));
+        // The first chosen ends: another may be chosen.
+        drop(places.remove(0));
+        assert!(connections.close_longest_idle().is_some());
+        drop((first, second, places));
+        assert_eq!(slots.available_permits(), 4);
+    }
+
     /// The slot of the connection chosen goes to the new client at once,
     /// not once that connection has closed; one that ends gives its slot
     /// back.
     #[test]
     fn the_chosen_connections_slot_is_handed_on_at_once() {
-        let connections = Arc::new(OpenConnections::default());
+        let connections = Arc::new(OpenConnections::new(MAX_CLOSING));
         let slots = Arc::new(Semaphore::new(2));
         let (idle, busy) = (Activity::default(), Activity::default());
         let _request = busy.begin(Version::HTTP_11);

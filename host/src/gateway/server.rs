@@ -153,7 +153,7 @@ pub async fn serve(
     // Tells connections serving requests to close, when the gateway stops
     // (or this future is dropped): through the same signal as choosing one
     // to close at the limit (see `reclaim`).
-    let open_connections = Arc::new(OpenConnections::default());
+    let open_connections = Arc::new(OpenConnections::new(limits.max_connections));
     // Set when the grace period ends with requests left, which are then
     // dropped: their access log lines say the gateway dropped them.
     let dropping = Arc::new(std::sync::atomic::AtomicBool::new(false));

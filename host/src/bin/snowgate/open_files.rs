@@ -11,7 +11,9 @@ use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
 
 /// Descriptors the gateway uses besides its connections and its workers:
 /// listeners, the main event loop and its wake-ups, the plugin file and
-/// its watch, the compile cache, etcd, the log.
+/// its watch, the compile cache, etcd, the log (14 at rest), and the
+/// connections chosen to close at the limit that are still open, their
+/// slots handed on (at most 32: `reclaim::MAX_CLOSING`).
 const BESIDES_CONNECTIONS: u64 = 128;
 
 /// Descriptors each worker takes: its event loop and wake-ups (measured:
