@@ -181,7 +181,7 @@ impl CompileProcess {
             return Ok(output.stdout);
         }
         if overran {
-            return Err(self.out_of_wall_time(cpu_used));
+            return Err(self.out_of_wall_time(cpu_used, true));
         }
         Err(self.failure(output.status, &output.stderr, cpu_used))
     }
@@ -279,12 +279,14 @@ impl CompileProcess {
     }
 
     /// The compile ran past [`wall_limit`](Self::wall_limit), having used
-    /// `cpu_used`.
-    fn out_of_wall_time(&self, cpu_used: Duration) -> CompileFailure {
+    /// `cpu_used`; `stopped`: the gateway killed it, its own alarm not
+    /// having ended it.
+    fn out_of_wall_time(&self, cpu_used: Duration, stopped: bool) -> CompileFailure {
         CompileFailure::OutOfWallTime {
             limit: self.wall_limit(),
             cpu_used,
             starved: cpu_used < self.limits.cpu / 2,
+            stopped,
         }
     }
 
@@ -344,7 +346,7 @@ impl CompileProcess {
         }
         #[cfg(unix)]
         if signal == Some(libc::SIGALRM) {
-            return self.out_of_wall_time(cpu_used);
+            return self.out_of_wall_time(cpu_used, false);
         }
         let crashed = crashed(status, &message);
         // The child's words quote the component's own (an invalid import
@@ -405,6 +407,9 @@ pub enum CompileFailure {
         /// parallel compile on an idle machine reaches its CPU limit
         /// first), and it would run out again.
         starved: bool,
+        /// Whether its own alarm did not end it, and the gateway killed it:
+        /// it was stopped (SIGSTOP, a frozen cgroup), which may pass.
+        stopped: bool,
     },
     /// The child could not be started, failed before compiling or while
     /// handing the build back (an I/O error), was ended by a signal from
@@ -442,6 +447,7 @@ impl std::fmt::Display for CompileFailure {
                 limit,
                 cpu_used,
                 starved,
+                stopped,
             } => write!(
                 f,
                 "compiling the plugin took longer than {} s of wall-clock time (twice \
@@ -449,7 +455,10 @@ impl std::fmt::Display for CompileFailure {
                 limit.as_secs(),
                 MIN_WALL_LIMIT.as_secs(),
                 cpu_used.as_secs_f64(),
-                if *starved {
+                if *stopped {
+                    ": it did not end at its own alarm, which a stopped process (SIGSTOP, a \
+                     frozen cgroup) does not take, and the gateway killed it"
+                } else if *starved {
                     ": the machine left it too little CPU"
                 } else {
                     ""
@@ -474,7 +483,9 @@ impl CompileFailure {
         match self {
             CompileFailure::Other(_) => true,
             CompileFailure::OutOfCpuTime { killed, .. } => *killed,
-            CompileFailure::OutOfWallTime { starved, .. } => *starved,
+            CompileFailure::OutOfWallTime {
+                starved, stopped, ..
+            } => *starved || *stopped,
             CompileFailure::Refused(_)
             | CompileFailure::Crashed(_)
             | CompileFailure::OutOfMemory { .. } => false,
@@ -895,12 +906,16 @@ mod tests {
         assert!(
             matches!(
                 failure,
-                CompileFailure::OutOfWallTime { limit, starved: true, .. }
+                CompileFailure::OutOfWallTime { limit, stopped: true, .. }
                     if limit == Duration::from_secs(10)
             ),
             "{failure:?}"
         );
         assert!(failure.may_pass());
+        assert!(
+            failure.to_string().contains("which a stopped process"),
+            "{failure}"
+        );
     }
 
     /// A compile that takes longer than twice its CPU time in wall-clock

@@ -801,6 +801,7 @@ mod tests {
                 limit: std::time::Duration::from_secs(1200),
                 cpu_used: std::time::Duration::from_secs(100),
                 starved: true,
+                stopped: false,
             }),
             anyhow::Error::new(CompileFailure::OutOfCpuTime {
                 limit: std::time::Duration::from_secs(600),
@@ -830,6 +831,7 @@ mod tests {
                 limit: std::time::Duration::from_secs(1200),
                 cpu_used: std::time::Duration::from_secs(500),
                 starved: false,
+                stopped: false,
             }),
         ];
         for error in for_good {
