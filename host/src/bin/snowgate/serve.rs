@@ -116,9 +116,11 @@ pub struct ServeArgs {
     compile: CompileFlags,
     /// How long in-flight requests may finish after SIGTERM, in seconds
     /// [default: 30]; a second SIGTERM or SIGINT, a second or more after
-    /// the first, ends it at once. Without --etcd, the stop may then take
-    /// up to 10 s more, after a burst of ids, until the wall clock has
-    /// passed the last id issued.
+    /// the first, ends it at once (a reload's plugin calls under way are
+    /// still waited for, each within --plugin-deadline-ms). The stop may
+    /// then take up to 10 s more, after a burst of ids (or, with --etcd,
+    /// soon after claiming a slot), until the wall clock has passed the
+    /// last id issued.
     #[arg(long, value_name = "SECS")]
     shutdown_grace_secs: Option<u64>,
     /// Quiet time after a plugin file change before reloading, in
