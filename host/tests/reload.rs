@@ -496,6 +496,7 @@ async fn post_reload_swaps_reports_unchanged_and_refuses_bad_files() {
     assert_eq!(sha_of(&status), second, "the old build keeps serving");
     assert_eq!(reloads(&status), (1, 1));
     assert_eq!(last_error(&status), Some(message.as_str()));
+    let refused_at = status["last_reload_error"]["at"].clone();
     let metrics = gateway.metrics().await;
     assert!(
         metrics.contains("snowgate_plugin_reload_failing 1\n"),
@@ -542,6 +543,11 @@ async fn post_reload_swaps_reports_unchanged_and_refuses_bad_files() {
     let status = gateway.status().await;
     assert_eq!(reloads(&status), (1, 2));
     assert_eq!(last_error(&status), Some(message.as_str()));
+    let at = |value: &Value| value.as_str().expect("a time").to_string();
+    assert!(
+        at(&status["last_reload_error"]["at"]) > at(&refused_at),
+        "the refusal again is as of now: {status:#}"
+    );
     gateway.wait_log_times(failed, 2).await;
     rewrite_in_place(&path, &plugin_variant(1));
     post_empty(gateway.admin, "/reload").await;

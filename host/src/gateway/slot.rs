@@ -109,7 +109,7 @@ pub struct PluginSlot {
     /// The last build refused for what it is (one that would be refused
     /// again: see [`may_pass`]), by SHA-256, and why: a reload of the same
     /// bytes answers the same without compiling them again.
-    refused: Mutex<Option<(String, ReloadError)>>,
+    refused: Mutex<Option<(String, String)>>,
     /// One reload at a time.
     reloading: tokio::sync::Mutex<()>,
     /// The reload asked for while another runs: it starts once that one
@@ -464,7 +464,7 @@ impl PluginSlot {
                 *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(error.clone());
                 if let Some(sha256) = read.get().filter(|_| !error.may_pass) {
                     *self.refused.lock().unwrap_or_else(|p| p.into_inner()) =
-                        Some((sha256.clone(), error.clone()));
+                        Some((sha256.clone(), error.message.clone()));
                 }
                 self.metrics.reload(false);
                 Err(NoReload::Failed(error))
@@ -473,28 +473,33 @@ impl PluginSlot {
     }
 
     /// The answer to a reload of the build refused last ([`RefusedBefore`]):
-    /// its refusal. Counted and logged again only where it is no longer
-    /// the last reload error (another reload swapped in or failed since):
-    /// the file watch and a `POST /reload` after the same `mv` each
-    /// compiled, refused, logged and counted the build.
+    /// its refusal. Counted and logged again, as of now, only where it is
+    /// no longer the last reload error (another reload swapped in or
+    /// failed since): the file watch and a `POST /reload` after the same
+    /// `mv` each compiled, refused, logged and counted the build.
     fn refused_again(&self) -> ReloadError {
-        let error = self
+        let refused = self
             .refused
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .as_ref()
-            .map(|(_, error)| error.clone())
+            .map(|(_, message)| message.clone())
             .expect("a build refused before");
         let mut last = self.last_error.lock().unwrap_or_else(|p| p.into_inner());
-        if last.as_ref() == Some(&error) {
+        if let Some(error) = last.as_ref().filter(|error| error.message == refused) {
             tracing::debug!(
                 "plugin reload: the file holds the build refused last; not compiled again"
             );
-        } else {
-            tracing::error!(error = %error.message, "plugin reload failed (the build refused before, not compiled again); the previous build keeps serving");
-            *last = Some(error.clone());
-            self.metrics.reload(false);
+            return error.clone();
         }
+        tracing::error!(error = %refused, "plugin reload failed (the build refused before, not compiled again); the previous build keeps serving");
+        let error = ReloadError {
+            message: refused,
+            at: SystemTime::now(),
+            may_pass: false,
+        };
+        *last = Some(error.clone());
+        self.metrics.reload(false);
         error
     }
 }
