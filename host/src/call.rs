@@ -94,6 +94,10 @@ pub struct SelfCheckAnswer {
     /// them where they are as many as `fenced.ticks` counts, which holds
     /// for up to 16.
     pub ticks: Vec<Tick>,
+    /// Why the host's id clock refused the call a tick it asked for, if it
+    /// did (ids asked for faster than the layout makes them): a plugin's
+    /// 503 then is the host's doing, which passes.
+    pub clock_refused: Option<crate::clock::NoTick>,
 }
 
 impl SelfCheckInstance<'_> {
@@ -114,9 +118,11 @@ impl SelfCheckInstance<'_> {
         self.instance.store.data_mut().recorded_ticks = Some(Vec::new());
         let answer = self.instance.call(request, spare_first);
         let ticks = self.instance.store.data_mut().recorded_ticks.take();
+        let clock_refused = self.instance.store.data().issued.refused;
         answer.map(|(fenced, _)| SelfCheckAnswer {
             fenced,
             ticks: ticks.unwrap_or_default(),
+            clock_refused,
         })
     }
 }

@@ -72,15 +72,16 @@ pub(crate) fn run(engine: &PluginEngine, plugin: &Plugin) -> anyhow::Result<Vec<
     // that keeps an id (or what it made one of) from its instance's first
     // call shows it, and then with a batch, where one that repeats an id
     // within a call does.
+    // A call the id clock refused a tick (ids asked for faster than the
+    // layout makes them, the clock at its lead) cannot show what the
+    // build does either: its 503 is the host's doing, and passes.
     let judge = |canned, answer: SelfCheckAnswer| {
-        judge_self_check(
-            plugin,
-            canned,
-            answer.fenced,
-            &answer.ticks,
-            &made,
-            no_ids_now,
-        )
+        let refused = answer.clock_refused;
+        judge_self_check(plugin, canned, answer.fenced, &answer.ticks, &made, || {
+            no_ids_now().or_else(|| {
+                refused.map(|refused| format!("the id clock refused it a tick: {refused}"))
+            })
+        })
     };
     let mut unchecked = Vec::new();
     match judge(Canned::One, answer)? {
@@ -458,6 +459,37 @@ pub(crate) mod tests {
         let plugin =
             Plugin::load(&engine, snowgate_plugin_bundle::PLUGIN_WASM, &[]).expect("loads");
         (engine, plugin)
+    }
+
+    /// A build whose tick the id clock refused (ids asked for faster than
+    /// the layout makes them: the clock at its lead) answers 503, which is
+    /// the host's doing: the build cannot be judged now, and is checked
+    /// again later, not refused (and a refusal is remembered, and not
+    /// compiled again, until its file changes).
+    #[test]
+    fn a_build_whose_tick_the_clock_refused_is_judged_later() {
+        use crate::clock::FixedClock;
+        let clock = Arc::new(
+            IdClock::new(FixedClock(1_764_000_000_000)).with_max_lead(std::time::Duration::ZERO),
+        );
+        while clock.next_tick(4096).is_ok() {}
+        let services = HostServices {
+            clock,
+            identity: Arc::new(MachineIdentity::fixed(SnowflakeLayout::TrtllmV1, 3).unwrap()),
+        };
+        let engine = PluginEngine::new(services, PluginLimits::default()).expect("an engine");
+        let settings = [("hostile-ids".to_string(), "reject-refused".to_string())];
+        let plugin =
+            Plugin::load(&engine, snowgate_test_fixtures::HOSTILE_WASM, &settings).expect("loads");
+        let error = run(&engine, &plugin).expect_err("not passed");
+        let later = error
+            .chain()
+            .find_map(|cause| cause.downcast_ref::<CannotCheckNow>())
+            .unwrap_or_else(|| panic!("refused, not put off: {error:#}"));
+        assert!(
+            later.reason.contains("the id clock refused it a tick"),
+            "{later:?}"
+        );
     }
 
     /// A plugin's own 503 (no tick taken) is judged only while the host
