@@ -1094,6 +1094,19 @@ async fn busy_keep_alive_connections_are_never_closed_as_idle() {
     assert!(closed.is_empty(), "busy connections closed: {closed:#?}");
 }
 
+/// A keep-alive connection to `addr` after one request, answered 200.
+async fn kept_alive(addr: SocketAddr) -> BufReader<TcpStream> {
+    let stream = TcpStream::connect(addr).await.expect("connect");
+    let mut reader = BufReader::new(stream);
+    reader
+        .get_mut()
+        .write_all(b"GET /v1/models HTTP/1.1\r\nHost: gw\r\n\r\n")
+        .await
+        .expect("a request");
+    assert_eq!(read_raw_response(&mut reader).await.status, 200);
+    reader
+}
+
 /// At `--max-connections`, a new client is served at once: the connection
 /// idle longest is closed to make room (as nginx reuses idle keep-alive
 /// connections), not left to its header read timeout (a minute here) while
@@ -1114,20 +1127,9 @@ async fn at_the_connection_limit_the_longest_idle_connection_makes_room() {
     // The oldest: a request held by the upstream, in flight throughout.
     let busy = held_request(&gateway, &upstream).await;
     // Keep-alive connections, each after one request, oldest first.
-    async fn keep_alive(addr: std::net::SocketAddr) -> BufReader<TcpStream> {
-        let stream = TcpStream::connect(addr).await.expect("connect");
-        let mut reader = BufReader::new(stream);
-        reader
-            .get_mut()
-            .write_all(b"GET /v1/models HTTP/1.1\r\nHost: gw\r\n\r\n")
-            .await
-            .expect("a request");
-        assert_eq!(read_raw_response(&mut reader).await.status, 200);
-        reader
-    }
     let mut idle = Vec::new();
     for _ in 0..3 {
-        idle.push(keep_alive(gateway.addr).await);
+        idle.push(kept_alive(gateway.addr).await);
     }
 
     for round in 1..=2 {
@@ -1154,7 +1156,7 @@ async fn at_the_connection_limit_the_longest_idle_connection_makes_room() {
             .await;
         // The new client's connection ended with it; one more makes four.
         gateway.wait_metric("snowgate_connections_open", 3.0).await;
-        idle.push(keep_alive(gateway.addr).await);
+        idle.push(kept_alive(gateway.addr).await);
     }
     // The busy connection and the newer idle ones are still open.
     let open = |stream: &TcpStream| {
@@ -1197,27 +1199,12 @@ async fn at_the_connection_limit_new_clients_do_not_wait_for_idle_http2_connecti
     // Three new clients at once, each keeping its connection, and so its
     // slot, once answered.
     let addr = gateway.addr;
-    let clients: Vec<_> = (0..3)
-        .map(|_| {
-            tokio::spawn(async move {
-                let stream = TcpStream::connect(addr).await.expect("connect");
-                let mut reader = BufReader::new(stream);
-                reader
-                    .get_mut()
-                    .write_all(b"GET /v1/models HTTP/1.1\r\nHost: gw\r\n\r\n")
-                    .await
-                    .expect("a request");
-                let status = read_raw_response(&mut reader).await.status;
-                (status, reader)
-            })
-        })
-        .collect();
+    let clients: Vec<_> = (0..3).map(|_| tokio::spawn(kept_alive(addr))).collect();
     let mut kept = Vec::new();
     for client in clients {
-        let (status, reader) = bounded("a new client's answer", STEP, client)
+        let reader = bounded("a new client's answer", STEP, client)
             .await
             .expect("the client");
-        assert_eq!(status, 200);
         kept.push(reader);
     }
     // Every idle connection was chosen, and none had to close for the new

@@ -841,26 +841,22 @@ fn an_admin_token_that_is_not_utf8_is_named_not_shown() {
         );
         assert!(!stderr.contains("s3cret"), "{stderr}");
     };
-    let mut from_env = Command::new(env!("CARGO_BIN_EXE_snowgate"));
-    from_env
-        .args([
+    let serve = || {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_snowgate"));
+        command.args([
             "serve",
             "--listen",
             "127.0.0.1:0",
             "--admin-listen",
             "127.0.0.1:0",
-        ])
-        .env("SNOWGATE_ADMIN_TOKEN", token);
+        ]);
+        command
+    };
+    let mut from_env = serve();
+    from_env.env("SNOWGATE_ADMIN_TOKEN", token);
     refused(from_env);
-    let mut from_flag = Command::new(env!("CARGO_BIN_EXE_snowgate"));
+    let mut from_flag = serve();
     from_flag
-        .args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-        ])
         .arg("--admin-token")
         .arg(token)
         .env_remove("SNOWGATE_ADMIN_TOKEN");

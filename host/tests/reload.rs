@@ -397,18 +397,9 @@ async fn sighup_with_the_bundled_plugin_says_there_is_no_file() {
 /// gateway starts, then reloads.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sighup_while_the_plugin_loads_does_not_end_the_gateway() {
-    let dir = TempDir::new("sighup-at-start");
-    let path = dir.path().join("plugin.wasm");
-    std::fs::write(&path, snowgate_test_fixtures::HOSTILE_WASM).unwrap();
+    let (_dir, path) = slow_configure_plugin("sighup-at-start");
     let gateway = Gateway::start_signalled_on_log(
-        &[
-            "--plugin",
-            arg(&path),
-            "--plugin-setting",
-            "hostile-configure=slow",
-            "--plugin-deadline-ms",
-            "10000",
-        ],
+        &[&["--plugin", arg(&path)][..], &SLOW_CONFIGURE].concat(),
         // Logged at the start of the load's first configure, which then
         // takes a second.
         "the hostile fixture starts a slow configure",
@@ -420,6 +411,24 @@ async fn a_sighup_while_the_plugin_loads_does_not_end_the_gateway() {
     gateway.stop().await;
 }
 
+/// The hostile fixture in `plugin.wasm` of a new temporary directory
+/// named for `tag`, to serve with [`SLOW_CONFIGURE`].
+fn slow_configure_plugin(tag: &str) -> (TempDir, PathBuf) {
+    let dir = TempDir::new(tag);
+    let path = dir.path().join("plugin.wasm");
+    std::fs::write(&path, snowgate_test_fixtures::HOSTILE_WASM).unwrap();
+    (dir, path)
+}
+
+/// Flags that make the hostile fixture's `configure` log that it starts,
+/// then take a second, within a deadline that allows it.
+const SLOW_CONFIGURE: [&str; 4] = [
+    "--plugin-setting",
+    "hostile-configure=slow",
+    "--plugin-deadline-ms",
+    "10000",
+];
+
 /// A stop while a reload runs the new build's `configure` (here one that
 /// sleeps a second) waits for it, and for the build's self-check after it,
 /// as for a self-check under way: before, the stop went on, and the
@@ -427,19 +436,14 @@ async fn a_sighup_while_the_plugin_loads_does_not_end_the_gateway() {
 /// panicked ("A Tokio 1.x context was found, but it is being shutdown").
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_while_a_reload_configures_its_build_waits_for_it() {
-    let dir = TempDir::new("stop-in-configure");
-    let path = dir.path().join("plugin.wasm");
-    std::fs::write(&path, snowgate_test_fixtures::HOSTILE_WASM).unwrap();
-    let gateway = Gateway::start(&[
-        "--plugin",
-        arg(&path),
-        "--plugin-setting",
-        "hostile-configure=slow",
-        "--plugin-deadline-ms",
-        "10000",
-        "--reload-debounce-ms",
-        "10",
-    ])
+    let (_dir, path) = slow_configure_plugin("stop-in-configure");
+    let gateway = Gateway::start(
+        &[
+            &["--plugin", arg(&path), "--reload-debounce-ms", "10"][..],
+            &SLOW_CONFIGURE,
+        ]
+        .concat(),
+    )
     .await;
     let slow = "the hostile fixture starts a slow configure";
     let at_start = gateway.stderr_text().matches(slow).count();

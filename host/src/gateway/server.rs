@@ -872,6 +872,16 @@ mod tests {
         );
     }
 
+    /// A client's connection on loopback, and the server's end of it.
+    async fn connected() -> (tokio::net::TcpStream, tokio::net::TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("a listener");
+        let client = tokio::net::TcpStream::connect(listener.local_addr().expect("address"))
+            .await
+            .expect("connecting");
+        let (server, _) = listener.accept().await.expect("accepting");
+        (client, server)
+    }
+
     /// A connection told to close whose client never answers the GOAWAY
     /// but keeps it open (sending pings, or nothing it reads) ends once it
     /// has had nothing in flight for another idle timeout (`idle_again`):
@@ -881,11 +891,7 @@ mod tests {
     /// ever.
     #[tokio::test]
     async fn a_connection_told_to_close_ends_after_another_idle_timeout() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("a listener");
-        let mut client = tokio::net::TcpStream::connect(listener.local_addr().expect("address"))
-            .await
-            .expect("connecting");
-        let (server, _) = listener.accept().await.expect("accepting");
+        let (mut client, server) = connected().await;
         client
             .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00")
             .await
@@ -916,11 +922,7 @@ mod tests {
     /// has begun is still answered, then closed.
     #[tokio::test]
     async fn a_request_sent_before_the_stop_is_answered() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("a listener");
-        let mut client = tokio::net::TcpStream::connect(listener.local_addr().expect("address"))
-            .await
-            .expect("connecting");
-        let (server, _) = listener.accept().await.expect("accepting");
+        let (mut client, server) = connected().await;
         client
             .write_all(b"GET /x HTTP/1.1\r\nhost: gateway\r\n\r\n")
             .await
