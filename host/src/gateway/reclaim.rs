@@ -89,6 +89,8 @@ pub struct OpenConnections {
     /// A permit for each connection chosen to close that is still open,
     /// having handed its slot on.
     closing: Arc<Semaphore>,
+    /// How many permits `closing` has in all.
+    max_closing: usize,
 }
 
 /// One open connection as [`OpenConnections`] knows it.
@@ -146,10 +148,12 @@ impl OpenConnections {
     /// [`MAX_CLOSING`] where that is fewer, may be closing with their
     /// slots handed on.
     pub fn new(max: usize) -> OpenConnections {
+        let max_closing = max.clamp(1, MAX_CLOSING);
         OpenConnections {
             connections: Mutex::default(),
             next_id: AtomicU64::new(0),
-            closing: Arc::new(Semaphore::new(max.clamp(1, MAX_CLOSING))),
+            closing: Arc::new(Semaphore::new(max_closing)),
+            max_closing,
         }
     }
 
@@ -198,6 +202,12 @@ impl OpenConnections {
             .unwrap_or_else(PoisonError::into_inner) = Some(closing);
         open.close.tell();
         Some(open.slot)
+    }
+
+    /// The connections chosen to close that are still open, their slots
+    /// handed on: open connections besides those holding slots.
+    pub fn closing(&self) -> usize {
+        self.max_closing - self.closing.available_permits()
     }
 
     /// Tells every open connection to close: the gateway is stopping. A
@@ -314,6 +324,7 @@ mod tests {
             connections.close_longest_idle().is_none(),
             "a third chosen while two still close"
         );
+        assert_eq!(connections.closing(), 2);
         assert_eq!(told(&places), 2);
         // One chosen ends: another may be chosen.
         let chosen = places

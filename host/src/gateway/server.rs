@@ -458,7 +458,10 @@ pub async fn serve(
             }
         } => {
             dropping.store(true, std::sync::atomic::Ordering::Relaxed);
-            let open = limits.max_connections - slots.available_permits();
+            // Those holding slots, and those chosen to close at the limit
+            // that have handed theirs on.
+            let open = limits.max_connections - slots.available_permits()
+                + open_connections.closing();
             tracing::warn!(
                 grace_secs = grace.as_secs(),
                 "{open} connection(s) still open {why}, with requests still running or \
