@@ -452,32 +452,32 @@ impl Plugin {
         let limits = self.engine.limits;
         let state = held.store.data();
         let grew = state.memory.peak.saturating_sub(held.configured_memory);
-        let its_doing = if grew > REUSE_MAX_GROWTH {
-            Some(format!(
-                "its memory grew by {grew} bytes after configure, more than {} MiB",
-                REUSE_MAX_GROWTH >> 20
-            ))
-        } else if state.wrote_stderr() {
-            Some("it wrote to stderr".to_string())
-        } else {
-            None
-        };
-        if let Some(why) = &its_doing {
-            if !self
+        let grew_too_much = grew > REUSE_MAX_GROWTH;
+        let its_doing = grew_too_much || state.wrote_stderr();
+        // Said once: the reason is put into words only then.
+        if its_doing
+            && !self
                 .told_not_kept
                 .swap(true, std::sync::atomic::Ordering::Relaxed)
-            {
-                tracing::info!(
-                    target: "snowgate::plugin",
-                    plugin = %self.name,
-                    "an instance of this build was not kept for another request: {why}; each \
-                     call that does so runs on a fresh instance, which costs a plugin of a large \
-                     runtime most (said once per build)"
-                );
-            }
+        {
+            let why = if grew_too_much {
+                format!(
+                    "its memory grew by {grew} bytes after configure, more than {} MiB",
+                    REUSE_MAX_GROWTH >> 20
+                )
+            } else {
+                "it wrote to stderr".to_string()
+            };
+            tracing::info!(
+                target: "snowgate::plugin",
+                plugin = %self.name,
+                "an instance of this build was not kept for another request: {why}; each \
+                 call that does so runs on a fresh instance, which costs a plugin of a large \
+                 runtime most (said once per build)"
+            );
         }
         let reusable = held.calls < limits.calls_per_instance
-            && its_doing.is_none()
+            && !its_doing
             && !state.memory.hit
             && self.of_current_grant(&held.store);
         if !reusable {
