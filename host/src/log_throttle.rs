@@ -52,7 +52,12 @@ impl LogThrottle {
     /// and told as none). The note is written by a task of the caller's
     /// runtime; without one, the next warning written counts them.
     pub(crate) fn admit_noting_the_rest(&'static self, note: fn(u64)) -> Option<HeldBack> {
-        let now = since_start();
+        self.admit_noting_the_rest_at(since_start(), note)
+    }
+
+    /// [`LogThrottle::admit_noting_the_rest`] at `now`, the process's
+    /// monotonic time.
+    fn admit_noting_the_rest_at(&'static self, now: Duration, note: fn(u64)) -> Option<HeldBack> {
         let admitted = self.admit_at(now);
         // The first held back since the last written: its second's note.
         if admitted == Err(0) {
@@ -188,18 +193,25 @@ mod tests {
         static THROTTLE: LogThrottle = LogThrottle::new();
         static NOTED: std::sync::Mutex<Vec<u64>> = std::sync::Mutex::new(Vec::new());
         let note = |held_back: u64| NOTED.lock().unwrap().push(held_back);
-        assert!(THROTTLE.admit_noting_the_rest(note).is_some());
-        for _ in 0..3 {
-            assert!(THROTTLE.admit_noting_the_rest(note).is_none());
+        let at = Duration::from_millis;
+        assert!(THROTTLE.admit_noting_the_rest_at(at(0), note).is_some());
+        for ms in [1, 2, 3] {
+            assert!(THROTTLE.admit_noting_the_rest_at(at(ms), note).is_none());
         }
         // The paused clock moves on to the note's timer.
         tokio::time::sleep(EVERY * 2).await;
         assert_eq!(*NOTED.lock().unwrap(), vec![3]);
-        // The process's own clock, which the throttle reads, has not moved a
-        // second: the next is held back too, and noted alone.
-        if THROTTLE.admit_noting_the_rest(note).is_none() {
-            tokio::time::sleep(EVERY * 2).await;
-            assert_eq!(*NOTED.lock().unwrap(), vec![3, 1]);
-        }
+        // Still within the second of the warning written: the next is held
+        // back too, and noted alone.
+        assert!(THROTTLE.admit_noting_the_rest_at(at(500), note).is_none());
+        tokio::time::sleep(EVERY * 2).await;
+        assert_eq!(*NOTED.lock().unwrap(), vec![3, 1]);
+        // Its second over, the next is written, counting none held back.
+        assert_eq!(
+            THROTTLE.admit_noting_the_rest_at(at(1_000), note),
+            Some(HeldBack(0))
+        );
+        tokio::time::sleep(EVERY * 2).await;
+        assert_eq!(*NOTED.lock().unwrap(), vec![3, 1]);
     }
 }
