@@ -14,17 +14,27 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use http::StatusCode;
+use snowgate_host::high_water_file::keeper::START_LEAD;
 use snowgate_plugin::SnowflakeLayout;
 use support::{get, post_json, stamped_id, Gateway, CONTEXT_ONLY, MACHINE_ID, STEP};
 
-/// How far the faked wall clock steps back after a clean stop: less than
-/// the id clock's 9 s lead, so that a gateway that continues after the
-/// last id can stamp at once; more than a debug build takes to stop one
-/// gateway and start the next on a busy machine, so that the step is real.
+/// How far the faked wall clock steps back after a clean stop: within the
+/// 7 s a start may be behind a mark without waiting, so that a gateway that
+/// continues after the last id can stamp at once; more than a debug build
+/// takes to stop one gateway and start the next on a busy machine, so that
+/// the step is real.
 const STEP_BACK_AFTER_A_STOP: &str = "-7s";
 
-/// The same after a crash, whose mark is up to 2 s further ahead.
-const STEP_BACK_AFTER_A_CRASH: &str = "-5s";
+/// The same after a crash: far enough that the restart, however slow, comes
+/// before its wall clock reaches the mark, and with the mark's lead of up to
+/// 2 s, beyond the 7 s a start goes on without waiting; it waits out the
+/// rest (a few seconds).
+const STEP_BACK_AFTER_A_CRASH: &str = "-10s";
+
+/// How far ahead the clock of a gateway that leaves a mark to be waited for
+/// runs: far enough that the next start, however slow, finds the mark more
+/// than 7 s ahead and waits (about 9 s).
+const AHEAD_TO_BE_WAITED_FOR: &str = "+16s";
 
 /// A directory of the test's own, empty and removed when dropped, and the
 /// high-water file's path in it.
@@ -130,8 +140,14 @@ async fn after_a_stop_and_a_step_back_ids_continue_after_the_last() {
     let (_dir, file) = scratch("step-back");
     let file_arg = file.to_str().expect("a UTF-8 path");
 
+    let env = faked_clock(&library, STEP_BACK_AFTER_A_STOP);
+    // Started first, so that its stamps come right after the first
+    // gateway's, whatever a start takes.
+    let control = Gateway::start_with_env(&[], &env_of(&env)).await;
     let first = Gateway::start(&["--high-water-file", file_arg]).await;
     let before = stamp(&first, 50).await;
+    let unmarked = stamp(&control, 5).await;
+    control.stop().await;
     first.stop().await;
     let last = before.iter().copied().map(millis_of).max().expect("ids");
     assert_eq!(
@@ -139,11 +155,6 @@ async fn after_a_stop_and_a_step_back_ids_continue_after_the_last() {
         last,
         "a clean stop writes the last id's millisecond as the mark"
     );
-
-    let env = faked_clock(&library, STEP_BACK_AFTER_A_STOP);
-    let control = Gateway::start_with_env(&[], &env_of(&env)).await;
-    let unmarked = stamp(&control, 5).await;
-    control.stop().await;
     assert!(
         unmarked.iter().all(|&id| millis_of(id) < last),
         "the control's clock did not step back: {} ms after the last id {last}",
@@ -175,7 +186,7 @@ async fn after_a_stop_and_a_step_back_ids_continue_after_the_last() {
 /// A gateway killed with SIGKILL writes nothing at its end; the mark it
 /// kept ahead of its ids while it served covers them. The next gateway
 /// starts on a wall clock that also stepped back (an NTP step), far behind
-/// that mark, and continues after it.
+/// that mark, waits until the mark is within reach and continues after it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_crash_ids_continue_after_the_mark_kept_ahead() {
     let Some(library) = support::faketime() else {
@@ -230,10 +241,10 @@ async fn a_start_waits_for_a_mark_beyond_the_id_clocks_lead() {
     };
     let (_dir, file) = scratch("far-ahead");
     let file_arg = file.to_str().expect("a UTF-8 path");
-    leave_a_mark_ahead(&library, file_arg, "+12s").await;
+    leave_a_mark_ahead(&library, file_arg, AHEAD_TO_BE_WAITED_FOR).await;
     let mark = mark_in(&file);
     assert!(
-        mark > now_millis() + 9_000,
+        mark > now_millis() + START_LEAD.as_millis() as u64,
         "the mark is {} ms ahead",
         mark - now_millis()
     );
