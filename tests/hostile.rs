@@ -208,7 +208,9 @@ fn misbehave_async(plugin: &Plugin, behaviour: &str) -> (Result<Action, CallErro
 fn a_plugin_sleeping_past_its_deadline_is_stopped_at_once() {
     // Epoch ticks interrupt wasm code, not a plugin waiting in a WASI clock
     // subscription: the host must refuse a wait that outlasts the deadline.
-    let deadline = Duration::from_secs(2);
+    // The plugin sleeps 60 s; a deadline of 20 s tells "at once" from "at
+    // the deadline" with room for a busy machine.
+    let deadline = Duration::from_secs(20);
     let plugin = hostile_plugin(PluginLimits {
         deadline,
         ..PluginLimits::default()
@@ -258,14 +260,14 @@ fn a_sleep_within_the_deadline_sleeps_and_the_call_goes_on() {
 
 #[test]
 fn one_deadline_covers_a_fresh_instances_configure_and_first_call() {
-    // With `hostile-configure=nap`, configure sleeps 1000 ms; a `nap`
-    // request sleeps 1000 ms more. 2000 ms of waits do not fit a 1500 ms
+    // With `hostile-configure=nap`, configure sleeps 2000 ms; a `nap`
+    // request sleeps 2000 ms more. 4000 ms of waits do not fit a 3000 ms
     // deadline when it covers both (as it must); they would if the first
     // call got a deadline of its own. The load's check, configure and one
-    // small call, has 500 ms to spare on a busy machine.
+    // small call, has 1000 ms to spare on a busy machine.
     let settings = [
         ("hostile-configure".to_string(), "nap".to_string()),
-        ("hostile-nap-ms".to_string(), "1000".to_string()),
+        ("hostile-nap-ms".to_string(), "2000".to_string()),
     ];
     let plugin = |deadline| {
         Plugin::load(
@@ -278,7 +280,7 @@ fn one_deadline_covers_a_fresh_instances_configure_and_first_call() {
         )
         .unwrap_or_else(|e| panic!("loading the hostile fixture: {e:#}"))
     };
-    let tight = Duration::from_millis(1500);
+    let tight = Duration::from_millis(3000);
     let (answer, _) = misbehave_async(&plugin(tight), "nap");
     match answer {
         Err(error) => assert_eq!(error, CallError::Deadline(tight)),
