@@ -2561,6 +2561,7 @@ async fn answers_502_when_the_upstream_is_down() {
     let dead = dead_address().await;
     let gateway = Gateway::start(&["--upstream", &format!("http://{dead}")]).await;
 
+    let first_sent = Instant::now();
     let reply = post_json(gateway.addr, "/v1/completions", CONTEXT_ONLY).await;
     assert_eq!(reply.status, StatusCode::BAD_GATEWAY);
     let message = assert_openai_error(&reply.json(), "upstream_unreachable", "server_error");
@@ -2639,9 +2640,11 @@ async fn answers_502_when_the_upstream_is_down() {
         sent,
         "{log}"
     );
+    // One line a second at most, however slowly the requests went.
+    let seconds = first_sent.elapsed().as_secs();
     assert!(
-        counts.len() <= 4,
-        "{sent} requests, {} warnings",
+        counts.len() as u64 <= seconds + 2,
+        "{sent} requests, {} warnings in {seconds} s",
         counts.len()
     );
     let metrics = gateway.metrics().await;
