@@ -1868,10 +1868,12 @@ fn thp_enabled(pid: &str) -> Option<String> {
 #[cfg(target_os = "linux")]
 #[test]
 fn serve_turns_huge_pages_off_unless_mimalloc_allow_thp_is_set() {
-    if thp_enabled("self").as_deref() != Some("1") {
-        eprintln!(
-            "SKIPPED: this kernel shows no THP_enabled, or the tests run with THP already off"
-        );
+    let present = thp_enabled("self").as_deref() == Some("1");
+    if !support::tool_present(
+        present,
+        "THP_enabled: 1 in /proc/self/status",
+        "a kernel that shows it, with the tests not run under PR_SET_THP_DISABLE",
+    ) {
         return;
     }
     let serve = |allow: Option<&str>| {
