@@ -561,6 +561,59 @@ async fn a_client_that_sends_all_before_it_reads_gets_the_413_or_431() {
     assert_eq!(reply.status, StatusCode::OK);
 }
 
+/// An answer given before the request's body is read (413 for a body
+/// declared or chunked past the limit, 415 for a compressed one, 405 for
+/// CONNECT or TRACE) says `Connection: close`, as the connection then ends:
+/// Python's `http.client`, told nothing, kept the connection and failed its
+/// next request on it. A 405 without a body keeps the connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_before_the_body_is_read_says_the_connection_closes() {
+    let upstream = TestUpstream::start().await;
+    let gateway =
+        Gateway::start(&["--upstream", &upstream.url(), "--max-body-bytes", "1024"]).await;
+    let partly = |method: &str, headers: &str| {
+        format!("{method} /v1/completions HTTP/1.1\r\nHost: gw\r\n{headers}\r\n{{\"prompt\":\"a")
+    };
+    let json = "Content-Type: application/json\r\n";
+    let cases = [
+        (
+            partly("POST", &format!("{json}Content-Length: 2000\r\n")),
+            413,
+        ),
+        (
+            partly("POST", &format!("{json}Transfer-Encoding: chunked\r\n")).replace(
+                "{\"prompt\":\"a",
+                &format!("800\r\n{}\r\n", "a".repeat(2048)),
+            ),
+            413,
+        ),
+        (
+            partly(
+                "POST",
+                &format!("{json}Content-Encoding: gzip\r\nContent-Length: 500\r\n"),
+            ),
+            415,
+        ),
+        (
+            partly("TRACE", &format!("{json}Content-Length: 500\r\n")),
+            405,
+        ),
+    ];
+    for (request, status) in cases {
+        let raw = raw_exchange(gateway.addr, request.as_bytes()).await;
+        assert_eq!(raw.status, status, "{request:?}");
+        assert_eq!(raw.header("connection"), Some("close"), "{request:?}");
+    }
+    let raw = raw_exchange(
+        gateway.addr,
+        b"TRACE /v1/models HTTP/1.1\r\nHost: gw\r\n\r\n",
+    )
+    .await;
+    assert_eq!(raw.status, 405);
+    assert_eq!(raw.header("connection"), None);
+    assert!(upstream.seen().is_empty());
+}
+
 /// A chunked JSON body (no length declared) that grows past
 /// `--max-body-bytes` gets 413 once the limit is passed, without the end
 /// of the body ever being sent; at the limit it is accepted.

@@ -263,10 +263,22 @@ impl Shared {
         } else {
             None
         };
+        // An answer to a request whose body is not read says that the
+        // connection ends after it, as it does (RFC 9110 section 10.1.1): a
+        // client that kept it (Python's `http.client`) failed its next
+        // request on it.
+        let answer = |has_body: bool| {
+            if has_body {
+                responses::closing_error
+            } else {
+                responses::error
+            }
+        };
+        let has_body = !request.body().is_end_stream();
         if let Some(why) = refused {
             verdict.count(Outcome::ClientError);
             let mut response =
-                responses::error(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", why);
+                answer(has_body)(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", why);
             response.headers_mut().insert(
                 header::ALLOW,
                 header::HeaderValue::from_static("GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS"),
@@ -281,7 +293,6 @@ impl Shared {
         // Whether there is a body at all comes from the body, which hyper
         // framed from the headers before any were removed, not from the
         // framing headers (`Transfer-Encoding` is hop-by-hop and gone).
-        let has_body = !request.body().is_end_stream();
         let label = body_label(request.headers(), has_body);
         if label == BodyLabel::Other {
             // Counted when the answer comes, or when the client goes away
@@ -314,7 +325,7 @@ impl Shared {
                 "the request body has Content-Encoding {coding:?}; this gateway stamps request ids \
                  into JSON bodies sent without a content coding: send the body uncompressed"
             );
-            return own(responses::error(
+            return own(answer(has_body)(
                 StatusCode::UNSUPPORTED_MEDIA_TYPE,
                 "unsupported_content_encoding",
                 &message,
@@ -598,13 +609,15 @@ impl Shared {
         Ok(response.map(Either::Right))
     }
 
+    /// The answer to a body past the limit, declared or read: the rest of
+    /// it is not read, so the connection ends.
     fn too_large(&self) -> Response<Full<Bytes>> {
         // Worded as when a streamed body passes the limit.
         let message = BodyTooLarge {
             limit: self.max_body_bytes as u64,
         };
         let (status, code) = ClientFault::TooLarge.answer();
-        responses::error(status, code, &message.to_string())
+        responses::closing_error(status, code, &message.to_string())
     }
 }
 
