@@ -2092,6 +2092,37 @@ async fn refuses_a_path_that_climbs_out_of_the_upstream_base_path() {
     assert_eq!(upstream.only_seen().path, "/api/v1/x/../models?q=..");
 }
 
+/// An absolute-form target without a path (`http://host?q=1`) asks for `/`
+/// (RFC 9112 section 3.2.1): the upstream, under its base path or not, and
+/// the built-in echo (which shows what the plugin is given) see `/?q=1`.
+/// They saw `?q=1`, and under a base path `/api?q=1`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_absolute_form_target_without_a_path_asks_for_the_root() {
+    let upstream = TestUpstream::start().await;
+    let base = format!("{}/api", upstream.url());
+    let request = |target: &str| {
+        raw_post_request(
+            target,
+            b"Content-Type: application/json\r\n",
+            CONTEXT_ONLY.as_bytes(),
+        )
+    };
+    for (base, forwarded) in [(base.as_str(), "/api/?q=1"), (&upstream.url(), "/?q=1")] {
+        let gateway = Gateway::start(&["--upstream", base]).await;
+        for target in ["http://elsewhere.test?q=1", "http://elsewhere.test/?q=1"] {
+            let raw = raw_exchange(gateway.addr, &request(target)).await;
+            assert_eq!(raw.status, 200, "{target}");
+            let seen = upstream.seen().pop().expect("a request upstream");
+            assert_eq!(seen.path, forwarded, "{target} under {base}");
+            assert_fresh_v1_id(stamped_id(&seen.body));
+        }
+    }
+    let echo = Gateway::start(&[]).await;
+    let raw = raw_exchange(echo.addr, &request("http://elsewhere.test?q=1")).await;
+    assert_eq!(raw.status, 200);
+    assert_eq!(raw.json()["path"], "/?q=1");
+}
+
 /// An HTTP/2 `:path` without its leading `/` reaches no upstream. Joined
 /// to the base path as it came, `x/../admin` under `/api` would ask for
 /// `/apix/../admin` (which resolves to `/admin`) and `-internal/keys` for

@@ -250,6 +250,7 @@ pub async fn serve(
             // In flight until hyper has taken its whole response body (or
             // dropped it).
             let in_flight = requests.begin(request.version());
+            give_an_empty_path_its_slash(request.uri_mut());
             // Written when the response's headers are ready, or as 499
             // when hyper drops the request before (its client went away).
             let path = request.uri().path_and_query().map_or("", |p| p.as_str());
@@ -699,6 +700,22 @@ fn not_implemented(coding: &str) -> http::Response<http_body_util::Full<Bytes>> 
         "unsupported_transfer_encoding",
         &message,
     )
+}
+
+/// An absolute-form target without a path (`http://host?q=1`) asks for
+/// `/` (RFC 9112 section 3.2.1): it is given its `/`, so that the plugin,
+/// the upstream and the access log see `/?q=1`, where they saw `?q=1`.
+fn give_an_empty_path_its_slash(uri: &mut http::Uri) {
+    // `*` (an HTTP/2 `OPTIONS *`, which has a scheme) is no path either.
+    let query = uri.path_and_query().map_or("", |p| p.as_str());
+    if uri.scheme().is_none() || !(query.is_empty() || query.starts_with('?')) {
+        return;
+    }
+    let mut parts = uri.clone().into_parts();
+    parts.path_and_query = http::uri::PathAndQuery::try_from(format!("/{query}")).ok();
+    if let Ok(rooted) = http::Uri::from_parts(parts) {
+        *uri = rooted;
+    }
 }
 
 /// What is wrong with a request's head that hyper lets through: in an
