@@ -3749,6 +3749,8 @@ async fn connect_is_refused_with_405() {
     );
     for request in [
         "CONNECT upstream.example:443 HTTP/1.1\r\nHost: upstream.example:443\r\n\r\n",
+        // In any case, as an upstream reading methods without case would.
+        "connect upstream.example:443 HTTP/1.1\r\nHost: upstream.example:443\r\n\r\n",
         json.as_str(),
     ] {
         let raw = raw_exchange(gateway.addr, request.as_bytes()).await;
@@ -3767,7 +3769,7 @@ async fn connect_is_refused_with_405() {
             &metrics,
             r#"snowgate_requests_total{outcome="client_error"}"#
         ),
-        2.0
+        3.0
     );
     assert_eq!(metric(&metrics, "snowgate_plugin_call_seconds_count"), 0.0);
 }

@@ -736,7 +736,8 @@ fn malformed_head<B>(request: &Request<B>) -> Option<String> {
     // In any version: an HTTP/1.0 one would otherwise go on as `/`. (An
     // HTTP/2 request's target has a scheme beside its authority.)
     let uri = request.uri();
-    if request.method() != http::Method::CONNECT
+    // CONNECT in any case, as the middleware refuses it: 405, not this.
+    if !request.method().as_str().eq_ignore_ascii_case("CONNECT")
         && uri.scheme().is_none()
         && uri.authority().is_some()
     {
