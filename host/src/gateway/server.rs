@@ -47,6 +47,13 @@ const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 /// passed any of it on (hyper's default).
 const HTTP2_STREAM_WINDOW: u32 = 1 << 20;
 
+/// How much of one HTTP/2 response body the gateway holds for its client
+/// beyond what the connection has sent: hyper's default, 400 KiB, let a
+/// client that opens streams and reads none of them hold that much for
+/// each (a review saw 1,024 such streams hold 680 MiB). One read from the
+/// upstream (`MAX_RESPONSE_HEAD_BYTES`).
+const HTTP2_STREAM_SEND_BUFFER: usize = 64 << 10;
+
 /// How much of all of one HTTP/2 connection's request bodies the gateway
 /// accepts before it has passed any of it on: sixteen streams' windows.
 /// With hyper's default, one stream's window, a single body waiting on its
@@ -141,6 +148,7 @@ pub async fn serve(
         .initial_stream_window_size(HTTP2_STREAM_WINDOW)
         .initial_connection_window_size(HTTP2_CONNECTION_WINDOW)
         .max_header_list_size(header_bytes as u32)
+        .max_send_buf_size(HTTP2_STREAM_SEND_BUFFER)
         // Stated: hyper's default (200) is not the gateway's to keep, and
         // each stream may hold an upstream connection of its own.
         .max_concurrent_streams(limits.max_streams_per_connection);

@@ -50,6 +50,13 @@ use crate::gateway::upstream_turns::Turn;
 /// 8 KiB), rather than reaching a client that may refuse it: an HTTP/2
 /// client's `SETTINGS_MAX_HEADER_LIST_SIZE`, or its memory. hyper's own
 /// limit is about 400 KiB.
+///
+/// Also the bound on an upstream connection's reads. While a response body
+/// comes faster than it is passed on, hyper reads ahead, each read twice
+/// the last, until its buffer holds this much: at most 120 KiB of the body
+/// waits there. With hyper's default (about 400 KiB) it was 504 KiB, held
+/// for a client that reads slowly or not at all (a review saw 1,000 such
+/// clients hold 470 MiB).
 pub const MAX_RESPONSE_HEAD_BYTES: usize = 64 << 10;
 
 /// Keep-alive connections to the upstream at one host and port.
@@ -358,6 +365,9 @@ impl Shared {
         stream.set_nodelay(true).map_err(SendError::Connect)?;
         let (sender, connection) = http1::Builder::new()
             .max_header_size(MAX_RESPONSE_HEAD_BYTES)
+            // Also bounds what a response body holds in reads ahead (see
+            // `MAX_RESPONSE_HEAD_BYTES`).
+            .max_buf_size(MAX_RESPONSE_HEAD_BYTES)
             .handshake(TokioIo::new(stream))
             .await
             .map_err(SendError::Request)?;
@@ -650,6 +660,7 @@ mod tests {
     use http::{HeaderMap, StatusCode};
     use http_body_util::{BodyExt, Empty, Full};
     use hyper::service::service_fn;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::sync::{mpsc, Notify};
 
     use super::*;
@@ -1472,6 +1483,52 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(10), wait)
             .await
             .expect("the upstream closed a connection within 10 s")
+    }
+
+    /// A response body the upstream sends faster than it is taken is read
+    /// ahead until hyper's buffer holds `MAX_RESPONSE_HEAD_BYTES`: at most
+    /// one read (of at most as much) more, 120 KiB. With hyper's default
+    /// bound it read ahead 504 KiB, held until the client took it.
+    #[tokio::test]
+    async fn a_response_body_is_read_ahead_at_most_twice_64_kib() {
+        const BODY: usize = 2 << 20;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let full = Arc::new(Notify::new());
+        let filled = full.clone();
+        tokio::spawn(async move {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            let mut head = [0u8; 1024];
+            let _ = stream.read(&mut head).await.unwrap();
+            let mut response =
+                format!("HTTP/1.1 200 OK\r\ncontent-length: {BODY}\r\n\r\n").into_bytes();
+            response.resize(response.len() + BODY, b'x');
+            let mut sent = 0;
+            // Until the socket's buffers are full, then the rest.
+            while sent < response.len() {
+                match stream.try_write(&response[sent..]) {
+                    Ok(n) => sent += n,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            filled.notify_one();
+            stream.write_all(&response[sent..]).await.unwrap();
+        });
+        let pool = pool_for(addr, Duration::from_secs(60));
+        let mut body = pool.send(get("/large")).await.unwrap().into_body();
+        bounded(full.notified()).await;
+        let (mut total, mut largest) = (0, 0);
+        while let Some(frame) = body.frame().await {
+            let data = frame.unwrap().into_data().unwrap();
+            total += data.len();
+            largest = largest.max(data.len());
+        }
+        assert_eq!(total, BODY);
+        assert!(
+            largest < 2 * MAX_RESPONSE_HEAD_BYTES,
+            "{largest} bytes read ahead"
+        );
     }
 
     /// An address whose listen queue is full drops the connection
