@@ -3307,13 +3307,15 @@ async fn a_client_gone_while_waiting_for_an_upstream_turn_leaves_the_line() {
 /// cut-off, where it used to leave no trace at its default log level. The
 /// line names the path without its query, which may hold what a client
 /// meant to keep to itself (a key in `?api_key=`): only the opt-in debug
-/// access log shows it.
+/// access log shows it. It names the address that failed, of those the
+/// upstream's name resolves to (here `localhost`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstream_that_fails_mid_body_is_logged_and_counted() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind a raw upstream");
-    let url = format!("http://{}", listener.local_addr().expect("its address"));
+    let address = listener.local_addr().expect("its address");
+    let url = format!("http://localhost:{}", address.port());
     let upstream = tokio::spawn(async move {
         use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
         let (mut stream, _) = listener.accept().await.expect("the gateway connects");
@@ -3353,6 +3355,10 @@ async fn an_upstream_that_fails_mid_body_is_logged_and_counted() {
         .expect("logged");
     assert!(line.contains("WARN"), "{line}");
     assert!(line.contains("/v1/stream"), "names the path: {line}");
+    assert!(
+        line.contains(&format!("address={address}")),
+        "names the address: {line}"
+    );
     assert!(!log.contains("sk-secret"), "the query is logged: {log}");
     let metrics = gateway.metrics().await;
     assert_eq!(metric(&metrics, "snowgate_upstream_cut_offs_total"), 1.0);
@@ -3446,7 +3452,9 @@ async fn an_upstream_response_head_over_64_kib_is_a_502() {
 /// An upstream response head hyper cannot read is a 502 that says so, and
 /// says not to retry: the upstream would answer so again (before, it was
 /// the 502 of a connection lost, which OpenAI's clients retry twice, each a
-/// whole generation for a non-streaming completion).
+/// whole generation for a non-streaming completion). The warning names the
+/// address that answered so, of those the upstream's name resolves to
+/// (here `localhost`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstream_response_head_that_is_not_http_is_a_502_not_to_retry() {
     for response in [
@@ -3456,7 +3464,8 @@ async fn an_upstream_response_head_that_is_not_http_is_a_502_not_to_retry() {
         &b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\nok"[..],
     ] {
         let upstream = RawUpstream::start(response).await;
-        let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
+        let by_name = format!("http://localhost:{}", upstream.addr.port());
+        let gateway = Gateway::start(&["--upstream", &by_name]).await;
         let mut client = Client::connect(gateway.addr).await;
         for _ in 0..2 {
             let reply = client.get("/v1/models").await;
@@ -3474,6 +3483,13 @@ async fn an_upstream_response_head_that_is_not_http_is_a_502_not_to_retry() {
             );
             assert_eq!(reply.header("x-should-retry"), Some("false"), "{shown}");
         }
+        let named = format!("address={}", upstream.addr);
+        gateway
+            .wait_log_until("a warning naming the address", move |log| {
+                log.lines()
+                    .any(|l| l.contains("upstream request failed") && l.contains(&named))
+            })
+            .await;
     }
 }
 

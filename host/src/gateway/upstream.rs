@@ -344,12 +344,18 @@ impl HttpUpstream {
             self.timeouts.response,
             self.pool.send_telling(request, &connecting, turn),
         );
+        // The address of the connection that failed, for the log.
+        let mut address = None;
         let failure = match answer.await {
             Ok(Ok(response)) => match unusable(&response) {
-                Some(why) => UpstreamFailure::Unusable(why),
+                Some(why) => {
+                    address = response.body().address();
+                    UpstreamFailure::Unusable(why)
+                }
                 None => return self.pass_on(response, client_takes_trailers, path),
             },
             Ok(Err(e)) => {
+                address = e.address();
                 // The request body is the client's: when reading it failed,
                 // or it passed the body limit, the client is told, and the
                 // upstream is not blamed.
@@ -423,6 +429,7 @@ impl HttpUpstream {
         if let Some(held_back) = throttle.admit() {
             tracing::warn!(
                 upstream = %self.base,
+                address = %LoggedAddress(address),
                 code,
                 problem,
                 "upstream request failed {held_back}"
@@ -498,8 +505,9 @@ impl HttpUpstream {
         if !client_takes_trailers {
             parts.headers.remove(header::TRAILER);
         }
-        let body =
-            UpstreamReadTimeout::new(body, self.timeouts.read, self.metrics.clone()).for_path(path);
+        let address = body.address();
+        let body = UpstreamReadTimeout::new(body, self.timeouts.read, self.metrics.clone())
+            .naming(path, address);
         Response::from_parts(parts, body.boxed())
     }
 
@@ -575,6 +583,19 @@ pub(crate) fn client_fault(fault: ClientFault, message: &str) -> Response<Upstre
 }
 
 /// Why a request to the upstream got no response.
+/// The address (of those the upstream's name resolves to) a failure came
+/// from, in the log: `none connected` where no connection was made.
+pub(crate) struct LoggedAddress(pub(crate) Option<std::net::SocketAddr>);
+
+impl std::fmt::Display for LoggedAddress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            Some(address) => write!(f, "{address}"),
+            None => f.write_str("none connected"),
+        }
+    }
+}
+
 enum UpstreamFailure {
     /// No connection could be opened (502).
     Unreachable(String),
@@ -609,23 +630,25 @@ impl UpstreamFailure {
             SendError::Connect(e) => {
                 UpstreamFailure::Unreachable(format!("could not be reached: {e}"))
             }
-            SendError::Request(e) if e.is_parse_too_large() => UpstreamFailure::Unusable(format!(
-                "answered with a response head over {} KiB or of more than 100 header \
+            SendError::Request(e, _) if e.is_parse_too_large() => {
+                UpstreamFailure::Unusable(format!(
+                    "answered with a response head over {} KiB or of more than 100 header \
                  fields, more than the gateway takes (its status line and headers; the body \
                  is not limited)",
-                MAX_RESPONSE_HEAD_BYTES >> 10
-            )),
+                    MAX_RESPONSE_HEAD_BYTES >> 10
+                ))
+            }
             // A head hyper cannot read (a bad status line or header line,
             // an obsolete folded line, lengths that disagree) is the
             // upstream's answer, not a connection lost: it would answer so
             // again. Bytes left over from an earlier response cannot be
             // what was read: a connection with bytes past its response's
             // end is not reused.
-            SendError::Request(e) if e.is_parse() => UpstreamFailure::Unusable(format!(
+            SendError::Request(e, _) if e.is_parse() => UpstreamFailure::Unusable(format!(
                 "answered with a response head that is not valid HTTP/1.1: {}",
                 error_chain::describe(e)
             )),
-            SendError::Request(e) => UpstreamFailure::Failed(format!(
+            SendError::Request(e, _) => UpstreamFailure::Failed(format!(
                 "failed to answer the request: {}",
                 error_chain::describe(e)
             )),

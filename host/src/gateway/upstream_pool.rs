@@ -129,9 +129,21 @@ pub enum SendError {
     ConnectTimedOut(Duration),
     /// Opening a connection failed.
     Connect(std::io::Error),
-    /// The connection failed before the response head arrived; the request
+    /// The connection to the address (of those the upstream's name
+    /// resolves to) failed before the response head arrived; the request
     /// may have been sent.
-    Request(hyper::Error),
+    Request(hyper::Error, SocketAddr),
+}
+
+impl SendError {
+    /// The address whose connection failed, where one was made: for the
+    /// log, as the upstream's name may resolve to several.
+    pub fn address(&self) -> Option<SocketAddr> {
+        match self {
+            SendError::Request(_, address) => Some(*address),
+            SendError::ConnectTimedOut(_) | SendError::Connect(_) => None,
+        }
+    }
 }
 
 impl fmt::Display for SendError {
@@ -141,7 +153,7 @@ impl fmt::Display for SendError {
                 write!(f, "no connection within {} ms", after.as_millis())
             }
             SendError::Connect(e) => write!(f, "connecting failed: {e}"),
-            SendError::Request(e) => write!(f, "{e}"),
+            SendError::Request(e, _) => write!(f, "{e}"),
         }
     }
 }
@@ -151,7 +163,7 @@ impl std::error::Error for SendError {
         match self {
             SendError::ConnectTimedOut(_) => None,
             SendError::Connect(e) => e.source(),
-            SendError::Request(e) => Some(e),
+            SendError::Request(e, _) => Some(e),
         }
     }
 }
@@ -261,7 +273,7 @@ impl ConnectionPool {
                         request = again;
                         lost_once = true;
                     }
-                    _ => return Err(SendError::Request(failed.into_error())),
+                    _ => return Err(SendError::Request(failed.into_error(), peer)),
                 },
             }
         }
@@ -370,7 +382,7 @@ impl Shared {
             .max_buf_size(MAX_RESPONSE_HEAD_BYTES)
             .handshake(TokioIo::new(stream))
             .await
-            .map_err(SendError::Request)?;
+            .map_err(|e| SendError::Request(e, peer))?;
         let task = tokio::spawn(async move {
             if let Err(e) = connection.await {
                 tracing::debug!(
@@ -574,6 +586,12 @@ pub struct PooledBody {
 }
 
 impl PooledBody {
+    /// The address of the connection the body comes on: for the log, as
+    /// the upstream's name may resolve to several.
+    pub fn address(&self) -> Option<SocketAddr> {
+        self.give_back.as_ref().map(|back| back.connection.peer)
+    }
+
     fn new(body: Incoming, give_back: GiveBack, turn: Option<Turn>) -> PooledBody {
         let mut pooled = PooledBody {
             body,
@@ -1187,7 +1205,7 @@ mod tests {
             .unwrap();
         let failed = lost_after_writing(post).await;
         assert!(
-            matches!(failed, Err(SendError::Request(_))),
+            matches!(failed, Err(SendError::Request(..))),
             "{:?}",
             failed.map(|response| response.status())
         );

@@ -5,6 +5,7 @@
 //! within it (a worker that crashed mid-stream) is logged and counted, not
 //! only seen by the client.
 
+use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -16,6 +17,7 @@ use http_body::{Body, Frame, SizeHint};
 
 use crate::gateway::client_body::BoxError;
 use crate::gateway::metrics::Metrics;
+use crate::gateway::upstream::LoggedAddress;
 use crate::gateway::wait_timer::WaitTimer;
 use crate::log_throttle::LogThrottle;
 
@@ -31,6 +33,8 @@ pub struct UpstreamReadTimeout<B> {
     metrics: Arc<Metrics>,
     /// The upstream path of the request, for the log.
     path: Option<PathAndQuery>,
+    /// The address the response comes from, for the log.
+    address: Option<SocketAddr>,
 }
 
 impl<B> UpstreamReadTimeout<B> {
@@ -46,12 +50,22 @@ impl<B> UpstreamReadTimeout<B> {
             ),
             metrics,
             path: None,
+            address: None,
         }
     }
 
-    /// Names the request's upstream `path` when a cut-off is logged.
-    pub fn for_path(self, path: Option<PathAndQuery>) -> UpstreamReadTimeout<B> {
-        UpstreamReadTimeout { path, ..self }
+    /// Names the request's upstream `path`, and the `address` its response
+    /// comes from, when a cut-off is logged.
+    pub fn naming(
+        self,
+        path: Option<PathAndQuery>,
+        address: Option<SocketAddr>,
+    ) -> UpstreamReadTimeout<B> {
+        UpstreamReadTimeout {
+            path,
+            address,
+            ..self
+        }
     }
 }
 
@@ -77,6 +91,7 @@ where
                 if let Some(held_back) = FAILED.admit() {
                     tracing::warn!(
                         path,
+                        address = %LoggedAddress(this.address),
                         %problem,
                         "cut off a response: its upstream failed within the body {held_back}"
                     );
@@ -96,6 +111,7 @@ where
                 if let Some(held_back) = PAUSED.admit() {
                     tracing::warn!(
                         path,
+                        address = %LoggedAddress(this.address),
                         problem = %paused,
                         "cut off a response: its upstream stopped sending {held_back}"
                     );
