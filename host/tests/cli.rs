@@ -1214,14 +1214,14 @@ fn serve_raises_its_open_file_limit_and_warns_when_it_is_too_low() {
     assert_eq!(files, [512, 512]);
     let stderr = text(&output.stderr);
     assert!(
-        stderr.contains("the open file limit (512, hard limit 512) is below the 8328")
-            && stderr.contains("serving at most 188 connections at once"),
+        stderr.contains("the open file limit (512, hard limit 512) is below the 12424")
+            && stderr.contains("serving at most 125 connections at once"),
         "{stderr}"
     );
     assert!(
         metrics
             .lines()
-            .any(|line| line == "snowgate_connections_max 188"),
+            .any(|line| line == "snowgate_connections_max 125"),
         "{metrics}"
     );
 }

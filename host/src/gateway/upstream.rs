@@ -32,7 +32,7 @@ use crate::gateway::metrics::Metrics;
 use crate::gateway::responses;
 use crate::gateway::transfer_coding;
 use crate::gateway::upstream_pool::{
-    ConnectionPool, PooledBody, SendError, MAX_RESPONSE_HEAD_BYTES,
+    ConnectionPool, IdleBudget, PooledBody, SendError, MAX_RESPONSE_HEAD_BYTES,
 };
 use crate::gateway::upstream_read_timeout::UpstreamReadTimeout;
 use crate::gateway::upstream_turns::UpstreamTurns;
@@ -98,6 +98,8 @@ pub struct HttpUpstream {
     timeouts: UpstreamTimeouts,
     metrics: Arc<Metrics>,
     pool: ConnectionPool,
+    /// The bound on idle connections, shared by every worker's pool.
+    idle_budget: Arc<IdleBudget>,
     /// The bound on requests in flight, shared by every worker's pool.
     turns: Option<Arc<UpstreamTurns>>,
 }
@@ -154,13 +156,15 @@ impl Upstream {
         metrics: Arc<Metrics>,
     ) -> anyhow::Result<Upstream> {
         let (base, host) = base_url(url)?;
-        let pool = connection_pool(&base, timeouts);
+        let idle_budget = IdleBudget::new(usize::MAX);
+        let pool = connection_pool(&base, timeouts, &idle_budget);
         Ok(Upstream::Http(Arc::new(HttpUpstream {
             base,
             host,
             timeouts,
             metrics,
             pool,
+            idle_budget,
             turns: None,
         })))
     }
@@ -172,8 +176,23 @@ impl Upstream {
         match self {
             Upstream::Http(http) => {
                 let turns = UpstreamTurns::new(max, &http.metrics);
-                Upstream::Http(Arc::new(http.with_new_pool(Some(turns))))
+                Upstream::Http(Arc::new(
+                    http.with_new_pool(Some(turns), http.idle_budget.clone()),
+                ))
             }
+            Upstream::Echo => Upstream::Echo,
+        }
+    }
+
+    /// The same upstream keeping at most `max` idle connections in all,
+    /// across the pools [`Upstream::with_own_pool`] makes from it (as many
+    /// as the gateway takes clients: with each client's upstream
+    /// connection in use, three file descriptors a client at most).
+    pub fn keeping_idle_at_most(self, max: usize) -> Upstream {
+        match self {
+            Upstream::Http(http) => Upstream::Http(Arc::new(
+                http.with_new_pool(http.turns.clone(), IdleBudget::new(max)),
+            )),
             Upstream::Echo => Upstream::Echo,
         }
     }
@@ -184,9 +203,9 @@ impl Upstream {
     /// The bound on requests in flight, if any, is shared.
     pub fn with_own_pool(&self) -> Upstream {
         match self {
-            Upstream::Http(http) => {
-                Upstream::Http(Arc::new(http.with_new_pool(http.turns.clone())))
-            }
+            Upstream::Http(http) => Upstream::Http(Arc::new(
+                http.with_new_pool(http.turns.clone(), http.idle_budget.clone()),
+            )),
             Upstream::Echo => Upstream::Echo,
         }
     }
@@ -226,12 +245,17 @@ fn host_header(base: &Uri) -> anyhow::Result<header::HeaderValue> {
 /// An empty pool of connections to `base`'s host and port (80 when it
 /// names none), opened within the connect timeout and closed when idle for
 /// the idle timeout.
-fn connection_pool(base: &Uri, timeouts: UpstreamTimeouts) -> ConnectionPool {
+fn connection_pool(
+    base: &Uri,
+    timeouts: UpstreamTimeouts,
+    idle_budget: &Arc<IdleBudget>,
+) -> ConnectionPool {
     ConnectionPool::new(
         base.host().unwrap_or_default(),
         base.port_u16().unwrap_or(80),
         timeouts.connect,
         timeouts.idle,
+        idle_budget.clone(),
     )
 }
 
@@ -262,14 +286,20 @@ where
 }
 
 impl HttpUpstream {
-    /// The same upstream with a new, empty connection pool and `turns`.
-    fn with_new_pool(&self, turns: Option<Arc<UpstreamTurns>>) -> HttpUpstream {
+    /// The same upstream with a new, empty connection pool, `turns` and
+    /// `idle_budget`.
+    fn with_new_pool(
+        &self,
+        turns: Option<Arc<UpstreamTurns>>,
+        idle_budget: Arc<IdleBudget>,
+    ) -> HttpUpstream {
         HttpUpstream {
             base: self.base.clone(),
             host: self.host.clone(),
             timeouts: self.timeouts,
             metrics: self.metrics.clone(),
-            pool: connection_pool(&self.base, self.timeouts),
+            pool: connection_pool(&self.base, self.timeouts, &idle_budget),
+            idle_budget,
             turns,
         }
     }

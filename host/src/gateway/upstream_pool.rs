@@ -77,6 +77,55 @@ struct Shared {
     /// Which of the addresses a new connection tries first (see
     /// [`in_turn`]).
     turn: AtomicUsize,
+    /// How many idle connections this pool and the other workers' pools
+    /// of the same upstream may keep in all.
+    idle_budget: Arc<IdleBudget>,
+}
+
+/// How many idle connections the pools of one upstream (one pool for each
+/// worker) keep in all: each worker's pool keeps its own, and a load that
+/// moves from one worker to another within the idle timeout left the first
+/// one's idle connections open beside the second one's new ones, each a
+/// file descriptor (a review ran a gateway out of them below the cap the
+/// open file limit sets, and its clients got 502s).
+pub struct IdleBudget {
+    max: usize,
+    kept: AtomicUsize,
+}
+
+impl IdleBudget {
+    /// A budget of `max` idle connections.
+    pub fn new(max: usize) -> Arc<IdleBudget> {
+        Arc::new(IdleBudget {
+            max,
+            kept: AtomicUsize::new(0),
+        })
+    }
+
+    /// Room for one more idle connection, if the budget has it.
+    fn take(self: &Arc<Self>) -> Option<IdleRoom> {
+        self.kept
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |kept| {
+                (kept < self.max).then_some(kept + 1)
+            })
+            .ok()
+            .map(|_| IdleRoom(self.clone()))
+    }
+
+    /// How many idle connections the pools keep now.
+    pub fn kept(&self) -> usize {
+        self.kept.load(Ordering::Relaxed)
+    }
+}
+
+/// One idle connection's share of an [`IdleBudget`], given back when the
+/// connection stops being idle (it is lent, or closed).
+struct IdleRoom(Arc<IdleBudget>);
+
+impl Drop for IdleRoom {
+    fn drop(&mut self) {
+        self.0.kept.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// The connections waiting for a request, oldest first.
@@ -120,6 +169,8 @@ impl Drop for CloseOnDrop {
 struct IdleConnection {
     connection: Connection,
     since: Instant,
+    /// Its share of the idle budget.
+    room: IdleRoom,
 }
 
 /// Why a request got no response from the upstream.
@@ -171,12 +222,14 @@ impl std::error::Error for SendError {
 impl ConnectionPool {
     /// An empty pool for `host` (brackets of an IPv6 literal allowed) and
     /// `port`: a connection may take `connect_timeout` to open and is
-    /// closed once idle for `idle_timeout`.
+    /// closed once idle for `idle_timeout`; the pool keeps idle ones while
+    /// `idle_budget`, which other pools may share, has room.
     pub fn new(
         host: &str,
         port: u16,
         connect_timeout: Duration,
         idle_timeout: Duration,
+        idle_budget: Arc<IdleBudget>,
     ) -> ConnectionPool {
         let host = host
             .strip_prefix('[')
@@ -194,6 +247,7 @@ impl ConnectionPool {
                 }),
                 reaper_wake: Arc::default(),
                 turn: AtomicUsize::new(0),
+                idle_budget,
             }),
         }
     }
@@ -435,20 +489,43 @@ impl Shared {
     /// Keeps `connection`, idle since `since`, among the idle ones, which
     /// stay in the order they went idle (the reaper looks at the front
     /// only); or closes it if it is idle for the idle timeout already.
+    /// Where the idle budget has no room, this pool's oldest idle
+    /// connection is closed to make it, as nginx's `keepalive` closes the
+    /// least recently used; where this pool has none, this one is closed.
     fn put_ready(self: &Arc<Self>, connection: Connection, since: Instant) {
         if since.elapsed() >= self.idle_timeout {
             connection.task.abort();
             return;
         }
         let mut idle = self.lock();
+        let room = match self.idle_budget.take() {
+            Some(room) => room,
+            None => match idle.connections.pop_front() {
+                Some(oldest) => {
+                    oldest.connection.task.abort();
+                    oldest.room
+                }
+                None => {
+                    drop(idle);
+                    connection.task.abort();
+                    return;
+                }
+            },
+        };
         // At the back but for a response read slowly (see `PooledBody`).
         let at = idle
             .connections
             .iter()
             .rposition(|other| other.since <= since)
             .map_or(0, |before| before + 1);
-        idle.connections
-            .insert(at, IdleConnection { connection, since });
+        idle.connections.insert(
+            at,
+            IdleConnection {
+                connection,
+                since,
+                room,
+            },
+        );
         if !idle.reaper {
             // Outside a runtime (never so in the gateway) idle connections
             // are left for the upstream to close.
@@ -806,6 +883,7 @@ mod tests {
             addr.port(),
             Duration::from_secs(5),
             idle,
+            IdleBudget::new(usize::MAX),
         )
     }
 
@@ -855,6 +933,50 @@ mod tests {
 
     /// Server-sent events must not hold up other requests: a connection
     /// whose response still streams is not lent to another.
+    /// The pools of one upstream (one for each worker) keep at most their
+    /// shared budget of idle connections: past it a pool closes its oldest
+    /// idle one for the one given back, and a pool with none closes the one
+    /// given back. Lent connections take no room.
+    #[tokio::test]
+    async fn pools_sharing_an_idle_budget_keep_at_most_that_many_idle() {
+        let (addr, seen) = upstream().await;
+        let budget = IdleBudget::new(2);
+        let pool = |budget: &Arc<IdleBudget>| {
+            ConnectionPool::new(
+                &addr.ip().to_string(),
+                addr.port(),
+                Duration::from_secs(5),
+                Duration::from_secs(60),
+                budget.clone(),
+            )
+        };
+        let (first, second) = (pool(&budget), pool(&budget));
+        let mut lent = Vec::new();
+        for _ in 0..3 {
+            lent.push(first.send(get("/fixed")).await.unwrap());
+        }
+        assert_eq!((accepted(&seen), budget.kept()), (3, 0));
+        for response in lent {
+            assert_eq!(read_to_end(response).await, "ok");
+        }
+        assert_eq!((first.idle_count(), budget.kept()), (2, 2));
+        bounded(seen.closed_one.notified()).await;
+        assert_eq!(seen.closed.load(Ordering::SeqCst), 1, "the oldest closed");
+
+        let response = second.send(get("/fixed")).await.unwrap();
+        assert_eq!(read_to_end(response).await, "ok");
+        assert_eq!((second.idle_count(), budget.kept()), (0, 2));
+        bounded(seen.closed_one.notified()).await;
+        assert_eq!(seen.closed.load(Ordering::SeqCst), 2);
+
+        // Lent, one gives its room back; given back, takes it again.
+        let response = first.send(get("/fixed")).await.unwrap();
+        assert_eq!(budget.kept(), 1);
+        assert_eq!(read_to_end(response).await, "ok");
+        assert_eq!((first.idle_count(), budget.kept()), (2, 2));
+        assert_eq!(accepted(&seen), 4);
+    }
+
     #[tokio::test]
     async fn a_response_still_streaming_keeps_its_connection_to_itself() {
         let (addr, seen) = upstream().await;
@@ -1596,9 +1718,21 @@ mod tests {
 
     #[test]
     fn an_ipv6_literal_is_connected_to_without_its_brackets() {
-        let pool = ConnectionPool::new("[::1]", 8000, Duration::ZERO, Duration::ZERO);
+        let pool = ConnectionPool::new(
+            "[::1]",
+            8000,
+            Duration::ZERO,
+            Duration::ZERO,
+            IdleBudget::new(1),
+        );
         assert_eq!(pool.shared.resolver.host(), "::1");
-        let pool = ConnectionPool::new("upstream.test", 80, Duration::ZERO, Duration::ZERO);
+        let pool = ConnectionPool::new(
+            "upstream.test",
+            80,
+            Duration::ZERO,
+            Duration::ZERO,
+            IdleBudget::new(1),
+        );
         assert_eq!(pool.shared.resolver.host(), "upstream.test");
     }
 }

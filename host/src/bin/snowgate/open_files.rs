@@ -25,16 +25,24 @@ const PER_WORKER: u64 = 4;
 const UNLIMITED_AS: u64 = 1 << 20;
 
 /// Descriptors `max_connections` client connections need with a request
-/// each, on top of the gateway's others (`besides`): each client's, and an
-/// upstream connection for each. An HTTP/2
-/// client's connection carries up to `--max-streams-per-connection`
-/// requests, each with an upstream connection of its own: too many to
-/// count on (128 times 4096), so the warning says so instead.
+/// each, on top of the gateway's others (`besides`): each client's, an
+/// upstream connection in use for each, and as many upstream connections
+/// kept idle (the workers' pools keep at most that many in all, see
+/// `Upstream::keeping_idle_at_most`: a load moving from one worker to
+/// another leaves the first one's open beside the second one's new ones).
+/// An HTTP/2 client's connection carries up to
+/// `--max-streams-per-connection` requests, each with an upstream
+/// connection of its own: too many to count on (128 times 4096), so the
+/// warning says so instead.
 fn needed(max_connections: usize, besides: u64) -> u64 {
     (max_connections as u64)
-        .saturating_mul(2)
+        .saturating_mul(PER_CONNECTION)
         .saturating_add(besides)
 }
+
+/// Descriptors each client connection may need: its own, an upstream
+/// connection in use and one kept idle.
+const PER_CONNECTION: u64 = 3;
 
 /// The descriptors a gateway of `workers` uses besides its connections.
 fn besides_connections(workers: usize) -> u64 {
@@ -76,13 +84,14 @@ pub fn raise_for(max_connections: usize, workers: usize) -> usize {
     if soft >= needed {
         return max_connections;
     }
-    let fits = usize::try_from(soft.saturating_sub(besides) / 2)
+    let fits = usize::try_from(soft.saturating_sub(besides) / PER_CONNECTION)
         .unwrap_or(usize::MAX)
         .max(1);
     tracing::warn!(
         "the open file limit ({soft}, hard limit {hard}) is below the {needed} that \
-         --max-connections {max_connections} may need (a client and an upstream connection \
-         each, and {besides} more for {workers} workers and the rest; an HTTP/2 connection's \
+         --max-connections {max_connections} may need (a client, an upstream connection in use \
+         and one kept idle each, and {besides} more for {workers} workers and the rest; an \
+         HTTP/2 connection's \
          requests each take an upstream connection of their own): serving at most {fits} \
          connections at once, as if --max-connections were {fits}; raise the limit \
          (LimitNOFILE= under systemd, ulimit -n) to serve more"
