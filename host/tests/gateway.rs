@@ -1645,7 +1645,9 @@ async fn the_waiter_gets_the_room_meanwhile(
 /// the connection's flow-control window, leaving none for the streams that
 /// hold room): the ninth is refused at once, naming the connection, while
 /// other connections' requests still wait their turn; then all that waited
-/// go through.
+/// go through. A small body (up to 64 KiB) meanwhile takes room in the
+/// small bodies' lane and goes through at once, ahead of those waiting:
+/// before, it waited behind them all.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_connection_has_at_most_8_requests_waiting_for_room() {
     let upstream = TestUpstream::start().await;
@@ -1666,12 +1668,16 @@ async fn one_connection_has_at_most_8_requests_waiting_for_room() {
     gateway
         .wait_metric("snowgate_body_memory_bytes", 1048576.0)
         .await;
-    let small = || Full::new(Bytes::from(CONTEXT_ONLY)).boxed();
-    let waiters: Vec<_> = (0..8).map(|_| send(small())).collect();
+    // Larger than a small body, which would take room in its lane.
+    let larger = || context_only_of(snowgate_host::gateway::body_memory::SMALL_BODY + 1024);
+    let waiters: Vec<_> = (0..8)
+        .map(|_| send(Full::new(Bytes::from(larger())).boxed()))
+        .collect();
     gateway
         .wait_metric("snowgate_body_memory_waiting", 8.0)
         .await;
-    let refused = bounded("the ninth, at once", STEP, send(small()))
+    let ninth = send(Full::new(Bytes::from(larger())).boxed());
+    let refused = bounded("the ninth, at once", STEP, ninth)
         .await
         .expect("joined")
         .expect("a response");
@@ -1682,10 +1688,16 @@ async fn one_connection_has_at_most_8_requests_waiting_for_room() {
         message.contains("8 other requests of this connection"),
         "{message}"
     );
-    let elsewhere = tokio::spawn(post_json(gateway.addr, "/v1/completions", CONTEXT_ONLY));
+    let elsewhere = tokio::spawn(post_json(gateway.addr, "/v1/completions", larger()));
     gateway
         .wait_metric("snowgate_body_memory_waiting", 9.0)
         .await;
+    let small = post_json(gateway.addr, "/v1/completions", CONTEXT_ONLY).await;
+    assert_eq!(small.status, StatusCode::OK, "{}", small.text());
+    assert_eq!(
+        metric(&gateway.metrics().await, "snowgate_body_memory_waiting"),
+        9.0
+    );
 
     the_holder_ends_and_goes_through(chunks, holder).await;
     for waiter in waiters {
@@ -1704,7 +1716,7 @@ async fn one_connection_has_at_most_8_requests_waiting_for_room() {
         .iter()
         .map(|s| stamped_id(&s.body))
         .collect();
-    assert_eq!(ids.len(), 10);
+    assert_eq!(ids.len(), 11);
     assert_unique(&ids);
 }
 

@@ -73,6 +73,25 @@ pub const DEFAULT_LIMIT: usize = 1 << 30;
 /// a review saw 60 of 100 such HTTP/2 requests refused.
 pub const UNDECLARED_ROOM: usize = 1 << 20;
 
+/// The largest declared body that may take room in the small bodies' lane
+/// when none is free: a chat request is a few KiB.
+pub const SMALL_BODY: usize = 64 << 10;
+
+/// The small bodies' lane, beside the limit: a sixteenth of it (64 MiB of
+/// the default 1 GiB), at least one [`SMALL_BODY`].
+///
+/// Requests wait for room in the order they came, so without it a small
+/// body waited behind every large one ahead of it, and each of those may
+/// hold its room for [`PACE_SLACK`](crate::gateway::body_pace::PACE_SLACK)
+/// without sending a byte before it is cut off: a review's 700 connections
+/// that each sent a head declaring 32 MiB, and nothing more, kept every
+/// small request waiting about 55 s. A small body that finds no room takes
+/// it in the lane at once where the lane has it, and waits in line only
+/// where it has not.
+fn lane_units(total: usize) -> usize {
+    (total / 16).max(SMALL_BODY / UNIT)
+}
+
 /// The most requests of one client connection that wait for room at once:
 /// half of an HTTP/2 connection's flow-control window, in stream windows
 /// (the gateway's are 16 and 1 MiB), so that the other half stays for the
@@ -134,7 +153,11 @@ pub fn default_limit(max_body_bytes: usize) -> usize {
 #[derive(Debug)]
 pub struct BodyMemory {
     units: Arc<Semaphore>,
-    /// All the units there are.
+    /// The small bodies' lane (see [`lane_units`]).
+    lane: Arc<Semaphore>,
+    /// All the units the lane has.
+    lane_total: usize,
+    /// All the units there are, beside the lane's.
     total: usize,
     limit: usize,
     wait: Duration,
@@ -147,6 +170,8 @@ pub struct BodyMemory {
 #[derive(Debug)]
 pub struct Room {
     permit: Option<OwnedSemaphorePermit>,
+    /// Room in the small bodies' lane, taken where none other was free.
+    lane: Option<OwnedSemaphorePermit>,
     overdraft: Option<Overdraft>,
 }
 
@@ -256,8 +281,11 @@ impl BodyMemory {
     /// or such a body could never be read.
     pub fn new(limit: usize, wait: Duration) -> Self {
         let total = limit.div_ceil(UNIT).min(Semaphore::MAX_PERMITS);
+        let lane_total = lane_units(total);
         BodyMemory {
             units: Arc::new(Semaphore::new(total)),
+            lane: Arc::new(Semaphore::new(lane_total)),
+            lane_total,
             total,
             limit,
             wait,
@@ -277,10 +305,18 @@ impl BodyMemory {
         self.wait
     }
 
+    /// The bytes the small bodies' lane holds beside the limit (see
+    /// [`SMALL_BODY`]).
+    pub fn lane(&self) -> usize {
+        self.lane_total * UNIT
+    }
+
     /// The bytes taken now (in whole KiB per body), the room that the
-    /// request first in line has gathered towards its own included.
+    /// request first in line has gathered towards its own and the small
+    /// bodies' lane included.
     pub fn held(&self) -> usize {
-        (self.total - self.units.available_permits()) * UNIT
+        let lane = self.lane_total - self.lane.available_permits();
+        (self.total - self.units.available_permits() + lane) * UNIT
     }
 
     /// The bytes rewritten bodies hold beyond their room now (in whole KiB
@@ -316,35 +352,58 @@ impl BodyMemory {
             .map_err(Unreserved::NoRoom)?;
         let permit = match self.units.clone().try_acquire_many_owned(units) {
             Ok(permit) => permit,
-            Err(_) => {
-                let connection = connection();
-                let _in_connection = match connection.as_ref().map(|c| &c.waits.0) {
-                    Some(waits) => {
-                        if waits.load(Ordering::Relaxed) >= MAX_WAITING_PER_CONNECTION {
-                            let full = self.no_room(Duration::ZERO, NoRoomCause::ConnectionFull);
-                            return Err(Unreserved::NoRoom(full));
-                        }
-                        Some(Queued::join(waits))
-                    }
-                    None => None,
-                };
-                let _in_line = Queued::join(&self.waiting);
-                let acquire = self.units.clone().acquire_many_owned(units);
-                let gone = client_gone::gone(connection.as_ref().and_then(|c| c.socket));
-                tokio::select! {
-                    acquired = tokio::time::timeout(self.wait, acquire) => match acquired {
-                        Ok(Ok(permit)) => permit,
-                        // Never closed; and a wait that ran out is refused.
-                        Ok(Err(_)) | Err(_) => {
-                            return Err(Unreserved::NoRoom(self.no_room(self.wait, NoRoomCause::WaitRanOut)))
-                        }
-                    },
-                    () = gone => return Err(Unreserved::ClientGone),
+            Err(_) if units as usize * UNIT <= SMALL_BODY => {
+                if let Ok(lane) = self.lane.clone().try_acquire_many_owned(units) {
+                    return Ok(Room {
+                        permit: None,
+                        lane: Some(lane),
+                        overdraft: None,
+                    });
                 }
+                return self.wait_for(units, connection).await;
             }
+            Err(_) => return self.wait_for(units, connection).await,
         };
         Ok(Room {
             permit: Some(permit),
+            lane: None,
+            overdraft: None,
+        })
+    }
+
+    /// [`BodyMemory::reserve`]'s wait in line for `units`.
+    async fn wait_for(
+        &self,
+        units: u32,
+        connection: impl FnOnce() -> Option<ClientConnection>,
+    ) -> Result<Room, Unreserved> {
+        let connection = connection();
+        let _in_connection = match connection.as_ref().map(|c| &c.waits.0) {
+            Some(waits) => {
+                if waits.load(Ordering::Relaxed) >= MAX_WAITING_PER_CONNECTION {
+                    let full = self.no_room(Duration::ZERO, NoRoomCause::ConnectionFull);
+                    return Err(Unreserved::NoRoom(full));
+                }
+                Some(Queued::join(waits))
+            }
+            None => None,
+        };
+        let _in_line = Queued::join(&self.waiting);
+        let acquire = self.units.clone().acquire_many_owned(units);
+        let gone = client_gone::gone(connection.as_ref().and_then(|c| c.socket));
+        let permit = tokio::select! {
+            acquired = tokio::time::timeout(self.wait, acquire) => match acquired {
+                Ok(Ok(permit)) => permit,
+                // Never closed; and a wait that ran out is refused.
+                Ok(Err(_)) | Err(_) => {
+                    return Err(Unreserved::NoRoom(self.no_room(self.wait, NoRoomCause::WaitRanOut)))
+                }
+            },
+            () = gone => return Err(Unreserved::ClientGone),
+        };
+        Ok(Room {
+            permit: Some(permit),
+            lane: None,
             overdraft: None,
         })
     }
@@ -444,6 +503,7 @@ impl Room {
     pub fn none() -> Room {
         Room {
             permit: None,
+            lane: None,
             overdraft: None,
         }
     }
@@ -451,14 +511,24 @@ impl Room {
     /// The bytes this room holds (in whole KiB), not counting an
     /// overdraft.
     pub fn bytes(&self) -> usize {
-        self.permit.as_ref().map_or(0, |p| p.num_permits() * UNIT)
+        self.units() * UNIT
     }
 
-    /// Gives back what this room holds beyond `bytes`, an overdraft first.
+    /// The units this room holds, in the lane or not.
+    fn units(&self) -> usize {
+        [&self.permit, &self.lane]
+            .into_iter()
+            .flatten()
+            .map(OwnedSemaphorePermit::num_permits)
+            .sum()
+    }
+
+    /// Gives back what this room holds beyond `bytes`, an overdraft first,
+    /// then room in the small bodies' lane.
     pub fn shrink_to(&mut self, bytes: usize) {
         let keep = bytes.div_ceil(UNIT);
+        let in_room = self.units();
         if let Some(overdraft) = &mut self.overdraft {
-            let in_room = self.permit.as_ref().map_or(0, |p| p.num_permits());
             let beyond = keep.saturating_sub(in_room);
             if beyond < overdraft.units {
                 overdraft
@@ -467,9 +537,11 @@ impl Room {
                 overdraft.units = beyond;
             }
         }
-        if let Some(permit) = &mut self.permit {
-            let surplus = permit.num_permits().saturating_sub(keep);
-            drop(permit.split(surplus));
+        let mut surplus = in_room.saturating_sub(keep);
+        for permit in [&mut self.lane, &mut self.permit].into_iter().flatten() {
+            let given = surplus.min(permit.num_permits());
+            drop(permit.split(given));
+            surplus -= given;
         }
     }
 }
@@ -498,6 +570,10 @@ mod tests {
     use super::*;
 
     const MIB: usize = 1 << 20;
+
+    /// A body larger than a small one, which takes room in the small
+    /// bodies' lane where none other is free.
+    const LARGER: usize = SMALL_BODY + 1;
 
     /// A connection of `waits`, with no socket to watch.
     fn on(waits: &Arc<ConnectionWaits>) -> Option<ClientConnection> {
@@ -552,7 +628,7 @@ mod tests {
         let memory = BodyMemory::new(MIB, Duration::from_millis(500));
         let _held = memory.reserve(MIB, || None).await.expect("room");
         let started = tokio::time::Instant::now();
-        let refused = memory.reserve(1, || None).await.expect_err("no room");
+        let refused = memory.reserve(LARGER, || None).await.expect_err("no room");
         assert_eq!(started.elapsed(), Duration::from_millis(500));
         assert_eq!(
             refused,
@@ -565,6 +641,42 @@ mod tests {
         assert!(refused.to_string().contains("1 MiB, --body-memory-mib"));
         assert_eq!(memory.waiting(), 0);
         assert_eq!(memory.held(), MIB);
+    }
+
+    /// Where no room is free, a small body takes room in the small bodies'
+    /// lane at once, ahead of a larger one waiting in line, as long as the
+    /// lane has it; then it waits in line too. Room in the lane is counted
+    /// as held, and given back when shrunk or dropped.
+    #[tokio::test(start_paused = true)]
+    async fn a_small_body_takes_room_in_its_lane_ahead_of_larger_ones_waiting() {
+        let memory = Arc::new(BodyMemory::new(MIB, Duration::from_secs(60)));
+        assert_eq!(memory.lane(), SMALL_BODY);
+        let held = memory.reserve(MIB, || None).await.expect("room");
+        let larger = {
+            let memory = memory.clone();
+            tokio::spawn(async move { memory.reserve(LARGER, || None).await.map(|r| r.bytes()) })
+        };
+        while memory.waiting() == 0 {
+            tokio::task::yield_now().await;
+        }
+        let mut small = memory.reserve(SMALL_BODY / 2, || None).await.expect("room");
+        assert_eq!(small.bytes(), SMALL_BODY / 2);
+        assert_eq!(memory.held(), MIB + SMALL_BODY / 2);
+        let other = memory.reserve(SMALL_BODY / 2, || None).await.expect("room");
+        // The lane is full: the next small body waits in line.
+        let last = tokio::time::timeout(Duration::from_secs(1), memory.reserve(1, || None));
+        assert!(last.await.is_err(), "it waited");
+        small.shrink_to(1024);
+        assert_eq!(small.bytes(), 1024);
+        assert_eq!(memory.held(), MIB + SMALL_BODY / 2 + 1024);
+        drop((small, other));
+        assert_eq!(memory.held(), MIB);
+        drop(held);
+        assert_eq!(
+            larger.await.expect("joined"),
+            Ok(LARGER.div_ceil(UNIT) * UNIT)
+        );
+        assert_eq!(memory.held(), 0);
     }
 
     #[tokio::test]
@@ -676,14 +788,14 @@ mod tests {
         let waiters: Vec<_> = (0..MAX_WAITING_PER_CONNECTION)
             .map(|_| {
                 let (memory, connection) = (memory.clone(), connection.clone());
-                tokio::spawn(async move { memory.reserve(1, || on(&connection)).await })
+                tokio::spawn(async move { memory.reserve(LARGER, || on(&connection)).await })
             })
             .collect();
         while memory.waiting() < MAX_WAITING_PER_CONNECTION {
             tokio::task::yield_now().await;
         }
         let refused = memory
-            .reserve(1, || on(&connection))
+            .reserve(LARGER, || on(&connection))
             .await
             .expect_err("one too many of the connection");
         assert!(matches!(
@@ -701,8 +813,10 @@ mod tests {
         );
         // Another connection's request still queues.
         let other = Arc::new(ConnectionWaits::default());
-        let queued =
-            tokio::time::timeout(Duration::from_millis(50), memory.reserve(1, || on(&other)));
+        let queued = tokio::time::timeout(
+            Duration::from_millis(50),
+            memory.reserve(LARGER, || on(&other)),
+        );
         assert!(queued.await.is_err(), "it waited");
         for waiter in waiters {
             waiter.abort();

@@ -154,6 +154,7 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
+    use crate::gateway::body_memory::SMALL_BODY;
 
     const MIB: usize = 1 << 20;
     const WITHIN: Duration = Duration::from_secs(60);
@@ -219,7 +220,7 @@ mod tests {
         assert_eq!(alone, Err(TooSlow::TimedOut));
         assert_eq!(started.elapsed(), WITHIN);
 
-        let waiter = waiting_for(&memory, 1024).await;
+        let waiter = waiting_for(&memory, SMALL_BODY + 1024).await;
         let started = Instant::now();
         let never = std::future::pending::<()>();
         let cut = keeping_pace(never, &arrived, MIB, WITHIN, &memory, None).await;
@@ -335,7 +336,7 @@ mod tests {
     async fn a_body_keeping_pace_is_read_whole() {
         let memory = Arc::new(BodyMemory::new(MIB, WITHIN));
         let _room = memory.reserve(MIB, || None).await.expect("room");
-        let waiter = waiting_for(&memory, 1024).await;
+        let waiter = waiting_for(&memory, SMALL_BODY + 1024).await;
         let arrived = progress_of(0);
         let read = async {
             // A sixtieth of the room a second, the pace exactly.
