@@ -10,7 +10,8 @@
 //! taking more as it arrives where that is free at once, and giving back
 //! what it did not use once it is read. A request that finds no room waits
 //! for it in the order requests came, at most for a given time, and is then
-//! answered 503 `body_memory_full`.
+//! answered 503 `body_memory_full`; one of up to [`SMALL_BODY`] takes room
+//! in a lane of its own first, where that has it (see [`lane_units`]).
 //!
 //! No request waits for room while it holds room: a body that turns out
 //! longer than the room it took (its declared length was wrong, which
