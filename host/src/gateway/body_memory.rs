@@ -11,7 +11,7 @@
 //! what it did not use once it is read. A request that finds no room waits
 //! for it in the order requests came, at most for a given time, and is then
 //! answered 503 `body_memory_full`; one of up to [`SMALL_BODY`] takes room
-//! in a lane of its own first, where that has it (see [`lane_units`]).
+//! in a lane of its own first, where that has it (see [`BodyMemory::lane`]).
 //!
 //! No request waits for room while it holds room: a body that turns out
 //! longer than the room it took (its declared length was wrong, which
@@ -78,17 +78,7 @@ pub const UNDECLARED_ROOM: usize = 1 << 20;
 /// when none is free: a chat request is a few KiB.
 pub const SMALL_BODY: usize = 64 << 10;
 
-/// The small bodies' lane, beside the limit: a sixteenth of it (64 MiB of
-/// the default 1 GiB), at least one [`SMALL_BODY`].
-///
-/// Requests wait for room in the order they came, so without it a small
-/// body waited behind every large one ahead of it, and each of those may
-/// hold its room for [`PACE_SLACK`](crate::gateway::body_pace::PACE_SLACK)
-/// without sending a byte before it is cut off: a review's 700 connections
-/// that each sent a head declaring 32 MiB, and nothing more, kept every
-/// small request waiting about 55 s. A small body that finds no room takes
-/// it in the lane at once where the lane has it, and waits in line only
-/// where it has not.
+/// The units of the small bodies' lane (see [`BodyMemory::lane`]).
 fn lane_units(total: usize) -> usize {
     (total / 16).max(SMALL_BODY / UNIT)
 }
@@ -306,8 +296,15 @@ impl BodyMemory {
         self.wait
     }
 
-    /// The bytes the small bodies' lane holds beside the limit (see
-    /// [`SMALL_BODY`]).
+    /// The bytes the small bodies' lane holds beside the limit: a
+    /// sixteenth of it, at least one [`SMALL_BODY`]. A body of up to
+    /// [`SMALL_BODY`] that finds no room takes it there at once, where the
+    /// lane has it, and waits in line only where it has not: without it a
+    /// small body waited behind every large one ahead of it, each of which
+    /// may hold its room for
+    /// [`PACE_SLACK`](crate::gateway::body_pace::PACE_SLACK) without sending
+    /// a byte (a review's 700 head-only connections kept small requests
+    /// waiting 55 s).
     pub fn lane(&self) -> usize {
         self.lane_total * UNIT
     }
