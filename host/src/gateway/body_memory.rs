@@ -352,21 +352,13 @@ impl BodyMemory {
             Ok(permit) => permit,
             Err(_) if units as usize * UNIT <= SMALL_BODY => {
                 if let Ok(lane) = self.lane.clone().try_acquire_many_owned(units) {
-                    return Ok(Room {
-                        permit: None,
-                        lane: Some(lane),
-                        overdraft: None,
-                    });
+                    return Ok(Room::of(None, Some(lane)));
                 }
                 return self.wait_for(units, connection).await;
             }
             Err(_) => return self.wait_for(units, connection).await,
         };
-        Ok(Room {
-            permit: Some(permit),
-            lane: None,
-            overdraft: None,
-        })
+        Ok(Room::of(Some(permit), None))
     }
 
     /// [`BodyMemory::reserve`]'s wait in line for `units`.
@@ -387,23 +379,35 @@ impl BodyMemory {
             None => None,
         };
         let _in_line = Queued::join(&self.waiting);
-        let acquire = self.units.clone().acquire_many_owned(units);
         let gone = client_gone::gone(connection.as_ref().and_then(|c| c.socket));
-        let permit = tokio::select! {
-            acquired = tokio::time::timeout(self.wait, acquire) => match acquired {
-                Ok(Ok(permit)) => permit,
+        let room = tokio::select! {
+            room = tokio::time::timeout(self.wait, self.first_free(units)) => match room {
+                Ok(Some(room)) => room,
                 // Never closed; and a wait that ran out is refused.
-                Ok(Err(_)) | Err(_) => {
+                Ok(None) | Err(_) => {
                     return Err(Unreserved::NoRoom(self.no_room(self.wait, NoRoomCause::WaitRanOut)))
                 }
             },
             () = gone => return Err(Unreserved::ClientGone),
         };
-        Ok(Room {
-            permit: Some(permit),
-            lane: None,
-            overdraft: None,
-        })
+        Ok(room)
+    }
+
+    /// Room for `units` in line, or, for a small body, in the small bodies'
+    /// lane, whichever comes first: a small body that found the lane full
+    /// takes room freed there later, not only in line behind the large
+    /// ones. `None` if a semaphore closed, which they never are.
+    async fn first_free(&self, units: u32) -> Option<Room> {
+        let in_line = self.units.clone().acquire_many_owned(units);
+        if units as usize * UNIT > SMALL_BODY {
+            let permit = in_line.await.ok()?;
+            return Some(Room::of(Some(permit), None));
+        }
+        // The one not taken leaves its line, giving back what it gathered.
+        tokio::select! {
+            permit = in_line => Some(Room::of(Some(permit.ok()?), None)),
+            lane = self.lane.clone().acquire_many_owned(units) => Some(Room::of(None, Some(lane.ok()?))),
+        }
     }
 
     /// Makes `room` hold `bytes`, for a body already in memory (one the
@@ -499,9 +503,14 @@ impl BodyMemory {
 impl Room {
     /// Room that holds nothing.
     pub fn none() -> Room {
+        Room::of(None, None)
+    }
+
+    /// Room of `permit` in line and `lane` in the small bodies' lane.
+    fn of(permit: Option<OwnedSemaphorePermit>, lane: Option<OwnedSemaphorePermit>) -> Room {
         Room {
-            permit: None,
-            lane: None,
+            permit,
+            lane,
             overdraft: None,
         }
     }
@@ -643,8 +652,9 @@ mod tests {
 
     /// Where no room is free, a small body takes room in the small bodies'
     /// lane at once, ahead of a larger one waiting in line, as long as the
-    /// lane has it; then it waits in line too. Room in the lane is counted
-    /// as held, and given back when shrunk or dropped.
+    /// lane has it; then it waits both in line and for the lane, and takes
+    /// what comes first. Room in the lane is counted as held, and given back
+    /// when shrunk or dropped.
     #[tokio::test(start_paused = true)]
     async fn a_small_body_takes_room_in_its_lane_ahead_of_larger_ones_waiting() {
         let memory = Arc::new(BodyMemory::new(MIB, Duration::from_secs(60)));
@@ -661,12 +671,23 @@ mod tests {
         assert_eq!(small.bytes(), SMALL_BODY / 2);
         assert_eq!(memory.held(), MIB + SMALL_BODY / 2);
         let other = memory.reserve(SMALL_BODY / 2, || None).await.expect("room");
-        // The lane is full: the next small body waits in line.
-        let last = tokio::time::timeout(Duration::from_secs(1), memory.reserve(1, || None));
-        assert!(last.await.is_err(), "it waited");
+        // The lane is full: the next small body waits, in line and for the
+        // lane, and takes the room freed in the lane first, though the
+        // larger body is ahead of it in line.
+        let last = {
+            let memory = memory.clone();
+            tokio::spawn(async move { memory.reserve(1024, || None).await.map(|r| r.bytes()) })
+        };
+        while memory.waiting() < 2 {
+            tokio::task::yield_now().await;
+        }
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        assert!(!last.is_finished());
         small.shrink_to(1024);
         assert_eq!(small.bytes(), 1024);
+        assert_eq!(last.await.expect("joined"), Ok(1024));
         assert_eq!(memory.held(), MIB + SMALL_BODY / 2 + 1024);
+        assert!(!larger.is_finished());
         drop((small, other));
         assert_eq!(memory.held(), MIB);
         drop(held);
