@@ -2119,13 +2119,22 @@ async fn an_absolute_form_target_without_a_path_asks_for_the_root() {
             CONTEXT_ONLY.as_bytes(),
         )
     };
-    for (base, forwarded) in [(base.as_str(), "/api/?q=1"), (&upstream.url(), "/?q=1")] {
+    for (base, prefix) in [(base.as_str(), "/api"), (&upstream.url(), "")] {
         let gateway = Gateway::start(&["--upstream", base]).await;
-        for target in ["http://elsewhere.test?q=1", "http://elsewhere.test/?q=1"] {
+        for (target, forwarded) in [
+            ("http://elsewhere.test?q=1", "/?q=1"),
+            ("http://elsewhere.test/?q=1", "/?q=1"),
+            // A fragment is not sent; the empty path was, as nothing.
+            ("http://elsewhere.test#f", "/"),
+        ] {
             let raw = raw_exchange(gateway.addr, &request(target)).await;
             assert_eq!(raw.status, 200, "{target}");
             let seen = upstream.seen().pop().expect("a request upstream");
-            assert_eq!(seen.path, forwarded, "{target} under {base}");
+            assert_eq!(
+                seen.path,
+                format!("{prefix}{forwarded}"),
+                "{target} under {base}"
+            );
             assert_fresh_v1_id(stamped_id(&seen.body));
         }
     }

@@ -715,17 +715,25 @@ fn not_implemented(coding: &str) -> http::Response<http_body_util::Full<Bytes>> 
     )
 }
 
-/// An absolute-form target without a path (`http://host?q=1`) asks for
-/// `/` (RFC 9112 section 3.2.1): it is given its `/`, so that the plugin,
-/// the upstream and the access log see `/?q=1`, where they saw `?q=1`.
+/// An absolute-form target without a path (`http://host?q=1`,
+/// `http://host#f`) asks for `/` (RFC 9112 section 3.2.1): it is given its
+/// `/`, so that the plugin, the upstream and the access log see `/?q=1`,
+/// where they saw `?q=1`, and the upstream `/`, where it was sent an empty
+/// target.
 fn give_an_empty_path_its_slash(uri: &mut http::Uri) {
-    // `*` (an HTTP/2 `OPTIONS *`, which has a scheme) is no path either.
-    let query = uri.path_and_query().map_or("", |p| p.as_str());
-    if uri.scheme().is_none() || !(query.is_empty() || query.starts_with('?')) {
+    // An empty one (`http://host#fragment`) reads as `/` but is written as
+    // nothing, so `/` is written anew too. `*` (an HTTP/2 `OPTIONS *`,
+    // which has a scheme) is no path either.
+    let text = uri.path_and_query().map_or("", |p| p.as_str());
+    if uri.scheme().is_none() || !(text.is_empty() || text == "/" || text.starts_with('?')) {
         return;
     }
+    let rooted = match text.strip_prefix('/') {
+        Some(_) => text.to_string(),
+        None => format!("/{text}"),
+    };
     let mut parts = uri.clone().into_parts();
-    parts.path_and_query = http::uri::PathAndQuery::try_from(format!("/{query}")).ok();
+    parts.path_and_query = http::uri::PathAndQuery::try_from(rooted).ok();
     if let Ok(rooted) = http::Uri::from_parts(parts) {
         *uri = rooted;
     }
