@@ -3411,7 +3411,8 @@ async fn a_chunked_response_with_a_stale_content_length_reaches_the_client_whole
 /// for no upgrade (the gateway forwards none) is failing: the client gets
 /// 502, and its connection serves the next request. The 502 says not to
 /// retry, as the upstream would answer so again; one for a connection
-/// closed before any answer does not.
+/// closed before any answer does not. The warning names the address that
+/// answered so, where a 101 was logged as `none connected`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unasked_101_from_the_upstream_is_a_502() {
     let closes = RawUpstream::start(b"").await;
@@ -3435,6 +3436,14 @@ async fn an_unasked_101_from_the_upstream_is_a_502() {
         // It would answer so again: OpenAI's clients are told not to retry.
         assert_eq!(reply.header("x-should-retry"), Some("false"));
     }
+    // A 101 has no body: the warning names the address all the same.
+    let named = format!("address={}", upstream.addr);
+    gateway
+        .wait_log_until("a warning naming the address", move |log| {
+            log.lines()
+                .any(|l| l.contains("upstream request failed") && l.contains(&named))
+        })
+        .await;
 }
 
 /// An upstream response head over 64 KiB is a 502 naming the limit, as

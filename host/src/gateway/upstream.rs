@@ -379,7 +379,7 @@ impl HttpUpstream {
         let failure = match answer.await {
             Ok(Ok(response)) => match unusable(&response) {
                 Some(why) => {
-                    address = response.body().address();
+                    address = Some(response.body().address());
                     UpstreamFailure::Unusable(why)
                 }
                 None => return self.pass_on(response, client_takes_trailers, path),
@@ -535,7 +535,7 @@ impl HttpUpstream {
         if !client_takes_trailers {
             parts.headers.remove(header::TRAILER);
         }
-        let address = body.address();
+        let address = Some(body.address());
         let body = UpstreamReadTimeout::new(body, self.timeouts.read, self.metrics.clone())
             .naming(path, address);
         Response::from_parts(parts, body.boxed())
@@ -612,7 +612,6 @@ pub(crate) fn client_fault(fault: ClientFault, message: &str) -> Response<Upstre
     response
 }
 
-/// Why a request to the upstream got no response.
 /// The address (of those the upstream's name resolves to) a failure came
 /// from, in the log: `none connected` where no connection was made.
 pub(crate) struct LoggedAddress(pub(crate) Option<std::net::SocketAddr>);
@@ -626,6 +625,7 @@ impl std::fmt::Display for LoggedAddress {
     }
 }
 
+/// Why a request to the upstream got no response.
 enum UpstreamFailure {
     /// No connection could be opened (502).
     Unreachable(String),

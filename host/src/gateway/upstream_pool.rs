@@ -727,6 +727,8 @@ struct GiveBack {
 pub struct PooledBody {
     body: Incoming,
     give_back: Option<GiveBack>,
+    /// The address of the connection the body came on.
+    address: SocketAddr,
     /// The request's turn, if turns bound requests in flight: held until
     /// the body has ended and its connection is ready again (or closed),
     /// or the body has gone.
@@ -740,13 +742,14 @@ pub struct PooledBody {
 impl PooledBody {
     /// The address of the connection the body comes on: for the log, as
     /// the upstream's name may resolve to several.
-    pub fn address(&self) -> Option<SocketAddr> {
-        self.give_back.as_ref().map(|back| back.connection.peer)
+    pub fn address(&self) -> SocketAddr {
+        self.address
     }
 
     fn new(body: Incoming, give_back: GiveBack, turn: Option<Turn>) -> PooledBody {
         let mut pooled = PooledBody {
             body,
+            address: give_back.connection.peer,
             give_back: Some(give_back),
             turn,
             taken_at: None,
