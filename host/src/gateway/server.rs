@@ -124,11 +124,12 @@ pub async fn serve(
         grace,
         cut_short,
     } = stop;
-    // Each worker's pool keeps idle upstream connections of its own; all
-    // of them at most as many as the gateway takes clients, so that a load
+    // Each worker's pool keeps idle upstream connections of its own: at
+    // most its share of the clients the gateway takes, so that a load
     // moving between workers stays within the descriptors
     // `--max-connections` is given.
-    let upstream = upstream.keeping_idle_at_most(limits.max_connections);
+    let share = (limits.max_connections / workers.len()).max(1);
+    let upstream = upstream.keeping_idle_at_most(share);
     let services: Vec<_> = (0..workers.len())
         .map(|_| layer.layer(upstream.with_own_pool()))
         .collect();

@@ -32,7 +32,7 @@ use crate::gateway::metrics::Metrics;
 use crate::gateway::responses;
 use crate::gateway::transfer_coding;
 use crate::gateway::upstream_pool::{
-    ConnectionPool, IdleBudget, PooledBody, SendError, MAX_RESPONSE_HEAD_BYTES,
+    ConnectionPool, PooledBody, SendError, Unreachable, MAX_RESPONSE_HEAD_BYTES,
 };
 use crate::gateway::upstream_read_timeout::UpstreamReadTimeout;
 use crate::gateway::upstream_turns::UpstreamTurns;
@@ -98,8 +98,11 @@ pub struct HttpUpstream {
     timeouts: UpstreamTimeouts,
     metrics: Arc<Metrics>,
     pool: ConnectionPool,
-    /// The bound on idle connections, shared by every worker's pool.
-    idle_budget: Arc<IdleBudget>,
+    /// How many idle connections each worker's pool keeps at most.
+    max_idle: usize,
+    /// The addresses new connections failed to reach lately, shared by
+    /// every worker's pool.
+    unreachable: Arc<Unreachable>,
     /// The bound on requests in flight, shared by every worker's pool.
     turns: Option<Arc<UpstreamTurns>>,
 }
@@ -156,15 +159,16 @@ impl Upstream {
         metrics: Arc<Metrics>,
     ) -> anyhow::Result<Upstream> {
         let (base, host) = base_url(url)?;
-        let idle_budget = IdleBudget::new(usize::MAX);
-        let pool = connection_pool(&base, timeouts, &idle_budget);
+        let unreachable = Arc::<Unreachable>::default();
+        let pool = connection_pool(&base, timeouts, usize::MAX, &unreachable);
         Ok(Upstream::Http(Arc::new(HttpUpstream {
             base,
             host,
             timeouts,
             metrics,
             pool,
-            idle_budget,
+            max_idle: usize::MAX,
+            unreachable,
             turns: None,
         })))
     }
@@ -176,23 +180,26 @@ impl Upstream {
         match self {
             Upstream::Http(http) => {
                 let turns = UpstreamTurns::new(max, &http.metrics);
-                Upstream::Http(Arc::new(
-                    http.with_new_pool(Some(turns), http.idle_budget.clone()),
-                ))
+                Upstream::Http(Arc::new(http.with_new_pool(Some(turns), http.max_idle)))
             }
             Upstream::Echo => Upstream::Echo,
         }
     }
 
-    /// The same upstream keeping at most `max` idle connections in all,
-    /// across the pools [`Upstream::with_own_pool`] makes from it (as many
-    /// as the gateway takes clients: with each client's upstream
-    /// connection in use, three file descriptors a client at most).
+    /// The same upstream keeping at most `max` idle connections in each
+    /// pool [`Upstream::with_own_pool`] makes from it, closing the oldest
+    /// past that: a worker's share of the clients the gateway takes, so
+    /// that with each client's upstream connection in use the gateway needs
+    /// three file descriptors a client at most. Each worker keeping all it
+    /// had, a load that moved from one worker to another within the idle
+    /// timeout left the first one's open beside the second one's new ones
+    /// (a review ran a gateway out of descriptors below the cap the open
+    /// file limit sets, and its clients got 502s).
     pub fn keeping_idle_at_most(self, max: usize) -> Upstream {
         match self {
-            Upstream::Http(http) => Upstream::Http(Arc::new(
-                http.with_new_pool(http.turns.clone(), IdleBudget::new(max)),
-            )),
+            Upstream::Http(http) => {
+                Upstream::Http(Arc::new(http.with_new_pool(http.turns.clone(), max)))
+            }
             Upstream::Echo => Upstream::Echo,
         }
     }
@@ -200,11 +207,12 @@ impl Upstream {
     /// The same upstream with a connection pool of its own, for one worker
     /// thread: a pooled connection is driven by the thread that opened it,
     /// so sharing a pool between threads would hand requests across them.
-    /// The bound on requests in flight, if any, is shared.
+    /// The bound on requests in flight, if any, is shared, and so are the
+    /// addresses that could not be reached lately.
     pub fn with_own_pool(&self) -> Upstream {
         match self {
             Upstream::Http(http) => Upstream::Http(Arc::new(
-                http.with_new_pool(http.turns.clone(), http.idle_budget.clone()),
+                http.with_new_pool(http.turns.clone(), http.max_idle),
             )),
             Upstream::Echo => Upstream::Echo,
         }
@@ -248,14 +256,16 @@ fn host_header(base: &Uri) -> anyhow::Result<header::HeaderValue> {
 fn connection_pool(
     base: &Uri,
     timeouts: UpstreamTimeouts,
-    idle_budget: &Arc<IdleBudget>,
+    max_idle: usize,
+    unreachable: &Arc<Unreachable>,
 ) -> ConnectionPool {
     ConnectionPool::new(
         base.host().unwrap_or_default(),
         base.port_u16().unwrap_or(80),
         timeouts.connect,
         timeouts.idle,
-        idle_budget.clone(),
+        max_idle,
+        unreachable.clone(),
     )
 }
 
@@ -286,20 +296,17 @@ where
 }
 
 impl HttpUpstream {
-    /// The same upstream with a new, empty connection pool, `turns` and
-    /// `idle_budget`.
-    fn with_new_pool(
-        &self,
-        turns: Option<Arc<UpstreamTurns>>,
-        idle_budget: Arc<IdleBudget>,
-    ) -> HttpUpstream {
+    /// The same upstream with a new, empty connection pool keeping at most
+    /// `max_idle` idle, and `turns`.
+    fn with_new_pool(&self, turns: Option<Arc<UpstreamTurns>>, max_idle: usize) -> HttpUpstream {
         HttpUpstream {
             base: self.base.clone(),
             host: self.host.clone(),
             timeouts: self.timeouts,
             metrics: self.metrics.clone(),
-            pool: connection_pool(&self.base, self.timeouts, &idle_budget),
-            idle_budget,
+            pool: connection_pool(&self.base, self.timeouts, max_idle, &self.unreachable),
+            max_idle,
+            unreachable: self.unreachable.clone(),
             turns,
         }
     }

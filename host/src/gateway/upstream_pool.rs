@@ -78,57 +78,12 @@ struct Shared {
     /// Which of the addresses a new connection tries first (see
     /// [`in_turn`]).
     turn: AtomicUsize,
-    /// How many idle connections this pool and the other workers' pools
-    /// of the same upstream may keep in all.
-    idle_budget: Arc<IdleBudget>,
-    /// The addresses new connections failed to reach lately.
-    unreachable: Unreachable,
-}
-
-/// How many idle connections the pools of one upstream (one pool for each
-/// worker) keep in all: each worker's pool keeps its own, and a load that
-/// moves from one worker to another within the idle timeout left the first
-/// one's idle connections open beside the second one's new ones, each a
-/// file descriptor (a review ran a gateway out of them below the cap the
-/// open file limit sets, and its clients got 502s).
-pub struct IdleBudget {
-    max: usize,
-    kept: AtomicUsize,
-}
-
-impl IdleBudget {
-    /// A budget of `max` idle connections.
-    pub fn new(max: usize) -> Arc<IdleBudget> {
-        Arc::new(IdleBudget {
-            max,
-            kept: AtomicUsize::new(0),
-        })
-    }
-
-    /// Room for one more idle connection, if the budget has it.
-    fn take(self: &Arc<Self>) -> Option<IdleRoom> {
-        self.kept
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |kept| {
-                (kept < self.max).then_some(kept + 1)
-            })
-            .ok()
-            .map(|_| IdleRoom(self.clone()))
-    }
-
-    /// How many idle connections the pools keep now.
-    pub fn kept(&self) -> usize {
-        self.kept.load(Ordering::Relaxed)
-    }
-}
-
-/// One idle connection's share of an [`IdleBudget`], given back when the
-/// connection stops being idle (it is lent, or closed).
-struct IdleRoom(Arc<IdleBudget>);
-
-impl Drop for IdleRoom {
-    fn drop(&mut self) {
-        self.0.kept.fetch_sub(1, Ordering::Relaxed);
-    }
+    /// How many idle connections this pool keeps at most: its worker's
+    /// share of those all workers keep (see `Upstream::keeping_idle_at_most`).
+    max_idle: usize,
+    /// The addresses new connections failed to reach lately, shared by the
+    /// pools of one upstream.
+    unreachable: Arc<Unreachable>,
 }
 
 /// The connections waiting for a request, oldest first.
@@ -172,8 +127,6 @@ impl Drop for CloseOnDrop {
 struct IdleConnection {
     connection: Connection,
     since: Instant,
-    /// Its share of the idle budget.
-    room: IdleRoom,
 }
 
 /// Why a request got no response from the upstream.
@@ -225,14 +178,16 @@ impl std::error::Error for SendError {
 impl ConnectionPool {
     /// An empty pool for `host` (brackets of an IPv6 literal allowed) and
     /// `port`: a connection may take `connect_timeout` to open and is
-    /// closed once idle for `idle_timeout`; the pool keeps idle ones while
-    /// `idle_budget`, which other pools may share, has room.
+    /// closed once idle for `idle_timeout`, and at most `max_idle` are kept
+    /// idle. The pool notes in `unreachable`, which other pools may share,
+    /// the addresses it could not connect to, and tries them last.
     pub fn new(
         host: &str,
         port: u16,
         connect_timeout: Duration,
         idle_timeout: Duration,
-        idle_budget: Arc<IdleBudget>,
+        max_idle: usize,
+        unreachable: Arc<Unreachable>,
     ) -> ConnectionPool {
         let host = host
             .strip_prefix('[')
@@ -250,8 +205,8 @@ impl ConnectionPool {
                 }),
                 reaper_wake: Arc::default(),
                 turn: AtomicUsize::new(0),
-                idle_budget,
-                unreachable: Unreachable::default(),
+                max_idle,
+                unreachable,
             }),
         }
     }
@@ -512,43 +467,32 @@ impl Shared {
     /// Keeps `connection`, idle since `since`, among the idle ones, which
     /// stay in the order they went idle (the reaper looks at the front
     /// only); or closes it if it is idle for the idle timeout already.
-    /// Where the idle budget has no room, this pool's oldest idle
-    /// connection is closed to make it, as nginx's `keepalive` closes the
-    /// least recently used; where this pool has none, this one is closed.
+    /// Where the pool keeps as many idle as it may, its oldest is closed
+    /// to make room, as nginx's `keepalive` closes the least recently used.
     fn put_ready(self: &Arc<Self>, connection: Connection, since: Instant) {
         if since.elapsed() >= self.idle_timeout {
             connection.task.abort();
             return;
         }
         let mut idle = self.lock();
-        let room = match self.idle_budget.take() {
-            Some(room) => room,
-            None => match idle.connections.pop_front() {
-                Some(oldest) => {
-                    oldest.connection.task.abort();
-                    oldest.room
-                }
+        if idle.connections.len() >= self.max_idle {
+            match idle.connections.pop_front() {
+                Some(oldest) => oldest.connection.task.abort(),
                 None => {
                     drop(idle);
                     connection.task.abort();
                     return;
                 }
-            },
-        };
+            }
+        }
         // At the back but for a response read slowly (see `PooledBody`).
         let at = idle
             .connections
             .iter()
             .rposition(|other| other.since <= since)
             .map_or(0, |before| before + 1);
-        idle.connections.insert(
-            at,
-            IdleConnection {
-                connection,
-                since,
-                room,
-            },
-        );
+        idle.connections
+            .insert(at, IdleConnection { connection, since });
         if !idle.reaper {
             // Outside a runtime (never so in the gateway) idle connections
             // are left for the upstream to close.
@@ -613,7 +557,7 @@ const UNREACHABLE_FOR: Duration = Duration::from_secs(10);
 
 /// The addresses new connections failed to reach lately, and when.
 #[derive(Default)]
-struct Unreachable(Mutex<Vec<(SocketAddr, Instant)>>);
+pub struct Unreachable(Mutex<Vec<(SocketAddr, Instant)>>);
 
 impl Unreachable {
     /// `order`, with the addresses that failed within [`UNREACHABLE_FOR`]
@@ -961,7 +905,8 @@ mod tests {
             addr.port(),
             Duration::from_secs(5),
             idle,
-            IdleBudget::new(usize::MAX),
+            usize::MAX,
+            Arc::default(),
         )
     }
 
@@ -1009,52 +954,50 @@ mod tests {
         assert_eq!(accepted(&seen), 1);
     }
 
-    /// Server-sent events must not hold up other requests: a connection
-    /// whose response still streams is not lent to another.
-    /// The pools of one upstream (one for each worker) keep at most their
-    /// shared budget of idle connections: past it a pool closes its oldest
-    /// idle one for the one given back, and a pool with none closes the one
-    /// given back. Lent connections take no room.
+    /// A pool keeps at most its share of idle connections: past it, it
+    /// closes its oldest idle one for the one given back. Lent connections
+    /// are not counted. Another pool (another worker's) keeps its own.
     #[tokio::test]
-    async fn pools_sharing_an_idle_budget_keep_at_most_that_many_idle() {
+    async fn a_pool_keeps_at_most_its_share_of_idle_connections() {
         let (addr, seen) = upstream().await;
-        let budget = IdleBudget::new(2);
-        let pool = |budget: &Arc<IdleBudget>| {
+        let pool = || {
             ConnectionPool::new(
                 &addr.ip().to_string(),
                 addr.port(),
                 Duration::from_secs(5),
                 Duration::from_secs(60),
-                budget.clone(),
+                2,
+                Arc::default(),
             )
         };
-        let (first, second) = (pool(&budget), pool(&budget));
+        let (first, second) = (pool(), pool());
         let mut lent = Vec::new();
         for _ in 0..3 {
             lent.push(first.send(get("/fixed")).await.unwrap());
         }
-        assert_eq!((accepted(&seen), budget.kept()), (3, 0));
+        assert_eq!((accepted(&seen), first.idle_count()), (3, 0));
         for response in lent {
             assert_eq!(read_to_end(response).await, "ok");
         }
-        assert_eq!((first.idle_count(), budget.kept()), (2, 2));
+        assert_eq!(first.idle_count(), 2);
         bounded(seen.closed_one.notified()).await;
         assert_eq!(seen.closed.load(Ordering::SeqCst), 1, "the oldest closed");
 
         let response = second.send(get("/fixed")).await.unwrap();
         assert_eq!(read_to_end(response).await, "ok");
-        assert_eq!((second.idle_count(), budget.kept()), (0, 2));
-        bounded(seen.closed_one.notified()).await;
-        assert_eq!(seen.closed.load(Ordering::SeqCst), 2);
+        assert_eq!((first.idle_count(), second.idle_count()), (2, 1));
 
-        // Lent, one gives its room back; given back, takes it again.
+        // Lent, one leaves the idle ones; given back, joins them again.
         let response = first.send(get("/fixed")).await.unwrap();
-        assert_eq!(budget.kept(), 1);
+        assert_eq!(first.idle_count(), 1);
         assert_eq!(read_to_end(response).await, "ok");
-        assert_eq!((first.idle_count(), budget.kept()), (2, 2));
+        assert_eq!(first.idle_count(), 2);
         assert_eq!(accepted(&seen), 4);
+        assert_eq!(seen.closed.load(Ordering::SeqCst), 1);
     }
 
+    /// Server-sent events must not hold up other requests: a connection
+    /// whose response still streams is not lent to another.
     #[tokio::test]
     async fn a_response_still_streaming_keeps_its_connection_to_itself() {
         let (addr, seen) = upstream().await;
@@ -1829,7 +1772,8 @@ mod tests {
             8000,
             Duration::ZERO,
             Duration::ZERO,
-            IdleBudget::new(1),
+            1,
+            Arc::default(),
         );
         assert_eq!(pool.shared.resolver.host(), "::1");
         let pool = ConnectionPool::new(
@@ -1837,7 +1781,8 @@ mod tests {
             80,
             Duration::ZERO,
             Duration::ZERO,
-            IdleBudget::new(1),
+            1,
+            Arc::default(),
         );
         assert_eq!(pool.shared.resolver.host(), "upstream.test");
     }
