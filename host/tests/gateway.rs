@@ -3437,7 +3437,13 @@ async fn an_unasked_101_from_the_upstream_is_a_502() {
         assert_eq!(reply.header("x-should-retry"), Some("false"));
     }
     // A 101 has no body: the warning names the address all the same.
-    let named = format!("address={}", upstream.addr);
+    wait_for_a_failure_naming(&gateway, upstream.addr).await;
+}
+
+/// Waits until `gateway` has logged an upstream failure whose `address` is
+/// `address`.
+async fn wait_for_a_failure_naming(gateway: &Gateway, address: SocketAddr) {
+    let named = format!("address={address}");
     gateway
         .wait_log_until("a warning naming the address", move |log| {
             log.lines()
@@ -3513,13 +3519,7 @@ async fn an_upstream_response_head_that_is_not_http_is_a_502_not_to_retry() {
             );
             assert_eq!(reply.header("x-should-retry"), Some("false"), "{shown}");
         }
-        let named = format!("address={}", upstream.addr);
-        gateway
-            .wait_log_until("a warning naming the address", move |log| {
-                log.lines()
-                    .any(|l| l.contains("upstream request failed") && l.contains(&named))
-            })
-            .await;
+        wait_for_a_failure_naming(&gateway, upstream.addr).await;
     }
 }
 
