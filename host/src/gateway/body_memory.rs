@@ -83,6 +83,12 @@ fn lane_units(total: usize) -> usize {
     (total / 16).max(SMALL_BODY / UNIT)
 }
 
+/// Whether room of `units` is for a small body, which may take room in
+/// the small bodies' lane.
+fn is_small(units: u32) -> bool {
+    units as usize * UNIT <= SMALL_BODY
+}
+
 /// The most requests of one client connection that wait for room at once:
 /// half of an HTTP/2 connection's flow-control window, in stream windows
 /// (the gateway's are 16 and 1 MiB), so that the other half stays for the
@@ -299,8 +305,9 @@ impl BodyMemory {
     /// The bytes the small bodies' lane holds beside the limit: a
     /// sixteenth of it, at least one [`SMALL_BODY`]. A body of up to
     /// [`SMALL_BODY`] that finds no room takes it there at once, where the
-    /// lane has it, and waits in line only where it has not: without it a
-    /// small body waited behind every large one ahead of it, each of which
+    /// lane has it, and otherwise waits both in line and for the lane,
+    /// taking whichever room comes first: without it a small body waited
+    /// behind every large one ahead of it, each of which
     /// may hold its room for
     /// [`PACE_SLACK`](crate::gateway::body_pace::PACE_SLACK) without sending
     /// a byte (a review's 700 head-only connections kept small requests
@@ -350,7 +357,7 @@ impl BodyMemory {
             .map_err(Unreserved::NoRoom)?;
         let permit = match self.units.clone().try_acquire_many_owned(units) {
             Ok(permit) => permit,
-            Err(_) if units as usize * UNIT <= SMALL_BODY => {
+            Err(_) if is_small(units) => {
                 if let Ok(lane) = self.lane.clone().try_acquire_many_owned(units) {
                     return Ok(Room::of(None, Some(lane)));
                 }
@@ -399,7 +406,7 @@ impl BodyMemory {
     /// ones. `None` if a semaphore closed, which they never are.
     async fn first_free(&self, units: u32) -> Option<Room> {
         let in_line = self.units.clone().acquire_many_owned(units);
-        if units as usize * UNIT > SMALL_BODY {
+        if !is_small(units) {
             let permit = in_line.await.ok()?;
             return Some(Room::of(Some(permit), None));
         }
