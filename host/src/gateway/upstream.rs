@@ -542,7 +542,7 @@ impl HttpUpstream {
         if !client_takes_trailers {
             parts.headers.remove(header::TRAILER);
         }
-        let address = Some(body.address());
+        let address = body.address();
         let body = UpstreamReadTimeout::new(body, self.timeouts.read, self.metrics.clone())
             .naming(path, address);
         Response::from_parts(parts, body.boxed())

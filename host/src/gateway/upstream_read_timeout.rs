@@ -56,14 +56,10 @@ impl<B> UpstreamReadTimeout<B> {
 
     /// Names the request's upstream `path`, and the `address` its response
     /// comes from, when a cut-off is logged.
-    pub fn naming(
-        self,
-        path: Option<PathAndQuery>,
-        address: Option<SocketAddr>,
-    ) -> UpstreamReadTimeout<B> {
+    pub fn naming(self, path: Option<PathAndQuery>, address: SocketAddr) -> UpstreamReadTimeout<B> {
         UpstreamReadTimeout {
             path,
-            address,
+            address: Some(address),
             ..self
         }
     }
