@@ -729,10 +729,7 @@ fn give_an_empty_path_its_slash(uri: &mut http::Uri) {
     if uri.scheme().is_none() || !(text.is_empty() || text == "/" || text.starts_with('?')) {
         return;
     }
-    let rooted = match text.strip_prefix('/') {
-        Some(_) => text.to_string(),
-        None => format!("/{text}"),
-    };
+    let rooted = format!("/{}", text.trim_start_matches('/'));
     let mut parts = uri.clone().into_parts();
     parts.path_and_query = http::uri::PathAndQuery::try_from(rooted).ok();
     if let Ok(rooted) = http::Uri::from_parts(parts) {
