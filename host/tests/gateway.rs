@@ -1988,6 +1988,102 @@ async fn refuses_a_chunked_body_streamed_through_over_max_body_bytes_with_413() 
     assert_eq!(forwarded.body, body.as_bytes());
 }
 
+/// A body streamed through that passes `--max-body-bytes` after the
+/// upstream has answered (it answered before reading the whole body) can
+/// get no 413: it is cut off, the upstream sees it end short, and the
+/// gateway warns, naming the request. Before, nothing was logged: the
+/// access log showed a 200, and the metrics a request passed through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn warns_of_a_body_streamed_through_cut_off_after_its_answer() {
+    // Answers as soon as the head has come, then reads the body to its end
+    // and tells how much of it came.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind the upstream");
+    let upstream = listener.local_addr().expect("upstream address");
+    let (read_tx, read_rx) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        let (mut stream, _) = listener.accept().await.expect("the gateway connects");
+        let mut seen = Vec::new();
+        let mut buf = [0u8; 4096];
+        while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+            let n = stream.read(&mut buf).await.expect("the head");
+            assert!(n > 0, "the gateway closed before its head");
+            seen.extend_from_slice(&buf[..n]);
+        }
+        stream
+            .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello")
+            .await
+            .expect("answer");
+        while let Ok(n @ 1..) = stream.read(&mut buf).await {
+            seen.extend_from_slice(&buf[..n]);
+        }
+        let _ = read_tx.send(seen);
+    });
+    let gateway = Gateway::start(&[
+        "--upstream",
+        &format!("http://{upstream}"),
+        "--max-body-bytes",
+        "1024",
+    ])
+    .await;
+
+    let chunk = format!("258\r\n{}\r\n", "a".repeat(600));
+    let mut client = TcpStream::connect(gateway.addr).await.expect("connect");
+    client
+        .write_all(
+            format!(
+                "POST /upload?part=1 HTTP/1.1\r\nHost: gw\r\nContent-Type: text/plain\r\n\
+                 Transfer-Encoding: chunked\r\n\r\n{chunk}"
+            )
+            .as_bytes(),
+        )
+        .await
+        .expect("head and a first chunk");
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !answer.ends_with(b"hello") {
+        let n = bounded("the upstream's answer", STEP, client.read(&mut buf))
+            .await
+            .expect("read the answer");
+        assert!(n > 0, "closed before the answer: {answer:?}");
+        answer.extend_from_slice(&buf[..n]);
+    }
+    assert!(answer.starts_with(b"HTTP/1.1 200 OK\r\n"), "{answer:?}");
+
+    // Past the limit, after the answer.
+    let _ = client.write_all(format!("{chunk}{chunk}").as_bytes()).await;
+    gateway
+        .wait_log("passed --max-body-bytes (1024 bytes) after the upstream had answered it")
+        .await;
+    let log = gateway.stderr_text();
+    let warning = log
+        .lines()
+        .find(|line| line.contains("after the upstream had answered it"))
+        .expect("the warning");
+    assert!(warning.contains("/upload?part=1"), "{warning}");
+    assert!(warning.contains("POST"), "{warning}");
+
+    // The upstream saw the body end short, and the client's connection
+    // closes.
+    let seen = bounded("the upstream's connection to close", STEP, read_rx)
+        .await
+        .expect("the upstream's read");
+    let body = &seen[seen.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4..];
+    assert!(
+        !body.ends_with(b"0\r\n\r\n"),
+        "{:?}",
+        String::from_utf8_lossy(body)
+    );
+    assert!(body.len() < 3 * chunk.len(), "{}", body.len());
+    let rest = bounded("the client's connection to close", STEP, async {
+        let mut rest = Vec::new();
+        client.read_to_end(&mut rest).await.map(|_| rest)
+    })
+    .await;
+    assert!(rest.map_or(true, |rest| rest.is_empty()));
+}
+
 /// HTTP/1.1 heads hyper lets through but RFC 9112 refuses get 400 and
 /// reach no upstream: no `Host`, two `Host`s, and a target in authority
 /// form on a method other than CONNECT (it went on as `/`), in HTTP/1.0

@@ -3,12 +3,16 @@
 //! passes the limit, as a body read into memory for the plugin is.
 
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 
 use bytes::Bytes;
+use http::{Method, Uri};
 use http_body::{Body, Frame, SizeHint};
 
 use crate::gateway::client_body::BoxError;
+use crate::log_throttle::LogThrottle;
 
 /// A body that fails with [`BodyTooLarge`] once more than its limit has
 /// come through.
@@ -17,6 +21,9 @@ pub struct Capped<B> {
     limit: u64,
     /// Data bytes handed out so far.
     passed: u64,
+    /// The request to name in a warning if the body is cut off after its
+    /// answer came; taken when the warning is written.
+    late_cut: Option<LateCut>,
 }
 
 impl<B> Capped<B> {
@@ -26,8 +33,67 @@ impl<B> Capped<B> {
             inner,
             limit: limit as u64,
             passed: 0,
+            late_cut: None,
         }
     }
+
+    /// The same, warning, with `method` and `target`, when it is cut off
+    /// after `answered` was set: the client then had its answer (the
+    /// upstream's, which came before its whole body) and no 413 can tell
+    /// it, and the upstream saw the body end short.
+    pub fn warning_when_cut_after(
+        mut self,
+        answered: &Answered,
+        method: Method,
+        target: Uri,
+    ) -> Capped<B> {
+        self.late_cut = Some(LateCut {
+            answered: answered.0.clone(),
+            method,
+            target,
+        });
+        self
+    }
+
+    /// A body past the limit: warned of, where its answer already came.
+    fn too_large(&mut self) -> BoxError {
+        if let Some(late) = self
+            .late_cut
+            .take_if(|late| late.answered.load(Ordering::Acquire))
+        {
+            static CUT_AFTER_ANSWER: LogThrottle = LogThrottle::new();
+            if let Some(held_back) = CUT_AFTER_ANSWER.admit() {
+                tracing::warn!(
+                    method = %late.method,
+                    path = %late.target,
+                    "a request body streamed through passed --max-body-bytes ({} bytes) after \
+                     the upstream had answered it: the upstream saw it cut off, and its client \
+                     the answer and then a closed connection {held_back}",
+                    self.limit
+                );
+            }
+        }
+        Box::new(BodyTooLarge { limit: self.limit })
+    }
+}
+
+/// Set once a request streamed through has its answer (see
+/// [`Capped::warning_when_cut_after`]).
+#[derive(Debug, Clone, Default)]
+pub struct Answered(Arc<AtomicBool>);
+
+impl Answered {
+    /// The answer has come.
+    pub fn set(&self) {
+        self.0.store(true, Ordering::Release);
+    }
+}
+
+/// The request a body cut off after its answer belongs to.
+struct LateCut {
+    answered: Arc<AtomicBool>,
+    method: Method,
+    target: Uri,
 }
 
 /// A request body longer than the gateway's limit.
@@ -63,7 +129,7 @@ where
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = self.get_mut();
         if this.passed > this.limit {
-            return Poll::Ready(Some(Err(Box::new(BodyTooLarge { limit: this.limit }))));
+            return Poll::Ready(Some(Err(this.too_large())));
         }
         let frame = match ready!(Pin::new(&mut this.inner).poll_frame(cx)) {
             Some(Ok(frame)) => frame,
@@ -73,7 +139,7 @@ where
         if let Some(data) = frame.data_ref() {
             this.passed += data.len() as u64;
             if this.passed > this.limit {
-                return Poll::Ready(Some(Err(Box::new(BodyTooLarge { limit: this.limit }))));
+                return Poll::Ready(Some(Err(this.too_large())));
             }
         }
         Poll::Ready(Some(Ok(frame)))
