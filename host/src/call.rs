@@ -1,5 +1,7 @@
-//! Where the plugin is called: one request, one fresh store, under the
-//! memory limit and the CPU deadline.
+//! Where the plugin is called: one request at a time in an instance (a
+//! fresh one, or one kept from earlier calls, up to
+//! `calls_per_instance`), under the memory limit and the deadline of
+//! running time.
 
 use std::fmt;
 use std::sync::Arc;
@@ -145,7 +147,8 @@ const REUSE_MAX_GROWTH: usize = crate::engine::MEMORY_KEEP_RESIDENT;
 /// to every kind alike.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CallError {
-    /// The call ran past the CPU deadline.
+    /// The call ran past its deadline (wall-clock running time, less the
+    /// time it waited for its turn after yielding).
     Deadline(Duration),
     /// The plugin tried to grow its memory past the limit.
     MemoryLimit(usize),
@@ -279,10 +282,12 @@ pub struct Fenced {
     /// What to do with the request: the plugin's answer, or the host's 503
     /// when it withheld the ids.
     pub action: Action,
-    /// Whether the host withheld the ids the call made (the machine id
-    /// they carry was no longer this process's to use, or they were past
-    /// the high-water mark), answering 503 `no_machine_id` in place of
-    /// the plugin's answer.
+    /// Whether the host withheld the ids the call made, answering a 503 in
+    /// place of the plugin's answer: `no_machine_id` (the machine id they
+    /// carry was no longer this process's to use, or they were past the
+    /// high-water mark), `no_unique_id` (an id that could repeat one made
+    /// before), or the id clock's refusal (`id_rate_exceeded`,
+    /// `id_clock_exhausted`).
     pub ids_withheld: bool,
     /// The ticks of the host's id clock the call took, if it took any.
     pub ticks: Option<TicksTaken>,
@@ -721,9 +726,10 @@ impl Plugin {
     }
 
     /// Lets the ids a call made leave only if the machine id they carry is
-    /// still this process's to use (see [`MachineIdentity::confirm`]):
-    /// otherwise the request is refused with the 503 a plugin gives when
-    /// there is no machine id, whatever the plugin answered. Only answers
+    /// still this process's to use (see [`MachineIdentity::confirm`]), the
+    /// id clock did not refuse the call a tick, and no id could repeat one
+    /// made before: otherwise the request is refused with a 503 naming
+    /// which (see [`Fenced::ids_withheld`]), whatever the plugin answered. Only answers
     /// that forward are checked; a call that took no tick made no id.
     fn fence(&self, action: Action, store: &Store<HostState>) -> Fenced {
         let state = store.data();

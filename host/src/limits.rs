@@ -44,10 +44,11 @@ pub struct PluginLimits {
     /// reuse only after a call that ended normally (an answer or the
     /// plugin's own error): one that trapped, ran past its deadline, hit
     /// the memory limit, wrote to stderr or grew its memory by more than a
-    /// few MiB after `configure` is dropped. Host state is per call. What a reused instance keeps is
-    /// its own linear memory, so a plugin must not keep one request's data
-    /// for the next (the bundled plugin keeps nothing: see the WIT
-    /// `handler` docs). 0 is taken as 1.
+    /// few MiB after `configure` is dropped. The host resets what is a
+    /// call's own at each call (its clock, its ids, its log lines). What a
+    /// reused instance keeps is its own linear memory, so a plugin must not
+    /// keep one request's data for the next (the bundled plugin keeps
+    /// nothing: see the WIT `handler` docs). 0 is taken as 1.
     pub calls_per_instance: u32,
 }
 

@@ -1,5 +1,7 @@
-//! The per-call host state: an empty WASI context, the memory limiter, and
-//! the host's implementations of the plugin's imports.
+//! The host state of one instance's `Store`: an empty WASI context, the
+//! memory limiter, and the host's implementations of the plugin's
+//! imports. An instance may serve several calls in turn; what is the
+//! call's own is reset at each call's start ([`HostState::begin_call`]).
 
 use std::sync::Arc;
 
@@ -20,7 +22,10 @@ use crate::text_limits::{
 };
 use snowgate_plugin::SnowflakeLayout;
 
-/// Everything one `Store` (one plugin call) holds.
+/// Everything one `Store` holds: one instance, over the calls it serves.
+/// The memory limiter's peak and the stderr pipe carry over from call to
+/// call (the instance is not reused once they show a fault); the call's
+/// clock, ids and log lines do not.
 pub struct HostState {
     /// The WASI context, built on the plugin's first WASI call: most calls
     /// make none (a plugin reaches WASI only to report a panic, or for what
@@ -155,7 +160,7 @@ impl HostState {
         self.plugin_name = name;
     }
 
-    /// Starts the clock of an async call: it ends at `deadline` from now,
+    /// Starts the clock of a call, sync or async: it ends at `deadline` from now,
     /// and yields to the event loop at every tick once it has run for
     /// `yield_after`.
     pub(crate) fn begin_call(
@@ -296,7 +301,7 @@ impl clock::Host for HostState {
         // ids of another machine). Fewer is the plugin's to choose.
         let sequence_space = sequence_space.min(self.services.identity.layout().sequence_space());
         // A clock that refuses gives a tick it may have given before, and
-        // the call's ids are withheld (see `Call::fence`). After a refusal
+        // the call's ids are withheld (see `Plugin::fence`). After a refusal
         // the call takes no more ticks: those it would take as the wall
         // clock moves on are the ones other requests need, and under a
         // flood of large batches every batch would be refused.

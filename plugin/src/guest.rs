@@ -16,7 +16,8 @@ use exports::snowgate::middleware::handler::{
 };
 use snowgate::middleware::{clock, identity, request_headers, types::IdLayout};
 
-/// The configuration `configure` was given; an instance serves one request.
+/// The configuration `configure` was given; it holds for every request the
+/// instance serves.
 static CONFIG: Mutex<Config> = Mutex::new(Config {
     layout: SnowflakeLayout::TrtllmV1,
 });

@@ -170,9 +170,11 @@ impl SnowflakeLayout {
         Ok(())
     }
 
-    /// Packs one id that no other (millisecond, machine id, sequence)
-    /// packs to: [`SnowflakeLayout::compose`], refusing the ids
+    /// Packs one id that no other (millisecond, machine id, sequence) since
+    /// 1970 packs to: [`SnowflakeLayout::compose`], refusing the ids
     /// TensorRT-LLM's `trtllm-v2` would repeat ([`LayoutError::StampFolds`]).
+    /// (`trtllm-v1`'s ids from 2039-09-07 15:30:06.976 on fold onto those
+    /// of 1970, which no gateway made, and are not refused.)
     /// What the plugin stamps with.
     pub fn compose_unique(
         self,

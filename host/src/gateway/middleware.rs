@@ -800,7 +800,8 @@ pub fn plugin_sees(headers: &HeaderMap, body: &[u8]) -> bool {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum BodyLabel {
     /// Declared JSON (`application/json`, `…+json`), or MessagePack
-    /// (`X-TRTLLM-Msgpack`, which the plugin refuses): the plugin sees it.
+    /// (`X-TRTLLM-Msgpack`, which the bundled plugin stamps too): the
+    /// plugin sees it.
     Json,
     /// No content type, an empty one (FastAPI parses both as JSON), or the
     /// form type `curl -d` sends by default: the plugin sees it if the body,

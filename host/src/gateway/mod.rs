@@ -215,10 +215,11 @@ impl Gateway {
     ///
     /// After the drain it ends reloads and gives up its machine id: with
     /// a lease, by recording its last id in etcd and revoking the lease;
-    /// with a high-water file, by writing its last id's millisecond there;
-    /// with neither, by waiting (up to [`MAX_CATCH_UP`]) until the wall
-    /// clock has passed its last id, which after a burst can add to the
-    /// stop.
+    /// with a high-water file, by writing its last id's millisecond there.
+    /// With either or neither, it also waits (up to [`MAX_CATCH_UP`]) until
+    /// the wall clock has passed its last id, which after a burst can add
+    /// to the stop: a next start may come without the mark's store (a
+    /// fixed `--machine-id` after `--etcd` or after the file).
     pub async fn serve(self, shutdown: impl Future<Output = ()>) -> anyhow::Result<()> {
         self.serve_until(shutdown, std::future::pending()).await
     }
@@ -398,10 +399,11 @@ async fn open_high_water_file(
 /// The longest a start waits to open and read the high-water file.
 const HIGH_WATER_OPEN_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
-/// With a machine id of its own and no high-water mark (no lease, no
-/// high-water file), the gateway stops stamping and then waits until the wall
-/// clock has passed every id it issued: the next process on this
-/// machine id starts its id clock at the wall clock, and must not
+/// At every stop, whatever keeps the machine id's mark (a lease, a
+/// high-water file, or nothing), the gateway stops stamping and then
+/// waits until the wall clock has passed every id it issued: a next
+/// process on this machine id without the mark's store (a fixed
+/// `--machine-id`) starts its id clock at the wall clock, and must not
 /// start inside a millisecond this one used.
 async fn outlast_the_clock(services: &HostServices) {
     services.identity.withdraw("the gateway is stopping");
