@@ -48,12 +48,12 @@ const MANAGED: [&str; 13] = [
 ];
 
 /// Whether `name` (lower case, as a [`HeaderName`] is) is one the host
-/// manages ([`MANAGED`]), under any spelling with `_` for `-`.
+/// manages (`MANAGED`), under any spelling with `_` for `-`.
 pub fn is_host_managed(name: &str) -> bool {
     MANAGED.contains(&name) || aliases_a_managed_name(name)
 }
 
-/// Whether `name` is a name the host manages ([`MANAGED`]) under another
+/// Whether `name` is a name the host manages (`MANAGED`) under another
 /// spelling: with `_` for `-` (`x_forwarded_for`, `content_length`), which
 /// servers that read headers into CGI-style variables (WSGI, CGI, PHP)
 /// take for the same header, so that a second `X-Forwarded-For` or a

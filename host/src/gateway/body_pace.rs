@@ -32,7 +32,7 @@
 //! So while others wait, from [`PACE_SLACK`] on, such a body keeps only
 //! what its read holds (what has arrived, in a buffer of up to twice that)
 //! and [`UNDECLARED_HEADROOM`] (64 KiB) more, given back at each check
-//! ([`CHECK_EVERY`]). A body that arrives at up to 256 KiB a
+//! (`CHECK_EVERY`). A body that arrives at up to 256 KiB a
 //! second never outgrows that between two checks, and one faster has
 //! arrived past its 1 MiB before the slack is over: only bursts over 64 KiB
 //! after a pause need more, where none is free while others wait (503,

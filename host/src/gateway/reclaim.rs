@@ -64,7 +64,7 @@ pub const MAX_CLOSING: usize = 32;
 /// of `open` idle longest is told to close (and `closed` called), and its
 /// slot is taken at once; while none is idle, a slot another connection
 /// gives back is waited for, and the open ones are looked at again every
-/// [`IDLE_RESCAN`]. `None` if the slots are closed.
+/// `IDLE_RESCAN`. `None` if the slots are closed.
 pub async fn room_at_the_limit(
     slots: &Arc<Semaphore>,
     open: &OpenConnections,

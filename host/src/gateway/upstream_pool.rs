@@ -223,7 +223,7 @@ impl ConnectionPool {
             .await
     }
 
-    /// [`UpstreamPool::send`], with `connecting` true while it opens a
+    /// [`ConnectionPool::send`], with `connecting` true while it opens a
     /// connection for a request not yet written: a caller that gives up on
     /// it (a timeout) can tell the upstream that never answered from the
     /// one never reached. The response's body holds `turn` (see

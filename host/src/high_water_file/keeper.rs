@@ -242,7 +242,7 @@ impl MarkKeeper {
     /// After the last request: withdraws the machine id, then writes the
     /// last millisecond the id clock used as the mark, so that the next
     /// start continues right after it instead of a lead later.
-    /// If that write fails, or a write does not end within [`STOP_WAIT`],
+    /// If that write fails, or a write does not end within `STOP_WAIT` (5 s),
     /// the higher mark before it stands.
     pub async fn release(mut self) {
         let services = &self.shared.services;

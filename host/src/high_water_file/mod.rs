@@ -12,7 +12,7 @@
 //! The next gateway on the file starts its id clock after that mark,
 //! wherever its wall clock is. Only one process at a time may use a file:
 //! it holds an exclusive lock (`flock`) on it while it runs, and a second
-//! one is refused at start. See [`record`] for what the file holds.
+//! one is refused at start. See the `record` module for what the file holds.
 
 pub mod keeper;
 pub mod lead;
