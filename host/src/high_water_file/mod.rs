@@ -320,14 +320,35 @@ fn read_record(contents: &[u8], now: u64) -> Result<Option<Record>, String> {
     }
 }
 
-/// Syncs the directory that holds `path`, so that a new file's entry
-/// survives a power loss.
+/// Syncs the directories that hold `path`, so that a new file's entry
+/// survives a power loss: the one of `path` itself, and, where `path` is
+/// a symbolic link (or under one), the one of the file it leads to, where
+/// the gateway made the file.
 fn sync_directory_of(path: &Path) -> std::io::Result<()> {
-    let dir = match path.parent() {
-        Some(dir) if !dir.as_os_str().is_empty() => dir,
-        _ => Path::new("."),
+    for dir in directories_holding(path)? {
+        File::open(&dir)?.sync_all()?;
+    }
+    Ok(())
+}
+
+/// The directory of `path` as given, and that of the file it leads to
+/// where that is another (not where the path leads nowhere now: the file
+/// was then moved or removed, which the keeper finds on its own).
+fn directories_holding(path: &Path) -> std::io::Result<Vec<PathBuf>> {
+    let given = match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir.to_path_buf(),
+        _ => PathBuf::from("."),
     };
-    File::open(dir)?.sync_all()
+    let target_dir = std::fs::canonicalize(path)
+        .ok()
+        .and_then(|target| target.parent().map(Path::to_path_buf));
+    let mut dirs = vec![given];
+    if let Some(dir) = target_dir {
+        if std::fs::canonicalize(&dirs[0])? != dir {
+            dirs.push(dir);
+        }
+    }
+    Ok(dirs)
 }
 
 #[cfg(test)]
@@ -346,6 +367,35 @@ mod tests {
 
     fn file_of(first: &[u8], second: &[u8]) -> Vec<u8> {
         [first, second].concat()
+    }
+
+    /// A high-water file reached through a symbolic link: its directory
+    /// entry is made in the target's directory, which is synced too (only
+    /// the link's was, so a file the gateway made there could lose its
+    /// entry on power loss).
+    #[test]
+    fn syncs_the_directory_a_symbolic_link_leads_to() {
+        let root = scratch("symlinked");
+        let root = root.parent().expect("the scratch dir");
+        let (links, files) = (root.join("links"), root.join("files"));
+        std::fs::create_dir(&links).expect("links dir");
+        std::fs::create_dir(&files).expect("files dir");
+        let link = links.join("high-water");
+        std::os::unix::fs::symlink(files.join("mark"), &link).expect("symlink");
+        std::fs::write(files.join("mark"), b"").expect("the target");
+        let canonical = |p: &Path| std::fs::canonicalize(p).expect("canonical");
+        let dirs: Vec<_> = directories_holding(&link)
+            .expect("directories")
+            .iter()
+            .map(|d| canonical(d))
+            .collect();
+        assert_eq!(dirs, [canonical(&links), canonical(&files)]);
+
+        let plain = files.join("mark");
+        let dirs = directories_holding(&plain).expect("directories");
+        assert_eq!(dirs.len(), 1, "{dirs:?}");
+        assert_eq!(canonical(&dirs[0]), canonical(&files));
+        sync_directory_of(&link).expect("both synced");
     }
 
     fn read_mark(contents: &[u8], now: u64) -> Result<Option<u64>, String> {
