@@ -63,9 +63,12 @@ impl<B> Capped<B> {
         {
             static CUT_AFTER_ANSWER: LogThrottle = LogThrottle::new();
             if let Some(held_back) = CUT_AFTER_ANSWER.admit() {
+                // Quoted and escaped, as the access log has it: a client's
+                // path may hold line and paragraph separators.
+                let path = late.target.to_string();
                 tracing::warn!(
                     method = %late.method,
-                    path = %late.target,
+                    path = path.as_str(),
                     "a request body streamed through passed --max-body-bytes ({} bytes) after \
                      the upstream had answered it: the upstream saw it cut off, and its client \
                      the answer and then a closed connection {held_back}",
