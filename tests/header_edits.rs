@@ -145,6 +145,7 @@ fn the_host_refuses_what_a_plugin_may_not_set_naming_why() {
             Ok(Answer {
                 action: Action::Reject(r),
                 header_edits,
+                ..
             }) if r.status == 422 && r.code == "edit_refused" => {
                 assert!(header_edits.is_empty());
                 r.message

@@ -260,18 +260,24 @@ pub struct Answer {
     /// The changes to make on the request's headers if it is forwarded, in
     /// order; none when `action` rejects it.
     pub header_edits: HeaderEdits,
+    /// Whether `action` rejects the request because no id could be issued
+    /// for it (see [`Fenced::ids_unavailable`]).
+    pub ids_unavailable: bool,
 }
 
 impl Answer {
-    /// `action`, with `header_edits` unless it rejects the request.
-    fn new(action: Action, header_edits: HeaderEdits) -> Answer {
-        let header_edits = match action {
-            Action::Reject(_) => HeaderEdits::default(),
-            _ => header_edits,
-        };
+    /// `fenced`'s action, with `header_edits` unless it rejects the
+    /// request.
+    fn new(fenced: Fenced, header_edits: HeaderEdits) -> Answer {
+        let rejects = matches!(fenced.action, Action::Reject(_));
         Answer {
-            action,
-            header_edits,
+            ids_unavailable: fenced.ids_unavailable,
+            header_edits: if rejects {
+                HeaderEdits::default()
+            } else {
+                header_edits
+            },
+            action: fenced.action,
         }
     }
 }
@@ -289,6 +295,11 @@ pub struct Fenced {
     /// before), or the id clock's refusal (`id_rate_exceeded`,
     /// `id_clock_exhausted`).
     pub ids_withheld: bool,
+    /// Whether `action` rejects the request because no id could be issued
+    /// for it: the host withheld the ids the call made (`ids_withheld`),
+    /// or the plugin rejected it after the host refused it the machine id
+    /// or a tick of the id clock.
+    pub ids_unavailable: bool,
     /// The ticks of the host's id clock the call took, if it took any.
     pub ticks: Option<TicksTaken>,
 }
@@ -312,7 +323,7 @@ impl Plugin {
     /// that shows a plugin's answer (`snowgate rewrite`).
     pub fn answer(&self, request: &Request) -> Result<Answer, CallError> {
         self.call_once(request)
-            .map(|(fenced, header_edits)| Answer::new(fenced.action, header_edits))
+            .map(|(fenced, header_edits)| Answer::new(fenced, header_edits))
     }
 
     /// A fresh instance for the gateway's self-check of a new build, to
@@ -402,7 +413,7 @@ impl Plugin {
         let checked = match answer {
             Ok(action) => self
                 .check(action)
-                .map(|action| Answer::new(self.fence(action, &held.store).action, header_edits)),
+                .map(|action| Answer::new(self.fence(action, &held.store), header_edits)),
             Err(e) => Err(plugin_error(e.message)),
         };
         if !matches!(checked, Err(CallError::InvalidAnswer(_))) {
@@ -735,6 +746,7 @@ impl Plugin {
         let state = store.data();
         let issued = state.issued;
         let let_out = |action| Fenced {
+            ids_unavailable: matches!(action, Action::Reject(_)) && issued.refused_ids(),
             action,
             ids_withheld: false,
             ticks: issued.taken,
@@ -788,6 +800,7 @@ impl Plugin {
                         ),
                     }),
                     ids_withheld: true,
+                    ids_unavailable: true,
                     ticks: issued.taken,
                 }
             }
@@ -1090,12 +1103,53 @@ mod tests {
 
     fn let_out(fenced: &Fenced) -> bool {
         !fenced.ids_withheld
+            && !fenced.ids_unavailable
             && matches!(&fenced.action, Action::ForwardWithBody(body) if body == b"{}")
     }
 
     fn withheld(fenced: &Fenced) -> bool {
         fenced.ids_withheld
+            && fenced.ids_unavailable
             && matches!(&fenced.action, Action::Reject(r) if r.status == 503 && r.code == "no_machine_id")
+    }
+
+    /// A request answered 503 because no id could be issued is told apart
+    /// from one the plugin rejected for a reason of its own (the gateway
+    /// counts the two apart): before, both counted as `rejected`, so an
+    /// outage of ids looked like bad requests.
+    #[test]
+    fn a_request_refused_for_want_of_ids_is_told_from_a_plugins_own_reject() {
+        let plugin = plugin(PluginLimits::default());
+        let runtime = current_thread_runtime();
+        let answer = |request: &Request| {
+            runtime
+                .block_on(plugin.answer_async(request))
+                .expect("an answer")
+        };
+        let mut not_json = request(100);
+        not_json.body = b"{not json".to_vec();
+
+        let stamped = answer(&request(100));
+        assert!(matches!(stamped.action, Action::ForwardWithBody(_)));
+        assert!(!stamped.ids_unavailable);
+        let rejected = answer(&not_json);
+        assert!(matches!(&rejected.action, Action::Reject(r) if r.status == 400));
+        assert!(!rejected.ids_unavailable, "{:?}", rejected.action);
+
+        // No machine id: the plugin, told so, answers 503 itself.
+        plugin.engine.services.identity.withdraw("lease lost");
+        let refused = answer(&request(100));
+        assert!(
+            matches!(&refused.action, Action::Reject(r) if r.status == 503 && r.code == "no_machine_id"),
+            "{:?}",
+            refused.action
+        );
+        assert!(refused.ids_unavailable);
+        // A request the plugin rejects before it asks for an id is still
+        // its own reject.
+        let rejected = answer(&not_json);
+        assert!(matches!(&rejected.action, Action::Reject(r) if r.status == 400));
+        assert!(!rejected.ids_unavailable, "{:?}", rejected.action);
     }
 
     /// Once the clock refuses a call a tick, the call takes no more, even

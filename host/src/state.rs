@@ -73,6 +73,8 @@ pub(crate) struct Issued {
     pub(crate) mixed: bool,
     /// Why the clock refused a tick it asked for, if it did.
     pub(crate) refused: Option<NoTick>,
+    /// Whether it asked for the machine id and was told there is none.
+    pub(crate) no_machine_id: bool,
     /// The ticks the clock gave it (its refusals not counted).
     pub(crate) taken: Option<TicksTaken>,
     /// Whether the host takes a tick of its own, and drops it, before the
@@ -84,6 +86,12 @@ impl Issued {
     /// Whether it asked the clock for a tick, given or refused.
     pub(crate) fn asked_for_ticks(&self) -> bool {
         self.taken.is_some() || self.refused.is_some()
+    }
+
+    /// Whether the host refused it what ids are made of: a tick, or the
+    /// machine id.
+    pub(crate) fn refused_ids(&self) -> bool {
+        self.refused.is_some() || self.no_machine_id
     }
 }
 
@@ -351,7 +359,11 @@ impl clock::Host for HostState {
 
 impl identity::Host for HostState {
     fn current_machine_id(&mut self) -> Result<identity::MachineId, String> {
-        let grant = self.services.identity.grant()?;
+        let grant = self
+            .services
+            .identity
+            .grant()
+            .inspect_err(|_| self.issued.no_machine_id = true)?;
         match self.issued.grant {
             None => self.issued.grant = Some(grant.generation),
             Some(first) => self.issued.mixed |= first != grant.generation,

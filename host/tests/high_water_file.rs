@@ -541,11 +541,20 @@ async fn a_disk_that_fails_mid_serve_stops_ids_at_the_mark_until_it_recovers() {
         error.contains("Input/output error") && error.contains(file.to_str().expect("UTF-8")),
         "the error names the cause and the file: {error}"
     );
+    let metrics = gateway.metrics().await;
+    assert!(support::metric(&metrics, "snowgate_high_water_file_failures_total") >= 1.0);
+    // Counted as an outage of ids, not as requests the plugin rejected.
     assert!(
         support::metric(
-            &gateway.metrics().await,
-            "snowgate_high_water_file_failures_total"
-        ) >= 1.0
+            &metrics,
+            "snowgate_requests_total{outcome=\"ids_unavailable\"}"
+        ) >= 1.0,
+        "{metrics}"
+    );
+    assert_eq!(
+        support::metric(&metrics, "snowgate_requests_total{outcome=\"rejected\"}"),
+        0.0,
+        "{metrics}"
     );
     let ready = support::get(gateway.admin, "/readyz").await;
     assert_eq!(ready.status, 503, "{}", ready.text());

@@ -22,8 +22,17 @@ pub enum Outcome {
     Forwarded,
     /// The plugin changed its body (stamped ids).
     Rewritten,
-    /// The plugin rejected it.
+    /// The plugin rejected it (for a reason of its own: see
+    /// [`Outcome::IdsUnavailable`]).
     Rejected,
+    /// No id could be issued for it, so it was answered 503: the host
+    /// withheld the ids the plugin made (the machine id was no longer this
+    /// process's to use, the id clock refused, or an id could repeat one
+    /// made before), or the plugin rejected it after the host refused it
+    /// the machine id or a tick. An outage of ids (a lease lost, a
+    /// high-water file that cannot be written, ids asked for faster than
+    /// the layout makes them), not a fault of the request.
+    IdsUnavailable,
     /// The body was over the size limit.
     TooLarge,
     /// The plugin failed and the policy refused the request (fail-closed).
@@ -51,11 +60,12 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    const ALL: [Outcome; 11] = [
+    const ALL: [Outcome; 12] = [
         Outcome::PassedThrough,
         Outcome::Forwarded,
         Outcome::Rewritten,
         Outcome::Rejected,
+        Outcome::IdsUnavailable,
         Outcome::TooLarge,
         Outcome::FailedClosed,
         Outcome::FailedOpen,
@@ -71,6 +81,7 @@ impl Outcome {
             Outcome::Forwarded => "forwarded",
             Outcome::Rewritten => "rewritten",
             Outcome::Rejected => "rejected",
+            Outcome::IdsUnavailable => "ids_unavailable",
             Outcome::TooLarge => "too_large",
             Outcome::FailedClosed => "failed_closed",
             Outcome::FailedOpen => "failed_open",

@@ -524,14 +524,14 @@ impl Shared {
                 body_digests::forget_stale(&mut parts.headers, &body, new_body);
             }
             answer.header_edits.apply(&mut parts.headers);
-            answer.action
+            (answer.action, answer.ids_unavailable)
         });
         let forward_body = match answer {
-            Ok(Action::Forward) => {
+            Ok((Action::Forward, _)) => {
                 verdict.count(Outcome::Forwarded);
                 Bytes::from(body)
             }
-            Ok(Action::ForwardWithBody(new_body)) => {
+            Ok((Action::ForwardWithBody(new_body), _)) => {
                 // The original is not sent: let it go now, not when the
                 // response comes (for a completion that is not streamed,
                 // when generation ends).
@@ -554,8 +554,12 @@ impl Shared {
                 );
                 Bytes::from(new_body)
             }
-            Ok(Action::Reject(r)) => {
-                verdict.count(Outcome::Rejected);
+            Ok((Action::Reject(r), ids_unavailable)) => {
+                verdict.count(if ids_unavailable {
+                    Outcome::IdsUnavailable
+                } else {
+                    Outcome::Rejected
+                });
                 let status = StatusCode::from_u16(r.status).unwrap_or(StatusCode::BAD_REQUEST);
                 return own(responses::error(status, &r.code, &r.message));
             }

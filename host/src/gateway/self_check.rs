@@ -505,6 +505,7 @@ pub(crate) mod tests {
                 message: "no machine id".into(),
             }),
             ids_withheld: false,
+            ids_unavailable: true,
             ticks: None,
         };
         let error = judge_self_check(&plugin, Canned::One, refusal(), &[], &host_ids(), || {
@@ -741,6 +742,7 @@ pub(crate) mod tests {
             let answer = Fenced {
                 action,
                 ids_withheld: false,
+                ids_unavailable: false,
                 ticks: took((now - 2, 7), (now - 2, 9), 2),
             };
             judge_self_check(&plugin, canned, answer, exact, &host_ids(), || None)
@@ -853,6 +855,7 @@ pub(crate) mod tests {
                     .into_bytes(),
             ),
             ids_withheld: false,
+            ids_unavailable: false,
             ticks,
         }
         };

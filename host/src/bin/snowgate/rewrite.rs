@@ -183,6 +183,7 @@ pub fn run(args: RewriteArgs) -> Result<(), Failure> {
     let Answer {
         action,
         header_edits,
+        ..
     } = answer.map_err(|e| call_failure(e, args.plugin.plugin.is_none(), request.body.len()))?;
     // Only the body goes to stdout; what a gateway would also change on
     // the forwarded request is told on stderr.
