@@ -152,10 +152,13 @@ def wait_ready(url: str, proc: subprocess.Popen, log_path: str, timeout: float =
             sys.exit(f"{' '.join(proc.args)} exited with {proc.returncode}; log:\n"
                      + open(log_path, errors="replace").read()[-3000:])
         try:
-            http("GET", url, timeout=1.0)
-            return
+            # Ready, not merely alive: a starting snowgate answers /healthz
+            # before it serves (its plugin compiling).
+            if http("GET", url, timeout=1.0)[0] == 200:
+                return
         except OSError:
-            time.sleep(0.1)
+            pass
+        time.sleep(0.1)
     sys.exit(f"{url} did not answer within {timeout} s; log {log_path}")
 
 
@@ -503,7 +506,7 @@ class Bench:
         self.procs[name] = proc
         self.commands[name] = sh_quote([os.path.relpath(self.args.snowgate, ROOT)
                                         if c == self.snowgate else c for c in cmd])
-        wait_ready(f"http://{HOST}:{admin}/healthz", proc, log)
+        wait_ready(f"http://{HOST}:{admin}/readyz", proc, log)
 
     def start_all(self) -> None:
         for t in TARGETS:

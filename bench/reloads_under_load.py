@@ -129,7 +129,7 @@ class Run:
         self.command = " ".join(cmd)
         log = os.path.join(self.tmp, "snowgate.log")
         self.gateway = load.start(cmd, log)
-        load.wait_ready(f"http://{HOST}:{self.admin}/healthz", self.gateway, log)
+        load.wait_ready(f"http://{HOST}:{self.admin}/readyz", self.gateway, log)
 
         body = load.make_bodies()["1KiB"]
         body_file = os.path.join(self.tmp, "body.json")

@@ -99,7 +99,7 @@ def compare(args: argparse.Namespace, variants: dict[str, dict[str, str]], title
                            f"{HOST}:{admin}", "--upstream", f"http://{HOST}:{up}",
                            "--machine-id", "1"] + flags(name, tmp), log,
                           env=dict(os.environ, **env))
-        load.wait_ready(f"http://{HOST}:{admin}/healthz", proc, log)
+        load.wait_ready(f"http://{HOST}:{admin}/readyz", proc, log)
         gateways[name] = (port, proc)
 
     files = load.write_bodies(tmp, load.make_bodies())

@@ -36,6 +36,11 @@ const STEP_BACK_AFTER_A_CRASH: &str = "-10s";
 /// than 7 s ahead and waits (about 9 s).
 const AHEAD_TO_BE_WAITED_FOR: &str = "+16s";
 
+/// What a start's log says when it waits for a mark far ahead. Not only
+/// "waiting": the scratch directory of a test may be named so, and the log
+/// names the file.
+const WAITS_FOR_THE_MARK: &str = "as ids may not run further ahead";
+
 /// A directory of the test's own, empty and removed when dropped, and the
 /// high-water file's path in it.
 fn scratch(name: &str) -> (support::TempDir, PathBuf) {
@@ -251,7 +256,7 @@ async fn a_start_waits_for_a_mark_beyond_the_id_clocks_lead() {
 
     let second = Gateway::start(&["--high-water-file", file_arg]).await;
     assert!(
-        second.stderr_text().contains("waiting"),
+        second.stderr_text().contains(WAITS_FOR_THE_MARK),
         "{}",
         second.stderr_text()
     );
@@ -264,11 +269,17 @@ async fn a_start_waits_for_a_mark_beyond_the_id_clocks_lead() {
     );
 }
 
-/// A stop (SIGTERM) while the start waits out a mark far ahead ends the
-/// start at once, with status 0. Before, stop signals were heard only once
-/// the gateway was bound, and this one killed it (status 143).
+/// While the start waits out a mark far ahead, the admin listener answers:
+/// `/healthz` ok (a liveness probe must not restart a gateway for
+/// waiting), `/readyz` 503 saying what it waits for, the other endpoints
+/// 503 `starting`. Before, it was bound only after the wait, and refused
+/// connections for as long as the mark was ahead (up to a day).
+///
+/// A stop (SIGTERM) then ends the start at once, with status 0. Before,
+/// stop signals were heard only once the gateway was bound, and this one
+/// killed it (status 143).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stop_while_the_start_waits_for_its_mark_ends_the_start_cleanly() {
+async fn a_start_waiting_for_its_mark_answers_probes_and_ends_cleanly_on_a_stop() {
     use std::io::Read as _;
     let Some(library) = support::faketime() else {
         return;
@@ -277,9 +288,21 @@ async fn a_stop_while_the_start_waits_for_its_mark_ends_the_start_cleanly() {
     let file_arg = file.to_str().expect("a UTF-8 path");
     leave_a_mark_ahead(&library, file_arg, "+60s").await;
 
+    // A free port (bound and let go; the gateway binds it right after): the
+    // ready line that names an ephemeral one comes only after the wait.
+    let admin: std::net::SocketAddr = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .expect("a free port");
+    let admin_arg = admin.to_string();
     let mut waiting = support::Reaped(
         std::process::Command::new(env!("CARGO_BIN_EXE_snowgate"))
-            .args(support::SERVE_ON_LOOPBACK)
+            .args([
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--admin-listen",
+                &admin_arg,
+            ])
             .args(["--machine-id", "1", "--high-water-file", file_arg])
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::null())
@@ -294,7 +317,7 @@ async fn a_stop_while_the_start_waits_for_its_mark_ends_the_start_cleanly() {
     std::thread::spawn(move || {
         let mut log = Vec::new();
         let mut buffer = [0u8; 4096];
-        while !String::from_utf8_lossy(&log).contains("waiting") {
+        while !String::from_utf8_lossy(&log).contains(WAITS_FOR_THE_MARK) {
             match stderr.read(&mut buffer) {
                 Ok(n) if n > 0 => log.extend_from_slice(&buffer[..n]),
                 _ => break,
@@ -307,7 +330,37 @@ async fn a_stop_while_the_start_waits_for_its_mark_ends_the_start_cleanly() {
     let log = heard
         .recv_timeout(support::START_TIMEOUT)
         .expect("its log within the start timeout");
-    assert!(log.contains("waiting"), "it did not wait: {log}");
+    assert!(log.contains(WAITS_FOR_THE_MARK), "it did not wait: {log}");
+
+    // Bound before the wait began.
+    let health = get(admin, "/healthz").await;
+    assert_eq!(health.status, StatusCode::OK, "{}", health.text());
+    let ready = get(admin, "/readyz").await;
+    assert_eq!(
+        ready.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        ready.text()
+    );
+    assert!(
+        ready.text().contains("starting") && ready.text().contains("high-water file's mark"),
+        "/readyz says what the start waits for: {}",
+        ready.text()
+    );
+    let status = get(admin, "/status").await;
+    assert_eq!(
+        status.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        status.text()
+    );
+    assert_eq!(
+        status.json()["error"]["code"],
+        "starting",
+        "{}",
+        status.text()
+    );
+
     // SAFETY: kill only sends a signal to the child, not yet reaped.
     unsafe { libc::kill(waiting.0.id() as libc::pid_t, libc::SIGTERM) };
     let status = waiting.exit_within(Duration::from_secs(20));

@@ -31,6 +31,7 @@ pub mod self_check;
 pub mod send_timeout;
 pub mod server;
 pub mod slot;
+pub mod starting;
 mod transfer_coding;
 pub mod upstream;
 pub mod upstream_pool;
@@ -62,10 +63,12 @@ pub use upstream::Upstream;
 use crate::clock::{IdClock, MAX_CATCH_UP};
 use crate::compile_cache::CompileCache;
 use crate::engine::{HostServices, PluginEngine};
-use crate::high_water_file::keeper::MarkKeeper;
+use crate::gateway::starting::WhileStarting;
+use crate::high_water_file::keeper::{MarkKeeper, START_LEAD};
 use crate::high_water_file::HighWaterFile;
 use crate::identity::MachineIdentity;
 use crate::lease;
+use crate::utc::format_millis;
 
 /// A gateway with its listeners bound, ready to serve.
 pub struct Gateway {
@@ -106,6 +109,17 @@ impl Gateway {
     pub async fn bind(config: GatewayConfig) -> anyhow::Result<Gateway> {
         let hangups = watch::catch_sighup()?;
         ConfigFile::check(&config)?;
+        // First, so that probes hear from a start that waits (a high-water
+        // mark far ahead, a plugin compiling), and a port in use is told
+        // at once.
+        let admin_listener = TcpListener::bind(config.admin_listen)
+            .await
+            .with_context(|| format!("listening for admin requests on {}", config.admin_listen))?;
+        let starting = WhileStarting::answer_on(
+            admin_listener,
+            config.connections.header_read_timeout,
+            "checking the configuration",
+        );
         let machine_id = match (&config.lease, config.machine_id) {
             // Only for the plugin's self-check at load, whose ids never
             // leave the process: `serve` withdraws it before it serves a
@@ -126,7 +140,17 @@ impl Gateway {
         // the ids of the last gateway on the file.
         let high_water = match &config.high_water_file {
             Some(path) => {
+                starting.now("reading the high-water file");
                 let (file, stored) = open_high_water_file(path, config.layout, machine_id).await?;
+                if let Some(mark) = stored {
+                    starting.now(format!(
+                        "waiting for the wall clock to come within {} s of the high-water \
+                         file's mark {} (ids of the last gateway on this machine id reach that \
+                         far; see the log)",
+                        START_LEAD.as_secs(),
+                        format_millis(mark)
+                    ));
+                }
                 let keeper = MarkKeeper::start(file, stored, services.clone())
                     .await
                     .with_context(|| format!("--high-water-file {}", path.display()))?;
@@ -150,6 +174,7 @@ impl Gateway {
         // bindings block on a runtime of their own: not on an async thread.
         let plugin_path = config.plugin.clone();
         let slot_metrics = metrics.clone();
+        starting.now("loading the plugin (compiling it, where no cache holds it)");
         let slot = tokio::task::spawn_blocking(move || {
             PluginSlot::load(engine, plugin_path, settings, slot_metrics)
         })
@@ -171,9 +196,7 @@ impl Gateway {
         };
         let listener = server::listen(config.listen)
             .with_context(|| format!("listening on {}", config.listen))?;
-        let admin_listener = TcpListener::bind(config.admin_listen)
-            .await
-            .with_context(|| format!("listening for admin requests on {}", config.admin_listen))?;
+        let admin_listener = starting.hand_over().await?;
         // Reload triggers are in place before anyone learns the gateway is up.
         let _watcher = watch::watch_plugin_file(slot.clone(), config.reload_debounce)?;
         watch::reload_on_sighup(hangups, slot.clone());
