@@ -306,7 +306,11 @@ impl Gateway {
         });
         let workers = workers::Workers::start(self.config.worker_count())?;
         // Made before the admin listener serves: the layer registers the
-        // gauges of its call slots and body memory in the metrics.
+        // gauges of its call slots and body memory in the metrics, and the
+        // connection gauges are registered here (a scrape in between found
+        // no `snowgate_connections_open`, and failed a test's wait on it).
+        self.metrics
+            .gauge_connections(self.config.connections.max_connections);
         let layer = SnowgateLayer::new(
             self.slot.clone(),
             self.metrics.clone(),

@@ -158,8 +158,9 @@ pub async fn serve(
         // Stated: hyper's default (200) is not the gateway's to keep, and
         // each stream may hold an upstream connection of its own.
         .max_concurrent_streams(limits.max_streams_per_connection);
+    // `/metrics` shows the limit once the caller registered it
+    // (`Metrics::gauge_connections`), before it serves the admin listener.
     let slots = Arc::new(Semaphore::new(limits.max_connections));
-    layer.metrics().gauge_connections(limits.max_connections);
     let graceful = GracefulShutdown::new();
     // Tells connections still waiting for their first byte to give up on
     // shutdown: they hold a graceful watcher, but no request.
