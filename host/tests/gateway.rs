@@ -2303,6 +2303,74 @@ async fn an_http2_path_without_its_leading_slash_reaches_no_upstream() {
     assert_eq!(upstream.only_seen().path, "/api/v1/models");
 }
 
+/// An HTTP/2 request without `:path` (nor `:authority`) is refused with
+/// 400, not sent upstream: it went on as `GET  HTTP/1.1`, a request line
+/// without a target, and the client got 502. So does one whose pseudo
+/// fields come after a regular field, its block split over HEADERS and
+/// CONTINUATION with a cut inside `:path`, which h2 (0.4.20) takes without
+/// its `:path` and `:authority` (in one frame it resets the stream): the
+/// block of a fuzz review's case, as its HPACK encoder wrote it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_request_without_a_path_reaches_no_upstream() {
+    // Records every request head it reads, whatever its request line.
+    let upstream = RawUpstream::start(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n").await;
+    let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
+    let frame = |kind: u8, flags: u8, payload: &[u8]| {
+        let mut frame = (payload.len() as u32).to_be_bytes()[1..].to_vec();
+        frame.extend_from_slice(&[kind, flags, 0, 0, 0, 1]);
+        frame.extend_from_slice(payload);
+        frame
+    };
+    // HEADERS on stream 1, END_STREAM and END_HEADERS: `:method GET`,
+    // `:scheme http` (HPACK's static entries 2 and 6).
+    let no_path = frame(0x01, 0x05, &[0x82, 0x86]);
+    // `:method GET`, `:scheme http`, `x-a: 1`, `:path /x?fz=1020-0`,
+    // `:authority example.com`, `content-type: application/json`,
+    // `content-length: 0`: HEADERS with END_STREAM, two CONTINUATIONs, and
+    // one with END_HEADERS.
+    let parts: [&[u8]; 4] = [
+        &[
+            0x82, 0x86, 0x40, 0x83, 0xf2, 0xb0, 0xff, 0x81, 0x0f, 0x44, 0x8a, 0x63, 0xcf, 0xf9,
+            0x2f, 0xb8, 0x02, 0x01,
+        ],
+        &[
+            0x01, 0x60, 0x7f, 0x41, 0x88, 0x2f, 0x91, 0xd3, 0x5d, 0x05, 0x5c, 0x87, 0xa7, 0x5f,
+            0x8b, 0x1d, 0x75, 0xd0, 0x62, 0x0d, 0x26,
+        ],
+        &[0x3d, 0x4c, 0x74],
+        &[0x41, 0xea, 0x5c, 0x81, 0x07],
+    ];
+    let split = [
+        frame(0x01, 0x01, parts[0]),
+        frame(0x09, 0x00, parts[1]),
+        frame(0x09, 0x00, parts[2]),
+        frame(0x09, 0x04, parts[3]),
+    ]
+    .concat();
+    for (case, frames) in [
+        ("no :path", no_path),
+        ("pseudo fields after a field, split", split),
+    ] {
+        let mut stream = TcpStream::connect(gateway.addr).await.expect("connect");
+        let mut sent =
+            b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00".to_vec();
+        sent.extend_from_slice(&frames);
+        stream.write_all(&sent).await.expect("write");
+        let answer = bounded(
+            "the gateway's answer to stream 1",
+            Duration::from_secs(10),
+            stream_1_answer(&mut stream),
+        )
+        .await;
+        // A reset, or 400 (`:status` 400 is HPACK's static entry 12).
+        assert!(
+            answer == H2Answer::Reset || answer == H2Answer::Headers(0x8c),
+            "{case}: {answer:?}"
+        );
+    }
+    assert!(upstream.heads().is_empty(), "{:?}", upstream.heads());
+}
+
 /// How the gateway answered an HTTP/2 stream 1.
 #[derive(Debug, PartialEq, Eq)]
 enum H2Answer {

@@ -744,7 +744,7 @@ fn give_an_empty_path_its_slash(uri: &mut http::Uri) {
 /// authority form (`host:port`), which only CONNECT may use and which
 /// would otherwise go on as `/`, or the target `*` (asterisk form) on a
 /// method other than OPTIONS, the only one it serves (RFC 9112 section
-/// 3.2.4): it went on to the upstream as it came.
+/// 3.2.4): it went on to the upstream as it came; or no target at all.
 fn malformed_head<B>(request: &Request<B>) -> Option<String> {
     if request.uri().path() == "*" && request.method() != http::Method::OPTIONS {
         return Some(format!(
@@ -757,13 +757,22 @@ fn malformed_head<B>(request: &Request<B>) -> Option<String> {
     // HTTP/2 request's target has a scheme beside its authority.)
     let uri = request.uri();
     // CONNECT in any case, as the middleware refuses it: 405, not this.
-    if !request.method().as_str().eq_ignore_ascii_case("CONNECT")
-        && uri.scheme().is_none()
-        && uri.authority().is_some()
-    {
+    let connect = request.method().as_str().eq_ignore_ascii_case("CONNECT");
+    if !connect && uri.scheme().is_none() && uri.authority().is_some() {
         return Some(format!(
             "the request target {uri} is in authority form, which only CONNECT uses: send a path"
         ));
+    }
+    // An HTTP/2 request without `:path` (h2 lets one through that has no
+    // `:authority` either, or whose pseudo fields it lost): it went
+    // upstream as a request line without a target. (Its `path_and_query`
+    // reads as `/`; only `path` tells it is empty.)
+    if !connect && uri.path().is_empty() {
+        return Some(
+            "the request has no target: an HTTP/2 request needs a :path (RFC 9113 section \
+             8.3.1)"
+                .to_string(),
+        );
     }
     if request.version() != http::Version::HTTP_11 {
         return None;
