@@ -216,6 +216,15 @@ impl Drop for WindowShare {
 /// fails as broken. HTTP/1 framing already fails such a body; over HTTP/2
 /// hyper ends a body whose client reset its stream with `NO_ERROR` as if it
 /// were whole, and the client that did so has abandoned the request.
+///
+/// The frame that brings the last byte of the length it declared is held
+/// until the body's end is seen too, where it does not end with it (an
+/// HTTP/2 client that sends `END_STREAM` later): a reader that knows the
+/// length (hyper's client) asks for nothing more once it has it, and the
+/// upstream had the whole request while the client went on sending. A
+/// client that sent more than it declared had its stream reset by h2 as
+/// malformed, and the upstream ran the request all the same (RFC 9113
+/// section 8.1.1: a proxy must not forward it).
 pub struct ClientBody<B> {
     inner: B,
     /// Times the waits on the client.
@@ -227,9 +236,32 @@ pub struct ClientBody<B> {
     progress: Arc<BodyProgress>,
     /// The length the body declared, if it did.
     declared: Option<u64>,
-    /// Data bytes handed out so far.
+    /// Data bytes received so far (handed out, or held).
     received: u64,
+    /// The frame that brought the last declared byte, until the body ends.
+    held: Option<Frame<Bytes>>,
+    /// Trailers that came after it, handed out next.
+    trailers_after_held: Option<Frame<Bytes>>,
 }
+
+/// A body that went on past the length it declared.
+#[derive(Debug)]
+pub struct WentOnPastItsLength {
+    /// Bytes the content-length declared.
+    pub declared: u64,
+}
+
+impl std::fmt::Display for WentOnPastItsLength {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "the client's request body went on past the {} bytes its content-length declares",
+            self.declared
+        )
+    }
+}
+
+impl std::error::Error for WentOnPastItsLength {}
 
 /// A body that ended before the length it declared.
 #[derive(Debug)]
@@ -272,6 +304,8 @@ impl<B: Body> ClientBody<B> {
         ClientBody {
             declared: inner.size_hint().exact(),
             received: 0,
+            held: None,
+            trailers_after_held: None,
             inner,
             pause: WaitTimer::new(pause, what, "--body-read-timeout-ms"),
             window,
@@ -321,67 +355,112 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = self.get_mut();
-        match Pin::new(&mut this.inner).poll_frame(cx) {
-            Poll::Ready(Some(Ok(frame))) => {
-                if let Some(data) = frame.data_ref() {
-                    this.received += data.len() as u64;
-                }
-                // A body of a declared length ends with its last frame: a
-                // reader that knows it (hyper's client) never asks again.
-                let state = if this.inner.is_end_stream() {
-                    COMPLETE
-                } else {
-                    FLOWING
-                };
-                this.progressed(state);
-                // Trailers: their hop-by-hop fields stay on this hop, and
-                // those the gateway manages in a head go nowhere.
-                Poll::Ready(Some(Ok(strip_request_trailers(frame))))
-            }
-            Poll::Ready(Some(Err(e))) => {
-                this.progressed(BROKEN);
-                Poll::Ready(Some(Err(e.into())))
-            }
-            Poll::Ready(None) => match this.declared {
-                Some(declared) if this.received < declared => {
+        if let Some(trailers) = this.trailers_after_held.take() {
+            return Poll::Ready(Some(Ok(trailers)));
+        }
+        loop {
+            let frame = match Pin::new(&mut this.inner).poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) => frame,
+                Poll::Ready(Some(Err(e))) => {
+                    this.held = None;
                     this.progressed(BROKEN);
-                    let received = this.received;
-                    Poll::Ready(Some(Err(Box::new(EndedShort { received, declared }))))
+                    return Poll::Ready(Some(Err(e.into())));
                 }
-                _ => {
-                    this.progressed(COMPLETE);
-                    Poll::Ready(None)
+                Poll::Ready(None) => return Poll::Ready(this.ended()),
+                Poll::Pending => return this.waiting(cx),
+            };
+            let size = frame.data_ref().map_or(0, |data| data.len() as u64);
+            this.received += size;
+            // Trailers: their hop-by-hop fields stay on this hop, and
+            // those the gateway manages in a head go nowhere.
+            let frame = strip_request_trailers(frame);
+            if let Some(held) = this.held.take() {
+                if size > 0 {
+                    this.progressed(BROKEN);
+                    let declared = this.declared.unwrap_or_default();
+                    return Poll::Ready(Some(Err(Box::new(WentOnPastItsLength { declared }))));
                 }
-            },
-            Poll::Pending => {
-                this.progress.set(WAITING_ON_CLIENT);
-                if let Some(share) = &mut this.window {
-                    share.release();
+                if frame.is_data() {
+                    // An empty DATA frame (one that carries only the end).
+                    this.held = Some(held);
+                    this.progressed(FLOWING);
+                    continue;
                 }
-                let since = *this.waiting_since.get_or_insert_with(Instant::now);
-                if !this.pause.expired(cx) {
-                    return Poll::Pending;
-                }
-                if this.window_may_have_held_it_up(since) {
-                    // Timed afresh, from now.
-                    this.waiting_since = Some(Instant::now());
-                    this.pause.progressed();
-                    if !this.pause.expired(cx) {
-                        return Poll::Pending;
-                    }
-                }
-                this.progress.set(STALLED);
-                Poll::Ready(Some(Err(Box::new(this.pause.error()))))
+                this.progressed(COMPLETE);
+                this.trailers_after_held = Some(frame);
+                return Poll::Ready(Some(Ok(held)));
             }
+            if size > 0 && this.declared == Some(this.received) && !this.inner.is_end_stream() {
+                this.held = Some(frame);
+                this.progressed(FLOWING);
+                continue;
+            }
+            // A body of a declared length ends with its last frame: a
+            // reader that knows it (hyper's client) never asks again.
+            let state = if this.inner.is_end_stream() {
+                COMPLETE
+            } else {
+                FLOWING
+            };
+            this.progressed(state);
+            return Poll::Ready(Some(Ok(frame)));
         }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.held.is_none() && self.trailers_after_held.is_none() && self.inner.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
+        match &self.held {
+            Some(held) => SizeHint::with_exact(held.data_ref().map_or(0, |data| data.len() as u64)),
+            None => self.inner.size_hint(),
+        }
+    }
+}
+
+impl<B> ClientBody<B> {
+    /// The client's body ended: the frame held for its end, if any, or
+    /// the end (an error where it came short of its declared length).
+    fn ended(&mut self) -> Option<Result<Frame<Bytes>, BoxError>> {
+        if let Some(held) = self.held.take() {
+            self.progressed(COMPLETE);
+            return Some(Ok(held));
+        }
+        match self.declared {
+            Some(declared) if self.received < declared => {
+                self.progressed(BROKEN);
+                let received = self.received;
+                Some(Err(Box::new(EndedShort { received, declared })))
+            }
+            _ => {
+                self.progressed(COMPLETE);
+                None
+            }
+        }
+    }
+
+    /// The client sent nothing more yet: pending, or, once it paused past
+    /// the timeout that is its own, stalled.
+    fn waiting(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        self.progress.set(WAITING_ON_CLIENT);
+        if let Some(share) = &mut self.window {
+            share.release();
+        }
+        let since = *self.waiting_since.get_or_insert_with(Instant::now);
+        if !self.pause.expired(cx) {
+            return Poll::Pending;
+        }
+        if self.window_may_have_held_it_up(since) {
+            // Timed afresh, from now.
+            self.waiting_since = Some(Instant::now());
+            self.pause.progressed();
+            if !self.pause.expired(cx) {
+                return Poll::Pending;
+            }
+        }
+        self.progress.set(STALLED);
+        Poll::Ready(Some(Err(Box::new(self.pause.error()))))
     }
 }
 
@@ -709,6 +788,46 @@ mod tests {
                 assert_eq!(progress.fault(), Some(ClientFault::Broken));
             }
         }
+    }
+
+    /// The frame that brings the last declared byte is handed out only
+    /// with the body's end (here an empty DATA frame, trailers, then the
+    /// end), in order: a reader that stops at the declared length would
+    /// not see what comes after it. More data after it fails the body.
+    #[tokio::test]
+    async fn the_last_declared_byte_is_held_until_the_body_ends() {
+        let data = |bytes: &'static [u8]| Ok(Frame::data(Bytes::from_static(bytes)));
+        let (tx, rx) = mpsc::channel(8);
+        let progress = Arc::new(BodyProgress::default());
+        let pause = Duration::from_secs(60);
+        let mut body = ClientBody::new(Declared(Channel(rx), 4), pause, None, progress.clone());
+        tx.send(data(b"ab")).await.expect("send");
+        let first = body.frame().await.expect("a frame").expect("data");
+        assert_eq!(first.into_data().expect("data"), "ab");
+        tx.send(data(b"cd")).await.expect("send");
+        tx.send(data(b"")).await.expect("send");
+        let polled = std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut body).poll_frame(cx)));
+        assert!(polled.await.is_pending(), "held until the end");
+        assert!(!body.is_end_stream());
+        let mut fields = http::HeaderMap::new();
+        fields.insert("x-checksum", http::HeaderValue::from_static("1"));
+        tx.send(Ok(Frame::trailers(fields))).await.expect("send");
+        drop(tx);
+        let held = body.frame().await.expect("a frame").expect("data");
+        assert_eq!(held.into_data().expect("data"), "cd");
+        let trailers = body.frame().await.expect("a frame").expect("trailers");
+        assert!(trailers.is_trailers());
+        assert!(body.frame().await.is_none());
+        assert_eq!(progress.fault(), None);
+
+        let (tx, rx) = mpsc::channel(8);
+        let progress = Arc::new(BodyProgress::default());
+        let mut body = ClientBody::new(Declared(Channel(rx), 4), pause, None, progress.clone());
+        tx.send(data(b"abcd")).await.expect("send");
+        tx.send(data(b"e")).await.expect("send");
+        let error = body.frame().await.expect("an end").expect_err("past");
+        assert!(error.to_string().contains("past the 4 bytes"), "{error}");
+        assert_eq!(progress.fault(), Some(ClientFault::Broken));
     }
 
     #[tokio::test]
