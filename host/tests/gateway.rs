@@ -493,6 +493,64 @@ async fn refuses_a_declared_oversized_body_with_413_without_reading_it() {
     assert_eq!(get(gateway.admin, "/healthz").await.status, StatusCode::OK);
 }
 
+/// A connection that closes after its answer (the client said
+/// `Connection: close`, spoke HTTP/1.0, or framed its body both ways) with
+/// the start of a pipelined request behind it, which hyper read ahead,
+/// lingers: what the client sends next is read and thrown away, and the
+/// client sees the end, not a reset. Before, the socket held nothing
+/// unread when it closed, so it closed at once, and the kernel reset the
+/// connection under the client's next write (a fuzz review's client lost
+/// its answers that way).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_closed_after_its_answer_reads_on_what_was_pipelined_behind() {
+    let gateway = Gateway::start(&[]).await;
+    let behind = "POST /v1/models HTTP/1.1\r\nHo";
+    for first in [
+        "GET /v1/models HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n",
+        "GET /v1/models HTTP/1.0\r\n\r\n",
+        "POST /v1/models HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\n\
+         Content-Length: 5\r\n\r\n0\r\n\r\n",
+    ] {
+        let mut stream = TcpStream::connect(gateway.addr).await.expect("connect");
+        bounded("the answer, and what the client sends then", STEP, async {
+            stream
+                .write_all(format!("{first}{behind}").as_bytes())
+                .await
+                .unwrap();
+            // The answer has come, unread (a client that writes before it
+            // reads): a reset now would throw it away. The client goes on
+            // writing, more than the socket buffers hold, so the gateway
+            // is done with the connection while it writes.
+            let mut peeked = [0u8; 1];
+            while stream.peek(&mut peeked).await.unwrap() == 0 {}
+            let rest = [
+                b"st: gw\r\nContent-Length: 16777216\r\n\r\n".as_slice(),
+                &[b'a'; 16 << 20],
+            ]
+            .concat();
+            let written = stream.write_all(&rest).await;
+            assert!(
+                written.is_ok(),
+                "{first:?}: read on, not reset: {written:?}"
+            );
+            stream.shutdown().await.unwrap();
+            let mut answer = Vec::new();
+            let read = stream.read_to_end(&mut answer).await;
+            assert!(
+                read.is_ok(),
+                "{first:?}: closed, not reset: {read:?} after {:?}",
+                String::from_utf8_lossy(&answer)
+            );
+            assert!(
+                answer.starts_with(b"HTTP/1.1 200") || answer.starts_with(b"HTTP/1.0 200"),
+                "{first:?}: {}",
+                String::from_utf8_lossy(&answer)
+            );
+        })
+        .await;
+    }
+}
+
 /// A client that sends its whole request before it reads (Python's
 /// `http.client` and `requests` do) gets the answer that says why its body
 /// or head is too large, 413 or 431: the gateway reads and throws away

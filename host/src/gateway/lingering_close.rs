@@ -38,16 +38,30 @@ pub const LINGER_PAUSE: Duration = Duration::from_secs(5);
 pub struct HandBack<S> {
     /// Always `Some` until the drop.
     io: Option<S>,
-    back: Option<oneshot::Sender<S>>,
+    back: Option<oneshot::Sender<Returned<S>>>,
+    shut_down: bool,
+}
+
+/// A connection's I/O, handed back by hyper.
+pub struct Returned<S> {
+    /// The I/O.
+    pub io: S,
+    /// Whether hyper ended the connection itself, shutting down its
+    /// sending side: after an answer that closes it (the client's
+    /// `Connection: close`, an HTTP/1.0 request, or one framed by both
+    /// `Transfer-Encoding` and `Content-Length`), or after its client
+    /// ended its own side. Not after an error or a timeout.
+    pub shut_down: bool,
 }
 
 impl<S> HandBack<S> {
     /// `io`, to be served on, and where it comes back once dropped.
-    pub fn new(io: S) -> (HandBack<S>, oneshot::Receiver<S>) {
+    pub fn new(io: S) -> (HandBack<S>, oneshot::Receiver<Returned<S>>) {
         let (back, returned) = oneshot::channel();
         let io = HandBack {
             io: Some(io),
             back: Some(back),
+            shut_down: false,
         };
         (io, returned)
     }
@@ -63,7 +77,8 @@ impl<S> Drop for HandBack<S> {
     fn drop(&mut self) {
         if let (Some(io), Some(back)) = (self.io.take(), self.back.take()) {
             // Nobody waiting for it: it closes here, as without a hand-back.
-            let _ = back.send(io);
+            let shut_down = self.shut_down;
+            let _ = back.send(Returned { io, shut_down });
         }
     }
 }
@@ -116,7 +131,9 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for HandBack<S> {
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut().io() {
+        let this = self.get_mut();
+        this.shut_down = true;
+        match this.io() {
             Ok(io) => Pin::new(io).poll_shutdown(cx),
             Err(e) => Poll::Ready(Err(e)),
         }
@@ -262,6 +279,8 @@ mod tests {
         let addr = server.local_addr().unwrap();
         let (io, returned) = HandBack::new(server);
         drop(io);
-        assert_eq!(returned.await.unwrap().local_addr().unwrap(), addr);
+        let returned = returned.await.unwrap();
+        assert_eq!(returned.io.local_addr().unwrap(), addr);
+        assert!(!returned.shut_down);
     }
 }

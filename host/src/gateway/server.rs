@@ -441,10 +441,16 @@ pub async fn serve(
             // A stop does not wait for a client still sending after its
             // answer, but the connection's slot does.
             drop(watcher);
-            if let Ok(stream) = returned.await {
-                let client_may_send = unread_at_close.load(std::sync::atomic::Ordering::Relaxed);
+            if let Ok(returned) = returned.await {
+                // Also where hyper ended the connection after an answer:
+                // a client that pipelined requests behind one that closes
+                // it may still be sending them, and those hyper read ahead
+                // are no longer in the socket to show it. (A client that
+                // ended its side is read from once, and is gone.)
+                let client_may_send = unread_at_close.load(std::sync::atomic::Ordering::Relaxed)
+                    || returned.shut_down;
                 let thrown = lingering_close::close(
-                    stream.into_inner(),
+                    returned.io.into_inner(),
                     client_may_send,
                     place.told_to_close(),
                 )
