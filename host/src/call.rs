@@ -282,6 +282,23 @@ impl Answer {
     }
 }
 
+/// The error codes of a 503 that says no id could be issued: the host's,
+/// when it withholds a call's ids, and the bundled plugin's.
+pub const ID_OUTAGE_CODES: [&str; 4] = [
+    "no_machine_id",
+    "no_unique_id",
+    "id_rate_exceeded",
+    "id_clock_exhausted",
+];
+
+/// Whether `action` rejects a request because no id could be issued for
+/// it: a 503, after the host refused the call ids (`refused_ids`), or with
+/// a code of [`ID_OUTAGE_CODES`].
+fn for_want_of_ids(action: &Action, refused_ids: bool) -> bool {
+    matches!(action, Action::Reject(r)
+        if r.status == 503 && (refused_ids || ID_OUTAGE_CODES.contains(&r.code.as_str())))
+}
+
 /// A call's answer after the host's check of the ids it made.
 #[derive(Debug)]
 pub struct Fenced {
@@ -297,8 +314,10 @@ pub struct Fenced {
     pub ids_withheld: bool,
     /// Whether `action` rejects the request because no id could be issued
     /// for it: the host withheld the ids the call made (`ids_withheld`),
-    /// or the plugin rejected it after the host refused it the machine id
-    /// or a tick of the id clock.
+    /// or the plugin answered 503 after the host refused it the machine id
+    /// or a tick of the id clock, or with one of the codes that say so
+    /// ([`ID_OUTAGE_CODES`]; the bundled plugin's `no_unique_id` in the
+    /// minute before a `trtllm-v2` stamp wraps is its own).
     pub ids_unavailable: bool,
     /// The ticks of the host's id clock the call took, if it took any.
     pub ticks: Option<TicksTaken>,
@@ -746,7 +765,7 @@ impl Plugin {
         let state = store.data();
         let issued = state.issued;
         let let_out = |action| Fenced {
-            ids_unavailable: matches!(action, Action::Reject(_)) && issued.refused_ids(),
+            ids_unavailable: for_want_of_ids(&action, issued.refused_ids()),
             action,
             ids_withheld: false,
             ticks: issued.taken,
@@ -1111,6 +1130,30 @@ mod tests {
         fenced.ids_withheld
             && fenced.ids_unavailable
             && matches!(&fenced.action, Action::Reject(r) if r.status == 503 && r.code == "no_machine_id")
+    }
+
+    /// Which rejects are for want of ids: a 503 after the host refused the
+    /// call ids, or with a code that says so (the bundled plugin answers
+    /// `no_unique_id` itself in the minute before a `trtllm-v2` stamp
+    /// wraps, which a review found counted as `rejected`); not another
+    /// status, nor another 503 of a call the host refused nothing.
+    #[test]
+    fn a_503_for_want_of_ids_is_told_by_its_code_or_by_what_the_host_refused() {
+        let reject = |status: u16, code: &str| {
+            Action::Reject(Rejection {
+                status,
+                code: code.into(),
+                message: String::new(),
+            })
+        };
+        for code in ID_OUTAGE_CODES {
+            assert!(for_want_of_ids(&reject(503, code), false), "{code}");
+        }
+        assert!(for_want_of_ids(&reject(503, "its_own"), true));
+        assert!(!for_want_of_ids(&reject(503, "its_own"), false));
+        assert!(!for_want_of_ids(&reject(400, "invalid_json"), true));
+        assert!(!for_want_of_ids(&reject(429, "no_machine_id"), false));
+        assert!(!for_want_of_ids(&Action::Forward, true));
     }
 
     /// A request answered 503 because no id could be issued is told apart
