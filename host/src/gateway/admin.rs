@@ -1,6 +1,7 @@
 //! The admin listener: `/status`, `/reload`, `/healthz`, `/readyz`, `/metrics`.
 
 use std::convert::Infallible;
+use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -67,88 +68,15 @@ impl Admin {
         self.services.ids_may_leave_now()
     }
 
-    /// Serves admin requests on `listener` until the task is dropped: at
-    /// most [`MAX_ADMIN_CONNECTIONS`] at once, each closed if it sends
-    /// nothing within [`ADMIN_FIRST_BYTE_TIMEOUT`], or not a whole request
-    /// head within the header read timeout. At the cap, a new client gets
-    /// the slot of the connection idle longest (no request open on it for
-    /// a second or more; see [`reclaim`](crate::gateway::reclaim)), so that
-    /// kept-alive or slow connections cannot keep a probe out: `/healthz`
-    /// and `/readyz` take no token, and anyone who reaches the listener
-    /// could otherwise hold every slot, and time the kubelet's probes out.
+    /// Serves admin requests on `listener` until the task is dropped (see
+    /// [`serve_connections`]).
     pub async fn serve(self: Arc<Self>, listener: TcpListener) {
-        let slots = Arc::new(Semaphore::new(MAX_ADMIN_CONNECTIONS));
-        let open = Arc::new(OpenConnections::new(MAX_ADMIN_CONNECTIONS));
-        loop {
-            let stream = match listener.accept().await {
-                Ok((stream, _)) => stream,
-                Err(e) => {
-                    static FAILED: LogThrottle = LogThrottle::new();
-                    pause_after_accept_error(&e, "accepting an admin connection failed", &FAILED)
-                        .await;
-                    continue;
-                }
-            };
-            let permit = match slots.clone().try_acquire_owned() {
-                Ok(permit) => permit,
-                Err(_) => {
-                    let closed = || {
-                        static AT_THE_LIMIT: LogThrottle = LogThrottle::new();
-                        if let Some(held_back) = AT_THE_LIMIT.admit() {
-                            tracing::warn!(
-                                "{MAX_ADMIN_CONNECTIONS} admin connections open, the most: \
-                                 closed the one idle longest to make room for a new client \
-                                 {held_back}"
-                            );
-                        }
-                    };
-                    match room_at_the_limit(&slots, &open, closed).await {
-                        Some(permit) => permit,
-                        None => return, // never closed
-                    }
-                }
-            };
-            let activity = Activity::default();
-            let place = open.register(&activity, permit);
+        let timeout = self.header_read_timeout;
+        let route = move |request: Request<Incoming>| {
             let admin = self.clone();
-            tokio::spawn(async move {
-                // The stream bound after the place, so dropped before it: the
-                // slot is given back only once this connection's socket is
-                // closed (or handed to a new client when it is chosen to
-                // close, which drops it at once), and the cap counts open
-                // sockets, not tasks.
-                let place = place;
-                let stream = stream;
-                let timeout = admin.header_read_timeout;
-                let serve = async {
-                    // A client that connects sends at once: a short wait for
-                    // the first byte, so that silent connections cannot hold
-                    // the admin listener's slots for a whole header timeout.
-                    if !sends_within(&stream, timeout.min(ADMIN_FIRST_BYTE_TIMEOUT)).await {
-                        return;
-                    }
-                    let service = hyper::service::service_fn(move |request: Request<Incoming>| {
-                        let admin = admin.clone();
-                        // Not idle, and not to be chosen, while it is open.
-                        let open = activity.begin(request.version());
-                        async move {
-                            let response = admin.route(request).await;
-                            drop(open);
-                            Ok::<_, Infallible>(response)
-                        }
-                    });
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .timer(TokioTimer::new())
-                        .header_read_timeout(timeout)
-                        .serve_connection(TokioIo::new(stream), service)
-                        .await;
-                };
-                tokio::select! {
-                    () = serve => {}
-                    () = place.told_to_close() => {}
-                }
-            });
-        }
+            async move { admin.route(request).await }
+        };
+        serve_connections(listener, timeout, true, route, std::future::pending()).await;
     }
 
     async fn route(&self, request: Request<Incoming>) -> Response<Full<Bytes>> {
@@ -393,6 +321,108 @@ impl Admin {
             "upstream": self.upstream,
             "failure_policy": self.failure_policy,
         })
+    }
+}
+
+/// Serves admin connections on `listener`, each request answered by
+/// `route`, until `until` resolves, then gives the listener back
+/// (connections already accepted are served on; with `keep_alive` false,
+/// each ends after one answer): at most [`MAX_ADMIN_CONNECTIONS`] at once,
+/// each closed if it sends nothing within [`ADMIN_FIRST_BYTE_TIMEOUT`], or
+/// not a whole request head within `header_read_timeout`. At the cap, a
+/// new client gets the slot of the connection idle longest (no request
+/// open on it for a second or more; see
+/// [`reclaim`](crate::gateway::reclaim)), so that kept-alive or slow
+/// connections cannot keep a probe out: `/healthz` and `/readyz` take no
+/// token, and anyone who reaches the listener could otherwise hold every
+/// slot, and time the kubelet's probes out.
+pub(crate) async fn serve_connections<R, F>(
+    listener: TcpListener,
+    header_read_timeout: Duration,
+    keep_alive: bool,
+    route: R,
+    until: impl Future<Output = ()>,
+) -> TcpListener
+where
+    R: Fn(Request<Incoming>) -> F + Clone + Send + 'static,
+    F: Future<Output = Response<Full<Bytes>>> + Send + 'static,
+{
+    let slots = Arc::new(Semaphore::new(MAX_ADMIN_CONNECTIONS));
+    let open = Arc::new(OpenConnections::new(MAX_ADMIN_CONNECTIONS));
+    let mut until = std::pin::pin!(until);
+    loop {
+        let accepted = tokio::select! {
+            biased;
+            () = &mut until => return listener,
+            accepted = listener.accept() => accepted,
+        };
+        let stream = match accepted {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                static FAILED: LogThrottle = LogThrottle::new();
+                pause_after_accept_error(&e, "accepting an admin connection failed", &FAILED).await;
+                continue;
+            }
+        };
+        let permit = match slots.clone().try_acquire_owned() {
+            Ok(permit) => permit,
+            Err(_) => {
+                let closed = || {
+                    static AT_THE_LIMIT: LogThrottle = LogThrottle::new();
+                    if let Some(held_back) = AT_THE_LIMIT.admit() {
+                        tracing::warn!(
+                            "{MAX_ADMIN_CONNECTIONS} admin connections open, the most: closed \
+                             the one idle longest to make room for a new client {held_back}"
+                        );
+                    }
+                };
+                match room_at_the_limit(&slots, &open, closed).await {
+                    Some(permit) => permit,
+                    None => return listener, // never closed
+                }
+            }
+        };
+        let activity = Activity::default();
+        let place = open.register(&activity, permit);
+        let route = route.clone();
+        tokio::spawn(async move {
+            // The stream bound after the place, so dropped before it: the
+            // slot is given back only once this connection's socket is
+            // closed (or handed to a new client when it is chosen to
+            // close, which drops it at once), and the cap counts open
+            // sockets, not tasks.
+            let place = place;
+            let stream = stream;
+            let serve = async {
+                // A client that connects sends at once: a short wait for
+                // the first byte, so that silent connections cannot hold
+                // the admin listener's slots for a whole header timeout.
+                let first_byte = header_read_timeout.min(ADMIN_FIRST_BYTE_TIMEOUT);
+                if !sends_within(&stream, first_byte).await {
+                    return;
+                }
+                let service = hyper::service::service_fn(move |request: Request<Incoming>| {
+                    // Not idle, and not to be chosen, while it is open.
+                    let open = activity.begin(request.version());
+                    let answer = route(request);
+                    async move {
+                        let response = answer.await;
+                        drop(open);
+                        Ok::<_, Infallible>(response)
+                    }
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .timer(TokioTimer::new())
+                    .header_read_timeout(header_read_timeout)
+                    .keep_alive(keep_alive)
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await;
+            };
+            tokio::select! {
+                () = serve => {}
+                () = place.told_to_close() => {}
+            }
+        });
     }
 }
 

@@ -11,47 +11,51 @@
 //! connections that long, and a liveness probe restarted the gateway into
 //! the same wait, over and over.
 
-use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use bytes::Bytes;
 use http::{header, Method, Request, Response, StatusCode};
 use http_body_util::Full;
 use hyper::body::Incoming;
-use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
-use tokio::sync::{watch, Semaphore};
+use tokio::sync::oneshot;
 
-use bytes::Bytes;
-
-use crate::gateway::admin::{ADMIN_FIRST_BYTE_TIMEOUT, MAX_ADMIN_CONNECTIONS};
+use crate::gateway::admin::serve_connections;
 use crate::gateway::responses;
-use crate::gateway::server::{pause_after_accept_error, sends_within};
-use crate::log_throttle::LogThrottle;
 
 /// The admin listener, answering while the gateway starts.
 pub struct WhileStarting {
     /// What the start is doing now, for `/readyz`.
     stage: Arc<Mutex<String>>,
-    /// Set to end the answering: the accept loop gives the listener back,
-    /// and open connections close once their request in flight, if any, is
-    /// answered.
-    done: watch::Sender<bool>,
+    /// Sent to end the answering: the accept loop gives the listener back.
+    done: oneshot::Sender<()>,
     accepting: tokio::task::JoinHandle<TcpListener>,
 }
 
 impl WhileStarting {
-    /// Answers on `listener` from now on; `header_read_timeout` bounds a
-    /// connection's request heads, as the gateway's own admin endpoints
-    /// do, and `stage` is what the start is doing.
+    /// Answers on `listener` from now on, as the gateway's own admin
+    /// endpoints serve it (the same bounds on connections and heads, with
+    /// `header_read_timeout`), but one request per connection: a probe's
+    /// connection kept alive would go on hearing "starting" after the
+    /// start. `stage` is what the start is doing.
     pub fn answer_on(listener: TcpListener, header_read_timeout: Duration, stage: &str) -> Self {
         let stage = Arc::new(Mutex::new(stage.to_string()));
-        let (done, finished) = watch::channel(false);
-        let accepting = tokio::spawn(accept(
+        let (done, finished) = oneshot::channel();
+        let now = stage.clone();
+        let route = move |request: Request<Incoming>| {
+            let answer = answer(&request, &now.lock().unwrap_or_else(|p| p.into_inner()));
+            async move { answer }
+        };
+        let until = async {
+            let _ = finished.await;
+        };
+        let accepting = tokio::spawn(serve_connections(
             listener,
-            stage.clone(),
-            finished,
             header_read_timeout,
+            false,
+            route,
+            until,
         ));
         WhileStarting {
             stage,
@@ -66,75 +70,14 @@ impl WhileStarting {
     }
 
     /// Ends the answering and gives the listener back, for the gateway's
-    /// own admin endpoints.
+    /// own admin endpoints. A connection accepted before is still answered
+    /// (its one request), as the start's endpoints answer.
     pub async fn hand_over(self) -> anyhow::Result<TcpListener> {
-        let _ = self.done.send(true);
+        let _ = self.done.send(());
         self.accepting
             .await
             .map_err(|e| anyhow::anyhow!("the admin listener's start-up task failed: {e}"))
     }
-}
-
-/// Accepts connections until `finished` is set, then gives `listener`
-/// back. At most [`MAX_ADMIN_CONNECTIONS`] are served at once; past that a
-/// new one is closed at once (a start lasts seconds to a day, and silent
-/// connections are closed within [`ADMIN_FIRST_BYTE_TIMEOUT`]).
-async fn accept(
-    listener: TcpListener,
-    stage: Arc<Mutex<String>>,
-    mut finished: watch::Receiver<bool>,
-    header_read_timeout: Duration,
-) -> TcpListener {
-    let slots = Arc::new(Semaphore::new(MAX_ADMIN_CONNECTIONS));
-    loop {
-        let accepted = tokio::select! {
-            biased;
-            () = until_set(&mut finished) => return listener,
-            accepted = listener.accept() => accepted,
-        };
-        let stream = match accepted {
-            Ok((stream, _)) => stream,
-            Err(e) => {
-                static FAILED: LogThrottle = LogThrottle::new();
-                pause_after_accept_error(&e, "accepting an admin connection failed", &FAILED).await;
-                continue;
-            }
-        };
-        let Ok(permit) = slots.clone().try_acquire_owned() else {
-            continue;
-        };
-        let (stage, mut finished) = (stage.clone(), finished.clone());
-        tokio::spawn(async move {
-            let _permit = permit;
-            if !sends_within(&stream, header_read_timeout.min(ADMIN_FIRST_BYTE_TIMEOUT)).await {
-                return;
-            }
-            let service = hyper::service::service_fn(move |request: Request<Incoming>| {
-                let answer = answer(&request, &stage.lock().unwrap_or_else(|p| p.into_inner()));
-                async move { Ok::<_, Infallible>(answer) }
-            });
-            let connection = hyper::server::conn::http1::Builder::new()
-                .timer(TokioTimer::new())
-                .header_read_timeout(header_read_timeout)
-                .serve_connection(TokioIo::new(stream), service);
-            tokio::pin!(connection);
-            tokio::select! {
-                _ = connection.as_mut() => {}
-                // A kept-alive connection would go on answering "starting"
-                // after the start: it closes once its request in flight is
-                // answered.
-                () = until_set(&mut finished) => {
-                    connection.as_mut().graceful_shutdown();
-                    let _ = connection.await;
-                }
-            }
-        });
-    }
-}
-
-/// Resolves once `finished` is set, or its sender is gone.
-async fn until_set(finished: &mut watch::Receiver<bool>) {
-    let _ = finished.wait_for(|done| *done).await;
 }
 
 /// The answer to `request` while the start is doing `stage`.
@@ -170,4 +113,80 @@ fn plain(status: StatusCode, body: String) -> Response<Full<Bytes>> {
         header::HeaderValue::from_static("text/plain"),
     );
     response
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+
+    use super::*;
+    use crate::gateway::admin::MAX_ADMIN_CONNECTIONS;
+
+    async fn starting() -> (WhileStarting, std::net::SocketAddr) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("address");
+        let timeout = Duration::from_secs(30);
+        (
+            WhileStarting::answer_on(listener, timeout, "loading the plugin"),
+            addr,
+        )
+    }
+
+    async fn answer_to(mut stream: TcpStream, rest: &[u8]) -> String {
+        stream.write_all(rest).await.expect("write");
+        let mut answer = Vec::new();
+        stream.read_to_end(&mut answer).await.expect("an answer");
+        String::from_utf8_lossy(&answer).into_owned()
+    }
+
+    /// A request whose connection came before the hand-over is answered
+    /// (as the start's endpoints answer), not closed unanswered: before, a
+    /// connection still sending its head at the hand-over was shut down
+    /// and saw only the end.
+    #[tokio::test]
+    async fn a_request_begun_before_the_hand_over_is_answered() {
+        let (starting, addr) = starting().await;
+        let mut begun = TcpStream::connect(addr).await.expect("connect");
+        begun
+            .write_all(b"GET /readyz HTTP/1.1\r\n")
+            .await
+            .expect("write");
+        // Served: the same listener answers a whole request meanwhile.
+        let probe = TcpStream::connect(addr).await.expect("connect");
+        let probed = answer_to(probe, b"GET /healthz HTTP/1.1\r\nHost: a\r\n\r\n").await;
+        assert!(probed.starts_with("HTTP/1.1 200"), "{probed}");
+        let listener = starting.hand_over().await.expect("the listener");
+        let answer = answer_to(begun, b"Host: a\r\n\r\n").await;
+        assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+        assert!(answer.contains("starting: loading the plugin"), "{answer}");
+        drop(listener);
+    }
+
+    /// At the connection cap, a new probe gets the slot of a connection
+    /// idle longest, as at the gateway's own admin endpoints: before, it
+    /// was closed, so 64 connections that sent part of a head kept every
+    /// liveness probe out for the whole start.
+    #[tokio::test]
+    async fn at_the_cap_a_probe_gets_the_slot_of_one_idle_longest() {
+        let (_starting, addr) = starting().await;
+        let mut held = Vec::new();
+        for _ in 0..MAX_ADMIN_CONNECTIONS {
+            let mut stream = TcpStream::connect(addr).await.expect("connect");
+            stream
+                .write_all(b"GET /healthz HTTP/1.1\r\n")
+                .await
+                .expect("write");
+            held.push(stream);
+        }
+        let probe = TcpStream::connect(addr).await.expect("connect");
+        let answer = tokio::time::timeout(
+            Duration::from_secs(20),
+            answer_to(probe, b"GET /healthz HTTP/1.1\r\nHost: a\r\n\r\n"),
+        )
+        .await
+        .expect("answered within the bound");
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        assert!(answer.ends_with("ok\n"), "{answer}");
+    }
 }
