@@ -2316,30 +2316,14 @@ async fn an_http2_path_without_its_leading_slash_reaches_no_upstream() {
     let base = format!("{}/api", upstream.url());
     let gateway = Gateway::start(&["--upstream", &base]).await;
     for path in ["x/../admin", "-internal/keys"] {
-        let mut stream = TcpStream::connect(gateway.addr).await.expect("connect");
         let block = h2_literal_block(&[
             (":method", "GET"),
             (":scheme", "http"),
             (":authority", "a"),
             (":path", path),
         ]);
-        let frames = [
-            H2_PREFACE_AND_SETTINGS,
-            &h2_frame(0x01, END_STREAM_AND_HEADERS, &block),
-        ]
-        .concat();
-        stream.write_all(&frames).await.expect("write");
-        let answer = bounded(
-            "the gateway's answer to stream 1",
-            Duration::from_secs(10),
-            stream_1_answer(&mut stream),
-        )
-        .await;
-        // A reset, or 400 (`:status` 400 is HPACK's static entry 12).
-        assert!(
-            answer == H2Answer::Reset || answer == H2Answer::Headers(0x8c),
-            "{path}: {answer:?}"
-        );
+        let frames = h2_frame(0x01, END_STREAM_AND_HEADERS, &block);
+        assert_stream_1_refused(gateway.addr, &frames, path).await;
     }
     assert!(upstream.seen().is_empty(), "{:?}", upstream.seen());
     // With its `/`, a path goes through, after the base path.
@@ -2394,20 +2378,7 @@ async fn an_http2_request_without_a_path_reaches_no_upstream() {
         ("no :path", no_path),
         ("pseudo fields after a field, split", split),
     ] {
-        let mut stream = TcpStream::connect(gateway.addr).await.expect("connect");
-        let sent = [H2_PREFACE_AND_SETTINGS, &frames].concat();
-        stream.write_all(&sent).await.expect("write");
-        let answer = bounded(
-            "the gateway's answer to stream 1",
-            Duration::from_secs(10),
-            stream_1_answer(&mut stream),
-        )
-        .await;
-        // A reset, or 400 (`:status` 400 is HPACK's static entry 12).
-        assert!(
-            answer == H2Answer::Reset || answer == H2Answer::Headers(0x8c),
-            "{case}: {answer:?}"
-        );
+        assert_stream_1_refused(gateway.addr, &frames, case).await;
     }
     assert!(upstream.heads().is_empty(), "{:?}", upstream.heads());
 }
@@ -2418,6 +2389,25 @@ const H2_PREFACE_AND_SETTINGS: &[u8] =
 
 /// The flags END_STREAM and END_HEADERS of a HEADERS frame.
 const END_STREAM_AND_HEADERS: u8 = 0x05;
+
+/// Sends `frames` after the preface on a connection of its own, and
+/// asserts that stream 1 is refused: reset, or answered 400 (`:status` 400
+/// is HPACK's static entry 12).
+async fn assert_stream_1_refused(addr: SocketAddr, frames: &[u8], case: &str) {
+    let mut stream = TcpStream::connect(addr).await.expect("connect");
+    let sent = [H2_PREFACE_AND_SETTINGS, frames].concat();
+    stream.write_all(&sent).await.expect("write");
+    let answer = bounded(
+        "the gateway's answer to stream 1",
+        Duration::from_secs(10),
+        stream_1_answer(&mut stream),
+    )
+    .await;
+    assert!(
+        answer == H2Answer::Reset || answer == H2Answer::Headers(0x8c),
+        "{case}: {answer:?}"
+    );
+}
 
 /// A frame of `kind` with `flags` on stream 1.
 fn h2_frame(kind: u8, flags: u8, payload: &[u8]) -> Vec<u8> {
