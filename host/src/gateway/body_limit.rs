@@ -70,7 +70,7 @@ impl<B> Capped<B> {
                     method = %late.method,
                     path = path.as_str(),
                     "a request body streamed through passed --max-body-bytes ({} bytes) after \
-                     the upstream had answered it: the upstream saw it cut off, and its client \
+                     the upstream had answered it: the upstream saw it cut off, and its client had \
                      the answer and then a closed connection {held_back}",
                     self.limit
                 );

@@ -68,7 +68,7 @@ use crate::high_water_file::keeper::{MarkKeeper, START_LEAD};
 use crate::high_water_file::HighWaterFile;
 use crate::identity::MachineIdentity;
 use crate::lease;
-use crate::utc::format_millis;
+use crate::utc::{format_millis, millis_of};
 
 /// A gateway with its listeners bound, ready to serve.
 pub struct Gateway {
@@ -142,15 +142,19 @@ impl Gateway {
             Some(path) => {
                 starting.now("reading the high-water file");
                 let (file, stored) = open_high_water_file(path, config.layout, machine_id).await?;
-                if let Some(mark) = stored {
-                    starting.now(format!(
-                        "waiting for the wall clock to come within {} s of the high-water \
-                         file's mark {} (ids of the last gateway on this machine id reach that \
-                         far; see the log)",
-                        START_LEAD.as_secs(),
-                        format_millis(mark)
-                    ));
-                }
+                let now = millis_of(std::time::SystemTime::now());
+                starting.now(match stored {
+                    Some(mark) if mark > now.saturating_add(START_LEAD.as_millis() as u64) => {
+                        format!(
+                            "waiting for the wall clock to come within {} s of the high-water \
+                             file's mark {} (ids of the last gateway on this machine id reach \
+                             that far; see the log)",
+                            START_LEAD.as_secs(),
+                            format_millis(mark)
+                        )
+                    }
+                    _ => "writing the first high-water mark".to_string(),
+                });
                 let keeper = MarkKeeper::start(file, stored, services.clone())
                     .await
                     .with_context(|| format!("--high-water-file {}", path.display()))?;
