@@ -460,7 +460,12 @@ fn constant_time_eq(presented: &[u8], token: &[u8]) -> bool {
     differs == 0
 }
 
-fn text(status: StatusCode, content_type: &'static str, body: String) -> Response<Full<Bytes>> {
+/// An answer of `body`, of `content_type`, with `status`.
+pub(crate) fn text(
+    status: StatusCode,
+    content_type: &'static str,
+    body: String,
+) -> Response<Full<Bytes>> {
     let mut response = Response::new(Full::new(Bytes::from(body)));
     *response.status_mut() = status;
     response.headers_mut().insert(

@@ -21,7 +21,7 @@ use hyper::body::Incoming;
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 
-use crate::gateway::admin::serve_connections;
+use crate::gateway::admin::{serve_connections, text};
 use crate::gateway::responses;
 
 /// The admin listener, answering while the gateway starts.
@@ -84,9 +84,10 @@ impl WhileStarting {
 fn answer(request: &Request<Incoming>, stage: &str) -> Response<Full<Bytes>> {
     let get = matches!(*request.method(), Method::GET | Method::HEAD);
     match request.uri().path() {
-        "/healthz" if get => plain(StatusCode::OK, "ok\n".to_string()),
-        "/readyz" if get => plain(
+        "/healthz" if get => text(StatusCode::OK, "text/plain", "ok\n".to_string()),
+        "/readyz" if get => text(
             StatusCode::SERVICE_UNAVAILABLE,
+            "text/plain",
             format!("not ready: the gateway is starting: {stage}\n"),
         ),
         _ => {
@@ -102,17 +103,6 @@ fn answer(request: &Request<Incoming>, stage: &str) -> Response<Full<Bytes>> {
             response
         }
     }
-}
-
-/// A plain-text answer.
-fn plain(status: StatusCode, body: String) -> Response<Full<Bytes>> {
-    let mut response = Response::new(Full::new(Bytes::from(body)));
-    *response.status_mut() = status;
-    response.headers_mut().insert(
-        header::CONTENT_TYPE,
-        header::HeaderValue::from_static("text/plain"),
-    );
-    response
 }
 
 #[cfg(test)]
