@@ -64,7 +64,7 @@ use crate::clock::{IdClock, MAX_CATCH_UP};
 use crate::compile_cache::CompileCache;
 use crate::engine::{HostServices, PluginEngine};
 use crate::gateway::starting::WhileStarting;
-use crate::high_water_file::keeper::{MarkKeeper, START_LEAD};
+use crate::high_water_file::keeper::{wait_for_mark, MarkKeeper, START_LEAD};
 use crate::high_water_file::HighWaterFile;
 use crate::identity::MachineIdentity;
 use crate::lease;
@@ -144,7 +144,7 @@ impl Gateway {
                 let (file, stored) = open_high_water_file(path, config.layout, machine_id).await?;
                 let now = millis_of(std::time::SystemTime::now());
                 starting.now(match stored {
-                    Some(mark) if mark > now.saturating_add(START_LEAD.as_millis() as u64) => {
+                    Some(mark) if wait_for_mark(mark, now).is_some() => {
                         format!(
                             "waiting for the wall clock to come within {} s of the high-water \
                              file's mark {} (ids of the last gateway on this machine id reach \

@@ -343,6 +343,14 @@ pub fn wait_until_near_blocking(stored: u64, path: &Path) {
     }
 }
 
+/// How long a start must wait, at the wall clock's `now`, until it is
+/// within [`START_LEAD`] of the stored mark `stored`; `None` when it is
+/// already.
+pub fn wait_for_mark(stored: u64, now: u64) -> Option<Duration> {
+    let near = stored.saturating_sub(START_LEAD.as_millis() as u64);
+    (now < near).then(|| Duration::from_millis(near - now))
+}
+
 /// How long to sleep before looking at the wall clock again, or `None`
 /// once it is within [`START_LEAD`] of `stored`; logs the wait when it
 /// starts, every 10 s (`said` is when it last did) and when it ends.
@@ -351,15 +359,13 @@ fn left_until_near(
     path: &Path,
     said: &mut Option<std::time::Instant>,
 ) -> Option<Duration> {
-    let near = stored.saturating_sub(START_LEAD.as_millis() as u64);
     let now = millis_of(SystemTime::now());
-    if now >= near {
+    let Some(left) = wait_for_mark(stored, now) else {
         if said.is_some() {
             tracing::info!("the wall clock is near the high-water file's mark: going on");
         }
         return None;
-    }
-    let left = Duration::from_millis(near - now);
+    };
     if said.is_none_or(|at| at.elapsed() >= Duration::from_secs(10)) {
         tracing::warn!(
             path = %path.display(),
