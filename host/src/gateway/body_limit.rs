@@ -3,7 +3,6 @@
 //! passes the limit, as a body read into memory for the plugin is.
 
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 
@@ -11,7 +10,7 @@ use bytes::Bytes;
 use http::{Method, Uri};
 use http_body::{Body, Frame, SizeHint};
 
-use crate::gateway::client_body::BoxError;
+use crate::gateway::client_body::{BodyProgress, BoxError};
 use crate::log_throttle::LogThrottle;
 
 /// A body that fails with [`BodyTooLarge`] once more than its limit has
@@ -38,17 +37,18 @@ impl<B> Capped<B> {
     }
 
     /// The same, warning, with `method` and `target`, when it is cut off
-    /// after `answered` was set: the client then had its answer (the
-    /// upstream's, which came before its whole body) and no 413 can tell
-    /// it, and the upstream saw the body end short.
-    pub fn warning_when_cut_after(
+    /// after `progress` says its answer came: the client then had its
+    /// answer (the upstream's, which came before its whole body) and no 413
+    /// can tell it, and the upstream saw the body end short. Without a
+    /// progress (a request no gateway server made), nothing tells.
+    pub fn warning_when_cut_after_answer(
         mut self,
-        answered: &Answered,
+        progress: Option<Arc<BodyProgress>>,
         method: Method,
         target: Uri,
     ) -> Capped<B> {
-        self.late_cut = Some(LateCut {
-            answered: answered.0.clone(),
+        self.late_cut = progress.map(|progress| LateCut {
+            progress,
             method,
             target,
         });
@@ -57,10 +57,7 @@ impl<B> Capped<B> {
 
     /// A body past the limit: warned of, where its answer already came.
     fn too_large(&mut self) -> BoxError {
-        if let Some(late) = self
-            .late_cut
-            .take_if(|late| late.answered.load(Ordering::Acquire))
-        {
+        if let Some(late) = self.late_cut.take_if(|late| late.progress.was_answered()) {
             static CUT_AFTER_ANSWER: LogThrottle = LogThrottle::new();
             if let Some(held_back) = CUT_AFTER_ANSWER.admit() {
                 // Quoted and escaped, as the access log has it: a client's
@@ -80,21 +77,9 @@ impl<B> Capped<B> {
     }
 }
 
-/// Set once a request streamed through has its answer (see
-/// [`Capped::warning_when_cut_after`]).
-#[derive(Debug, Clone, Default)]
-pub struct Answered(Arc<AtomicBool>);
-
-impl Answered {
-    /// The answer has come.
-    pub fn set(&self) {
-        self.0.store(true, Ordering::Release);
-    }
-}
-
 /// The request a body cut off after its answer belongs to.
 struct LateCut {
-    answered: Arc<AtomicBool>,
+    progress: Arc<BodyProgress>,
     method: Method,
     target: Uri,
 }

@@ -26,6 +26,9 @@ pub struct BodyProgress {
     state: AtomicU8,
     /// Whether the reader takes the whole body into memory as it comes.
     read_whole: AtomicBool,
+    /// Whether the request's answer has come (the upstream answered before
+    /// it had the whole body, for one streamed through).
+    answered: AtomicBool,
     /// The body's client connection, where the server tells (for its
     /// requests waiting for room in the body memory, or for a turn to the
     /// upstream).
@@ -99,6 +102,17 @@ impl BodyProgress {
     /// Whether the whole body arrived (none of it may still come).
     pub fn complete(&self) -> bool {
         self.state.load(Ordering::Acquire) == COMPLETE
+    }
+
+    /// The request's answer has come: what of its body is cut off from
+    /// now on can get no 413 (see [`Capped`](crate::gateway::body_limit::Capped)).
+    pub fn answered(&self) {
+        self.answered.store(true, Ordering::Release);
+    }
+
+    /// Whether the request's answer has come.
+    pub fn was_answered(&self) -> bool {
+        self.answered.load(Ordering::Acquire)
     }
 
     /// The reader takes the whole body into memory (for the plugin),

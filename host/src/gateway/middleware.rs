@@ -61,7 +61,7 @@ use tower_service::Service;
 
 use crate::bindings::exports::snowgate::middleware::handler::Action;
 use crate::gateway::body_digests;
-use crate::gateway::body_limit::{Answered, BodyTooLarge, Capped};
+use crate::gateway::body_limit::{BodyTooLarge, Capped};
 use crate::gateway::body_memory::{self, BodyMemory, NoRoom, Unreserved};
 use crate::gateway::body_pace::{keeping_pace, pace_kib_per_sec, paced_length, TooSlow};
 use crate::gateway::client_body::{BodyProgress, BoxError, ClientFault};
@@ -300,16 +300,23 @@ impl Shared {
             verdict.fallback = Outcome::PassedThrough;
             // A body without a declared length is cut off at the limit as
             // it streams through.
-            let answered = Answered::default();
+            // Told apart once the answer has come, in the body's progress
+            // (which the server gives every request).
+            let progress = request.extensions().get::<Arc<BodyProgress>>().cloned();
             let (method, target) = (request.method().clone(), request.uri().clone());
             let capped = request.map(|body| {
                 Either::Right(
-                    Capped::new(body, self.max_body_bytes)
-                        .warning_when_cut_after(&answered, method, target),
+                    Capped::new(body, self.max_body_bytes).warning_when_cut_after_answer(
+                        progress.clone(),
+                        method,
+                        target,
+                    ),
                 )
             });
             let response = inner.call(capped).await?;
-            answered.set();
+            if let Some(progress) = progress {
+                progress.answered();
+            }
             // A body the client stalled, broke off or sent too much of is
             // the client's error.
             match response.extensions().get::<ClientFault>() {
