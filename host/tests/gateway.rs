@@ -2062,21 +2062,16 @@ async fn warns_of_a_body_streamed_through_cut_off_after_its_answer() {
     let (read_tx, read_rx) = tokio::sync::oneshot::channel();
     tokio::spawn(async move {
         let (mut stream, _) = listener.accept().await.expect("the gateway connects");
-        let mut seen = Vec::new();
-        let mut buf = [0u8; 4096];
-        while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
-            let n = stream.read(&mut buf).await.expect("the head");
-            assert!(n > 0, "the gateway closed before its head");
-            seen.extend_from_slice(&buf[..n]);
-        }
+        let (mut seen, head_end) = read_request_head(&mut stream).await;
         stream
             .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello")
             .await
             .expect("answer");
+        let mut buf = [0u8; 4096];
         while let Ok(n @ 1..) = stream.read(&mut buf).await {
             seen.extend_from_slice(&buf[..n]);
         }
-        let _ = read_tx.send(seen);
+        let _ = read_tx.send(seen.split_off(head_end));
     });
     let gateway = Gateway::start(&[
         "--upstream",
@@ -2129,10 +2124,10 @@ async fn warns_of_a_body_streamed_through_cut_off_after_its_answer() {
 
     // The upstream saw the body end short, and the client's connection
     // closes.
-    let seen = bounded("the upstream's connection to close", STEP, read_rx)
+    let body = bounded("the upstream's connection to close", STEP, read_rx)
         .await
         .expect("the upstream's read");
-    let body = &seen[seen.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4..];
+    let body = body.as_slice();
     assert!(
         !body.ends_with(b"0\r\n\r\n"),
         "{:?}",
@@ -2450,17 +2445,9 @@ async fn an_http2_body_past_its_content_length_never_reaches_the_upstream_whole(
     let (body_tx, body_rx) = tokio::sync::oneshot::channel();
     tokio::spawn(async move {
         let (mut stream, _) = listener.accept().await.expect("the gateway connects");
-        let mut seen = Vec::new();
-        let mut buf = [0u8; 4096];
-        let head_end = loop {
-            if let Some(at) = seen.windows(4).position(|w| w == b"\r\n\r\n") {
-                break at + 4;
-            }
-            let n = stream.read(&mut buf).await.expect("the head");
-            assert!(n > 0, "the gateway closed before its head");
-            seen.extend_from_slice(&buf[..n]);
-        };
+        let (mut seen, head_end) = read_request_head(&mut stream).await;
         let _ = head_tx.send(());
+        let mut buf = [0u8; 4096];
         while seen.len() - head_end < 5 {
             match stream.read(&mut buf).await {
                 Ok(n @ 1..) => seen.extend_from_slice(&buf[..n]),
@@ -3657,15 +3644,9 @@ async fn an_upstream_that_fails_mid_body_is_logged_and_counted() {
     let address = listener.local_addr().expect("its address");
     let url = format!("http://localhost:{}", address.port());
     let upstream = tokio::spawn(async move {
-        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        use tokio::io::AsyncWriteExt as _;
         let (mut stream, _) = listener.accept().await.expect("the gateway connects");
-        let mut head = Vec::new();
-        let mut buf = [0u8; 4096];
-        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-            let n = stream.read(&mut buf).await.expect("reading the request");
-            assert!(n > 0, "the request ended early");
-            head.extend_from_slice(&buf[..n]);
-        }
+        read_request_head(&mut stream).await;
         // A promised 100 bytes, then 10 of them, then the connection ends.
         stream
             .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\ndata: one\n")

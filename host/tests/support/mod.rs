@@ -930,6 +930,26 @@ impl Drop for RawUpstream {
     }
 }
 
+/// Reads from `stream` (a raw upstream's connection from the gateway)
+/// until a whole request head has come: what was read, and where the head
+/// ends in it (the start of whatever of the body came with it). Fails if
+/// the connection ends first.
+pub async fn read_request_head(stream: &mut TcpStream) -> (Vec<u8>, usize) {
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        if let Some(at) = seen.windows(4).position(|w| w == b"\r\n\r\n") {
+            return (seen, at + 4);
+        }
+        let n = stream
+            .read(&mut buf)
+            .await
+            .expect("reading the request head");
+        assert!(n > 0, "the gateway closed before its request head");
+        seen.extend_from_slice(&buf[..n]);
+    }
+}
+
 /// `count` connections to `addr`, opened and left silent.
 pub async fn connect_many(addr: SocketAddr, count: usize) -> Vec<TcpStream> {
     let mut streams = Vec::with_capacity(count);
