@@ -170,9 +170,9 @@ impl<P: Pages> Arena<P> {
                 return Some(at);
             }
             // Grow the region under the block; if the new pages follow it,
-            // the block grows in place.
-            self.grow_to(stop)?;
-            if at + old == self.top && stop <= self.end {
+            // the block grows in place. Where memory cannot grow, the block
+            // may still move into the hole, below.
+            if self.grow_to(stop).is_some() && at + old == self.top && stop <= self.end {
                 self.top = stop;
                 return Some(at);
             }
@@ -223,11 +223,15 @@ impl<P: Pages> Arena<P> {
     fn grow_to(&mut self, stop: usize) -> Option<()> {
         let count = (stop - self.end).div_ceil(PAGE);
         let (base, bytes) = self.pages.grow(count)?;
+        // Pages ending at the top of a 32-bit address space end past what
+        // an address holds: the region stays as it was, never with its top
+        // past its end.
+        let end = base.checked_add(bytes)?;
         if base != self.end {
             self.start = base;
             self.top = base;
         }
-        self.end = base.checked_add(bytes)?;
+        self.end = end;
         Some(())
     }
 }
@@ -577,6 +581,38 @@ mod tests {
         assert!(bytes.iter().all(|&b| b == 9), "the block is untouched");
         arena.dealloc(block, 16);
         assert_eq!(arena.live, 0);
+    }
+
+    /// A topmost block that grows where memory cannot grow moves into the
+    /// hole below it when the hole holds it, as a new block of its size
+    /// would. Before, it failed, and a growing `Vec` near the memory limit
+    /// trapped the plugin with room to spare. (Found by a review's edge
+    /// tests.)
+    #[test]
+    fn a_topmost_block_grows_into_the_hole_where_memory_cannot_grow() {
+        let (mut buffer, _memory) = Buffer::new();
+        buffer.capacity = 1;
+        let mut arena = Arena::new(buffer);
+        let hole = arena.alloc(4000, 8).unwrap();
+        let _under = arena.alloc(8, 8).unwrap();
+        let rest = arena.end - arena.top - 16;
+        let _filler = arena.alloc(rest, 1).unwrap();
+        let top = arena.alloc(8, 8).unwrap();
+        unsafe { std::ptr::write_bytes(top as *mut u8, 7, 8) };
+        arena.dealloc(hole, 4000);
+        assert!(arena.end - arena.top < 1000, "no room above the top");
+        let grown = unsafe { arena.realloc(top, 8, 8, 1000) }.expect("moved into the hole");
+        assert!(
+            (hole..hole + 4000).contains(&grown),
+            "{grown:#x} in the hole"
+        );
+        let bytes = unsafe { std::slice::from_raw_parts(grown as *const u8, 8) };
+        assert!(
+            bytes.iter().all(|&b| b == 7),
+            "the block's bytes moved with it"
+        );
+        // Past what the hole holds, it still fails and keeps the block.
+        assert_eq!(unsafe { arena.realloc(grown, 1000, 8, 8000) }, None);
     }
 
     /// One step of a random allocation sequence.
