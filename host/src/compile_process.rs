@@ -924,6 +924,12 @@ mod tests {
     /// bounded. The CPU time is its own: another compile that ends
     /// meanwhile (here one that only spins, to its CPU limit) is not
     /// counted in it, as `RUSAGE_CHILDREN` counted it.
+    ///
+    /// The spinner runs at the compile's low priority, so a machine busy
+    /// with other work may not give it its second of CPU within the
+    /// sleeper's 10 s (a run beside three reviews and a CI run did not).
+    /// Without that second the check means nothing, so such a round is run
+    /// again, up to three times, and the test fails if none had it.
     #[cfg(target_os = "linux")]
     #[test]
     fn a_compile_past_twice_its_cpu_time_in_wall_clock_time_is_ended() {
@@ -936,20 +942,32 @@ mod tests {
         let sleeper = unsafe { CompileProcess::of_program("sleep", &["60"], limits) };
         let spinner =
             unsafe { CompileProcess::of_program("sh", &["-c", "while :; do :; done"], limits) };
-        let started = std::time::Instant::now();
-        let (failure, spun) = std::thread::scope(|scope| {
-            let spun = scope.spawn(|| spinner.compile(b""));
-            (
-                sleeper.compile(b""),
-                spun.join().expect("the spinning compile"),
-            )
-        });
-        let spun = spun.expect_err("ended");
-        assert!(
-            matches!(spun, CompileFailure::OutOfCpuTime { .. }),
-            "{spun:?}"
-        );
-        let failure = failure.expect_err("ended");
+        let mut starved_spinners = Vec::new();
+        let failure = loop {
+            let started = std::time::Instant::now();
+            let (failure, spun) = std::thread::scope(|scope| {
+                let spun = scope.spawn(|| spinner.compile(b""));
+                (
+                    sleeper.compile(b""),
+                    spun.join().expect("the spinning compile"),
+                )
+            });
+            let failure = failure.expect_err("ended");
+            assert!(
+                started.elapsed() < Duration::from_secs(25),
+                "{:?}",
+                started.elapsed()
+            );
+            match spun.expect_err("ended") {
+                CompileFailure::OutOfCpuTime { .. } => break failure,
+                starved @ CompileFailure::OutOfWallTime { starved: true, .. }
+                    if starved_spinners.len() < 2 =>
+                {
+                    starved_spinners.push(starved)
+                }
+                spun => panic!("{spun:?}, after {starved_spinners:?}"),
+            }
+        };
         // It slept: it used no CPU to speak of, starved, which may pass.
         assert!(
             matches!(
@@ -960,11 +978,6 @@ mod tests {
             "{failure:?}"
         );
         assert!(failure.may_pass());
-        assert!(
-            started.elapsed() < Duration::from_secs(25),
-            "{:?}",
-            started.elapsed()
-        );
         assert!(failure
             .to_string()
             .contains("longer than 10 s of wall-clock time"));
