@@ -1632,6 +1632,95 @@ async fn an_http2_client_is_told_how_many_requests_it_may_have_open() {
     }
 }
 
+/// An HTTP/2 client that resets each request just after the gateway has
+/// sent it upstream (a paced rapid reset, CVE-2023-44487) frees its stream
+/// at once for the next, so `--max-streams-per-connection` does not bound
+/// what it costs the upstream: a review's client made 32,500 upstream
+/// connections in 5 s over one connection. Once it has cut short 100
+/// requests, its connection is closed as at a stop: told GOAWAY, it may
+/// open no more streams, and the request it still has in flight is
+/// answered. (Streams it opens before the GOAWAY reaches it are still
+/// taken, up to what it may have open at once.)
+#[tokio::test(flavor = "multi_thread")]
+async fn an_http2_client_that_resets_its_requests_as_they_go_upstream_is_closed() {
+    const ROUND: usize = 50;
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
+    let stream = TcpStream::connect(gateway.addr).await.expect("connect");
+    let (client, mut connection) = h2::client::handshake(stream)
+        .await
+        .expect("an HTTP/2 handshake");
+    let mut ping_pong = connection.ping_pong().expect("the ping handle");
+    let connection = tokio::spawn(connection);
+    let request = |path: &str| {
+        http::Request::get(format!("http://{}{path}", gateway.addr))
+            .body(())
+            .expect("a request")
+    };
+    let send = |path: &'static str| {
+        let client = client.clone();
+        let request = request(path);
+        async move {
+            let mut ready = bounded("the connection to be ready", STEP, client.ready())
+                .await
+                .expect("ready");
+            ready.send_request(request, true).expect("sent")
+        }
+    };
+    // One request it waits for, held by the upstream until the end.
+    let (waited_for, _) = send("/hold").await;
+    for round in 1..=2 {
+        let mut sent = Vec::new();
+        for _ in 0..ROUND {
+            sent.push(send("/hold").await.1);
+        }
+        // Reset once each is on its way upstream.
+        let deadline = Instant::now() + STEP;
+        while upstream.seen().len() < 1 + round * ROUND {
+            assert!(
+                Instant::now() < deadline,
+                "the upstream saw {} of {} requests",
+                upstream.seen().len(),
+                1 + round * ROUND
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        for mut stream in sent {
+            stream.send_reset(h2::Reason::CANCEL);
+        }
+    }
+    gateway
+        .wait_metric("snowgate_connections_closed_for_resets_total", 1.0)
+        .await;
+    gateway
+        .wait_log("closing an HTTP/2 connection: its client ended 100 of its 100 requests")
+        .await;
+    // The GOAWAY has come once the answer to a later ping has.
+    bounded("a ping answered", STEP, ping_pong.ping(h2::Ping::opaque()))
+        .await
+        .expect("a ping answered");
+    let refused = client
+        .clone()
+        .ready()
+        .await
+        .and_then(|mut ready| ready.send_request(request("/v1/models"), true).map(|_| ()));
+    assert!(refused.is_err(), "a request after the GOAWAY was taken");
+    // The request in flight is answered, and the connection then ends.
+    upstream.state.release.notify_waiters();
+    let answer = bounded("the request in flight", STEP, waited_for)
+        .await
+        .expect("answered");
+    assert_eq!(answer.status(), 200);
+    let ended = bounded("the connection to close", STEP, connection)
+        .await
+        .expect("the connection's task");
+    assert!(ended.is_ok(), "closed with GOAWAY: {ended:?}");
+    assert_eq!(upstream.seen().len(), 1 + 2 * ROUND);
+    // Other clients are served.
+    let reply = support::get(gateway.addr, "/v1/models").await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+}
+
 /// Over HTTP/2, sends one whole context-only request, then a second whose
 /// body is `part` (under a content-length of `declared`, if any) followed
 /// by a reset with NO_ERROR; asserts that the second counts as `outcome`

@@ -18,6 +18,8 @@ use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use tokio::sync::watch;
 
+use crate::gateway::stream_resets::{StreamResets, CUT_SHORT_WITHIN};
+
 /// The largest piece of a response body handed to an HTTP/2 connection at
 /// once: its frame size. hyper takes the next piece only once the client's
 /// flow-control window has room, so a response counts as in flight until
@@ -41,6 +43,8 @@ pub struct Activity {
     socket_full: Arc<AtomicBool>,
     /// Bytes read from the client so far (counted by `SendTimeout`).
     bytes_in: Arc<AtomicU64>,
+    /// Its HTTP/2 requests that ended, and those cut short.
+    resets: Arc<StreamResets>,
 }
 
 /// The requests open on a connection, over any version, and when the last
@@ -96,6 +100,7 @@ impl Default for Activity {
             taking: Arc::default(),
             socket_full: Arc::default(),
             bytes_in: Arc::default(),
+            resets: Arc::default(),
         }
     }
 }
@@ -121,7 +126,21 @@ impl Activity {
             open: self.open.clone(),
             taking: http2.then(|| self.taking.clone()),
             owed_in: None,
+            resets: http2.then(|| {
+                (
+                    self.resets.clone(),
+                    tokio::time::Instant::now() + CUT_SHORT_WITHIN,
+                )
+            }),
+            answered: false,
         }
+    }
+
+    /// Resolves once too many of the connection's HTTP/2 requests were cut
+    /// short (see [`StreamResets`]), with how many were, of how many that
+    /// ended.
+    pub async fn too_many_cut_short(&self) -> (u64, u64) {
+        self.resets.too_many().await
     }
 
     /// How long, in microseconds, no request has been open on the
@@ -246,6 +265,12 @@ pub struct InFlight {
     /// The slot of the epoch this request's body handed hyper a piece in,
     /// if it has not been asked for the next one since.
     owed_in: Option<usize>,
+    /// Over HTTP/2: where it counts as ended, and until when an end before
+    /// its response's counts as cut short.
+    resets: Option<(Arc<StreamResets>, tokio::time::Instant)>,
+    /// Whether its response body has ended (or failed): hyper took or
+    /// was handed all of it.
+    answered: bool,
 }
 
 impl InFlight {
@@ -269,6 +294,9 @@ impl InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.asked();
+        if let Some((resets, until)) = self.resets.take() {
+            resets.ended(!self.answered && tokio::time::Instant::now() < until);
+        }
         // The time first, then the count: a look in between must not see
         // a connection busy until now as idle since long before.
         if self.open.count.load(Ordering::Acquire) == 1 {
@@ -283,6 +311,16 @@ impl Drop for InFlight {
     }
 }
 
+/// hyper drops a body it has found at its end without asking it for more
+/// (an empty one, or one whose last piece it took): its response ended.
+impl<B: Body> Drop for ActiveBody<B> {
+    fn drop(&mut self) {
+        if self.rest.is_empty() && self.inner.is_end_stream() {
+            self.in_flight.answered = true;
+        }
+    }
+}
+
 /// A response body that keeps its request in flight until hyper has taken
 /// the last of it. Over HTTP/2 it is handed over in pieces of at most
 /// `HTTP2_PIECE` (16 KiB): hyper would take a whole body at once into the
@@ -291,14 +329,14 @@ impl Drop for InFlight {
 /// the next piece once the one before fits the client's flow-control
 /// window, and ends the body right after its last piece: up to a piece
 /// may still wait for window after that.)
-pub struct ActiveBody<B> {
+pub struct ActiveBody<B: Body> {
     inner: B,
     /// The rest of a data frame larger than a piece.
     rest: Bytes,
     in_flight: InFlight,
 }
 
-impl<B> ActiveBody<B> {
+impl<B: Body> ActiveBody<B> {
     /// `inner`, keeping `in_flight` alive as long as it is.
     pub fn new(inner: B, in_flight: InFlight) -> ActiveBody<B> {
         ActiveBody {
@@ -337,7 +375,12 @@ impl<B: Body<Data = Bytes> + Unpin> Body for ActiveBody<B> {
                 Ok(data) => Poll::Ready(Some(Ok(Frame::data(this.piece(data))))),
                 Err(frame) => Poll::Ready(Some(Ok(frame))),
             },
-            other => other,
+            other => {
+                if matches!(other, Poll::Ready(None | Some(Err(_)))) {
+                    this.in_flight.answered = true;
+                }
+                other
+            }
         }
     }
 
@@ -366,6 +409,50 @@ mod tests {
     use super::*;
 
     const TIMEOUT: Duration = Duration::from_secs(10);
+
+    /// An HTTP/2 request counts as cut short when its stream ends before
+    /// its response within `CUT_SHORT_WITHIN` of its start: dropped before
+    /// it had a response, or with its body not taken to the end. One whose
+    /// body ended, or that ended later, does not; HTTP/1 requests are not
+    /// counted at all (their client can only close the connection).
+    #[tokio::test(start_paused = true)]
+    async fn http2_requests_ended_before_their_answers_soon_after_they_began_are_cut_short() {
+        let activity = Activity::default();
+        // No response yet: the client reset it as it went upstream.
+        drop(activity.begin(Version::HTTP_2));
+        assert_eq!(activity.resets.counts(), (1, 1));
+        // A body not taken to its end.
+        let body = ActiveBody::new(
+            http_body_util::Full::new(Bytes::from_static(b"answer")),
+            activity.begin(Version::HTTP_2),
+        );
+        drop(body);
+        assert_eq!(activity.resets.counts(), (2, 2));
+        // A body taken to its end, polled until it says so.
+        let mut body = ActiveBody::new(
+            http_body_util::Full::new(Bytes::from_static(b"answer")),
+            activity.begin(Version::HTTP_2),
+        );
+        let taken = http_body_util::BodyExt::collect(&mut body).await;
+        assert!(taken.is_ok());
+        drop(body);
+        assert_eq!(activity.resets.counts(), (2, 3));
+        // An empty body, which hyper drops without asking it for anything.
+        drop(ActiveBody::new(
+            http_body_util::Empty::<Bytes>::new(),
+            activity.begin(Version::HTTP_2),
+        ));
+        assert_eq!(activity.resets.counts(), (2, 4));
+        // Given up on later than `CUT_SHORT_WITHIN`: a client tired of a
+        // slow answer, not an attack.
+        let slow = activity.begin(Version::HTTP_2);
+        tokio::time::sleep(CUT_SHORT_WITHIN).await;
+        drop(slow);
+        assert_eq!(activity.resets.counts(), (2, 5));
+        // HTTP/1: not counted.
+        drop(activity.begin(Version::HTTP_11));
+        assert_eq!(activity.resets.counts(), (2, 5));
+    }
 
     #[tokio::test(start_paused = true)]
     async fn idle_means_nothing_in_flight_for_the_whole_timeout() {

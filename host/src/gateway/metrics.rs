@@ -202,6 +202,8 @@ pub struct Metrics {
     upstream_busy: AtomicU64,
     /// Idle connections closed to make room at the connection limit.
     connections_reclaimed: AtomicU64,
+    /// HTTP/2 connections closed for their requests cut short.
+    connections_closed_for_resets: AtomicU64,
     reloads_succeeded: AtomicU64,
     reloads_failed: AtomicU64,
     /// Builds loaded (at start and by reloads): compiled now, read from
@@ -234,6 +236,7 @@ impl Default for Metrics {
             upstream_cut_offs: AtomicU64::new(0),
             upstream_busy: AtomicU64::new(0),
             connections_reclaimed: AtomicU64::new(0),
+            connections_closed_for_resets: AtomicU64::new(0),
             reloads_succeeded: AtomicU64::new(0),
             reloads_failed: AtomicU64::new(0),
             loads: Default::default(),
@@ -324,6 +327,14 @@ impl Metrics {
     /// the connection limit.
     pub(crate) fn connection_reclaimed(&self) {
         self.connections_reclaimed.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts an HTTP/2 connection closed because its client cut short too
+    /// many of its requests (see
+    /// [`stream_resets`](crate::gateway::stream_resets)).
+    pub(crate) fn connection_closed_for_resets(&self) {
+        self.connections_closed_for_resets
+            .fetch_add(1, Ordering::Relaxed);
     }
 
     /// Counts a build the gateway loaded and serves, by where its compiled
@@ -441,6 +452,15 @@ impl Metrics {
             out,
             "snowgate_connections_reclaimed_total {}",
             load(&self.connections_reclaimed)
+        );
+        out.push_str(
+            "# HELP snowgate_connections_closed_for_resets_total HTTP/2 client connections closed because their client ended 100 or more requests within 1 s of sending them, before their answers, as a rapid-reset attack does (at least half of the connection's requests).\n",
+        );
+        out.push_str("# TYPE snowgate_connections_closed_for_resets_total counter\n");
+        let _ = writeln!(
+            out,
+            "snowgate_connections_closed_for_resets_total {}",
+            load(&self.connections_closed_for_resets)
         );
         out.push_str("# HELP snowgate_reloads_total Plugin reloads, by result.\n");
         out.push_str("# TYPE snowgate_reloads_total counter\n");

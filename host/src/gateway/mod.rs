@@ -32,6 +32,7 @@ pub mod send_timeout;
 pub mod server;
 pub mod slot;
 pub mod starting;
+pub mod stream_resets;
 mod transfer_coding;
 pub mod upstream;
 pub mod upstream_pool;

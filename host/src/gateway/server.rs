@@ -416,11 +416,25 @@ pub async fn serve(
                 let ms = send_timeout.as_millis();
                 tracing::debug!(%peer, "closed an HTTP/2 connection: its client took none of a response for {ms} ms (--send-timeout-ms)");
             };
+            // Also closed, as at a stop, once its client has cut short
+            // too many requests (see `stream_resets`).
+            let told_to_close = async {
+                tokio::select! {
+                    () = place.told_to_close() => {}
+                    (cut_short, ended) = activity.too_many_cut_short() => {
+                        connection_metrics.connection_closed_for_resets();
+                        static CUT_SHORT: LogThrottle = LogThrottle::new();
+                        if let Some(held_back) = CUT_SHORT.admit() {
+                            tracing::warn!(%peer, "closing an HTTP/2 connection: its client ended {cut_short} of its {ended} requests within a second of sending them, before their answers, as a rapid-reset attack does {held_back}");
+                        }
+                    }
+                }
+            };
             let idles = Idles {
                 idle,
                 idle_again,
                 idle_after_stop,
-                told_to_close: place.told_to_close(),
+                told_to_close,
             };
             let ended = serve_until_stopped(connection, stopping, idles, stalled);
             if let Err(e) = ended.await {
