@@ -3358,7 +3358,9 @@ async fn kept_upstream_connections_follow_the_name_to_its_new_address() {
 
 /// An upstream that takes the request and never answers costs the client
 /// a 504 after --upstream-response-timeout-ms, not a request that hangs;
-/// a response that starts in time streams on for as long as it lasts.
+/// a response that starts in time streams on for as long as it lasts. The
+/// warning names the address that never answered, where it said `none
+/// connected`, as if it had never been reached.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstream_that_never_answers_gets_a_504_after_the_response_timeout() {
     let upstream = TestUpstream::start().await;
@@ -3392,6 +3394,7 @@ async fn an_upstream_that_never_answers_gets_a_504_after_the_response_timeout() 
     );
     let metrics = gateway.metrics().await;
     assert_eq!(metric(&metrics, "snowgate_upstream_errors_total"), 1.0);
+    wait_for_a_failure_naming(&gateway, upstream.addr).await;
 
     // The timeout is for the response headers only.
     let mut client = Client::connect(gateway.addr).await;

@@ -32,7 +32,7 @@ use crate::gateway::metrics::Metrics;
 use crate::gateway::responses;
 use crate::gateway::transfer_coding;
 use crate::gateway::upstream_pool::{
-    ConnectionPool, PooledBody, SendError, Unreachable, MAX_RESPONSE_HEAD_BYTES,
+    ConnectionPool, PooledBody, SendError, Sending, Unreachable, MAX_RESPONSE_HEAD_BYTES,
 };
 use crate::gateway::upstream_read_timeout::UpstreamReadTimeout;
 use crate::gateway::upstream_turns::UpstreamTurns;
@@ -376,10 +376,10 @@ impl HttpUpstream {
         };
         // Connecting and sending the request body count too: the timeout is
         // for the whole wait for a response head, not for the body after it.
-        let connecting = std::sync::atomic::AtomicBool::new(false);
+        let sending = Sending::default();
         let answer = tokio::time::timeout(
             self.timeouts.response,
-            self.pool.send_telling(request, &connecting, turn),
+            self.pool.send_telling(request, &sending, turn),
         );
         // The address of the connection that failed, for the log.
         let mut address = None;
@@ -405,7 +405,10 @@ impl HttpUpstream {
                     // The innermost cause is the body's own error; the rest
                     // is the upstream client's wording around it.
                     let why = UpstreamFailure::innermost_cause(&e);
-                    return client_fault(fault, &format!("the request body could not be read: {why}"));
+                    return client_fault(
+                        fault,
+                        &format!("the request body could not be read: {why}"),
+                    );
                 }
                 UpstreamFailure::from_send_error(&e)
             }
@@ -421,19 +424,20 @@ impl HttpUpstream {
             }
             // The response timeout is shorter than the connect timeout,
             // and ran out first: the request was never sent.
-            Err(_elapsed) if connecting.load(std::sync::atomic::Ordering::Relaxed) => {
-                UpstreamFailure::TooSlow(format!(
-                    "could not be connected to within {} ms of the request \
+            Err(_elapsed) if sending.connecting() => UpstreamFailure::TooSlow(format!(
+                "could not be connected to within {} ms of the request \
                      (--upstream-response-timeout-ms, which also bounds connecting; \
                      --upstream-connect-timeout-ms is {} ms)",
-                    self.timeouts.response.as_millis(),
-                    self.timeouts.connect.as_millis()
+                self.timeouts.response.as_millis(),
+                self.timeouts.connect.as_millis()
+            )),
+            Err(_elapsed) => {
+                address = sending.peer();
+                UpstreamFailure::TooSlow(format!(
+                    "sent no response headers within {} ms of the request (--upstream-response-timeout-ms)",
+                    self.timeouts.response.as_millis()
                 ))
             }
-            Err(_elapsed) => UpstreamFailure::TooSlow(format!(
-                "sent no response headers within {} ms of the request (--upstream-response-timeout-ms)",
-                self.timeouts.response.as_millis()
-            )),
         };
         self.metrics.upstream_error();
         // While the upstream is down every request fails alike: one

@@ -219,19 +219,19 @@ impl ConnectionPool {
         &self,
         request: Request<RequestBody>,
     ) -> Result<Response<PooledBody>, SendError> {
-        self.send_telling(request, &AtomicBool::new(false), None)
-            .await
+        self.send_telling(request, &Sending::default(), None).await
     }
 
-    /// [`ConnectionPool::send`], with `connecting` true while it opens a
-    /// connection for a request not yet written: a caller that gives up on
-    /// it (a timeout) can tell the upstream that never answered from the
-    /// one never reached. The response's body holds `turn` (see
+    /// [`ConnectionPool::send`], telling `sending` how far it got, for a
+    /// caller that gives up on it (a timeout): whether it is opening a
+    /// connection for a request not yet written (the upstream never
+    /// reached, not one that never answered), and to which address the
+    /// request went. The response's body holds `turn` (see
     /// [`PooledBody`]).
     pub async fn send_telling(
         &self,
         mut request: Request<RequestBody>,
-        connecting: &AtomicBool,
+        sending: &Sending,
         turn: Option<Turn>,
     ) -> Result<Response<PooledBody>, SendError> {
         // Once a request was written and lost with a reused connection, it
@@ -246,9 +246,9 @@ impl ConnectionPool {
             let (connection, reused) = match idle {
                 Some(connection) => (connection, true),
                 None => {
-                    connecting.store(!lost_once, Ordering::Relaxed);
+                    sending.connecting.store(!lost_once, Ordering::Relaxed);
                     let opened = self.shared.connect().await;
-                    connecting.store(false, Ordering::Relaxed);
+                    sending.connecting.store(false, Ordering::Relaxed);
                     (opened?, false)
                 }
             };
@@ -257,6 +257,7 @@ impl ConnectionPool {
                 task,
                 peer,
             } = connection;
+            sending.set_peer(peer);
             // Until the response head arrives, dropping this future (the
             // response timeout, a client gone) closes the connection.
             let abandoned = CloseOnDrop(Some(task));
@@ -340,6 +341,34 @@ fn resendable(request: &Request<RequestBody>) -> Option<Request<RequestBody>> {
     *again.version_mut() = request.version();
     *again.headers_mut() = request.headers().clone();
     Some(again)
+}
+
+/// How far a request given to [`ConnectionPool::send_telling`] got, for a
+/// caller that gives up on it before its answer.
+#[derive(Debug, Default)]
+pub struct Sending {
+    /// Whether a connection is being opened for it, not yet written.
+    connecting: AtomicBool,
+    /// The address of the connection it went on, once it has one.
+    peer: std::sync::Mutex<Option<SocketAddr>>,
+}
+
+impl Sending {
+    /// Whether a connection is being opened for the request: it was never
+    /// written.
+    pub fn connecting(&self) -> bool {
+        self.connecting.load(Ordering::Relaxed)
+    }
+
+    /// The address of the connection the request went on (the last one,
+    /// where it went again on a new one), if any.
+    pub fn peer(&self) -> Option<SocketAddr> {
+        *self.peer.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn set_peer(&self, peer: SocketAddr) {
+        *self.peer.lock().unwrap_or_else(PoisonError::into_inner) = Some(peer);
+    }
 }
 
 impl Shared {
@@ -1599,7 +1628,7 @@ mod tests {
             let turn = turns.take(Duration::ZERO).await.expect("the one turn");
             let (request, more) = endless_post();
             let response = pool
-                .send_telling(request, &AtomicBool::new(false), Some(turn))
+                .send_telling(request, &Sending::default(), Some(turn))
                 .await
                 .unwrap();
             assert_eq!(read_to_end(response).await, body);
