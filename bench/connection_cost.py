@@ -18,10 +18,10 @@ import socket
 import statistics
 import subprocess
 import sys
-import time
+import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from load import make_bodies  # noqa: E402
+from load import make_bodies, wait_ready  # noqa: E402
 
 N = int(os.environ.get("N", "5000"))
 
@@ -54,21 +54,16 @@ def exchange(port, request):
 
 def round_of(binary):
     port, admin = free_port(), free_port()
+    log = tempfile.NamedTemporaryFile(prefix="snowgate-connection-cost-", suffix=".log")
     gateway = subprocess.Popen(
         [binary, "serve", "--listen", f"127.0.0.1:{port}",
          "--admin-listen", f"127.0.0.1:{admin}", "--machine-id", "1",
          "--workers", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        stdout=subprocess.DEVNULL, stderr=log)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", admin)).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise SystemExit(f"{binary} did not start")
-                time.sleep(0.05)
+        # Ready, not merely listening: the admin listener opens before the
+        # plugin has compiled and the request listener has.
+        wait_ready(f"http://127.0.0.1:{admin}/readyz", gateway, log.name, timeout=120)
         body = make_bodies()["1KiB"]
         request = (
             f"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n"
@@ -83,6 +78,7 @@ def round_of(binary):
     finally:
         gateway.terminate()
         gateway.wait()
+        log.close()
 
 
 def main():
