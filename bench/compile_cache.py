@@ -103,6 +103,15 @@ class Gateway:
         self.process.send_signal(signal.SIGTERM)
         assert self.process.wait(timeout=60) == 0
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_):
+        # A run that failed midway leaves no gateway behind.
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
 
 def fresh_dir(name):
     path = os.path.join(WORK, name)
@@ -135,15 +144,16 @@ def starts(builds, rounds):
     cache = os.path.join(workdir, "cache")
     results = {"without": [], "with": []}
     # The first start with the cache compiles and stores build A.
-    Gateway(workdir, cache).stop()
+    with Gateway(workdir, cache) as gateway:
+        gateway.stop()
     for _ in range(rounds):
         for mode in ("without", "with"):
-            gateway = Gateway(workdir, cache if mode == "with" else None)
-            compiled = gateway.status()["plugin"]["compiled"]
-            assert compiled == ("cache" if mode == "with" else "now"), compiled
-            gateway.assert_stamps()
-            results[mode].append((gateway.start_seconds, gateway.peak_rss_mib()))
-            gateway.stop()
+            with Gateway(workdir, cache if mode == "with" else None) as gateway:
+                compiled = gateway.status()["plugin"]["compiled"]
+                assert compiled == ("cache" if mode == "with" else "now"), compiled
+                gateway.assert_stamps()
+                results[mode].append((gateway.start_seconds, gateway.peak_rss_mib()))
+                gateway.stop()
     return results
 
 
@@ -152,17 +162,17 @@ def reloads(builds, rounds):
     for mode in ("without", "with"):
         workdir = fresh_dir("reloads-" + mode)
         shutil.copy(builds["A"][0], os.path.join(workdir, "plugin.wasm"))
-        gateway = Gateway(workdir, os.path.join(workdir, "cache") if mode == "with" else None)
-        # The first swap to B compiles B (and stores it, with the cache).
-        wait_serving(gateway, builds["B"][1], put(workdir, builds["B"][0]))
-        times = []
-        for _ in range(rounds):
-            seconds, compiled = wait_serving(gateway, builds["A"][1], put(workdir, builds["A"][0]))
-            assert compiled == ("cache" if mode == "with" else "now"), compiled
-            gateway.assert_stamps()
-            times.append(seconds)
+        with Gateway(workdir, os.path.join(workdir, "cache") if mode == "with" else None) as gateway:
+            # The first swap to B compiles B (and stores it, with the cache).
             wait_serving(gateway, builds["B"][1], put(workdir, builds["B"][0]))
-        gateway.stop()
+            times = []
+            for _ in range(rounds):
+                seconds, compiled = wait_serving(gateway, builds["A"][1], put(workdir, builds["A"][0]))
+                assert compiled == ("cache" if mode == "with" else "now"), compiled
+                gateway.assert_stamps()
+                times.append(seconds)
+                wait_serving(gateway, builds["B"][1], put(workdir, builds["B"][0]))
+            gateway.stop()
         results[mode] = times
     return results
 

@@ -35,6 +35,10 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 DIR=$(mktemp -d)
 SG=
 trap 'kill $(cat "$DIR/nginx.pid" 2>/dev/null) 2>/dev/null || true; [ -n "$SG" ] && kill "$SG" 2>/dev/null; rm -rf "$DIR"' EXIT
+# Ctrl-C ends the run, and the trap above stops the daemonized nginx. Without
+# this, bash went on when the snowgate under valgrind ended cleanly on the
+# same SIGINT, and once exited without running the trap.
+trap 'exit 130' INT TERM
 . "$HERE/upstream.sh"
 UP=$(free_port)
 
