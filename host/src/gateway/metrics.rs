@@ -454,7 +454,7 @@ impl Metrics {
             load(&self.connections_reclaimed)
         );
         out.push_str(
-            "# HELP snowgate_connections_closed_for_resets_total HTTP/2 client connections closed because their client ended 100 or more requests within 1 s of sending them, before their answers, as a rapid-reset attack does (at least half of the connection's requests).\n",
+            "# HELP snowgate_connections_closed_for_resets_total HTTP/2 client connections closed because their client ended 100 requests within 1 s of sending them, before their answers, as a rapid-reset attack does.\n",
         );
         out.push_str("# TYPE snowgate_connections_closed_for_resets_total counter\n");
         let _ = writeln!(

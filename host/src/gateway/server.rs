@@ -36,6 +36,7 @@ use crate::gateway::middleware::SnowgateLayer;
 use crate::gateway::reclaim::{room_at_the_limit, OpenConnections};
 use crate::gateway::responses;
 use crate::gateway::send_timeout::SendTimeout;
+use crate::gateway::stream_resets::MAX_CUT_SHORT;
 use crate::gateway::transfer_coding;
 use crate::gateway::upstream::{take_in_client_headers, Upstream};
 use crate::gateway::workers::Workers;
@@ -412,20 +413,32 @@ pub async fn serve(
             let idle_again = activity.idle_for(idle_timeout);
             let idle_after_stop = activity.unanswered_after_stop(STOP_IDLE);
             let stalled = async {
-                activity.stalled_for(send_timeout).await;
-                let ms = send_timeout.as_millis();
-                tracing::debug!(%peer, "closed an HTTP/2 connection: its client took none of a response for {ms} ms (--send-timeout-ms)");
+                tokio::select! {
+                    () = activity.stalled_for(send_timeout) => {
+                        let ms = send_timeout.as_millis();
+                        tracing::debug!(%peer, "closed an HTTP/2 connection: its client took none of a response for {ms} ms (--send-timeout-ms)");
+                    }
+                    // Told GOAWAY at the first bound (below) and still
+                    // opening streams to reset: it has not answered the
+                    // GOAWAY's ping, so h2 takes them all.
+                    () = activity.resets().far_too_many() => {
+                        static DROPPED: LogThrottle = LogThrottle::new();
+                        if let Some(held_back) = DROPPED.admit() {
+                            tracing::warn!(%peer, "dropped an HTTP/2 connection: its client went on cutting requests short after it was told to close {held_back}");
+                        }
+                    }
+                }
             };
             // Also closed, as at a stop, once its client has cut short
             // too many requests (see `stream_resets`).
             let told_to_close = async {
                 tokio::select! {
                     () = place.told_to_close() => {}
-                    (cut_short, ended) = activity.too_many_cut_short() => {
+                    () = activity.resets().too_many() => {
                         connection_metrics.connection_closed_for_resets();
                         static CUT_SHORT: LogThrottle = LogThrottle::new();
                         if let Some(held_back) = CUT_SHORT.admit() {
-                            tracing::warn!(%peer, "closing an HTTP/2 connection: its client ended {cut_short} of its {ended} requests within a second of sending them, before their answers, as a rapid-reset attack does {held_back}");
+                            tracing::warn!(%peer, "closing an HTTP/2 connection: its client ended {MAX_CUT_SHORT} requests within a second of sending them, before their answers, as a rapid-reset attack does {held_back}");
                         }
                     }
                 }

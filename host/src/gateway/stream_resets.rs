@@ -9,7 +9,7 @@
 //! the gateway has taken them; one that waits until it has is closed here,
 //! as Envoy closes one whose "premature resets" pass half its streams.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::sync::Notify;
@@ -19,53 +19,63 @@ use tokio::sync::Notify;
 /// slow answer gives up later than this.
 pub const CUT_SHORT_WITHIN: Duration = Duration::from_secs(1);
 
-/// How many requests cut short a connection may have before it is closed,
-/// if they are at least half of its requests.
+/// How many requests cut short a connection may have before it is closed
+/// as at a stop (GOAWAY, its requests in flight answered). Counted over the
+/// connection's life, whatever else it sent: a ratio to its answered
+/// requests, as Envoy's, let a review's client reset without end by
+/// sending two cheap requests for each. A client this closes for no fault
+/// of its own pays a reconnection.
 pub const MAX_CUT_SHORT: u64 = 100;
 
-/// One connection's requests that ended, and those of them cut short.
+/// How many a connection may have before it is dropped at once: one that
+/// goes on after the GOAWAY. h2 takes new streams until its client answers
+/// the GOAWAY's ping, and a review's client that never did was never
+/// closed.
+pub const DROP_AFTER_CUT_SHORT: u64 = 2 * MAX_CUT_SHORT;
+
+/// One connection's requests cut short.
 #[derive(Debug, Default)]
 pub struct StreamResets {
-    ended: AtomicU64,
     cut_short: AtomicU64,
-    /// Set once the connection has too many; told once.
-    too_many: AtomicBool,
-    told: Notify,
+    /// Told once, at [`MAX_CUT_SHORT`].
+    too_many: Notify,
+    /// Told once, at [`DROP_AFTER_CUT_SHORT`].
+    far_too_many: Notify,
 }
 
 impl StreamResets {
     /// Counts a request that ended: `cut_short` if its stream ended before
     /// its response did, within [`CUT_SHORT_WITHIN`] of its start. Tells
-    /// [`StreamResets::too_many`] once [`MAX_CUT_SHORT`] requests are cut
-    /// short and they are at least half of those ended.
+    /// [`StreamResets::too_many`] at the [`MAX_CUT_SHORT`]th, and
+    /// [`StreamResets::far_too_many`] at the [`DROP_AFTER_CUT_SHORT`]th.
     pub fn ended(&self, cut_short: bool) {
-        let ended = self.ended.fetch_add(1, Ordering::Relaxed) + 1;
         if !cut_short {
             return;
         }
         let cut = self.cut_short.fetch_add(1, Ordering::Relaxed) + 1;
-        if cut >= MAX_CUT_SHORT
-            && cut.saturating_mul(2) >= ended
-            && !self.too_many.swap(true, Ordering::Relaxed)
-        {
-            // A permit, if the connection is not waiting yet.
-            self.told.notify_one();
+        // A permit each, if the connection is not waiting yet.
+        if cut == MAX_CUT_SHORT {
+            self.too_many.notify_one();
+        } else if cut == DROP_AFTER_CUT_SHORT {
+            self.far_too_many.notify_one();
         }
     }
 
-    /// Resolves once the connection has had too many requests cut short,
-    /// with how many were, of how many that ended.
-    pub async fn too_many(&self) -> (u64, u64) {
-        self.told.notified().await;
-        self.counts()
+    /// Resolves once the connection has had [`MAX_CUT_SHORT`] requests cut
+    /// short.
+    pub async fn too_many(&self) {
+        self.too_many.notified().await;
     }
 
-    /// How many requests were cut short, of how many that ended.
-    pub fn counts(&self) -> (u64, u64) {
-        (
-            self.cut_short.load(Ordering::Relaxed),
-            self.ended.load(Ordering::Relaxed),
-        )
+    /// Resolves once the connection has had [`DROP_AFTER_CUT_SHORT`]
+    /// requests cut short.
+    pub async fn far_too_many(&self) {
+        self.far_too_many.notified().await;
+    }
+
+    /// How many requests were cut short.
+    pub fn cut_short(&self) -> u64 {
+        self.cut_short.load(Ordering::Relaxed)
     }
 }
 
@@ -75,48 +85,49 @@ mod tests {
 
     use super::*;
 
-    /// Whether `too_many` has resolved, without waiting.
-    fn told(resets: &StreamResets) -> Option<(u64, u64)> {
-        let waiting = resets.too_many();
+    /// Whether `waiting` has resolved, without waiting.
+    fn resolved(waiting: impl Future<Output = ()>) -> bool {
         tokio::pin!(waiting);
         let waker = std::task::Waker::noop();
-        match waiting
+        waiting
             .as_mut()
             .poll(&mut std::task::Context::from_waker(waker))
-        {
-            std::task::Poll::Ready(counts) => Some(counts),
-            std::task::Poll::Pending => None,
-        }
+            .is_ready()
     }
 
     #[test]
-    fn a_connection_is_told_at_the_hundredth_request_cut_short() {
+    fn a_connection_is_told_at_the_hundredth_request_cut_short_and_again_at_twice_that() {
         let resets = StreamResets::default();
         for _ in 0..MAX_CUT_SHORT - 1 {
             resets.ended(true);
         }
-        assert_eq!(told(&resets), None);
+        assert!(!resolved(resets.too_many()));
         resets.ended(true);
-        assert_eq!(told(&resets), Some((100, 100)));
-        // Once.
+        assert!(resolved(resets.too_many()));
+        assert!(!resolved(resets.far_too_many()));
+        // Once each.
         resets.ended(true);
-        assert_eq!(told(&resets), None);
+        assert!(!resolved(resets.too_many()));
+        for _ in MAX_CUT_SHORT + 1..DROP_AFTER_CUT_SHORT - 1 {
+            resets.ended(true);
+        }
+        assert!(!resolved(resets.far_too_many()));
+        resets.ended(true);
+        assert!(resolved(resets.far_too_many()));
+        assert_eq!(resets.cut_short(), DROP_AFTER_CUT_SHORT);
     }
 
+    /// Answered requests buy no resets: a review's client kept a ratio
+    /// rule quiet with two cheap requests for each one it reset.
     #[test]
-    fn requests_cut_short_among_twice_as_many_answered_are_let_be() {
+    fn answered_requests_among_them_change_nothing() {
         let resets = StreamResets::default();
-        for _ in 0..1000 {
+        for _ in 0..MAX_CUT_SHORT {
             resets.ended(false);
             resets.ended(false);
             resets.ended(true);
         }
-        assert_eq!(told(&resets), None, "a third cut short");
-        // Once they are half of them, it is told.
-        for _ in 0..1000 {
-            resets.ended(true);
-        }
-        assert_eq!(told(&resets), Some((2000, 4000)));
+        assert!(resolved(resets.too_many()));
     }
 
     #[test]
@@ -125,6 +136,7 @@ mod tests {
         for _ in 0..10_000 {
             resets.ended(false);
         }
-        assert_eq!(told(&resets), None);
+        assert!(!resolved(resets.too_many()));
+        assert_eq!(resets.cut_short(), 0);
     }
 }

@@ -160,8 +160,8 @@ pub struct ServeArgs {
     /// Requests one HTTP/2 client connection may have open at once (its
     /// SETTINGS_MAX_CONCURRENT_STREAMS, as nginx's
     /// http2_max_concurrent_streams); each may hold an upstream connection
-    /// of its own. A connection whose client resets 100 requests as they go
-    /// upstream (a rapid reset) is closed, counted in
+    /// of its own. A connection whose client resets 100 requests within a
+    /// second of sending them (a rapid reset) is closed, counted in
     /// snowgate_connections_closed_for_resets_total [default: 128, at most
     /// 10000].
     #[arg(long, value_name = "N")]
