@@ -83,19 +83,22 @@ def reloads(binary, plugin, count, base):
         with open(path, "wb") as f:
             f.write(variant(plugin, base))
         process, _, admin = serve(binary, ["--plugin", path, "--reload-debounce-ms", "600000"])
-        times = []
-        for n in range(base + 1, base + 1 + count):
-            with open(path + ".tmp", "wb") as f:
-                f.write(variant(plugin, n))
-            os.rename(path + ".tmp", path)
-            began = time.monotonic()
-            request = urllib.request.Request(admin + "/reload", data=b"", method="POST")
-            with urllib.request.urlopen(request, timeout=60) as reply:
-                answer = reply.read()
-            times.append((time.monotonic() - began) * 1000)
-            assert b"swapped" in answer, answer
-        memory = memory_kib(process.pid)
-        stop(process)
+        try:
+            times = []
+            for n in range(base + 1, base + 1 + count):
+                with open(path + ".tmp", "wb") as f:
+                    f.write(variant(plugin, n))
+                os.rename(path + ".tmp", path)
+                began = time.monotonic()
+                request = urllib.request.Request(admin + "/reload", data=b"", method="POST")
+                with urllib.request.urlopen(request, timeout=60) as reply:
+                    answer = reply.read()
+                times.append((time.monotonic() - began) * 1000)
+                assert b"swapped" in answer, answer
+            memory = memory_kib(process.pid)
+        finally:
+            # A round that failed leaves no gateway behind either.
+            stop(process)
     return times, memory
 
 

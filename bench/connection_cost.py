@@ -54,7 +54,9 @@ def exchange(port, request):
 
 def round_of(binary):
     port, admin = free_port(), free_port()
-    log = tempfile.NamedTemporaryFile(prefix="snowgate-connection-cost-", suffix=".log")
+    # Kept where the gateway does not start, for the message that names it.
+    log = tempfile.NamedTemporaryFile(prefix="snowgate-connection-cost-", suffix=".log",
+                                      delete=False)
     gateway = subprocess.Popen(
         [binary, "serve", "--listen", f"127.0.0.1:{port}",
          "--admin-listen", f"127.0.0.1:{admin}", "--machine-id", "1",
@@ -64,6 +66,7 @@ def round_of(binary):
         # Ready, not merely listening: the admin listener opens before the
         # plugin has compiled and the request listener has.
         wait_ready(f"http://127.0.0.1:{admin}/readyz", gateway, log.name, timeout=120)
+        os.unlink(log.name)
         body = make_bodies()["1KiB"]
         request = (
             f"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n"
