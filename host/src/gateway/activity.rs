@@ -43,7 +43,7 @@ pub struct Activity {
     socket_full: Arc<AtomicBool>,
     /// Bytes read from the client so far (counted by `SendTimeout`).
     bytes_in: Arc<AtomicU64>,
-    /// Its HTTP/2 requests that ended, and those cut short.
+    /// Its HTTP/2 requests cut short.
     resets: Arc<StreamResets>,
 }
 
@@ -263,8 +263,8 @@ pub struct InFlight {
     /// The slot of the epoch this request's body handed hyper a piece in,
     /// if it has not been asked for the next one since.
     owed_in: Option<usize>,
-    /// Over HTTP/2: where it counts as ended, and until when an end before
-    /// its response's counts as cut short.
+    /// Over HTTP/2: where it counts if cut short, and until when an end
+    /// before its response's counts so.
     resets: Option<(Arc<StreamResets>, tokio::time::Instant)>,
     /// Whether its response body has ended (or failed): hyper took or
     /// was handed all of it.

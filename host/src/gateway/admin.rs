@@ -69,7 +69,7 @@ impl Admin {
     }
 
     /// Serves admin requests on `listener` until the task is dropped (see
-    /// [`serve_connections`]).
+    /// `serve_connections`).
     pub async fn serve(self: Arc<Self>, listener: TcpListener) {
         let timeout = self.header_read_timeout;
         let route = move |request: Request<Incoming>| {

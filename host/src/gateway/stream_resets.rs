@@ -7,7 +7,8 @@
 //! which the gateway closes mid-request, while the upstream may go on
 //! working on it. h2 closes a connection whose client resets streams before
 //! the gateway has taken them; one that waits until it has is closed here,
-//! as Envoy closes one whose "premature resets" pass half its streams.
+//! as Envoy closes one with too many "premature resets" (without Envoy's
+//! ratio to the connection's other requests: see [`MAX_CUT_SHORT`]).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
