@@ -1741,14 +1741,8 @@ async fn an_http2_client_that_resets_its_requests_as_they_go_upstream_is_closed(
 #[tokio::test(flavor = "multi_thread")]
 async fn an_http2_client_that_goes_on_resetting_after_the_goaway_is_dropped() {
     const ROUND: u32 = 50;
-    /// A frame of `kind` with `flags` on `stream`.
-    fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
-        let mut frame = (payload.len() as u32).to_be_bytes()[1..].to_vec();
-        frame.extend_from_slice(&[kind, flags]);
-        frame.extend_from_slice(&stream.to_be_bytes());
-        frame.extend_from_slice(payload);
-        frame
-    }
+    let frame =
+        |kind, flags, stream, payload: &[u8]| support::h2_frame_on(stream, kind, flags, payload);
     let upstream = TestUpstream::start().await;
     let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
     let mut client = TcpStream::connect(gateway.addr).await.expect("connect");
@@ -1756,18 +1750,12 @@ async fn an_http2_client_that_goes_on_resetting_after_the_goaway_is_dropped() {
     start.extend_from_slice(&frame(0x04, 0, 0, b""));
     client.write_all(&start).await.expect("the preface");
     // `GET /hold`, as literal fields.
-    let mut head = Vec::new();
-    for (name, value) in [
+    let head = support::h2_literal_block(&[
         (":method", "GET"),
         (":scheme", "http"),
         (":authority", "gw"),
         (":path", "/hold"),
-    ] {
-        head.extend_from_slice(&[0x00, name.len() as u8]);
-        head.extend_from_slice(name.as_bytes());
-        head.push(value.len() as u8);
-        head.extend_from_slice(value.as_bytes());
-    }
+    ]);
     // Reads (and drops) what the gateway sends, GOAWAY and pings unanswered,
     // until it closes the connection.
     let (mut from_gateway, mut to_gateway) = client.into_split();

@@ -2311,7 +2311,7 @@ async fn an_http2_path_without_its_leading_slash_reaches_no_upstream() {
     let base = format!("{}/api", upstream.url());
     let gateway = Gateway::start(&["--upstream", &base]).await;
     for path in ["x/../admin", "-internal/keys"] {
-        let block = h2_literal_block(&[
+        let block = support::h2_literal_block(&[
             (":method", "GET"),
             (":scheme", "http"),
             (":authority", "a"),
@@ -2406,24 +2406,7 @@ async fn assert_stream_1_refused(addr: SocketAddr, frames: &[u8], case: &str) {
 
 /// A frame of `kind` with `flags` on stream 1.
 fn h2_frame(kind: u8, flags: u8, payload: &[u8]) -> Vec<u8> {
-    let mut frame = (payload.len() as u32).to_be_bytes()[1..].to_vec();
-    frame.extend_from_slice(&[kind, flags, 0, 0, 0, 1]);
-    frame.extend_from_slice(payload);
-    frame
-}
-
-/// An HPACK field block of literal fields, not indexed, names and values
-/// as they are (each under 128 bytes).
-fn h2_literal_block(fields: &[(&str, &str)]) -> Vec<u8> {
-    let mut block = Vec::new();
-    for (name, value) in fields {
-        block.push(0x00);
-        block.push(name.len() as u8);
-        block.extend_from_slice(name.as_bytes());
-        block.push(value.len() as u8);
-        block.extend_from_slice(value.as_bytes());
-    }
-    block
+    support::h2_frame_on(1, kind, flags, payload)
 }
 
 /// An HTTP/2 body streamed through (not JSON) that goes on past its
@@ -2464,7 +2447,7 @@ async fn an_http2_body_past_its_content_length_never_reaches_the_upstream_whole(
     let gateway = Gateway::start(&["--upstream", &format!("http://{upstream}")]).await;
 
     let mut client = TcpStream::connect(gateway.addr).await.expect("connect");
-    let head = h2_literal_block(&[
+    let head = support::h2_literal_block(&[
         (":method", "POST"),
         (":scheme", "http"),
         (":authority", "a"),

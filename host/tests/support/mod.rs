@@ -1761,3 +1761,26 @@ pub fn built_shim(dir: &Path, name: &str) -> Option<PathBuf> {
     }
     tool_present(built.is_ok(), "a C compiler (cc)", "apt-get install gcc").then_some(library)
 }
+
+/// A raw HTTP/2 frame of `kind` with `flags` on `stream`.
+pub fn h2_frame_on(stream: u32, kind: u8, flags: u8, payload: &[u8]) -> Vec<u8> {
+    let mut frame = (payload.len() as u32).to_be_bytes()[1..].to_vec();
+    frame.extend_from_slice(&[kind, flags]);
+    frame.extend_from_slice(&stream.to_be_bytes());
+    frame.extend_from_slice(payload);
+    frame
+}
+
+/// An HPACK field block of literal fields, not indexed, names and values
+/// as they are (each under 128 bytes).
+pub fn h2_literal_block(fields: &[(&str, &str)]) -> Vec<u8> {
+    let mut block = Vec::new();
+    for (name, value) in fields {
+        block.push(0x00);
+        block.push(name.len() as u8);
+        block.extend_from_slice(name.as_bytes());
+        block.push(value.len() as u8);
+        block.extend_from_slice(value.as_bytes());
+    }
+    block
+}
