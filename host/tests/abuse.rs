@@ -1746,9 +1746,10 @@ async fn an_http2_client_that_goes_on_resetting_after_the_goaway_is_dropped() {
     let upstream = TestUpstream::start().await;
     let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
     let mut client = TcpStream::connect(gateway.addr).await.expect("connect");
-    let mut start = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
-    start.extend_from_slice(&frame(0x04, 0, 0, b""));
-    client.write_all(&start).await.expect("the preface");
+    client
+        .write_all(&[PREFACE, SETTINGS].concat())
+        .await
+        .expect("the preface");
     // `GET /hold`, as literal fields.
     let head = support::h2_literal_block(&[
         (":method", "GET"),
