@@ -157,6 +157,53 @@ async fn conflicting_length_and_chunking_is_read_as_chunked_and_the_connection_c
     assert_eq!(reply.status, 200, "{}", reply.text());
 }
 
+/// A chunked body whose last chunk is followed by a bare LF, then a whole
+/// request, then another: hyper 1.12 took the bare LF for the line end of
+/// an empty trailer section and the request for trailer lines, dropped it,
+/// and served the third. A proxy in front that reads bare LF otherwise
+/// sees three requests and gets two answers, the third's for the second's:
+/// one client's answer goes to another. The body now fails to read: one
+/// answer at most, the connection closed, nothing after it served.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_request_hidden_after_a_bare_lf_ending_a_chunked_body_is_never_served() {
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
+    for content_type in ["application/json", "text/plain"] {
+        let mut stream = TcpStream::connect(gateway.addr).await.expect("connect");
+        let request = format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: {content_type}\r\n\
+             Transfer-Encoding: chunked\r\n\r\n\
+             2\r\n{{}}\r\n0\r\n\nGET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n\
+             GET /third HTTP/1.1\r\nHost: x\r\n\r\n"
+        );
+        stream.write_all(request.as_bytes()).await.expect("write");
+        let mut answer = Vec::new();
+        bounded(
+            "the connection's close",
+            STEP,
+            stream.read_to_end(&mut answer),
+        )
+        .await
+        .expect("reading until the gateway closes");
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(
+            answer.matches("HTTP/1.1 ").count() <= 1,
+            "{content_type}: more than one answer: {answer}"
+        );
+        assert!(
+            !answer.starts_with("HTTP/1.1 2"),
+            "{content_type}: the request was taken whole: {answer}"
+        );
+        let paths: Vec<String> = upstream.seen().iter().map(|r| r.path.clone()).collect();
+        assert!(
+            !paths.iter().any(|p| p == "/third" || p == "/smuggled"),
+            "{content_type}: {paths:?}"
+        );
+    }
+    let reply = post_json(gateway.addr, "/v1/completions", CONTEXT_ONLY).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_one_mib_header_gets_431() {
     let gateway = Gateway::start(&[]).await;
