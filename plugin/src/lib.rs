@@ -12,7 +12,7 @@
 //! - [`stamp`]: splices ids into those places;
 //! - [`msgpack`]: both, for MessagePack bodies (`X-TRTLLM-Msgpack: 1`);
 //! - [`layout`]: packs ids bit for bit as TensorRT-LLM does;
-//! - [`handler`]: the decision for one request, on top of the three.
+//! - [`handler`]: the decision for one request, on top of the other four.
 //!
 //! # Example
 //! ```

@@ -361,7 +361,10 @@ fn listen_address<'de, D: serde::Deserializer<'de>>(
         .map_err(serde::de::Error::custom)
 }
 
-/// The TOML file: every key optional.
+/// One layer of the gateway's settings, every key optional: the TOML file
+/// of `--config`, or the flags of `serve` (each flag is a key with `--`
+/// before it). [`ConfigFile::apply`] lays a layer over a [`GatewayConfig`];
+/// [`ConfigFile::check`] and [`ConfigFile::check_plugin`] check the result.
 #[derive(Debug, Default, Deserialize)]
 #[serde(rename_all = "kebab-case", deny_unknown_fields)]
 pub struct ConfigFile {
@@ -718,7 +721,10 @@ impl ConfigFile {
             config.plugin_limits.deadline = plugin_deadline(ms)?;
         }
         if let Some(n) = self.plugin_calls_per_instance {
-            anyhow::ensure!(n > 0, "plugin-calls-per-instance must be at least 1");
+            anyhow::ensure!(
+                n > 0,
+                "plugin-calls-per-instance must be at least 1, not {n}"
+            );
             config.plugin_limits.calls_per_instance = n;
         }
         if let Some(n) = self.plugin_instances {

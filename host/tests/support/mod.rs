@@ -1611,7 +1611,9 @@ pub fn assert_unique(ids: &[u64]) {
 // Plugin builds and files
 // ---------------------------------------------------------------------------
 
-/// Lower-case hex SHA-256.
+/// Lower-case hex SHA-256, written here rather than taken from
+/// `snowgate_host::plugin::hex_sha256`: the tests check the gateway's
+/// names of builds against a reckoning of their own.
 pub fn sha256_hex(bytes: &[u8]) -> String {
     Sha256::digest(bytes)
         .iter()

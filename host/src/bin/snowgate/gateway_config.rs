@@ -14,7 +14,8 @@ use crate::Failure;
 /// The defaults, with `file`'s settings over them where one is given, and
 /// `flags` and the repeatable `--plugin-setting`s (`settings`, added to
 /// the file's) over both. A bad setting is bad input (exit status 2),
-/// named as a flag and with the file's name where it came from the file.
+/// named by its key (the file's key, which is the flag without its `--`)
+/// and with the file's name where it came from the file.
 /// Settings that are wrong only together are for [`check_whole`].
 pub fn layered(
     file: Option<&Path>,
@@ -37,8 +38,7 @@ pub fn layered(
                 path.display(),
             )));
         }
-        // A setting's error names it as a flag would; say which file it
-        // came from.
+        // A setting's error names its key; say which file it came from.
         settings
             .apply(&mut config)
             .with_context(|| format!("in the config file {}", path.display()))
@@ -78,7 +78,9 @@ fn compile_conflict(file: &ConfigFile, flags: &ConfigFile) -> Option<(&'static s
 
 /// Checks the settings of a gateway to serve whole ([`ConfigFile::check`]):
 /// those wrong together are bad input too (exit status 2), not a failure
-/// to start. Named as flags, and with `file`'s name where one was read.
+/// to start. Named by their keys, and with `file`'s name where one was
+/// read: the settings are merged by then, so where each came from is not
+/// known.
 pub fn check_whole(config: &GatewayConfig, file: Option<&Path>) -> Result<(), Failure> {
     ConfigFile::check(config).map_err(|e| in_flags_or(file, e))
 }
