@@ -744,7 +744,7 @@ fn an_export_of_another_type_is_refused_naming_the_function() {
     assert!(
         message.contains(
             "the plugin's handle export has another type than the \
-                          snowgate:middleware@0.2.1 world's \
+                          snowgate:middleware@0.2.1 contract's \
                           `handle: func(request: request) -> result<action, plugin-error>`"
         ),
         "{message}"

@@ -14,9 +14,9 @@ use wasmtime::{
 };
 
 use crate::bindings::Middleware;
-use crate::clock::IdClock;
 use crate::compile_cache::CompileCache;
 use crate::compile_process::CompileProcess;
+use crate::id_clock::IdClock;
 use crate::identity::MachineIdentity;
 use crate::limits::PluginLimits;
 use crate::state::HostState;

@@ -284,6 +284,9 @@ impl HostState {
     }
 }
 
+// `set`, `append` and `remove` are never called by the engine:
+// `in_place_imports` links versions that read the name and value in the
+// plugin's memory, through the same `HostState::edit`.
 impl header_edits::Host for HostState {
     fn set(&mut self, name: String, value: Vec<u8>) -> Result<(), String> {
         self.edit(EditAsked::Set, &name, &value)
@@ -431,8 +434,8 @@ mod tests {
 
         use header_edits::Host as _;
 
-        use crate::clock::IdClock;
         use crate::engine::HostServices;
+        use crate::id_clock::IdClock;
         use crate::identity::MachineIdentity;
         use crate::request::Headers;
 

@@ -214,7 +214,7 @@ impl MachineIdentity {
         // next start always reads.)
         if ceiling.kept_in == MarkStore::Etcd {
             let now = crate::utc::millis_of(std::time::SystemTime::now());
-            let lead = crate::clock::MAX_LEAD.as_millis() as u64;
+            let lead = crate::id_clock::MAX_LEAD.as_millis() as u64;
             if last_millis > now.saturating_add(lead) {
                 return Err(format!(
                     "ids reached millisecond {last_millis}, more than {} s ahead of this host's \
@@ -449,7 +449,7 @@ mod tests {
     #[test]
     fn leased_ids_far_ahead_of_the_wall_clock_now_are_refused() {
         let now = crate::utc::millis_of(std::time::SystemTime::now());
-        let lead = crate::clock::MAX_LEAD.as_millis() as u64;
+        let lead = crate::id_clock::MAX_LEAD.as_millis() as u64;
         let identity = leased(Duration::from_secs(60), now + 60_000);
         let grant = identity.grant().expect("held").generation;
         assert_eq!(identity.confirm(Some(grant), now + lead - 1_000), Ok(()));

@@ -27,8 +27,9 @@ pub const CONTRACT_VERSION: &str = "0.2.1";
 /// was built (wasmtime's linker gives its 0.2.0 imports the 0.2.1 ones).
 pub const LOADS_VERSIONS: [&str; 2] = ["0.2.0", CONTRACT_VERSION];
 
-/// The world a plugin must implement, with its version.
-pub const WORLD: &str = "snowgate:middleware@0.2.1";
+/// The contract's package, with its version: a plugin implements its
+/// world, `middleware`.
+pub const PACKAGE: &str = "snowgate:middleware@0.2.1";
 
 /// What is known about a loaded plugin.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -180,7 +181,7 @@ impl Plugin {
             .with_context(|| {
                 format!(
                 "the plugin imports something the host does not provide (the host provides the \
-                 {WORLD} world's clock, identity, log, request-headers and header-edits, and \
+                 {PACKAGE} contract's clock, identity, log, request-headers and header-edits, and \
                  WASI 0.2's cli, \
                  clocks, filesystem, io, random and sockets, with nothing behind them; not \
                  wasi:http)"
@@ -410,7 +411,7 @@ fn check_contract_version(engine: &PluginEngine, component: &Component) -> anyho
         anyhow::ensure!(
             LOADS_VERSIONS.contains(&version),
             "the plugin was built for {} (it {direction} `{name}`), but this host implements \
-             {WORLD} (and loads plugins built for {}): rebuild it against this snowgate's \
+             {PACKAGE} (and loads plugins built for {}): rebuild it against this snowgate's \
              wit/middleware.wit",
             if version.is_empty() {
                 "an unversioned snowgate:middleware".to_string()
@@ -476,8 +477,8 @@ mod tests {
             .lines()
             .find_map(|line| line.strip_prefix("package "))
             .expect("the WIT names its package");
-        assert_eq!(package, format!("{WORLD};"));
-        assert_eq!(WORLD, format!("snowgate:middleware@{CONTRACT_VERSION}"));
+        assert_eq!(package, format!("{PACKAGE};"));
+        assert_eq!(PACKAGE, format!("snowgate:middleware@{CONTRACT_VERSION}"));
         assert_eq!(
             HandlerExports::INTERFACE,
             format!("snowgate:middleware/handler@{CONTRACT_VERSION}")
@@ -510,7 +511,7 @@ mod tests {
     /// An engine with the default limits, the system clock and machine id 1.
     fn engine() -> PluginEngine {
         let services = crate::engine::HostServices {
-            clock: std::sync::Arc::new(crate::clock::IdClock::system()),
+            clock: std::sync::Arc::new(crate::id_clock::IdClock::system()),
             identity: std::sync::Arc::new(
                 crate::identity::MachineIdentity::fixed(
                     snowgate_plugin::SnowflakeLayout::TrtllmV1,

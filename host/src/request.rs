@@ -158,6 +158,8 @@ impl<'r> RequestRecord<'r> {
 }
 
 impl request_headers::Host for HostState {
+    // Never called by the engine: `in_place_imports` links a version that
+    // reads the text in the plugin's memory, with the same checks.
     fn get(&mut self, name: String) -> Vec<Vec<u8>> {
         self.request_headers()
             .map_or_else(Vec::new, |headers| headers.values(&name))

@@ -12,9 +12,9 @@ use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
 use crate::bindings::snowgate::middleware::{clock, identity, log, types};
 use crate::call_clock::{CallClock, OnTick};
-use crate::clock::{NoTick, TicksTaken};
 use crate::engine::{HostServices, MAX_PLUGIN_HANDLES, MAX_TABLE_ELEMENTS};
 use crate::header_edits::HeaderEdits;
+use crate::id_clock::{NoTick, TicksTaken};
 use crate::log_throttle::{LineBudget, LogThrottle};
 use crate::request::Headers;
 use crate::text_limits::{
@@ -58,7 +58,7 @@ pub struct HostState {
     /// Every tick the current call took, up to [`MAX_RECORDED_TICKS`],
     /// where the self-check asks for them (see
     /// [`crate::SelfCheckInstance::handle`]); `None` elsewhere.
-    pub(crate) recorded_ticks: Option<Vec<crate::clock::Tick>>,
+    pub(crate) recorded_ticks: Option<Vec<crate::id_clock::Tick>>,
 }
 
 /// The most ticks of one call [`HostState::recorded_ticks`] holds.
@@ -313,7 +313,7 @@ impl clock::Host for HostState {
         // the call takes no more ticks: those it would take as the wall
         // clock moves on are the ones other requests need, and under a
         // flood of large batches every batch would be refused.
-        let refused_tick = crate::clock::Tick {
+        let refused_tick = crate::id_clock::Tick {
             millis: u64::MAX,
             sequence: 0,
         };
@@ -381,6 +381,8 @@ impl identity::Host for HostState {
 }
 
 impl log::Host for HostState {
+    // Never called by the engine: `in_place_imports` links a version that
+    // reads the text in the plugin's memory, with the same checks.
     fn write(&mut self, level: types::LogLevel, message: String) {
         if self.log_line_admitted(level) {
             self.write_log_line(level, &message);
@@ -489,7 +491,7 @@ mod tests {
     use snowgate_plugin::SnowflakeLayout;
 
     use super::*;
-    use crate::clock::{FixedClock, IdClock};
+    use crate::id_clock::{FixedClock, IdClock};
     use crate::identity::MachineIdentity;
 
     /// A plugin that asks for more sequence numbers a millisecond than its

@@ -49,6 +49,7 @@ use tokio::time::{Instant, MissedTickBehavior};
 
 use crate::gateway::body_memory::{BodyMemory, Room};
 use crate::gateway::read_body::ReadProgress;
+use crate::unpoisoned::LockUnpoisoned as _;
 
 /// How long after it got its room a body is first held to its pace: the
 /// time a client may take to start sending (a connection's slow start,
@@ -125,8 +126,7 @@ pub async fn keeping_pace<F: Future>(
                     // grows past what has arrived: the room counts that
                     // memory.
                     let held = arrived.max(progress.buffered.load(Ordering::Relaxed));
-                    room.lock()
-                        .unwrap_or_else(|p| p.into_inner())
+                    room.lock_unpoisoned()
                         .shrink_to(held.saturating_add(UNDECLARED_HEADROOM));
                 }
             }

@@ -13,8 +13,9 @@ use http_body::{Body, Frame, SizeHint};
 use tokio::time::Instant;
 
 use crate::gateway::body_memory::{ClientConnection, ConnectionWaits};
-use crate::gateway::upstream::strip_request_trailers;
+use crate::gateway::hop_by_hop::strip_request_trailers;
 use crate::gateway::wait_timer::WaitTimer;
+use crate::unpoisoned::LockUnpoisoned as _;
 
 /// The error type of the bodies this module wraps.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -172,8 +173,7 @@ impl ConnectionWindow {
         self.used_up_with(self.holders.load(Ordering::Acquire))
             || self
                 .freed
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
+                .lock_unpoisoned()
                 .is_some_and(|freed| freed > since)
     }
 }
@@ -196,7 +196,7 @@ impl WindowShare {
             let window = &self.window;
             let before = window.holders.fetch_sub(1, Ordering::AcqRel);
             if window.used_up_with(before) && !window.used_up_with(before - 1) {
-                *window.freed.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
+                *window.freed.lock_unpoisoned() = Some(Instant::now());
             }
         }
     }

@@ -1,7 +1,11 @@
 //! The snowgate middleware as a tower [`Layer`]: where the plugin sits in a
-//! request path. JSON request bodies are read (bounded), run through the
-//! serving plugin, and forwarded, rewritten or answered; everything else
-//! passes through untouched.
+//! request path. `CONNECT` and `TRACE` get 405, and a declared length over
+//! the limit 413. Bodies that could be JSON, and MessagePack bodies
+//! (`X-TRTLLM-Msgpack: 1`), are read (bounded), run through the serving
+//! plugin, and forwarded, rewritten or answered; such a body under a
+//! `Content-Encoding` gets 415, since neither the plugin nor the server
+//! behind reads it. Everything else passes through untouched, its body
+//! streamed.
 //!
 //! # Example
 //! Adding snowgate in front of any tower service:
@@ -643,7 +647,7 @@ impl Shared {
 /// The answer to a request that found no room for its body: refused before
 /// all of its body is read, so its connection ends.
 fn body_memory_full(no_room: NoRoom) -> Response<Full<Bytes>> {
-    retry_in_a_second(responses::closing_error(
+    responses::retry_in_a_second(responses::closing_error(
         StatusCode::SERVICE_UNAVAILABLE,
         "body_memory_full",
         &no_room.to_string(),
@@ -653,7 +657,7 @@ fn body_memory_full(no_room: NoRoom) -> Response<Full<Bytes>> {
 /// The answer to a request whose rewritten body found no room: its body
 /// was read whole, so its connection may serve on.
 fn rewritten_body_too_large(no_room: NoRoom) -> Response<Full<Bytes>> {
-    retry_in_a_second(responses::error(
+    responses::retry_in_a_second(responses::error(
         StatusCode::SERVICE_UNAVAILABLE,
         "body_memory_full",
         &no_room.to_string(),
@@ -671,19 +675,11 @@ fn plugin_busy(wait: Duration, queued: usize) -> Response<Full<Bytes>> {
          is the bottleneck, try again",
         wait.as_millis()
     );
-    retry_in_a_second(responses::error(
+    responses::retry_in_a_second(responses::error(
         StatusCode::SERVICE_UNAVAILABLE,
         "plugin_busy",
         &message,
     ))
-}
-
-/// `response` with `Retry-After: 1`.
-fn retry_in_a_second(mut response: Response<Full<Bytes>>) -> Response<Full<Bytes>> {
-    response
-        .headers_mut()
-        .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
-    response
 }
 
 /// Counts one request once: with the outcome it is given as soon as its

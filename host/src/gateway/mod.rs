@@ -1,9 +1,12 @@
 //! The gateway: a reverse proxy with the plugin in its request path, hot
 //! plugin reloads, and an admin listener.
 //!
-//! A request enters in [`server`], passes the plugin in [`middleware`], and
-//! goes on to the [`upstream`]. The serving plugin lives in a [`slot`] that
-//! [`watch`] reloads; [`admin`] and [`metrics`] show what happens.
+//! A request enters in [`server`], which takes its headers in
+//! ([`hop_by_hop`]), passes the plugin in [`middleware`] (which calls it
+//! through [`slot`]), and goes on to the [`upstream`]. The serving plugin
+//! lives in a [`slot`] that reloads it when [`watch`] sees the file change
+//! or gets SIGHUP, or when [`admin`] is asked (`POST /reload`); [`admin`]
+//! and [`metrics`] show what happens.
 
 pub mod access_log;
 pub mod activity;
@@ -19,6 +22,7 @@ mod dot_segments;
 pub mod echo;
 pub mod error_chain;
 pub mod header_order;
+pub mod hop_by_hop;
 pub mod lingering_close;
 pub mod metrics;
 pub mod middleware;
@@ -61,12 +65,12 @@ pub use middleware::{Snowgate, SnowgateLayer};
 pub use slot::{DeferredReload, NoReload, PluginSlot, ReloadError, Reloaded};
 pub use upstream::Upstream;
 
-use crate::clock::{IdClock, MAX_CATCH_UP};
 use crate::compile_cache::CompileCache;
 use crate::engine::{HostServices, PluginEngine};
 use crate::gateway::starting::WhileStarting;
 use crate::high_water_file::keeper::{wait_for_mark, MarkKeeper, START_LEAD};
 use crate::high_water_file::HighWaterFile;
+use crate::id_clock::{IdClock, MAX_CATCH_UP};
 use crate::identity::MachineIdentity;
 use crate::lease;
 use crate::utc::{format_millis, millis_of};

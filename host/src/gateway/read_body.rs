@@ -10,6 +10,7 @@ use http_body_util::BodyExt;
 use crate::gateway::body_limit::BodyTooLarge;
 use crate::gateway::body_memory::{BodyMemory, NoRoom, Room};
 use crate::gateway::client_body::BoxError;
+use crate::unpoisoned::LockUnpoisoned as _;
 
 /// Why a body could not be read.
 #[derive(Debug)]
@@ -110,17 +111,13 @@ where
     B::Error: Into<BoxError>,
 {
     // What the room holds now (all there is, without one).
-    let room_bytes = || {
-        memory.map_or(usize::MAX, |(_, room, _)| {
-            room.lock().unwrap_or_else(|p| p.into_inner()).bytes()
-        })
-    };
+    let room_bytes = || memory.map_or(usize::MAX, |(_, room, _)| room.lock_unpoisoned().bytes());
     // The room holds at least `bytes`, or the read stops.
     let hold = |bytes: usize| -> Result<(), ReadBodyError> {
         if let Some((memory, room, _)) = memory {
             // Shared with the body's pace, which may give some back; never
             // held across an await.
-            let mut room = room.lock().unwrap_or_else(|p| p.into_inner());
+            let mut room = room.lock_unpoisoned();
             if bytes > room.bytes() {
                 let more = bytes - room.bytes();
                 memory
@@ -197,9 +194,7 @@ where
     let exact = Bytes::copy_from_slice(&buffer);
     drop(buffer);
     if let Some((_, room, progress)) = memory {
-        room.lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .shrink_to(exact.len());
+        room.lock_unpoisoned().shrink_to(exact.len());
         progress.buffered.store(exact.len(), Ordering::Relaxed);
     }
     Ok(exact)

@@ -39,7 +39,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -47,6 +47,7 @@ use atomic_waker::AtomicWaker;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::gateway::activity::Activity;
+use crate::unpoisoned::LockUnpoisoned as _;
 
 /// How long a connection must have had no request open to be chosen.
 pub const MIN_IDLE: Duration = Duration::from_secs(1);
@@ -195,11 +196,7 @@ impl OpenConnections {
             .filter(|&(idle, _)| idle >= MIN_IDLE.as_micros() as u64)
             .max_by_key(|&(idle, id)| (idle, std::cmp::Reverse(id)));
         let open = longest.and_then(|(_, id)| connections.remove(&id))?;
-        *open
-            .close
-            .closing
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner) = Some(closing);
+        *open.close.closing.lock_unpoisoned() = Some(closing);
         open.close.tell();
         Some(open.slot)
     }
@@ -222,9 +219,7 @@ impl OpenConnections {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Open>> {
-        self.connections
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
+        self.connections.lock_unpoisoned()
     }
 }
 

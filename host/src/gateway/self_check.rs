@@ -1,5 +1,7 @@
 //! The self-check every new plugin build passes before it serves: canned
-//! requests on one fresh instance, called as the gateway's kept instances
+//! requests on one fresh instance (the first call is made again, up to
+//! twice, each on a fresh instance, while it took the first tick of its
+//! millisecond), called as the gateway's kept instances
 //! are, whose ids must be made of the host's layout, its machine id and
 //! the very ticks each call took from the host's id clock. A build whose
 //! ids are its own would repeat ids, and the host's check of each call,
@@ -13,9 +15,10 @@ use anyhow::Context as _;
 use snowgate_plugin::SnowflakeLayout;
 
 use crate::bindings::exports::snowgate::middleware::handler::{Action, Rejection};
-use crate::call::{CallError, Fenced, SelfCheckAnswer};
-use crate::clock::{Tick, TicksTaken};
+use crate::call::{CallError, SelfCheckAnswer};
 use crate::engine::PluginEngine;
+use crate::id_clock::{Tick, TicksTaken};
+use crate::id_fence::Fenced;
 use crate::plugin::Plugin;
 use crate::request::Request;
 use crate::text_limits::{plugin_reason, plugin_text, MAX_PLUGIN_TEXT};
@@ -440,9 +443,9 @@ pub(crate) mod tests {
     use snowgate_plugin::SnowflakeLayout;
 
     use super::*;
-    use crate::clock::IdClock;
     use crate::engine::HostServices;
     use crate::gateway::slot::load_checked;
+    use crate::id_clock::IdClock;
     use crate::identity::MachineIdentity;
     use crate::limits::PluginLimits;
     use crate::utc::millis_of;
@@ -468,7 +471,7 @@ pub(crate) mod tests {
     /// compiled again, until its file changes).
     #[test]
     fn a_build_whose_tick_the_clock_refused_is_judged_later() {
-        use crate::clock::FixedClock;
+        use crate::id_clock::FixedClock;
         let clock = Arc::new(
             IdClock::new(FixedClock(1_764_000_000_000)).with_max_lead(std::time::Duration::ZERO),
         );
@@ -590,7 +593,7 @@ pub(crate) mod tests {
         let v2 = SnowflakeLayout::TrtllmV2;
         let wrap = 4u64 << 39;
         let services = |millis: u64| HostServices {
-            clock: Arc::new(IdClock::new(crate::clock::FixedClock(millis))),
+            clock: Arc::new(IdClock::new(crate::id_clock::FixedClock(millis))),
             identity: Arc::new(MachineIdentity::fixed(v2, 3).unwrap()),
         };
         let folding = services(wrap - 1000);
@@ -619,7 +622,7 @@ pub(crate) mod tests {
     /// of the id clock is the first of its millisecond.
     struct Racing(std::sync::atomic::AtomicU64);
 
-    impl crate::clock::WallClock for Racing {
+    impl crate::id_clock::WallClock for Racing {
         fn now_millis(&self) -> u64 {
             self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
         }
@@ -653,7 +656,7 @@ pub(crate) mod tests {
         // build's); then, once, one for the same again and two for the
         // batch.
         assert_eq!(
-            ticks_taken(IdClock::new(crate::clock::FixedClock(now))),
+            ticks_taken(IdClock::new(crate::id_clock::FixedClock(now))),
             2 + 1 + 2
         );
         let racing = Racing(std::sync::atomic::AtomicU64::new(now));

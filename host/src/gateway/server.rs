@@ -30,6 +30,7 @@ use crate::gateway::client_body::{BodyProgress, ClientBody, ConnectionWindow};
 use crate::gateway::client_gone::{ClientGone, ClientSocket, CLIENT_GONE_STATUS};
 use crate::gateway::config::{ConnectionLimits, MAX_HEADER_BYTES, MIN_HEADER_BYTES};
 use crate::gateway::error_chain;
+use crate::gateway::hop_by_hop::take_in_client_headers;
 use crate::gateway::lingering_close::{self, has_unread, HandBack};
 use crate::gateway::metrics::{Metrics, Outcome};
 use crate::gateway::middleware::SnowgateLayer;
@@ -38,7 +39,7 @@ use crate::gateway::responses;
 use crate::gateway::send_timeout::SendTimeout;
 use crate::gateway::stream_resets::MAX_CUT_SHORT;
 use crate::gateway::transfer_coding;
-use crate::gateway::upstream::{take_in_client_headers, Upstream};
+use crate::gateway::upstream::Upstream;
 use crate::gateway::workers::Workers;
 use crate::log_throttle::LogThrottle;
 
@@ -679,9 +680,10 @@ where
 /// arrive (a round trip), not for a client that never acknowledges it.
 const STOP_IDLE: Duration = Duration::from_secs(1);
 
-/// What ends a connection for want of requests (see `serve_until_stopped`):
-/// each resolves once no request has been in flight for a while (never
-/// for HTTP/1, which hyper closes itself).
+/// What ends a connection other than its client (see
+/// `serve_until_stopped`): the first three resolve once no request has
+/// been in flight for a while (never for HTTP/1, which hyper closes
+/// itself), the last when the gateway wants the connection closed.
 struct Idles<I, J, K, L> {
     /// For the header read timeout: the connection is shut down gracefully.
     idle: I,
@@ -690,8 +692,9 @@ struct Idles<I, J, K, L> {
     /// For [`STOP_IDLE`] once the gateway is stopping: it is dropped.
     idle_after_stop: K,
     /// Resolves once the connection is told to close: the gateway stops,
-    /// or it was chosen to close at the connection limit (see
-    /// [`reclaim`](crate::gateway::reclaim)).
+    /// it was chosen to close at the connection limit (see
+    /// [`reclaim`](crate::gateway::reclaim)), or its client cut too many
+    /// requests short (see [`stream_resets`](crate::gateway::stream_resets)).
     told_to_close: L,
 }
 

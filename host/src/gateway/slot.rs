@@ -15,6 +15,7 @@ use crate::gateway::metrics::Metrics;
 use crate::gateway::plugin_file::{read_plugin_file, ReadFailed};
 use crate::gateway::self_check::{self, why_no_ids_may_leave, CannotCheckNow};
 use crate::plugin::{hex_sha256, Plugin};
+use crate::unpoisoned::LockUnpoisoned as _;
 
 /// A failed reload, as `/status` shows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -202,28 +203,17 @@ impl PluginSlot {
     /// The build whose reload is put off, if the last reload of the file
     /// was ([`NoReload::Deferred`]).
     pub fn deferred(&self) -> Option<DeferredReload> {
-        self.deferred
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        self.deferred.lock_unpoisoned().clone()
     }
 
     /// Whether a reload runs now, or waits to run after the one that does.
     pub fn reload_under_way(&self) -> bool {
-        self.reloading.try_lock().is_err()
-            || self
-                .queued
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .is_some()
+        self.reloading.try_lock().is_err() || self.queued.lock_unpoisoned().is_some()
     }
 
     /// The last reload failure since the last success, if any.
     pub fn last_error(&self) -> Option<ReloadError> {
-        self.last_error
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        self.last_error.lock_unpoisoned().clone()
     }
 
     /// The metrics reloads are counted in.
@@ -259,7 +249,7 @@ impl PluginSlot {
     /// Joins the reload that runs next, starting it if none waits: where
     /// its answer will come.
     fn ask_for_reload(self: &Arc<Self>) -> Answer {
-        let mut queued = self.queued.lock().unwrap_or_else(|p| p.into_inner());
+        let mut queued = self.queued.lock_unpoisoned();
         if let Some(waiting) = queued.as_ref() {
             return waiting.clone();
         }
@@ -278,7 +268,7 @@ impl PluginSlot {
             });
             let _ = tell.send(Some(result));
             // Still queued if it ended before it began (a panic).
-            let mut queued = slot.queued.lock().unwrap_or_else(|p| p.into_inner());
+            let mut queued = slot.queued.lock_unpoisoned();
             if queued.as_ref().is_some_and(|q| q.same_channel(&ours)) {
                 *queued = None;
             }
@@ -326,7 +316,7 @@ impl PluginSlot {
         };
         // From here on, a caller waits for the reload after this one,
         // which reads the file after it asked.
-        self.queued.lock().unwrap_or_else(|p| p.into_inner()).take();
+        self.queued.lock_unpoisoned().take();
         if *self.reloads_over.borrow() || *self.self_checks.lock().await {
             return Err(NoReload::NotPossible(STOPPING.to_string()));
         }
@@ -341,8 +331,7 @@ impl PluginSlot {
         let current_sha = self.current().info().sha256.clone();
         let refused_sha = self
             .refused
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+            .lock_unpoisoned()
             .as_ref()
             .map(|(sha256, _)| sha256.clone());
         let self_checks = self.self_checks.clone();
@@ -390,7 +379,7 @@ impl PluginSlot {
         // One that ended otherwise (a swap, a refusal, the serving build
         // back in the file) ends the wait of a build put off.
         if !overtaken && put_off.is_none() {
-            *self.deferred.lock().unwrap_or_else(|p| p.into_inner()) = None;
+            *self.deferred.lock_unpoisoned() = None;
         }
         match (outcome, put_off) {
             (Ok(Some((plugin, store, _unchecked_and_logged))), _) => {
@@ -399,7 +388,7 @@ impl PluginSlot {
                 // Counted before the swap, and `/status` reads the serving
                 // build first: whoever sees the new build sees its reload
                 // counted and the last error cleared.
-                *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = None;
+                *self.last_error.lock_unpoisoned() = None;
                 self.metrics.reload(true);
                 self.metrics.loaded(plugin.info().compiled);
                 let plugin = Arc::new(plugin);
@@ -415,11 +404,7 @@ impl PluginSlot {
                 // The file holds the serving build again: whatever failed
                 // before is no longer true, and the log, which said it
                 // failed, says so.
-                let cleared = self
-                    .last_error
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .take();
+                let cleared = self.last_error.lock_unpoisoned().take();
                 if cleared.is_some() {
                     tracing::info!(
                         "plugin reload: the file holds the build that serves again; the last \
@@ -433,7 +418,7 @@ impl PluginSlot {
             (Err(e), Some(sha256)) => {
                 let message =
                     format!("{e:#}; the file watch tries the build again once the host holds one");
-                let mut deferred = self.deferred.lock().unwrap_or_else(|p| p.into_inner());
+                let mut deferred = self.deferred.lock_unpoisoned();
                 // Warned once per build (a SIGHUP or `POST /reload` says
                 // it again to whoever asked); the reason shown is the
                 // latest, since when the first.
@@ -461,10 +446,9 @@ impl PluginSlot {
                     may_pass: may_pass(&e),
                 };
                 tracing::error!(error = %error.message, "plugin reload failed; the previous build keeps serving");
-                *self.last_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(error.clone());
+                *self.last_error.lock_unpoisoned() = Some(error.clone());
                 if let Some(sha256) = read.get().filter(|_| !error.may_pass) {
-                    *self.refused.lock().unwrap_or_else(|p| p.into_inner()) =
-                        Some((sha256.clone(), error.message.clone()));
+                    *self.refused.lock_unpoisoned() = Some((sha256.clone(), error.message.clone()));
                 }
                 self.metrics.reload(false);
                 Err(NoReload::Failed(error))
@@ -480,12 +464,11 @@ impl PluginSlot {
     fn refused_again(&self) -> ReloadError {
         let refused = self
             .refused
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+            .lock_unpoisoned()
             .as_ref()
             .map(|(_, message)| message.clone())
             .expect("a build refused before");
-        let mut last = self.last_error.lock().unwrap_or_else(|p| p.into_inner());
+        let mut last = self.last_error.lock_unpoisoned();
         if let Some(error) = last.as_ref().filter(|error| error.message == refused) {
             tracing::debug!(
                 "plugin reload: the file holds the build refused last; not compiled again"

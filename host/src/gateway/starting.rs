@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{header, Method, Request, Response, StatusCode};
+use http::{Method, Request, Response, StatusCode};
 use http_body_util::Full;
 use hyper::body::Incoming;
 use tokio::net::TcpListener;
@@ -23,6 +23,7 @@ use tokio::sync::oneshot;
 
 use crate::gateway::admin::{serve_connections, text};
 use crate::gateway::responses;
+use crate::unpoisoned::LockUnpoisoned as _;
 
 /// The admin listener, answering while the gateway starts.
 pub struct WhileStarting {
@@ -44,7 +45,7 @@ impl WhileStarting {
         let (done, finished) = oneshot::channel();
         let now = stage.clone();
         let route = move |request: Request<Incoming>| {
-            let answer = answer(&request, &now.lock().unwrap_or_else(|p| p.into_inner()));
+            let answer = answer(&request, &now.lock_unpoisoned());
             async move { answer }
         };
         let until = async {
@@ -66,7 +67,7 @@ impl WhileStarting {
 
     /// The start is now doing `stage` (what `/readyz` says it waits for).
     pub fn now(&self, stage: impl Into<String>) {
-        *self.stage.lock().unwrap_or_else(|p| p.into_inner()) = stage.into();
+        *self.stage.lock_unpoisoned() = stage.into();
     }
 
     /// Ends the answering and gives the listener back, for the gateway's
@@ -90,18 +91,12 @@ fn answer(request: &Request<Incoming>, stage: &str) -> Response<Full<Bytes>> {
             "text/plain",
             format!("not ready: the gateway is starting: {stage}\n"),
         ),
-        _ => {
-            let mut response = responses::error(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "starting",
-                "the gateway is starting, and answers its admin endpoints once it serves; \
+        _ => responses::retry_in_a_second(responses::error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "starting",
+            "the gateway is starting, and answers its admin endpoints once it serves; \
                  /readyz says what the start waits for",
-            );
-            response
-                .headers_mut()
-                .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
-            response
-        }
+        )),
     }
 }
 

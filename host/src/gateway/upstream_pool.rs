@@ -25,7 +25,7 @@ use std::fmt;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::task::{ready, Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -38,11 +38,12 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tokio::task::AbortHandle;
 
-use crate::gateway::upstream::strip_trailers;
+use crate::gateway::hop_by_hop::strip_trailers;
 use crate::gateway::upstream::UpstreamBody as RequestBody;
 use crate::gateway::upstream_resolve::{ResolveError, Resolver};
 use crate::gateway::upstream_turns::Turn;
 use crate::log_throttle::LogThrottle;
+use crate::unpoisoned::LockUnpoisoned as _;
 
 /// The largest response head (status line and headers) taken from the
 /// upstream, in bytes: as large as the request heads clients may send by
@@ -363,17 +364,17 @@ impl Sending {
     /// The address of the connection the request went on (the last one,
     /// where it went again on a new one), if any.
     pub fn peer(&self) -> Option<SocketAddr> {
-        *self.peer.lock().unwrap_or_else(PoisonError::into_inner)
+        *self.peer.lock_unpoisoned()
     }
 
     fn set_peer(&self, peer: SocketAddr) {
-        *self.peer.lock().unwrap_or_else(PoisonError::into_inner) = Some(peer);
+        *self.peer.lock_unpoisoned() = Some(peer);
     }
 }
 
 impl Shared {
     fn lock(&self) -> std::sync::MutexGuard<'_, Idle> {
-        self.idle.lock().unwrap_or_else(PoisonError::into_inner)
+        self.idle.lock_unpoisoned()
     }
 
     /// The newest idle connection that is still ready, to an address the
@@ -592,7 +593,7 @@ impl Unreachable {
     /// `order`, with the addresses that failed within [`UNREACHABLE_FOR`]
     /// of `now` moved after the others, each part in its order.
     fn tried_last(&self, order: Vec<SocketAddr>, now: Instant) -> Vec<SocketAddr> {
-        let failed = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let failed = self.0.lock_unpoisoned();
         if failed.is_empty() {
             return order;
         }
@@ -609,7 +610,7 @@ impl Unreachable {
     /// any, failed no more; forgets failures older than
     /// [`UNREACHABLE_FOR`].
     fn note(&self, failed: &[(SocketAddr, String)], reached: Option<SocketAddr>, now: Instant) {
-        let mut noted = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut noted = self.0.lock_unpoisoned();
         noted.retain(|(address, at)| {
             Some(*address) != reached
                 && now.duration_since(*at) < UNREACHABLE_FOR

@@ -23,12 +23,13 @@
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::time::Instant;
 
 use crate::log_throttle::LogThrottle;
+use crate::unpoisoned::LockUnpoisoned as _;
 
 /// How long a lookup's addresses serve new connections before the name
 /// is looked up again: short, so that a changed DNS record (a service
@@ -143,7 +144,7 @@ impl Resolver {
             return false;
         }
         let (last, seen) = {
-            let found = self.found.lock().unwrap_or_else(PoisonError::into_inner);
+            let found = self.found.lock_unpoisoned();
             let Some((_, last)) = found.last else {
                 return false;
             };
@@ -160,7 +161,7 @@ impl Resolver {
     /// for any older (if none ran for a [`KEEP_ADDRESSES`]).
     fn known(&self) -> Option<Arc<[SocketAddr]>> {
         let (addresses, age) = {
-            let found = self.found.lock().unwrap_or_else(PoisonError::into_inner);
+            let found = self.found.lock_unpoisoned();
             let (addresses, at) = found.last.as_ref()?;
             (addresses.clone(), at.elapsed())
         };
@@ -179,10 +180,7 @@ impl Resolver {
             return;
         };
         {
-            let mut refreshed = self
-                .refreshed
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
+            let mut refreshed = self.refreshed.lock_unpoisoned();
             if refreshed.is_some_and(|at| at.elapsed() < KEEP_ADDRESSES) {
                 return;
             }
@@ -232,7 +230,7 @@ impl Resolver {
                 ));
             }
             let now = Instant::now();
-            let mut found = kept.lock().unwrap_or_else(PoisonError::into_inner);
+            let mut found = kept.lock_unpoisoned();
             found
                 .seen
                 .retain(|_, at| now.duration_since(*at) < MOVED_AFTER);

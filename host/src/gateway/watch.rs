@@ -22,6 +22,7 @@ use tokio::sync::mpsc;
 
 use crate::gateway::plugin_file::Fingerprint;
 use crate::gateway::slot::{NoReload, PluginSlot, Reloaded};
+use crate::unpoisoned::LockUnpoisoned as _;
 
 /// How often the file behind the plugin path is looked at (one `stat`).
 pub const POLL_INTERVAL: Duration = Duration::from_secs(2);
@@ -115,7 +116,12 @@ pub fn watch_plugin_file(
     let file_name = path
         .file_name()
         .map(|n| n.to_os_string())
-        .context("the plugin path has no file name")?;
+        .with_context(|| {
+            format!(
+                "the plugin path {} names no file to watch: give the path of the plugin's file",
+                path.display()
+            )
+        })?;
     let dir = match path.parent() {
         Some(dir) if !dir.as_os_str().is_empty() => dir.to_path_buf(),
         _ => std::path::PathBuf::from("."),
@@ -502,9 +508,7 @@ fn poll_asks(
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
+    mutex.lock_unpoisoned()
 }
 
 /// Starts catching SIGHUP, whose default action would end the process:

@@ -23,6 +23,7 @@ use super::lead::{Lead, LONGEST_LEAD, RAISE_EVERY, SHORTEST_LEAD};
 use super::{HighWaterFile, InUseByAnother};
 use crate::engine::HostServices;
 use crate::log_throttle::LogThrottle;
+use crate::unpoisoned::LockUnpoisoned as _;
 use crate::utc::{format_millis, millis_of};
 
 /// How soon a write that failed is tried again.
@@ -70,7 +71,7 @@ impl FileMarkStatus {
     }
 
     fn last_error(&self) -> std::sync::MutexGuard<'_, Option<String>> {
-        self.last_error.lock().unwrap_or_else(|p| p.into_inner())
+        self.last_error.lock_unpoisoned()
     }
 
     /// The mark last written, in Unix milliseconds.
@@ -164,7 +165,7 @@ impl MarkKeeper {
     /// [`START_LEAD`] (the clock stepped back, or a gateway crashed with
     /// its id clock far ahead) is first waited out to within it, logged,
     /// writing nothing meanwhile: the id clock refuses ids more than
-    /// [`MAX_LEAD`](crate::clock::MAX_LEAD) ahead, the plugin's self-check
+    /// [`MAX_LEAD`](crate::id_clock::MAX_LEAD) ahead, the plugin's self-check
     /// among them, and a mark written ahead of a floor no id has used yet
     /// would push the next start further out.
     pub async fn start(
@@ -318,7 +319,7 @@ impl Drop for MarkKeeper {
 }
 
 /// How far ahead of the wall clock a stored mark may be for a start to go
-/// on at once: the id clock's [`MAX_LEAD`](crate::clock::MAX_LEAD) less
+/// on at once: the id clock's [`MAX_LEAD`](crate::id_clock::MAX_LEAD) less
 /// the [shortest lead](SHORTEST_LEAD), so that a first mark after it is
 /// within the id clock's lead on a quick disk.
 pub const START_LEAD: Duration = Duration::from_secs(7);
@@ -385,7 +386,7 @@ fn left_until_near(
 
 impl Shared {
     fn lead(&self) -> std::sync::MutexGuard<'_, Lead> {
-        self.lead.lock().unwrap_or_else(|p| p.into_inner())
+        self.lead.lock_unpoisoned()
     }
 
     /// The start's first raise, and a second one at once when the first
@@ -549,8 +550,8 @@ mod tests {
     use snowgate_plugin::SnowflakeLayout;
 
     use super::*;
-    use crate::clock::IdClock;
     use crate::high_water_file::tests::scratch;
+    use crate::id_clock::IdClock;
     use crate::identity::MachineIdentity;
 
     fn services() -> HostServices {

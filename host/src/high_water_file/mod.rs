@@ -29,12 +29,13 @@ use std::time::{Duration, SystemTime};
 use anyhow::Context as _;
 use snowgate_plugin::SnowflakeLayout;
 
+use crate::unpoisoned::LockUnpoisoned as _;
 use crate::utc::{format_millis, millis_of};
 use record::{Record, BLOCK, FILE_BYTES};
 
 /// The furthest past this host's wall clock a mark may be when it is read:
 /// a gateway sets it at most about 14 s ahead (its id clock's
-/// [lead](crate::clock::MAX_LEAD) and the [mark's](lead::LONGEST_LEAD)), so a mark
+/// [lead](crate::id_clock::MAX_LEAD) and the [mark's](lead::LONGEST_LEAD)), so a mark
 /// further ahead means a wall clock that stepped back by more than a day,
 /// or a file that is not what it seems. The gateway then refuses to start
 /// rather than wait that out.
@@ -174,7 +175,7 @@ impl HighWaterFile {
     /// taken over, which the caller's ids must then stay above (its id
     /// clock advanced past it), as after a start that read it.
     pub fn write(&self, millis: u64) -> anyhow::Result<u64> {
-        let mut file = self.file.lock().unwrap_or_else(|p| p.into_inner());
+        let mut file = self.file.lock_unpoisoned();
         self.write_to(&file, millis)?;
         if self.still_at_path(&file)? {
             return Ok(millis);

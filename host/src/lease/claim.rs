@@ -15,7 +15,7 @@ use super::{
     hostname, renew_once, Keeper, LeaseState, Sent, Unconfirmed, MAX_MARK_AHEAD,
     MEMBER_ANSWER_WAIT, RENEWALS_PER_TTL, RETRY_PAUSE, ROOM_FOR_BURSTS,
 };
-use crate::clock::MAX_LEAD;
+use crate::id_clock::MAX_LEAD;
 use crate::identity::LeaseBounds;
 use crate::utc::{format_millis, millis_of};
 
@@ -206,7 +206,7 @@ impl Keeper {
                     raise_from_millis: self.raise_from(ceiling),
                 },
             )
-            .with_context(|| format!("machine id {id} is out of range for its layout"))?;
+            .context("taking the leased machine id")?;
         self.status.update(|s| {
             s.state = LeaseState::Held;
             s.machine_id = Some(id);
@@ -338,7 +338,8 @@ impl Keeper {
         let slots = self.layout().max_machine_id() as usize + 1;
         if skipped.is_empty() {
             return anyhow::anyhow!(
-                "every machine id of layout {} (0..={}) is taken",
+                "every machine id of layout {} (0..={}) is taken: stop a replica, give this one \
+                 a fleet of its own (--etcd-prefix), or use trtllm-v2, which has 16384",
                 self.layout(),
                 self.layout().max_machine_id()
             );

@@ -8,7 +8,8 @@ use anyhow::Context as _;
 use etcd_client::{Client, Compare, CompareOp, Txn, TxnOp, TxnOpResponse};
 
 use super::{Keeper, CLOCK_AGREEMENT, LONGEST_MARK_LEAD, MARK_WRITE_ATTEMPTS, SAFETY_MARGIN};
-use crate::clock::MAX_LEAD;
+use crate::id_clock::MAX_LEAD;
+use crate::unpoisoned::LockUnpoisoned as _;
 use crate::utc::{format_millis, millis_of};
 
 /// A high-water mark's value: milliseconds since the Unix epoch, as
@@ -234,7 +235,7 @@ impl Keeper {
     /// What [`Keeper::put_mark`] writes for slot `id` (see
     /// [`MarksSent::choose`]); someone else's mark kept is said once.
     fn mark_to_write(&self, id: u32, mark: u64, found: Option<u64>, key: &str) -> u64 {
-        let mut sent = self.marks_sent.lock().unwrap_or_else(|p| p.into_inner());
+        let mut sent = self.marks_sent.lock_unpoisoned();
         let (written, newly_kept) = sent.choose(id, mark, found);
         if newly_kept {
             tracing::warn!(

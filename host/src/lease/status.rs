@@ -6,6 +6,7 @@ use std::sync::Mutex;
 use std::time::SystemTime;
 
 use super::LeaseConfig;
+use crate::unpoisoned::LockUnpoisoned as _;
 use crate::utc::{format_millis, millis_of};
 
 /// The lease as `/status` and `/metrics` show it.
@@ -61,11 +62,11 @@ impl LeaseStatus {
     }
 
     pub(super) fn update(&self, change: impl FnOnce(&mut StatusInner)) {
-        change(&mut self.inner.lock().unwrap_or_else(|p| p.into_inner()));
+        change(&mut self.inner.lock_unpoisoned());
     }
 
     pub(super) fn snapshot(&self) -> StatusInner {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        self.inner.lock_unpoisoned().clone()
     }
 
     /// The current state.

@@ -8,11 +8,11 @@ use std::sync::Arc;
 use anyhow::Context as _;
 use clap::Args;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
-use snowgate_host::clock::MAX_CATCH_UP;
 use snowgate_host::gateway::config::memory_advice;
 use snowgate_host::gateway::header_order::remove_in_order;
+use snowgate_host::gateway::hop_by_hop::take_in_client_headers;
 use snowgate_host::gateway::middleware::plugin_sees;
-use snowgate_host::gateway::upstream::take_in_client_headers;
+use snowgate_host::id_clock::MAX_CATCH_UP;
 use snowgate_host::{
     plugin_reason, plugin_text, Action, Answer, CallError, CompileCache, FixedClock, HostServices,
     IdClock, Plugin, PluginEngine, Request,
@@ -123,7 +123,13 @@ pub fn run(args: RewriteArgs) -> Result<(), Failure> {
     // Nothing is forwarded here: the memory limit, which the answer is
     // built within, bounds it well enough.
     limits.max_output_body_bytes = limits.memory_bytes;
-    let mut engine = PluginEngine::new(services, limits)?;
+    let slots = limits.max_instances;
+    let mut engine = PluginEngine::new(services, limits).with_context(|| {
+        format!(
+            "starting the plugin engine with {slots} instance slots, each reserving about 4 GiB \
+             of address space: where that is limited (ulimit -v), raise the limit"
+        )
+    })?;
     if let Some(dir) = &args.plugin_cache_dir {
         engine = engine.with_compile_cache(CompileCache::open(dir).context("--plugin-cache-dir")?);
     }

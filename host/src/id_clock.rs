@@ -8,6 +8,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use crate::unpoisoned::LockUnpoisoned as _;
+
 pub use snowgate_plugin::Tick;
 
 /// The ticks one plugin call took from the id clock: the first, the last,
@@ -158,9 +160,7 @@ impl IdClock {
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
         // The lock only guards integers; a panic cannot leave them torn.
-        self.state
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.state.lock_unpoisoned()
     }
 
     /// The next unique tick for a layout with `sequence_space` sequence
@@ -256,7 +256,7 @@ impl IdClock {
     /// next process on the same machine id could issue ids it issued. A
     /// lead longer than `limit` (the wall clock stepped back, or a burst of
     /// millions of ids) is not waited out; the error says how long it is.
-    pub fn wait_for_wall_clock(&self, limit: Duration) -> Result<Duration, TooFarAhead> {
+    pub fn wait_for_wall_clock(&self, limit: Duration) -> Result<Duration, LeadTooLong> {
         let started = Instant::now();
         let mut waited = Duration::ZERO;
         loop {
@@ -268,7 +268,7 @@ impl IdClock {
             // clock, so this may take a few rounds; a wall clock that stops
             // or steps back meanwhile ends it at `limit`.
             if waited + lead > limit {
-                return Err(TooFarAhead(lead));
+                return Err(LeadTooLong(lead));
             }
             std::thread::sleep(lead);
             waited = started.elapsed();
@@ -292,9 +292,9 @@ pub const MAX_LEAD: Duration = Duration::from_secs(9);
 /// The clock's lead over the wall clock was too long to wait out: how long
 /// it was. See [`IdClock::wait_for_wall_clock`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct TooFarAhead(pub Duration);
+pub struct LeadTooLong(pub Duration);
 
-impl std::fmt::Display for TooFarAhead {
+impl std::fmt::Display for LeadTooLong {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
@@ -305,7 +305,7 @@ impl std::fmt::Display for TooFarAhead {
     }
 }
 
-impl std::error::Error for TooFarAhead {}
+impl std::error::Error for LeadTooLong {}
 
 impl std::fmt::Debug for IdClock {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -394,12 +394,12 @@ pub(crate) mod tests {
         let clock = IdClock::system();
         clock.advance_past(SystemClock.now_millis() + 3_600_000);
         let started = Instant::now();
-        let TooFarAhead(lead) = clock
+        let LeadTooLong(lead) = clock
             .wait_for_wall_clock(Duration::from_secs(10))
             .expect_err("an hour's lead is over the limit");
         assert!(started.elapsed() < Duration::from_secs(5));
         assert!(lead > Duration::from_secs(3_590), "{lead:?}");
-        assert!(TooFarAhead(lead)
+        assert!(LeadTooLong(lead)
             .to_string()
             .contains("ahead of the wall clock"));
     }
@@ -412,7 +412,7 @@ pub(crate) mod tests {
         let limit = Duration::from_millis(30);
         assert_eq!(
             clock.wait_for_wall_clock(limit),
-            Err(TooFarAhead(Duration::from_millis(1)))
+            Err(LeadTooLong(Duration::from_millis(1)))
         );
         assert!(started.elapsed() <= limit + Duration::from_secs(5));
     }
