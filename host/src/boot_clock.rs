@@ -55,11 +55,19 @@ fn read() -> Duration {
             let nanos = LAST_GOOD_NANOS.load(Ordering::Relaxed);
             (Duration::from_nanos(nanos), Instant::now())
         });
-        return *base + at.elapsed();
+        return after_failure(*base, at.elapsed());
     }
     let reading = Duration::new(now.tv_sec as u64, now.tv_nsec as u32);
     LAST_GOOD_NANOS.store(reading.as_nanos() as u64, Ordering::Relaxed);
     reading
+}
+
+/// A reading after the boot clock failed: the last good reading
+/// (`last_good`) plus the time since the first failure, so that it never
+/// goes back.
+#[cfg(any(target_os = "linux", test))]
+fn after_failure(last_good: Duration, since_failure: Duration) -> Duration {
+    last_good.saturating_add(since_failure)
 }
 
 #[cfg(not(target_os = "linux"))]
@@ -103,6 +111,47 @@ mod tests {
         assert!(
             inner <= boot + tick && boot <= outer + tick,
             "{inner:?} <= {boot:?} <= {outer:?}"
+        );
+    }
+
+    /// The clock is the boot clock, which `/proc/uptime` reads too, and not
+    /// one that counts from the process's start or stops in a suspend
+    /// (the spans above cannot tell them apart).
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn reads_the_boot_clock_as_proc_uptime_does() {
+        let uptime = || -> Duration {
+            let text = std::fs::read_to_string("/proc/uptime").expect("/proc/uptime");
+            let seconds: f64 = text
+                .split_whitespace()
+                .next()
+                .and_then(|s| s.parse().ok())
+                .expect("/proc/uptime's first field");
+            Duration::from_secs_f64(seconds)
+        };
+        let before = uptime();
+        let boot = BootTime::now().0;
+        let after = uptime();
+        // `/proc/uptime` is cut to hundredths of a second.
+        let hundredth = Duration::from_millis(10);
+        assert!(
+            before <= boot && boot <= after + hundredth,
+            "{before:?} <= {boot:?} <= {after:?} + 10 ms"
+        );
+    }
+
+    /// Should the boot clock fail, readings go on from the last good one.
+    #[test]
+    fn a_reading_after_a_failure_goes_on_from_the_last_good_one() {
+        let last_good = Duration::from_secs(1_000);
+        assert_eq!(after_failure(last_good, Duration::ZERO), last_good);
+        assert_eq!(
+            after_failure(last_good, Duration::from_millis(5)),
+            last_good + Duration::from_millis(5)
+        );
+        assert_eq!(
+            after_failure(Duration::MAX, Duration::from_secs(1)),
+            Duration::MAX
         );
     }
 

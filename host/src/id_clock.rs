@@ -338,6 +338,29 @@ pub(crate) mod tests {
         (IdClock::new(HandClock(now.clone())), now)
     }
 
+    /// The next tick's earliest millisecond is the wall clock's, unless
+    /// the clock runs ahead of it: readiness and the self-check judge the
+    /// ids about to be made by it (the `trtllm-v2` wrap, the confirmed
+    /// mark), so one that read only the wall clock would miss a clock
+    /// that ran ahead into the wrap.
+    #[test]
+    fn the_next_millisecond_is_the_wall_clocks_or_the_clocks_lead() {
+        let (clock, wall) = hand_clock(100);
+        assert_eq!(clock.next_millis(), 100);
+        clock.next_tick(4096).expect("a tick");
+        assert_eq!(clock.next_millis(), 100);
+        clock.advance_past(500);
+        assert_eq!(clock.next_millis(), 500, "ahead of the wall clock");
+        wall.store(700, Ordering::SeqCst);
+        assert_eq!(clock.next_millis(), 700, "the wall clock caught up");
+        wall.store(600, Ordering::SeqCst);
+        assert_eq!(
+            clock.next_millis(),
+            600,
+            "the wall clock stepped back, and no tick was taken at 700"
+        );
+    }
+
     #[test]
     fn a_clock_that_issued_nothing_has_no_lead_to_wait_out() {
         let (clock, _) = hand_clock(100);

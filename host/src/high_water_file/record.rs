@@ -203,6 +203,37 @@ mod tests {
         }
     }
 
+    /// A first write cut short leaves the record's start and zeros;
+    /// anything else that fails to read is not one (the file's own tests
+    /// go through whole files; these pin the rule on blocks).
+    #[test]
+    fn only_a_records_start_followed_by_zeros_is_a_write_cut_short() {
+        let whole = encode(&RECORD);
+        let written = whole.iter().rposition(|&b| b != 0).expect("a record") + 1;
+        for cut in [1, 10, MAGIC.len(), MAGIC.len() + 1, written - 1] {
+            let mut block = [0u8; BLOCK];
+            block[..cut].copy_from_slice(&whole[..cut]);
+            assert!(starts_like_a_record(&block), "cut at {cut}");
+        }
+        let cut_short = |bytes: &[u8]| {
+            let mut block = [0u8; BLOCK];
+            block[..bytes.len()].copy_from_slice(bytes);
+            starts_like_a_record(&block)
+        };
+        assert!(!starts_like_a_record(&[0u8; BLOCK]), "nothing written");
+        assert!(!starts_like_a_record(&[b'x'; BLOCK]), "a whole block");
+        assert!(!cut_short(b"snowmelt"), "another magic");
+        assert!(!cut_short(b"v2"), "not the start");
+        // The magic, then something other than the space after it.
+        let mut damaged = whole[..written - 1].to_vec();
+        damaged[MAGIC.len()] = b'x';
+        assert!(!cut_short(&damaged), "damaged after the magic");
+        // A record's start, moved off the block's start.
+        let mut moved = vec![0u8; 512];
+        moved.extend_from_slice(&whole[..40]);
+        assert!(!cut_short(&moved), "moved");
+    }
+
     #[test]
     fn damage_is_named() {
         let mut block = encode(&RECORD);
