@@ -225,6 +225,36 @@ mod tests {
         assert_eq!(clock.on_tick(t0 + 5 * day), OnTick::Interrupt);
     }
 
+    /// What drives a call tells the clock of each poll, and whether
+    /// requests queue for a call slot: a wait after a yield moves the
+    /// deadline on by the whole wait without a queue, and no further than
+    /// [`WALL_FACTOR`] deadlines with one.
+    #[test]
+    fn the_driver_moves_the_deadline_by_the_wait_capped_only_while_requests_queue() {
+        let deadline = Duration::from_micros(10);
+        for queued in [0, 1] {
+            let clock = CallClock::default();
+            let start = clock.origin;
+            clock.begin(start, deadline, Duration::ZERO);
+            assert_eq!(clock.on_tick(start), OnTick::Yield);
+            // A wait of at least a millisecond after the yield, a hundred
+            // deadlines.
+            while start.elapsed() < MS {
+                std::hint::spin_loop();
+            }
+            let queue = AtomicUsize::new(queued);
+            let mut call = std::pin::pin!(excluding_waits(&clock, &queue, std::future::ready(())));
+            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+            assert!(call.as_mut().poll(&mut cx).is_ready());
+            let moved_to = clock.deadline().expect("a deadline") - start;
+            if queued == 0 {
+                assert!(moved_to >= MS + deadline, "{moved_to:?}");
+            } else {
+                assert_eq!(moved_to, deadline * WALL_FACTOR);
+            }
+        }
+    }
+
     #[test]
     fn polls_without_a_yield_move_nothing() {
         // A WASI wait of the plugin's own ends in a poll, but no yield came
