@@ -33,7 +33,7 @@
 //!
 //! A request whose client goes away while it waits leaves the line at once
 //! (over HTTP/1 the connection's socket is watched for that meanwhile, see
-//! [`client_gone`]).
+//! `client_gone`).
 //!
 //! A body the plugin rewrote may be larger than the one read (each id it
 //! inserts is some 40 bytes). Its room grows where that much is free at

@@ -167,7 +167,7 @@ impl SnowgateLayer {
     /// `wait` too, or it is answered 408 `body_timeout`. A request whose
     /// body is read waits for a plugin call slot at most `wait` too, and
     /// is then answered 503 `plugin_busy`. Requests whose
-    /// [`BodyProgress`] names their
+    /// `BodyProgress` (an extension the server adds) names their
     /// [`ClientConnection`](body_memory::ClientConnection) (the gateway's
     /// server's do) wait at most
     /// [`body_memory::MAX_WAITING_PER_CONNECTION`] at a time per

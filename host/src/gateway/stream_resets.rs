@@ -75,6 +75,7 @@ impl StreamResets {
     }
 
     /// How many requests were cut short.
+    #[cfg(test)]
     pub fn cut_short(&self) -> u64 {
         self.cut_short.load(Ordering::Relaxed)
     }

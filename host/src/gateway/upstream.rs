@@ -1,6 +1,6 @@
 //! Where requests go after the middleware: a real upstream over a pool of
-//! keep-alive connections ([`upstream_pool`](crate::gateway::upstream_pool)),
-//! or the built-in echo upstream ([`echo`]).
+//! keep-alive connections (`upstream_pool`),
+//! or the built-in echo upstream (`echo`).
 
 use std::convert::Infallible;
 use std::fmt;

@@ -216,6 +216,7 @@ impl ConnectionPool {
     /// and which must carry its `Host` header, on an idle connection or a
     /// new one; resolves with the response head. The connection goes back
     /// to the pool when the response body has ended.
+    #[cfg(test)]
     pub async fn send(
         &self,
         request: Request<RequestBody>,
@@ -294,7 +295,8 @@ impl ConnectionPool {
         }
     }
 
-    /// How many connections wait idle (for tests and diagnostics).
+    /// How many connections wait idle.
+    #[cfg(test)]
     pub fn idle_count(&self) -> usize {
         self.shared.lock().connections.len()
     }
