@@ -275,10 +275,12 @@ fn pooling_config(limits: &PluginLimits) -> PoolingAllocationConfig {
     // wasmtime 48's scan asks for pages written *and present*, so a written
     // page the kernel has swapped out is neither reset nor given back, and
     // the next instance in the slot reads the last one's bytes (another
-    // user's request; bytecodealliance/wasmtime#14357, open). Without the
-    // scan, keeping memory resident would mean `memset`ting it from address
-    // 0 up, the plugin's whole stack included, which costs more than the
-    // page faults it saves. Tables are still kept resident: without the
+    // user's request; bytecodealliance/wasmtime#14357). 48.0.11 resets such
+    // pages too, by its source, but cannot be locked yet: the registry has
+    // no `wasmtime-internal-wit-bindgen` 48.0.11, which its macros pin.
+    // Without the scan, keeping memory resident would mean `memset`ting it
+    // from address 0 up, the plugin's whole stack included, which costs
+    // more than the page faults it saves. Tables are still kept resident: without the
     // scan that is a `memset` of their few pages, which a swapped-out page
     // does not escape.
     pool.pagemap_scan(Enabled::No);
