@@ -8,6 +8,7 @@ use std::time::{Duration, SystemTime};
 
 use anyhow::Context as _;
 use etcd_client::{Client, Compare, CompareOp, ConnectOptions, GetOptions, PutOptions, Txn, TxnOp};
+use snowgate_plugin::SnowflakeLayout;
 
 use super::high_water::{fleet_mark_ahead, floor_without_mark, parse_high_water, quoted, Reserved};
 use super::hold::gone;
@@ -337,9 +338,18 @@ impl Keeper {
         // others first when claimed.
         let slots = self.layout().max_machine_id() as usize + 1;
         if skipped.is_empty() {
+            // Not another `--etcd-prefix`: replicas of one cluster under
+            // two prefixes would lease the same machine ids.
+            let wider = match self.layout() {
+                SnowflakeLayout::TrtllmV1 => {
+                    "; or, with TensorRT-LLM 1.3.0rc22 or later, use --layout trtllm-v2 (16384 \
+                     machine ids)"
+                }
+                SnowflakeLayout::TrtllmV2 => "",
+            };
             return anyhow::anyhow!(
-                "every machine id of layout {} (0..={}) is taken: stop a replica, give this one \
-                 a fleet of its own (--etcd-prefix), or use trtllm-v2, which has 16384",
+                "every machine id of layout {} (0..={}) is taken: the fleet has as many \
+                 replicas as the layout has machine ids; stop a replica{wider}",
                 self.layout(),
                 self.layout().max_machine_id()
             );
