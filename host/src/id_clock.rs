@@ -227,10 +227,18 @@ impl IdClock {
     }
 
     /// The earliest millisecond the next tick can have: the wall clock's,
-    /// or the last tick's (or floor's) where that is later.
+    /// or the last tick's where that is later, or the one after a floor
+    /// [`IdClock::advance_past`] set (a floor takes its whole millisecond).
     pub fn next_millis(&self) -> u64 {
         let now = self.wall.now_millis();
-        self.last_tick().map_or(now, |last| last.millis.max(now))
+        self.last_tick().map_or(now, |last| {
+            let earliest = if last.sequence == u32::MAX {
+                last.millis.saturating_add(1)
+            } else {
+                last.millis
+            };
+            earliest.max(now)
+        })
     }
 
     /// How long until the wall clock reads a later millisecond than every
@@ -350,7 +358,13 @@ pub(crate) mod tests {
         clock.next_tick(4096).expect("a tick");
         assert_eq!(clock.next_millis(), 100);
         clock.advance_past(500);
-        assert_eq!(clock.next_millis(), 500, "ahead of the wall clock");
+        assert_eq!(
+            clock.next_millis(),
+            501,
+            "ahead of the wall clock, past the floor"
+        );
+        assert_eq!(clock.next_tick(4096).expect("a tick").millis, 501);
+        assert_eq!(clock.next_millis(), 501, "the tick's millisecond has room");
         wall.store(700, Ordering::SeqCst);
         assert_eq!(clock.next_millis(), 700, "the wall clock caught up");
         wall.store(600, Ordering::SeqCst);
