@@ -1,7 +1,7 @@
 //! The snowgate middleware as a tower [`Layer`]: where the plugin sits in a
 //! request path. `CONNECT` and `TRACE` get 405, and a declared length over
-//! the limit 413. Bodies that could be JSON, and MessagePack bodies
-//! (`X-TRTLLM-Msgpack: 1`), are read (bounded), run through the serving
+//! the limit 413. Bodies that could be JSON, and MessagePack bodies (any
+//! `X-TRTLLM-Msgpack` header), are read (bounded), run through the serving
 //! plugin, and forwarded, rewritten or answered; such a body under a
 //! `Content-Encoding` gets 415, since neither the plugin nor the server
 //! behind reads it. Everything else passes through untouched, its body

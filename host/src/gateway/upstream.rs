@@ -489,9 +489,10 @@ impl HttpUpstream {
         path: Option<PathAndQuery>,
     ) -> Response<UpstreamBody> {
         let (mut parts, body) = response.into_parts();
-        // hyper reads a response with both as chunked (RFC 9112 section 6.3)
-        // but leaves the `Content-Length`, which would cut the chunked body
-        // short on the way to the client. A 204 has no body, so no length
+        // hyper reads a response with both as chunked (RFC 9112 section 6.3);
+        // 1.12 left the `Content-Length`, which would cut the chunked body
+        // short on the way to the client (1.13 removes it; kept here as a
+        // defence). A 204 has no body, so no length
         // (RFC 9110 section 8.6): hyper drops it for HTTP/1 clients but
         // would pass it to HTTP/2 ones.
         if parts.status == StatusCode::NO_CONTENT
