@@ -172,17 +172,7 @@ fn strip(headers: &mut HeaderMap, request: bool) {
     if !upgrade && !present.contains(&true) {
         return;
     }
-    let accepts_trailers = request
-        && present[HOP_BY_HOP_TE]
-        && headers
-            .get_all(header::TE)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-            .any(|coding| {
-                let name = coding.split(';').next().unwrap_or_default();
-                name.trim().eq_ignore_ascii_case("trailers")
-            });
+    let accepts_trailers = request && present[HOP_BY_HOP_TE] && te_accepts_trailers(headers);
     let named: Vec<HeaderName> = if present[HOP_BY_HOP_CONNECTION] {
         // Token by token: a line with a byte no header name has still
         // names the others on it.
@@ -243,6 +233,20 @@ fn strip(headers: &mut HeaderMap, request: bool) {
     if upgrade {
         headers.remove(header::UPGRADE);
     }
+}
+
+/// Whether a `TE` of `headers` names the `trailers` coding (in any case,
+/// with or without parameters).
+fn te_accepts_trailers(headers: &HeaderMap) -> bool {
+    headers
+        .get_all(header::TE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|coding| {
+            let name = coding.split(';').next().unwrap_or_default();
+            name.trim().eq_ignore_ascii_case("trailers")
+        })
 }
 
 #[cfg(test)]
@@ -326,15 +330,7 @@ mod tests {
     /// What `strip_hop_by_hop` did before it looked at the names present
     /// first: every name looked up and removed.
     fn strip_every_name(headers: &mut HeaderMap) {
-        let accepts_trailers = headers
-            .get_all(header::TE)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-            .any(|coding| {
-                let name = coding.split(';').next().unwrap_or_default();
-                name.trim().eq_ignore_ascii_case("trailers")
-            });
+        let accepts_trailers = te_accepts_trailers(headers);
         let named: Vec<HeaderName> = headers
             .get_all(header::CONNECTION)
             .iter()
