@@ -78,6 +78,22 @@ async fn closes_within(stream: &mut (impl AsyncRead + Unpin), bound: Duration) {
     .await;
 }
 
+/// Sends `request` on a connection of its own and returns all the gateway
+/// answers on it, read until it closes the connection (within [`STEP`]).
+async fn answers_until_closed(addr: SocketAddr, request: &[u8]) -> String {
+    let mut stream = TcpStream::connect(addr).await.expect("connect");
+    stream.write_all(request).await.expect("write");
+    let mut answer = Vec::new();
+    bounded(
+        "the answers and the connection's close",
+        STEP,
+        stream.read_to_end(&mut answer),
+    )
+    .await
+    .expect("reading until the gateway closes");
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
 async fn still_serves(gateway: &Gateway) {
     let reply = post_json(gateway.addr, "/v1/completions", CONTEXT_ONLY).await;
     assert_eq!(reply.status, 200, "{}", reply.text());
@@ -129,20 +145,10 @@ async fn malformed_framing_gets_400_and_the_gateway_keeps_serving() {
 async fn conflicting_length_and_chunking_is_read_as_chunked_and_the_connection_closed() {
     let upstream = TestUpstream::start().await;
     let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
-    let mut stream = TcpStream::connect(gateway.addr).await.expect("connect");
     let request = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
                    Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n\
                    2\r\n{}\r\n0\r\n\r\nGET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n";
-    stream.write_all(request.as_bytes()).await.expect("write");
-    let mut answer = Vec::new();
-    bounded(
-        "the answer and the connection's close",
-        STEP,
-        stream.read_to_end(&mut answer),
-    )
-    .await
-    .expect("reading until the gateway closes");
-    let answer = String::from_utf8_lossy(&answer);
+    let answer = answers_until_closed(gateway.addr, request.as_bytes()).await;
     assert!(answer.starts_with("HTTP/1.1 200 "), "{answer}");
     assert_eq!(
         answer.matches("HTTP/1.1 ").count(),
@@ -169,23 +175,13 @@ async fn a_request_hidden_after_a_bare_lf_ending_a_chunked_body_is_never_served(
     let upstream = TestUpstream::start().await;
     let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
     for content_type in ["application/json", "text/plain"] {
-        let mut stream = TcpStream::connect(gateway.addr).await.expect("connect");
         let request = format!(
             "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: {content_type}\r\n\
              Transfer-Encoding: chunked\r\n\r\n\
              2\r\n{{}}\r\n0\r\n\nGET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n\
              GET /third HTTP/1.1\r\nHost: x\r\n\r\n"
         );
-        stream.write_all(request.as_bytes()).await.expect("write");
-        let mut answer = Vec::new();
-        bounded(
-            "the connection's close",
-            STEP,
-            stream.read_to_end(&mut answer),
-        )
-        .await
-        .expect("reading until the gateway closes");
-        let answer = String::from_utf8_lossy(&answer);
+        let answer = answers_until_closed(gateway.addr, request.as_bytes()).await;
         assert!(
             answer.matches("HTTP/1.1 ").count() <= 1,
             "{content_type}: more than one answer: {answer}"
