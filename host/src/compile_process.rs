@@ -219,7 +219,7 @@ impl CompileProcess {
             let wall = u32::try_from(self.wall_limit().as_secs()).unwrap_or(u32::MAX);
             let gateway = std::process::id() as libc::pid_t;
             // SAFETY: between fork and exec only async-signal-safe calls
-            // (setrlimit, setpriority, signal, sigemptyset, sigaddset,
+            // (setrlimit, nice, signal, sigemptyset, sigaddset,
             // sigprocmask, alarm, prctl, getppid) are made, on plain
             // values, and nothing is allocated.
             unsafe {
@@ -255,8 +255,11 @@ impl CompileProcess {
                     }
                     libc::sigprocmask(libc::SIG_UNBLOCK, &ours, std::ptr::null_mut());
                     libc::alarm(wall);
-                    // Requests first: the compile takes the CPU they leave.
-                    libc::setpriority(libc::PRIO_PROCESS, 0, 10);
+                    // Requests first: the compile takes the CPU they leave,
+                    // ten steps below the gateway's thread (not at nice 10,
+                    // which was above a gateway started at 11 or more, for
+                    // a gateway allowed to raise it).
+                    libc::nice(10);
                     if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
                         return Err(std::io::Error::last_os_error());
                     }
@@ -930,6 +933,43 @@ mod tests {
     /// sleeper's 10 s (a run beside three reviews and a CI run did not).
     /// Without that second the check means nothing, so such a round is run
     /// again, up to three times, and the test fails if none had it.
+    /// The compile runs ten steps of niceness below the thread that
+    /// starts it, wherever that is: not at a fixed nice 10, which is above
+    /// a gateway run at 11 or more.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_compile_runs_ten_steps_below_the_gateways_priority() {
+        let limits = CompileLimits {
+            memory_bytes: 512 << 20,
+            cpu: Duration::from_secs(10),
+        };
+        // SAFETY: the output (a number) is not loaded.
+        let child = unsafe {
+            CompileProcess::of_program("sh", &["-c", "cut -d ' ' -f 19 /proc/self/stat"], limits)
+        };
+        let nice_of_child = || -> i32 {
+            let out = child.compile(b"").expect("the child's niceness");
+            String::from_utf8_lossy(&out)
+                .trim()
+                .parse()
+                .expect("a number")
+        };
+        // SAFETY: getpriority and setpriority change this test's own
+        // thread only (a Linux thread has its own niceness), which ends
+        // with the test.
+        let own = || unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) };
+        let before = own();
+        assert_eq!(nice_of_child(), (before + 10).min(19));
+        // Raised, which needs no privilege (a fixed 10 gave 10 again).
+        let raised = (before + 3).min(19);
+        assert_eq!(
+            unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, raised) },
+            0
+        );
+        assert_eq!(own(), raised);
+        assert_eq!(nice_of_child(), (raised + 10).min(19));
+    }
+
     #[cfg(target_os = "linux")]
     #[test]
     fn a_compile_past_twice_its_cpu_time_in_wall_clock_time_is_ended() {
