@@ -180,8 +180,35 @@ impl HighWaterFile {
         if self.still_at_path(&file)? {
             return Ok(millis);
         }
-        let (found, stored) = HighWaterFile::open(&self.path, self.layout, self.machine_id)
-            .context("the high-water file was removed or replaced while this gateway ran")?;
+        self.follow_path(&mut file, millis)
+    }
+
+    /// After `millis` was written to `file` and the path was found to lead
+    /// elsewhere or nowhere: takes over the file the path leads to now
+    /// (see [`HighWaterFile::write`]). Where that cannot be opened and the
+    /// path leads to `file` again, nothing was lost: it led nowhere for a
+    /// moment (the file moved away and back, or a network file system
+    /// answered "not found" once), and `file`'s own lock, this gateway's,
+    /// refused the open. That was taken for another process's lock, and
+    /// the gateway stopped stamping for good (a review found it by
+    /// failing one lookup with `strace`).
+    fn follow_path(&self, file: &mut File, millis: u64) -> anyhow::Result<u64> {
+        let (found, stored) = match HighWaterFile::open(&self.path, self.layout, self.machine_id) {
+            Ok(opened) => opened,
+            Err(e) if self.still_at_path(file)? => {
+                tracing::warn!(
+                    "the high-water file {} was not found at its path for a moment ({e:#}); it                      is there again, and holds the mark {}",
+                    self.path.display(),
+                    format_millis(millis)
+                );
+                return Ok(millis);
+            }
+            Err(e) => {
+                return Err(
+                    e.context("the high-water file was removed or replaced while this gateway ran")
+                )
+            }
+        };
         let found = found.file.into_inner().unwrap_or_else(|p| p.into_inner());
         self.entry_synced.store(false, Ordering::Relaxed);
         let mark = millis.max(stored.unwrap_or(0));
@@ -582,6 +609,27 @@ mod tests {
         );
         assert!(message.contains("in use by another process"), "{message}");
         drop(second);
+    }
+
+    /// A path that led nowhere for a moment when a write looked it up, and
+    /// leads to the writer's own file again when it is opened: the open,
+    /// refused by the writer's own lock, is no other process's, and the
+    /// mark written stands. The writer stopped stamping for good before.
+    #[test]
+    fn a_path_leading_to_the_writers_own_file_again_is_not_another_process() {
+        let path = scratch("back-again");
+        let (file, _) = open(&path).expect("a new file");
+        file.write(NOW).expect("written");
+        // What `write` does after a lookup that said "not found".
+        let mut held = file.file.lock_unpoisoned();
+        file.write_to(&held, NOW + 1_000).expect("written");
+        let written = file.follow_path(&mut held, NOW + 1_000);
+        drop(held);
+        assert_eq!(written.expect("its own file"), NOW + 1_000);
+        let read = |path: &Path| read_mark(&std::fs::read(path).expect("there"), NOW);
+        assert_eq!(read(&path), Ok(Some(NOW + 1_000)));
+        assert_eq!(file.write(NOW + 2_000).expect("written"), NOW + 2_000);
+        assert_eq!(read(&path), Ok(Some(NOW + 2_000)));
     }
 
     #[test]
