@@ -92,7 +92,24 @@ pub fn read_regular_file(path: &Path, what: &str, limit: u64) -> anyhow::Result<
     if bytes.len() as u64 > limit {
         return Err(too_big(bytes.len() as u64));
     }
-    Ok(bytes)
+    whole(bytes, metadata.len()).map_err(failed)
+}
+
+/// `bytes`, read from a file that was `size` bytes long when opened, or,
+/// where fewer or more came, an error that lets the read be tried again
+/// (not [`NotFound`](std::io::ErrorKind::NotFound)): the file changed
+/// while it was read (rewritten in place), or its file system answered
+/// short. Taken as it came, such a read was a build refused for good
+/// (`may_pass` false) and not read again until the file changed (a
+/// review's short read, by `strace`, of a valid build).
+fn whole(bytes: Vec<u8>, size: u64) -> std::io::Result<Vec<u8>> {
+    if bytes.len() as u64 == size {
+        return Ok(bytes);
+    }
+    Err(std::io::Error::other(format!(
+        "it was {size} bytes long when opened, and {} bytes were read: it changed while it was          read, or its file system answered short",
+        bytes.len()
+    )))
 }
 
 /// What kind of file `metadata` describes, for a message.
@@ -158,6 +175,25 @@ mod tests {
     use std::fs::File;
 
     use super::*;
+
+    /// A read that came short of (or past) the size the file had when
+    /// opened is a failure that may pass, which the file watch tries
+    /// again, naming both sizes; a whole read is the bytes.
+    #[test]
+    fn a_read_that_came_short_may_pass_and_names_both_sizes() {
+        assert_eq!(whole(b"abc".to_vec(), 3).expect("whole"), b"abc");
+        for (read, size) in [(&b""[..], 600_000), (&b"abc"[..], 2)] {
+            let error = whole(read.to_vec(), size).expect_err("not whole");
+            let failed = ReadFailed::new("reading the plugin p.wasm".to_string(), error);
+            assert!(failed.may_pass());
+            let message = failed.to_string();
+            assert!(
+                message.contains(&format!("{size} bytes long when opened"))
+                    && message.contains(&format!("{} bytes were read", read.len())),
+                "{message}"
+            );
+        }
+    }
 
     fn temp_dir(name: &str) -> std::path::PathBuf {
         let dir = std::env::temp_dir().join(format!(
