@@ -1623,7 +1623,15 @@ async fn the_admin_listener_answers_no_web_page() {
 #[tokio::test(flavor = "multi_thread")]
 async fn an_http2_body_reset_before_its_declared_length_is_not_forwarded() {
     let sent = CONTEXT_ONLY.as_bytes();
-    http2_body_reset_with_no_error(Some(2 * sent.len()), sent, "client_error").await;
+    let json = "application/json";
+    http2_body_reset(
+        h2::Reason::NO_ERROR,
+        json,
+        Some(2 * sent.len()),
+        sent,
+        "client_error",
+    )
+    .await;
 }
 
 /// The same without a content-length (a streamed upload): the gateway
@@ -1632,7 +1640,9 @@ async fn an_http2_body_reset_before_its_declared_length_is_not_forwarded() {
 #[tokio::test(flavor = "multi_thread")]
 async fn an_http2_json_body_reset_without_a_declared_length_is_not_forwarded() {
     let sent = CONTEXT_ONLY.as_bytes();
-    http2_body_reset_with_no_error(None, &sent[..sent.len() / 2], "rejected").await;
+    let half = &sent[..sent.len() / 2];
+    let no_error = h2::Reason::NO_ERROR;
+    http2_body_reset(no_error, "application/json", None, half, "rejected").await;
 }
 
 /// An HTTP/2 client is told how many requests it may have open at once:
@@ -1853,11 +1863,70 @@ async fn an_http2_client_that_goes_on_resetting_after_the_goaway_is_dropped() {
     assert_eq!(reply.status, 200, "{}", reply.text());
 }
 
-/// Over HTTP/2, sends one whole context-only request, then a second whose
-/// body is `part` (under a content-length of `declared`, if any) followed
-/// by a reset with NO_ERROR; asserts that the second counts as `outcome`
-/// and that only the first reached the upstream.
-async fn http2_body_reset_with_no_error(declared: Option<usize>, part: &[u8], outcome: &str) {
+/// A client that goes away partway through its body gets no answer
+/// counted as a response (a rapid-reset flood looked like a spike of 4xx
+/// answers, none of which any client read), and its request is not a
+/// client error: one read for the plugin was abandoned, one streamed
+/// through was passed through (as far as it came), as each is counted
+/// when its client goes away at another moment. Over HTTP/2 it resets its
+/// stream (CANCEL, as a client that gives up does); over HTTP/1 it closes
+/// its connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_gone_partway_through_its_body_is_answered_nothing_counted() {
+    let sent = CONTEXT_ONLY.as_bytes();
+    let cancel = h2::Reason::CANCEL;
+    let cases = [
+        ("application/json", "abandoned"),
+        ("text/plain", "passed_through"),
+    ];
+    for (content_type, outcome) in cases {
+        let declared = Some(2 * sent.len());
+        http2_body_reset(cancel, content_type, declared, sent, outcome).await;
+        http2_body_reset(cancel, content_type, None, sent, outcome).await;
+    }
+
+    let upstream = TestUpstream::start().await;
+    let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
+    for (content_type, outcome) in cases {
+        let mut stream = TcpStream::connect(gateway.addr).await.expect("connect");
+        let head = format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: {content_type}\r\n\
+             Content-Length: {}\r\n\r\n",
+            2 * sent.len()
+        );
+        stream.write_all(head.as_bytes()).await.expect("the head");
+        stream.write_all(sent).await.expect("half the body");
+        drop(stream);
+        let sample = format!("snowgate_requests_total{{outcome=\"{outcome}\"}}");
+        gateway.wait_metric(&sample, 1.0).await;
+    }
+    let metrics = gateway.metrics().await;
+    for class in ["2xx", "4xx", "5xx"] {
+        let sample = format!("snowgate_responses_total{{code=\"{class}\"}}");
+        assert_eq!(metric(&metrics, &sample), 0.0, "{class}: {metrics}");
+    }
+    assert_eq!(
+        metric(
+            &metrics,
+            r#"snowgate_requests_total{outcome="client_error"}"#
+        ),
+        0.0,
+        "{metrics}"
+    );
+}
+
+/// Over HTTP/2, sends one whole context-only request, then a second of
+/// `content_type` whose body is `part` (under a content-length of
+/// `declared`, if any) followed by a reset with `reason`; asserts that the
+/// second counts as `outcome`, that a response is counted for it unless it
+/// was abandoned, and that only the first reached the upstream.
+async fn http2_body_reset(
+    reason: h2::Reason,
+    content_type: &str,
+    declared: Option<usize>,
+    part: &[u8],
+    outcome: &str,
+) {
     let upstream = TestUpstream::start().await;
     let gateway = Gateway::start(&["--upstream", &upstream.url()]).await;
     let stream = TcpStream::connect(gateway.addr).await.expect("connect");
@@ -1875,16 +1944,16 @@ async fn http2_body_reset_with_no_error(declared: Option<usize>, part: &[u8], ou
     // One whole request first, so that the gateway has an upstream
     // connection at hand for the next one.
     let whole = CONTEXT_ONLY.as_bytes();
-    let request = |length: Option<usize>| {
+    let request = |content_type: &str, length: Option<usize>| {
         let mut request = http::Request::post(format!("http://{}/v1/completions", gateway.addr))
-            .header("content-type", "application/json");
+            .header("content-type", content_type);
         if let Some(length) = length {
             request = request.header("content-length", length);
         }
         request.body(()).expect("a request")
     };
     let (response, mut body) = client
-        .send_request(request(Some(whole.len())), false)
+        .send_request(request("application/json", Some(whole.len())), false)
         .expect("send");
     body.send_data(bytes::Bytes::from_static(whole), true)
         .expect("the body");
@@ -1896,8 +1965,10 @@ async fn http2_body_reset_with_no_error(declared: Option<usize>, part: &[u8], ou
         .await
         .expect("ready");
 
-    // Then the part, and a reset with NO_ERROR.
-    let (_response, mut body) = client.send_request(request(declared), false).expect("send");
+    // Then the part, and a reset.
+    let (_response, mut body) = client
+        .send_request(request(content_type, declared), false)
+        .expect("send");
     body.send_data(bytes::Bytes::copy_from_slice(part), false)
         .expect("the body");
     // h2 drops the frames of a stream that it has queued but not yet
@@ -1912,11 +1983,17 @@ async fn http2_body_reset_with_no_error(declared: Option<usize>, part: &[u8], ou
     )
     .await
     .expect("a ping answered");
-    body.send_reset(h2::Reason::NO_ERROR);
+    body.send_reset(reason);
 
     // Wait for the second request's outcome, whatever it is.
-    let outcomes = ["rewritten", "client_error", "rejected"]
-        .map(|outcome| format!("snowgate_requests_total{{outcome=\"{outcome}\"}}"));
+    let outcomes = [
+        "rewritten",
+        "client_error",
+        "rejected",
+        "abandoned",
+        "passed_through",
+    ]
+    .map(|outcome| format!("snowgate_requests_total{{outcome=\"{outcome}\"}}"));
     let deadline = Instant::now() + STEP;
     let metrics = loop {
         let metrics = gateway.metrics().await;
@@ -1939,11 +2016,42 @@ async fn http2_body_reset_with_no_error(declared: Option<usize>, part: &[u8], ou
         "the abandoned request counts as {outcome}: {metrics}\nupstream saw {:#?}",
         upstream.seen()
     );
-    assert_eq!(
-        upstream.seen().len(),
-        1,
-        "only the whole request went upstream: {:#?}",
-        upstream.seen()
+    // A response is counted just after its request's outcome; none for a
+    // client gone (one that resets with NO_ERROR ends its body as if whole).
+    let answered = if reason == h2::Reason::NO_ERROR {
+        2.0
+    } else {
+        1.0
+    };
+    let responses = |metrics: &str| -> f64 {
+        ["2xx", "4xx", "5xx"]
+            .map(|class| {
+                metric(
+                    metrics,
+                    &format!("snowgate_responses_total{{code=\"{class}\"}}"),
+                )
+            })
+            .iter()
+            .sum()
+    };
+    let mut metrics = metrics;
+    while responses(&metrics) < answered {
+        assert!(
+            Instant::now() < deadline,
+            "responses not counted: {metrics}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        metrics = gateway.metrics().await;
+    }
+    assert_eq!(responses(&metrics), answered, "{metrics}");
+    // A body read for the plugin goes nowhere; one streamed through goes
+    // as far as it came, and the upstream sees it end short.
+    let seen = upstream.seen();
+    let cut_short = seen[1..].iter().all(|cut| cut.body.len() <= part.len());
+    let streamed = content_type != "application/json";
+    assert!(
+        seen.len() == 1 || (streamed && seen.len() == 2 && cut_short),
+        "only the whole request went upstream whole: {seen:#?}"
     );
 }
 

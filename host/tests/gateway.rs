@@ -1922,8 +1922,15 @@ async fn a_request_its_client_abandons_before_its_fate_is_decided_is_counted_as_
         Full::new(Bytes::from(context_only_of(500 << 10))).boxed(),
     );
     reset_while(&gateway, waiting, "snowgate_body_memory_waiting", 1.0).await;
+    // The holder, whose connection closes partway through its body, went
+    // away too: abandoned, not a client error, and answered to nobody.
     drop((holder, rest));
     gateway.wait_metric("snowgate_body_memory_bytes", 0.0).await;
+    gateway.wait_metric(abandoned, 2.0).await;
+    let calls_before = metric(
+        &gateway.metrics().await,
+        "snowgate_plugin_call_seconds_count",
+    );
 
     // `sleep` waits a minute inside the call: a WASI wait that would end
     // past the deadline ends the call at once, so the deadline is longer.
@@ -1935,8 +1942,16 @@ async fn a_request_its_client_abandons_before_its_fate_is_decided_is_counted_as_
         .expect("a request");
     let mut call_sender = sender.clone();
     let sleeping = tokio::spawn(async move { call_sender.send_request(request).await });
-    reset_while(&gateway, sleeping, "snowgate_plugin_calls_running", 2.0).await;
+    reset_while(&gateway, sleeping, "snowgate_plugin_calls_running", 3.0).await;
     assert!(upstream.seen().is_empty(), "{:?}", upstream.seen().len());
+    // The call given up on is timed, up to when it was: a plugin slower
+    // than its clients' patience shows in the histogram.
+    let metrics = gateway.metrics().await;
+    assert_eq!(
+        metric(&metrics, "snowgate_plugin_call_seconds_count"),
+        calls_before + 1.0,
+        "{metrics}"
+    );
 
     // The connection, and the gateway, serve on.
     let after = post_json_h2(
@@ -1951,16 +1966,20 @@ async fn a_request_its_client_abandons_before_its_fate_is_decided_is_counted_as_
     assert_eq!(after.status(), StatusCode::OK);
     assert_fresh_v1_id(stamped_id(&upstream.only_seen().body));
     let metrics = gateway.metrics().await;
-    assert_eq!(metric(&metrics, abandoned), 2.0, "{metrics}");
-    // The holder, whose connection closed partway through its body.
+    assert_eq!(metric(&metrics, abandoned), 3.0, "{metrics}");
     assert_eq!(
         metric(
             &metrics,
             r#"snowgate_requests_total{outcome="client_error"}"#
         ),
-        1.0,
+        0.0,
         "{metrics}"
     );
+    // Only the request answered was a response: none of the abandoned.
+    for (class, count) in [("2xx", 1.0), ("4xx", 0.0), ("5xx", 0.0)] {
+        let sample = format!("snowgate_responses_total{{code=\"{class}\"}}");
+        assert_eq!(metric(&metrics, &sample), count, "{class}: {metrics}");
+    }
 }
 
 /// A body limit the plugin's memory cannot stamp is named at start, with

@@ -13,6 +13,7 @@ use http_body::{Body, Frame, SizeHint};
 use tokio::time::Instant;
 
 use crate::gateway::body_memory::{ClientConnection, ConnectionWaits};
+use crate::gateway::client_gone;
 use crate::gateway::hop_by_hop::strip_request_trailers;
 use crate::gateway::wait_timer::WaitTimer;
 use crate::unpoisoned::LockUnpoisoned as _;
@@ -46,6 +47,8 @@ const COMPLETE: u8 = 2;
 const BROKEN: u8 = 3;
 /// The client paused longer than the body read timeout.
 const STALLED: u8 = 4;
+/// The client went away mid-body (see [`client_gone::went_away`]).
+const GONE: u8 = 5;
 
 /// What a client did wrong with its request body.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,6 +60,11 @@ pub enum ClientFault {
     /// It sent more than the body limit without declaring its length
     /// (413).
     TooLarge,
+    /// It went away mid-body: closed or reset its connection, or reset
+    /// its HTTP/2 stream. No answer reaches it: no response is counted,
+    /// the access log says 499, and the request counts as abandoned (read
+    /// for the plugin) or passed through (streamed, as far as it came).
+    Gone,
 }
 
 impl ClientFault {
@@ -66,6 +74,7 @@ impl ClientFault {
             ClientFault::Broken => (http::StatusCode::BAD_REQUEST, "body_read_error"),
             ClientFault::Stalled => (http::StatusCode::REQUEST_TIMEOUT, "body_timeout"),
             ClientFault::TooLarge => (http::StatusCode::PAYLOAD_TOO_LARGE, "body_too_large"),
+            ClientFault::Gone => (http::StatusCode::BAD_REQUEST, "client_gone"),
         }
     }
 }
@@ -89,6 +98,7 @@ impl BodyProgress {
         match self.state.load(Ordering::Acquire) {
             BROKEN => Some(ClientFault::Broken),
             STALLED => Some(ClientFault::Stalled),
+            GONE => Some(ClientFault::Gone),
             _ => None,
         }
     }
@@ -377,8 +387,13 @@ where
                 Poll::Ready(Some(Ok(frame))) => frame,
                 Poll::Ready(Some(Err(e))) => {
                     this.held = None;
-                    this.progressed(BROKEN);
-                    return Poll::Ready(Some(Err(e.into())));
+                    let e: BoxError = e.into();
+                    this.progressed(if client_gone::went_away(&*e) {
+                        GONE
+                    } else {
+                        BROKEN
+                    });
+                    return Poll::Ready(Some(Err(e)));
                 }
                 Poll::Ready(None) => return Poll::Ready(this.ended()),
                 Poll::Pending => return this.waiting(cx),

@@ -23,6 +23,7 @@ use bytes::Bytes;
 use http::{Response, StatusCode};
 use http_body_util::Full;
 
+use crate::gateway::error_chain::causes;
 use crate::gateway::responses;
 
 /// Marks the answer to a request whose client went away while it waited:
@@ -90,6 +91,46 @@ pub fn answer(waited_for: &str) -> Response<Full<Bytes>> {
     );
     response.extensions_mut().insert(ClientGone);
     response
+}
+
+/// The answer to a request whose client went away while sending its body
+/// (`error`, the body's): as [`answer`]'s, nobody is meant to read it.
+pub fn answer_mid_body(error: &dyn std::fmt::Display) -> Response<Full<Bytes>> {
+    let mut response = responses::closing_error(
+        StatusCode::BAD_REQUEST,
+        "client_gone",
+        &format!("the client went away while sending its request body: {error}"),
+    );
+    response.extensions_mut().insert(ClientGone);
+    response
+}
+
+/// Whether `error`, a request body's, means that its client went away
+/// mid-body: it closed its HTTP/1 connection (or shut down its sending
+/// side, which hyper takes as the same) or reset it, or reset its HTTP/2
+/// stream or connection. Not a body it framed badly, which it is told
+/// of. A client that resets its HTTP/2 stream with `NO_ERROR` (the body
+/// then ends, as if whole) is not seen here.
+pub fn went_away(error: &(dyn std::error::Error + 'static)) -> bool {
+    causes(error).any(|cause| {
+        if let Some(e) = cause.downcast_ref::<hyper::Error>() {
+            return e.is_incomplete_message();
+        }
+        if let Some(e) = cause.downcast_ref::<h2::Error>() {
+            if e.is_remote() && (e.is_reset() || e.is_go_away()) {
+                return true;
+            }
+        }
+        cause.downcast_ref::<std::io::Error>().is_some_and(|e| {
+            matches!(
+                e.kind(),
+                std::io::ErrorKind::ConnectionReset
+                    | std::io::ErrorKind::ConnectionAborted
+                    | std::io::ErrorKind::BrokenPipe
+                    | std::io::ErrorKind::UnexpectedEof
+            )
+        })
+    })
 }
 
 #[cfg(target_os = "linux")]

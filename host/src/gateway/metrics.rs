@@ -94,10 +94,13 @@ impl Outcome {
 }
 
 /// Upper bounds of the plugin-call latency buckets, in seconds: finest
-/// around 100 µs, where a call's added latency is judged.
-const LATENCY_BUCKETS: [f64; 19] = [
+/// around 100 µs, where a call's added latency is judged, and on to a
+/// minute, for a `--plugin-deadline-ms` raised for bodies of many ids (with
+/// buckets ending at 1 s, the default deadline, every longer call was in
+/// `+Inf`, and a quantile over them read 1 s).
+const LATENCY_BUCKETS: [f64; 24] = [
     0.000005, 0.00001, 0.000025, 0.00005, 0.000075, 0.0001, 0.00015, 0.0002, 0.00025, 0.0005,
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0,
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 ];
 
 /// Upper bounds of the response-headers latency buckets, in seconds: from
@@ -189,6 +192,29 @@ pub(crate) struct OpenConnection(Arc<AtomicUsize>);
 impl Drop for OpenConnection {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// A plugin call being timed (see [`Metrics::time_plugin_call`]).
+#[derive(Debug)]
+pub(crate) struct PluginCallTimer<'a> {
+    metrics: &'a Metrics,
+    started: std::time::Instant,
+    record: bool,
+}
+
+impl PluginCallTimer<'_> {
+    /// The plugin did not run (no instance was free): nothing to record.
+    pub(crate) fn did_not_run(mut self) {
+        self.record = false;
+    }
+}
+
+impl Drop for PluginCallTimer<'_> {
+    fn drop(&mut self) {
+        if self.record {
+            self.metrics.plugin_call(self.started.elapsed());
+        }
     }
 }
 
@@ -363,6 +389,19 @@ impl Metrics {
         self.plugin_calls.record(took);
     }
 
+    /// Times a plugin call from now: recorded when the timer is dropped,
+    /// so that a call whose request is dropped before it ends (its client
+    /// went away) is recorded too, up to then. A plugin slower than its
+    /// clients' patience was otherwise missing from the histogram, the one
+    /// place it shows.
+    pub(crate) fn time_plugin_call(&self) -> PluginCallTimer<'_> {
+        PluginCallTimer {
+            metrics: self,
+            started: std::time::Instant::now(),
+            record: true,
+        }
+    }
+
     /// Counts a response by its status class (600 and up, which HTTP does
     /// not define but an upstream may send, in none), and records how
     /// long after its request arrived its headers were ready.
@@ -399,7 +438,7 @@ impl Metrics {
         let mut out = String::new();
         let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
         out.push_str(
-            "# HELP snowgate_requests_total Requests through the gateway, by how they ended.\n",
+            "# HELP snowgate_requests_total Requests through the gateway, by what the gateway made of them: rewritten and forwarded count what the plugin answered, whatever the upstream then did (see snowgate_upstream_errors_total); abandoned, a client gone before its answer, its body's end included.\n",
         );
         out.push_str("# TYPE snowgate_requests_total counter\n");
         for outcome in Outcome::ALL {
@@ -491,7 +530,7 @@ impl Metrics {
         self.plugin_calls.render(
             &mut out,
             "snowgate_plugin_call_seconds",
-            "Time of one plugin call, instantiation included.",
+            "Time of one plugin call, instantiation included; of a call its client gave up on (counted in snowgate_requests_total{outcome=\"abandoned\"}), until then.",
         );
         out.push_str("# HELP snowgate_responses_total Responses to clients, by status class: the upstream's, and the gateway's own (400, 413, 502, 503, ...).\n");
         out.push_str("# TYPE snowgate_responses_total counter\n");
@@ -641,6 +680,29 @@ mod tests {
             done.store(true, Ordering::Relaxed);
             assert!(scrapes.join().unwrap() > 0);
         });
+    }
+
+    /// A call is timed when its timer is dropped, however it ends (a
+    /// request dropped mid-call drops it too), and not when the plugin did
+    /// not run; calls longer than the default deadline land in buckets of
+    /// their own, up to a minute.
+    #[test]
+    fn a_plugin_call_is_timed_when_its_timer_drops_unless_it_did_not_run() {
+        let metrics = Metrics::default();
+        drop(metrics.time_plugin_call());
+        metrics.time_plugin_call().did_not_run();
+        metrics.plugin_call(Duration::from_secs(20));
+        metrics.plugin_call(Duration::from_secs(90));
+        let text = metrics.render(0);
+        assert!(
+            text.contains("snowgate_plugin_call_seconds_count 3\n"),
+            "{text}"
+        );
+        assert!(text.contains("snowgate_plugin_call_seconds_bucket{le=\"1\"} 1\n"));
+        assert!(text.contains("snowgate_plugin_call_seconds_bucket{le=\"10\"} 1\n"));
+        assert!(text.contains("snowgate_plugin_call_seconds_bucket{le=\"30\"} 2\n"));
+        assert!(text.contains("snowgate_plugin_call_seconds_bucket{le=\"60\"} 2\n"));
+        assert!(text.contains("snowgate_plugin_call_seconds_bucket{le=\"+Inf\"} 3\n"));
     }
 
     #[test]

@@ -53,7 +53,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{header, HeaderMap, HeaderName, Request, Response, StatusCode};
@@ -322,16 +322,20 @@ impl Shared {
                 progress.answered();
             }
             // A body the client stalled, broke off or sent too much of is
-            // the client's error.
+            // the client's error. One it went away from partway went
+            // upstream as far as it came: passed through, as a request
+            // whose client goes away while it streams is counted, with no
+            // response counted (the server sees the `ClientGone`).
             match response.extensions().get::<ClientFault>() {
                 Some(ClientFault::TooLarge) => verdict.fallback = Outcome::TooLarge,
+                Some(ClientFault::Gone) => {}
                 Some(_) => verdict.fallback = Outcome::ClientError,
+                // It went away while its request waited for a turn to the
+                // upstream.
+                None if response.extensions().get::<ClientGone>().is_some() => {
+                    verdict.fallback = Outcome::Abandoned
+                }
                 None => {}
-            }
-            // It went away while its request waited for a turn to the
-            // upstream.
-            if response.extensions().get::<ClientGone>().is_some() {
-                verdict.fallback = Outcome::Abandoned;
             }
             return Ok(response.map(Either::Right));
         }
@@ -429,13 +433,17 @@ impl Shared {
                 return own(body_memory_full(no_room));
             }
             Ok(Err(ReadBodyError::Failed(e))) => {
-                verdict.count(Outcome::ClientError);
-                let message = format!("the request body could not be read: {e}");
                 // A body that did not come through the server's wrapper
                 // can only have failed.
                 let fault = progress
                     .and_then(|p| p.fault())
                     .unwrap_or(ClientFault::Broken);
+                if fault == ClientFault::Gone {
+                    verdict.count(Outcome::Abandoned);
+                    return own(client_gone::answer_mid_body(&e));
+                }
+                verdict.count(Outcome::ClientError);
+                let message = format!("the request body could not be read: {e}");
                 let (status, code) = fault.answer();
                 return own(responses::closing_error(status, code, &message));
             }
@@ -514,7 +522,9 @@ impl Shared {
             }
         };
         let plugin = self.slot.current();
-        let started = Instant::now();
+        // Recorded when the call ends, or when its client goes away and
+        // this request is dropped mid-call.
+        let timer = self.metrics.time_plugin_call();
         // Runs on this worker thread; a call that runs long yields back at
         // every epoch tick (see `YIELD_AFTER`), so it holds up only this
         // request.
@@ -523,7 +533,10 @@ impl Shared {
         // go back to the pool as soon as its calls end.
         drop(plugin);
         drop(permit);
-        self.metrics.plugin_call(started.elapsed());
+        match &answer {
+            Err(CallError::Busy(_)) => timer.did_not_run(),
+            _ => drop(timer),
+        }
         let PluginRequest { headers, body, .. } = plugin_request;
         parts.headers = headers.into_map();
 

@@ -22,6 +22,7 @@ use tower_service::Service;
 use crate::gateway::body_limit::BodyTooLarge;
 use crate::gateway::client_body::{BodyProgress, ClientFault};
 use crate::gateway::client_gone;
+use crate::gateway::client_gone::ClientGone;
 use crate::gateway::config::UpstreamTimeouts;
 use crate::gateway::config::{host_and_port_problem, without_credentials};
 use crate::gateway::dot_segments;
@@ -578,13 +579,18 @@ fn unforwardable(path: &str, e: &dyn fmt::Display) -> String {
     format!("the request path {path:?} cannot be forwarded: {e}")
 }
 
-/// The answer to a request whose body the client stalled or broke off:
-/// 408 or 400, marked with the [`ClientFault`] for the request counters.
+/// The answer to a request whose body the client stalled, broke off or
+/// went away from: 408 or 400, marked with the [`ClientFault`] for the
+/// request counters, and, for a client gone, as [`ClientGone`]: nobody
+/// reads it.
 pub(crate) fn client_fault(fault: ClientFault, message: &str) -> Response<UpstreamBody> {
     tracing::debug!(?fault, message, "request body failed on the client's side");
     let (status, code) = fault.answer();
     let mut response = own(responses::error(status, code, message));
     response.extensions_mut().insert(fault);
+    if fault == ClientFault::Gone {
+        response.extensions_mut().insert(ClientGone);
+    }
     response
 }
 
