@@ -1727,6 +1727,9 @@ async fn wait_readiness(replica: &Gateway, status: u16, bound: Duration) -> supp
     loop {
         let reply = get(replica.admin, "/readyz").await;
         if reply.status == status {
+            // The gauge an alert reads says so too.
+            let ready = if status == 200 { 1.0 } else { 0.0 };
+            replica.wait_metric("snowgate_ready", ready).await;
             return reply;
         }
         assert!(

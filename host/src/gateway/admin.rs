@@ -1,6 +1,7 @@
 //! The admin listener: `/status`, `/reload`, `/healthz`, `/readyz`, `/metrics`.
 
 use std::convert::Infallible;
+use std::fmt::Write as _;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -121,6 +122,7 @@ impl Admin {
             (&Method::GET, "/metrics") => {
                 let mut body = self.slot.metrics().render(self.services.clock.issued());
                 body.push_str(&self.plugin_metrics());
+                body.push_str(&self.id_metrics());
                 if let Some(lease) = &self.lease {
                     body.push_str(&lease.render_metrics());
                 }
@@ -212,6 +214,37 @@ impl Admin {
             label_value(&info.version),
             label_value(&info.sha256),
         )
+    }
+
+    /// Whether requests that need an id can get one, the machine id held,
+    /// and the id clock's lead, in Prometheus text format: what alerts on
+    /// an id outage (a gauge, where the counters of its causes move once
+    /// and then stand still while it lasts) and on two replicas holding one
+    /// machine id need.
+    fn id_metrics(&self) -> String {
+        let ready = u8::from(self.readiness().is_ok());
+        let lead = self.services.clock.lead().as_secs_f64();
+        let max_lead = crate::id_clock::MAX_LEAD.as_secs();
+        let identity = &self.services.identity;
+        let mut out = format!(
+            "# HELP snowgate_ready 1 while /readyz answers ready: requests that need an id can get one now (a machine id held, its lease live, the next id within its confirmed high-water mark, the gateway not stopping); 0 otherwise, the reason in /readyz.\n\
+             # TYPE snowgate_ready gauge\n\
+             snowgate_ready {ready}\n\
+             # HELP snowgate_id_clock_lead_seconds How far the id clock runs ahead of the wall clock: ids asked for faster than the layout makes them a millisecond, or a wall clock stepped back. Past {max_lead} s ids are refused (ids_unavailable, id_rate_exceeded).\n\
+             # TYPE snowgate_id_clock_lead_seconds gauge\n\
+             snowgate_id_clock_lead_seconds {lead:.3}\n\
+             # HELP snowgate_machine_id_info The machine id this replica holds, and its layout (always 1; no series while it holds none): two replicas with one machine id and layout behind a router may repeat each other's ids.\n\
+             # TYPE snowgate_machine_id_info gauge\n",
+        );
+        if let Ok(id) = identity.current() {
+            let _ = writeln!(
+                out,
+                "snowgate_machine_id_info{{machine_id=\"{}\",layout=\"{}\"}} 1",
+                id.value,
+                identity.layout().name()
+            );
+        }
+        out
     }
 
     /// Why `request` looks sent by a web page, which the admin endpoints

@@ -616,8 +616,14 @@ impl Metrics {
             gauge(
                 &mut out,
                 "snowgate_body_memory_max_bytes",
-                "The most memory such bodies may hold at once (--body-memory-mib).",
+                "The most memory such bodies may hold at once (--body-memory-mib), beside the small bodies' lane (snowgate_body_memory_lane_max_bytes).",
                 memory.limit(),
+            );
+            gauge(
+                &mut out,
+                "snowgate_body_memory_lane_max_bytes",
+                "Memory beside snowgate_body_memory_max_bytes where bodies of up to 64 KiB take room when none is free in it (a sixteenth of it, at least 64 KiB), so that they need not wait behind large ones; snowgate_body_memory_bytes counts what they take there too.",
+                memory.lane(),
             );
             gauge(
                 &mut out,
