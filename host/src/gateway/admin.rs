@@ -17,6 +17,7 @@ use tokio::sync::Semaphore;
 
 use crate::engine::HostServices;
 use crate::gateway::activity::Activity;
+use crate::gateway::process_metrics;
 use crate::gateway::reclaim::{room_at_the_limit, OpenConnections};
 use crate::gateway::responses;
 use crate::gateway::server::{pause_after_accept_error, sends_within};
@@ -123,6 +124,7 @@ impl Admin {
                 let mut body = self.slot.metrics().render(self.services.clock.issued());
                 body.push_str(&self.plugin_metrics());
                 body.push_str(&self.id_metrics());
+                body.push_str(&process_metrics::render());
                 if let Some(lease) = &self.lease {
                     body.push_str(&lease.render_metrics());
                 }

@@ -27,6 +27,7 @@ pub(crate) mod lingering_close;
 pub mod metrics;
 pub mod middleware;
 pub mod plugin_file;
+pub(crate) mod process_metrics;
 mod queued;
 pub(crate) mod read_body;
 pub(crate) mod reclaim;
