@@ -1387,6 +1387,17 @@ pub fn assert_openai_error(body: &Value, code: &str, kind: &str) -> String {
     message.to_string()
 }
 
+/// The responses to clients `/metrics` text `text` counts, by class:
+/// `2xx`, `4xx` and `5xx`.
+pub fn responses_by_class(text: &str) -> [f64; 3] {
+    ["2xx", "4xx", "5xx"].map(|class| {
+        metric(
+            text,
+            &format!("snowgate_responses_total{{code=\"{class}\"}}"),
+        )
+    })
+}
+
 /// The value of one sample line (`name{labels} value`) in Prometheus text.
 pub fn metric(text: &str, sample: &str) -> f64 {
     text.lines()
