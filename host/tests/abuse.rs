@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use snowgate_host::gateway::admin::MAX_ADMIN_CONNECTIONS;
 use support::{
     bounded, connect_many, get, held_request, metric, post_json, read_raw_response,
-    responses_by_class, run_bounded, Gateway, TestUpstream, CONTEXT_ONLY, STEP,
+    responses_by_class, run_bounded, upstream_errors, Gateway, TestUpstream, CONTEXT_ONLY, STEP,
 };
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
@@ -1010,7 +1010,7 @@ async fn an_http2_client_that_stalls_a_streamed_body_gets_408() {
         ),
         1.0
     );
-    assert_eq!(metric(&metrics, "snowgate_upstream_errors_total"), 0.0);
+    assert_eq!(upstream_errors(&metrics, None), 0.0);
 }
 
 /// A client that sends its headers and then stalls its body gets 408 at
@@ -1045,7 +1045,7 @@ async fn a_client_that_stalls_its_body_gets_408() {
         ),
         2.0
     );
-    assert_eq!(metric(&metrics, "snowgate_upstream_errors_total"), 0.0);
+    assert_eq!(upstream_errors(&metrics, None), 0.0);
     let served = post_json(gateway.addr, "/v1/completions", CONTEXT_ONLY).await;
     assert_eq!(served.status, 200, "{}", served.text());
 
@@ -1059,7 +1059,7 @@ async fn a_client_that_stalls_its_body_gets_408() {
     let ended = abuse(gateway.addr, stalled("text/plain").as_bytes(), STEP).await;
     assert_eq!(ended, Ended::Status(408));
     let metrics = gateway.metrics().await;
-    assert_eq!(metric(&metrics, "snowgate_upstream_errors_total"), 0.0);
+    assert_eq!(upstream_errors(&metrics, None), 0.0);
 }
 
 #[tokio::test(flavor = "multi_thread")]

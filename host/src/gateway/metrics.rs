@@ -93,6 +93,39 @@ impl Outcome {
     }
 }
 
+/// Why a request got no upstream response (see
+/// [`Metrics::upstream_error`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UpstreamError {
+    /// No connection could be opened (502): the upstream is down.
+    Unreachable,
+    /// The connection failed after the request was sent (502).
+    Failed,
+    /// The upstream answered what the gateway cannot pass on (502).
+    Unusable,
+    /// A timeout ran out: connecting, or waiting for the response's
+    /// headers (504).
+    TimedOut,
+}
+
+impl UpstreamError {
+    const ALL: [UpstreamError; 4] = [
+        UpstreamError::Unreachable,
+        UpstreamError::Failed,
+        UpstreamError::Unusable,
+        UpstreamError::TimedOut,
+    ];
+
+    fn label(self) -> &'static str {
+        match self {
+            UpstreamError::Unreachable => "unreachable",
+            UpstreamError::Failed => "failed",
+            UpstreamError::Unusable => "unusable",
+            UpstreamError::TimedOut => "timed_out",
+        }
+    }
+}
+
 /// Upper bounds of the plugin-call latency buckets, in seconds: finest
 /// around 100 µs, where a call's added latency is judged, and on to a
 /// minute, for a `--plugin-deadline-ms` raised for bodies of many ids (with
@@ -222,7 +255,7 @@ impl Drop for PluginCallTimer<'_> {
 #[derive(Debug)]
 pub struct Metrics {
     requests: [AtomicU64; Outcome::ALL.len()],
-    upstream_errors: AtomicU64,
+    upstream_errors: [AtomicU64; UpstreamError::ALL.len()],
     upstream_cut_offs: AtomicU64,
     /// Requests that found no turn for the upstream in time.
     upstream_busy: AtomicU64,
@@ -258,7 +291,7 @@ impl Default for Metrics {
     fn default() -> Metrics {
         Metrics {
             requests: Default::default(),
-            upstream_errors: AtomicU64::new(0),
+            upstream_errors: Default::default(),
             upstream_cut_offs: AtomicU64::new(0),
             upstream_busy: AtomicU64::new(0),
             connections_reclaimed: AtomicU64::new(0),
@@ -337,9 +370,10 @@ impl Metrics {
         self.upstream_busy.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Counts a request that got no upstream response (answered 502 or 504).
-    pub fn upstream_error(&self) {
-        self.upstream_errors.fetch_add(1, Ordering::Relaxed);
+    /// Counts a request that got no upstream response (answered 502 or
+    /// 504), by why.
+    pub fn upstream_error(&self, why: UpstreamError) {
+        self.upstream_errors[why as usize].fetch_add(1, Ordering::Relaxed);
     }
 
     /// Counts a response cut off after its headers because of its
@@ -455,14 +489,17 @@ impl Metrics {
         out.push_str("# TYPE snowgate_ids_stamped_total counter\n");
         let _ = writeln!(out, "snowgate_ids_stamped_total {ids_issued}");
         out.push_str(
-            "# HELP snowgate_upstream_errors_total Requests that got no upstream response: 502 (unreachable, failed) or 504 (timed out).\n",
+            "# HELP snowgate_upstream_errors_total Requests that got no upstream response, by why: 502 when it could not be connected to (unreachable), its connection failed after the request was sent (failed), or it answered what the gateway cannot pass on (unusable); 504 when a timeout ran out (timed_out).\n",
         );
         out.push_str("# TYPE snowgate_upstream_errors_total counter\n");
-        let _ = writeln!(
-            out,
-            "snowgate_upstream_errors_total {}",
-            load(&self.upstream_errors)
-        );
+        for why in UpstreamError::ALL {
+            let _ = writeln!(
+                out,
+                "snowgate_upstream_errors_total{{kind=\"{}\"}} {}",
+                why.label(),
+                load(&self.upstream_errors[why as usize])
+            );
+        }
         out.push_str(
             "# HELP snowgate_upstream_cut_offs_total Responses cut off after their headers because of the upstream: it paused within the body longer than --upstream-read-timeout-ms, or its connection failed within the body.\n",
         );
@@ -717,6 +754,9 @@ mod tests {
         metrics.request(Outcome::Rewritten);
         metrics.request(Outcome::Rewritten);
         metrics.plugin_failure(&CallError::Deadline(Duration::from_secs(1)));
+        metrics.upstream_error(UpstreamError::TimedOut);
+        metrics.upstream_error(UpstreamError::Unreachable);
+        metrics.upstream_error(UpstreamError::TimedOut);
         metrics.plugin_call(Duration::from_micros(30));
         metrics.plugin_call(Duration::from_millis(2));
         metrics.response(http::StatusCode::OK, Duration::from_millis(3));
@@ -733,6 +773,15 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("snowgate_ids_stamped_total 3\n"));
+        for (kind, count) in [
+            ("unreachable", 1),
+            ("failed", 0),
+            ("unusable", 0),
+            ("timed_out", 2),
+        ] {
+            let line = format!("snowgate_upstream_errors_total{{kind=\"{kind}\"}} {count}\n");
+            assert!(text.contains(&line), "{text}");
+        }
         assert!(text.contains("snowgate_plugin_failures_total{kind=\"deadline\"} 1\n"));
         assert!(text.contains("snowgate_plugin_call_seconds_bucket{le=\"0.00005\"} 1\n"));
         assert!(text.contains("snowgate_plugin_call_seconds_bucket{le=\"0.0025\"} 2\n"));

@@ -29,7 +29,7 @@ use crate::gateway::dot_segments;
 use crate::gateway::echo;
 use crate::gateway::error_chain;
 use crate::gateway::hop_by_hop::{strip_hop_by_hop, strip_response_hop_by_hop};
-use crate::gateway::metrics::Metrics;
+use crate::gateway::metrics::{Metrics, UpstreamError};
 use crate::gateway::responses;
 use crate::gateway::transfer_coding;
 use crate::gateway::upstream_pool::{
@@ -405,7 +405,7 @@ impl HttpUpstream {
                 ))
             }
         };
-        self.metrics.upstream_error();
+        self.metrics.upstream_error(failure.counted_as());
         // While the upstream is down every request fails alike: one
         // warning a second for each kind of failure, with a count of the
         // rest, not one per request (a soak test logged 10 MB a minute).
@@ -621,6 +621,16 @@ enum UpstreamFailure {
 }
 
 impl UpstreamFailure {
+    /// How `/metrics` counts it.
+    fn counted_as(&self) -> UpstreamError {
+        match self {
+            UpstreamFailure::Unreachable(_) => UpstreamError::Unreachable,
+            UpstreamFailure::Failed(_) => UpstreamError::Failed,
+            UpstreamFailure::Unusable(_) => UpstreamError::Unusable,
+            UpstreamFailure::TooSlow(_) => UpstreamError::TimedOut,
+        }
+    }
+
     /// The last cause in `error`'s chain.
     fn innermost_cause(error: &SendError) -> String {
         let innermost = error_chain::causes(error).last();

@@ -1398,6 +1398,23 @@ pub fn responses_by_class(text: &str) -> [f64; 3] {
     })
 }
 
+/// The requests that got no upstream response, `/metrics` text `text`
+/// counts: of the kind `kind` (`unreachable`, `failed`, `unusable`,
+/// `timed_out`), or of every kind.
+pub fn upstream_errors(text: &str, kind: Option<&str>) -> f64 {
+    let kinds = ["unreachable", "failed", "unusable", "timed_out"];
+    kinds
+        .iter()
+        .filter(|k| kind.is_none_or(|kind| kind == **k))
+        .map(|k| {
+            metric(
+                text,
+                &format!("snowgate_upstream_errors_total{{kind=\"{k}\"}}"),
+            )
+        })
+        .sum()
+}
+
 /// The value of one sample line (`name{labels} value`) in Prometheus text.
 pub fn metric(text: &str, sample: &str) -> f64 {
     text.lines()
