@@ -134,6 +134,8 @@ impl CompileProcess {
     /// message), the compile needed more memory or CPU time than its limit,
     /// or the child could not be started or failed otherwise.
     pub fn compile(&self, component: &[u8]) -> Result<Vec<u8>, CompileFailure> {
+        #[cfg(unix)]
+        keep_children_for_waiting();
         let mut command = Command::new(&self.program);
         command
             .args(&self.args)
@@ -741,6 +743,34 @@ impl std::fmt::Display for RefusedComponent {
 }
 
 impl std::error::Error for RefusedComponent {}
+
+/// Makes sure this process's children can be waited for. A `SIGCHLD`
+/// ignored by whoever started the gateway (the disposition passes through
+/// `exec`), or set with `SA_NOCLDWAIT`, has the kernel reap children
+/// itself, and waiting for one then fails with `ECHILD` once it ended:
+/// every compile failed, and a gateway could not start (a review's wrapper
+/// that ignored `SIGCHLD` and then ran `snowgate serve`). Set back to the
+/// default, which leaves the signal unheard too, but children to be
+/// waited for. Process-wide, as the disposition is; nothing else in this
+/// crate relies on it.
+#[cfg(unix)]
+fn keep_children_for_waiting() {
+    // SAFETY: sigaction reads the current disposition into a zeroed
+    // struct, and replaces it only where children would not be kept.
+    unsafe {
+        let mut current = std::mem::zeroed::<libc::sigaction>();
+        if libc::sigaction(libc::SIGCHLD, std::ptr::null(), &mut current) != 0 {
+            return;
+        }
+        let reaped_for_us =
+            current.sa_sigaction == libc::SIG_IGN || current.sa_flags & libc::SA_NOCLDWAIT != 0;
+        if reaped_for_us {
+            let mut default = std::mem::zeroed::<libc::sigaction>();
+            default.sa_sigaction = libc::SIG_DFL;
+            libc::sigaction(libc::SIGCHLD, &default, std::ptr::null_mut());
+        }
+    }
+}
 
 #[cfg(test)]
 mod tests {

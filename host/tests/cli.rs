@@ -1121,6 +1121,30 @@ fn serve_under_rlimit(
     command
 }
 
+/// A `snowgate` started with `SIGCHLD` ignored (the disposition passes
+/// through `exec`, so a wrapper or a supervisor that ignores it passes it
+/// on) still compiles its plugin in a child process: such a child used to
+/// be reaped by the kernel before the gateway waited for it, and every
+/// load failed with "No child processes", at start too.
+#[cfg(unix)]
+#[test]
+fn a_snowgate_started_with_sigchld_ignored_still_compiles_its_plugin() {
+    use std::os::unix::process::CommandExt;
+    let mut command = Command::new(env!("CARGO_BIN_EXE_snowgate"));
+    command.args(["check", "--machine-id", "7"]);
+    // SAFETY: between fork and exec the closure only calls signal, which
+    // is async-signal-safe.
+    unsafe {
+        command.pre_exec(|| {
+            if libc::signal(libc::SIGCHLD, libc::SIG_IGN) == libc::SIG_ERR {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    success(&run(command, b""));
+}
+
 /// `snowgate`, to be given its arguments, under the resource limit
 /// `resource` of `soft` (and `hard`), as `ulimit` sets it.
 #[cfg(unix)]
