@@ -92,29 +92,9 @@ impl CompileCache {
     pub fn open(path: &Path) -> anyhow::Result<CompileCache> {
         let what = || format!("the plugin compile cache {}", path.display());
         links::check(path).with_context(what)?;
-        if fs::metadata(path).is_err() {
-            if let Ok(link) = fs::symlink_metadata(path) {
-                anyhow::ensure!(
-                    !link.file_type().is_symlink(),
-                    "{} is a symbolic link to {}, which does not exist",
-                    what(),
-                    fs::read_link(path).unwrap_or_default().display()
-                );
-            }
-            fs::DirBuilder::new()
-                .recursive(true)
-                .mode(0o700)
-                .create(path)
-                .with_context(|| format!("creating {}", what()))?;
-        }
-        let dir = rustix::fs::open(
-            path,
-            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
-            Mode::empty(),
-        )
-        .map_err(|e| match e {
-            rustix::io::Errno::NOTDIR => anyhow::anyhow!("{} is not a directory", what()),
-            e => anyhow::Error::from(std::io::Error::from(e)).context(what()),
+        let dir = open_or_make(path).map_err(|e| match e {
+            Opened::NotADirectory => anyhow::anyhow!("{} is not a directory", what()),
+            Opened::Failed(e) => e.context(what()),
         })?;
         let cache = CompileCache {
             path: path.to_path_buf(),
@@ -383,6 +363,108 @@ pub(crate) fn is_over_the_limits(e: &wasmtime::Error) -> bool {
     format!("{e:#}").contains("minimum byte size")
 }
 
+/// Why [`open_or_make`] gave no directory.
+enum Opened {
+    /// The path names something else.
+    NotADirectory,
+    /// Anything else, said.
+    Failed(anyhow::Error),
+}
+
+/// The directory at `path`, opened, or made (mode 0700) and opened where
+/// there is none, its links checked before (see [`links`]). What the
+/// path's last part is, is read once, and the open holds to it: a link that
+/// belongs to this user or root is followed (nobody else can replace it in
+/// a directory with the sticky bit, as /tmp); anything else is opened
+/// without following a link; where nothing is, the directory is made (see
+/// [`make_and_open`]). Before, a link another user made in the moment
+/// between the check of the links and the open, in a directory all may
+/// write to, chose the directory opened: a review won that race 2 times in
+/// 60.
+fn open_or_make(path: &Path) -> Result<OwnedFd, Opened> {
+    // Without a trailing `/` or `.`, which would have the last part
+    // followed where it is a link.
+    let path: PathBuf = path.components().collect();
+    let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC;
+    let opened = |result: rustix::io::Result<OwnedFd>| {
+        result.map_err(|e| match e {
+            rustix::io::Errno::NOTDIR => Opened::NotADirectory,
+            rustix::io::Errno::LOOP => Opened::Failed(anyhow::anyhow!(
+                "it became a symbolic link while it was opened: another process is changing it"
+            )),
+            e => Opened::Failed(anyhow::Error::from(std::io::Error::from(e))),
+        })
+    };
+    match fs::symlink_metadata(&path) {
+        Ok(entry) if entry.file_type().is_symlink() => {
+            let me = rustix::process::geteuid().as_raw();
+            if entry.uid() != me && entry.uid() != 0 {
+                return Err(Opened::Failed(anyhow::anyhow!(
+                    "it is a symbolic link that belongs to user {}: only snowgate's user or root \
+                     may choose where the cache is",
+                    entry.uid()
+                )));
+            }
+            if fs::metadata(&path).is_err() {
+                return Err(Opened::Failed(anyhow::anyhow!(
+                    "it is a symbolic link to {}, which does not exist",
+                    fs::read_link(&path).unwrap_or_default().display()
+                )));
+            }
+            opened(rustix::fs::open(&path, flags, Mode::empty()))
+        }
+        Ok(_) => opened(rustix::fs::open(
+            &path,
+            flags | OFlags::NOFOLLOW,
+            Mode::empty(),
+        )),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            make_and_open(&path).map_err(Opened::Failed)
+        }
+        Err(e) => Err(Opened::Failed(anyhow::Error::from(e))),
+    }
+}
+
+/// Makes the directory `path`, found missing (and its missing parents),
+/// mode 0700, and opens it: made in its parent's open directory and opened
+/// from there without following a link, so that what is opened is the
+/// directory made. Whatever is at `path` by the time it is made (a link
+/// another user made since it was found missing, another gateway's
+/// directory) is refused.
+fn make_and_open(path: &Path) -> anyhow::Result<OwnedFd> {
+    let name = path
+        .file_name()
+        .with_context(|| format!("{} names no directory that could be made", path.display()))?;
+    let parent = match path.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => parent,
+        _ => Path::new("."),
+    };
+    fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(parent)
+        .with_context(|| format!("creating {}", parent.display()))?;
+    let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC;
+    let parent_dir = rustix::fs::open(parent, flags, Mode::empty())
+        .map_err(std::io::Error::from)
+        .with_context(|| format!("opening {}", parent.display()))?;
+    match rustix::fs::mkdirat(&parent_dir, name, Mode::from_raw_mode(0o700)) {
+        Ok(()) => {}
+        Err(rustix::io::Errno::EXIST) => {
+            anyhow::bail!(
+                "it appeared while it was being made (another process made it): start again"
+            )
+        }
+        Err(e) => {
+            return Err(std::io::Error::from(e))
+                .with_context(|| format!("creating {}", path.display()))
+        }
+    }
+    rustix::fs::openat(&parent_dir, name, flags | OFlags::NOFOLLOW, Mode::empty())
+        .map_err(std::io::Error::from)
+        .with_context(|| format!("opening {}, made", path.display()))
+}
+
 /// Refuses what belongs to another user (`uid`) or is writable by group or
 /// others (`mode`).
 fn only_ours(uid: u32, mode: u32) -> anyhow::Result<()> {
@@ -424,6 +506,44 @@ pub(super) mod tests {
         let mode = fs::metadata(&dir).expect("exists").mode() & 0o777;
         assert_eq!(mode, 0o700);
         let _ = fs::remove_dir_all(dir.parent().expect("parent"));
+    }
+
+    /// A link another user makes at the path after its links were
+    /// checked, in the moment before the directory is made or opened, is
+    /// refused: it is there when the path's last part is read, and another
+    /// user's, or it is there when the directory is made.
+    #[test]
+    fn a_link_made_at_the_path_before_it_is_made_or_opened_is_refused() {
+        let root = scratch("raced");
+        let victim = root.join("victim");
+        fs::create_dir_all(&victim).expect("a directory of this user");
+        let path = root.join("cache");
+        std::os::unix::fs::symlink(&victim, &path).expect("a link");
+        // Made after the path was found missing, before the making.
+        let error = format!("{:#}", make_and_open(&path).expect_err("a link"));
+        assert!(
+            error.contains("appeared while it was being made"),
+            "{error}"
+        );
+        // There when the last part is read.
+        match std::os::unix::fs::lchown(&path, Some(12345), None) {
+            Ok(()) => {
+                let Err(Opened::Failed(error)) = open_or_make(&path) else {
+                    panic!("opened through another user's link");
+                };
+                let error = format!("{error:#}");
+                assert!(error.contains("belongs to user 12345"), "{error}");
+            }
+            Err(e) => eprintln!("not root ({e}): another user's link is not tried"),
+        }
+        // Made where nothing is: its parents too, each 0700.
+        let made = root.join("a/b");
+        make_and_open(&made).expect("made");
+        for dir in [root.join("a"), made] {
+            let mode = fs::metadata(&dir).expect("made").mode() & 0o777;
+            assert_eq!(mode, 0o700, "{}", dir.display());
+        }
+        let _ = fs::remove_dir_all(&root);
     }
 
     #[test]
