@@ -61,9 +61,12 @@ pub enum ClientFault {
     /// (413).
     TooLarge,
     /// It went away mid-body: closed or reset its connection, or reset
-    /// its HTTP/2 stream. No answer reaches it: no response is counted,
-    /// the access log says 499, and the request counts as abandoned (read
-    /// for the plugin) or passed through (streamed, as far as it came).
+    /// its HTTP/2 stream. No response is counted, the access log says 499,
+    /// and the request counts as abandoned (read for the plugin) or passed
+    /// through (streamed, as far as it came). An HTTP/1 client that only
+    /// shut down its sending side looks the same, and may still read the
+    /// 400 `client_gone` it is sent, as one that did so while its request
+    /// waited for room does.
     Gone,
 }
 

@@ -107,29 +107,34 @@ pub fn answer_mid_body(error: &dyn std::fmt::Display) -> Response<Full<Bytes>> {
 
 /// Whether `error`, a request body's, means that its client went away
 /// mid-body: it closed its HTTP/1 connection (or shut down its sending
-/// side, which hyper takes as the same) or reset it, or reset its HTTP/2
-/// stream or connection. Not a body it framed badly, which it is told
-/// of. A client that resets its HTTP/2 stream with `NO_ERROR` (the body
-/// then ends, as if whole) is not seen here.
+/// side, which hyper takes as the same, and which this cannot tell apart)
+/// or reset it, or it reset its HTTP/2 stream, or closed or reset the
+/// connection beneath it. Not a body it framed badly, which it is told
+/// of, nor a stream h2 itself reset for a fault of the client's. A client
+/// that resets its HTTP/2 stream with `NO_ERROR` (the body then ends, as
+/// if whole) is not seen here.
 pub fn went_away(error: &(dyn std::error::Error + 'static)) -> bool {
+    let gone = |e: &std::io::Error| {
+        matches!(
+            e.kind(),
+            std::io::ErrorKind::ConnectionReset
+                | std::io::ErrorKind::ConnectionAborted
+                | std::io::ErrorKind::UnexpectedEof
+                | std::io::ErrorKind::BrokenPipe
+        )
+    };
     causes(error).any(|cause| {
         if let Some(e) = cause.downcast_ref::<hyper::Error>() {
             return e.is_incomplete_message();
         }
+        // h2's error names no source: its I/O error is asked of it. A
+        // connection that ended is a broken pipe to h2, whether the client
+        // closed it or the gateway itself dropped it (its grace period
+        // over, say): no answer reaches the client either way.
         if let Some(e) = cause.downcast_ref::<h2::Error>() {
-            if e.is_remote() && (e.is_reset() || e.is_go_away()) {
-                return true;
-            }
+            return (e.is_reset() && e.is_remote()) || e.get_io().is_some_and(gone);
         }
-        cause.downcast_ref::<std::io::Error>().is_some_and(|e| {
-            matches!(
-                e.kind(),
-                std::io::ErrorKind::ConnectionReset
-                    | std::io::ErrorKind::ConnectionAborted
-                    | std::io::ErrorKind::BrokenPipe
-                    | std::io::ErrorKind::UnexpectedEof
-            )
-        })
+        cause.downcast_ref::<std::io::Error>().is_some_and(gone)
     })
 }
 
