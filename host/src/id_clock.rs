@@ -256,6 +256,25 @@ impl IdClock {
         }
     }
 
+    /// How far the last tick (or a floor set by
+    /// [`IdClock::advance_past`]) runs ahead of the highest wall clock
+    /// reading yet: what ids asked for faster than the layout makes them
+    /// put the clock ahead by, which [`IdClock::system`] bounds at
+    /// [`MAX_LEAD`] (see [`NoTick::TooFarAhead`]). Unlike
+    /// [`lead`](Self::lead), a wall clock that steps back adds nothing:
+    /// the bound is from the highest reading, so ids are not refused for
+    /// it.
+    pub fn lead_over_latest_reading(&self) -> Duration {
+        let now = self.wall.now_millis();
+        let state = self.state();
+        let latest = state.reached.max(now);
+        Duration::from_millis(
+            state
+                .last
+                .map_or(0, |last| last.millis.saturating_sub(latest)),
+        )
+    }
+
     /// Blocks until the wall clock has passed every tick handed out, and
     /// returns how long that took (zero when it already had).
     ///
@@ -400,9 +419,16 @@ pub(crate) mod tests {
         }
         assert_eq!(clock.last_tick().map(|t| t.millis), Some(103));
         assert_eq!(clock.lead(), Duration::from_millis(3));
-        // A wall clock that steps back leaves the clock further ahead.
+        assert_eq!(clock.lead_over_latest_reading(), Duration::from_millis(2));
+        // A wall clock that steps back leaves the clock further ahead of
+        // it, but not of the highest reading, which bounds the lead.
         now.store(50, Ordering::SeqCst);
         assert_eq!(clock.lead(), Duration::from_millis(54));
+        assert_eq!(clock.lead_over_latest_reading(), Duration::from_millis(2));
+        // Bursts run it ahead of that reading, up to the bound.
+        let clock = clock.with_max_lead(Duration::from_millis(5));
+        while clock.next_tick(1024).is_ok() {}
+        assert_eq!(clock.lead_over_latest_reading(), Duration::from_millis(5));
     }
 
     #[test]

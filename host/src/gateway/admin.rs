@@ -241,14 +241,14 @@ impl Admin {
     /// machine id need.
     fn id_metrics(&self) -> String {
         let ready = u8::from(self.readiness().is_ok());
-        let lead = self.services.clock.lead().as_secs_f64();
+        let lead = self.services.clock.lead_over_latest_reading().as_secs_f64();
         let max_lead = crate::id_clock::MAX_LEAD.as_secs();
         let identity = &self.services.identity;
         let mut out = format!(
             "# HELP snowgate_ready 1 while /readyz answers ready: requests that need an id can get one now (a machine id held, its lease live, the next id within its confirmed high-water mark, the gateway not stopping); 0 otherwise, the reason in /readyz.\n\
              # TYPE snowgate_ready gauge\n\
              snowgate_ready {ready}\n\
-             # HELP snowgate_id_clock_lead_seconds How far the id clock runs ahead of the wall clock: ids asked for faster than the layout makes them a millisecond, or a wall clock stepped back. Past {max_lead} s ids are refused (ids_unavailable, id_rate_exceeded).\n\
+             # HELP snowgate_id_clock_lead_seconds How far the id clock runs ahead of the highest wall clock reading yet: ids asked for faster than the layout makes them a millisecond (a wall clock stepped back adds nothing). Past {max_lead} s ids are refused (ids_unavailable, id_rate_exceeded).\n\
              # TYPE snowgate_id_clock_lead_seconds gauge\n\
              snowgate_id_clock_lead_seconds {lead:.3}\n\
              # HELP snowgate_machine_id_info The machine id this replica holds, and its layout (always 1; no series while it holds none): two replicas with one machine id and layout behind a router may repeat each other's ids.\n\
