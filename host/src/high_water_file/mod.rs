@@ -195,10 +195,18 @@ impl HighWaterFile {
     fn follow_path(&self, file: &mut File, millis: u64) -> anyhow::Result<u64> {
         let (found, stored) = match HighWaterFile::open(&self.path, self.layout, self.machine_id) {
             Ok(opened) => opened,
-            Err(e) if self.still_at_path(file)? => {
+            Err(e) if matches!(self.still_at_path(file), Ok(true)) => {
+                // Its directory entry came back (moved away and back, say):
+                // synced, or a crash could lose it, and the next start would
+                // find no mark.
+                let shown = self.path.display();
+                sync_directory_of(&self.path).with_context(|| {
+                    format!("syncing the directory entry of the high-water file {shown}")
+                })?;
+                self.entry_synced.store(true, Ordering::Relaxed);
                 tracing::warn!(
-                    "the high-water file {} was not found at its path for a moment ({e:#}); it                      is there again, and holds the mark {}",
-                    self.path.display(),
+                    "the high-water file {shown} was not found at its path for a moment \
+                     ({e:#}); it is there again, and holds the mark {}",
                     format_millis(millis)
                 );
                 return Ok(millis);
