@@ -951,18 +951,6 @@ mod tests {
         );
     }
 
-    /// A compile that takes longer than twice its CPU time in wall-clock
-    /// time (at least 10 s), however little CPU it uses (here a child that
-    /// only sleeps), is ended, and says so; before, only CPU time was
-    /// bounded. The CPU time is its own: another compile that ends
-    /// meanwhile (here one that only spins, to its CPU limit) is not
-    /// counted in it, as `RUSAGE_CHILDREN` counted it.
-    ///
-    /// The spinner runs at the compile's low priority, so a machine busy
-    /// with other work may not give it its second of CPU within the
-    /// sleeper's 10 s (a run beside three reviews and a CI run did not).
-    /// Without that second the check means nothing, so such a round is run
-    /// again, up to three times, and the test fails if none had it.
     /// The compile runs ten steps of niceness below the thread that
     /// starts it, wherever that is: not at a fixed nice 10, which is above
     /// a gateway run at 11 or more.
@@ -1000,6 +988,18 @@ mod tests {
         assert_eq!(nice_of_child(), (raised + 10).min(19));
     }
 
+    /// A compile that takes longer than twice its CPU time in wall-clock
+    /// time (at least 10 s), however little CPU it uses (here a child that
+    /// only sleeps), is ended, and says so; before, only CPU time was
+    /// bounded. The CPU time is its own: another compile that ends
+    /// meanwhile (here one that only spins, to its CPU limit) is not
+    /// counted in it, as `RUSAGE_CHILDREN` counted it.
+    ///
+    /// The spinner runs at the compile's low priority, so a machine busy
+    /// with other work may not give it its second of CPU within the
+    /// sleeper's 10 s (a run beside three reviews and a CI run did not).
+    /// Without that second the check means nothing, so such a round is run
+    /// again, up to three times, and the test fails if none had it.
     #[cfg(target_os = "linux")]
     #[test]
     fn a_compile_past_twice_its_cpu_time_in_wall_clock_time_is_ended() {

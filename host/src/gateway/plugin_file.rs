@@ -107,7 +107,7 @@ fn whole(bytes: Vec<u8>, size: u64) -> std::io::Result<Vec<u8>> {
         return Ok(bytes);
     }
     Err(std::io::Error::other(format!(
-        "it was {size} bytes long when opened, and {} bytes were read: it changed while it was          read, or its file system answered short",
+        "it was {size} bytes long when opened, and {} bytes were read: it changed while it was read, or its file system answered short",
         bytes.len()
     )))
 }
