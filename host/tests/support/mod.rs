@@ -130,7 +130,8 @@ pub fn run_bounded_with_stderr(
         );
         if overran {
             // SAFETY: kill only sends a signal; the child is not yet
-            // reaped (the test thread waits on it), so `pid` is still it.
+            // reaped (the test thread reaps it only once this thread has
+            // ended), so `pid` is still it.
             unsafe { libc::kill(pid, libc::SIGKILL) };
         }
         overran
@@ -139,9 +140,51 @@ pub fn run_bounded_with_stderr(
     // A command that fails before reading stdin closes it: ignore EPIPE.
     let _ = input.write_all(stdin);
     drop(input);
-    let output = child.wait_with_output().expect("waiting for snowgate");
+    let errors = child.stderr.take().map(|mut stderr| {
+        std::thread::spawn(move || {
+            let mut text = Vec::new();
+            let _ = std::io::Read::read_to_end(&mut stderr, &mut text);
+            text
+        })
+    });
+    let mut stdout = Vec::new();
+    if let Some(mut out) = child.stdout.take() {
+        let _ = std::io::Read::read_to_end(&mut out, &mut stdout);
+    }
+    let stderr = errors.map_or_else(Vec::new, |errors| errors.join().expect("stderr"));
+    // Its end waited for without reaping it, before the watchdog is told:
+    // reaped first, its pid could be another process's by the time the
+    // watchdog's kill went out (the unsafe-code review).
+    loop {
+        let mut info = std::mem::MaybeUninit::<libc::siginfo_t>::zeroed();
+        // SAFETY: waitid writes the info it is given; WNOWAIT leaves the
+        // child to be reaped below.
+        let waited = unsafe {
+            libc::waitid(
+                libc::P_PID,
+                pid as libc::id_t,
+                info.as_mut_ptr(),
+                libc::WEXITED | libc::WNOWAIT,
+            )
+        };
+        if waited == 0 {
+            break;
+        }
+        let error = std::io::Error::last_os_error();
+        assert_eq!(
+            error.kind(),
+            std::io::ErrorKind::Interrupted,
+            "waitid: {error}"
+        );
+    }
     let _ = done.send(());
     let overran = watchdog.join().expect("the watchdog");
+    let status = child.wait().expect("waiting for snowgate");
+    let output = std::process::Output {
+        status,
+        stdout,
+        stderr,
+    };
     assert!(
         !overran,
         "{command:?} ran past {bound:?} and was killed; stderr: {}",
