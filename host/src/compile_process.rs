@@ -602,26 +602,7 @@ fn wait_with_cpu_time(mut child: std::process::Child, bound: Duration) -> std::i
         // its pipe closed and ends.
         drop(stdout);
         // Its end waited for, not reaped, before the watchdog is told.
-        loop {
-            let mut info = std::mem::MaybeUninit::<libc::siginfo_t>::zeroed();
-            // SAFETY: waitid writes the info it is given; WNOWAIT leaves
-            // the child to be reaped below.
-            let waited = unsafe {
-                libc::waitid(
-                    libc::P_PID,
-                    pid as libc::id_t,
-                    info.as_mut_ptr(),
-                    libc::WEXITED | libc::WNOWAIT,
-                )
-            };
-            if waited == 0 {
-                break;
-            }
-            let error = std::io::Error::last_os_error();
-            if error.kind() != std::io::ErrorKind::Interrupted {
-                return Err(error);
-            }
-        }
+        wait_unreaped(pid)?;
         drop(exited);
         // A watchdog that could not start leaves the child's own alarm.
         let overran = watchdog.is_ok_and(|watchdog| watchdog.join().unwrap_or(false));
@@ -743,6 +724,33 @@ impl std::fmt::Display for RefusedComponent {
 }
 
 impl std::error::Error for RefusedComponent {}
+
+/// Waits until the child `pid` has ended, leaving it to be reaped: until it
+/// is, its pid stays its own, so that a kill sent meanwhile (by a watchdog
+/// that timed it out) cannot reach another process that took the pid.
+#[cfg(unix)]
+pub fn wait_unreaped(pid: libc::pid_t) -> std::io::Result<()> {
+    loop {
+        let mut info = std::mem::MaybeUninit::<libc::siginfo_t>::zeroed();
+        // SAFETY: waitid writes the info it is given; WNOWAIT leaves the
+        // child to be reaped.
+        let waited = unsafe {
+            libc::waitid(
+                libc::P_PID,
+                pid as libc::id_t,
+                info.as_mut_ptr(),
+                libc::WEXITED | libc::WNOWAIT,
+            )
+        };
+        if waited == 0 {
+            return Ok(());
+        }
+        let error = std::io::Error::last_os_error();
+        if error.kind() != std::io::ErrorKind::Interrupted {
+            return Err(error);
+        }
+    }
+}
 
 /// Makes sure this process's children can be waited for. A `SIGCHLD`
 /// ignored by whoever started the gateway (the disposition passes through

@@ -155,28 +155,7 @@ pub fn run_bounded_with_stderr(
     // Its end waited for without reaping it, before the watchdog is told:
     // reaped first, its pid could be another process's by the time the
     // watchdog's kill went out (the unsafe-code review).
-    loop {
-        let mut info = std::mem::MaybeUninit::<libc::siginfo_t>::zeroed();
-        // SAFETY: waitid writes the info it is given; WNOWAIT leaves the
-        // child to be reaped below.
-        let waited = unsafe {
-            libc::waitid(
-                libc::P_PID,
-                pid as libc::id_t,
-                info.as_mut_ptr(),
-                libc::WEXITED | libc::WNOWAIT,
-            )
-        };
-        if waited == 0 {
-            break;
-        }
-        let error = std::io::Error::last_os_error();
-        assert_eq!(
-            error.kind(),
-            std::io::ErrorKind::Interrupted,
-            "waitid: {error}"
-        );
-    }
+    snowgate_host::compile_process::wait_unreaped(pid).expect("waiting for snowgate to end");
     let _ = done.send(());
     let overran = watchdog.join().expect("the watchdog");
     let status = child.wait().expect("waiting for snowgate");
