@@ -2036,15 +2036,9 @@ async fn http2_body_reset(
         1.0
     };
     let responses = |metrics: &str| -> f64 { responses_by_class(metrics).iter().sum() };
-    let mut metrics = metrics;
-    while responses(&metrics) < answered {
-        assert!(
-            Instant::now() < deadline,
-            "responses not counted: {metrics}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        metrics = gateway.metrics().await;
-    }
+    let metrics = gateway
+        .wait_metrics_until("the responses counted", |text| responses(text) >= answered)
+        .await;
     assert_eq!(responses(&metrics), answered, "{metrics}");
     // A body read for the plugin goes nowhere; one streamed through goes
     // as far as it came, and the upstream sees it end short.

@@ -568,15 +568,24 @@ impl Gateway {
         what: &str,
         check: impl Fn(f64) -> bool,
     ) -> String {
+        let waited_for = format!("{sample} {what}");
+        self.wait_metrics_until(&waited_for, |text| check(metric(text, sample)))
+            .await
+    }
+
+    /// Polls `/metrics` (every 20 ms, at most [`STEP`]) until its text
+    /// passes `done` (`what` says what it waits for, for the failure
+    /// message); returns that text.
+    pub async fn wait_metrics_until(&self, what: &str, done: impl Fn(&str) -> bool) -> String {
         let deadline = Instant::now() + STEP;
         loop {
             let text = self.metrics().await;
-            if check(metric(&text, sample)) {
+            if done(&text) {
                 return text;
             }
             assert!(
                 Instant::now() < deadline,
-                "timed out after {STEP:?} waiting for {sample} {what}; last /metrics:\n{text}"
+                "timed out after {STEP:?} waiting for {what}; last /metrics:\n{text}"
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
