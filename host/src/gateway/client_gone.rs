@@ -81,26 +81,24 @@ pub async fn gone(socket: Option<ClientSocket>) {
 /// its sending side could); it ends the connection, and the server counts
 /// it as no answer.
 pub fn answer(waited_for: &str) -> Response<Full<Bytes>> {
-    let mut response = responses::closing_error(
-        StatusCode::BAD_REQUEST,
-        "client_gone",
-        &format!(
-            "the client closed its connection, or shut down its sending side, while its \
-             request waited for {waited_for}"
-        ),
-    );
-    response.extensions_mut().insert(ClientGone);
-    response
+    unread(&format!(
+        "the client closed its connection, or shut down its sending side, while its request \
+         waited for {waited_for}"
+    ))
 }
 
 /// The answer to a request whose client went away while sending its body
 /// (`error`, the body's): as [`answer`]'s, nobody is meant to read it.
 pub fn answer_mid_body(error: &dyn std::fmt::Display) -> Response<Full<Bytes>> {
-    let mut response = responses::closing_error(
-        StatusCode::BAD_REQUEST,
-        "client_gone",
-        &format!("the client went away while sending its request body: {error}"),
-    );
+    unread(&format!(
+        "the client went away while sending its request body: {error}"
+    ))
+}
+
+/// A 400 `client_gone` saying `message`, that ends the connection, marked
+/// [`ClientGone`] for the server to count no answer.
+fn unread(message: &str) -> Response<Full<Bytes>> {
+    let mut response = responses::closing_error(StatusCode::BAD_REQUEST, "client_gone", message);
     response.extensions_mut().insert(ClientGone);
     response
 }
