@@ -61,15 +61,8 @@ pub const MAX_ADMIN_CONNECTIONS: usize = 64;
 /// busy machine the tasks of those told to close may not have run yet: a
 /// test's flood of idle admin connections saw 12 of them open past the 64
 /// under CPU load.
-pub const MAX_ADMIN_SOCKETS: usize = MAX_ADMIN_CONNECTIONS + {
-    // The closing are at most as many as the connections.
-    let closing = crate::gateway::reclaim::MAX_CLOSING;
-    if closing < MAX_ADMIN_CONNECTIONS {
-        closing
-    } else {
-        MAX_ADMIN_CONNECTIONS
-    }
-};
+pub const MAX_ADMIN_SOCKETS: usize =
+    MAX_ADMIN_CONNECTIONS + crate::gateway::reclaim::closing_at_most(MAX_ADMIN_CONNECTIONS);
 
 /// How long an admin connection may stay silent before its first byte (at
 /// most the header read timeout).

@@ -61,6 +61,19 @@ const IDLE_RESCAN: Duration = Duration::from_millis(50);
 /// file cap's descriptors besides connections leave room for them.
 pub const MAX_CLOSING: usize = 32;
 
+/// How many connections told to close may still be open under a limit of
+/// `max` connections: [`MAX_CLOSING`], and no more than the limit (at least
+/// one).
+pub const fn closing_at_most(max: usize) -> usize {
+    if max < 1 {
+        1
+    } else if max < MAX_CLOSING {
+        max
+    } else {
+        MAX_CLOSING
+    }
+}
+
 /// A slot of `slots` for a client that came at the limit: the connection
 /// of `open` idle longest is told to close (and `closed` called), and its
 /// slot is taken at once; while none is idle, a slot another connection
@@ -149,7 +162,7 @@ impl OpenConnections {
     /// [`MAX_CLOSING`] where that is fewer, may be closing with their
     /// slots handed on.
     pub fn new(max: usize) -> OpenConnections {
-        let max_closing = max.clamp(1, MAX_CLOSING);
+        let max_closing = closing_at_most(max);
         OpenConnections {
             connections: Mutex::default(),
             next_id: AtomicU64::new(0),
