@@ -199,14 +199,12 @@ impl HighWaterFile {
                 // Its directory entry came back (moved away and back, say):
                 // synced, or a crash could lose it, and the next start would
                 // find no mark.
-                let shown = self.path.display();
-                sync_directory_of(&self.path).with_context(|| {
-                    format!("syncing the directory entry of the high-water file {shown}")
-                })?;
-                self.entry_synced.store(true, Ordering::Relaxed);
+                self.entry_synced.store(false, Ordering::Relaxed);
+                self.sync_entry()?;
                 tracing::warn!(
-                    "the high-water file {shown} was not found at its path for a moment \
-                     ({e:#}); it is there again, and holds the mark {}",
+                    "the high-water file {} was not found at its path for a moment ({e:#}); it \
+                     is there again, and holds the mark {}",
+                    self.path.display(),
                     format_millis(millis)
                 );
                 return Ok(millis);
@@ -251,9 +249,17 @@ impl HighWaterFile {
                     format!("writing the {copy} copy of the high-water mark to {shown}")
                 })?;
         }
+        self.sync_entry()
+    }
+
+    /// Syncs the file's directory entry, unless it is synced already.
+    fn sync_entry(&self) -> anyhow::Result<()> {
         if !self.entry_synced.load(Ordering::Relaxed) {
             sync_directory_of(&self.path).with_context(|| {
-                format!("syncing the directory entry of the high-water file {shown}")
+                format!(
+                    "syncing the directory entry of the high-water file {}",
+                    self.path.display()
+                )
             })?;
             self.entry_synced.store(true, Ordering::Relaxed);
         }
