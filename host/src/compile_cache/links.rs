@@ -20,7 +20,6 @@ pub(super) fn check(path: &Path) -> anyhow::Result<()> {
 }
 
 fn check_from(path: &Path, followed: &mut usize) -> anyhow::Result<()> {
-    let me = rustix::process::geteuid().as_raw();
     // Part by part, without the trailing `/` or `.` that would make
     // `lstat` follow a link at the end.
     let mut walked = PathBuf::new();
@@ -48,13 +47,7 @@ fn check_from(path: &Path, followed: &mut usize) -> anyhow::Result<()> {
         if !metadata.file_type().is_symlink() {
             continue;
         }
-        anyhow::ensure!(
-            metadata.uid() == me || metadata.uid() == 0,
-            "{} is a symbolic link that belongs to user {}: only snowgate's user or root may \
-             choose where the cache is",
-            walked.display(),
-            metadata.uid()
-        );
+        ours_or_roots(&walked, &metadata)?;
         *followed += 1;
         anyhow::ensure!(
             *followed <= MAX_LINKS,
@@ -70,6 +63,20 @@ fn check_from(path: &Path, followed: &mut usize) -> anyhow::Result<()> {
         check_from(&target, followed)?;
         walked = target;
     }
+    Ok(())
+}
+
+/// Refuses the symbolic link `link`, whose own metadata (`lstat`'s) is
+/// `metadata`, where it belongs to another user than snowgate's or root.
+pub(super) fn ours_or_roots(link: &Path, metadata: &fs::Metadata) -> anyhow::Result<()> {
+    let me = rustix::process::geteuid().as_raw();
+    anyhow::ensure!(
+        metadata.uid() == me || metadata.uid() == 0,
+        "{} is a symbolic link that belongs to user {}: only snowgate's user or root may \
+         choose where the cache is",
+        link.display(),
+        metadata.uid()
+    );
     Ok(())
 }
 

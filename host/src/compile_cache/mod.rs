@@ -397,14 +397,7 @@ fn open_or_make(path: &Path) -> Result<OwnedFd, Opened> {
     };
     match fs::symlink_metadata(&path) {
         Ok(entry) if entry.file_type().is_symlink() => {
-            let me = rustix::process::geteuid().as_raw();
-            if entry.uid() != me && entry.uid() != 0 {
-                return Err(Opened::Failed(anyhow::anyhow!(
-                    "it is a symbolic link that belongs to user {}: only snowgate's user or root \
-                     may choose where the cache is",
-                    entry.uid()
-                )));
-            }
+            links::ours_or_roots(&path, &entry).map_err(Opened::Failed)?;
             if fs::metadata(&path).is_err() {
                 return Err(Opened::Failed(anyhow::anyhow!(
                     "it is a symbolic link to {}, which does not exist",
