@@ -169,7 +169,18 @@ async fn a_build_whose_compile_takes_more_cpu_than_its_limit_is_refused() {
     .await;
     let serving_sha = gateway.plugin_sha().await;
     rewrite_in_place(&path, &compile_bomb(BOMB_VALUES));
-    let message = reload_refused(&gateway).await;
+    // The compile runs at a low priority: on a machine busy with other
+    // work it may not get its second of CPU within the 10 s of wall-clock
+    // time it is allowed, and is then ended for that, which may pass. Such
+    // a round says nothing of the CPU limit, so it is tried again, up to
+    // three times in all.
+    let mut message = reload_refused(&gateway).await;
+    for _ in 1..3 {
+        if !message.contains("of wall-clock time") {
+            break;
+        }
+        message = reload_refused(&gateway).await;
+    }
     assert!(
         message.contains("1 s of CPU time (--plugin-compile-cpu-secs)"),
         "names the limit: {message}"
