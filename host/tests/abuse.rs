@@ -1089,7 +1089,9 @@ async fn hundreds_of_idle_connections_are_closed_and_others_are_served_meanwhile
 /// timeouts, and every request is answered on the client's one connection.
 #[tokio::test(flavor = "multi_thread")]
 async fn busy_keep_alive_connections_are_never_closed_as_idle() {
-    const TIMEOUT_MS: u64 = 300;
+    // Long enough that a test task stalled between an answer and its next
+    // request (on a busy machine) is not rightly closed as idle.
+    const TIMEOUT_MS: u64 = 500;
     let gateway = Gateway::start(&["--header-read-timeout-ms", &TIMEOUT_MS.to_string()]).await;
     let mut request = format!(
         "POST /v1/completions HTTP/1.1\r\nHost: gateway.example\r\n\
@@ -1250,11 +1252,9 @@ async fn at_the_connection_limit_new_clients_do_not_wait_for_idle_http2_connecti
             .expect("the client");
         kept.push(reader);
     }
-    // Every idle connection was chosen, and none had to close for the new
-    // clients to be answered: each has its GOAWAY, and is still open.
-    gateway
-        .wait_metric("snowgate_connections_reclaimed_total", 3.0)
-        .await;
+    // None of the idle connections had to close for the new clients to be
+    // answered: each is still open (looked at first, as they close a second
+    // after their GOAWAY), and every one was chosen.
     for (n, stream) in idle.iter_mut().enumerate() {
         let mut buf = [0u8; 4096];
         loop {
@@ -1269,6 +1269,9 @@ async fn at_the_connection_limit_new_clients_do_not_wait_for_idle_http2_connecti
             }
         }
     }
+    gateway
+        .wait_metric("snowgate_connections_reclaimed_total", 3.0)
+        .await;
     // Then they close, though their clients never answer.
     for stream in &mut idle {
         closes_within(stream, STEP).await;
@@ -1845,8 +1848,11 @@ async fn an_http2_client_that_goes_on_resetting_after_the_goaway_is_dropped() {
         while !matches!(from_gateway.read(&mut sink).await, Ok(0) | Err(_)) {}
     });
     let mut next_stream = 1u32;
-    let mut dropped = false;
-    for round in 1..=8u32 {
+    // 200 resets are 4 rounds; on a busy machine some are not counted (see
+    // `CUT_SHORT_WITHIN`), so up to 12 are sent. The gateway counts a
+    // round's resets after the test has sent them: the drop after the last
+    // round may come only as the test waits for it below.
+    for round in 1..=12u32 {
         let first = next_stream;
         let mut headers = Vec::new();
         for _ in 0..ROUND {
@@ -1854,7 +1860,6 @@ async fn an_http2_client_that_goes_on_resetting_after_the_goaway_is_dropped() {
             next_stream += 2;
         }
         if to_gateway.write_all(&headers).await.is_err() {
-            dropped = true;
             break;
         }
         // Reset once each is on its way upstream, or the gateway has
@@ -1872,14 +1877,13 @@ async fn an_http2_client_that_goes_on_resetting_after_the_goaway_is_dropped() {
             resets.extend_from_slice(&frame(0x03, 0, stream, &8u32.to_be_bytes()));
         }
         if to_gateway.write_all(&resets).await.is_err() || reader.is_finished() {
-            dropped = true;
             break;
         }
     }
+    // Not taken without end: the gateway drops it.
     bounded("the gateway to drop the connection", STEP, reader)
         .await
         .expect("the reader");
-    assert!(dropped, "all eight rounds were taken");
     // Not at the first bound, where the GOAWAY went out.
     let seen = upstream.seen().len();
     assert!(seen >= 200, "the upstream saw {seen} requests");

@@ -5346,8 +5346,9 @@ async fn a_restart_on_the_same_machine_id_starts_after_the_last_id() {
         "the id was not made ahead: {last:?}"
     );
 
-    let lead = clock.lead();
+    // Taken before the lead, which is the time left from when it is read.
     let stopping = Instant::now();
+    let lead = clock.lead();
     let _ = stop.send(());
     bounded("the first gateway to stop", Duration::from_secs(30), served)
         .await

@@ -514,6 +514,7 @@ async fn post_reload_swaps_reports_unchanged_and_refuses_bad_files() {
     // Asked again for the same bytes (as after a `mv` the file watch saw
     // too): the same refusal, not compiled, counted or logged again.
     let failed = "plugin reload failed";
+    gateway.wait_log(failed).await;
     assert_eq!(gateway.stderr_text().matches(failed).count(), 1);
     assert_eq!(reload_refused(&gateway).await, message);
     assert_eq!(reloads(&gateway.status().await), (1, 1));

@@ -1135,8 +1135,10 @@ mod tests {
         let idle = Duration::from_millis(200);
         let pool = pool_for(addr, idle);
         let response = pool.send(get("/fixed")).await.unwrap();
-        read_to_end(response).await;
+        // The connection is given back, and its idle time starts, as the
+        // body's end is read: at or after this instant.
         let given_back = Instant::now();
+        read_to_end(response).await;
         bounded(seen.closed_one.notified()).await;
         assert!(
             given_back.elapsed() >= idle,
