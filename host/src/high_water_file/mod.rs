@@ -317,27 +317,41 @@ fn read_record(contents: &[u8], now: u64) -> Result<Option<Record>, String> {
         .iter()
         .filter_map(|(_, read)| read.as_ref().ok().copied().flatten())
         .max_by_key(|record| record.millis);
+    // A gateway writes the second copy only once the first is on disk, so
+    // a file that reaches into the second copy had a whole first one.
+    let past_the_first_copy = contents.len() > BLOCK;
     if newest.is_none() {
-        if copies.iter().all(|(_, read)| matches!(read, Ok(None))) {
-            return Ok(None);
-        }
-        // The first write of a new file, torn by a crash or power loss: its
-        // second copy was never written, so that write never ended, and no
-        // id was let out against the file. Refusing it would keep every
-        // restart from starting until someone removed the file.
-        if matches!(copies[1].1, Ok(None)) && record::starts_like_a_record(first) {
+        // The first write of a new file, torn by a crash or power loss (or
+        // not begun): its second copy was never written, so that write
+        // never ended, and no id was let out against the file. Refusing it
+        // would keep every restart from starting until someone removed the
+        // file.
+        if !past_the_first_copy
+            && (matches!(copies[0].1, Ok(None)) || record::starts_like_a_record(first))
+        {
             return Ok(None);
         }
         let [first, second] = copies.map(|(_, read)| match read {
             Err(problem) => problem,
+            Ok(_) if past_the_first_copy => "all zero bytes".to_string(),
             Ok(_) => "never written".to_string(),
         });
+        // Only a disk (or virtual machine) that does not keep what it
+        // confirmed written, or someone else's write, leaves such a file.
+        let lost = if past_the_first_copy {
+            format!(
+                ", though at {} bytes it was written whole once, so what was on disk is lost",
+                contents.len()
+            )
+        } else {
+            String::new()
+        };
         return Err(format!(
-            "holds no readable high-water mark (first copy: {first}; second copy: {second}): it \
-             is damaged or not a high-water file, so snowgate cannot tell which ids its \
-             machine id was used for. If the wall clock never stepped back, ids are safe again \
-             20 seconds after the last gateway on the file stopped: then remove the file and \
-             start again"
+            "holds no readable high-water mark (first copy: {first}; second copy: \
+             {second}){lost}: it is damaged or not a high-water file, so snowgate cannot tell \
+             which ids its machine id was used for. If the wall clock never stepped back, ids \
+             are safe again 20 seconds after the last gateway on the file stopped: then remove \
+             the file and start again"
         ));
     }
     for (copy, read) in &copies {
@@ -476,7 +490,7 @@ mod tests {
     #[test]
     fn the_mark_is_the_higher_copy_that_reads() {
         assert_eq!(read_mark(&[], NOW), Ok(None));
-        assert_eq!(read_mark(&[0; FILE_BYTES], NOW), Ok(None));
+        assert_eq!(read_mark(&[0; BLOCK], NOW), Ok(None));
         let both = file_of(&record(NOW), &record(NOW - 5));
         assert_eq!(read_mark(&both, NOW), Ok(Some(NOW)));
         let both = file_of(&record(NOW - 5), &record(NOW));
@@ -496,7 +510,11 @@ mod tests {
     /// A new file's first write torn by a crash: whatever part of the
     /// first copy reached the disk, with the second never written, it is
     /// a new file, not a damaged one. Only the start of a record counts:
-    /// other bytes, or a second copy written, are still refused.
+    /// other bytes are still refused, and so is a file that reaches into
+    /// the second copy, even one of zeros: the gateway writes that copy
+    /// only once the first is on disk, so a first copy lost after that
+    /// may have let ids out (a crash review made an 8 KiB file of zeros,
+    /// which started as a new file).
     #[test]
     fn a_first_write_torn_before_its_second_copy_is_a_new_file() {
         let whole = record(NOW);
@@ -506,10 +524,11 @@ mod tests {
             assert_eq!(read_mark(&torn, NOW), Ok(None), "zeros from byte {cut}");
             assert_eq!(read_mark(&whole[..cut], NOW), Ok(None), "cut at byte {cut}");
             let with_second = file_of(&torn, &[0; BLOCK]);
-            assert_eq!(
-                read_mark(&with_second, NOW),
-                Ok(None),
-                "second zeros, {cut}"
+            let problem = read_mark(&with_second, NOW).expect_err("second zeros");
+            assert!(
+                problem.contains("second copy: all zero bytes)")
+                    && problem.contains("at 8192 bytes it was written whole once"),
+                "second zeros, {cut}: {problem}"
             );
         }
         let mut damaged = whole;
@@ -541,6 +560,15 @@ mod tests {
             "{problem}"
         );
         assert!(problem.contains("remove the file"), "{problem}");
+        let problem = read_mark(&[0; FILE_BYTES], NOW).expect_err("8 KiB of zeros");
+        assert!(
+            problem.starts_with(
+                "holds no readable high-water mark (first copy: all zero bytes; second copy: all \
+                 zero bytes), though at 8192 bytes it was written whole once, so what was on disk \
+                 is lost: it is damaged"
+            ),
+            "{problem}"
+        );
     }
 
     /// A path in an empty directory of the test's own.
