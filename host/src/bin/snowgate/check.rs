@@ -12,7 +12,7 @@ use snowgate_host::gateway::slot::{load_checked_telling, may_pass};
 use snowgate_host::{HostServices, IdClock};
 
 use crate::compile_flags::CompileFlags;
-use crate::gateway_config::{check_plugin, layered};
+use crate::gateway_config::{check_plugin, check_whole, layered};
 use crate::plugin_flags::{self, PluginFlags};
 use crate::{write_stdout, Failure};
 
@@ -22,7 +22,9 @@ pub struct CheckArgs {
     /// A gateway's TOML file (as `serve --config` reads it): the build is
     /// loaded as that gateway would load it, with its plugin, settings,
     /// layout, machine id, call limits and compile settings; the flags
-    /// override it, as `serve`'s do. Its other settings are not used.
+    /// override it, as `serve`'s do. Its other settings are checked as
+    /// `serve` checks them at start (with SNOWGATE_ADMIN_TOKEN, as `serve`
+    /// reads it), but not used.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
     #[command(flatten)]
@@ -38,6 +40,10 @@ pub struct CheckArgs {
     machine_id: Option<u32>,
 }
 
+/// Where `serve` takes its admin token from when no flag gives one (see
+/// its `--admin-token`).
+const ADMIN_TOKEN_VARIABLE: &str = "SNOWGATE_ADMIN_TOKEN";
+
 /// Loads the build as `serve` does (compiled in a child process under the
 /// compile limits, checked against the contract, configured with the
 /// settings) and runs the self-check on it. Says on stdout that it passed,
@@ -46,12 +52,28 @@ pub struct CheckArgs {
 /// credentials, or takes no batches); or on stderr why not (exit status 1,
 /// with a note where the same build may pass on a less busy machine, and
 /// for a file that is not a component of the world; 2 for a flag or a
-/// setting of the config file, a plugin path that cannot be read as a file,
+/// setting of the config file (any that `serve` would refuse to start
+/// with), a plugin path that cannot be read as a file,
 /// or a setting the plugin refuses).
 pub fn run(args: CheckArgs) -> Result<(), Failure> {
     let flags = args.compile.over(args.plugin.as_settings(args.machine_id));
     let mut config = layered(args.config.as_deref(), flags, args.plugin.plugin_settings)?;
-    check_plugin(&config, args.config.as_deref())?;
+    match args.config.as_deref() {
+        // A file this passes is one `serve` starts with: a fuzz review's
+        // file with an ftp:// upstream, or an exposed admin listener with
+        // no token, passed here and stopped `serve` with status 2.
+        Some(file) => {
+            if let Some(token) = std::env::var_os(ADMIN_TOKEN_VARIABLE) {
+                config.admin_token = Some(token.into_string().map_err(|_| {
+                    Failure::BadInput(format!(
+                        "{ADMIN_TOKEN_VARIABLE} is not UTF-8; a bearer token is visible ASCII"
+                    ))
+                })?);
+            }
+            check_whole(&config, Some(file))?;
+        }
+        None => check_plugin(&config, None)?,
+    }
     // The self-check's calls, one at a time, need no more; the slots do
     // not change how a build is judged.
     config.plugin_limits.max_instances = plugin_flags::ONE_SHOT_INSTANCES;
