@@ -493,6 +493,41 @@ pub fn plugin_deadline(ms: u64) -> anyhow::Result<Duration> {
     Ok(Duration::from_millis(ms))
 }
 
+/// The listener among `listeners` that an upstream at `base` reaches by
+/// its address as written, an IP address or `localhost`: the gateway would
+/// send its requests to itself. A listener on every address (`0.0.0.0`,
+/// or `[::]`, which takes IPv4 too) is reached by any of this host's own
+/// addresses, found by binding one; `0.0.0.0` and `[::]` as an upstream
+/// reach this host. A name to be resolved is not looked at.
+fn listener_reached(
+    base: &http::Uri,
+    listeners: [(&'static str, SocketAddr); 2],
+) -> Option<(&'static str, SocketAddr)> {
+    use std::net::{Ipv4Addr, Ipv6Addr};
+    let host = base.host()?;
+    let port = base.port_u16().unwrap_or(80);
+    let bracketed = host.strip_prefix('[').and_then(|h| h.strip_suffix(']'));
+    let targets: Vec<IpAddr> = if host.eq_ignore_ascii_case("localhost") {
+        vec![Ipv4Addr::LOCALHOST.into(), Ipv6Addr::LOCALHOST.into()]
+    } else {
+        let ip: IpAddr = bracketed.unwrap_or(host).parse().ok()?;
+        vec![match ip.to_canonical() {
+            IpAddr::V4(ip) if ip.is_unspecified() => Ipv4Addr::LOCALHOST.into(),
+            IpAddr::V6(ip) if ip.is_unspecified() => Ipv6Addr::LOCALHOST.into(),
+            ip => ip,
+        }]
+    };
+    let own = |ip: IpAddr| std::net::UdpSocket::bind((ip, 0)).is_ok();
+    listeners.into_iter().find(|(_, listener)| {
+        let at = listener.ip().to_canonical();
+        listener.port() == port
+            && targets.iter().any(|&target| {
+                target == at
+                    || (at.is_unspecified() && (at.is_ipv6() || target.is_ipv4()) && own(target))
+            })
+    })
+}
+
 /// Where `error` is in the config file's `text` (line, column and the key
 /// of that line, if it has one) and what it is, without the line itself:
 /// the TOML parser's report quotes the line, and with it a token or a
@@ -576,7 +611,23 @@ impl ConfigFile {
     pub fn check(config: &GatewayConfig) -> anyhow::Result<()> {
         // Before anything binds: a bad URL is a bad setting (status 2).
         if let Some(url) = &config.upstream {
-            crate::gateway::upstream::base_url(url)?;
+            let (base, _) = crate::gateway::upstream::base_url(url)?;
+            let listeners = [
+                ("--listen", config.listen),
+                ("--admin-listen", config.admin_listen),
+            ];
+            if let Some((flag, listener)) = listener_reached(&base, listeners) {
+                anyhow::bail!(
+                    "--upstream {} is the gateway's own {flag} {listener}: each request would \
+                     be sent back to the gateway{}; give the upstream's own address",
+                    without_credentials(url),
+                    if flag == "--listen" {
+                        ", again and again, until every connection is taken"
+                    } else {
+                        ", opening its admin endpoints to any client of the gateway"
+                    }
+                );
+            }
         }
         // The echo upstream answers at once, and is not bounded: a bound
         // given for it is a mistake, not to be ignored.
@@ -1351,6 +1402,53 @@ mod tests {
             ("127.0.0.1:0", "127.0.0.1:0"),
         ] {
             assert_eq!(check(listen, admin), Ok(()), "{listen} {admin}");
+        }
+    }
+
+    /// An upstream that is the gateway's own listener is refused: a fuzz
+    /// review's gateway sent one request to itself until it held every
+    /// connection, and one pointed at its admin listener opened /reload
+    /// to any client.
+    #[test]
+    fn an_upstream_that_is_the_gateways_own_listener_is_refused() {
+        let check = |listen: &str, upstream: &str| {
+            ConfigFile::check(&GatewayConfig {
+                listen: listen.parse().unwrap(),
+                admin_listen: "127.0.0.1:9901".parse().unwrap(),
+                upstream: Some(upstream.to_string()),
+                ..Default::default()
+            })
+            .map_err(|e| e.to_string())
+        };
+        for (listen, upstream, flag) in [
+            ("127.0.0.1:8080", "http://127.0.0.1:8080", "--listen"),
+            ("127.0.0.1:8080", "http://localhost:8080/v1", "--listen"),
+            ("[::1]:8080", "http://[::1]:8080", "--listen"),
+            ("[::1]:8080", "http://localhost:8080", "--listen"),
+            ("0.0.0.0:8080", "http://127.0.0.1:8080", "--listen"),
+            ("0.0.0.0:8080", "http://127.0.0.2:8080", "--listen"),
+            ("[::]:8080", "http://127.0.0.1:8080", "--listen"),
+            ("0.0.0.0:8080", "http://0.0.0.0:8080", "--listen"),
+            ("127.0.0.1:80", "http://127.0.0.1", "--listen"),
+            ("127.0.0.1:8080", "http://127.0.0.1:9901", "--admin-listen"),
+        ] {
+            let err = check(listen, upstream).expect_err(upstream);
+            assert!(
+                err.contains(&format!("is the gateway's own {flag}")),
+                "{listen} {upstream}: {err}"
+            );
+        }
+        for (listen, upstream) in [
+            ("127.0.0.1:8080", "http://127.0.0.1:8000"),
+            ("127.0.0.1:8080", "http://127.0.0.2:8080"),
+            ("127.0.0.2:8080", "http://localhost:8080"),
+            ("0.0.0.0:8080", "http://[::1]:8080"),
+            // Not this host's (a documentation address), nor resolved.
+            ("0.0.0.0:8080", "http://192.0.2.1:8080"),
+            ("0.0.0.0:8080", "http://upstream.example:8080"),
+            ("127.0.0.1:0", "http://127.0.0.1:8080"),
+        ] {
+            assert_eq!(check(listen, upstream), Ok(()), "{listen} {upstream}");
         }
     }
 
