@@ -495,10 +495,15 @@ pub fn plugin_deadline(ms: u64) -> anyhow::Result<Duration> {
 
 /// The listener among `listeners` that an upstream at `base` reaches by
 /// its address as written, an IP address or `localhost`: the gateway would
-/// send its requests to itself. A listener on every address (`0.0.0.0`,
-/// or `[::]`, which takes IPv4 too) is reached by any of this host's own
-/// addresses, found by binding one; `0.0.0.0` and `[::]` as an upstream
-/// reach this host. A name to be resolved is not looked at.
+/// send its requests to itself. That is the listener's own address, or a
+/// loopback address (or `0.0.0.0` and `[::]`, which reach this host) of
+/// its family where it listens on every address. Not looked at: a name
+/// to be resolved, a numeric shorthand only the resolver reads (`127.1`),
+/// another of this host's own addresses (whether an address is this
+/// host's cannot be told by binding it where `ip_nonlocal_bind` is set),
+/// and an IPv4 address under a listener on `[::]`, which takes IPv4 too
+/// only where `net.ipv6.bindv6only` is 0: each to refuse no upstream that
+/// is not the gateway.
 fn listener_reached(
     base: &http::Uri,
     listeners: [(&'static str, SocketAddr); 2],
@@ -511,19 +516,16 @@ fn listener_reached(
         vec![Ipv4Addr::LOCALHOST.into(), Ipv6Addr::LOCALHOST.into()]
     } else {
         let ip: IpAddr = bracketed.unwrap_or(host).parse().ok()?;
-        vec![match ip.to_canonical() {
-            IpAddr::V4(ip) if ip.is_unspecified() => Ipv4Addr::LOCALHOST.into(),
-            IpAddr::V6(ip) if ip.is_unspecified() => Ipv6Addr::LOCALHOST.into(),
-            ip => ip,
-        }]
+        vec![ip.to_canonical()]
     };
-    let own = |ip: IpAddr| std::net::UdpSocket::bind((ip, 0)).is_ok();
     listeners.into_iter().find(|(_, listener)| {
         let at = listener.ip().to_canonical();
         listener.port() == port
             && targets.iter().any(|&target| {
                 target == at
-                    || (at.is_unspecified() && (at.is_ipv6() || target.is_ipv4()) && own(target))
+                    || (at.is_unspecified()
+                        && at.is_ipv4() == target.is_ipv4()
+                        && (target.is_loopback() || target.is_unspecified()))
             })
     })
 }
@@ -1427,8 +1429,14 @@ mod tests {
             ("[::1]:8080", "http://localhost:8080", "--listen"),
             ("0.0.0.0:8080", "http://127.0.0.1:8080", "--listen"),
             ("0.0.0.0:8080", "http://127.0.0.2:8080", "--listen"),
-            ("[::]:8080", "http://127.0.0.1:8080", "--listen"),
+            ("[::]:8080", "http://[::1]:8080", "--listen"),
+            ("[::]:8080", "http://localhost:8080", "--listen"),
             ("0.0.0.0:8080", "http://0.0.0.0:8080", "--listen"),
+            (
+                "[::ffff:127.0.0.1]:8080",
+                "http://127.0.0.1:8080",
+                "--listen",
+            ),
             ("127.0.0.1:80", "http://127.0.0.1", "--listen"),
             ("127.0.0.1:8080", "http://127.0.0.1:9901", "--admin-listen"),
         ] {
@@ -1443,9 +1451,12 @@ mod tests {
             ("127.0.0.1:8080", "http://127.0.0.2:8080"),
             ("127.0.0.2:8080", "http://localhost:8080"),
             ("0.0.0.0:8080", "http://[::1]:8080"),
-            // Not this host's (a documentation address), nor resolved.
+            // Not looked at: an address that may or may not be this
+            // host's, a name, a shorthand, IPv4 under `[::]`.
             ("0.0.0.0:8080", "http://192.0.2.1:8080"),
             ("0.0.0.0:8080", "http://upstream.example:8080"),
+            ("127.0.0.1:8080", "http://127.1:8080"),
+            ("[::]:8080", "http://127.0.0.1:8080"),
             ("127.0.0.1:0", "http://127.0.0.1:8080"),
         ] {
             assert_eq!(check(listen, upstream), Ok(()), "{listen} {upstream}");
