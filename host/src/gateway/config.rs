@@ -530,15 +530,17 @@ fn listener_reached(
     })
 }
 
-/// Where `error` is in the config file's `text` (line, column and the key
-/// of that line, if it has one) and what it is, without the line itself:
-/// the TOML parser's report quotes the line, and with it a token or a
-/// password on a line with a misspelled key (`admin_token = "..."`), into
-/// the gateway's log.
+/// Where `error` is in the config file's `text` (line and column) and what
+/// it is, without the file's own text: the TOML parser's report quotes the
+/// line, and serde's "invalid type" and "invalid value" quote the value,
+/// and with them a token or a password into the gateway's log (a
+/// misspelled `admin_token = "..."`, an `admin-token` or a plugin
+/// setting's key given as a number). A key the parser names (unknown
+/// field `x`) is kept.
 fn toml_problem(text: &str, error: &toml::de::Error) -> String {
-    let message = error.message().trim_end();
+    let message = without_values(error.message().trim_end());
     let Some(at) = error.span().map(|span| span.start.min(text.len())) else {
-        return message.to_string();
+        return message;
     };
     let before = &text.as_bytes()[..at];
     let line_start = before
@@ -546,26 +548,32 @@ fn toml_problem(text: &str, error: &toml::de::Error) -> String {
         .rposition(|&b| b == b'\n')
         .map_or(0, |i| i + 1);
     let line = before.iter().filter(|&&b| b == b'\n').count() + 1;
-    let column = String::from_utf8_lossy(&before[line_start..])
-        .chars()
-        .count()
-        + 1;
-    let whole_line = text[line_start..].lines().next().unwrap_or("");
-    // A key is named as the parser reads one: bare, of letters, digits,
-    // `-` and `_` (a quoted key, or anything else, is not shown).
-    let key = whole_line
-        .split_once('=')
-        .map(|(key, _)| key.trim())
-        .filter(|key| {
-            !key.is_empty()
-                && key
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
-        });
-    match key {
-        Some(key) => format!("line {line}, column {column} (key {key}): {message}"),
-        None => format!("line {line}, column {column}: {message}"),
+    // A byte order mark, which the parser takes, is no column.
+    let in_line = &before[line_start..];
+    let in_line = in_line
+        .strip_prefix("\u{feff}".as_bytes())
+        .unwrap_or(in_line);
+    let column = String::from_utf8_lossy(in_line).chars().count() + 1;
+    format!("line {line}, column {column}: {message}")
+}
+
+/// serde's `invalid type: string "...", expected a map` (or `invalid
+/// value`) without the value that came: `invalid type: string, expected a
+/// map`. Other messages are kept whole.
+fn without_values(message: &str) -> String {
+    for lead in ["invalid type: ", "invalid value: "] {
+        if let Some(rest) = message.strip_prefix(lead) {
+            // What is expected comes last, from the setting's type.
+            let (came, expected) = rest.rsplit_once(", expected ").unwrap_or((rest, ""));
+            // The kind (`integer`, `floating point`), then the value quoted.
+            let kind = came.split(['`', '"']).next().unwrap_or("").trim_end();
+            return match expected {
+                "" => format!("{lead}{kind}"),
+                expected => format!("{lead}{kind}, expected {expected}"),
+            };
+        }
     }
+    message.to_string()
 }
 
 impl ConfigFile {
@@ -1270,37 +1278,61 @@ mod tests {
         );
     }
 
-    /// A config file the parser refuses is reported by line, column and
-    /// key, never by the line's text: a fuzz review saw a token on a line
-    /// with a misspelled key, or given twice, or unquoted, printed whole.
+    /// A config file the parser refuses is reported by line and column,
+    /// never with its text: a fuzz review saw a token on a line with a
+    /// misspelled key, or given twice, or unquoted, printed whole, and the
+    /// change's review a token given as a number, or plugin settings as a
+    /// string, quoted in serde's message.
     #[test]
-    fn a_bad_config_file_is_reported_without_its_lines_text() {
+    fn a_bad_config_file_is_reported_without_its_text() {
         let dir = std::env::temp_dir().join(format!("snowgate-config-bad-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("snowgate.toml");
         let cases = [
             (
                 "listen = \"127.0.0.1:8080\"\nadmin_token = \"s3cr3t-TOKEN\"\n",
-                "line 2, column 1 (key admin_token): unknown field `admin_token`, expected one of",
+                "line 2, column 1: unknown field `admin_token`, expected one of",
             ),
             (
-                "admin-token = \"s3cr3t-TOKEN\"\n  admin-token = \"s3cr3t-TOKEN2\"\n",
-                "line 2, column 3 (key admin-token): duplicate key",
+                "admin-token = \"s3cr3t-TOKEN\"\r\n  admin-token = \"s3cr3t-TOKEN2\"\r\n",
+                "line 2, column 3: duplicate key",
             ),
             (
                 "admin-token = s3cr3t-TOKEN\n",
-                "line 1, column 15 (key admin-token): string values must be quoted",
+                "line 1, column 15: string values must be quoted",
             ),
             (
                 "# é\n\"quoted\" = \"s3cr3t-TOKEN\"\n",
                 "line 2, column 1: unknown field `quoted`",
+            ),
+            (
+                "admin-token = 5\n[plugin-settings]\napi-key = 0x5EC12E7\n",
+                "line 1, column 15: invalid type: integer, expected a string",
+            ),
+            (
+                "[plugin-settings]\napi-key = 5.3e3\n",
+                "line 2, column 11: invalid type: floating point, expected a string",
+            ),
+            (
+                "plugin-settings = \"api-key=s3cr3t\"\n",
+                "line 1, column 19: invalid type: string, expected a map",
+            ),
+            (
+                "admin-token = \"\"\"\nabcs3cr3t=\\q\n\"\"\"\n",
+                "line 2, column 12: missing escaped value",
+            ),
+            (
+                "\u{feff}admin_token = \"s3cr3t\"\n",
+                "line 1, column 1: unknown field",
             ),
         ];
         for (text, wanted) in cases {
             std::fs::write(&path, text).unwrap();
             let problem = format!("{:#}", ConfigFile::read(&path).expect_err(text));
             assert!(problem.contains(wanted), "{text:?}: {problem}");
-            assert!(!problem.contains("s3cr3t"), "{text:?}: {problem}");
+            for secret in ["s3cr3t", "5EC12E7", "99357415", "5300"] {
+                assert!(!problem.contains(secret), "{text:?}: {problem}");
+            }
         }
         std::fs::remove_dir_all(&dir).unwrap();
     }
