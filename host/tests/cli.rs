@@ -364,7 +364,8 @@ fn check_passes_the_bundled_plugin_and_refuses_builds_that_repeat_ids() {
 /// gateway would: the file's plugin (its relative path taken from the
 /// file's directory), settings, layout and machine id, with the flags over
 /// them; without touching the file's etcd or high-water file, which a
-/// running gateway holds. It refuses a file `serve` would not start with.
+/// running gateway holds. It warns of what in the file `serve` would not
+/// start with.
 #[test]
 fn check_loads_the_build_a_config_file_names_with_its_settings() {
     let dir = support::TempDir::new("check-config");
@@ -437,23 +438,53 @@ fn check_loads_the_build_a_config_file_names_with_its_settings() {
         ),
         ("no-such-key = 1\n", "no-such-key"),
         ("plugin-memory-mib = 0\n", "plugin-memory-mib"),
-        // Not the build's settings, but ones `serve` would not start with.
+    ] {
+        failure(&check(&config(text), &[]), 2, &[says, "snowgate.toml"]);
+    }
+    // Not the build's settings, but ones `serve` would not start with on
+    // the file alone: said, as `serve`'s flags may supply what it lacks.
+    let serve_refuses = |output: &Output, says: &str| {
+        assert!(success(output).contains("passed the self-check"));
+        let stderr = text(&output.stderr);
+        assert!(
+            stderr.contains("serve would not start with the config file")
+                && stderr.contains("snowgate.toml")
+                && stderr.contains(says),
+            "{stderr}"
+        );
+    };
+    for (text, says) in [
         ("upstream = \"ftp://upstream.example\"\n", "scheme ftp"),
         ("admin-listen = \"0.0.0.0:9901\"\n", "needs a bearer token"),
         (
             "listen = \"127.0.0.1:9901\"\nadmin-listen = \"127.0.0.1:9901\"\n",
             "would take the same port",
         ),
+        (
+            "max-upstream-requests = 8\n",
+            "--upstream URL, which is not set",
+        ),
     ] {
-        failure(&check(&config(text), &[]), 2, &[says, "snowgate.toml"]);
+        serve_refuses(&check(&config(text), &[]), says);
     }
-    // The admin token `serve` would take from its environment.
+    // With the admin token `serve` would take from its environment, it
+    // would start.
     let exposed = config("admin-listen = \"0.0.0.0:9901\"\n");
-    let mut command = Command::new(env!("CARGO_BIN_EXE_snowgate"));
-    command
-        .args(["check", "--config", exposed.to_str().expect("a UTF-8 path")])
-        .env("SNOWGATE_ADMIN_TOKEN", "a-token");
-    assert!(success(&run(command, b"")).contains("passed the self-check"));
+    let with_token = |token: &std::ffi::OsStr| {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_snowgate"));
+        command
+            .args(["check", "--config", exposed.to_str().expect("a UTF-8 path")])
+            .env("SNOWGATE_ADMIN_TOKEN", token);
+        run(command, b"")
+    };
+    let output = with_token("a-token".as_ref());
+    assert!(success(&output).contains("passed the self-check"));
+    assert!(
+        !text(&output.stderr).contains("serve would not start"),
+        "{}",
+        text(&output.stderr)
+    );
+    serve_refuses(&with_token("".as_ref()), "admin token");
 }
 
 /// What a plugin logs while it is configured carries its name, as its

@@ -2,13 +2,13 @@
 //! build before it serves, run on its own, for a build pipeline or an
 //! operator to try a build before rolling it out.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use clap::Args;
-use snowgate_host::gateway::plugin_engine;
 use snowgate_host::gateway::self_check::SELF_CHECK_CALLS;
 use snowgate_host::gateway::slot::{load_checked_telling, may_pass};
+use snowgate_host::gateway::{plugin_engine, GatewayConfig};
 use snowgate_host::{HostServices, IdClock};
 
 use crate::compile_flags::CompileFlags;
@@ -22,9 +22,10 @@ pub struct CheckArgs {
     /// A gateway's TOML file (as `serve --config` reads it): the build is
     /// loaded as that gateway would load it, with its plugin, settings,
     /// layout, machine id, call limits and compile settings; the flags
-    /// override it, as `serve`'s do. Its other settings are checked as
-    /// `serve` checks them at start (with SNOWGATE_ADMIN_TOKEN, as `serve`
-    /// reads it), but not used.
+    /// override it, as `serve`'s do. Its other settings are not used, but
+    /// checked as `serve` checks them at start (with SNOWGATE_ADMIN_TOKEN,
+    /// as `serve` reads it): a warning says what `serve` would refuse to
+    /// start with, where its own flags do not supply it.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
     #[command(flatten)]
@@ -44,6 +45,27 @@ pub struct CheckArgs {
 /// its `--admin-token`).
 const ADMIN_TOKEN_VARIABLE: &str = "SNOWGATE_ADMIN_TOKEN";
 
+/// Why `serve` would refuse to start with `config`, read from `file`, and
+/// no flags but the environment's admin token; `None` if it would not.
+fn whole_file_problem(config: &GatewayConfig, file: &Path) -> Option<String> {
+    let mut config = config.clone();
+    if let Some(token) = std::env::var_os(ADMIN_TOKEN_VARIABLE) {
+        match token.into_string() {
+            Ok(token) => config.admin_token = Some(token),
+            Err(_) => {
+                return Some(format!(
+                    "{ADMIN_TOKEN_VARIABLE} is not UTF-8; a bearer token is visible ASCII"
+                ))
+            }
+        }
+    }
+    match check_whole(&config, Some(file)) {
+        Ok(()) => None,
+        Err(Failure::BadInput(problem)) => Some(problem),
+        Err(Failure::Failed(e)) => Some(format!("{e:#}")),
+    }
+}
+
 /// Loads the build as `serve` does (compiled in a child process under the
 /// compile limits, checked against the contract, configured with the
 /// settings) and runs the self-check on it. Says on stdout that it passed,
@@ -52,27 +74,24 @@ const ADMIN_TOKEN_VARIABLE: &str = "SNOWGATE_ADMIN_TOKEN";
 /// credentials, or takes no batches); or on stderr why not (exit status 1,
 /// with a note where the same build may pass on a less busy machine, and
 /// for a file that is not a component of the world; 2 for a flag or a
-/// setting of the config file (any that `serve` would refuse to start
-/// with), a plugin path that cannot be read as a file,
+/// setting of the config file that the build is loaded with, a plugin path that cannot be read as a file,
 /// or a setting the plugin refuses).
 pub fn run(args: CheckArgs) -> Result<(), Failure> {
     let flags = args.compile.over(args.plugin.as_settings(args.machine_id));
     let mut config = layered(args.config.as_deref(), flags, args.plugin.plugin_settings)?;
-    match args.config.as_deref() {
-        // A file this passes is one `serve` starts with: a fuzz review's
-        // file with an ftp:// upstream, or an exposed admin listener with
-        // no token, passed here and stopped `serve` with status 2.
-        Some(file) => {
-            if let Some(token) = std::env::var_os(ADMIN_TOKEN_VARIABLE) {
-                config.admin_token = Some(token.into_string().map_err(|_| {
-                    Failure::BadInput(format!(
-                        "{ADMIN_TOKEN_VARIABLE} is not UTF-8; a bearer token is visible ASCII"
-                    ))
-                })?);
-            }
-            check_whole(&config, Some(file))?;
+    check_plugin(&config, args.config.as_deref())?;
+    if let Some(file) = args.config.as_deref() {
+        // The rest of the file, as `serve` checks it at start, is told of,
+        // not refused: `serve`'s flags may complete a file that hosts share
+        // (its `--upstream` for the file's `max-upstream-requests`, its
+        // `--admin-token` for an exposed `admin-listen`). Before, a file
+        // with an ftp:// upstream passed here without a word.
+        if let Some(problem) = whole_file_problem(&config, file) {
+            tracing::warn!(
+                "serve would not start with the config file {} and no flags: {problem}",
+                file.display()
+            );
         }
-        None => check_plugin(&config, None)?,
     }
     // The self-check's calls, one at a time, need no more; the slots do
     // not change how a build is judged.
