@@ -336,11 +336,12 @@ fn read_record(contents: &[u8], now: u64) -> Result<Option<Record>, String> {
             Ok(_) if past_the_first_copy => "all zero bytes".to_string(),
             Ok(_) => "never written".to_string(),
         });
-        // Only a disk (or virtual machine) that does not keep what it
-        // confirmed written, or someone else's write, leaves such a file.
+        // Not a new file's first write cut short: only a disk (or virtual
+        // machine) that does not keep what it confirmed written, or someone
+        // else's write, leaves such a file.
         let lost = if past_the_first_copy {
             format!(
-                ", though at {} bytes it was written whole once, so what was on disk is lost",
+                ", and at {} bytes it is longer than a new file's first write cut short leaves one",
                 contents.len()
             )
         } else {
@@ -527,7 +528,7 @@ mod tests {
             let problem = read_mark(&with_second, NOW).expect_err("second zeros");
             assert!(
                 problem.contains("second copy: all zero bytes)")
-                    && problem.contains("at 8192 bytes it was written whole once"),
+                    && problem.contains("at 8192 bytes it is longer than a new file's first write"),
                 "second zeros, {cut}: {problem}"
             );
         }
@@ -564,8 +565,8 @@ mod tests {
         assert!(
             problem.starts_with(
                 "holds no readable high-water mark (first copy: all zero bytes; second copy: all \
-                 zero bytes), though at 8192 bytes it was written whole once, so what was on disk \
-                 is lost: it is damaged"
+                 zero bytes), and at 8192 bytes it is longer than a new file's first write cut \
+                 short leaves one: it is damaged"
             ),
             "{problem}"
         );
