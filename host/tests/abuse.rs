@@ -1783,6 +1783,11 @@ async fn an_http2_client_that_resets_its_requests_as_they_go_upstream_is_closed(
                 .expect("a ping answered");
         }
     }
+    // Not before the 100th reset.
+    assert!(
+        whole_rounds * ROUND >= 100,
+        "closed after {whole_rounds} rounds of {ROUND} resets"
+    );
     gateway
         .wait_log("closing an HTTP/2 connection: its client ended 100 requests")
         .await;
@@ -1806,7 +1811,8 @@ async fn an_http2_client_that_resets_its_requests_as_they_go_upstream_is_closed(
         .await
         .expect("the connection's task");
     assert!(ended.is_ok(), "closed with GOAWAY: {ended:?}");
-    // Nothing sent after the GOAWAY reached the upstream.
+    // The whole rounds reached the upstream, and no request it was not
+    // sent (that none sent after the GOAWAY was taken is seen above).
     let seen = upstream.seen().len();
     assert!(
         (1 + whole_rounds * ROUND..=sent_in_all).contains(&seen),
