@@ -74,8 +74,9 @@ fn whole_file_problem(config: &GatewayConfig, file: &Path) -> Option<String> {
 /// credentials, or takes no batches); or on stderr why not (exit status 1,
 /// with a note where the same build may pass on a less busy machine, and
 /// for a file that is not a component of the world; 2 for a flag or a
-/// setting of the config file that the build is loaded with, a plugin path that cannot be read as a file,
-/// or a setting the plugin refuses).
+/// setting of the config file that the build is loaded with, a plugin path
+/// that cannot be read as a file, or a setting the plugin refuses). What
+/// else in the config file `serve` would refuse to start with is a warning.
 pub fn run(args: CheckArgs) -> Result<(), Failure> {
     let flags = args.compile.over(args.plugin.as_settings(args.machine_id));
     let mut config = layered(args.config.as_deref(), flags, args.plugin.plugin_settings)?;
