@@ -1434,7 +1434,12 @@ fn a_plugin_setting_given_twice_is_refused() {
         failure(
             &output,
             2,
-            &["--plugin-setting colour is given twice (\"red\" and \"blue\")"],
+            &["--plugin-setting colour is given twice: give it once"],
+        );
+        let stderr = text(&output.stderr);
+        assert!(
+            !stderr.contains("red") && !stderr.contains("blue"),
+            "a setting's value, which may be a credential, is shown: {stderr}"
         );
     }
 }

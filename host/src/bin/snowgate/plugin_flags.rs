@@ -126,16 +126,18 @@ pub const ONE_SHOT_INSTANCES: u32 = 2;
 
 /// The `--plugin-setting`s given, each name once: a name given twice is
 /// bad input (which one the plugin would see depended on the command: the
-/// last for `serve` and `check`, both, in turn, for `rewrite`).
+/// last for `serve` and `check`, both, in turn, for `rewrite`). The values
+/// are not shown: a setting may be a credential, which would go to the log.
 pub(crate) fn settings_once_each(
     settings: Vec<(String, String)>,
 ) -> Result<Vec<(String, String)>, Failure> {
-    for (i, (name, value)) in settings.iter().enumerate() {
-        if let Some((_, other)) = settings[..i].iter().find(|(earlier, _)| earlier == name) {
-            return Err(Failure::BadInput(format!(
-                "--plugin-setting {name} is given twice ({other:?} and {value:?}): give it once"
-            )));
-        }
+    // A set of the names, not a look back at each: 40,000 settings took a
+    // fuzz review's `check` 16 s.
+    let mut names = std::collections::HashSet::with_capacity(settings.len());
+    if let Some((name, _)) = settings.iter().find(|(name, _)| !names.insert(name)) {
+        return Err(Failure::BadInput(format!(
+            "--plugin-setting {name} is given twice: give it once"
+        )));
     }
     Ok(settings)
 }
