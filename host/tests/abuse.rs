@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 use snowgate_host::gateway::admin::{MAX_ADMIN_CONNECTIONS, MAX_ADMIN_SOCKETS};
 use support::{
     bounded, connect_many, get, held_request, metric, post_json, read_raw_response,
-    responses_by_class, run_bounded, upstream_errors, Gateway, TestUpstream, CONTEXT_ONLY, STEP,
+    requests_with_outcome, responses_by_class, run_bounded, upstream_errors, Gateway, TestUpstream,
+    CONTEXT_ONLY, STEP,
 };
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
@@ -281,10 +282,7 @@ async fn malformed_heads_hyper_answers_are_counted_and_logged() {
 
     let metrics = gateway.metrics().await;
     assert_eq!(
-        metric(
-            &metrics,
-            r#"snowgate_requests_total{outcome="client_error"}"#
-        ),
+        requests_with_outcome(&metrics, "client_error"),
         4.0,
         "{metrics}"
     );
@@ -1003,13 +1001,7 @@ async fn an_http2_client_that_stalls_a_streamed_body_gets_408() {
         assert_eq!(answer.status(), http::StatusCode::OK);
     }
     let metrics = gateway.metrics().await;
-    assert_eq!(
-        metric(
-            &metrics,
-            r#"snowgate_requests_total{outcome="client_error"}"#
-        ),
-        1.0
-    );
+    assert_eq!(requests_with_outcome(&metrics, "client_error"), 1.0);
     assert_eq!(upstream_errors(&metrics, None), 0.0);
 }
 
@@ -1038,13 +1030,7 @@ async fn a_client_that_stalls_its_body_gets_408() {
         assert_eq!(ended, Ended::Status(408), "{content_type}");
     }
     let metrics = gateway.metrics().await;
-    assert_eq!(
-        metric(
-            &metrics,
-            r#"snowgate_requests_total{outcome="client_error"}"#
-        ),
-        2.0
-    );
+    assert_eq!(requests_with_outcome(&metrics, "client_error"), 2.0);
     assert_eq!(upstream_errors(&metrics, None), 0.0);
     let served = post_json(gateway.addr, "/v1/completions", CONTEXT_ONLY).await;
     assert_eq!(served.status, 200, "{}", served.text());
@@ -1944,10 +1930,7 @@ async fn a_client_gone_partway_through_its_body_is_answered_nothing_counted() {
     let metrics = gateway.metrics().await;
     assert_eq!(responses_by_class(&metrics), [0.0; 3], "{metrics}");
     assert_eq!(
-        metric(
-            &metrics,
-            r#"snowgate_requests_total{outcome="client_error"}"#
-        ),
+        requests_with_outcome(&metrics, "client_error"),
         0.0,
         "{metrics}"
     );

@@ -838,13 +838,7 @@ async fn a_body_waits_for_room_in_the_body_memory_and_then_goes_through() {
     let metrics = gateway
         .wait_metric("snowgate_body_memory_waiting", 0.0)
         .await;
-    assert_eq!(
-        metric(
-            &metrics,
-            "snowgate_requests_total{outcome=\"body_memory_full\"}"
-        ),
-        0.0
-    );
+    assert_eq!(requests_with_outcome(&metrics, "body_memory_full"), 0.0);
 }
 
 /// One HTTP/2 connection's streams share the body memory too. A body that
@@ -1042,13 +1036,7 @@ async fn a_request_that_finds_no_room_in_time_gets_503_body_memory_full() {
         .expect("joined");
     assert_eq!(held.status, StatusCode::BAD_GATEWAY, "{}", held.text());
     let metrics = gateway.wait_metric("snowgate_body_memory_bytes", 0.0).await;
-    assert_eq!(
-        metric(
-            &metrics,
-            "snowgate_requests_total{outcome=\"body_memory_full\"}"
-        ),
-        2.0
-    );
+    assert_eq!(requests_with_outcome(&metrics, "body_memory_full"), 2.0);
     assert_eq!(metric(&metrics, "snowgate_plugin_call_seconds_count"), 1.0);
 }
 
@@ -1448,10 +1436,7 @@ async fn a_plugin_cannot_overdraw_the_body_memory_past_a_bodys_own_room() {
     assert!(message.contains("more than twice its size"), "{message}");
     let metrics = tight.metrics().await;
     assert_eq!(
-        metric(
-            &metrics,
-            r#"snowgate_requests_total{outcome="body_memory_full"}"#
-        ),
+        requests_with_outcome(&metrics, "body_memory_full"),
         1.0,
         "{metrics}"
     );
@@ -1968,10 +1953,7 @@ async fn a_request_its_client_abandons_before_its_fate_is_decided_is_counted_as_
     let metrics = gateway.metrics().await;
     assert_eq!(metric(&metrics, abandoned), 3.0, "{metrics}");
     assert_eq!(
-        metric(
-            &metrics,
-            r#"snowgate_requests_total{outcome="client_error"}"#
-        ),
+        requests_with_outcome(&metrics, "client_error"),
         0.0,
         "{metrics}"
     );
@@ -2897,13 +2879,7 @@ async fn fails_closed_with_503_when_the_plugin_fails() {
     );
 
     let metrics = gateway.metrics().await;
-    assert_eq!(
-        metric(
-            &metrics,
-            r#"snowgate_requests_total{outcome="failed_closed"}"#
-        ),
-        1.0
-    );
+    assert_eq!(requests_with_outcome(&metrics, "failed_closed"), 1.0);
     assert_eq!(
         metric(
             &metrics,
@@ -2946,13 +2922,7 @@ async fn fails_open_forwarding_the_body_unchanged_when_configured() {
     );
 
     let metrics = gateway.metrics().await;
-    assert_eq!(
-        metric(
-            &metrics,
-            r#"snowgate_requests_total{outcome="failed_open"}"#
-        ),
-        1.0
-    );
+    assert_eq!(requests_with_outcome(&metrics, "failed_open"), 1.0);
     assert_eq!(
         metric(
             &metrics,
@@ -4111,13 +4081,7 @@ async fn connect_is_refused_with_405() {
     }
     assert!(upstream.heads().is_empty(), "{:?}", upstream.heads());
     let metrics = gateway.metrics().await;
-    assert_eq!(
-        metric(
-            &metrics,
-            r#"snowgate_requests_total{outcome="client_error"}"#
-        ),
-        3.0
-    );
+    assert_eq!(requests_with_outcome(&metrics, "client_error"), 3.0);
     assert_eq!(metric(&metrics, "snowgate_plugin_call_seconds_count"), 0.0);
 }
 
@@ -4242,20 +4206,8 @@ async fn a_pass_through_body_the_client_breaks_off_is_a_400_not_an_upstream_fail
     let message = assert_openai_error(&body, "body_read_error", "invalid_request_error");
     assert!(message.contains("chunk size"), "{message}");
     let metrics = gateway.metrics().await;
-    assert_eq!(
-        metric(
-            &metrics,
-            r#"snowgate_requests_total{outcome="client_error"}"#
-        ),
-        2.0
-    );
-    assert_eq!(
-        metric(
-            &metrics,
-            r#"snowgate_requests_total{outcome="passed_through"}"#
-        ),
-        0.0
-    );
+    assert_eq!(requests_with_outcome(&metrics, "client_error"), 2.0);
+    assert_eq!(requests_with_outcome(&metrics, "passed_through"), 0.0);
     assert_eq!(upstream_errors(&metrics, None), 0.0);
     assert!(
         !gateway.stderr_text().contains("upstream request failed"),
@@ -4630,24 +4582,9 @@ async fn the_echo_answers_a_streamed_bodys_faults_as_the_clients() {
     assert_eq!(raw.status, 413, "{:?}", String::from_utf8_lossy(&raw.body));
     assert_openai_error(&raw.json(), "body_too_large", "invalid_request_error");
     let metrics = gateway.metrics().await;
-    assert_eq!(
-        metric(
-            &metrics,
-            "snowgate_requests_total{outcome=\"client_error\"}"
-        ),
-        1.0
-    );
-    assert_eq!(
-        metric(&metrics, "snowgate_requests_total{outcome=\"too_large\"}"),
-        1.0
-    );
-    assert_eq!(
-        metric(
-            &metrics,
-            "snowgate_requests_total{outcome=\"passed_through\"}"
-        ),
-        0.0
-    );
+    assert_eq!(requests_with_outcome(&metrics, "client_error"), 1.0);
+    assert_eq!(requests_with_outcome(&metrics, "too_large"), 1.0);
+    assert_eq!(requests_with_outcome(&metrics, "passed_through"), 0.0);
 }
 
 // ---------------------------------------------------------------------------
@@ -5748,10 +5685,7 @@ async fn a_request_that_finds_no_plugin_call_slot_in_time_gets_503_plugin_busy()
         "{message}"
     );
     let text = get(admin, "/metrics").await.text().to_string();
-    assert_eq!(
-        metric(&text, r#"snowgate_requests_total{outcome="plugin_busy"}"#),
-        1.0
-    );
+    assert_eq!(requests_with_outcome(&text, "plugin_busy"), 1.0);
     assert_eq!(
         metric(&text, "snowgate_plugin_calls_waiting"),
         0.0,

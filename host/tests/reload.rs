@@ -872,16 +872,10 @@ async fn concurrent_requests_survive_repeated_plugin_replacement() {
     );
     let metrics = gateway.metrics().await;
     assert_eq!(
-        metric(&metrics, r#"snowgate_requests_total{outcome="rewritten"}"#),
+        requests_with_outcome(&metrics, "rewritten"),
         ids.len() as f64
     );
-    assert_eq!(
-        metric(
-            &metrics,
-            r#"snowgate_requests_total{outcome="failed_closed"}"#
-        ),
-        0.0
-    );
+    assert_eq!(requests_with_outcome(&metrics, "failed_closed"), 0.0);
     assert_eq!(upstream.seen().len(), ids.len());
     eprintln!(
         "{} requests, {} distinct ids, {succeeded} swaps, {failed} refused reloads",

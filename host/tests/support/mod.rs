@@ -1429,6 +1429,15 @@ pub fn responses_by_class(text: &str) -> [f64; 3] {
     })
 }
 
+/// The requests `/metrics` text `text` counts with outcome `outcome`
+/// (`client_error`, `abandoned`, `passed_through`, ...).
+pub fn requests_with_outcome(text: &str, outcome: &str) -> f64 {
+    metric(
+        text,
+        &format!("snowgate_requests_total{{outcome=\"{outcome}\"}}"),
+    )
+}
+
 /// The requests that got no upstream response, `/metrics` text `text`
 /// counts: of the kind `kind` (`unreachable`, `failed`, `unusable`,
 /// `timed_out`), or of every kind.
